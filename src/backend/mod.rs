@@ -1,0 +1,53 @@
+//! The backend trait: the only interface between the engine and a driver.
+//!
+//! A backend hands out and takes back whole segments of device memory and
+//! reports how much memory the device has. It knows nothing of blocks,
+//! pools or streams beyond passing the stream of a request through.
+
+pub mod host;
+
+use std::fmt;
+
+use crate::Stream;
+
+/// Free and total memory of one device, as the driver reports it (this sees
+/// every process on the device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: u64,
+    pub total: u64,
+}
+
+/// Why a backend call failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BackendError {
+    /// The device has no room for the segment; the engine releases cache and retries.
+    OutOfMemory,
+    /// Any other failure, naming the call that failed and the driver's code.
+    Driver { call: &'static str, code: i64, message: String },
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BackendError::OutOfMemory => write!(f, "the device is out of memory"),
+            BackendError::Driver { call, code, message } => write!(f, "{call} failed with code {code}: {message}"),
+        }
+    }
+}
+
+/// A source of device memory segments. Implementations are thread-safe: the
+/// engine calls them from any thread, under the lock of one device's heap.
+pub trait Backend: Send + Sync {
+    /// A short name for reports ("host", "cuda", ...).
+    fn name(&self) -> &'static str;
+    /// Number of devices this backend serves; devices are `0..device_count()`.
+    fn device_count(&self) -> usize;
+    /// A new segment of exactly `size` bytes on `device`, for use on `stream`.
+    /// Returns its base address (never 0).
+    fn allocate(&self, device: usize, size: u64, stream: Stream) -> Result<u64, BackendError>;
+    /// Returns a segment obtained from `allocate` with the same size.
+    fn release(&self, device: usize, base: u64, size: u64) -> Result<(), BackendError>;
+    /// Free and total memory of `device`.
+    fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError>;
+}

@@ -1,0 +1,346 @@
+//! Configuration: one table of options, read once from `TIDEPOOL_CONF`.
+//!
+//! The syntax is PyTorch's `PYTORCH_CUDA_ALLOC_CONF`:
+//! `TIDEPOOL_CONF="max_split_size_mb:256,roundup_power2_divisions:4"`.
+//! An unknown key or a bad value is reported as a warning and the default
+//! is kept: this library lives inside other people's processes and must
+//! never abort them over a typo. The builder, for programs, is strict.
+#![forbid(unsafe_code)]
+
+use std::fmt;
+
+use crate::size_class::SizeRules;
+
+/// Which driver the allocator gets segments from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Host memory standing in for devices (tests, benchmarks, trace replay).
+    Host,
+}
+
+/// Everything that can be configured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub backend: BackendKind,
+    /// Number of simulated devices of the host backend.
+    pub host_devices: usize,
+    /// Capacity of each simulated device, in bytes.
+    pub host_capacity: u64,
+    /// Rounding, segment sizes and splitting.
+    pub rules: SizeRules,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { backend: BackendKind::Host, host_devices: 1, host_capacity: 16 << 30, rules: SizeRules::default() }
+    }
+}
+
+/// One option: its key, its default as text, what it means, how it applies.
+pub struct OptionSpec {
+    pub key: &'static str,
+    pub default: &'static str,
+    pub help: &'static str,
+    apply: fn(&mut Config, &str) -> Result<(), String>,
+}
+
+const MIB: u64 = 1 << 20;
+
+fn number(value: &str) -> Result<u64, String> {
+    value.trim().parse::<u64>().map_err(|_| format!("expected a non-negative integer, got {value:?}"))
+}
+
+fn scaled(value: &str, unit: u64) -> Result<u64, String> {
+    number(value)?.checked_mul(unit).ok_or_else(|| format!("{value} is too large"))
+}
+
+/// The options table. README's configuration section lists the same rows.
+pub static OPTIONS: &[OptionSpec] = &[
+    OptionSpec {
+        key: "backend",
+        default: "host",
+        help: "where segments come from: host (host memory standing in for a GPU)",
+        apply: |c, v| match v.trim() {
+            "host" => {
+                c.backend = BackendKind::Host;
+                Ok(())
+            }
+            other => Err(format!("unknown backend {other:?}; known: host")),
+        },
+    },
+    OptionSpec {
+        key: "host_devices",
+        default: "1",
+        help: "number of devices the host backend simulates",
+        apply: |c, v| match number(v)? {
+            n @ 1..=64 => {
+                c.host_devices = n as usize;
+                Ok(())
+            }
+            n => Err(format!("must be between 1 and 64, got {n}")),
+        },
+    },
+    OptionSpec {
+        key: "host_capacity_mb",
+        default: "16384",
+        help: "memory of each simulated device, in MiB (address space only: untouched memory costs nothing)",
+        apply: |c, v| {
+            c.host_capacity = scaled(v, MIB)?;
+            Ok(())
+        },
+    },
+    OptionSpec {
+        key: "max_split_size_mb",
+        default: "unlimited",
+        help: "blocks at least this large are never split and only serve requests within 20 MiB of their size",
+        apply: |c, v| {
+            if v.trim() == "unlimited" {
+                c.rules.max_split_size = u64::MAX;
+                return Ok(());
+            }
+            let mb = number(v)?;
+            if mb <= 20 {
+                return Err(format!("must be above 20 (MiB), got {mb}"));
+            }
+            c.rules.max_split_size = scaled(v, MIB)?;
+            Ok(())
+        },
+    },
+    OptionSpec {
+        key: "roundup_power2_divisions",
+        default: "0",
+        help: "round requests up to one of this many steps per power of two (a power of two; 0: off)",
+        apply: |c, v| {
+            let n = number(v)?;
+            if n > 1 && !n.is_power_of_two() {
+                return Err(format!("must be a power of two, got {n}"));
+            }
+            c.rules.roundup_power2_divisions = n;
+            Ok(())
+        },
+    },
+    OptionSpec {
+        key: "min_block_bytes",
+        default: "512",
+        help: "granularity of every block (a power of two, at least 256)",
+        apply: |c, v| {
+            c.rules.min_block = number(v)?;
+            Ok(())
+        },
+    },
+    OptionSpec {
+        key: "small_size_kb",
+        default: "1024",
+        help: "requests up to this size (KiB) are served from the small pool",
+        apply: |c, v| {
+            c.rules.small_size = scaled(v, 1024)?;
+            Ok(())
+        },
+    },
+    OptionSpec {
+        key: "small_segment_mb",
+        default: "2",
+        help: "segment size (MiB) that grows the small pool",
+        apply: |c, v| {
+            c.rules.small_segment = scaled(v, MIB)?;
+            Ok(())
+        },
+    },
+    OptionSpec {
+        key: "min_large_alloc_mb",
+        default: "10",
+        help: "large requests below this size (MiB) share large_segment_mb segments; larger ones get their own",
+        apply: |c, v| {
+            c.rules.min_large_alloc = scaled(v, MIB)?;
+            Ok(())
+        },
+    },
+    OptionSpec {
+        key: "large_segment_mb",
+        default: "20",
+        help: "segment size (MiB) for large requests below min_large_alloc_mb",
+        apply: |c, v| {
+            c.rules.large_segment = scaled(v, MIB)?;
+            Ok(())
+        },
+    },
+    OptionSpec {
+        key: "large_round_mb",
+        default: "2",
+        help: "a request of min_large_alloc_mb or more gets a segment rounded up to this (MiB)",
+        apply: |c, v| {
+            c.rules.large_round = scaled(v, MIB)?;
+            Ok(())
+        },
+    },
+];
+
+/// A rejected option, from the strict builder.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Parses `key:value,key:value`. Returns the configuration and one
+    /// warning per entry that was ignored; ignored entries keep defaults.
+    pub fn parse(text: &str) -> (Config, Vec<String>) {
+        let mut config = Config::default();
+        let mut warnings = Vec::new();
+        for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let Some((key, value)) = entry.split_once(':') else {
+                warnings.push(format!("ignoring {entry:?}: expected key:value"));
+                continue;
+            };
+            let mut trial = config.clone();
+            match apply(&mut trial, key.trim(), value) {
+                Ok(()) => config = trial,
+                Err(ConfigError(msg)) => warnings.push(format!("ignoring {entry:?}: {msg}")),
+            }
+        }
+        if let Err(msg) = config.rules.check() {
+            warnings.push(format!("ignoring the size options: {msg}; using the defaults"));
+            // Splitting and rounding options are checked on their own and kept.
+            config.rules = SizeRules {
+                max_split_size: config.rules.max_split_size,
+                roundup_power2_divisions: config.rules.roundup_power2_divisions,
+                ..SizeRules::default()
+            };
+        }
+        (config, warnings)
+    }
+
+    /// The configuration from `TIDEPOOL_CONF` (defaults when unset), with
+    /// each warning printed to stderr.
+    pub fn from_env() -> Config {
+        let text = std::env::var("TIDEPOOL_CONF").unwrap_or_default();
+        let (config, warnings) = Config::parse(&text);
+        for warning in warnings {
+            eprintln!("tidepool: warning: TIDEPOOL_CONF: {warning}");
+        }
+        config
+    }
+
+    /// A strict builder starting from the defaults.
+    pub fn builder() -> ConfigBuilder {
+        ConfigBuilder { config: Config::default() }
+    }
+}
+
+fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError> {
+    let spec = OPTIONS
+        .iter()
+        .find(|o| o.key == key)
+        .ok_or_else(|| ConfigError(format!("unknown option {key:?}; run `tidepool config` for the list")))?;
+    (spec.apply)(config, value).map_err(|msg| ConfigError(format!("{key}: {msg}")))
+}
+
+/// Builds a configuration in code; every bad value is an error.
+#[derive(Clone, Debug)]
+pub struct ConfigBuilder {
+    config: Config,
+}
+
+impl ConfigBuilder {
+    /// Sets one option from the table, by key, as TIDEPOOL_CONF would.
+    pub fn set(mut self, key: &str, value: &str) -> Result<Self, ConfigError> {
+        apply(&mut self.config, key, value)?;
+        Ok(self)
+    }
+
+    /// Applies a whole `key:value,...` string, failing on the first bad entry.
+    pub fn conf(mut self, text: &str) -> Result<Self, ConfigError> {
+        for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let (key, value) =
+                entry.split_once(':').ok_or_else(|| ConfigError(format!("{entry:?}: expected key:value")))?;
+            self = self.set(key.trim(), value)?;
+        }
+        Ok(self)
+    }
+
+    /// Host backend: `devices` simulated devices of `capacity` bytes each.
+    pub fn host(mut self, devices: usize, capacity: u64) -> Self {
+        self.config.backend = BackendKind::Host;
+        self.config.host_devices = devices;
+        self.config.host_capacity = capacity;
+        self
+    }
+
+    /// Replaces the size rules wholesale.
+    pub fn rules(mut self, rules: SizeRules) -> Self {
+        self.config.rules = rules;
+        self
+    }
+
+    pub fn build(self) -> Result<Config, ConfigError> {
+        self.config.rules.check().map_err(ConfigError)?;
+        if self.config.host_devices == 0 {
+            return Err(ConfigError("host_devices must be at least 1".into()));
+        }
+        Ok(self.config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pytorch_syntax_sets_the_named_options() {
+        let (c, warnings) = Config::parse(" max_split_size_mb:256 , roundup_power2_divisions:4,host_devices:2");
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(c.rules.max_split_size, 256 << 20);
+        assert_eq!(c.rules.roundup_power2_divisions, 4);
+        assert_eq!(c.host_devices, 2);
+    }
+
+    #[test]
+    fn an_empty_string_gives_the_defaults() {
+        assert_eq!(Config::parse(""), (Config::default(), vec![]));
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_warn_and_keep_defaults() {
+        let (c, warnings) = Config::parse(
+            "colour:blue,max_split_size_mb:lots,max_split_size_mb:10,host_devices:0,roundup_power2_divisions:3,novalue,host_capacity_mb:99999999999999999999",
+        );
+        assert_eq!(c, Config::default());
+        assert_eq!(warnings.len(), 7, "{warnings:?}");
+        assert!(warnings[0].contains("unknown option \"colour\""));
+        assert!(warnings[1].contains("max_split_size_mb"));
+        assert!(warnings[2].contains("above 20"));
+        assert!(warnings[5].contains("expected key:value"));
+    }
+
+    #[test]
+    fn inconsistent_size_options_fall_back_to_default_rules() {
+        let (c, warnings) = Config::parse("small_segment_mb:0");
+        assert_eq!(c.rules, SizeRules::default());
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].contains("small_segment"), "{warnings:?}");
+    }
+
+    #[test]
+    fn the_builder_is_strict() {
+        assert!(Config::builder().set("max_split_size_mb", "5").is_err());
+        assert!(Config::builder().set("nope", "1").is_err());
+        assert!(Config::builder().set("small_segment_mb", "0").unwrap().build().is_err());
+        let c = Config::builder().conf("max_split_size_mb:64").unwrap().host(2, 1 << 30).build().unwrap();
+        assert_eq!((c.rules.max_split_size, c.host_devices, c.host_capacity), (64 << 20, 2, 1 << 30));
+    }
+
+    #[test]
+    fn every_option_has_a_default_that_parses() {
+        for spec in OPTIONS {
+            let mut c = Config::default();
+            (spec.apply)(&mut c, spec.default).unwrap_or_else(|e| panic!("{}: {e}", spec.key));
+            assert_eq!(c, Config::default(), "default of {} differs from Config::default()", spec.key);
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! Errors the allocator returns, and the out-of-memory report.
+#![forbid(unsafe_code)]
+
+use std::fmt;
+
+use crate::backend::BackendError;
+
+/// Why a request or a free failed. Every error leaves the allocator as it was.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AllocError {
+    /// The device could not hold the request even after the cache was released.
+    OutOfMemory(Box<OomReport>),
+    /// The size cannot be represented once rounded (near `u64::MAX`).
+    TooLarge { size: u64 },
+    /// No such device.
+    InvalidDevice { device: i64, device_count: usize },
+    /// A free of a pointer that is not a live allocation.
+    InvalidFree { ptr: u64, reason: InvalidFree },
+    /// The backend failed for a reason other than lack of memory.
+    Backend(BackendError),
+}
+
+/// What was wrong with a freed pointer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InvalidFree {
+    /// Not inside any segment tidepool holds on that device.
+    Foreign,
+    /// At the start of a free block: freed twice, or never returned.
+    NotLive,
+    /// Inside a live block that starts at `block`, not at its start.
+    Interior { block: u64 },
+}
+
+impl fmt::Display for AllocError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AllocError::OutOfMemory(report) => report.fmt(f),
+            AllocError::TooLarge { size } => write!(f, "tidepool: a request of {size} bytes is too large to represent"),
+            AllocError::InvalidDevice { device, device_count } => {
+                write!(f, "tidepool: no device {device}; devices are 0..{device_count}")
+            }
+            AllocError::InvalidFree { ptr, reason } => match reason {
+                InvalidFree::Foreign => write!(f, "tidepool: free of {ptr:#x}, which tidepool never allocated"),
+                InvalidFree::NotLive => {
+                    write!(f, "tidepool: free of {ptr:#x}, which is not allocated (double free?)")
+                }
+                InvalidFree::Interior { block } => write!(
+                    f,
+                    "tidepool: free of {ptr:#x}, which points inside the allocation at {block:#x}, not at its start"
+                ),
+            },
+            AllocError::Backend(err) => write!(f, "tidepool: {err}"),
+        }
+    }
+}
+
+impl std::error::Error for AllocError {}
+
+/// What a person needs to act on an out-of-memory: what was asked, what is
+/// held, and whether fragmentation is to blame.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OomReport {
+    pub device: usize,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// Bytes in live blocks.
+    pub allocated: u64,
+    /// Bytes held from the driver.
+    pub reserved: u64,
+    /// Reserved but free: cache that could not serve the request.
+    pub cached_free: u64,
+    pub largest_free_block: u64,
+    /// `1 - largest_free_block / cached_free`.
+    pub fragmentation: f64,
+    /// The device's free and total bytes, when the backend could tell.
+    pub device_free: Option<u64>,
+    pub device_total: Option<u64>,
+}
+
+/// Bytes as a person reads them: "1.50 GiB", "512 B".
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", UNITS[unit])
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "tidepool: out of memory on device {}: tried to allocate {}; {} allocated, {} reserved, \
+             of which {} cached free (largest free block {}, fragmentation {:.0} %)",
+            self.device,
+            human_bytes(self.requested),
+            human_bytes(self.allocated),
+            human_bytes(self.reserved),
+            human_bytes(self.cached_free),
+            human_bytes(self.largest_free_block),
+            self.fragmentation * 100.0,
+        )?;
+        if let (Some(free), Some(total)) = (self.device_free, self.device_total) {
+            write!(f, "; the device has {} free of {}", human_bytes(free), human_bytes(total))?;
+        }
+        write!(f, ". ")?;
+        if self.cached_free >= self.requested {
+            write!(
+                f,
+                "The cache holds enough free memory but in pieces too small: set \
+                 TIDEPOOL_CONF=max_split_size_mb:<MB> so large blocks are not split, or reduce the batch size."
+            )
+        } else {
+            write!(
+                f,
+                "Live memory needs more than the device has: reduce the batch size, use mixed precision \
+                 or gradient checkpointing; if fragmentation is high, try TIDEPOOL_CONF=max_split_size_mb:<MB>."
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_read_as_a_person_would() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(1536), "1.50 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.00 GiB");
+        assert_eq!(human_bytes(u64::MAX), "16384.00 PiB");
+    }
+
+    #[test]
+    fn the_report_names_the_figures_and_the_advice() {
+        let report = OomReport {
+            device: 1,
+            requested: 2 << 30,
+            allocated: 10 << 30,
+            reserved: 13 << 30,
+            cached_free: 3 << 30,
+            largest_free_block: 1 << 30,
+            fragmentation: 2.0 / 3.0,
+            device_free: Some(0),
+            device_total: Some(16 << 30),
+        };
+        let text = AllocError::OutOfMemory(Box::new(report)).to_string();
+        for needle in ["device 1", "2.00 GiB", "10.00 GiB allocated", "13.00 GiB reserved", "3.00 GiB cached free",
+            "largest free block 1.00 GiB", "67 %", "max_split_size_mb", "batch size", "of 16.00 GiB"]
+        {
+            assert!(text.contains(needle), "{needle:?} missing from {text}");
+        }
+    }
+}

@@ -1,0 +1,132 @@
+//! Block records: where each block lies and how it links to its neighbours.
+//!
+//! Device memory holds no headers, so every block is described here, out of
+//! band, in one arena addressed by `BlockId`. A block has two sets of links:
+//! `prev`/`next` to its address neighbours in its segment, and
+//! `link_prev`/`link_next` in its bin's free list while it is free (or in
+//! the arena's list of unused records while it is unused).
+#![forbid(unsafe_code)]
+
+/// Index of a block record in the arena.
+pub type BlockId = u32;
+/// The absent link.
+pub const NIL: BlockId = u32::MAX;
+
+/// One block: a range of a segment, allocated or free.
+#[derive(Clone, Debug)]
+pub struct Block {
+    pub addr: u64,
+    pub size: u64,
+    /// Bytes the caller asked for; 0 while free.
+    pub requested: u64,
+    /// The segment holding the block.
+    pub segment: u32,
+    /// The pool the segment belongs to.
+    pub pool: u32,
+    /// Address neighbours in the segment.
+    pub prev: BlockId,
+    pub next: BlockId,
+    /// Free-list neighbours in the block's bin (or the arena's unused list).
+    pub link_prev: BlockId,
+    pub link_next: BlockId,
+    pub allocated: bool,
+}
+
+impl Block {
+    /// True when the block does not cover its whole segment.
+    #[inline]
+    pub fn is_split(&self) -> bool {
+        self.prev != NIL || self.next != NIL
+    }
+}
+
+/// All block records of one heap, with unused records chained for reuse so
+/// that the steady state allocates no memory.
+#[derive(Default)]
+pub struct BlockArena {
+    blocks: Vec<Block>,
+    unused: BlockId,
+    in_use: usize,
+}
+
+impl BlockArena {
+    pub fn new() -> Self {
+        BlockArena { blocks: Vec::new(), unused: NIL, in_use: 0 }
+    }
+
+    /// A fresh record for a free, unlinked block.
+    pub fn insert(&mut self, addr: u64, size: u64, segment: u32, pool: u32) -> BlockId {
+        let block = Block {
+            addr,
+            size,
+            requested: 0,
+            segment,
+            pool,
+            prev: NIL,
+            next: NIL,
+            link_prev: NIL,
+            link_next: NIL,
+            allocated: false,
+        };
+        self.in_use += 1;
+        if self.unused != NIL {
+            let id = self.unused;
+            self.unused = self.blocks[id as usize].link_next;
+            self.blocks[id as usize] = block;
+            id
+        } else {
+            let id = u32::try_from(self.blocks.len()).expect("more than 4 billion blocks");
+            self.blocks.push(block);
+            id
+        }
+    }
+
+    /// Returns a record to the unused list.
+    pub fn remove(&mut self, id: BlockId) {
+        let block = &mut self.blocks[id as usize];
+        block.size = 0;
+        block.allocated = false;
+        block.link_next = self.unused;
+        self.unused = id;
+        self.in_use -= 1;
+    }
+
+    /// Number of records describing blocks.
+    pub fn len(&self) -> usize {
+        self.in_use
+    }
+}
+
+impl std::ops::Index<BlockId> for BlockArena {
+    type Output = Block;
+    #[inline]
+    fn index(&self, id: BlockId) -> &Block {
+        &self.blocks[id as usize]
+    }
+}
+
+impl std::ops::IndexMut<BlockId> for BlockArena {
+    #[inline]
+    fn index_mut(&mut self, id: BlockId) -> &mut Block {
+        &mut self.blocks[id as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn removed_records_are_reused_before_the_arena_grows() {
+        let mut arena = BlockArena::new();
+        let a = arena.insert(0, 512, 0, 0);
+        let b = arena.insert(512, 512, 0, 0);
+        arena.remove(a);
+        assert_eq!(arena.len(), 1);
+        let c = arena.insert(1024, 512, 0, 0);
+        assert_eq!(c, a);
+        assert_eq!(arena[c].addr, 1024);
+        assert_eq!(arena[b].addr, 512);
+        assert_eq!(arena.blocks.len(), 2);
+    }
+}

@@ -1,0 +1,429 @@
+//! The device heap: segments of one device split into blocks, the pools of
+//! free blocks, and the statistics, kept consistent under one lock.
+//!
+//! A request is rounded (`SizeRules::round`), looked up in the pool of its
+//! (stream, kind) by best fit, and served from the block found, split when
+//! the rest is worth keeping. With no fitting block the heap grows by one
+//! segment from the backend; when the backend refuses, every whole free
+//! segment of the device is released and growth is tried once more. A free
+//! merges the block with its free neighbours at once and returns it to the
+//! pool of the stream it was allocated on.
+//!
+//! Invariants, checked by `validate()`:
+//! - the blocks of a segment tile it exactly, in address order, linked both ways;
+//! - no two free blocks are neighbours;
+//! - each free block is in exactly one bin: the bin of its size, in its segment's pool;
+//! - each allocated block is in `live` under its address, and nothing else is;
+//! - every gauge of `stats` equals the sum recomputed from the blocks.
+#![forbid(unsafe_code)]
+
+pub mod block;
+pub mod pool;
+mod validate;
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+
+use crate::backend::{Backend, BackendError};
+use crate::error::{AllocError, InvalidFree, OomReport};
+use crate::size_class::{PoolKind, SizeRules};
+use crate::stats::Stats;
+use crate::Stream;
+use block::{BlockArena, BlockId, NIL};
+use pool::Pool;
+
+/// One allocation from the backend.
+#[derive(Clone, Debug)]
+pub struct Segment {
+    pub base: u64,
+    pub size: u64,
+    pub pool: u32,
+    /// The block at `base`.
+    pub first_block: BlockId,
+}
+
+/// Hashes a block address: addresses are multiples of 512, so the low bits
+/// carry nothing and must be mixed in from above.
+#[derive(Default)]
+pub struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, value: u64) {
+        let h = value.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+pub type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+
+/// What releasing cached segments gave back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    pub segments: u64,
+    pub bytes: u64,
+}
+
+/// A freed block, as the caller needs to know it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Freed {
+    pub size: u64,
+    pub requested: u64,
+    pub stream: Stream,
+}
+
+/// The heap of one device.
+pub struct DeviceHeap {
+    device: usize,
+    rules: SizeRules,
+    backend: Arc<dyn Backend>,
+    blocks: BlockArena,
+    segments: Vec<Option<Segment>>,
+    unused_segments: Vec<u32>,
+    segment_by_base: BTreeMap<u64, u32>,
+    pools: Vec<Pool>,
+    pools_by_stream: AddrMap<[u32; 2]>,
+    /// The last stream served and its pools: skips the map on the hot path.
+    last_stream: Option<(Stream, [u32; 2])>,
+    live: AddrMap<BlockId>,
+    stats: Stats,
+}
+
+impl DeviceHeap {
+    pub fn new(device: usize, rules: SizeRules, backend: Arc<dyn Backend>) -> DeviceHeap {
+        DeviceHeap {
+            device,
+            rules,
+            backend,
+            blocks: BlockArena::new(),
+            segments: Vec::new(),
+            unused_segments: Vec::new(),
+            segment_by_base: BTreeMap::new(),
+            pools: Vec::new(),
+            pools_by_stream: AddrMap::default(),
+            last_stream: None,
+            live: AddrMap::default(),
+            stats: Stats::default(),
+        }
+    }
+
+    pub fn rules(&self) -> &SizeRules {
+        &self.rules
+    }
+
+    /// The pool of (stream, kind), created on first use.
+    #[inline]
+    fn pool_id(&mut self, stream: Stream, kind: PoolKind) -> u32 {
+        if let Some((s, ids)) = self.last_stream {
+            if s == stream {
+                return ids[kind as usize];
+            }
+        }
+        let ids = match self.pools_by_stream.get(&stream.0) {
+            Some(ids) => *ids,
+            None => {
+                let first = self.pools.len() as u32;
+                self.pools.push(Pool::new(stream, PoolKind::Small));
+                self.pools.push(Pool::new(stream, PoolKind::Large));
+                let ids = [first, first + 1];
+                self.pools_by_stream.insert(stream.0, ids);
+                ids
+            }
+        };
+        self.last_stream = Some((stream, ids));
+        ids[kind as usize]
+    }
+
+    /// Serves a request of `size` bytes on `stream`; 0 bytes gives address 0.
+    pub fn allocate(&mut self, size: u64, stream: Stream) -> Result<u64, AllocError> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
+        let kind = self.rules.kind(rounded);
+        let pool = self.pool_id(stream, kind);
+        let block = match self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules) {
+            Some(id) => {
+                self.remove_free(id);
+                id
+            }
+            None => self.grow(pool, rounded, size, stream)?,
+        };
+        Ok(self.carve(block, rounded, size))
+    }
+
+    /// Gets a new segment for `pool` big enough for `rounded`, releasing the
+    /// cache and retrying once when the backend refuses. The segment's one
+    /// block is returned unlinked from any bin.
+    fn grow(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<BlockId, AllocError> {
+        let segment_size = self.rules.segment_size(rounded).ok_or(AllocError::TooLarge { size })?;
+        let base = match self.backend.allocate(self.device, segment_size, stream) {
+            Ok(base) => base,
+            Err(BackendError::OutOfMemory) => {
+                self.release_free_segments(|_| true);
+                self.stats.num_alloc_retries += 1;
+                match self.backend.allocate(self.device, segment_size, stream) {
+                    Ok(base) => base,
+                    Err(BackendError::OutOfMemory) => {
+                        self.stats.num_ooms += 1;
+                        return Err(AllocError::OutOfMemory(Box::new(self.oom_report(size))));
+                    }
+                    Err(err) => return Err(AllocError::Backend(err)),
+                }
+            }
+            Err(err) => return Err(AllocError::Backend(err)),
+        };
+        let kind = self.pools[pool as usize].kind;
+        let segment_id = match self.unused_segments.pop() {
+            Some(id) => id,
+            None => {
+                self.segments.push(None);
+                (self.segments.len() - 1) as u32
+            }
+        };
+        let block = self.blocks.insert(base, segment_size, segment_id, pool);
+        self.segments[segment_id as usize] = Some(Segment { base, size: segment_size, pool, first_block: block });
+        self.segment_by_base.insert(base, segment_id);
+        self.stats.segment.increase(kind, 1);
+        self.stats.reserved_bytes.increase(kind, segment_size);
+        self.stats.num_device_alloc += 1;
+        Ok(block)
+    }
+
+    /// Allocates the free, unbinned block `id` for a request, splitting off
+    /// the rest when the rules say so. Returns the block's address.
+    #[inline]
+    fn carve(&mut self, id: BlockId, rounded: u64, requested: u64) -> u64 {
+        let (addr, size, pool, segment) = {
+            let b = &self.blocks[id];
+            (b.addr, b.size, b.pool, b.segment)
+        };
+        let kind = self.pools[pool as usize].kind;
+        let size = if self.rules.should_split(kind, size, rounded) {
+            let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool);
+            let next = self.blocks[id].next;
+            self.blocks[rest].prev = id;
+            self.blocks[rest].next = next;
+            if next != NIL {
+                self.blocks[next].prev = rest;
+            }
+            self.blocks[id].next = rest;
+            self.blocks[id].size = rounded;
+            self.insert_free(rest);
+            rounded
+        } else {
+            size
+        };
+        let b = &mut self.blocks[id];
+        b.allocated = true;
+        b.requested = requested;
+        self.live.insert(addr, id);
+        let stats = &mut self.stats;
+        stats.allocation.increase(kind, 1);
+        stats.active.increase(kind, 1);
+        stats.allocated_bytes.increase(kind, size);
+        stats.active_bytes.increase(kind, size);
+        stats.requested_bytes.increase(kind, requested);
+        stats.num_allocs += 1;
+        addr
+    }
+
+    /// Frees the live block at `ptr`, merging it with free neighbours.
+    pub fn free(&mut self, ptr: u64) -> Result<Freed, AllocError> {
+        let Some(id) = self.live.remove(&ptr) else {
+            self.stats.num_invalid_frees += 1;
+            return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
+        };
+        let (size, requested, pool) = {
+            let b = &mut self.blocks[id];
+            b.allocated = false;
+            let requested = b.requested;
+            b.requested = 0;
+            (b.size, requested, b.pool)
+        };
+        let kind = self.pools[pool as usize].kind;
+        let stream = self.pools[pool as usize].stream;
+        let stats = &mut self.stats;
+        stats.allocation.decrease(kind, 1);
+        stats.active.decrease(kind, 1);
+        stats.allocated_bytes.decrease(kind, size);
+        stats.active_bytes.decrease(kind, size);
+        stats.requested_bytes.decrease(kind, requested);
+        stats.num_frees += 1;
+
+        let mut merged = id;
+        let prev = self.blocks[id].prev;
+        if prev != NIL && !self.blocks[prev].allocated {
+            self.remove_free(prev);
+            self.absorb_next(prev);
+            merged = prev;
+        }
+        let next = self.blocks[merged].next;
+        if next != NIL && !self.blocks[next].allocated {
+            self.remove_free(next);
+            self.absorb_next(merged);
+        }
+        self.insert_free(merged);
+        Ok(Freed { size, requested, stream })
+    }
+
+    /// Merges the block after `id` into `id` and drops its record.
+    #[inline]
+    fn absorb_next(&mut self, id: BlockId) {
+        let next = self.blocks[id].next;
+        let (next_size, after) = (self.blocks[next].size, self.blocks[next].next);
+        self.blocks[id].size += next_size;
+        self.blocks[id].next = after;
+        if after != NIL {
+            self.blocks[after].prev = id;
+        }
+        self.blocks.remove(next);
+    }
+
+    /// Puts a free block into its pool's bin and counts it.
+    #[inline]
+    fn insert_free(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let (pool, size, split) = (b.pool, b.size, b.is_split());
+        let pool = &mut self.pools[pool as usize];
+        pool.insert(&mut self.blocks, id);
+        if split {
+            self.stats.inactive_split.increase(pool.kind, 1);
+            self.stats.inactive_split_bytes.increase(pool.kind, size);
+        }
+    }
+
+    /// Takes a free block out of its pool's bin and uncounts it.
+    #[inline]
+    fn remove_free(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let (pool, size, split) = (b.pool, b.size, b.is_split());
+        let pool = &mut self.pools[pool as usize];
+        pool.remove(&mut self.blocks, id);
+        if split {
+            self.stats.inactive_split.decrease(pool.kind, 1);
+            self.stats.inactive_split_bytes.decrease(pool.kind, size);
+        }
+    }
+
+    /// Why `ptr` is not a live block (slow path: errors only).
+    fn classify_invalid_free(&self, ptr: u64) -> InvalidFree {
+        let Some((_, &segment_id)) = self.segment_by_base.range(..=ptr).next_back() else {
+            return InvalidFree::Foreign;
+        };
+        let segment = self.segments[segment_id as usize].as_ref().expect("indexed segment exists");
+        if ptr >= segment.base + segment.size {
+            return InvalidFree::Foreign;
+        }
+        let mut cur = segment.first_block;
+        while cur != NIL {
+            let b = &self.blocks[cur];
+            if ptr < b.addr + b.size {
+                return if b.allocated { InvalidFree::Interior { block: b.addr } } else { InvalidFree::NotLive };
+            }
+            cur = b.next;
+        }
+        InvalidFree::NotLive
+    }
+
+    /// Releases every segment that is one whole free block and that `keep`
+    /// selects (by segment). A segment the backend fails to release stays
+    /// cached, whole and consistent.
+    pub fn release_free_segments(&mut self, mut select: impl FnMut(&Segment) -> bool) -> Released {
+        let mut released = Released::default();
+        for segment_id in 0..self.segments.len() as u32 {
+            let Some(segment) = &self.segments[segment_id as usize] else { continue };
+            let block = &self.blocks[segment.first_block];
+            if block.allocated || block.next != NIL || !select(segment) {
+                continue;
+            }
+            let (base, size, pool, block) = (segment.base, segment.size, segment.pool, segment.first_block);
+            if self.backend.release(self.device, base, size).is_err() {
+                continue;
+            }
+            let kind = self.pools[pool as usize].kind;
+            self.remove_free(block);
+            self.blocks.remove(block);
+            self.segments[segment_id as usize] = None;
+            self.unused_segments.push(segment_id);
+            self.segment_by_base.remove(&base);
+            self.stats.segment.decrease(kind, 1);
+            self.stats.reserved_bytes.decrease(kind, size);
+            self.stats.num_device_free += 1;
+            released.segments += 1;
+            released.bytes += size;
+        }
+        released
+    }
+
+    /// The segment holding `ptr`: its base and size.
+    pub fn segment_of(&self, ptr: u64) -> Option<(u64, u64)> {
+        let (_, &id) = self.segment_by_base.range(..=ptr).next_back()?;
+        let segment = self.segments[id as usize].as_ref()?;
+        (ptr < segment.base + segment.size).then_some((segment.base, segment.size))
+    }
+
+    /// The size of the live block at `ptr`, if there is one.
+    pub fn live_size(&self, ptr: u64) -> Option<u64> {
+        self.live.get(&ptr).map(|&id| self.blocks[id].size)
+    }
+
+    /// Counts a free whose stated size differed from the block's.
+    pub fn count_size_mismatch(&mut self) {
+        self.stats.num_size_mismatches += 1;
+    }
+
+    /// The statistics, with the cache figures computed now.
+    pub fn stats(&self) -> Stats {
+        let mut stats = self.stats.clone();
+        stats.cached_free_bytes = self.pools.iter().map(|p| p.free_bytes).sum();
+        stats.largest_free_block_bytes = self.pools.iter().map(|p| p.largest(&self.blocks)).max().unwrap_or(0);
+        stats
+    }
+
+    pub fn reset_peak_stats(&mut self) {
+        self.stats.reset_peaks();
+    }
+
+    pub fn reset_accumulated_stats(&mut self) {
+        self.stats.reset_accumulated();
+    }
+
+    fn oom_report(&self, requested: u64) -> OomReport {
+        let stats = self.stats();
+        let info = self.backend.mem_info(self.device).ok();
+        OomReport {
+            device: self.device,
+            requested,
+            allocated: stats.allocated_bytes.all.current,
+            reserved: stats.reserved_bytes.all.current,
+            cached_free: stats.cached_free_bytes,
+            largest_free_block: stats.largest_free_block_bytes,
+            fragmentation: stats.external_fragmentation(),
+            device_free: info.map(|i| i.free),
+            device_total: info.map(|i| i.total),
+        }
+    }
+
+    /// Live blocks as (address, size, requested) in address order, for tests and snapshots.
+    pub fn live_blocks(&self) -> Vec<(u64, u64, u64)> {
+        let mut out: Vec<_> = self
+            .live
+            .iter()
+            .map(|(&addr, &id)| (addr, self.blocks[id].size, self.blocks[id].requested))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+}

@@ -1,0 +1,234 @@
+//! A pool: the free blocks of one (device, stream, pool kind), binned by size.
+//!
+//! Each bin is a free list kept in ascending size order (equal sizes: the
+//! most recently freed first). A two-level bitmap marks the non-empty bins:
+//! one bit per row (power of two) in `rows_nonempty`, one bit per bin in
+//! `bins_nonempty[row]`. Finding the first non-empty bin at or after a given
+//! one is two bit scans, whatever the number of free blocks.
+//!
+//! Invariants (checked by `DeviceHeap::validate`):
+//!   bit of bin b set  <=>  heads[b] != NIL
+//!   bit of row r set  <=>  bins_nonempty[r] != 0
+//!   every block in list b has bin_of(size) == b, sizes ascend along the list
+//!   free_bytes = sum of sizes in all lists, free_blocks = their count
+#![forbid(unsafe_code)]
+
+use super::block::{BlockArena, BlockId, NIL};
+use crate::size_class::{bin_of, PoolKind, SizeRules, BIN_COUNT, MANTISSA_BITS, ROWS};
+use crate::Stream;
+
+const SUBS: usize = 1 << MANTISSA_BITS;
+
+pub struct Pool {
+    pub stream: Stream,
+    pub kind: PoolKind,
+    pub heads: Box<[BlockId]>,
+    pub rows_nonempty: u64,
+    pub bins_nonempty: [u32; ROWS as usize],
+    pub free_bytes: u64,
+    pub free_blocks: usize,
+}
+
+impl Pool {
+    pub fn new(stream: Stream, kind: PoolKind) -> Pool {
+        Pool {
+            stream,
+            kind,
+            heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
+            rows_nonempty: 0,
+            bins_nonempty: [0; ROWS as usize],
+            free_bytes: 0,
+            free_blocks: 0,
+        }
+    }
+
+    #[inline]
+    fn mark(&mut self, bin: usize, nonempty: bool) {
+        let (row, sub) = (bin / SUBS, bin % SUBS);
+        if nonempty {
+            self.bins_nonempty[row] |= 1 << sub;
+            self.rows_nonempty |= 1 << row;
+        } else {
+            self.bins_nonempty[row] &= !(1 << sub);
+            if self.bins_nonempty[row] == 0 {
+                self.rows_nonempty &= !(1 << row);
+            }
+        }
+    }
+
+    /// The first non-empty bin at or after `bin`.
+    #[inline]
+    pub fn first_nonempty_from(&self, bin: usize) -> Option<usize> {
+        let (row, sub) = (bin / SUBS, bin % SUBS);
+        let in_row = self.bins_nonempty[row] & (u32::MAX << sub);
+        if in_row != 0 {
+            return Some(row * SUBS + in_row.trailing_zeros() as usize);
+        }
+        let later_rows = if row + 1 >= 64 { 0 } else { self.rows_nonempty & (u64::MAX << (row + 1)) };
+        if later_rows == 0 {
+            return None;
+        }
+        let r = later_rows.trailing_zeros() as usize;
+        Some(r * SUBS + self.bins_nonempty[r].trailing_zeros() as usize)
+    }
+
+    /// Adds a free block, keeping its bin in ascending size order.
+    pub fn insert(&mut self, blocks: &mut BlockArena, id: BlockId) {
+        let size = blocks[id].size;
+        let bin = bin_of(size);
+        // Walk past strictly smaller blocks; equal sizes go first (LIFO).
+        let mut prev = NIL;
+        let mut cur = self.heads[bin];
+        while cur != NIL && blocks[cur].size < size {
+            prev = cur;
+            cur = blocks[cur].link_next;
+        }
+        blocks[id].link_prev = prev;
+        blocks[id].link_next = cur;
+        if cur != NIL {
+            blocks[cur].link_prev = id;
+        }
+        if prev != NIL {
+            blocks[prev].link_next = id;
+        } else {
+            if self.heads[bin] == NIL {
+                self.mark(bin, true);
+            }
+            self.heads[bin] = id;
+        }
+        self.free_bytes += size;
+        self.free_blocks += 1;
+    }
+
+    /// Unlinks a free block from its bin.
+    pub fn remove(&mut self, blocks: &mut BlockArena, id: BlockId) {
+        let (prev, next, size) = {
+            let b = &blocks[id];
+            (b.link_prev, b.link_next, b.size)
+        };
+        if next != NIL {
+            blocks[next].link_prev = prev;
+        }
+        if prev != NIL {
+            blocks[prev].link_next = next;
+        } else {
+            let bin = bin_of(size);
+            self.heads[bin] = next;
+            if next == NIL {
+                self.mark(bin, false);
+            }
+        }
+        blocks[id].link_prev = NIL;
+        blocks[id].link_next = NIL;
+        self.free_bytes -= size;
+        self.free_blocks -= 1;
+    }
+
+    /// The best-fitting free block for a rounded request: the smallest
+    /// block of at least `rounded` bytes that the rules let serve it.
+    /// Looks in the request's own bin first (blocks there may be smaller),
+    /// then takes the head of the first non-empty bin above it.
+    #[inline]
+    pub fn best_fit(&self, blocks: &BlockArena, rounded: u64, rules: &SizeRules) -> Option<BlockId> {
+        let own = bin_of(rounded);
+        let mut cur = self.heads[own];
+        while cur != NIL && blocks[cur].size < rounded {
+            cur = blocks[cur].link_next;
+        }
+        if cur == NIL {
+            if own + 1 >= BIN_COUNT {
+                return None;
+            }
+            let bin = self.first_nonempty_from(own + 1)?;
+            cur = self.heads[bin];
+        }
+        // Sizes only grow from here, so a block the rules refuse means no
+        // larger block will do either.
+        rules.may_serve(blocks[cur].size, rounded).then_some(cur)
+    }
+
+    /// The largest free block's size (0 when empty).
+    pub fn largest(&self, blocks: &BlockArena) -> u64 {
+        if self.rows_nonempty == 0 {
+            return 0;
+        }
+        let row = 63 - self.rows_nonempty.leading_zeros() as usize;
+        let bin = row * SUBS + 31 - self.bins_nonempty[row].leading_zeros() as usize;
+        let mut cur = self.heads[bin];
+        let mut largest = 0;
+        while cur != NIL {
+            largest = blocks[cur].size;
+            cur = blocks[cur].link_next;
+        }
+        largest
+    }
+
+    /// The blocks of one bin, in list order.
+    pub fn bin_members<'a>(&self, blocks: &'a BlockArena, bin: usize) -> impl Iterator<Item = BlockId> + 'a {
+        let mut cur = self.heads[bin];
+        std::iter::from_fn(move || {
+            if cur == NIL {
+                return None;
+            }
+            let id = cur;
+            cur = blocks[id].link_next;
+            Some(id)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool_with(sizes: &[u64]) -> (Pool, BlockArena, Vec<BlockId>) {
+        let mut arena = BlockArena::new();
+        let mut pool = Pool::new(Stream::DEFAULT, PoolKind::Large);
+        let mut ids = Vec::new();
+        let mut addr = 1 << 30;
+        for &size in sizes {
+            let id = arena.insert(addr, size, 0, 0);
+            addr += size;
+            pool.insert(&mut arena, id);
+            ids.push(id);
+        }
+        (pool, arena, ids)
+    }
+
+    #[test]
+    fn best_fit_takes_the_smallest_block_that_fits() {
+        let kib = 1024;
+        let (pool, arena, ids) = pool_with(&[64 * kib, 33 * kib, 40 * kib, 32 * kib + 512, 1 << 20]);
+        let rules = SizeRules::default();
+        // 33 KiB and 32.5 KiB share a bin: the walk inside the bin must find 33 KiB for a 33 KiB request.
+        assert_eq!(pool.best_fit(&arena, 33 * kib, &rules), Some(ids[1]));
+        assert_eq!(pool.best_fit(&arena, 32 * kib + 512, &rules), Some(ids[3]));
+        assert_eq!(pool.best_fit(&arena, 34 * kib, &rules), Some(ids[2]));
+        assert_eq!(pool.best_fit(&arena, 41 * kib, &rules), Some(ids[0]));
+        assert_eq!(pool.best_fit(&arena, 65 * kib, &rules), Some(ids[4]));
+        assert_eq!(pool.best_fit(&arena, (1 << 20) + 512, &rules), None);
+        assert_eq!(pool.largest(&arena), 1 << 20);
+    }
+
+    #[test]
+    fn removing_the_last_block_of_a_bin_clears_its_bits() {
+        let (mut pool, mut arena, ids) = pool_with(&[4096, 4096, 1 << 21]);
+        for id in ids {
+            pool.remove(&mut arena, id);
+        }
+        assert_eq!(pool.rows_nonempty, 0);
+        assert!(pool.bins_nonempty.iter().all(|&b| b == 0));
+        assert_eq!((pool.free_bytes, pool.free_blocks), (0, 0));
+        assert_eq!(pool.first_nonempty_from(0), None);
+    }
+
+    #[test]
+    fn oversize_blocks_do_not_serve_small_requests() {
+        let mib = 1u64 << 20;
+        let (pool, arena, ids) = pool_with(&[64 * mib]);
+        let rules = SizeRules { max_split_size: 32 * mib, ..SizeRules::default() };
+        assert_eq!(pool.best_fit(&arena, 4 * mib, &rules), None);
+        assert_eq!(pool.best_fit(&arena, 50 * mib, &rules), Some(ids[0]));
+        assert_eq!(pool.best_fit(&arena, 40 * mib, &rules), None, "would waste more than 20 MiB");
+    }
+}

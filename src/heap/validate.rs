@@ -1,0 +1,137 @@
+//! `DeviceHeap::validate`: recomputes everything the heap keeps
+//! incrementally and checks it against the invariants listed in `heap/mod.rs`.
+#![forbid(unsafe_code)]
+
+use std::collections::HashSet;
+
+use super::block::NIL;
+use super::DeviceHeap;
+use crate::size_class::{bin_of, BIN_COUNT};
+use crate::stats::StatByPool;
+
+macro_rules! ensure {
+    ($cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Err(format!($($msg)+));
+        }
+    };
+}
+
+/// Per-kind sums recomputed from the blocks.
+#[derive(Default)]
+struct Sums {
+    allocation: [u64; 2],
+    segment: [u64; 2],
+    inactive_split: [u64; 2],
+    allocated_bytes: [u64; 2],
+    reserved_bytes: [u64; 2],
+    inactive_split_bytes: [u64; 2],
+    requested_bytes: [u64; 2],
+}
+
+fn check_gauge(name: &str, gauge: &StatByPool, sums: [u64; 2]) -> Result<(), String> {
+    ensure!(gauge.small_pool.current == sums[0], "{name}.small_pool is {} but the blocks sum to {}", gauge.small_pool.current, sums[0]);
+    ensure!(gauge.large_pool.current == sums[1], "{name}.large_pool is {} but the blocks sum to {}", gauge.large_pool.current, sums[1]);
+    ensure!(gauge.all.current == sums[0] + sums[1], "{name}.all is {} but the pools sum to {}", gauge.all.current, sums[0] + sums[1]);
+    for (pool, stat) in [("all", &gauge.all), ("small_pool", &gauge.small_pool), ("large_pool", &gauge.large_pool)] {
+        ensure!(stat.peak >= stat.current, "{name}.{pool} peak {} below current {}", stat.peak, stat.current);
+    }
+    Ok(())
+}
+
+impl DeviceHeap {
+    /// Checks every invariant of the heap; the error names the first broken one.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut sums = Sums::default();
+        let mut free_blocks = HashSet::new();
+        let mut allocated_blocks = 0usize;
+        let mut block_records = 0usize;
+
+        for (segment_id, segment) in self.segments.iter().enumerate() {
+            let Some(segment) = segment else {
+                ensure!(self.unused_segments.contains(&(segment_id as u32)), "empty segment slot {segment_id} not reusable");
+                continue;
+            };
+            ensure!(self.segment_by_base.get(&segment.base) == Some(&(segment_id as u32)), "segment {segment_id} not indexed by base");
+            let kind = self.pools[segment.pool as usize].kind;
+            let k = kind as usize;
+            sums.segment[k] += 1;
+            sums.reserved_bytes[k] += segment.size;
+            let mut cur = segment.first_block;
+            let mut expected_addr = segment.base;
+            let mut prev = NIL;
+            let mut prev_free = false;
+            while cur != NIL {
+                let b = &self.blocks[cur];
+                block_records += 1;
+                ensure!(b.addr == expected_addr, "block {cur} at {:#x}, expected {:#x}: segment not tiled", b.addr, expected_addr);
+                ensure!(b.prev == prev, "block {cur} has a wrong prev link");
+                ensure!(b.segment == segment_id as u32 && b.pool == segment.pool, "block {cur} names the wrong segment or pool");
+                ensure!(b.size > 0 && b.size % self.rules.min_block == 0, "block {cur} size {} not a positive multiple of min_block", b.size);
+                if b.allocated {
+                    allocated_blocks += 1;
+                    ensure!(self.live.get(&b.addr) == Some(&cur), "allocated block {cur} at {:#x} missing from the live map", b.addr);
+                    ensure!(b.requested > 0 && b.requested <= b.size, "block {cur} requested {} of {}", b.requested, b.size);
+                    sums.allocation[k] += 1;
+                    sums.allocated_bytes[k] += b.size;
+                    sums.requested_bytes[k] += b.requested;
+                } else {
+                    ensure!(!prev_free, "free blocks {prev} and {cur} are neighbours and were not merged");
+                    free_blocks.insert(cur);
+                    if b.is_split() {
+                        sums.inactive_split[k] += 1;
+                        sums.inactive_split_bytes[k] += b.size;
+                    }
+                }
+                prev_free = !b.allocated;
+                expected_addr += b.size;
+                prev = cur;
+                cur = b.next;
+            }
+            ensure!(expected_addr == segment.base + segment.size, "segment {segment_id}: blocks cover {:#x} bytes of {:#x}", expected_addr - segment.base, segment.size);
+        }
+        ensure!(block_records == self.blocks.len(), "{} block records in use but {block_records} reachable from segments", self.blocks.len());
+        ensure!(allocated_blocks == self.live.len(), "{} live entries for {allocated_blocks} allocated blocks", self.live.len());
+
+        let mut binned = HashSet::new();
+        for (pool_id, pool) in self.pools.iter().enumerate() {
+            let (mut bytes, mut count) = (0u64, 0usize);
+            for bin in 0..BIN_COUNT {
+                let bit = pool.bins_nonempty[bin / 32] >> (bin % 32) & 1 == 1;
+                ensure!(bit == (pool.heads[bin] != NIL), "pool {pool_id} bin {bin}: bitmap disagrees with the list");
+                let mut last_size = 0;
+                let mut link_prev = NIL;
+                for id in pool.bin_members(&self.blocks, bin) {
+                    let b = &self.blocks[id];
+                    ensure!(free_blocks.contains(&id), "bin {bin} of pool {pool_id} holds block {id}, which is not a free block of a segment");
+                    ensure!(binned.insert(id), "block {id} is in more than one bin");
+                    ensure!(b.pool == pool_id as u32, "block {id} of pool {} is binned in pool {pool_id}", b.pool);
+                    ensure!(bin_of(b.size) == bin, "block {id} of size {} is in bin {bin}", b.size);
+                    ensure!(b.size >= last_size, "bin {bin} of pool {pool_id} is not in ascending size order");
+                    ensure!(b.link_prev == link_prev, "block {id} has a wrong free-list back link");
+                    last_size = b.size;
+                    link_prev = id;
+                    bytes += b.size;
+                    count += 1;
+                }
+            }
+            for row in 0..pool.bins_nonempty.len() {
+                ensure!((pool.rows_nonempty >> row & 1 == 1) == (pool.bins_nonempty[row] != 0), "pool {pool_id} row {row}: summary bit wrong");
+            }
+            ensure!(bytes == pool.free_bytes && count == pool.free_blocks, "pool {pool_id} counts {} bytes in {} blocks, lists hold {bytes} in {count}", pool.free_bytes, pool.free_blocks);
+        }
+        ensure!(binned.len() == free_blocks.len(), "{} free blocks but {} binned", free_blocks.len(), binned.len());
+
+        let s = &self.stats;
+        check_gauge("allocation", &s.allocation, sums.allocation)?;
+        check_gauge("active", &s.active, sums.allocation)?;
+        check_gauge("segment", &s.segment, sums.segment)?;
+        check_gauge("inactive_split", &s.inactive_split, sums.inactive_split)?;
+        check_gauge("allocated_bytes", &s.allocated_bytes, sums.allocated_bytes)?;
+        check_gauge("active_bytes", &s.active_bytes, sums.allocated_bytes)?;
+        check_gauge("reserved_bytes", &s.reserved_bytes, sums.reserved_bytes)?;
+        check_gauge("inactive_split_bytes", &s.inactive_split_bytes, sums.inactive_split_bytes)?;
+        check_gauge("requested_bytes", &s.requested_bytes, sums.requested_bytes)?;
+        Ok(())
+    }
+}

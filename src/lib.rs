@@ -1,0 +1,177 @@
+//! tidepool: a CUDA caching allocator that measures fragmentation and gives
+//! idle memory back.
+//!
+//! [`Allocator`] is the entry point: one [`DeviceHeap`](heap::DeviceHeap)
+//! per device behind its own lock, all growing through one
+//! [`Backend`](backend::Backend).
+//!
+//! ```
+//! use tidepool::{Allocator, Config, Stream};
+//!
+//! let config = Config::builder().host(1, 1 << 30).build().unwrap();
+//! let alloc = Allocator::new(config).unwrap();
+//! let ptr = alloc.allocate(0, 4096, Stream::DEFAULT).unwrap();
+//! assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.current, 4096);
+//! alloc.free(0, ptr).unwrap();
+//! ```
+
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod heap;
+pub mod size_class;
+pub mod stats;
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use backend::host::HostBackend;
+use backend::Backend;
+pub use config::{BackendKind, Config, ConfigError};
+pub use error::{AllocError, InvalidFree, OomReport};
+use heap::DeviceHeap;
+pub use heap::Released;
+pub use stats::{Stat, StatByPool, Stats};
+
+/// An opaque stream handle (a `CUstream`); 0 is the default stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    pub const DEFAULT: Stream = Stream(0);
+}
+
+/// A device address returned by [`Allocator::allocate`]; 0 for a 0-byte request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    pub const NULL: DevicePtr = DevicePtr(0);
+
+    pub fn is_null(self) -> bool {
+        self.0 == 0
+    }
+}
+
+/// A caching allocator over all devices of one backend. `Send + Sync`:
+/// share it between threads by reference or in an `Arc`.
+pub struct Allocator {
+    config: Config,
+    backend: Arc<dyn Backend>,
+    heaps: Box<[Mutex<DeviceHeap>]>,
+}
+
+impl Allocator {
+    /// An allocator over the backend the configuration names.
+    pub fn new(config: Config) -> Result<Allocator, AllocError> {
+        let backend: Arc<dyn Backend> = match config.backend {
+            BackendKind::Host => Arc::new(HostBackend::new(config.host_devices, config.host_capacity)),
+        };
+        Ok(Allocator::with_backend(config, backend))
+    }
+
+    /// An allocator configured from `TIDEPOOL_CONF`.
+    pub fn from_env() -> Result<Allocator, AllocError> {
+        Allocator::new(Config::from_env())
+    }
+
+    /// An allocator over a backend built by the caller (tests keep a handle
+    /// to inject faults).
+    pub fn with_backend(config: Config, backend: Arc<dyn Backend>) -> Allocator {
+        let heaps = (0..backend.device_count())
+            .map(|device| Mutex::new(DeviceHeap::new(device, config.rules.clone(), backend.clone())))
+            .collect();
+        Allocator { config, backend, heaps }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.heaps.len()
+    }
+
+    #[inline]
+    fn heap(&self, device: usize) -> Result<&Mutex<DeviceHeap>, AllocError> {
+        self.heaps
+            .get(device)
+            .ok_or(AllocError::InvalidDevice { device: device as i64, device_count: self.heaps.len() })
+    }
+
+    /// `size` bytes on `device` for use on `stream`. A 0-byte request returns
+    /// [`DevicePtr::NULL`] and no error.
+    #[inline]
+    pub fn allocate(&self, device: usize, size: usize, stream: Stream) -> Result<DevicePtr, AllocError> {
+        self.heap(device)?.lock().allocate(size as u64, stream).map(DevicePtr)
+    }
+
+    /// Frees a pointer returned by `allocate` on `device`. Freeing NULL does nothing.
+    #[inline]
+    pub fn free(&self, device: usize, ptr: DevicePtr) -> Result<(), AllocError> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        self.heap(device)?.lock().free(ptr.0).map(|_| ())
+    }
+
+    /// Frees `ptr`, checking the size the caller believes it has: a
+    /// different size is counted (`num_size_mismatches`) and the recorded
+    /// one is used. Returns the recorded size.
+    pub fn free_sized(&self, device: usize, ptr: DevicePtr, size: usize) -> Result<u64, AllocError> {
+        if ptr.is_null() {
+            return Ok(0);
+        }
+        let mut heap = self.heap(device)?.lock();
+        let freed = heap.free(ptr.0)?;
+        if freed.requested != size as u64 {
+            heap.count_size_mismatch();
+        }
+        Ok(freed.requested)
+    }
+
+    /// Releases every whole free segment of every device to the backend.
+    pub fn empty_cache(&self) -> Released {
+        let mut total = Released::default();
+        for heap in self.heaps.iter() {
+            let released = heap.lock().release_free_segments(|_| true);
+            total.segments += released.segments;
+            total.bytes += released.bytes;
+        }
+        total
+    }
+
+    /// The statistics of `device`.
+    pub fn stats(&self, device: usize) -> Result<Stats, AllocError> {
+        Ok(self.heap(device)?.lock().stats())
+    }
+
+    /// Resets the peaks of `device` to the current values.
+    pub fn reset_peak_stats(&self, device: usize) -> Result<(), AllocError> {
+        self.heap(device)?.lock().reset_peak_stats();
+        Ok(())
+    }
+
+    /// The base and size of the segment holding `ptr` (PyTorch's `getBaseAllocation`).
+    pub fn segment_of(&self, device: usize, ptr: DevicePtr) -> Result<Option<(DevicePtr, u64)>, AllocError> {
+        Ok(self.heap(device)?.lock().segment_of(ptr.0).map(|(base, size)| (DevicePtr(base), size)))
+    }
+
+    /// Checks every invariant of every heap; see `heap/mod.rs`.
+    pub fn validate(&self) -> Result<(), String> {
+        for (device, heap) in self.heaps.iter().enumerate() {
+            heap.lock().validate().map_err(|e| format!("device {device}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` with the heap of `device` locked (tests and tools).
+    pub fn with_heap<R>(&self, device: usize, f: impl FnOnce(&mut DeviceHeap) -> R) -> Result<R, AllocError> {
+        Ok(f(&mut self.heap(device)?.lock()))
+    }
+}
