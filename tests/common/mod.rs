@@ -1,0 +1,85 @@
+//! Helpers shared by the integration tests: an allocator on a host backend
+//! the test keeps a handle to, a small deterministic RNG, and byte patterns.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use tidepool::backend::host::HostBackend;
+use tidepool::{Allocator, Config, DevicePtr};
+
+pub const KIB: u64 = 1 << 10;
+pub const MIB: u64 = 1 << 20;
+
+/// An allocator over `devices` host devices of `capacity` bytes, plus the
+/// backend for fault injection.
+pub fn host_allocator(devices: usize, capacity: u64, conf: &str) -> (Allocator, Arc<HostBackend>) {
+    let config = Config::builder().conf(conf).unwrap().host(devices, capacity).build().unwrap();
+    let backend = Arc::new(HostBackend::new(devices, capacity));
+    (Allocator::with_backend(config, backend.clone()), backend)
+}
+
+/// xorshift64*: deterministic, dependency-free.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Offsets of a block that patterns cover: every byte of a small block,
+/// and for a large one the first and last 4 KiB and one 4 KiB window per MiB.
+fn pattern_windows(len: u64) -> Vec<(u64, u64)> {
+    if len <= 64 * KIB {
+        return vec![(0, len)];
+    }
+    let tail = (len - 4 * KIB) & !7;
+    let mut windows = vec![(0, 4 * KIB), (tail, tail + 4 * KIB)];
+    let mut at = MIB;
+    while at + 4 * KIB < len - 4 * KIB {
+        windows.push((at, at + 4 * KIB));
+        at += MIB;
+    }
+    windows
+}
+
+/// Writes a pattern derived from `tag` over `len` bytes at `ptr` (8-byte
+/// words; a tail shorter than a word is left alone).
+pub fn fill(ptr: DevicePtr, len: u64, tag: u64) {
+    for (start, end) in pattern_windows(len) {
+        for (i, word) in words(ptr, start, end).iter_mut().enumerate() {
+            *word = pattern_word(tag, start / 8 + i as u64);
+        }
+    }
+}
+
+/// Checks the pattern written by `fill`; returns the first bad offset.
+pub fn check(ptr: DevicePtr, len: u64, tag: u64) -> Result<(), u64> {
+    for (start, end) in pattern_windows(len) {
+        for (i, word) in words(ptr, start, end).iter().enumerate() {
+            if *word != pattern_word(tag, start / 8 + i as u64) {
+                return Err(start + 8 * i as u64);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn words<'a>(ptr: DevicePtr, start: u64, end: u64) -> &'a mut [u64] {
+    assert!(ptr.0 % 8 == 0 && start % 8 == 0);
+    // SAFETY: `ptr` is a live host-backend block of at least `end` bytes,
+    // 512-byte aligned, that only the calling test thread uses while it
+    // holds the slice.
+    unsafe { std::slice::from_raw_parts_mut((ptr.0 + start) as *mut u64, ((end - start) / 8) as usize) }
+}
+
+#[inline]
+fn pattern_word(tag: u64, index: u64) -> u64 {
+    (tag ^ 0xA5A5_5A5A_0F0F_F0F0).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(index.wrapping_mul(0x1000_0000_0000_0001))
+}

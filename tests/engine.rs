@@ -1,0 +1,315 @@
+//! The engine's behaviour through the public API, on the host backend.
+
+mod common;
+
+use common::{host_allocator, KIB, MIB};
+use tidepool::backend::host::FaultKind;
+use tidepool::backend::Backend;
+use tidepool::{AllocError, DevicePtr, InvalidFree, Stream};
+
+const S0: Stream = Stream::DEFAULT;
+
+#[test]
+fn small_requests_are_rounded_to_512_bytes_and_carved_from_one_2_mib_segment() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 1000, S0).unwrap();
+    let b = alloc.allocate(0, 1, S0).unwrap();
+    assert_eq!(b.0, a.0 + 1024, "the second block follows the first in the same segment");
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes.small_pool.current, 2 * MIB);
+    assert_eq!(s.allocated_bytes.all.current, 1024 + 512);
+    assert_eq!(s.requested_bytes.all.current, 1001);
+    assert_eq!(s.num_device_alloc, 1);
+    assert_eq!(s.inactive_split_bytes.all.current, 2 * MIB - 1536);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_freed_block_is_reused_by_the_next_request_that_fits_without_a_driver_call() {
+    let (alloc, backend) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 300 * KIB as usize, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    let calls = backend.allocate_calls();
+    for _ in 0..100 {
+        let b = alloc.allocate(0, 300 * KIB as usize, S0).unwrap();
+        assert_eq!(b, a);
+        alloc.free(0, b).unwrap();
+    }
+    assert_eq!(backend.allocate_calls(), calls);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn blocks_freed_on_one_stream_are_not_reused_by_another_stream() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 4096, Stream(7)).unwrap();
+    alloc.free(0, a).unwrap();
+    let b = alloc.allocate(0, 4096, Stream(8)).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.num_device_alloc, 2, "stream 8 must not take stream 7's cached segment");
+    assert_ne!(alloc.segment_of(0, a).unwrap(), alloc.segment_of(0, b).unwrap());
+    let c = alloc.allocate(0, 4096, Stream(7)).unwrap();
+    assert_eq!(c, a, "stream 7 reuses its own block");
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn freeing_merges_neighbours_until_the_segment_is_whole_and_releasable() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let blocks: Vec<_> = (0..3).map(|_| alloc.allocate(0, 100 * KIB as usize, S0).unwrap()).collect();
+    alloc.free(0, blocks[1]).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.inactive_split.all.current, 2, "the hole in the middle and the tail");
+    alloc.free(0, blocks[0]).unwrap();
+    alloc.validate().unwrap();
+    assert_eq!(alloc.stats(0).unwrap().inactive_split.all.current, 2, "first two merged, tail separate");
+    alloc.free(0, blocks[2]).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.inactive_split.all.current, 0);
+    assert_eq!(s.largest_free_block_bytes, 2 * MIB);
+    assert_eq!(s.external_fragmentation(), 0.0);
+    let released = alloc.empty_cache();
+    assert_eq!((released.segments, released.bytes), (1, 2 * MIB));
+    assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn holes_in_partly_used_segments_show_as_inactive_split_and_fragmentation() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let blocks: Vec<_> = (0..8).map(|_| alloc.allocate(0, 256 * KIB as usize, S0).unwrap()).collect();
+    for b in blocks.iter().step_by(2) {
+        alloc.free(0, *b).unwrap();
+    }
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.inactive_split_bytes.all.current, 4 * 256 * KIB);
+    assert_eq!(s.largest_free_block_bytes, 256 * KIB);
+    assert!((s.external_fragmentation() - 0.75).abs() < 1e-9, "{}", s.external_fragmentation());
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn large_requests_share_20_mib_segments_below_10_mib_and_get_their_own_above() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, (3 * MIB) as usize, S0).unwrap();
+    let b = alloc.allocate(0, (3 * MIB) as usize, S0).unwrap();
+    assert_eq!(alloc.segment_of(0, a).unwrap(), alloc.segment_of(0, b).unwrap());
+    assert_eq!(alloc.segment_of(0, a).unwrap().unwrap().1, 20 * MIB);
+    // 15 MiB does not fit the 14 MiB left: its own segment, rounded to 16 MiB.
+    let c = alloc.allocate(0, (15 * MIB - 100) as usize, S0).unwrap();
+    assert_eq!(alloc.segment_of(0, c).unwrap().unwrap(), (c, 16 * MIB));
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes.large_pool.current, 36 * MIB);
+    assert_eq!(s.allocated_bytes.large_pool.current, 6 * MIB + 16 * MIB, "a 1 MiB remainder is not split off");
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn max_split_size_keeps_big_cached_blocks_whole() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "max_split_size_mb:32");
+    let big = alloc.allocate(0, (64 * MIB) as usize, S0).unwrap();
+    alloc.free(0, big).unwrap();
+    // A 12 MiB request would split the cached 64 MiB block without the option.
+    let small = alloc.allocate(0, (12 * MIB) as usize, S0).unwrap();
+    assert_ne!(alloc.segment_of(0, small).unwrap().unwrap().0, big);
+    // A 50 MiB request may take the 64 MiB block whole (within 20 MiB), unsplit.
+    let again = alloc.allocate(0, (50 * MIB) as usize, S0).unwrap();
+    assert_eq!(again, big);
+    assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.current, 12 * MIB + 64 * MIB);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_refused_growth_releases_the_cache_and_retries_once() {
+    let (alloc, backend) = host_allocator(1, 64 * MIB, "");
+    let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    // 50 MiB does not fit next to the cached 40 MiB segment: release it, retry.
+    let b = alloc.allocate(0, (50 * MIB) as usize, S0).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.num_alloc_retries, s.num_ooms, s.num_device_free), (1, 0, 1));
+    assert_eq!(s.reserved_bytes.all.current, 50 * MIB);
+    assert_eq!(backend.mem_info(0).unwrap().free, 14 * MIB);
+    alloc.free(0, b).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn out_of_memory_reports_the_figures_and_leaks_nothing() {
+    let (alloc, backend) = host_allocator(1, 64 * MIB, "");
+    let live = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap();
+    let small = alloc.allocate(0, 4096, S0).unwrap();
+    let before = alloc.stats(0).unwrap();
+    let err = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap_err();
+    let AllocError::OutOfMemory(report) = &err else { panic!("expected OutOfMemory, got {err:?}") };
+    assert_eq!(report.requested, 40 * MIB);
+    assert_eq!(report.allocated, 30 * MIB + 4096);
+    assert_eq!(report.reserved, 32 * MIB);
+    assert_eq!(report.device_total, Some(64 * MIB));
+    let text = err.to_string();
+    assert!(text.contains("out of memory") && text.contains("batch size"), "{text}");
+    let after = alloc.stats(0).unwrap();
+    assert_eq!(after.num_ooms, 1);
+    assert_eq!(after.reserved_bytes.all.current, before.reserved_bytes.all.current);
+    assert_eq!(backend.mem_info(0).unwrap().free, 32 * MIB);
+    alloc.free(0, live).unwrap();
+    alloc.free(0, small).unwrap();
+    alloc.empty_cache();
+    assert_eq!(backend.mem_info(0).unwrap().free, 64 * MIB);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_request_larger_than_the_device_is_out_of_memory_with_nothing_leaked() {
+    let (alloc, backend) = host_allocator(1, 64 * MIB, "");
+    let err = alloc.allocate(0, (1u64 << 40) as usize, S0).unwrap_err();
+    assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
+    assert_eq!(backend.mem_info(0).unwrap().free, 64 * MIB);
+    assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn an_injected_refusal_is_absorbed_by_the_retry() {
+    let (alloc, backend) = host_allocator(1, 1 << 30, "");
+    backend.faults().fail_nth_allocate(1);
+    alloc.allocate(0, 4096, S0).unwrap();
+    assert_eq!(alloc.stats(0).unwrap().num_alloc_retries, 1);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_driver_error_is_returned_with_its_call_and_changes_nothing() {
+    let (alloc, backend) = host_allocator(1, 1 << 30, "");
+    backend.faults().set_kind(FaultKind::DriverError);
+    backend.faults().fail_nth_allocate(1);
+    let err = alloc.allocate(0, 4096, S0).unwrap_err();
+    assert!(matches!(err, AllocError::Backend(_)), "{err:?}");
+    assert!(err.to_string().contains("mmap failed"), "{err}");
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes.all.current, s.num_allocs, s.num_ooms), (0, 0, 0));
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_failed_release_leaves_the_segment_cached_and_consistent() {
+    let (alloc, backend) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 4096, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    backend.faults().fail_nth_release(1);
+    assert_eq!(alloc.empty_cache().segments, 0);
+    assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 2 * MIB);
+    alloc.validate().unwrap();
+    assert_eq!(alloc.empty_cache().segments, 1);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn empty_cache_releases_only_whole_free_segments() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let pinned = alloc.allocate(0, 512, S0).unwrap();
+    let big = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap();
+    alloc.free(0, big).unwrap();
+    let released = alloc.empty_cache();
+    assert_eq!((released.segments, released.bytes), (1, 30 * MIB));
+    assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 2 * MIB, "the pinned segment stays");
+    alloc.free(0, pinned).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn freeing_a_foreign_pointer_is_an_error_that_changes_nothing() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 4096, S0).unwrap();
+    let before = alloc.stats(0).unwrap();
+    let err = alloc.free(0, DevicePtr(0xdead_0000)).unwrap_err();
+    assert_eq!(err, AllocError::InvalidFree { ptr: 0xdead_0000, reason: InvalidFree::Foreign });
+    let after = alloc.stats(0).unwrap();
+    assert_eq!(after.num_invalid_frees, 1);
+    assert_eq!(after.allocated_bytes, before.allocated_bytes);
+    alloc.free(0, a).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_double_free_is_an_error_that_changes_nothing() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 4096, S0).unwrap();
+    let keep = alloc.allocate(0, 4096, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    let before = alloc.stats(0).unwrap();
+    let err = alloc.free(0, a).unwrap_err();
+    assert_eq!(err, AllocError::InvalidFree { ptr: a.0, reason: InvalidFree::NotLive });
+    assert!(err.to_string().contains("double free"));
+    let after = alloc.stats(0).unwrap();
+    assert_eq!(after.num_invalid_frees, 1);
+    assert_eq!((after.num_frees, after.allocated_bytes), (before.num_frees, before.allocated_bytes));
+    alloc.free(0, keep).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn freeing_a_pointer_inside_a_live_block_is_refused() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 4096, S0).unwrap();
+    let err = alloc.free(0, DevicePtr(a.0 + 512)).unwrap_err();
+    assert_eq!(err, AllocError::InvalidFree { ptr: a.0 + 512, reason: InvalidFree::Interior { block: a.0 } });
+    alloc.free(0, a).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_zero_byte_request_returns_null_without_error() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    assert_eq!(alloc.allocate(0, 0, S0), Ok(DevicePtr::NULL));
+    assert_eq!(alloc.free(0, DevicePtr::NULL), Ok(()));
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.num_allocs, s.reserved_bytes.all.current), (0, 0));
+}
+
+#[test]
+fn sizes_near_usize_max_are_too_large_without_overflow() {
+    let (alloc, backend) = host_allocator(1, 1 << 30, "roundup_power2_divisions:8");
+    for size in [usize::MAX, usize::MAX - 511, usize::MAX / 2 + 1, (1usize << 63) + 12345] {
+        let err = alloc.allocate(0, size, S0).unwrap_err();
+        assert!(
+            matches!(err, AllocError::TooLarge { .. } | AllocError::OutOfMemory(_)),
+            "size {size}: {err:?}"
+        );
+    }
+    assert!(matches!(alloc.allocate(0, usize::MAX, S0), Err(AllocError::TooLarge { .. })));
+    assert_eq!(backend.mem_info(0).unwrap().free, 1 << 30);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_device_out_of_range_is_an_error() {
+    let (alloc, _) = host_allocator(2, 1 << 30, "");
+    let err = alloc.allocate(2, 512, S0).unwrap_err();
+    assert_eq!(err, AllocError::InvalidDevice { device: 2, device_count: 2 });
+    assert!(alloc.free(5, DevicePtr(0x1000)).is_err());
+    assert!(alloc.stats(9).is_err());
+    let on_one = alloc.allocate(1, 512, S0).unwrap();
+    assert!(alloc.free(0, on_one).is_err(), "a pointer of device 1 is foreign to device 0");
+    alloc.free(1, on_one).unwrap();
+}
+
+#[test]
+fn a_wrong_size_at_free_is_counted_and_the_recorded_size_used() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 3000, S0).unwrap();
+    assert_eq!(alloc.free_sized(0, a, 12).unwrap(), 3000);
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.num_size_mismatches, s.allocated_bytes.all.current), (1, 0));
+}
+
+#[test]
+fn peaks_track_the_high_water_mark_until_reset() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, (8 * MIB) as usize, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes.all.peak, s.allocated_bytes.all.current), (8 * MIB, 0));
+    alloc.reset_peak_stats(0).unwrap();
+    assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.peak, 0);
+}

@@ -1,0 +1,128 @@
+//! A state machine test against a reference model: random sequences of
+//! allocations, frees, cache releases, injected growth failures and bad
+//! frees over several streams. After every step the heap validates, live
+//! ranges never overlap, patterns written into blocks are intact, and the
+//! statistics equal the model's.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{check, fill, host_allocator, MIB};
+use proptest::prelude::*;
+use tidepool::{AllocError, DevicePtr, Stream};
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { stream: u64, size: u64 },
+    Free { pick: usize },
+    EmptyCache,
+    FailNextGrowth,
+    FreeForeign,
+    DoubleFree { pick: usize },
+}
+
+fn size() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        6 => 1u64..=8192,
+        3 => 8193u64..=(1 << 20),
+        2 => (1u64 << 20) + 1..=12 << 20,
+        1 => (12u64 << 20)..=48 << 20,
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => (0u64..3, size()).prop_map(|(stream, size)| Op::Alloc { stream, size }),
+        7 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        1 => Just(Op::EmptyCache),
+        1 => Just(Op::FailNextGrowth),
+        1 => Just(Op::FreeForeign),
+        1 => any::<usize>().prop_map(|pick| Op::DoubleFree { pick }),
+    ]
+}
+
+struct Live {
+    block: u64,
+    requested: u64,
+    tag: u64,
+}
+
+const CAPACITY: u64 = 160 * MIB;
+
+fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let (alloc, backend) = host_allocator(1, CAPACITY, "");
+    let mut live: BTreeMap<u64, Live> = BTreeMap::new();
+    let mut freed: Vec<u64> = Vec::new();
+    let mut invalid_frees = 0;
+    for (step, op) in ops.into_iter().enumerate() {
+        match op {
+            Op::Alloc { stream, size } => match alloc.allocate(0, size as usize, Stream(stream)) {
+                Ok(ptr) => {
+                    prop_assert!(!ptr.is_null() && ptr.0 % 512 == 0);
+                    let block = alloc.with_heap(0, |h| h.live_size(ptr.0)).unwrap().expect("returned block is live");
+                    prop_assert!(block >= size);
+                    if let Some((&addr, prev)) = live.range(..ptr.0).next_back() {
+                        prop_assert!(addr + prev.block <= ptr.0, "overlaps the block at {addr:#x}");
+                    }
+                    if let Some((&addr, _)) = live.range(ptr.0..).next() {
+                        prop_assert!(ptr.0 + block <= addr, "overlaps the block at {addr:#x}");
+                    }
+                    fill(ptr, size, step as u64);
+                    live.insert(ptr.0, Live { block, requested: size, tag: step as u64 });
+                }
+                Err(AllocError::OutOfMemory(report)) => prop_assert_eq!(report.requested, size),
+                Err(other) => prop_assert!(false, "unexpected error {other:?}"),
+            },
+            Op::Free { pick } if !live.is_empty() => {
+                let addr = *live.keys().nth(pick % live.len()).unwrap();
+                let entry = live.remove(&addr).unwrap();
+                prop_assert_eq!(check(DevicePtr(addr), entry.requested, entry.tag), Ok(()), "pattern of {:#x} damaged", addr);
+                alloc.free(0, DevicePtr(addr)).unwrap();
+                freed.push(addr);
+            }
+            Op::Free { .. } => {}
+            Op::EmptyCache => {
+                alloc.empty_cache();
+            }
+            Op::FailNextGrowth => backend.faults().fail_nth_allocate(1),
+            Op::FreeForeign => {
+                prop_assert!(alloc.free(0, DevicePtr(0x1000)).is_err());
+                invalid_frees += 1;
+            }
+            Op::DoubleFree { pick } => {
+                if let Some(&addr) = freed.get(pick % freed.len().max(1)) {
+                    if !live.contains_key(&addr) {
+                        prop_assert!(alloc.free(0, DevicePtr(addr)).is_err());
+                        invalid_frees += 1;
+                    }
+                }
+            }
+        }
+        alloc.validate().map_err(TestCaseError::fail)?;
+        let stats = alloc.stats(0).unwrap();
+        prop_assert_eq!(stats.allocated_bytes.all.current, live.values().map(|l| l.block).sum::<u64>());
+        prop_assert_eq!(stats.requested_bytes.all.current, live.values().map(|l| l.requested).sum::<u64>());
+        prop_assert_eq!(stats.allocation.all.current, live.len() as u64);
+        prop_assert_eq!(stats.num_invalid_frees, invalid_frees);
+        prop_assert!(stats.reserved_bytes.all.current <= CAPACITY);
+    }
+    for (addr, entry) in std::mem::take(&mut live) {
+        prop_assert_eq!(check(DevicePtr(addr), entry.requested, entry.tag), Ok(()));
+        alloc.free(0, DevicePtr(addr)).unwrap();
+    }
+    alloc.empty_cache();
+    alloc.validate().map_err(TestCaseError::fail)?;
+    prop_assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
+    prop_assert_eq!(tidepool::backend::Backend::mem_info(&*backend, 0).unwrap().free, CAPACITY);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_heap_agrees_with_a_model_of_live_ranges(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops)?;
+    }
+}
