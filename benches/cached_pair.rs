@@ -1,1 +1,92 @@
-fn main(){}
+//! The cached path: one allocation and its free, served from the cache,
+//! next to glibc's malloc+free and the raw host backend (mmap+munmap) of
+//! the same size, all in one run so the ratios compare like with like.
+//!
+//! The heap holds 1,000 or 100,000 live blocks around the pair, with as
+//! many free holes between them (every other block of 2N freed), so the
+//! pools are full of blocks: the case that makes list-based pools slow.
+//!
+//! `python3 benches/table.py` turns the medians into README's table.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use tidepool::backend::host::HostBackend;
+use tidepool::backend::Backend;
+use tidepool::{Allocator, Config, DevicePtr, Stream};
+
+const SIZES: [(&str, usize); 4] = [("512B", 512), ("64KiB", 64 << 10), ("4MiB", 4 << 20), ("64MiB", 64 << 20)];
+
+/// An allocator with `live` blocks of 512 B to 8 KiB live and about as many free holes.
+fn populated(live: usize) -> (Allocator, Vec<DevicePtr>) {
+    let config = Config::builder().host(1, 1 << 40).build().unwrap();
+    let alloc = Allocator::new(config).unwrap();
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let mut blocks = Vec::with_capacity(2 * live);
+    for _ in 0..2 * live {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let size = 512 + (seed % (8 << 10)) as usize;
+        blocks.push(alloc.allocate(0, size, Stream::DEFAULT).unwrap());
+    }
+    let mut kept = Vec::with_capacity(live);
+    for (i, ptr) in blocks.into_iter().enumerate() {
+        if i % 2 == 0 {
+            alloc.free(0, ptr).unwrap();
+        } else {
+            kept.push(ptr);
+        }
+    }
+    (alloc, kept)
+}
+
+fn cached_pair(c: &mut Criterion) {
+    let heaps = [("tidepool_1k_live", populated(1_000)), ("tidepool_100k_live", populated(100_000))];
+    let backend = HostBackend::new(1, 1 << 40);
+    for (size_name, size) in SIZES {
+        let mut group = c.benchmark_group(format!("cached_pair/{size_name}"));
+        for (name, (alloc, _live)) in &heaps {
+            // Warm the cache: the first request of this size grows the heap.
+            let p = alloc.allocate(0, size, Stream::DEFAULT).unwrap();
+            alloc.free(0, p).unwrap();
+            group.bench_function(BenchmarkId::from_parameter(name), |b| {
+                b.iter(|| {
+                    let p = alloc.allocate(0, black_box(size), Stream::DEFAULT).unwrap();
+                    alloc.free(0, black_box(p)).unwrap();
+                })
+            });
+        }
+        group.bench_function(BenchmarkId::from_parameter("glibc_malloc_free"), |b| {
+            b.iter(|| {
+                // SAFETY: a plain malloc/free pair; the pointer is not used.
+                unsafe { libc::free(black_box(libc::malloc(black_box(size)))) }
+            })
+        });
+        group.bench_function(BenchmarkId::from_parameter("host_backend_mmap_munmap"), |b| {
+            b.iter(|| {
+                let base = backend.allocate(0, black_box(size as u64), Stream::DEFAULT).unwrap();
+                backend.release(0, black_box(base), size as u64).unwrap();
+            })
+        });
+        group.finish();
+    }
+    for (_, (alloc, live)) in heaps {
+        for ptr in live {
+            alloc.free(0, ptr).unwrap();
+        }
+        alloc.validate().unwrap();
+    }
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .sample_size(40)
+        .warm_up_time(Duration::from_millis(400))
+        .measurement_time(Duration::from_millis(1500))
+}
+
+criterion_group! { name = benches; config = config(); targets = cached_pair }
+criterion_main!(benches);

@@ -1,38 +1,22 @@
 //! Counters, peaks and fragmentation of one device heap.
 //!
 //! Names follow `torch.cuda.memory_stats`: each gauge (`allocated_bytes`,
-//! `reserved_bytes`, ...) is kept for `all`, `small_pool` and `large_pool`,
-//! each with `current`, `peak`, `allocated` (sum of increases) and `freed`
-//! (sum of decreases). `all` is kept, not summed, because peaks do not add.
+//! `reserved_bytes`, ...) is reported for `all`, `small_pool` and
+//! `large_pool`, each with `current`, `peak`, `allocated` (sum of increases)
+//! and `freed` (sum of decreases). The heap keeps them per pool kind in
+//! `Counters` and derives `all` when asked, except its peak, which it keeps.
 #![forbid(unsafe_code)]
 
 use crate::size_class::PoolKind;
 
-/// One gauge: its value now, its highest value, and its total ups and downs.
+/// One gauge as reported: its value now, its highest value, and its total
+/// ups and downs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stat {
     pub current: u64,
     pub peak: u64,
     pub allocated: u64,
     pub freed: u64,
-}
-
-impl Stat {
-    #[inline]
-    fn increase(&mut self, amount: u64) {
-        self.current += amount;
-        self.allocated += amount;
-        if self.current > self.peak {
-            self.peak = self.current;
-        }
-    }
-
-    #[inline]
-    fn decrease(&mut self, amount: u64) {
-        debug_assert!(self.current >= amount, "stat would go negative");
-        self.current -= amount;
-        self.freed += amount;
-    }
 }
 
 /// A gauge for all pools together and for each pool kind.
@@ -50,36 +34,148 @@ impl StatByPool {
             PoolKind::Large => &self.large_pool,
         }
     }
+}
 
-    fn kind_mut(&mut self, kind: PoolKind) -> &mut Stat {
-        match kind {
-            PoolKind::Small => &mut self.small_pool,
-            PoolKind::Large => &mut self.large_pool,
-        }
+/// A gauge as the heap keeps it on the hot path: per pool kind, with `all`
+/// derived by summing, except its peak, which is kept (peaks do not add).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Gauge {
+    current: [u64; 2],
+    peak: [u64; 2],
+    allocated: [u64; 2],
+    freed: [u64; 2],
+    all_peak: u64,
+}
+
+impl Gauge {
+    #[inline]
+    pub fn increase(&mut self, kind: PoolKind, amount: u64) {
+        let k = kind as usize;
+        self.current[k] += amount;
+        self.allocated[k] += amount;
+        self.peak[k] = self.peak[k].max(self.current[k]);
+        self.all_peak = self.all_peak.max(self.current[0] + self.current[1]);
     }
 
     #[inline]
-    pub(crate) fn increase(&mut self, kind: PoolKind, amount: u64) {
-        self.all.increase(amount);
-        self.kind_mut(kind).increase(amount);
-    }
-
-    #[inline]
-    pub(crate) fn decrease(&mut self, kind: PoolKind, amount: u64) {
-        self.all.decrease(amount);
-        self.kind_mut(kind).decrease(amount);
+    pub fn decrease(&mut self, kind: PoolKind, amount: u64) {
+        let k = kind as usize;
+        debug_assert!(self.current[k] >= amount, "gauge would go negative");
+        self.current[k] -= amount;
+        self.freed[k] += amount;
     }
 
     fn reset_peak(&mut self) {
-        for stat in [&mut self.all, &mut self.small_pool, &mut self.large_pool] {
-            stat.peak = stat.current;
-        }
+        self.peak = self.current;
+        self.all_peak = self.current[0] + self.current[1];
     }
 
     fn reset_accumulated(&mut self) {
-        for stat in [&mut self.all, &mut self.small_pool, &mut self.large_pool] {
-            stat.allocated = 0;
-            stat.freed = 0;
+        self.allocated = [0; 2];
+        self.freed = [0; 2];
+    }
+
+    pub fn report(&self) -> StatByPool {
+        let stat = |k: usize| Stat {
+            current: self.current[k],
+            peak: self.peak[k],
+            allocated: self.allocated[k],
+            freed: self.freed[k],
+        };
+        let (small, large) = (stat(0), stat(1));
+        StatByPool {
+            all: Stat {
+                current: small.current + large.current,
+                peak: self.all_peak,
+                allocated: small.allocated + large.allocated,
+                freed: small.freed + large.freed,
+            },
+            small_pool: small,
+            large_pool: large,
+        }
+    }
+}
+
+/// Everything a heap counts, in the form it updates cheaply.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Counters {
+    pub allocation: Gauge,
+    pub segment: Gauge,
+    pub inactive_split: Gauge,
+    pub allocated_bytes: Gauge,
+    pub reserved_bytes: Gauge,
+    pub inactive_split_bytes: Gauge,
+    pub requested_bytes: Gauge,
+    pub num_allocs: u64,
+    pub num_frees: u64,
+    pub num_device_alloc: u64,
+    pub num_device_free: u64,
+    pub num_alloc_retries: u64,
+    pub num_ooms: u64,
+    pub num_invalid_frees: u64,
+    pub num_size_mismatches: u64,
+}
+
+impl Counters {
+    fn gauges_mut(&mut self) -> [&mut Gauge; 7] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    /// Sets every peak to its current value (`torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peaks(&mut self) {
+        for gauge in self.gauges_mut() {
+            gauge.reset_peak();
+        }
+    }
+
+    /// Zeroes the accumulated counters (`torch.cuda.reset_accumulated_memory_stats`).
+    pub fn reset_accumulated(&mut self) {
+        for gauge in self.gauges_mut() {
+            gauge.reset_accumulated();
+        }
+        self.num_allocs = 0;
+        self.num_frees = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_invalid_frees = 0;
+        self.num_size_mismatches = 0;
+    }
+
+    /// The public statistics; the cache figures are the caller's to fill.
+    pub fn report(&self) -> Stats {
+        // Every live block is active until deferred (stream-ordered) frees exist.
+        let allocation = self.allocation.report();
+        let allocated_bytes = self.allocated_bytes.report();
+        Stats {
+            allocation,
+            segment: self.segment.report(),
+            active: allocation,
+            inactive_split: self.inactive_split.report(),
+            allocated_bytes,
+            reserved_bytes: self.reserved_bytes.report(),
+            active_bytes: allocated_bytes,
+            inactive_split_bytes: self.inactive_split_bytes.report(),
+            requested_bytes: self.requested_bytes.report(),
+            num_allocs: self.num_allocs,
+            num_frees: self.num_frees,
+            num_device_alloc: self.num_device_alloc,
+            num_device_free: self.num_device_free,
+            num_alloc_retries: self.num_alloc_retries,
+            num_ooms: self.num_ooms,
+            num_invalid_frees: self.num_invalid_frees,
+            num_size_mismatches: self.num_size_mismatches,
+            cached_free_bytes: 0,
+            largest_free_block_bytes: 0,
         }
     }
 }
@@ -140,42 +236,6 @@ impl Stats {
         }
     }
 
-    /// Sets every peak to its current value (`torch.cuda.reset_peak_memory_stats`).
-    pub fn reset_peaks(&mut self) {
-        for gauge in self.gauges_mut() {
-            gauge.reset_peak();
-        }
-    }
-
-    /// Zeroes the accumulated counters (`torch.cuda.reset_accumulated_memory_stats`).
-    pub fn reset_accumulated(&mut self) {
-        for gauge in self.gauges_mut() {
-            gauge.reset_accumulated();
-        }
-        self.num_allocs = 0;
-        self.num_frees = 0;
-        self.num_device_alloc = 0;
-        self.num_device_free = 0;
-        self.num_alloc_retries = 0;
-        self.num_ooms = 0;
-        self.num_invalid_frees = 0;
-        self.num_size_mismatches = 0;
-    }
-
-    fn gauges_mut(&mut self) -> [&mut StatByPool; 9] {
-        [
-            &mut self.allocation,
-            &mut self.segment,
-            &mut self.active,
-            &mut self.inactive_split,
-            &mut self.allocated_bytes,
-            &mut self.reserved_bytes,
-            &mut self.active_bytes,
-            &mut self.inactive_split_bytes,
-            &mut self.requested_bytes,
-        ]
-    }
-
     fn gauges(&self) -> [(&'static str, &StatByPool); 9] {
         [
             ("allocation", &self.allocation),
@@ -228,13 +288,14 @@ mod tests {
 
     #[test]
     fn all_keeps_its_own_peak_which_is_not_the_sum_of_pool_peaks() {
-        let mut g = StatByPool::default();
+        let mut g = Gauge::default();
         g.increase(PoolKind::Small, 10);
         g.decrease(PoolKind::Small, 10);
         g.increase(PoolKind::Large, 7);
-        assert_eq!(g.all.peak, 10);
-        assert_eq!(g.small_pool.peak + g.large_pool.peak, 17);
-        assert_eq!((g.all.current, g.all.allocated, g.all.freed), (7, 17, 10));
+        let r = g.report();
+        assert_eq!(r.all.peak, 10);
+        assert_eq!(r.small_pool.peak + r.large_pool.peak, 17);
+        assert_eq!((r.all.current, r.all.allocated, r.all.freed), (7, 17, 10));
     }
 
     #[test]
@@ -250,10 +311,10 @@ mod tests {
 
     #[test]
     fn pytorch_keys_cover_every_gauge_pool_and_field() {
-        let mut s = Stats::default();
-        s.allocated_bytes.increase(PoolKind::Large, 4096);
-        s.num_ooms = 2;
-        let keys: std::collections::HashMap<_, _> = s.to_pytorch_keys().into_iter().collect();
+        let mut c = Counters::default();
+        c.allocated_bytes.increase(PoolKind::Large, 4096);
+        c.num_ooms = 2;
+        let keys: std::collections::HashMap<_, _> = c.report().to_pytorch_keys().into_iter().collect();
         assert_eq!(keys["allocated_bytes.all.current"], 4096);
         assert_eq!(keys["allocated_bytes.large_pool.peak"], 4096);
         assert_eq!(keys["allocated_bytes.small_pool.current"], 0);
@@ -264,14 +325,14 @@ mod tests {
 
     #[test]
     fn resetting_peaks_keeps_current_values() {
-        let mut s = Stats::default();
-        s.reserved_bytes.increase(PoolKind::Small, 8);
-        s.reserved_bytes.decrease(PoolKind::Small, 6);
-        s.reset_peaks();
-        assert_eq!(s.reserved_bytes.all.peak, 2);
-        assert_eq!(s.reserved_bytes.all.current, 2);
-        s.reset_accumulated();
-        assert_eq!(s.reserved_bytes.all.allocated, 0);
-        assert_eq!(s.reserved_bytes.all.current, 2);
+        let mut c = Counters::default();
+        c.reserved_bytes.increase(PoolKind::Small, 8);
+        c.reserved_bytes.decrease(PoolKind::Small, 6);
+        c.reset_peaks();
+        let r = c.report().reserved_bytes;
+        assert_eq!((r.all.peak, r.all.current, r.small_pool.peak), (2, 2, 2));
+        c.reset_accumulated();
+        let r = c.report().reserved_bytes;
+        assert_eq!((r.all.allocated, r.all.current), (0, 2));
     }
 }

@@ -12,6 +12,19 @@ pub type BlockId = u32;
 /// The absent link.
 pub const NIL: BlockId = u32::MAX;
 
+/// Where a block stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockState {
+    /// Free and in its pool's bin.
+    Binned,
+    /// Free, not yet merged: its pool's stash.
+    Stashed,
+    /// Free and in no list: being split or merged right now.
+    Detached,
+    /// Handed out to a caller.
+    Allocated,
+}
+
 /// One block: a range of a segment, allocated or free.
 #[derive(Clone, Debug)]
 pub struct Block {
@@ -29,10 +42,15 @@ pub struct Block {
     /// Free-list neighbours in the block's bin (or the arena's unused list).
     pub link_prev: BlockId,
     pub link_next: BlockId,
-    pub allocated: bool,
+    pub state: BlockState,
 }
 
 impl Block {
+    #[inline]
+    pub fn is_allocated(&self) -> bool {
+        self.state == BlockState::Allocated
+    }
+
     /// True when the block does not cover its whole segment.
     #[inline]
     pub fn is_split(&self) -> bool {
@@ -66,7 +84,7 @@ impl BlockArena {
             next: NIL,
             link_prev: NIL,
             link_next: NIL,
-            allocated: false,
+            state: BlockState::Detached,
         };
         self.in_use += 1;
         if self.unused != NIL {
@@ -85,7 +103,7 @@ impl BlockArena {
     pub fn remove(&mut self, id: BlockId) {
         let block = &mut self.blocks[id as usize];
         block.size = 0;
-        block.allocated = false;
+        block.state = BlockState::Detached;
         block.link_next = self.unused;
         self.unused = id;
         self.in_use -= 1;

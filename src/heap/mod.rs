@@ -6,31 +6,41 @@
 //! the rest is worth keeping. With no fitting block the heap grows by one
 //! segment from the backend; when the backend refuses, every whole free
 //! segment of the device is released and growth is tried once more. A free
-//! merges the block with its free neighbours at once and returns it to the
-//! pool of the stream it was allocated on.
+//! merges the block with its free neighbours and returns it to the pool of
+//! the stream it was allocated on.
+//!
+//! The stash (the cached pair's fast path): each pool holds back its most
+//! recently freed block, unmerged, until the next operation on the pool. A
+//! request of exactly that block's size takes it back with no split and no
+//! merge; anything else merges it first (`flush_stash`), and so does every
+//! operation that looks at the whole heap (release, statistics). Allocation
+//! loops that free and reallocate the same sizes thus cost two map updates.
 //!
 //! Invariants, checked by `validate()`:
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
-//! - no two free blocks are neighbours;
-//! - each free block is in exactly one bin: the bin of its size, in its segment's pool;
+//! - no two free blocks are neighbours, unless one of them is a stashed block;
+//! - each free block is either in exactly one bin (the bin of its size, in
+//!   its segment's pool) or the stash of its pool;
 //! - each allocated block is in `live` under its address, and nothing else is;
-//! - every gauge of `stats` equals the sum recomputed from the blocks.
+//! - every gauge equals the sum recomputed from the blocks (stashed blocks
+//!   count as free, but as inactive-split only once merged).
 #![forbid(unsafe_code)]
 
+pub mod addr_map;
 pub mod block;
 pub mod pool;
 mod validate;
 
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
 use crate::size_class::{PoolKind, SizeRules};
-use crate::stats::Stats;
+use crate::stats::{Counters, Stats};
 use crate::Stream;
-use block::{BlockArena, BlockId, NIL};
+use addr_map::AddrMap;
+use block::{BlockArena, BlockId, BlockState, NIL};
 use pool::Pool;
 
 /// One allocation from the backend.
@@ -42,31 +52,6 @@ pub struct Segment {
     /// The block at `base`.
     pub first_block: BlockId,
 }
-
-/// Hashes a block address: addresses are multiples of 512, so the low bits
-/// carry nothing and must be mixed in from above.
-#[derive(Default)]
-pub struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, value: u64) {
-        let h = value.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = h ^ (h >> 29);
-    }
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-pub type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
 
 /// What releasing cached segments gave back.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -93,11 +78,11 @@ pub struct DeviceHeap {
     unused_segments: Vec<u32>,
     segment_by_base: BTreeMap<u64, u32>,
     pools: Vec<Pool>,
-    pools_by_stream: AddrMap<[u32; 2]>,
+    pools_by_stream: HashMap<Stream, [u32; 2]>,
     /// The last stream served and its pools: skips the map on the hot path.
     last_stream: Option<(Stream, [u32; 2])>,
-    live: AddrMap<BlockId>,
-    stats: Stats,
+    live: AddrMap,
+    stats: Counters,
 }
 
 impl DeviceHeap {
@@ -111,10 +96,10 @@ impl DeviceHeap {
             unused_segments: Vec::new(),
             segment_by_base: BTreeMap::new(),
             pools: Vec::new(),
-            pools_by_stream: AddrMap::default(),
+            pools_by_stream: HashMap::new(),
             last_stream: None,
             live: AddrMap::default(),
-            stats: Stats::default(),
+            stats: Counters::default(),
         }
     }
 
@@ -130,14 +115,14 @@ impl DeviceHeap {
                 return ids[kind as usize];
             }
         }
-        let ids = match self.pools_by_stream.get(&stream.0) {
+        let ids = match self.pools_by_stream.get(&stream) {
             Some(ids) => *ids,
             None => {
                 let first = self.pools.len() as u32;
                 self.pools.push(Pool::new(stream, PoolKind::Small));
                 self.pools.push(Pool::new(stream, PoolKind::Large));
                 let ids = [first, first + 1];
-                self.pools_by_stream.insert(stream.0, ids);
+                self.pools_by_stream.insert(stream, ids);
                 ids
             }
         };
@@ -153,6 +138,15 @@ impl DeviceHeap {
         let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
         let kind = self.rules.kind(rounded);
         let pool = self.pool_id(stream, kind);
+        let stashed = self.pools[pool as usize].stash;
+        if stashed != NIL {
+            if self.blocks[stashed].size == rounded {
+                self.pools[pool as usize].stash = NIL;
+                self.blocks[stashed].state = BlockState::Detached;
+                return Ok(self.hand_out(stashed, size));
+            }
+            self.flush_stash(pool);
+        }
         let block = match self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules) {
             Some(id) => {
                 self.remove_free(id);
@@ -210,7 +204,7 @@ impl DeviceHeap {
             (b.addr, b.size, b.pool, b.segment)
         };
         let kind = self.pools[pool as usize].kind;
-        let size = if self.rules.should_split(kind, size, rounded) {
+        if self.rules.should_split(kind, size, rounded) {
             let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool);
             let next = self.blocks[id].next;
             self.blocks[rest].prev = id;
@@ -221,19 +215,22 @@ impl DeviceHeap {
             self.blocks[id].next = rest;
             self.blocks[id].size = rounded;
             self.insert_free(rest);
-            rounded
-        } else {
-            size
-        };
+        }
+        self.hand_out(id, requested)
+    }
+
+    /// Marks the free, unbinned block `id` allocated for `requested` bytes.
+    #[inline]
+    fn hand_out(&mut self, id: BlockId, requested: u64) -> u64 {
         let b = &mut self.blocks[id];
-        b.allocated = true;
+        b.state = BlockState::Allocated;
         b.requested = requested;
+        let (addr, size, pool) = (b.addr, b.size, b.pool);
+        let kind = self.pools[pool as usize].kind;
         self.live.insert(addr, id);
         let stats = &mut self.stats;
         stats.allocation.increase(kind, 1);
-        stats.active.increase(kind, 1);
         stats.allocated_bytes.increase(kind, size);
-        stats.active_bytes.increase(kind, size);
         stats.requested_bytes.increase(kind, requested);
         stats.num_allocs += 1;
         addr
@@ -241,13 +238,13 @@ impl DeviceHeap {
 
     /// Frees the live block at `ptr`, merging it with free neighbours.
     pub fn free(&mut self, ptr: u64) -> Result<Freed, AllocError> {
-        let Some(id) = self.live.remove(&ptr) else {
+        let Some(id) = self.live.remove(ptr) else {
             self.stats.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
         let (size, requested, pool) = {
             let b = &mut self.blocks[id];
-            b.allocated = false;
+            b.state = BlockState::Stashed;
             let requested = b.requested;
             b.requested = 0;
             (b.size, requested, b.pool)
@@ -256,26 +253,50 @@ impl DeviceHeap {
         let stream = self.pools[pool as usize].stream;
         let stats = &mut self.stats;
         stats.allocation.decrease(kind, 1);
-        stats.active.decrease(kind, 1);
         stats.allocated_bytes.decrease(kind, size);
-        stats.active_bytes.decrease(kind, size);
         stats.requested_bytes.decrease(kind, requested);
         stats.num_frees += 1;
 
+        let previous = std::mem::replace(&mut self.pools[pool as usize].stash, id);
+        if previous != NIL {
+            self.merge_and_bin(previous);
+        }
+        Ok(Freed { size, requested, stream })
+    }
+
+    /// Merges the stashed block of `pool`, if any, into the bins.
+    #[inline]
+    fn flush_stash(&mut self, pool: u32) {
+        let id = std::mem::replace(&mut self.pools[pool as usize].stash, NIL);
+        if id != NIL {
+            self.merge_and_bin(id);
+        }
+    }
+
+    /// Merges every pool's stashed block.
+    fn flush_stashes(&mut self) {
+        for pool in 0..self.pools.len() as u32 {
+            self.flush_stash(pool);
+        }
+    }
+
+    /// Merges the free, unbinned block `id` with its free neighbours and
+    /// puts the result in its bin.
+    fn merge_and_bin(&mut self, id: BlockId) {
+        self.blocks[id].state = BlockState::Detached;
         let mut merged = id;
         let prev = self.blocks[id].prev;
-        if prev != NIL && !self.blocks[prev].allocated {
+        if prev != NIL && self.blocks[prev].state == BlockState::Binned {
             self.remove_free(prev);
             self.absorb_next(prev);
             merged = prev;
         }
         let next = self.blocks[merged].next;
-        if next != NIL && !self.blocks[next].allocated {
+        if next != NIL && self.blocks[next].state == BlockState::Binned {
             self.remove_free(next);
             self.absorb_next(merged);
         }
         self.insert_free(merged);
-        Ok(Freed { size, requested, stream })
     }
 
     /// Merges the block after `id` into `id` and drops its record.
@@ -297,7 +318,7 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size, split) = (b.pool, b.size, b.is_split());
         let pool = &mut self.pools[pool as usize];
-        pool.insert(&mut self.blocks, id);
+        pool.insert(&mut self.blocks, id, size);
         if split {
             self.stats.inactive_split.increase(pool.kind, 1);
             self.stats.inactive_split_bytes.increase(pool.kind, size);
@@ -310,7 +331,7 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size, split) = (b.pool, b.size, b.is_split());
         let pool = &mut self.pools[pool as usize];
-        pool.remove(&mut self.blocks, id);
+        pool.remove(&mut self.blocks, id, size);
         if split {
             self.stats.inactive_split.decrease(pool.kind, 1);
             self.stats.inactive_split_bytes.decrease(pool.kind, size);
@@ -330,7 +351,7 @@ impl DeviceHeap {
         while cur != NIL {
             let b = &self.blocks[cur];
             if ptr < b.addr + b.size {
-                return if b.allocated { InvalidFree::Interior { block: b.addr } } else { InvalidFree::NotLive };
+                return if b.is_allocated() { InvalidFree::Interior { block: b.addr } } else { InvalidFree::NotLive };
             }
             cur = b.next;
         }
@@ -341,11 +362,12 @@ impl DeviceHeap {
     /// selects (by segment). A segment the backend fails to release stays
     /// cached, whole and consistent.
     pub fn release_free_segments(&mut self, mut select: impl FnMut(&Segment) -> bool) -> Released {
+        self.flush_stashes();
         let mut released = Released::default();
         for segment_id in 0..self.segments.len() as u32 {
             let Some(segment) = &self.segments[segment_id as usize] else { continue };
             let block = &self.blocks[segment.first_block];
-            if block.allocated || block.next != NIL || !select(segment) {
+            if block.is_allocated() || block.next != NIL || !select(segment) {
                 continue;
             }
             let (base, size, pool, block) = (segment.base, segment.size, segment.pool, segment.first_block);
@@ -376,7 +398,7 @@ impl DeviceHeap {
 
     /// The size of the live block at `ptr`, if there is one.
     pub fn live_size(&self, ptr: u64) -> Option<u64> {
-        self.live.get(&ptr).map(|&id| self.blocks[id].size)
+        self.live.get(ptr).map(|id| self.blocks[id].size)
     }
 
     /// Counts a free whose stated size differed from the block's.
@@ -384,9 +406,11 @@ impl DeviceHeap {
         self.stats.num_size_mismatches += 1;
     }
 
-    /// The statistics, with the cache figures computed now.
-    pub fn stats(&self) -> Stats {
-        let mut stats = self.stats.clone();
+    /// The statistics, with the cache figures computed now (stashed
+    /// blocks are merged first, so the figures are those of a merged heap).
+    pub fn stats(&mut self) -> Stats {
+        self.flush_stashes();
+        let mut stats = self.stats.report();
         stats.cached_free_bytes = self.pools.iter().map(|p| p.free_bytes).sum();
         stats.largest_free_block_bytes = self.pools.iter().map(|p| p.largest(&self.blocks)).max().unwrap_or(0);
         stats
@@ -400,7 +424,7 @@ impl DeviceHeap {
         self.stats.reset_accumulated();
     }
 
-    fn oom_report(&self, requested: u64) -> OomReport {
+    fn oom_report(&mut self, requested: u64) -> OomReport {
         let stats = self.stats();
         let info = self.backend.mem_info(self.device).ok();
         OomReport {
@@ -421,7 +445,7 @@ impl DeviceHeap {
         let mut out: Vec<_> = self
             .live
             .iter()
-            .map(|(&addr, &id)| (addr, self.blocks[id].size, self.blocks[id].requested))
+            .map(|(addr, id)| (addr, self.blocks[id].size, self.blocks[id].requested))
             .collect();
         out.sort_unstable();
         out

@@ -13,7 +13,7 @@
 //!   free_bytes = sum of sizes in all lists, free_blocks = their count
 #![forbid(unsafe_code)]
 
-use super::block::{BlockArena, BlockId, NIL};
+use super::block::{BlockArena, BlockId, BlockState, NIL};
 use crate::size_class::{bin_of, PoolKind, SizeRules, BIN_COUNT, MANTISSA_BITS, ROWS};
 use crate::Stream;
 
@@ -25,8 +25,11 @@ pub struct Pool {
     pub heads: Box<[BlockId]>,
     pub rows_nonempty: u64,
     pub bins_nonempty: [u32; ROWS as usize],
+    /// Bytes and count of the blocks in the bins (not the stash).
     pub free_bytes: u64,
     pub free_blocks: usize,
+    /// The most recently freed block, not yet merged or binned (NIL: none).
+    pub stash: BlockId,
 }
 
 impl Pool {
@@ -39,6 +42,7 @@ impl Pool {
             bins_nonempty: [0; ROWS as usize],
             free_bytes: 0,
             free_blocks: 0,
+            stash: NIL,
         }
     }
 
@@ -72,39 +76,49 @@ impl Pool {
         Some(r * SUBS + self.bins_nonempty[r].trailing_zeros() as usize)
     }
 
-    /// Adds a free block, keeping its bin in ascending size order.
-    pub fn insert(&mut self, blocks: &mut BlockArena, id: BlockId) {
-        let size = blocks[id].size;
+    /// Adds the free block `id` of `size` bytes, keeping its bin in
+    /// ascending size order (equal sizes: most recent first).
+    #[inline]
+    pub fn insert(&mut self, blocks: &mut BlockArena, id: BlockId, size: u64) {
+        blocks[id].state = BlockState::Binned;
         let bin = bin_of(size);
-        // Walk past strictly smaller blocks; equal sizes go first (LIFO).
-        let mut prev = NIL;
-        let mut cur = self.heads[bin];
-        while cur != NIL && blocks[cur].size < size {
-            prev = cur;
-            cur = blocks[cur].link_next;
-        }
-        blocks[id].link_prev = prev;
-        blocks[id].link_next = cur;
-        if cur != NIL {
-            blocks[cur].link_prev = id;
-        }
-        if prev != NIL {
-            blocks[prev].link_next = id;
-        } else {
-            if self.heads[bin] == NIL {
+        let head = self.heads[bin];
+        if head == NIL || blocks[head].size >= size {
+            let b = &mut blocks[id];
+            b.link_prev = NIL;
+            b.link_next = head;
+            if head == NIL {
                 self.mark(bin, true);
+            } else {
+                blocks[head].link_prev = id;
             }
             self.heads[bin] = id;
+        } else {
+            let mut prev = head;
+            let mut cur = blocks[head].link_next;
+            while cur != NIL && blocks[cur].size < size {
+                prev = cur;
+                cur = blocks[cur].link_next;
+            }
+            let b = &mut blocks[id];
+            b.link_prev = prev;
+            b.link_next = cur;
+            if cur != NIL {
+                blocks[cur].link_prev = id;
+            }
+            blocks[prev].link_next = id;
         }
         self.free_bytes += size;
         self.free_blocks += 1;
     }
 
-    /// Unlinks a free block from its bin.
-    pub fn remove(&mut self, blocks: &mut BlockArena, id: BlockId) {
-        let (prev, next, size) = {
-            let b = &blocks[id];
-            (b.link_prev, b.link_next, b.size)
+    /// Unlinks the free block `id` of `size` bytes from its bin.
+    #[inline]
+    pub fn remove(&mut self, blocks: &mut BlockArena, id: BlockId, size: u64) {
+        let (prev, next) = {
+            let b = &mut blocks[id];
+            b.state = BlockState::Detached;
+            (b.link_prev, b.link_next)
         };
         if next != NIL {
             blocks[next].link_prev = prev;
@@ -118,8 +132,6 @@ impl Pool {
                 self.mark(bin, false);
             }
         }
-        blocks[id].link_prev = NIL;
-        blocks[id].link_next = NIL;
         self.free_bytes -= size;
         self.free_blocks -= 1;
     }
@@ -189,7 +201,7 @@ mod tests {
         for &size in sizes {
             let id = arena.insert(addr, size, 0, 0);
             addr += size;
-            pool.insert(&mut arena, id);
+            pool.insert(&mut arena, id, size);
             ids.push(id);
         }
         (pool, arena, ids)
@@ -214,7 +226,8 @@ mod tests {
     fn removing_the_last_block_of_a_bin_clears_its_bits() {
         let (mut pool, mut arena, ids) = pool_with(&[4096, 4096, 1 << 21]);
         for id in ids {
-            pool.remove(&mut arena, id);
+            let size = arena[id].size;
+            pool.remove(&mut arena, id, size);
         }
         assert_eq!(pool.rows_nonempty, 0);
         assert!(pool.bins_nonempty.iter().all(|&b| b == 0));

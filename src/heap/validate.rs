@@ -4,10 +4,10 @@
 
 use std::collections::HashSet;
 
-use super::block::NIL;
+use super::block::{BlockState, NIL};
 use super::DeviceHeap;
 use crate::size_class::{bin_of, BIN_COUNT};
-use crate::stats::StatByPool;
+use crate::stats::Gauge;
 
 macro_rules! ensure {
     ($cond:expr, $($msg:tt)+) => {
@@ -29,7 +29,8 @@ struct Sums {
     requested_bytes: [u64; 2],
 }
 
-fn check_gauge(name: &str, gauge: &StatByPool, sums: [u64; 2]) -> Result<(), String> {
+fn check_gauge(name: &str, gauge: &Gauge, sums: [u64; 2]) -> Result<(), String> {
+    let gauge = gauge.report();
     ensure!(gauge.small_pool.current == sums[0], "{name}.small_pool is {} but the blocks sum to {}", gauge.small_pool.current, sums[0]);
     ensure!(gauge.large_pool.current == sums[1], "{name}.large_pool is {} but the blocks sum to {}", gauge.large_pool.current, sums[1]);
     ensure!(gauge.all.current == sums[0] + sums[1], "{name}.all is {} but the pools sum to {}", gauge.all.current, sums[0] + sums[1]);
@@ -46,6 +47,14 @@ impl DeviceHeap {
         let mut free_blocks = HashSet::new();
         let mut allocated_blocks = 0usize;
         let mut block_records = 0usize;
+        let mut stashed = HashSet::new();
+        for (pool_id, pool) in self.pools.iter().enumerate() {
+            if pool.stash != NIL {
+                let b = &self.blocks[pool.stash];
+                ensure!(b.state == BlockState::Stashed && b.pool == pool_id as u32, "stash of pool {pool_id} holds block {} in state {:?} of pool {}", pool.stash, b.state, b.pool);
+                stashed.insert(pool.stash);
+            }
+        }
 
         for (segment_id, segment) in self.segments.iter().enumerate() {
             let Some(segment) = segment else {
@@ -68,13 +77,18 @@ impl DeviceHeap {
                 ensure!(b.prev == prev, "block {cur} has a wrong prev link");
                 ensure!(b.segment == segment_id as u32 && b.pool == segment.pool, "block {cur} names the wrong segment or pool");
                 ensure!(b.size > 0 && b.size % self.rules.min_block == 0, "block {cur} size {} not a positive multiple of min_block", b.size);
-                if b.allocated {
+                ensure!(b.state != BlockState::Detached, "block {cur} is detached outside an operation");
+                ensure!(b.state != BlockState::Stashed || stashed.contains(&cur), "block {cur} is marked stashed but no pool stashes it");
+                if b.is_allocated() {
                     allocated_blocks += 1;
-                    ensure!(self.live.get(&b.addr) == Some(&cur), "allocated block {cur} at {:#x} missing from the live map", b.addr);
+                    ensure!(self.live.get(b.addr) == Some(cur), "allocated block {cur} at {:#x} missing from the live map", b.addr);
                     ensure!(b.requested > 0 && b.requested <= b.size, "block {cur} requested {} of {}", b.requested, b.size);
                     sums.allocation[k] += 1;
                     sums.allocated_bytes[k] += b.size;
                     sums.requested_bytes[k] += b.requested;
+                } else if stashed.contains(&cur) {
+                    // A stashed block may touch free neighbours: it is merged
+                    // at the next operation on its pool.
                 } else {
                     ensure!(!prev_free, "free blocks {prev} and {cur} are neighbours and were not merged");
                     free_blocks.insert(cur);
@@ -83,7 +97,7 @@ impl DeviceHeap {
                         sums.inactive_split_bytes[k] += b.size;
                     }
                 }
-                prev_free = !b.allocated;
+                prev_free = b.state == BlockState::Binned;
                 expected_addr += b.size;
                 prev = cur;
                 cur = b.next;
@@ -124,11 +138,9 @@ impl DeviceHeap {
 
         let s = &self.stats;
         check_gauge("allocation", &s.allocation, sums.allocation)?;
-        check_gauge("active", &s.active, sums.allocation)?;
         check_gauge("segment", &s.segment, sums.segment)?;
         check_gauge("inactive_split", &s.inactive_split, sums.inactive_split)?;
         check_gauge("allocated_bytes", &s.allocated_bytes, sums.allocated_bytes)?;
-        check_gauge("active_bytes", &s.active_bytes, sums.allocated_bytes)?;
         check_gauge("reserved_bytes", &s.reserved_bytes, sums.reserved_bytes)?;
         check_gauge("inactive_split_bytes", &s.inactive_split_bytes, sums.inactive_split_bytes)?;
         check_gauge("requested_bytes", &s.requested_bytes, sums.requested_bytes)?;

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Prints README's benchmark table from criterion's medians (target/criterion).
+
+Usage: python3 benches/table.py [target/criterion]
+Ratios are computed between figures of the same run.
+"""
+import json
+import pathlib
+import sys
+
+root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "target/criterion")
+
+
+def median_ns(group, name):
+    path = root / group / name / "new" / "estimates.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())["median"]["point_estimate"]
+
+
+def fmt(ns):
+    return "n/a" if ns is None else (f"{ns:.1f} ns" if ns < 1000 else f"{ns / 1000:.2f} µs")
+
+
+def ratio(a, b):
+    return "n/a" if a is None or b is None else f"{a / b:.2f}x"
+
+
+print("| size | tidepool, 1k live | tidepool, 100k live | glibc malloc+free | host mmap+munmap "
+      "| tidepool / glibc | 100k / 1k | mmap / tidepool |")
+print("|---|---|---|---|---|---|---|---|")
+for size in ["512B", "64KiB", "4MiB", "64MiB"]:
+    group = f"cached_pair_{size}"
+    t1k = median_ns(group, "tidepool_1k_live")
+    t100k = median_ns(group, "tidepool_100k_live")
+    glibc = median_ns(group, "glibc_malloc_free")
+    mmap = median_ns(group, "host_backend_mmap_munmap")
+    worst = max(t for t in (t1k, t100k) if t is not None) if t1k or t100k else None
+    print(f"| {size} | {fmt(t1k)} | {fmt(t100k)} | {fmt(glibc)} | {fmt(mmap)} "
+          f"| {ratio(worst, glibc)} | {ratio(t100k, t1k)} | {ratio(mmap, worst)} |")
