@@ -36,15 +36,19 @@ impl StatByPool {
     }
 }
 
-/// A gauge as the heap keeps it on the hot path: per pool kind, with `all`
-/// derived by summing, except its peak, which is kept (peaks do not add).
+/// A gauge as the heap keeps it on the hot path: per pool kind, `current`,
+/// `peak` and `freed`, with `allocated` derived (`current + freed` since the
+/// last reset) and `all` derived by summing, except its peak, which is kept
+/// (peaks do not add).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Gauge {
     current: [u64; 2],
     peak: [u64; 2],
-    allocated: [u64; 2],
     freed: [u64; 2],
     all_peak: u64,
+    /// `current` and `freed` when accumulated counts were last reset.
+    current_at_reset: [u64; 2],
+    freed_at_reset: [u64; 2],
 }
 
 impl Gauge {
@@ -52,7 +56,6 @@ impl Gauge {
     pub fn increase(&mut self, kind: PoolKind, amount: u64) {
         let k = kind as usize;
         self.current[k] += amount;
-        self.allocated[k] += amount;
         self.peak[k] = self.peak[k].max(self.current[k]);
         self.all_peak = self.all_peak.max(self.current[0] + self.current[1]);
     }
@@ -71,16 +74,21 @@ impl Gauge {
     }
 
     fn reset_accumulated(&mut self) {
-        self.allocated = [0; 2];
-        self.freed = [0; 2];
+        self.current_at_reset = self.current;
+        self.freed_at_reset = self.freed;
     }
 
     pub fn report(&self) -> StatByPool {
-        let stat = |k: usize| Stat {
-            current: self.current[k],
-            peak: self.peak[k],
-            allocated: self.allocated[k],
-            freed: self.freed[k],
+        let stat = |k: usize| {
+            let freed = self.freed[k] - self.freed_at_reset[k];
+            Stat {
+                current: self.current[k],
+                peak: self.peak[k],
+                // Everything added since the reset: what is here now and
+                // what left, less what was here at the reset.
+                allocated: self.current[k] + freed - self.current_at_reset[k],
+                freed,
+            }
         };
         let (small, large) = (stat(0), stat(1));
         StatByPool {

@@ -13,8 +13,8 @@ const MIN_CAPACITY: usize = 64;
 
 #[derive(Clone)]
 pub struct AddrMap {
-    keys: Vec<u64>,
-    values: Vec<u32>,
+    /// (key, value) per slot; key EMPTY marks a free slot.
+    slots: Vec<(u64, u32)>,
     len: usize,
     /// 64 - log2(capacity): the shift that maps a hash to a slot.
     shift: u32,
@@ -29,12 +29,12 @@ impl Default for AddrMap {
 impl AddrMap {
     fn with_capacity(capacity: usize) -> AddrMap {
         debug_assert!(capacity.is_power_of_two());
-        AddrMap { keys: vec![EMPTY; capacity], values: vec![0; capacity], len: 0, shift: 64 - capacity.trailing_zeros() }
+        AddrMap { slots: vec![(EMPTY, 0); capacity], len: 0, shift: 64 - capacity.trailing_zeros() }
     }
 
     #[inline]
     fn mask(&self) -> usize {
-        self.keys.len() - 1
+        self.slots.len() - 1
     }
 
     #[inline]
@@ -55,9 +55,9 @@ impl AddrMap {
         let mask = self.mask();
         let mut slot = self.home(key);
         loop {
-            let k = self.keys[slot];
+            let (k, v) = self.slots[slot];
             if k == key {
-                return Some(self.values[slot]);
+                return Some(v);
             }
             if k == EMPTY {
                 return None;
@@ -70,19 +70,18 @@ impl AddrMap {
     #[inline]
     pub fn insert(&mut self, key: u64, value: u32) {
         debug_assert_ne!(key, EMPTY);
-        if (self.len + 1) * 2 > self.keys.len() {
+        if (self.len + 1) * 2 > self.slots.len() {
             self.grow();
         }
         let mask = self.mask();
         let mut slot = self.home(key);
         loop {
-            let k = self.keys[slot];
+            let k = self.slots[slot].0;
             if k == EMPTY || k == key {
                 if k == EMPTY {
                     self.len += 1;
                 }
-                self.keys[slot] = key;
-                self.values[slot] = value;
+                self.slots[slot] = (key, value);
                 return;
             }
             slot = (slot + 1) & mask;
@@ -97,43 +96,42 @@ impl AddrMap {
         }
         let mask = self.mask();
         let mut slot = self.home(key);
-        loop {
-            let k = self.keys[slot];
+        let value = loop {
+            let (k, v) = self.slots[slot];
             if k == key {
-                break;
+                break v;
             }
             if k == EMPTY {
                 return None;
             }
             slot = (slot + 1) & mask;
-        }
-        let value = self.values[slot];
+        };
         // Backward shift: pull later entries of the probe run into the hole
         // unless that would move them before their home slot.
         let mut hole = slot;
         let mut next = (hole + 1) & mask;
         loop {
-            let k = self.keys[next];
-            if k == EMPTY {
+            let entry = self.slots[next];
+            if entry.0 == EMPTY {
                 break;
             }
-            let home = self.home(k);
-            // Distance from home to `next` vs from home to `hole` (cyclic).
+            let home = self.home(entry.0);
+            // The entry may move back to the hole unless the hole lies
+            // before its home in the probe run (cyclic distances).
             if (next.wrapping_sub(home) & mask) >= (next.wrapping_sub(hole) & mask) {
-                self.keys[hole] = k;
-                self.values[hole] = self.values[next];
+                self.slots[hole] = entry;
                 hole = next;
             }
             next = (next + 1) & mask;
         }
-        self.keys[hole] = EMPTY;
+        self.slots[hole].0 = EMPTY;
         self.len -= 1;
         Some(value)
     }
 
     fn grow(&mut self) {
-        let mut bigger = AddrMap::with_capacity(self.keys.len() * 2);
-        for (&k, &v) in self.keys.iter().zip(&self.values) {
+        let mut bigger = AddrMap::with_capacity(self.slots.len() * 2);
+        for &(k, v) in &self.slots {
             if k != EMPTY {
                 bigger.insert(k, v);
             }
@@ -143,7 +141,7 @@ impl AddrMap {
 
     /// Every (key, value), in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
-        self.keys.iter().zip(&self.values).filter(|(&k, _)| k != EMPTY).map(|(&k, &v)| (k, v))
+        self.slots.iter().copied().filter(|&(k, _)| k != EMPTY)
     }
 }
 

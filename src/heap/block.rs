@@ -7,6 +7,8 @@
 //! the arena's list of unused records while it is unused).
 #![forbid(unsafe_code)]
 
+use crate::size_class::PoolKind;
+
 /// Index of a block record in the arena.
 pub type BlockId = u32;
 /// The absent link.
@@ -34,8 +36,9 @@ pub struct Block {
     pub requested: u64,
     /// The segment holding the block.
     pub segment: u32,
-    /// The pool the segment belongs to.
+    /// The pool the segment belongs to, and that pool's kind.
     pub pool: u32,
+    pub kind: PoolKind,
     /// Address neighbours in the segment.
     pub prev: BlockId,
     pub next: BlockId,
@@ -73,13 +76,14 @@ impl BlockArena {
     }
 
     /// A fresh record for a free, unlinked block.
-    pub fn insert(&mut self, addr: u64, size: u64, segment: u32, pool: u32) -> BlockId {
+    pub fn insert(&mut self, addr: u64, size: u64, segment: u32, pool: u32, kind: PoolKind) -> BlockId {
         let block = Block {
             addr,
             size,
             requested: 0,
             segment,
             pool,
+            kind,
             prev: NIL,
             next: NIL,
             link_prev: NIL,
@@ -137,11 +141,11 @@ mod tests {
     #[test]
     fn removed_records_are_reused_before_the_arena_grows() {
         let mut arena = BlockArena::new();
-        let a = arena.insert(0, 512, 0, 0);
-        let b = arena.insert(512, 512, 0, 0);
+        let a = arena.insert(0, 512, 0, 0, PoolKind::Small);
+        let b = arena.insert(512, 512, 0, 0, PoolKind::Small);
         arena.remove(a);
         assert_eq!(arena.len(), 1);
-        let c = arena.insert(1024, 512, 0, 0);
+        let c = arena.insert(1024, 512, 0, 0, PoolKind::Small);
         assert_eq!(c, a);
         assert_eq!(arena[c].addr, 1024);
         assert_eq!(arena[b].addr, 512);

@@ -65,7 +65,6 @@ pub struct Released {
 pub struct Freed {
     pub size: u64,
     pub requested: u64,
-    pub stream: Stream,
 }
 
 /// The heap of one device.
@@ -131,6 +130,7 @@ impl DeviceHeap {
     }
 
     /// Serves a request of `size` bytes on `stream`; 0 bytes gives address 0.
+    #[inline]
     pub fn allocate(&mut self, size: u64, stream: Stream) -> Result<u64, AllocError> {
         if size == 0 {
             return Ok(0);
@@ -139,14 +139,19 @@ impl DeviceHeap {
         let kind = self.rules.kind(rounded);
         let pool = self.pool_id(stream, kind);
         let stashed = self.pools[pool as usize].stash;
-        if stashed != NIL {
-            if self.blocks[stashed].size == rounded {
-                self.pools[pool as usize].stash = NIL;
-                self.blocks[stashed].state = BlockState::Detached;
-                return Ok(self.hand_out(stashed, size));
-            }
-            self.flush_stash(pool);
+        if stashed != NIL && self.blocks[stashed].size == rounded {
+            self.pools[pool as usize].stash = NIL;
+            self.blocks[stashed].state = BlockState::Detached;
+            return Ok(self.hand_out(stashed, size));
         }
+        self.allocate_from_bins(pool, rounded, size, stream)
+    }
+
+    /// The allocation path past the stash: best fit in the bins, else growth.
+    #[cold]
+    #[inline(never)]
+    fn allocate_from_bins(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
+        self.flush_stash(pool);
         let block = match self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules) {
             Some(id) => {
                 self.remove_free(id);
@@ -186,7 +191,7 @@ impl DeviceHeap {
                 (self.segments.len() - 1) as u32
             }
         };
-        let block = self.blocks.insert(base, segment_size, segment_id, pool);
+        let block = self.blocks.insert(base, segment_size, segment_id, pool, kind);
         self.segments[segment_id as usize] = Some(Segment { base, size: segment_size, pool, first_block: block });
         self.segment_by_base.insert(base, segment_id);
         self.stats.segment.increase(kind, 1);
@@ -205,7 +210,7 @@ impl DeviceHeap {
         };
         let kind = self.pools[pool as usize].kind;
         if self.rules.should_split(kind, size, rounded) {
-            let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool);
+            let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool, kind);
             let next = self.blocks[id].next;
             self.blocks[rest].prev = id;
             self.blocks[rest].next = next;
@@ -220,13 +225,12 @@ impl DeviceHeap {
     }
 
     /// Marks the free, unbinned block `id` allocated for `requested` bytes.
-    #[inline]
+    #[inline(always)]
     fn hand_out(&mut self, id: BlockId, requested: u64) -> u64 {
         let b = &mut self.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = requested;
-        let (addr, size, pool) = (b.addr, b.size, b.pool);
-        let kind = self.pools[pool as usize].kind;
+        let (addr, size, kind) = (b.addr, b.size, b.kind);
         self.live.insert(addr, id);
         let stats = &mut self.stats;
         stats.allocation.increase(kind, 1);
@@ -237,20 +241,18 @@ impl DeviceHeap {
     }
 
     /// Frees the live block at `ptr`, merging it with free neighbours.
+    #[inline]
     pub fn free(&mut self, ptr: u64) -> Result<Freed, AllocError> {
         let Some(id) = self.live.remove(ptr) else {
             self.stats.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
-        let (size, requested, pool) = {
+        let (size, requested, pool, kind) = {
             let b = &mut self.blocks[id];
             b.state = BlockState::Stashed;
-            let requested = b.requested;
-            b.requested = 0;
-            (b.size, requested, b.pool)
+            let requested = std::mem::take(&mut b.requested);
+            (b.size, requested, b.pool, b.kind)
         };
-        let kind = self.pools[pool as usize].kind;
-        let stream = self.pools[pool as usize].stream;
         let stats = &mut self.stats;
         stats.allocation.decrease(kind, 1);
         stats.allocated_bytes.decrease(kind, size);
@@ -261,7 +263,8 @@ impl DeviceHeap {
         if previous != NIL {
             self.merge_and_bin(previous);
         }
-        Ok(Freed { size, requested, stream })
+        // The stash path ends here: merging is for the next operation.
+        Ok(Freed { size, requested })
     }
 
     /// Merges the stashed block of `pool`, if any, into the bins.
@@ -282,6 +285,7 @@ impl DeviceHeap {
 
     /// Merges the free, unbinned block `id` with its free neighbours and
     /// puts the result in its bin.
+    #[inline(never)]
     fn merge_and_bin(&mut self, id: BlockId) {
         self.blocks[id].state = BlockState::Detached;
         let mut merged = id;

@@ -199,7 +199,7 @@ mod tests {
         let mut ids = Vec::new();
         let mut addr = 1 << 30;
         for &size in sizes {
-            let id = arena.insert(addr, size, 0, 0);
+            let id = arena.insert(addr, size, 0, 0, PoolKind::Large);
             addr += size;
             pool.insert(&mut arena, id, size);
             ids.push(id);
