@@ -42,6 +42,8 @@ pub struct OptionSpec {
     pub default: &'static str,
     pub help: &'static str,
     apply: fn(&mut Config, &str) -> Result<(), String>,
+    /// The option's value in a configuration, written as TIDEPOOL_CONF takes it.
+    pub show: fn(&Config) -> String,
 }
 
 const MIB: u64 = 1 << 20;
@@ -67,6 +69,9 @@ pub static OPTIONS: &[OptionSpec] = &[
             }
             other => Err(format!("unknown backend {other:?}; known: host")),
         },
+        show: |c| match c.backend {
+            BackendKind::Host => "host".into(),
+        },
     },
     OptionSpec {
         key: "host_devices",
@@ -79,6 +84,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             }
             n => Err(format!("must be between 1 and 64, got {n}")),
         },
+        show: |c| c.host_devices.to_string(),
     },
     OptionSpec {
         key: "host_capacity_mb",
@@ -88,6 +94,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             c.host_capacity = scaled(v, MIB)?;
             Ok(())
         },
+        show: |c| (c.host_capacity / MIB).to_string(),
     },
     OptionSpec {
         key: "max_split_size_mb",
@@ -105,6 +112,10 @@ pub static OPTIONS: &[OptionSpec] = &[
             c.rules.max_split_size = scaled(v, MIB)?;
             Ok(())
         },
+        show: |c| match c.rules.max_split_size {
+            u64::MAX => "unlimited".into(),
+            bytes => (bytes / MIB).to_string(),
+        },
     },
     OptionSpec {
         key: "roundup_power2_divisions",
@@ -118,6 +129,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             c.rules.roundup_power2_divisions = n;
             Ok(())
         },
+        show: |c| c.rules.roundup_power2_divisions.to_string(),
     },
     OptionSpec {
         key: "min_block_bytes",
@@ -127,6 +139,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             c.rules.min_block = number(v)?;
             Ok(())
         },
+        show: |c| c.rules.min_block.to_string(),
     },
     OptionSpec {
         key: "small_size_kb",
@@ -136,6 +149,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             c.rules.small_size = scaled(v, 1024)?;
             Ok(())
         },
+        show: |c| (c.rules.small_size / 1024).to_string(),
     },
     OptionSpec {
         key: "small_segment_mb",
@@ -145,6 +159,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             c.rules.small_segment = scaled(v, MIB)?;
             Ok(())
         },
+        show: |c| (c.rules.small_segment / MIB).to_string(),
     },
     OptionSpec {
         key: "min_large_alloc_mb",
@@ -154,6 +169,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             c.rules.min_large_alloc = scaled(v, MIB)?;
             Ok(())
         },
+        show: |c| (c.rules.min_large_alloc / MIB).to_string(),
     },
     OptionSpec {
         key: "large_segment_mb",
@@ -163,6 +179,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             c.rules.large_segment = scaled(v, MIB)?;
             Ok(())
         },
+        show: |c| (c.rules.large_segment / MIB).to_string(),
     },
     OptionSpec {
         key: "large_round_mb",
@@ -172,6 +189,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             c.rules.large_round = scaled(v, MIB)?;
             Ok(())
         },
+        show: |c| (c.rules.large_round / MIB).to_string(),
     },
 ];
 
@@ -336,11 +354,16 @@ mod tests {
     }
 
     #[test]
-    fn every_option_has_a_default_that_parses() {
+    fn every_option_has_a_default_that_parses_and_shows_as_itself() {
         for spec in OPTIONS {
             let mut c = Config::default();
             (spec.apply)(&mut c, spec.default).unwrap_or_else(|e| panic!("{}: {e}", spec.key));
             assert_eq!(c, Config::default(), "default of {} differs from Config::default()", spec.key);
+            assert_eq!((spec.show)(&c), spec.default, "{} shows its default differently", spec.key);
         }
+        let (c, _) = Config::parse("max_split_size_mb:64,host_capacity_mb:1024");
+        let shown: Vec<_> = OPTIONS.iter().map(|o| (o.key, (o.show)(&c))).collect();
+        assert!(shown.contains(&("max_split_size_mb", "64".to_string())));
+        assert!(shown.contains(&("host_capacity_mb", "1024".to_string())));
     }
 }

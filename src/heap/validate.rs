@@ -147,3 +147,76 @@ impl DeviceHeap {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::super::DeviceHeap;
+    use crate::backend::host::HostBackend;
+    use crate::size_class::{PoolKind, SizeRules};
+    use crate::Stream;
+
+    fn heap_with_holes() -> (DeviceHeap, Vec<u64>) {
+        let mut heap = DeviceHeap::new(0, SizeRules::default(), Arc::new(HostBackend::new(1, 1 << 30)));
+        let ptrs: Vec<u64> = (0..6).map(|_| heap.allocate(4096, Stream::DEFAULT).unwrap()).collect();
+        heap.free(ptrs[1]).unwrap();
+        heap.free(ptrs[3]).unwrap();
+        heap.stats(); // merges the stash
+        heap.validate().unwrap();
+        (heap, ptrs)
+    }
+
+    // Each test breaks one invariant by hand and checks that validate() names it.
+
+    #[test]
+    fn a_stat_that_drifts_from_the_blocks_is_caught() {
+        let (mut heap, _) = heap_with_holes();
+        heap.stats.allocated_bytes.increase(PoolKind::Small, 512);
+        assert!(heap.validate().unwrap_err().contains("allocated_bytes"));
+    }
+
+    #[test]
+    fn a_gap_between_blocks_is_caught() {
+        let (mut heap, ptrs) = heap_with_holes();
+        let id = heap.live.get(ptrs[2]).unwrap();
+        heap.blocks[id].addr += 512;
+        assert!(heap.validate().unwrap_err().contains("not tiled"));
+    }
+
+    #[test]
+    fn unmerged_free_neighbours_are_caught() {
+        let (mut heap, ptrs) = heap_with_holes();
+        // Free block 2 by hand, next to the free block 1 (and 3), without merging.
+        let id = heap.live.remove(ptrs[2]).unwrap();
+        heap.stats.allocated_bytes.decrease(PoolKind::Small, 4096);
+        heap.stats.requested_bytes.decrease(PoolKind::Small, 4096);
+        heap.stats.allocation.decrease(PoolKind::Small, 1);
+        heap.insert_free(id);
+        assert!(heap.validate().unwrap_err().contains("not merged"));
+    }
+
+    #[test]
+    fn a_free_block_missing_from_its_bin_is_caught() {
+        let (mut heap, ptrs) = heap_with_holes();
+        let hole = heap.blocks[heap.live.get(ptrs[0]).unwrap()].next;
+        let size = heap.blocks[hole].size;
+        heap.pools[0].remove(&mut heap.blocks, hole, size);
+        heap.blocks[hole].state = super::BlockState::Binned;
+        assert!(heap.validate().is_err());
+    }
+
+    #[test]
+    fn a_broken_bitmap_is_caught() {
+        let (mut heap, _) = heap_with_holes();
+        heap.pools[0].bins_nonempty[3] ^= 1;
+        assert!(heap.validate().unwrap_err().contains("bitmap"));
+    }
+
+    #[test]
+    fn a_live_block_missing_from_the_address_map_is_caught() {
+        let (mut heap, ptrs) = heap_with_holes();
+        heap.live.remove(ptrs[4]);
+        assert!(heap.validate().unwrap_err().contains("live map"));
+    }
+}

@@ -1,0 +1,111 @@
+//! The cached path allocates no host memory: a counting global allocator
+//! sees no call during thousands of cached pairs once the heap is warm.
+//! And the one-block stash is invisible: what it delays is merged before
+//! any request of another size or any look at the statistics.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use common::{host_allocator, KIB, MIB};
+use tidepool::{Allocator, Stream};
+
+struct Counting;
+
+thread_local! {
+    /// Allocations made by this thread (other tests run on other threads).
+    static HOST_ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count() {
+    HOST_ALLOCATIONS.with(|c| c.set(c.get() + 1));
+}
+
+fn counted() -> u64 {
+    HOST_ALLOCATIONS.with(Cell::get)
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count();
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count();
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn churn(alloc: &Allocator, sizes: &[usize], rounds: usize) {
+    for _ in 0..rounds {
+        let ptrs: Vec<_> = sizes.iter().map(|&s| alloc.allocate(0, s, Stream::DEFAULT).unwrap()).collect();
+        for p in ptrs.into_iter().rev() {
+            alloc.free(0, p).unwrap();
+        }
+    }
+}
+
+#[test]
+fn cached_allocations_and_frees_make_no_host_allocation() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let sizes = [512, 3000, 64 * KIB as usize, 4 * MIB as usize, 64 * MIB as usize];
+    let mut ptrs = Vec::with_capacity(sizes.len());
+    churn(&alloc, &sizes, 3); // warm: segments, block records, map capacity
+    let before = counted();
+    for _ in 0..2_000 {
+        for &size in &sizes {
+            ptrs.push(alloc.allocate(0, size, Stream::DEFAULT).unwrap());
+        }
+        for p in ptrs.drain(..).rev() {
+            alloc.free(0, p).unwrap();
+        }
+        let p = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();
+        alloc.free(0, p).unwrap();
+    }
+    let after = counted();
+    assert_eq!(after - before, 0, "the cached path allocated host memory");
+}
+
+#[test]
+fn a_stashed_block_is_merged_before_a_request_of_another_size() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 4096, Stream::DEFAULT).unwrap();
+    alloc.free(0, a).unwrap();
+    // 8 KiB fits only once the stashed 4 KiB block is merged back into the
+    // segment: it must come from the same place, not a new segment.
+    let b = alloc.allocate(0, 8192, Stream::DEFAULT).unwrap();
+    assert_eq!(b, a);
+    assert_eq!(alloc.stats(0).unwrap().num_device_alloc, 1);
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn statistics_see_a_freed_block_as_merged() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let keep = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();
+    let a = alloc.allocate(0, 4096, Stream::DEFAULT).unwrap();
+    alloc.free(0, a).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.inactive_split.all.current, 1, "one free block after the live 512 B, merged");
+    assert_eq!(s.largest_free_block_bytes, 2 * MIB - 512);
+    assert_eq!(s.cached_free_bytes, 2 * MIB - 512);
+    alloc.free(0, keep).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn the_allocator_is_send_and_sync() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Allocator>();
+}
