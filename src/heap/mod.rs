@@ -21,7 +21,8 @@
 //! - no two free blocks are neighbours, unless one of them is a stashed block;
 //! - each free block is either in exactly one bin (the bin of its size, in
 //!   its segment's pool) or the stash of its pool;
-//! - each allocated block is in `live` under its address, and nothing else is;
+//! - each allocated or stashed block is in `by_addr` under its address, and
+//!   nothing else is;
 //! - every gauge equals the sum recomputed from the blocks (stashed blocks
 //!   count as free, but as inactive-split only once merged).
 #![forbid(unsafe_code)]
@@ -80,7 +81,8 @@ pub struct DeviceHeap {
     pools_by_stream: HashMap<Stream, [u32; 2]>,
     /// The last stream served and its pools: skips the map on the hot path.
     last_stream: Option<(Stream, [u32; 2])>,
-    live: AddrMap,
+    /// Allocated and stashed blocks by address: the pointer lookup of `free`.
+    by_addr: AddrMap,
     stats: Counters,
 }
 
@@ -97,7 +99,7 @@ impl DeviceHeap {
             pools: Vec::new(),
             pools_by_stream: HashMap::new(),
             last_stream: None,
-            live: AddrMap::default(),
+            by_addr: AddrMap::default(),
             stats: Counters::default(),
         }
     }
@@ -221,17 +223,18 @@ impl DeviceHeap {
             self.blocks[id].size = rounded;
             self.insert_free(rest);
         }
+        self.by_addr.insert(addr, id);
         self.hand_out(id, requested)
     }
 
-    /// Marks the free, unbinned block `id` allocated for `requested` bytes.
+    /// Marks the free, unbinned block `id`, already in `by_addr`, allocated
+    /// for `requested` bytes.
     #[inline(always)]
     fn hand_out(&mut self, id: BlockId, requested: u64) -> u64 {
         let b = &mut self.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = requested;
         let (addr, size, kind) = (b.addr, b.size, b.kind);
-        self.live.insert(addr, id);
         let stats = &mut self.stats;
         stats.allocation.increase(kind, 1);
         stats.allocated_bytes.increase(kind, size);
@@ -243,7 +246,8 @@ impl DeviceHeap {
     /// Frees the live block at `ptr`, merging it with free neighbours.
     #[inline]
     pub fn free(&mut self, ptr: u64) -> Result<Freed, AllocError> {
-        let Some(id) = self.live.remove(ptr) else {
+        let found = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
+        let Some(id) = found else {
             self.stats.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
@@ -288,6 +292,7 @@ impl DeviceHeap {
     #[inline(never)]
     fn merge_and_bin(&mut self, id: BlockId) {
         self.blocks[id].state = BlockState::Detached;
+        self.by_addr.remove(self.blocks[id].addr);
         let mut merged = id;
         let prev = self.blocks[id].prev;
         if prev != NIL && self.blocks[prev].state == BlockState::Binned {
@@ -402,7 +407,7 @@ impl DeviceHeap {
 
     /// The size of the live block at `ptr`, if there is one.
     pub fn live_size(&self, ptr: u64) -> Option<u64> {
-        self.live.get(ptr).map(|id| self.blocks[id].size)
+        self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()).map(|id| self.blocks[id].size)
     }
 
     /// Counts a free whose stated size differed from the block's.
@@ -447,8 +452,9 @@ impl DeviceHeap {
     /// Live blocks as (address, size, requested) in address order, for tests and snapshots.
     pub fn live_blocks(&self) -> Vec<(u64, u64, u64)> {
         let mut out: Vec<_> = self
-            .live
+            .by_addr
             .iter()
+            .filter(|&(_, id)| self.blocks[id].is_allocated())
             .map(|(addr, id)| (addr, self.blocks[id].size, self.blocks[id].requested))
             .collect();
         out.sort_unstable();

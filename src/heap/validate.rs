@@ -81,12 +81,13 @@ impl DeviceHeap {
                 ensure!(b.state != BlockState::Stashed || stashed.contains(&cur), "block {cur} is marked stashed but no pool stashes it");
                 if b.is_allocated() {
                     allocated_blocks += 1;
-                    ensure!(self.live.get(b.addr) == Some(cur), "allocated block {cur} at {:#x} missing from the live map", b.addr);
+                    ensure!(self.by_addr.get(b.addr) == Some(cur), "allocated block {cur} at {:#x} missing from the address map", b.addr);
                     ensure!(b.requested > 0 && b.requested <= b.size, "block {cur} requested {} of {}", b.requested, b.size);
                     sums.allocation[k] += 1;
                     sums.allocated_bytes[k] += b.size;
                     sums.requested_bytes[k] += b.requested;
                 } else if stashed.contains(&cur) {
+                    ensure!(self.by_addr.get(b.addr) == Some(cur), "stashed block {cur} at {:#x} missing from the address map", b.addr);
                     // A stashed block may touch free neighbours: it is merged
                     // at the next operation on its pool.
                 } else {
@@ -105,7 +106,7 @@ impl DeviceHeap {
             ensure!(expected_addr == segment.base + segment.size, "segment {segment_id}: blocks cover {:#x} bytes of {:#x}", expected_addr - segment.base, segment.size);
         }
         ensure!(block_records == self.blocks.len(), "{} block records in use but {block_records} reachable from segments", self.blocks.len());
-        ensure!(allocated_blocks == self.live.len(), "{} live entries for {allocated_blocks} allocated blocks", self.live.len());
+        ensure!(allocated_blocks + stashed.len() == self.by_addr.len(), "{} address map entries for {allocated_blocks} allocated and {} stashed blocks", self.by_addr.len(), stashed.len());
 
         let mut binned = HashSet::new();
         for (pool_id, pool) in self.pools.iter().enumerate() {
@@ -179,7 +180,7 @@ mod tests {
     #[test]
     fn a_gap_between_blocks_is_caught() {
         let (mut heap, ptrs) = heap_with_holes();
-        let id = heap.live.get(ptrs[2]).unwrap();
+        let id = heap.by_addr.get(ptrs[2]).unwrap();
         heap.blocks[id].addr += 512;
         assert!(heap.validate().unwrap_err().contains("not tiled"));
     }
@@ -188,7 +189,7 @@ mod tests {
     fn unmerged_free_neighbours_are_caught() {
         let (mut heap, ptrs) = heap_with_holes();
         // Free block 2 by hand, next to the free block 1 (and 3), without merging.
-        let id = heap.live.remove(ptrs[2]).unwrap();
+        let id = heap.by_addr.remove(ptrs[2]).unwrap();
         heap.stats.allocated_bytes.decrease(PoolKind::Small, 4096);
         heap.stats.requested_bytes.decrease(PoolKind::Small, 4096);
         heap.stats.allocation.decrease(PoolKind::Small, 1);
@@ -199,7 +200,7 @@ mod tests {
     #[test]
     fn a_free_block_missing_from_its_bin_is_caught() {
         let (mut heap, ptrs) = heap_with_holes();
-        let hole = heap.blocks[heap.live.get(ptrs[0]).unwrap()].next;
+        let hole = heap.blocks[heap.by_addr.get(ptrs[0]).unwrap()].next;
         let size = heap.blocks[hole].size;
         heap.pools[0].remove(&mut heap.blocks, hole, size);
         heap.blocks[hole].state = super::BlockState::Binned;
@@ -216,7 +217,7 @@ mod tests {
     #[test]
     fn a_live_block_missing_from_the_address_map_is_caught() {
         let (mut heap, ptrs) = heap_with_holes();
-        heap.live.remove(ptrs[4]);
-        assert!(heap.validate().unwrap_err().contains("live map"));
+        heap.by_addr.remove(ptrs[4]);
+        assert!(heap.validate().unwrap_err().contains("address map"));
     }
 }
