@@ -9,7 +9,6 @@
 //! `python3 benches/table.py` turns the medians into README's table.
 
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};

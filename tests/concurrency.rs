@@ -30,7 +30,7 @@ fn eight_threads_with_random_sizes_never_corrupt_each_others_blocks() {
         .map(|t| {
             let alloc = alloc.clone();
             std::thread::spawn(move || {
-                let mut rng = Rng(0x9E37_79B9 ^ (t + 1) * 0x1234_5678_9ABC);
+                let mut rng = Rng(0x9E37_79B9 ^ ((t + 1) * 0x1234_5678_9ABC));
                 // Half the threads share the default stream, half have their own.
                 let stream = if t % 2 == 0 { Stream::DEFAULT } else { Stream(100 + t) };
                 let mut live: Vec<(DevicePtr, u64, u64)> = Vec::with_capacity(MAX_LIVE_PER_THREAD);
