@@ -114,8 +114,6 @@ pub(crate) struct Counters {
     pub reserved_bytes: Gauge,
     pub inactive_split_bytes: Gauge,
     pub requested_bytes: Gauge,
-    pub num_allocs: u64,
-    pub num_frees: u64,
     pub num_device_alloc: u64,
     pub num_device_free: u64,
     pub num_alloc_retries: u64,
@@ -149,8 +147,6 @@ impl Counters {
         for gauge in self.gauges_mut() {
             gauge.reset_accumulated();
         }
-        self.num_allocs = 0;
-        self.num_frees = 0;
         self.num_device_alloc = 0;
         self.num_device_free = 0;
         self.num_alloc_retries = 0;
@@ -174,8 +170,9 @@ impl Counters {
             active_bytes: allocated_bytes,
             inactive_split_bytes: self.inactive_split_bytes.report(),
             requested_bytes: self.requested_bytes.report(),
-            num_allocs: self.num_allocs,
-            num_frees: self.num_frees,
+            // Every allocation adds one to `allocation`, every free takes one.
+            num_allocs: allocation.all.allocated,
+            num_frees: allocation.all.freed,
             num_device_alloc: self.num_device_alloc,
             num_device_free: self.num_device_free,
             num_alloc_retries: self.num_alloc_retries,

@@ -239,7 +239,6 @@ impl DeviceHeap {
         stats.allocation.increase(kind, 1);
         stats.allocated_bytes.increase(kind, size);
         stats.requested_bytes.increase(kind, requested);
-        stats.num_allocs += 1;
         addr
     }
 
@@ -261,7 +260,6 @@ impl DeviceHeap {
         stats.allocation.decrease(kind, 1);
         stats.allocated_bytes.decrease(kind, size);
         stats.requested_bytes.decrease(kind, requested);
-        stats.num_frees += 1;
 
         let previous = std::mem::replace(&mut self.pools[pool as usize].stash, id);
         if previous != NIL {
