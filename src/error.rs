@@ -16,6 +16,10 @@ pub enum AllocError {
     InvalidDevice { device: i64, device_count: usize },
     /// A free of a pointer that is not a live allocation.
     InvalidFree { ptr: u64, reason: InvalidFree },
+    /// A pointer that is not a live allocation, given where one is needed.
+    UnknownPointer { ptr: u64 },
+    /// An argument out of its range, named with the reason.
+    InvalidArgument(String),
     /// The backend failed for a reason other than lack of memory.
     Backend(BackendError),
 }
@@ -49,6 +53,8 @@ impl fmt::Display for AllocError {
                     "tidepool: free of {ptr:#x}, which points inside the allocation at {block:#x}, not at its start"
                 ),
             },
+            AllocError::UnknownPointer { ptr } => write!(f, "tidepool: {ptr:#x} is not a live allocation"),
+            AllocError::InvalidArgument(msg) => write!(f, "tidepool: {msg}"),
             AllocError::Backend(err) => write!(f, "tidepool: {err}"),
         }
     }
@@ -75,6 +81,8 @@ pub struct OomReport {
     /// The device's free and total bytes, when the backend could tell.
     pub device_free: Option<u64>,
     pub device_total: Option<u64>,
+    /// The cap on reserved bytes (`set_memory_fraction`), when there is one.
+    pub reserved_limit: Option<u64>,
 }
 
 /// Bytes as a person reads them: "1.50 GiB", "512 B".
@@ -108,6 +116,9 @@ impl fmt::Display for OomReport {
         )?;
         if let (Some(free), Some(total)) = (self.device_free, self.device_total) {
             write!(f, "; the device has {} free of {}", human_bytes(free), human_bytes(total))?;
+        }
+        if let Some(limit) = self.reserved_limit {
+            write!(f, "; tidepool may reserve at most {} on it (memory fraction)", human_bytes(limit))?;
         }
         write!(f, ". ")?;
         if self.cached_free >= self.requested {
@@ -150,10 +161,11 @@ mod tests {
             fragmentation: 2.0 / 3.0,
             device_free: Some(0),
             device_total: Some(16 << 30),
+            reserved_limit: Some(14 << 30),
         };
         let text = AllocError::OutOfMemory(Box::new(report)).to_string();
         for needle in ["device 1", "2.00 GiB", "10.00 GiB allocated", "13.00 GiB reserved", "3.00 GiB cached free",
-            "largest free block 1.00 GiB", "67 %", "max_split_size_mb", "batch size", "of 16.00 GiB"]
+            "largest free block 1.00 GiB", "67 %", "max_split_size_mb", "batch size", "of 16.00 GiB", "at most 14.00 GiB"]
         {
             assert!(text.contains(needle), "{needle:?} missing from {text}");
         }

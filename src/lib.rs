@@ -31,7 +31,7 @@ use backend::Backend;
 pub use config::{BackendKind, Config, ConfigError};
 pub use error::{AllocError, InvalidFree, OomReport};
 use heap::DeviceHeap;
-pub use heap::Released;
+pub use heap::{BlockSnapshot, Released, SegmentSnapshot};
 pub use stats::{Stat, StatByPool, Stats};
 
 /// An opaque stream handle (a `CUstream`); 0 is the default stream.
@@ -160,6 +160,47 @@ impl Allocator {
     /// The base and size of the segment holding `ptr` (PyTorch's `getBaseAllocation`).
     pub fn segment_of(&self, device: usize, ptr: DevicePtr) -> Result<Option<(DevicePtr, u64)>, AllocError> {
         Ok(self.heap(device)?.lock().segment_of(ptr.0).map(|(base, size)| (DevicePtr(base), size)))
+    }
+
+    /// Limits what `device` may reserve to `fraction` of its total memory
+    /// (PyTorch's `set_per_process_memory_fraction`): growth past it fails
+    /// as out of memory after the cache is released. 1.0 lifts the limit.
+    pub fn set_memory_fraction(&self, device: usize, fraction: f64) -> Result<(), AllocError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(AllocError::InvalidArgument(format!(
+                "memory fraction must be between 0 and 1, got {fraction}"
+            )));
+        }
+        let heap = self.heap(device)?;
+        let total = self.backend.mem_info(device).map_err(AllocError::Backend)?.total;
+        let limit = (fraction < 1.0).then(|| (total as f64 * fraction) as u64);
+        heap.lock().set_reserved_limit(limit);
+        Ok(())
+    }
+
+    /// Notes that the live block at `ptr` is used on `stream` too (PyTorch's
+    /// `record_stream`); it is not reused until that stream's work is done.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<(), AllocError> {
+        for heap in self.heaps.iter() {
+            let mut heap = heap.lock();
+            if heap.live_size(ptr.0).is_some() {
+                return heap.record_stream(ptr.0, stream);
+            }
+        }
+        Err(AllocError::UnknownPointer { ptr: ptr.0 })
+    }
+
+    /// The device, base and size of the segment holding `ptr`, searching
+    /// every device (PyTorch's `getBaseAllocation`).
+    pub fn find_segment(&self, ptr: DevicePtr) -> Option<(usize, DevicePtr, u64)> {
+        self.heaps.iter().enumerate().find_map(|(device, heap)| {
+            heap.lock().segment_of(ptr.0).map(|(base, size)| (device, DevicePtr(base), size))
+        })
+    }
+
+    /// Every segment of `device` with its blocks, in address order.
+    pub fn snapshot(&self, device: usize) -> Result<Vec<SegmentSnapshot>, AllocError> {
+        Ok(self.heap(device)?.lock().snapshot())
     }
 
     /// Checks every invariant of every heap; see `heap/mod.rs`.

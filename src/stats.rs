@@ -68,6 +68,11 @@ impl Gauge {
         self.freed[k] += amount;
     }
 
+    /// The current value over both pool kinds.
+    pub fn total(&self) -> u64 {
+        self.current[0] + self.current[1]
+    }
+
     fn reset_peak(&mut self) {
         self.peak = self.current;
         self.all_peak = self.current[0] + self.current[1];

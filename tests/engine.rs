@@ -313,3 +313,71 @@ fn peaks_track_the_high_water_mark_until_reset() {
     alloc.reset_peak_stats(0).unwrap();
     assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.peak, 0);
 }
+
+#[test]
+fn a_memory_fraction_caps_what_the_heap_reserves() {
+    let (alloc, _) = host_allocator(1, 100 * MIB, "");
+    let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    alloc.set_memory_fraction(0, 0.5).unwrap();
+    // 40 MiB cached + 46 MiB would pass the 50 MiB cap: the cache goes first.
+    let b = alloc.allocate(0, (45 * MIB) as usize, S0).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes.all.current, s.num_alloc_retries), (46 * MIB, 1));
+    // Live memory itself over the cap: out of memory, and the report says why.
+    let err = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap_err();
+    let AllocError::OutOfMemory(report) = &err else { panic!("{err:?}") };
+    assert_eq!(report.reserved_limit, Some(50 * MIB));
+    assert!(err.to_string().contains("memory fraction"), "{err}");
+    alloc.set_memory_fraction(0, 1.0).unwrap();
+    let c = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap();
+    alloc.free(0, b).unwrap();
+    alloc.free(0, c).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_memory_fraction_outside_zero_to_one_is_refused() {
+    let (alloc, _) = host_allocator(1, 100 * MIB, "");
+    for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
+        assert!(matches!(alloc.set_memory_fraction(0, bad), Err(AllocError::InvalidArgument(_))), "{bad}");
+    }
+    assert!(matches!(alloc.set_memory_fraction(3, 0.5), Err(AllocError::InvalidDevice { .. })));
+}
+
+#[test]
+fn record_stream_needs_a_live_block_and_is_forgotten_at_free() {
+    let (alloc, _) = host_allocator(2, 1 << 30, "");
+    let a = alloc.allocate(1, 4096, Stream(5)).unwrap();
+    alloc.record_stream(a, Stream(9)).unwrap();
+    alloc.record_stream(a, Stream(9)).unwrap();
+    alloc.record_stream(a, Stream(5)).unwrap(); // its own stream: nothing to record
+    assert_eq!(alloc.with_heap(1, |h| h.recorded_streams(a.0).to_vec()).unwrap(), vec![Stream(9)]);
+    alloc.free(1, a).unwrap();
+    assert!(alloc.with_heap(1, |h| h.recorded_streams(a.0).is_empty()).unwrap());
+    assert_eq!(alloc.record_stream(a, Stream(9)), Err(AllocError::UnknownPointer { ptr: a.0 }));
+    assert_eq!(alloc.record_stream(DevicePtr(0x40), Stream(9)), Err(AllocError::UnknownPointer { ptr: 0x40 }));
+}
+
+#[test]
+fn find_segment_names_the_device_base_and_size() {
+    let (alloc, _) = host_allocator(2, 1 << 30, "");
+    let a = alloc.allocate(1, 4096, S0).unwrap();
+    let b = alloc.allocate(1, 4096, S0).unwrap();
+    assert_eq!(alloc.find_segment(DevicePtr(b.0 + 100)), Some((1, a, 2 * MIB)));
+    assert_eq!(alloc.find_segment(DevicePtr(0x40)), None);
+}
+
+#[test]
+fn a_snapshot_lists_segments_with_their_blocks_in_address_order() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let a = alloc.allocate(0, 1000, Stream(3)).unwrap();
+    let b = alloc.allocate(0, 2048, Stream(3)).unwrap();
+    alloc.free(0, a).unwrap();
+    let snapshot = alloc.snapshot(0).unwrap();
+    assert_eq!(snapshot.len(), 1);
+    let segment = &snapshot[0];
+    assert_eq!((segment.address, segment.size, segment.stream), (a.0, 2 * MIB, Stream(3)));
+    let blocks: Vec<_> = segment.blocks.iter().map(|b| (b.address, b.size, b.requested, b.allocated)).collect();
+    assert_eq!(blocks, vec![(a.0, 1024, 0, false), (b.0, 2048, 2048, true), (b.0 + 2048, 2 * MIB - 3072, 0, false)]);
+}

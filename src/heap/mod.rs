@@ -61,6 +61,26 @@ pub struct Released {
     pub bytes: u64,
 }
 
+/// One segment as a snapshot shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentSnapshot {
+    pub address: u64,
+    pub size: u64,
+    pub stream: Stream,
+    pub kind: PoolKind,
+    pub blocks: Vec<BlockSnapshot>,
+}
+
+/// One block of a segment snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockSnapshot {
+    pub address: u64,
+    pub size: u64,
+    /// Bytes asked for; 0 for a free block.
+    pub requested: u64,
+    pub allocated: bool,
+}
+
 /// A freed block, as the caller needs to know it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Freed {
@@ -83,6 +103,10 @@ pub struct DeviceHeap {
     last_stream: Option<(Stream, [u32; 2])>,
     /// Allocated and stashed blocks by address: the pointer lookup of `free`.
     by_addr: AddrMap,
+    /// Live blocks used on streams other than their own (`record_stream`).
+    recorded_streams: HashMap<u64, Vec<Stream>>,
+    /// The most this heap may reserve (u64::MAX: no limit).
+    reserved_limit: u64,
     stats: Counters,
 }
 
@@ -100,6 +124,8 @@ impl DeviceHeap {
             pools_by_stream: HashMap::new(),
             last_stream: None,
             by_addr: AddrMap::default(),
+            recorded_streams: HashMap::new(),
+            reserved_limit: u64::MAX,
             stats: Counters::default(),
         }
     }
@@ -169,12 +195,12 @@ impl DeviceHeap {
     /// block is returned unlinked from any bin.
     fn grow(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<BlockId, AllocError> {
         let segment_size = self.rules.segment_size(rounded).ok_or(AllocError::TooLarge { size })?;
-        let base = match self.backend.allocate(self.device, segment_size, stream) {
+        let base = match self.new_segment(segment_size, stream) {
             Ok(base) => base,
             Err(BackendError::OutOfMemory) => {
                 self.release_free_segments(|_| true);
                 self.stats.num_alloc_retries += 1;
-                match self.backend.allocate(self.device, segment_size, stream) {
+                match self.new_segment(segment_size, stream) {
                     Ok(base) => base,
                     Err(BackendError::OutOfMemory) => {
                         self.stats.num_ooms += 1;
@@ -200,6 +226,29 @@ impl DeviceHeap {
         self.stats.reserved_bytes.increase(kind, segment_size);
         self.stats.num_device_alloc += 1;
         Ok(block)
+    }
+
+    /// A segment from the backend, unless it would take the heap past its
+    /// reserve limit (which then counts as out of memory).
+    fn new_segment(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
+        match self.stats.reserved_bytes.total().checked_add(size) {
+            Some(total) if total <= self.reserved_limit => {}
+            _ => return Err(BackendError::OutOfMemory),
+        }
+        self.backend.allocate(self.device, size, stream)
+    }
+
+    /// Caps the bytes this heap may reserve (`None`: no cap). Cached
+    /// segments above the new cap are released at once.
+    pub fn set_reserved_limit(&mut self, limit: Option<u64>) {
+        self.reserved_limit = limit.unwrap_or(u64::MAX);
+        if self.stats.reserved_bytes.total() > self.reserved_limit {
+            self.release_free_segments(|_| true);
+        }
+    }
+
+    pub fn reserved_limit(&self) -> Option<u64> {
+        (self.reserved_limit != u64::MAX).then_some(self.reserved_limit)
     }
 
     /// Allocates the free, unbinned block `id` for a request, splitting off
@@ -250,6 +299,9 @@ impl DeviceHeap {
             self.stats.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
+        if !self.recorded_streams.is_empty() {
+            self.recorded_streams.remove(&ptr);
+        }
         let (size, requested, pool, kind) = {
             let b = &mut self.blocks[id];
             b.state = BlockState::Stashed;
@@ -403,6 +455,56 @@ impl DeviceHeap {
         (ptr < segment.base + segment.size).then_some((segment.base, segment.size))
     }
 
+    /// Notes that the live block at `ptr` is also used on `stream`. The host
+    /// backend runs no work on streams, so at free such a block is reusable
+    /// at once; a backend with asynchronous streams waits for that work.
+    pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<(), AllocError> {
+        let id = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
+        let Some(id) = id else {
+            return Err(AllocError::UnknownPointer { ptr });
+        };
+        if self.pools[self.blocks[id].pool as usize].stream != stream {
+            let streams = self.recorded_streams.entry(ptr).or_default();
+            if !streams.contains(&stream) {
+                streams.push(stream);
+            }
+        }
+        Ok(())
+    }
+
+    /// The streams recorded for the live block at `ptr`.
+    pub fn recorded_streams(&self, ptr: u64) -> &[Stream] {
+        self.recorded_streams.get(&ptr).map_or(&[], Vec::as_slice)
+    }
+
+    /// Every segment with its blocks in address order, for snapshots.
+    pub fn snapshot(&mut self) -> Vec<SegmentSnapshot> {
+        self.flush_stashes();
+        let mut out: Vec<SegmentSnapshot> = self
+            .segments
+            .iter()
+            .flatten()
+            .map(|segment| {
+                let pool = &self.pools[segment.pool as usize];
+                let mut blocks = Vec::new();
+                let mut cur = segment.first_block;
+                while cur != NIL {
+                    let b = &self.blocks[cur];
+                    blocks.push(BlockSnapshot {
+                        address: b.addr,
+                        size: b.size,
+                        requested: b.requested,
+                        allocated: b.is_allocated(),
+                    });
+                    cur = b.next;
+                }
+                SegmentSnapshot { address: segment.base, size: segment.size, stream: pool.stream, kind: pool.kind, blocks }
+            })
+            .collect();
+        out.sort_by_key(|s| s.address);
+        out
+    }
+
     /// The size of the live block at `ptr`, if there is one.
     pub fn live_size(&self, ptr: u64) -> Option<u64> {
         self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()).map(|id| self.blocks[id].size)
@@ -444,6 +546,7 @@ impl DeviceHeap {
             fragmentation: stats.external_fragmentation(),
             device_free: info.map(|i| i.free),
             device_total: info.map(|i| i.total),
+            reserved_limit: self.reserved_limit(),
         }
     }
 
