@@ -121,7 +121,13 @@ impl fmt::Display for OomReport {
             write!(f, "; tidepool may reserve at most {} on it (memory fraction)", human_bytes(limit))?;
         }
         write!(f, ". ")?;
-        if self.cached_free >= self.requested {
+        if self.reserved_limit.is_some_and(|limit| self.allocated.saturating_add(self.requested) > limit) {
+            write!(
+                f,
+                "The memory fraction is the limit: raise it (torch.cuda.set_per_process_memory_fraction) \
+                 or reduce the batch size."
+            )
+        } else if self.cached_free >= self.requested {
             write!(
                 f,
                 "The cache holds enough free memory but in pieces too small: set \

@@ -18,8 +18,12 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+#[allow(non_camel_case_types)]
+pub mod ffi;
 pub mod heap;
+pub mod pickle;
 pub mod size_class;
+pub mod snapshot;
 pub mod stats;
 
 use std::sync::Arc;

@@ -246,7 +246,8 @@ impl Stats {
         }
     }
 
-    fn gauges(&self) -> [(&'static str, &StatByPool); 9] {
+    /// The nine gauges under PyTorch's names, in PyTorch's order.
+    pub fn gauges(&self) -> [(&'static str, &StatByPool); 9] {
         [
             ("allocation", &self.allocation),
             ("segment", &self.segment),

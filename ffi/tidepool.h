@@ -1,0 +1,118 @@
+/* tidepool: a CUDA caching allocator that gives memory back.
+ *
+ * The C ABI of libtidepool.so. PyTorch loads tidepool_malloc and
+ * tidepool_free through torch.cuda.memory.CUDAPluggableAllocator and the
+ * other hooks through the Python package (ffi/python); any runtime can link
+ * it and read the statistics.
+ *
+ * A stream is a cudaStream_t / CUstream passed as void*. No function ever
+ * unwinds into the caller: on failure it returns NULL or an error code and
+ * sets a per-thread last error (tidepool_last_error).
+ *
+ * tests/ffi_header.rs checks this file against src/ffi.rs.
+ */
+#ifndef TIDEPOOL_H
+#define TIDEPOOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TIDEPOOL_OK 0
+#define TIDEPOOL_ERR_INVALID_ARGUMENT 1 /* NULL pointer, or a size field too small */
+#define TIDEPOOL_ERR_INVALID_DEVICE 2   /* no such device */
+#define TIDEPOOL_ERR_INTERNAL 3         /* allocator not created, or internal error */
+#define TIDEPOOL_ERR_IO 4               /* a file could not be written */
+
+#define TIDEPOOL_STATS_VERSION 1
+
+/* One gauge, as torch.cuda.memory_stats reports it. */
+typedef struct tidepool_stat {
+    uint64_t current;
+    uint64_t peak;
+    uint64_t allocated; /* sum of increases */
+    uint64_t freed;     /* sum of decreases */
+} tidepool_stat;
+
+typedef struct tidepool_stat_by_pool {
+    tidepool_stat all;
+    tidepool_stat small_pool;
+    tidepool_stat large_pool;
+} tidepool_stat_by_pool;
+
+/* Statistics of one device. Set size = sizeof(tidepool_stats) before the
+ * call; the library fills at most that many bytes, writes its version and
+ * sets size to the bytes filled. Later versions only append fields. */
+typedef struct tidepool_stats {
+    uint32_t size;
+    uint32_t version;
+    uint64_t allocated_bytes;
+    uint64_t peak_allocated_bytes;
+    uint64_t requested_bytes;
+    uint64_t peak_requested_bytes;
+    uint64_t reserved_bytes;
+    uint64_t peak_reserved_bytes;
+    uint64_t active_bytes;
+    uint64_t peak_active_bytes;
+    uint64_t inactive_split_bytes;
+    uint64_t peak_inactive_split_bytes;
+    uint64_t largest_free_block_bytes;
+    uint64_t cached_free_bytes;
+    uint64_t num_allocs;
+    uint64_t num_frees;
+    uint64_t num_device_allocs;
+    uint64_t num_device_frees;
+    uint64_t num_alloc_retries;
+    uint64_t num_ooms;
+    uint64_t num_invalid_frees;
+    uint64_t num_size_mismatches;
+    uint64_t reserved_limit_bytes; /* 0: no limit */
+    /* torch.cuda.memory_stats' gauges, in this order: allocation, segment,
+     * active, inactive_split, allocated_bytes, reserved_bytes, active_bytes,
+     * inactive_split_bytes, requested_bytes. */
+    tidepool_stat_by_pool gauges[9];
+} tidepool_stats;
+
+/* size bytes on device for stream. NULL when out of memory (after the cache
+ * was released and the request retried; the report goes to stderr), on bad
+ * input (see tidepool_last_error), or for size 0. */
+void* tidepool_malloc(size_t size, int device, void* stream);
+
+/* Frees ptr (NULL: nothing). A pointer tidepool does not hold is refused
+ * and counted; a size that differs from the allocation's is counted and the
+ * recorded size used. */
+void tidepool_free(void* ptr, size_t size, int device, void* stream);
+
+/* Creates the allocator now (PyTorch's init hook). */
+void tidepool_init(int device_count);
+
+/* Releases every whole free segment to the driver (torch.cuda.empty_cache). */
+void tidepool_empty_cache(void);
+
+/* Caps what device may reserve at fraction (0..1) of its memory. */
+void tidepool_set_memory_fraction(double fraction, int device);
+
+/* Notes that the live allocation ptr is used on stream too. */
+void tidepool_record_stream(void* ptr, void* stream);
+
+/* The base of the segment holding ptr, its size in *size; NULL if none. */
+void* tidepool_base_alloc(void* ptr, size_t* size);
+
+/* Fills *out for device; returns TIDEPOOL_OK or a TIDEPOOL_ERR_* code. */
+int tidepool_get_stats(int device, tidepool_stats* out);
+
+/* Writes a PyTorch-schema snapshot pickle of every device to path. */
+int tidepool_dump_snapshot(const char* path);
+
+/* Copies this thread's last error into buf (NUL-terminated, cut to len - 1
+ * bytes); returns its full length (0: none). buf may be NULL to ask the length. */
+size_t tidepool_last_error(char* buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TIDEPOOL_H */

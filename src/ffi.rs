@@ -1,0 +1,431 @@
+//! The C ABI: the exports PyTorch's `CUDAPluggableAllocator` loads, plus
+//! statistics, snapshots and the last error. `ffi/tidepool.h` declares them
+//! (a test checks the header against this file).
+//!
+//! Every export runs inside `boundary!`: a panic becomes NULL or an error
+//! code and a last-error message, never an unwind into C. The process-wide
+//! allocator is made on first use from `TIDEPOOL_CONF`. After `fork` the
+//! child starts a fresh allocator (the parent's heaps belong to the parent;
+//! a CUDA context does not survive fork either).
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::Once;
+
+use crate::stats::{Stat, StatByPool, Stats};
+use crate::{AllocError, Allocator, DevicePtr, Stream};
+
+/// Success.
+pub const TIDEPOOL_OK: c_int = 0;
+/// A NULL pointer, or a `size` field smaller than version 1 of the struct.
+pub const TIDEPOOL_ERR_INVALID_ARGUMENT: c_int = 1;
+/// No such device.
+pub const TIDEPOOL_ERR_INVALID_DEVICE: c_int = 2;
+/// The allocator could not be created, or an internal error (see the last error).
+pub const TIDEPOOL_ERR_INTERNAL: c_int = 3;
+/// A file could not be written.
+pub const TIDEPOOL_ERR_IO: c_int = 4;
+
+/// Version of `tidepool_stats` this library fills.
+pub const TIDEPOOL_STATS_VERSION: u32 = 1;
+
+/// One gauge (`torch.cuda.memory_stats` fields).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct tidepool_stat {
+    pub current: u64,
+    pub peak: u64,
+    pub allocated: u64,
+    pub freed: u64,
+}
+
+/// A gauge for all pools and each pool kind.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct tidepool_stat_by_pool {
+    pub all: tidepool_stat,
+    pub small_pool: tidepool_stat,
+    pub large_pool: tidepool_stat,
+}
+
+/// Statistics of one device. The caller sets `size` to
+/// `sizeof(tidepool_stats)`; the library fills that many bytes at most,
+/// writes its `version`, and sets `size` to the bytes it filled. Later
+/// versions only append fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct tidepool_stats {
+    pub size: u32,
+    pub version: u32,
+    pub allocated_bytes: u64,
+    pub peak_allocated_bytes: u64,
+    pub requested_bytes: u64,
+    pub peak_requested_bytes: u64,
+    pub reserved_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    pub active_bytes: u64,
+    pub peak_active_bytes: u64,
+    pub inactive_split_bytes: u64,
+    pub peak_inactive_split_bytes: u64,
+    pub largest_free_block_bytes: u64,
+    pub cached_free_bytes: u64,
+    pub num_allocs: u64,
+    pub num_frees: u64,
+    pub num_device_allocs: u64,
+    pub num_device_frees: u64,
+    pub num_alloc_retries: u64,
+    pub num_ooms: u64,
+    pub num_invalid_frees: u64,
+    pub num_size_mismatches: u64,
+    pub reserved_limit_bytes: u64,
+    pub gauges: [tidepool_stat_by_pool; 9],
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+fn set_last_error(message: impl Into<String>) {
+    let message = message.into();
+    LAST_ERROR.with(|e| *e.borrow_mut() = message);
+}
+
+/// Runs an export's body; a panic becomes `$on_panic` and a last error.
+macro_rules! boundary {
+    ($on_panic:expr, $body:expr) => {
+        match catch_unwind(AssertUnwindSafe(|| $body)) {
+            Ok(value) => value,
+            Err(payload) => {
+                let what = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                set_last_error(format!("tidepool: internal error: {what}"));
+                $on_panic
+            }
+        }
+    };
+}
+
+static ALLOCATOR: AtomicPtr<Allocator> = AtomicPtr::new(null_mut());
+static AT_FORK: Once = Once::new();
+
+extern "C" fn forget_allocator_in_child() {
+    // Only an atomic store: a fork child may run nothing that locks.
+    ALLOCATOR.store(null_mut(), Ordering::Release);
+}
+
+/// The process-wide allocator, made on first use.
+fn allocator() -> Result<&'static Allocator, AllocError> {
+    let current = ALLOCATOR.load(Ordering::Acquire);
+    if !current.is_null() {
+        // SAFETY: a non-null ALLOCATOR always points to a leaked Box that is
+        // never freed, so the reference is valid for the whole process.
+        return Ok(unsafe { &*current });
+    }
+    AT_FORK.call_once(|| {
+        // SAFETY: registers a handler that only performs an atomic store.
+        unsafe { libc::pthread_atfork(None, None, Some(forget_allocator_in_child)) };
+    });
+    let fresh = Box::into_raw(Box::new(Allocator::from_env()?));
+    match ALLOCATOR.compare_exchange(null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
+        // SAFETY: `fresh` was just leaked from a Box and is now published for good.
+        Ok(_) => Ok(unsafe { &*fresh }),
+        Err(winner) => {
+            // SAFETY: `fresh` lost the race, was never shared, and is freed
+            // once; `winner` is a published allocator, valid forever.
+            unsafe {
+                drop(Box::from_raw(fresh));
+                Ok(&*winner)
+            }
+        }
+    }
+}
+
+fn device_index(device: c_int) -> Result<usize, AllocError> {
+    usize::try_from(device).map_err(|_| AllocError::InvalidDevice { device: device as i64, device_count: 0 })
+}
+
+/// Logs `message` to stderr the first time `flag` is seen unset.
+fn log_once(flag: &AtomicBool, message: &str) {
+    if !flag.swap(true, Ordering::Relaxed) {
+        eprintln!("{message} (further ones are only counted)");
+    }
+}
+
+static LOGGED_INVALID_FREE: AtomicBool = AtomicBool::new(false);
+static LOGGED_SIZE_MISMATCH: AtomicBool = AtomicBool::new(false);
+
+/// `size` bytes on `device` for `stream`; NULL when out of memory (after
+/// releasing the cache and retrying; the report goes to stderr) or on bad
+/// input (see `tidepool_last_error`). 0 bytes give NULL without error.
+#[no_mangle]
+pub extern "C" fn tidepool_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    boundary!(null_mut(), {
+        let result = allocator().and_then(|a| a.allocate(device_index(device)?, size, Stream(stream as u64)));
+        match result {
+            Ok(ptr) => ptr.0 as *mut c_void,
+            Err(err) => {
+                if let AllocError::OutOfMemory(_) = err {
+                    eprintln!("{err}");
+                }
+                set_last_error(err.to_string());
+                null_mut()
+            }
+        }
+    })
+}
+
+/// Frees `ptr` (NULL: nothing). A pointer tidepool does not hold is
+/// refused and counted; a `size` that differs from the allocation's is
+/// counted and the recorded size used.
+#[no_mangle]
+pub extern "C" fn tidepool_free(ptr: *mut c_void, size: usize, device: c_int, _stream: *mut c_void) {
+    boundary!((), {
+        if ptr.is_null() {
+            return;
+        }
+        let result = allocator().and_then(|a| a.free_sized(device_index(device)?, DevicePtr(ptr as u64), size));
+        match result {
+            Ok(recorded) if recorded != size as u64 => log_once(
+                &LOGGED_SIZE_MISMATCH,
+                &format!("tidepool: warning: free of {ptr:p} with size {size}, allocated with {recorded}"),
+            ),
+            Ok(_) => {}
+            Err(err) => {
+                log_once(&LOGGED_INVALID_FREE, &format!("{err}"));
+                set_last_error(err.to_string());
+            }
+        }
+    })
+}
+
+/// PyTorch's init hook: creates the allocator now rather than at the
+/// first allocation. Warns when PyTorch sees more devices than tidepool.
+#[no_mangle]
+pub extern "C" fn tidepool_init(device_count: c_int) {
+    boundary!((), {
+        match allocator() {
+            Ok(a) if device_count > a.device_count() as c_int => eprintln!(
+                "tidepool: warning: {device_count} devices visible but the {} backend has {}",
+                a.backend().name(),
+                a.device_count()
+            ),
+            Ok(_) => {}
+            Err(err) => {
+                eprintln!("{err}");
+                set_last_error(err.to_string());
+            }
+        }
+    })
+}
+
+/// Releases every whole free segment to the driver (`torch.cuda.empty_cache`).
+#[no_mangle]
+pub extern "C" fn tidepool_empty_cache() {
+    boundary!((), {
+        match allocator() {
+            Ok(a) => {
+                a.empty_cache();
+            }
+            Err(err) => set_last_error(err.to_string()),
+        }
+    })
+}
+
+/// Caps what `device` may reserve at `fraction` of its memory; a bad
+/// fraction or device changes nothing and sets the last error.
+#[no_mangle]
+pub extern "C" fn tidepool_set_memory_fraction(fraction: f64, device: c_int) {
+    boundary!((), {
+        if let Err(err) = allocator().and_then(|a| a.set_memory_fraction(device_index(device)?, fraction)) {
+            set_last_error(err.to_string());
+        }
+    })
+}
+
+/// Notes that the live allocation `ptr` is used on `stream` too.
+#[no_mangle]
+pub extern "C" fn tidepool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    boundary!((), {
+        if let Err(err) = allocator().and_then(|a| a.record_stream(DevicePtr(ptr as u64), Stream(stream as u64))) {
+            set_last_error(err.to_string());
+        }
+    })
+}
+
+/// The base of the segment holding `ptr`, with its size in `*size`; NULL
+/// (and `*size` untouched) when no segment holds it or `size` is NULL.
+#[no_mangle]
+pub extern "C" fn tidepool_base_alloc(ptr: *mut c_void, size: *mut usize) -> *mut c_void {
+    boundary!(null_mut(), {
+        if size.is_null() {
+            set_last_error("tidepool: tidepool_base_alloc: size is NULL");
+            return null_mut();
+        }
+        match allocator().map(|a| a.find_segment(DevicePtr(ptr as u64))) {
+            Ok(Some((_, base, bytes))) => {
+                // SAFETY: `size` is non-null and, per the contract, points to a writable size_t.
+                unsafe { *size = bytes as usize };
+                base.0 as *mut c_void
+            }
+            Ok(None) => {
+                set_last_error(format!("tidepool: {ptr:p} is not in any tidepool segment"));
+                null_mut()
+            }
+            Err(err) => {
+                set_last_error(err.to_string());
+                null_mut()
+            }
+        }
+    })
+}
+
+fn c_stat(stat: &Stat) -> tidepool_stat {
+    tidepool_stat { current: stat.current, peak: stat.peak, allocated: stat.allocated, freed: stat.freed }
+}
+
+fn c_gauge(gauge: &StatByPool) -> tidepool_stat_by_pool {
+    tidepool_stat_by_pool { all: c_stat(&gauge.all), small_pool: c_stat(&gauge.small_pool), large_pool: c_stat(&gauge.large_pool) }
+}
+
+fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
+    let mut gauges = [tidepool_stat_by_pool::default(); 9];
+    for (slot, (_, gauge)) in gauges.iter_mut().zip(s.gauges()) {
+        *slot = c_gauge(gauge);
+    }
+    tidepool_stats {
+        size: std::mem::size_of::<tidepool_stats>() as u32,
+        version: TIDEPOOL_STATS_VERSION,
+        allocated_bytes: s.allocated_bytes.all.current,
+        peak_allocated_bytes: s.allocated_bytes.all.peak,
+        requested_bytes: s.requested_bytes.all.current,
+        peak_requested_bytes: s.requested_bytes.all.peak,
+        reserved_bytes: s.reserved_bytes.all.current,
+        peak_reserved_bytes: s.reserved_bytes.all.peak,
+        active_bytes: s.active_bytes.all.current,
+        peak_active_bytes: s.active_bytes.all.peak,
+        inactive_split_bytes: s.inactive_split_bytes.all.current,
+        peak_inactive_split_bytes: s.inactive_split_bytes.all.peak,
+        largest_free_block_bytes: s.largest_free_block_bytes,
+        cached_free_bytes: s.cached_free_bytes,
+        num_allocs: s.num_allocs,
+        num_frees: s.num_frees,
+        num_device_allocs: s.num_device_alloc,
+        num_device_frees: s.num_device_free,
+        num_alloc_retries: s.num_alloc_retries,
+        num_ooms: s.num_ooms,
+        num_invalid_frees: s.num_invalid_frees,
+        num_size_mismatches: s.num_size_mismatches,
+        reserved_limit_bytes: reserved_limit.unwrap_or(0),
+        gauges,
+    }
+}
+
+/// The size of version 1 of `tidepool_stats`: the smallest `size` accepted.
+/// Later versions append fields, so this stays as it is.
+const STATS_V1_SIZE: usize = 1040;
+const _: () = assert!(std::mem::size_of::<tidepool_stats>() >= STATS_V1_SIZE);
+
+/// Fills `*out` with the statistics of `device`. Returns TIDEPOOL_OK, or
+/// TIDEPOOL_ERR_INVALID_ARGUMENT (NULL `out`, `out->size` too small),
+/// TIDEPOOL_ERR_INVALID_DEVICE, TIDEPOOL_ERR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn tidepool_get_stats(device: c_int, out: *mut tidepool_stats) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, {
+        if out.is_null() {
+            set_last_error("tidepool: tidepool_get_stats: out is NULL");
+            return TIDEPOOL_ERR_INVALID_ARGUMENT;
+        }
+        // SAFETY: `out` is non-null and points to at least a `size` field (u32).
+        let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
+        if caller_size < STATS_V1_SIZE {
+            set_last_error(format!(
+                "tidepool: tidepool_get_stats: out->size is {caller_size}, at least {STATS_V1_SIZE} needed"
+            ));
+            return TIDEPOOL_ERR_INVALID_ARGUMENT;
+        }
+        let allocator = match allocator() {
+            Ok(a) => a,
+            Err(err) => {
+                set_last_error(err.to_string());
+                return TIDEPOOL_ERR_INTERNAL;
+            }
+        };
+        let device = match device_index(device).and_then(|d| Ok((d, allocator.stats(d)?))) {
+            Ok((d, stats)) => (d, stats),
+            Err(err) => {
+                set_last_error(err.to_string());
+                return TIDEPOOL_ERR_INVALID_DEVICE;
+            }
+        };
+        let limit = allocator.with_heap(device.0, |h| h.reserved_limit()).ok().flatten();
+        let mut filled = c_stats(&device.1, limit);
+        // A caller built against an older, shorter struct gets its prefix.
+        let n = caller_size.min(std::mem::size_of::<tidepool_stats>());
+        filled.size = n as u32;
+        // SAFETY: the caller vouches for `caller_size` writable bytes at
+        // `out`; we copy n <= caller_size bytes from a local value.
+        unsafe { std::ptr::copy_nonoverlapping(&filled as *const tidepool_stats as *const u8, out as *mut u8, n) };
+        TIDEPOOL_OK
+    })
+}
+
+/// Writes a PyTorch-schema memory snapshot (a pickle) of every device to
+/// `path`. Returns TIDEPOOL_OK, TIDEPOOL_ERR_INVALID_ARGUMENT (NULL or
+/// non-UTF-8 path), TIDEPOOL_ERR_IO or TIDEPOOL_ERR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn tidepool_dump_snapshot(path: *const c_char) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, {
+        if path.is_null() {
+            set_last_error("tidepool: tidepool_dump_snapshot: path is NULL");
+            return TIDEPOOL_ERR_INVALID_ARGUMENT;
+        }
+        // SAFETY: `path` is non-null and, per the contract, a NUL-terminated string.
+        let Ok(path) = unsafe { CStr::from_ptr(path) }.to_str() else {
+            set_last_error("tidepool: tidepool_dump_snapshot: path is not UTF-8");
+            return TIDEPOOL_ERR_INVALID_ARGUMENT;
+        };
+        let allocator = match allocator() {
+            Ok(a) => a,
+            Err(err) => {
+                set_last_error(err.to_string());
+                return TIDEPOOL_ERR_INTERNAL;
+            }
+        };
+        match crate::snapshot::write_snapshot(allocator, Path::new(path)) {
+            Ok(()) => TIDEPOOL_OK,
+            Err(err) => {
+                set_last_error(format!("tidepool: cannot write snapshot {path}: {err}"));
+                TIDEPOOL_ERR_IO
+            }
+        }
+    })
+}
+
+/// Copies this thread's last error message into `buf` (NUL-terminated,
+/// cut to `len - 1` bytes) and returns its full length; with a NULL `buf`
+/// or `len` 0, only the length. 0: no error yet.
+#[no_mangle]
+pub extern "C" fn tidepool_last_error(buf: *mut c_char, len: usize) -> usize {
+    boundary!(0, {
+        LAST_ERROR.with(|e| {
+            let message = e.borrow();
+            if !buf.is_null() && len > 0 {
+                let n = message.len().min(len - 1);
+                // SAFETY: `buf` is non-null with room for `len` bytes per the
+                // contract; we write n + 1 <= len bytes and do not overlap `message`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(message.as_ptr(), buf as *mut u8, n);
+                    *buf.add(n) = 0;
+                }
+            }
+            message.len()
+        })
+    })
+}

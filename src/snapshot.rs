@@ -1,0 +1,63 @@
+//! Memory snapshots in PyTorch's schema (`torch.cuda.memory._snapshot()`),
+//! so pytorch.org/memory_viz and `torch.cuda._memory_viz` read tidepool's
+//! heaps as they read PyTorch's own.
+#![forbid(unsafe_code)]
+
+use std::io::Write;
+use std::path::Path;
+
+use crate::pickle::{dumps, PyValue};
+use crate::size_class::PoolKind;
+use crate::Allocator;
+
+/// The snapshot of every device as a Python value:
+/// `{"segments": [...], "device_traces": [[], ...]}`.
+pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
+    let mut segments = Vec::new();
+    for device in 0..alloc.device_count() {
+        for segment in alloc.snapshot(device).unwrap_or_default() {
+            let allocated: u64 = segment.blocks.iter().filter(|b| b.allocated).map(|b| b.size).sum();
+            let requested: u64 = segment.blocks.iter().filter(|b| b.allocated).map(|b| b.requested).sum();
+            let blocks = segment
+                .blocks
+                .iter()
+                .map(|b| {
+                    PyValue::dict([
+                        ("address", PyValue::int(b.address)),
+                        ("size", PyValue::int(b.size)),
+                        ("requested_size", PyValue::int(b.requested)),
+                        ("state", PyValue::str(if b.allocated { "active_allocated" } else { "inactive" })),
+                        ("frames", PyValue::List(vec![])),
+                    ])
+                })
+                .collect();
+            segments.push(PyValue::dict([
+                ("device", PyValue::int(device as i64)),
+                ("address", PyValue::int(segment.address)),
+                ("total_size", PyValue::int(segment.size)),
+                ("allocated_size", PyValue::int(allocated)),
+                ("active_size", PyValue::int(allocated)),
+                ("requested_size", PyValue::int(requested)),
+                ("stream", PyValue::int(segment.stream.0)),
+                ("segment_type", PyValue::str(if segment.kind == PoolKind::Small { "small" } else { "large" })),
+                ("segment_pool_id", PyValue::Tuple(vec![PyValue::int(0), PyValue::int(0)])),
+                ("is_expandable", PyValue::Bool(false)),
+                ("frames", PyValue::List(vec![])),
+                ("blocks", PyValue::List(blocks)),
+            ]));
+        }
+    }
+    let traces = (0..alloc.device_count()).map(|_| PyValue::List(vec![])).collect();
+    PyValue::dict([("segments", PyValue::List(segments)), ("device_traces", PyValue::List(traces))])
+}
+
+/// Writes the snapshot as a pickle to `path` (via a temporary file, so a
+/// reader never sees half a file).
+pub fn write_snapshot(alloc: &Allocator, path: &Path) -> std::io::Result<()> {
+    let bytes = dumps(&pytorch_snapshot(alloc));
+    let tmp = path.with_extension("tidepool-tmp");
+    let mut file = std::fs::File::create(&tmp)?;
+    file.write_all(&bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path)
+}

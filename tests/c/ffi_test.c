@@ -1,0 +1,233 @@
+/* The C ABI exercised from C, on the host backend: normal use, every bad
+ * input the ABI handles, 16 threads at once, and fork. Run by
+ * tests/ffi_c.rs; prints "ffi_test: N passed, 0 failed" and exits 0. */
+#include "tidepool.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static int passed;
+
+#define CHECK(cond, ...)                                                    \
+    do {                                                                    \
+        if (!(cond)) {                                                      \
+            fprintf(stderr, "ffi_test: FAILED at line %d: ", __LINE__);     \
+            fprintf(stderr, __VA_ARGS__);                                   \
+            fprintf(stderr, "\n");                                          \
+            exit(1);                                                        \
+        }                                                                   \
+        passed++;                                                           \
+    } while (0)
+
+#define MIB ((size_t)1 << 20)
+
+static tidepool_stats stats_of(int device) {
+    tidepool_stats s;
+    memset(&s, 0, sizeof s);
+    s.size = sizeof s;
+    int rc = tidepool_get_stats(device, &s);
+    CHECK(rc == TIDEPOOL_OK, "tidepool_get_stats returned %d", rc);
+    return s;
+}
+
+static const char* last_error(void) {
+    static char buf[1024];
+    tidepool_last_error(buf, sizeof buf);
+    return buf;
+}
+
+static void basic_use(void) {
+    char* p = tidepool_malloc(1000, 0, NULL);
+    CHECK(p != NULL, "malloc(1000): %s", last_error());
+    CHECK(((uintptr_t)p) % 512 == 0, "pointer %p not 512-aligned", (void*)p);
+    memset(p, 0xAB, 1000); /* host backend: real memory */
+    tidepool_stats s = stats_of(0);
+    CHECK(s.version == TIDEPOOL_STATS_VERSION && s.size == sizeof s, "version %u size %u", s.version, s.size);
+    CHECK(s.allocated_bytes == 1024 && s.requested_bytes == 1000, "allocated %llu requested %llu",
+          (unsigned long long)s.allocated_bytes, (unsigned long long)s.requested_bytes);
+    CHECK(s.reserved_bytes == 2 * MIB, "reserved %llu", (unsigned long long)s.reserved_bytes);
+    /* gauges[4] is allocated_bytes, as torch.cuda.memory_stats names it */
+    CHECK(s.gauges[4].all.current == 1024 && s.gauges[4].small_pool.current == 1024, "gauges");
+    tidepool_free(p, 1000, 0, NULL);
+    s = stats_of(0);
+    CHECK(s.allocated_bytes == 0 && s.num_frees == 1 && s.num_allocs == 1, "after free");
+    CHECK(tidepool_malloc(0, 0, NULL) == NULL, "size 0 gives NULL");
+    tidepool_empty_cache();
+    CHECK(stats_of(0).reserved_bytes == 0, "empty_cache releases the segment");
+}
+
+static void bad_input(void) {
+    /* Free of a pointer tidepool never returned. */
+    tidepool_free((void*)0x1000, 16, 0, NULL);
+    CHECK(stats_of(0).num_invalid_frees == 1, "foreign free counted");
+    CHECK(strstr(last_error(), "never allocated") != NULL, "last error: %s", last_error());
+    /* Double free. */
+    void* p = tidepool_malloc(4096, 0, NULL);
+    void* keep = tidepool_malloc(4096, 0, NULL);
+    tidepool_free(p, 4096, 0, NULL);
+    tidepool_free(p, 4096, 0, NULL);
+    CHECK(stats_of(0).num_invalid_frees == 2, "double free counted");
+    CHECK(strstr(last_error(), "double free") != NULL, "last error: %s", last_error());
+    /* Free with a wrong size: the recorded size is used. */
+    void* q = tidepool_malloc(3000, 0, NULL);
+    tidepool_free(q, 12, 0, NULL);
+    tidepool_stats s = stats_of(0);
+    CHECK(s.num_size_mismatches == 1 && s.allocated_bytes == 4096, "size mismatch: %llu, %llu",
+          (unsigned long long)s.num_size_mismatches, (unsigned long long)s.allocated_bytes);
+    /* Huge sizes. */
+    CHECK(tidepool_malloc(SIZE_MAX, 0, NULL) == NULL, "SIZE_MAX gives NULL");
+    CHECK(strstr(last_error(), "too large") != NULL, "last error: %s", last_error());
+    CHECK(tidepool_malloc((size_t)1 << 50, 0, NULL) == NULL, "1 PiB gives NULL");
+    CHECK(strstr(last_error(), "out of memory") != NULL, "last error: %s", last_error());
+    CHECK(stats_of(0).num_ooms == 1, "the OOM is counted");
+    /* Devices out of range. */
+    CHECK(tidepool_malloc(512, 7, NULL) == NULL && strstr(last_error(), "no device 7"), "device 7: %s", last_error());
+    CHECK(tidepool_malloc(512, -1, NULL) == NULL && strstr(last_error(), "no device -1"), "device -1: %s", last_error());
+    tidepool_free(keep, 4096, 5, NULL); /* wrong device: refused, keep stays live */
+    CHECK(stats_of(0).allocated_bytes == 4096, "free on a wrong device changes nothing");
+    tidepool_free(keep, 4096, 0, NULL);
+    /* Statistics with bad arguments. */
+    CHECK(tidepool_get_stats(0, NULL) == TIDEPOOL_ERR_INVALID_ARGUMENT, "NULL stats");
+    tidepool_stats small;
+    memset(&small, 0, sizeof small);
+    small.size = 16;
+    CHECK(tidepool_get_stats(0, &small) == TIDEPOOL_ERR_INVALID_ARGUMENT, "size too small");
+    CHECK(small.version == 0, "nothing written on error");
+    small.size = sizeof small;
+    CHECK(tidepool_get_stats(9, &small) == TIDEPOOL_ERR_INVALID_DEVICE, "device 9");
+    CHECK(tidepool_get_stats(-3, &small) == TIDEPOOL_ERR_INVALID_DEVICE, "device -3");
+    /* Memory fraction. */
+    tidepool_set_memory_fraction(2.0, 0);
+    CHECK(strstr(last_error(), "between 0 and 1") != NULL, "fraction 2: %s", last_error());
+    tidepool_set_memory_fraction(0.5, 0);
+    CHECK(stats_of(0).reserved_limit_bytes == 2048 * MIB, "limit %llu", (unsigned long long)stats_of(0).reserved_limit_bytes);
+    CHECK(tidepool_malloc(3000 * MIB, 0, NULL) == NULL, "over the memory fraction");
+    tidepool_set_memory_fraction(1.0, 0);
+    CHECK(stats_of(0).reserved_limit_bytes == 0, "limit lifted");
+    /* Last error: length query and truncation. */
+    size_t len = tidepool_last_error(NULL, 0);
+    char tiny[8];
+    CHECK(tidepool_last_error(tiny, sizeof tiny) == len && strlen(tiny) == 7, "truncated to 7 bytes");
+}
+
+static void segments_and_streams(void) {
+    void* a = tidepool_malloc(4096, 0, (void*)3);
+    void* b = tidepool_malloc(4096, 0, (void*)3);
+    size_t size = 0;
+    CHECK(tidepool_base_alloc(b, &size) == a && size == 2 * MIB, "base of b is a, size %zu", size);
+    CHECK(tidepool_base_alloc((char*)b + 100, &size) == a, "interior pointer");
+    CHECK(tidepool_base_alloc((void*)0x1000, &size) == NULL, "foreign base");
+    CHECK(tidepool_base_alloc(a, NULL) == NULL, "NULL size");
+    tidepool_record_stream(a, (void*)9);
+    tidepool_record_stream((void*)0x1000, (void*)9);
+    CHECK(strstr(last_error(), "not a live allocation") != NULL, "record_stream foreign: %s", last_error());
+    tidepool_free(a, 4096, 0, (void*)3);
+    tidepool_free(b, 4096, 0, (void*)3);
+}
+
+static void snapshot(const char* path) {
+    void* live = tidepool_malloc(12345, 0, (void*)5);
+    CHECK(tidepool_dump_snapshot(path) == TIDEPOOL_OK, "dump_snapshot: %s", last_error());
+    CHECK(tidepool_dump_snapshot(NULL) == TIDEPOOL_ERR_INVALID_ARGUMENT, "NULL path");
+    CHECK(tidepool_dump_snapshot("/nonexistent-dir/x.pickle") == TIDEPOOL_ERR_IO, "unwritable path");
+    (void)live; /* stays live: the snapshot shows it */
+}
+
+struct worker {
+    int id;
+    int iterations;
+    int failures;
+};
+
+static void* hammer(void* arg) {
+    struct worker* w = arg;
+    void* stream = (void*)(uintptr_t)(w->id % 4);
+    unsigned seed = (unsigned)w->id * 2654435761u;
+    void* live[32] = {0};
+    size_t sizes[32] = {0};
+    for (int i = 0; i < w->iterations; i++) {
+        seed = seed * 1103515245u + 12345u;
+        int slot = (seed >> 8) % 32;
+        if (live[slot]) {
+            unsigned char expect = (unsigned char)(w->id * 31 + slot);
+            unsigned char* bytes = live[slot];
+            if (bytes[0] != expect || bytes[sizes[slot] - 1] != expect) w->failures++;
+            tidepool_free(live[slot], sizes[slot], 0, stream);
+            live[slot] = NULL;
+        } else {
+            sizes[slot] = 1 + (seed >> 4) % (seed % 7 == 0 ? 4 * MIB : 8192);
+            live[slot] = tidepool_malloc(sizes[slot], 0, stream);
+            if (!live[slot]) { w->failures++; continue; }
+            memset(live[slot], w->id * 31 + slot, sizes[slot]);
+            if (seed % 13 == 0) tidepool_record_stream(live[slot], (void*)77);
+        }
+        if (i % 997 == 0) {
+            tidepool_stats s;
+            s.size = sizeof s;
+            if (tidepool_get_stats(0, &s) != TIDEPOOL_OK) w->failures++;
+        }
+    }
+    for (int slot = 0; slot < 32; slot++)
+        if (live[slot]) tidepool_free(live[slot], sizes[slot], 0, stream);
+    return NULL;
+}
+
+static void sixteen_threads(int iterations) {
+    tidepool_stats before = stats_of(0);
+    pthread_t threads[16];
+    struct worker workers[16];
+    for (int i = 0; i < 16; i++) {
+        workers[i] = (struct worker){.id = i + 1, .iterations = iterations, .failures = 0};
+        pthread_create(&threads[i], NULL, hammer, &workers[i]);
+    }
+    for (int i = 0; i < 16; i++) {
+        pthread_join(threads[i], NULL);
+        CHECK(workers[i].failures == 0, "thread %d saw %d failures", i, workers[i].failures);
+    }
+    tidepool_stats after = stats_of(0);
+    CHECK(after.allocated_bytes == before.allocated_bytes, "threads leave nothing allocated");
+    CHECK(after.num_invalid_frees == before.num_invalid_frees, "no invalid frees from threads");
+}
+
+static void after_fork(void) {
+    void* parent_block = tidepool_malloc(8192, 0, NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        /* The child gets a fresh allocator and can allocate and free. */
+        void* p = tidepool_malloc(4096, 0, NULL);
+        if (!p) _exit(2);
+        memset(p, 1, 4096);
+        tidepool_free(p, 4096, 0, NULL);
+        tidepool_stats s;
+        s.size = sizeof s;
+        if (tidepool_get_stats(0, &s) != TIDEPOOL_OK || s.num_allocs != 1 || s.allocated_bytes != 0) _exit(3);
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child exited with %d", WEXITSTATUS(status));
+    tidepool_free(parent_block, 8192, 0, NULL);
+    CHECK(stats_of(0).num_invalid_frees == 2, "the parent's heap is untouched by the child");
+}
+
+int main(int argc, char** argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: ffi_test SNAPSHOT_PATH [ITERATIONS]\n");
+        return 2;
+    }
+    int iterations = argc > 2 ? atoi(argv[2]) : 20000;
+    tidepool_init(1);
+    basic_use();
+    bad_input();
+    segments_and_streams();
+    sixteen_threads(iterations);
+    after_fork();
+    snapshot(argv[1]);
+    printf("ffi_test: %d passed, 0 failed\n", passed);
+    return 0;
+}

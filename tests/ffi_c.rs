@@ -1,0 +1,75 @@
+//! Builds tests/c/ffi_test.c against the cdylib and runs it (and, when
+//! valgrind is installed, runs it again under memcheck).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// target/debug (or release): where cargo put libtidepool.so for this test.
+fn library_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().and_then(Path::parent).unwrap().to_path_buf()
+}
+
+/// Compiles the C test to `name` (one name per test: tests run in parallel).
+fn build_c_test(name: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let lib = library_dir();
+    let status = Command::new("cc")
+        .args(["-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread"])
+        .arg("-I")
+        .arg(root.join("ffi"))
+        .arg(root.join("tests/c/ffi_test.c"))
+        .arg("-L")
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .args(["-ltidepool", "-o"])
+        .arg(&out)
+        .status()
+        .expect("a C compiler (cc) is needed for the C ABI test");
+    assert!(status.success(), "compiling tests/c/ffi_test.c failed");
+    out
+}
+
+fn run(program: &Path, wrapper: &[&str], iterations: &str) -> (bool, String) {
+    let snapshot = program.with_extension("pickle");
+    let _ = std::fs::remove_file(&snapshot);
+    let mut command = match wrapper.split_first() {
+        Some((tool, args)) => {
+            let mut c = Command::new(tool);
+            c.args(args).arg(program);
+            c
+        }
+        None => Command::new(program),
+    };
+    let output = command
+        .arg(&snapshot)
+        .arg(iterations)
+        .env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:4096")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    (output.status.success() && snapshot.exists(), text)
+}
+
+#[test]
+fn the_c_abi_works_from_c_and_refuses_bad_input() {
+    let program = build_c_test("ffi_test");
+    let (ok, text) = run(&program, &[], "20000");
+    assert!(ok, "ffi_test failed:\n{text}");
+    assert!(text.contains(" passed, 0 failed"), "{text}");
+    // Bad input is logged once, then only counted.
+    assert_eq!(text.matches("(further ones are only counted)").count(), 2, "{text}");
+}
+
+#[test]
+fn the_c_abi_is_clean_under_valgrind_memcheck() {
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        eprintln!("valgrind not installed: skipped");
+        return;
+    }
+    let program = build_c_test("ffi_test_valgrind");
+    let (ok, text) = run(&program, &["valgrind", "--error-exitcode=99", "--leak-check=no", "-q"], "300");
+    assert!(ok, "ffi_test under valgrind failed:\n{text}");
+    assert!(!text.contains("Invalid read") && !text.contains("Invalid write"), "{text}");
+}
