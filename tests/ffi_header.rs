@@ -1,0 +1,195 @@
+//! ffi/tidepool.h must say what src/ffi.rs does: the same functions with
+//! the same C types, the same structs field by field, the same constants;
+//! and the library must export exactly those functions.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap()
+}
+
+/// Rust FFI types in C spelling.
+fn c_type(rust: &str) -> String {
+    let rust = rust.trim();
+    match rust {
+        "usize" => "size_t".into(),
+        "c_int" => "int".into(),
+        "f64" => "double".into(),
+        "u64" => "uint64_t".into(),
+        "u32" => "uint32_t".into(),
+        "" | "()" => "void".into(),
+        _ => {
+            if let Some(inner) = rust.strip_prefix("*mut ") {
+                return format!("{}*", c_type(inner));
+            }
+            if let Some(inner) = rust.strip_prefix("*const ") {
+                return format!("const {}*", c_type(inner));
+            }
+            match rust {
+                "c_void" => "void".into(),
+                "c_char" => "char".into(),
+                other => other.to_string(),
+            }
+        }
+    }
+}
+
+fn squash(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ").replace(" *", "*")
+}
+
+/// name -> "ret(param types)" from the header's prototypes.
+fn header_functions(header: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for line in header.lines().map(str::trim) {
+        let Some(open) = line.find("tidepool_").filter(|_| line.ends_with(");") && !line.starts_with("/*")) else { continue };
+        let (ret, rest) = line.split_at(open);
+        let (name, params) = rest.split_once('(').unwrap();
+        let params = params.trim_end_matches(");");
+        let types: Vec<String> = if params.trim() == "void" {
+            vec![]
+        } else {
+            // Drop each parameter's name: the last identifier.
+            params
+                .split(',')
+                .map(|p| {
+                    let p = p.trim();
+                    let cut = p.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |i| i + 1);
+                    squash(&p[..cut])
+                })
+                .collect()
+        };
+        out.insert(name.to_string(), format!("{}({})", squash(ret), types.join(", ")));
+    }
+    out
+}
+
+/// name -> "ret(param types)" from the Rust exports.
+fn rust_functions(source: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for line in source.lines().map(str::trim) {
+        let Some(rest) = line.strip_prefix("pub extern \"C\" fn ") else { continue };
+        let (name, rest) = rest.split_once('(').unwrap();
+        let (params, rest) = rest.split_once(')').unwrap();
+        let ret = rest.trim().strip_prefix("->").map(|r| r.trim_end_matches('{').trim()).unwrap_or("");
+        let types: Vec<String> = params
+            .split(',')
+            .filter(|p| !p.trim().is_empty())
+            .map(|p| c_type(p.split_once(':').unwrap().1))
+            .collect();
+        out.insert(name.to_string(), format!("{}({})", c_type(ret), types.join(", ")));
+    }
+    out
+}
+
+/// struct name -> ["type name", ...] from the header's typedefs.
+fn header_structs(header: &str) -> BTreeMap<String, Vec<String>> {
+    let mut out = BTreeMap::new();
+    let mut current: Option<(String, Vec<String>)> = None;
+    for line in header.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("typedef struct ") {
+            current = Some((rest.trim_end_matches(" {").to_string(), vec![]));
+        } else if line.starts_with('}') {
+            if let Some((name, fields)) = current.take() {
+                out.insert(name, fields);
+            }
+        } else if let Some((_, fields)) = current.as_mut() {
+            if let Some(decl) = line.split(';').next().filter(|_| line.contains(';')) {
+                fields.push(squash(decl));
+            }
+        }
+    }
+    out
+}
+
+/// struct name -> ["type name", ...] from the Rust repr(C) structs.
+fn rust_structs(source: &str) -> BTreeMap<String, Vec<String>> {
+    let mut out = BTreeMap::new();
+    let mut current: Option<(String, Vec<String>)> = None;
+    for line in source.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("pub struct tidepool_") {
+            current = Some((format!("tidepool_{}", rest.trim_end_matches(" {")), vec![]));
+        } else if line == "}" {
+            if let Some((name, fields)) = current.take() {
+                out.insert(name, fields);
+            }
+        } else if let Some((_, fields)) = current.as_mut() {
+            if let Some(field) = line.strip_prefix("pub ") {
+                let (name, ty) = field.trim_end_matches(',').split_once(':').unwrap();
+                let ty = ty.trim();
+                let decl = match ty.strip_prefix('[').and_then(|t| t.strip_suffix(']')) {
+                    Some(array) => {
+                        let (elem, n) = array.split_once(';').unwrap();
+                        format!("{} {}[{}]", c_type(elem), name.trim(), n.trim())
+                    }
+                    None => format!("{} {}", c_type(ty), name.trim()),
+                };
+                fields.push(decl);
+            }
+        }
+    }
+    out
+}
+
+fn header_constants(header: &str) -> BTreeMap<String, String> {
+    header
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("#define TIDEPOOL_"))
+        .filter_map(|l| {
+            let mut parts = l.split_whitespace();
+            Some((format!("TIDEPOOL_{}", parts.next()?), parts.next()?.to_string()))
+        })
+        .collect()
+}
+
+fn rust_constants(source: &str) -> BTreeMap<String, String> {
+    source
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub const TIDEPOOL_"))
+        .map(|l| {
+            let (name, value) = l.split_once(':').unwrap();
+            let value = value.split('=').nth(1).unwrap().trim().trim_end_matches(';');
+            (format!("TIDEPOOL_{name}"), value.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn the_header_declares_exactly_the_rust_exports() {
+    let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
+    let declared = header_functions(&header);
+    assert_eq!(declared.len(), 10, "{declared:#?}");
+    assert_eq!(declared, rust_functions(&source));
+    assert_eq!(declared["tidepool_malloc"], "void*(size_t, int, void*)");
+    assert_eq!(declared["tidepool_dump_snapshot"], "int(const char*)");
+}
+
+#[test]
+fn the_header_structs_match_the_rust_structs_field_by_field() {
+    let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
+    let declared = header_structs(&header);
+    assert_eq!(declared.keys().collect::<Vec<_>>(), ["tidepool_stat", "tidepool_stat_by_pool", "tidepool_stats"]);
+    assert_eq!(declared, rust_structs(&source));
+}
+
+#[test]
+fn the_header_constants_match_the_rust_constants() {
+    let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
+    assert_eq!(header_constants(&header), rust_constants(&source));
+}
+
+#[test]
+fn the_library_exports_exactly_the_declared_functions() {
+    let lib = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("libtidepool.so");
+    let Ok(output) = Command::new("nm").args(["-D", "--defined-only"]).arg(&lib).output() else {
+        eprintln!("nm not installed: skipped");
+        return;
+    };
+    let text = String::from_utf8_lossy(&output.stdout);
+    let exported: Vec<&str> =
+        text.lines().filter_map(|l| l.split_whitespace().last()).filter(|s| s.starts_with("tidepool_")).collect();
+    let declared: Vec<String> = header_functions(&read("ffi/tidepool.h")).into_keys().collect();
+    assert_eq!(exported, declared);
+}
