@@ -1,0 +1,134 @@
+"""ctypes bindings of libtidepool.so (ffi/tidepool.h), loaded once."""
+import ctypes
+import os
+import pathlib
+
+# Order of tidepool_stats.gauges, as torch.cuda.memory_stats names them.
+GAUGES = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+POOLS = ("all", "small_pool", "large_pool")
+FIELDS = ("current", "peak", "allocated", "freed")
+
+OK = 0
+ERR_INVALID_ARGUMENT = 1
+ERR_INVALID_DEVICE = 2
+ERR_INTERNAL = 3
+ERR_IO = 4
+STATS_VERSION = 1
+
+
+class Stat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in FIELDS]
+
+
+class StatByPool(ctypes.Structure):
+    _fields_ = [(name, Stat) for name in POOLS]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)] + [
+        (name, ctypes.c_uint64)
+        for name in (
+            "allocated_bytes",
+            "peak_allocated_bytes",
+            "requested_bytes",
+            "peak_requested_bytes",
+            "reserved_bytes",
+            "peak_reserved_bytes",
+            "active_bytes",
+            "peak_active_bytes",
+            "inactive_split_bytes",
+            "peak_inactive_split_bytes",
+            "largest_free_block_bytes",
+            "cached_free_bytes",
+            "num_allocs",
+            "num_frees",
+            "num_device_allocs",
+            "num_device_frees",
+            "num_alloc_retries",
+            "num_ooms",
+            "num_invalid_frees",
+            "num_size_mismatches",
+            "reserved_limit_bytes",
+        )
+    ] + [("gauges", StatByPool * len(GAUGES))]
+
+
+class TidepoolError(RuntimeError):
+    """A call into libtidepool failed; the message is the library's."""
+
+
+def library_path():
+    """Where libtidepool.so is: $TIDEPOOL_LIBRARY, next to this package, or
+    the release build of a source checkout."""
+    explicit = os.environ.get("TIDEPOOL_LIBRARY")
+    if explicit:
+        if not os.path.exists(explicit):
+            raise TidepoolError(f"TIDEPOOL_LIBRARY={explicit} does not exist")
+        return explicit
+    here = pathlib.Path(__file__).resolve().parent
+    for candidate in (here / "libtidepool.so", here.parents[2] / "target" / "release" / "libtidepool.so"):
+        if candidate.exists():
+            return str(candidate)
+    raise TidepoolError(
+        "libtidepool.so not found: copy it next to the tidepool package or set TIDEPOOL_LIBRARY"
+    )
+
+
+_lib = None
+
+
+def lib():
+    """The loaded library, with argument and result types declared."""
+    global _lib
+    if _lib is None:
+        handle = ctypes.CDLL(library_path())
+        signatures = {
+            "tidepool_malloc": (ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
+            "tidepool_free": (None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
+            "tidepool_init": (None, [ctypes.c_int]),
+            "tidepool_empty_cache": (None, []),
+            "tidepool_set_memory_fraction": (None, [ctypes.c_double, ctypes.c_int]),
+            "tidepool_record_stream": (None, [ctypes.c_void_p, ctypes.c_void_p]),
+            "tidepool_base_alloc": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
+            "tidepool_get_stats": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(Stats)]),
+            "tidepool_dump_snapshot": (ctypes.c_int, [ctypes.c_char_p]),
+            "tidepool_last_error": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
+        }
+        for name, (restype, argtypes) in signatures.items():
+            fn = getattr(handle, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        _lib = handle
+    return _lib
+
+
+def last_error():
+    """This thread's last error message from the library ('' if none)."""
+    n = lib().tidepool_last_error(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    lib().tidepool_last_error(buf, n + 1)
+    return buf.value.decode("utf-8", "replace")
+
+
+def get_stats(device):
+    stats = Stats()
+    stats.size = ctypes.sizeof(Stats)
+    rc = lib().tidepool_get_stats(device, ctypes.byref(stats))
+    if rc != OK:
+        raise TidepoolError(last_error())
+    return stats
+
+
+def function_address(name):
+    """The address of an exported function, for PyTorch's hook setters."""
+    return ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
