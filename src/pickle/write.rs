@@ -1,36 +1,8 @@
-//! Python pickle (protocol 2) for plain data: the values a memory snapshot
-//! holds (None, bool, int, float, str, list, tuple, dict) and nothing that
-//! names a class, so any unpickler that refuses globals loads it.
+//! Writing pickles (protocol 2) of plain data: nothing that names a class,
+//! so any unpickler that refuses globals loads them.
 #![forbid(unsafe_code)]
 
-/// A plain Python value.
-#[derive(Clone, Debug, PartialEq)]
-pub enum PyValue {
-    None,
-    Bool(bool),
-    Int(i128),
-    Float(f64),
-    Str(String),
-    List(Vec<PyValue>),
-    Tuple(Vec<PyValue>),
-    /// Keys in insertion order, as Python dicts keep them.
-    Dict(Vec<(PyValue, PyValue)>),
-}
-
-impl PyValue {
-    pub fn str(s: impl Into<String>) -> PyValue {
-        PyValue::Str(s.into())
-    }
-
-    pub fn int(v: impl Into<i128>) -> PyValue {
-        PyValue::Int(v.into())
-    }
-
-    /// A dict with string keys.
-    pub fn dict<'a>(items: impl IntoIterator<Item = (&'a str, PyValue)>) -> PyValue {
-        PyValue::Dict(items.into_iter().map(|(k, v)| (PyValue::str(k), v)).collect())
-    }
-}
+use super::PyValue;
 
 const PROTO: u8 = 0x80;
 const STOP: u8 = b'.';
