@@ -28,11 +28,20 @@ pub struct Config {
     pub host_capacity: u64,
     /// Rounding, segment sizes and splitting.
     pub rules: SizeRules,
+    /// Keep each pool's last freed block unmerged for an immediate request
+    /// of its size (the cached pair's fast path).
+    pub stash: bool,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config { backend: BackendKind::Host, host_devices: 1, host_capacity: 16 << 30, rules: SizeRules::default() }
+        Config {
+            backend: BackendKind::Host,
+            host_devices: 1,
+            host_capacity: 16 << 30,
+            rules: SizeRules::default(),
+            stash: true,
+        }
     }
 }
 
@@ -95,6 +104,23 @@ pub static OPTIONS: &[OptionSpec] = &[
             Ok(())
         },
         show: |c| (c.host_capacity / MIB).to_string(),
+    },
+    OptionSpec {
+        key: "stash",
+        default: "true",
+        help: "keep each pool's last freed block unmerged until the next request, which takes it back if it is the same size",
+        apply: |c, v| match v.trim() {
+            "true" => {
+                c.stash = true;
+                Ok(())
+            }
+            "false" => {
+                c.stash = false;
+                Ok(())
+            }
+            other => Err(format!("expected true or false, got {other:?}")),
+        },
+        show: |c| c.stash.to_string(),
     },
     OptionSpec {
         key: "max_split_size_mb",

@@ -25,6 +25,7 @@ pub mod pickle;
 pub mod size_class;
 pub mod snapshot;
 pub mod stats;
+pub mod trace;
 
 use std::sync::Arc;
 
@@ -84,7 +85,11 @@ impl Allocator {
     /// to inject faults).
     pub fn with_backend(config: Config, backend: Arc<dyn Backend>) -> Allocator {
         let heaps = (0..backend.device_count())
-            .map(|device| Mutex::new(DeviceHeap::new(device, config.rules.clone(), backend.clone())))
+            .map(|device| {
+                let mut heap = DeviceHeap::new(device, config.rules.clone(), backend.clone());
+                heap.set_stash(config.stash);
+                Mutex::new(heap)
+            })
             .collect();
         Allocator { config, backend, heaps }
     }

@@ -1,42 +1,295 @@
-//! The `tidepool` command line.
-//!
-//! `tidepool config` prints every option of TIDEPOOL_CONF with its default
-//! and the value the current environment gives it.
+//! The `tidepool` command line: replay and plan allocation traces, and show
+//! the configuration.
 
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use tidepool::config::OPTIONS;
+use tidepool::error::human_bytes;
+use tidepool::trace::plan::{card_advice, smallest_capacity};
+use tidepool::trace::replay::{replay, Policy, ReplayOptions, ReplayReport};
+use tidepool::trace::{self, Trace};
 use tidepool::Config;
 
 const USAGE: &str = "\
 tidepool: a CUDA caching allocator that gives memory back
 
 usage:
+  tidepool replay FILE... [--capacity SIZE] [--conf KEY:VAL,...] [--policy tidepool|pytorch|both]
+                          [--json] [--plot OUT.svg]
+      replay allocation traces (RMM logging CSV, PyTorch memory snapshot pickles) and report
+      peak requested, allocated and reserved memory, driver calls, OOMs and fragmentation;
+      --capacity limits each device (default: unlimited), --policy both (the default) puts
+      tidepool and the model of PyTorch's allocator side by side
+  tidepool plan FILE [--conf KEY:VAL,...] [--json]
+      the smallest device the trace fits, with tidepool and with PyTorch's allocator
   tidepool config            the options of TIDEPOOL_CONF, their defaults and current values
   tidepool --version         the version
   tidepool help              this text
+
+SIZE: bytes, or a number with KiB, MiB, GiB, TiB (K, M, G, T: the same).
 ";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
+    let result = match args.first().map(String::as_str) {
+        Some("replay") => run_replay(&args[1..]),
+        Some("plan") => run_plan(&args[1..]),
         Some("config") => {
             print_config();
-            ExitCode::SUCCESS
+            Ok(())
         }
         Some("--version") | Some("-V") => {
             println!("tidepool {}", env!("CARGO_PKG_VERSION"));
-            ExitCode::SUCCESS
+            Ok(())
         }
         Some("help") | Some("--help") | Some("-h") | None => {
             print!("{USAGE}");
-            ExitCode::SUCCESS
+            Ok(())
         }
-        Some(other) => {
-            eprint!("tidepool: unknown command {other:?}\n\n{USAGE}");
+        Some(other) => Err(format!("unknown command {other:?}\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("tidepool: {message}");
             ExitCode::from(2)
         }
     }
+}
+
+/// Parsed options of replay and plan.
+struct Options {
+    files: Vec<PathBuf>,
+    capacity: u64,
+    conf: String,
+    policies: Vec<Policy>,
+    json: bool,
+    plot: Option<PathBuf>,
+}
+
+fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
+    let mut options = Options {
+        files: Vec::new(),
+        capacity: 1 << 50,
+        conf: String::new(),
+        policies: vec![Policy::Tidepool, Policy::Pytorch],
+        json: false,
+        plot: None,
+    };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value"));
+        if arg.starts_with("--") && !allow.contains(&arg.as_str()) {
+            return Err(format!("unknown option {arg}\n\n{USAGE}"));
+        }
+        match arg.as_str() {
+            "--capacity" => options.capacity = parse_size(&value("--capacity")?)?,
+            "--conf" => options.conf = value("--conf")?,
+            "--policy" => {
+                options.policies = match value("--policy")?.as_str() {
+                    "tidepool" => vec![Policy::Tidepool],
+                    "pytorch" => vec![Policy::Pytorch],
+                    "both" => vec![Policy::Tidepool, Policy::Pytorch],
+                    other => return Err(format!("--policy: expected tidepool, pytorch or both, got {other:?}")),
+                }
+            }
+            "--json" => options.json = true,
+            "--plot" => options.plot = Some(PathBuf::from(value("--plot")?)),
+            file => options.files.push(PathBuf::from(file)),
+        }
+    }
+    if options.files.is_empty() {
+        return Err(format!("no trace file given\n\n{USAGE}"));
+    }
+    Config::builder().conf(&options.conf).map_err(|e| format!("--conf: {e}"))?;
+    Ok(options)
+}
+
+/// "24GiB", "512M", "1073741824" -> bytes.
+fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.parse().map_err(|_| format!("bad size {text:?}"))?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        "g" | "gib" | "gb" => 1 << 30,
+        "t" | "tib" | "tb" => 1 << 40,
+        _ => return Err(format!("bad size {text:?}: unknown unit {unit:?}")),
+    };
+    let bytes = number * scale as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < 2f64.powi(62)) {
+        return Err(format!("bad size {text:?}"));
+    }
+    Ok(bytes as u64)
+}
+
+fn load(path: &Path) -> Result<Trace, String> {
+    let trace = trace::load(path).map_err(|e| e.to_string())?;
+    if trace.warnings.count > 0 {
+        eprintln!("tidepool: {}: {} warnings, first: {}", path.display(), trace.warnings.count, trace.warnings.first[0]);
+    }
+    Ok(trace)
+}
+
+fn run_replay(args: &[String]) -> Result<(), String> {
+    let options = parse_options(args, &["--capacity", "--conf", "--policy", "--json", "--plot"])?;
+    if options.plot.is_some() && options.files.len() > 1 {
+        return Err("--plot draws one trace: give one file".into());
+    }
+    let progress = !options.json && std::io::stderr().is_terminal();
+    for file in &options.files {
+        if progress {
+            eprint!("tidepool: reading {} ...\r", file.display());
+        }
+        let trace = load(file)?;
+        let mut reports = Vec::new();
+        for &policy in &options.policies {
+            if progress {
+                eprint!("tidepool: replaying {} with {} ...            \r", file.display(), policy.name());
+            }
+            let samples = if options.plot.is_some() { 2000 } else { 0 };
+            let replay_options = ReplayOptions { capacity: options.capacity, policy, conf: options.conf.clone(), samples };
+            reports.push(replay(&trace, &replay_options)?);
+        }
+        if progress {
+            eprint!("{:80}\r", "");
+        }
+        if options.json {
+            for report in &reports {
+                println!("{}", report_json(report));
+            }
+        } else {
+            print_report(&trace, &reports);
+        }
+        if let Some(path) = &options.plot {
+            let title = format!("{} ({})", file.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(), trace.format.name());
+            tidepool::trace::plot::write_svg(path, &title, &reports.iter().collect::<Vec<_>>())?;
+            if !options.json {
+                println!("plot written to {}", path.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_report(trace: &Trace, reports: &[ReplayReport]) {
+    println!(
+        "{} ({}): {} events, {} allocations, peak requested {}",
+        trace.source,
+        trace.format.name(),
+        trace.events.len(),
+        trace.allocs,
+        human_bytes(trace.peak_requested())
+    );
+    let mut header = format!("  {:<24}", "");
+    for r in reports {
+        let name = if r.policy == Policy::Pytorch { "pytorch model" } else { "tidepool" };
+        header += &format!("{name:>16}");
+    }
+    if trace.pytorch_peak_reserved.is_some() {
+        header += &format!("{:>18}", "pytorch recorded");
+    }
+    println!("{header}");
+    let row = |label: &str, cell: &dyn Fn(&ReplayReport) -> String, recorded: Option<String>| {
+        let mut line = format!("  {label:<24}");
+        for r in reports {
+            line += &format!("{:>16}", cell(r));
+        }
+        if let Some(recorded) = recorded {
+            line += &format!("{recorded:>18}");
+        }
+        println!("{line}");
+    };
+    let recorded = trace.pytorch_peak_reserved;
+    row("peak allocated", &|r| human_bytes(r.peak_allocated_bytes), None);
+    row("peak reserved", &|r| human_bytes(r.peak_reserved_bytes), recorded.map(human_bytes));
+    row(
+        "reserved / requested",
+        &|r| format!("{:.3}", r.reserved_over_requested()),
+        recorded.map(|p| format!("{:.3}", p as f64 / trace.peak_requested().max(1) as f64)),
+    );
+    row("device allocs", &|r| r.device_allocs.to_string(), None);
+    row("device frees", &|r| r.device_frees.to_string(), None);
+    row("OOMs", &|r| r.ooms.to_string(), None);
+    row("fragmentation (peak)", &|r| format!("{:.1} %", 100.0 * r.fragmentation()), None);
+    row("replay speed", &|r| format!("{:.1} M ev/s", r.events_per_second() / 1e6), None);
+}
+
+fn json_string(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn report_json(r: &ReplayReport) -> String {
+    let recorded = r.pytorch_recorded_peak_reserved_bytes.map_or("null".to_string(), |v| v.to_string());
+    format!(
+        "{{\"file\":{},\"policy\":\"{}\",\"capacity_bytes\":{},\"events\":{},\"allocs\":{},\"peak_requested_bytes\":{},\
+         \"peak_allocated_bytes\":{},\"peak_reserved_bytes\":{},\"reserved_over_requested\":{:.6},\"device_allocs\":{},\
+         \"device_frees\":{},\"ooms\":{},\"peak_inactive_split_bytes\":{},\"fragmentation\":{:.6},\
+         \"events_per_second\":{:.0},\
+         \"pytorch_recorded_peak_reserved_bytes\":{}}}",
+        json_string(&r.file),
+        r.policy.name(),
+        r.capacity,
+        r.events,
+        r.allocs,
+        r.peak_requested_bytes,
+        r.peak_allocated_bytes,
+        r.peak_reserved_bytes,
+        r.reserved_over_requested(),
+        r.device_allocs,
+        r.device_frees,
+        r.ooms,
+        r.peak_inactive_split_bytes,
+        r.fragmentation(),
+        r.events_per_second(),
+        recorded
+    )
+}
+
+fn run_plan(args: &[String]) -> Result<(), String> {
+    let options = parse_options(args, &["--conf", "--json"])?;
+    if options.files.len() != 1 {
+        return Err("plan takes one trace file".into());
+    }
+    let file = &options.files[0];
+    let trace = load(file)?;
+    let tidepool = smallest_capacity(&trace, Policy::Tidepool, &options.conf)?;
+    let pytorch = smallest_capacity(&trace, Policy::Pytorch, &options.conf)?;
+    let peak = trace.peak_requested();
+    if options.json {
+        println!(
+            "{{\"file\":{},\"peak_requested_bytes\":{},\"tidepool\":{{\"min_capacity_bytes\":{}}},\"pytorch\":{{\"min_capacity_bytes\":{}}}}}",
+            json_string(&trace.source),
+            peak,
+            tidepool.min_capacity,
+            pytorch.min_capacity
+        );
+    } else {
+        let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+        println!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), gib(peak));
+        println!(
+            "needs {} with PyTorch's allocator, {} with tidepool; {}",
+            gib(pytorch.min_capacity),
+            gib(tidepool.min_capacity),
+            card_advice(tidepool.min_capacity.max(pytorch.min_capacity))
+        );
+    }
+    Ok(())
 }
 
 fn print_config() {

@@ -61,6 +61,14 @@ pub struct Released {
     pub bytes: u64,
 }
 
+/// The three byte counts a replay follows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub requested: u64,
+    pub allocated: u64,
+    pub reserved: u64,
+}
+
 /// One segment as a snapshot shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SegmentSnapshot {
@@ -107,6 +115,8 @@ pub struct DeviceHeap {
     recorded_streams: HashMap<u64, Vec<Stream>>,
     /// The most this heap may reserve (u64::MAX: no limit).
     reserved_limit: u64,
+    /// Whether frees go through the stash (see the top of this file).
+    stash_enabled: bool,
     stats: Counters,
 }
 
@@ -126,7 +136,16 @@ impl DeviceHeap {
             by_addr: AddrMap::default(),
             recorded_streams: HashMap::new(),
             reserved_limit: u64::MAX,
+            stash_enabled: true,
             stats: Counters::default(),
+        }
+    }
+
+    /// Turns the stash on or off (off: every free merges at once).
+    pub fn set_stash(&mut self, on: bool) {
+        self.stash_enabled = on;
+        if !on {
+            self.flush_stashes();
         }
     }
 
@@ -313,6 +332,10 @@ impl DeviceHeap {
         stats.allocated_bytes.decrease(kind, size);
         stats.requested_bytes.decrease(kind, requested);
 
+        if !self.stash_enabled {
+            self.merge_and_bin(id);
+            return Ok(Freed { size, requested });
+        }
         let previous = std::mem::replace(&mut self.pools[pool as usize].stash, id);
         if previous != NIL {
             self.merge_and_bin(previous);
@@ -547,6 +570,16 @@ impl DeviceHeap {
             device_free: info.map(|i| i.free),
             device_total: info.map(|i| i.total),
             reserved_limit: self.reserved_limit(),
+        }
+    }
+
+    /// Requested, allocated and reserved bytes now, over both pool kinds.
+    /// Unlike `stats()`, merges nothing: watching does not change the heap.
+    pub fn totals(&self) -> Totals {
+        Totals {
+            requested: self.stats.requested_bytes.total(),
+            allocated: self.stats.allocated_bytes.total(),
+            reserved: self.stats.reserved_bytes.total(),
         }
     }
 

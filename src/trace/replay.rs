@@ -1,0 +1,184 @@
+//! Replays a trace against an allocator on the host backend (address space
+//! only: a 60 GiB trace replays on a laptop) and reports what a person
+//! sizing a GPU needs: peaks, the driver calls, OOMs, fragmentation.
+//!
+//! Two policies: `tidepool` (tidepool's configuration, TIDEPOOL_CONF syntax
+//! via `conf`) and `pytorch`, the model of PyTorch's native caching
+//! allocator: the rules it shares with tidepool's engine (512-byte
+//! rounding, 2 MiB segments for requests up to 1 MiB, 20 MiB below 10 MiB,
+//! 2 MiB rounding above, best fit per stream, small blocks split when 512
+//! bytes remain and large ones when more than 1 MiB does, release of every
+//! cached whole segment and one retry before an OOM), with the settings the
+//! snapshot recorded (`max_split_size`, `roundup_power2_divisions`), and
+//! without tidepool's stash of the last freed block.
+#![forbid(unsafe_code)]
+
+use std::time::Instant;
+
+use super::{Event, Trace};
+use crate::backend::host::HostBackend;
+use crate::{AllocError, Allocator, Config, ConfigError, DevicePtr, Stream};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    Tidepool,
+    Pytorch,
+}
+
+impl Policy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Tidepool => "tidepool",
+            Policy::Pytorch => "pytorch",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    /// Bytes each device has.
+    pub capacity: u64,
+    pub policy: Policy,
+    /// Extra TIDEPOOL_CONF for the replayed allocator.
+    pub conf: String,
+    /// Keep about this many samples of the totals for a plot (0: none).
+    pub samples: usize,
+}
+
+/// The totals at one point of the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sample {
+    pub event: u64,
+    pub requested: u64,
+    pub allocated: u64,
+    pub reserved: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReplayReport {
+    pub file: String,
+    pub policy: Policy,
+    pub capacity: u64,
+    pub events: u64,
+    pub allocs: u64,
+    pub peak_requested_bytes: u64,
+    pub peak_allocated_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    pub device_allocs: u64,
+    pub device_frees: u64,
+    /// Allocations that failed for lack of memory (0: the trace fits).
+    pub ooms: u64,
+    /// The most bytes ever free inside partly used segments (PyTorch's
+    /// `inactive_split_bytes` peak): memory that only a fitting request can use.
+    pub peak_inactive_split_bytes: u64,
+    pub seconds: f64,
+    pub pytorch_recorded_peak_reserved_bytes: Option<u64>,
+    pub series: Vec<Sample>,
+}
+
+impl ReplayReport {
+    pub fn reserved_over_requested(&self) -> f64 {
+        if self.peak_requested_bytes == 0 {
+            0.0
+        } else {
+            self.peak_reserved_bytes as f64 / self.peak_requested_bytes as f64
+        }
+    }
+
+    /// Peak fragmentation as a share of peak reserved.
+    pub fn fragmentation(&self) -> f64 {
+        if self.peak_reserved_bytes == 0 {
+            0.0
+        } else {
+            self.peak_inactive_split_bytes as f64 / self.peak_reserved_bytes as f64
+        }
+    }
+
+    pub fn events_per_second(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.events as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The configuration a policy replays with.
+pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, ConfigError> {
+    let mut builder = Config::builder();
+    if options.policy == Policy::Pytorch {
+        builder = builder.conf(&trace.pytorch_conf)?.set("stash", "false")?;
+    }
+    builder.conf(&options.conf)?.host(trace.devices as usize, options.capacity).build()
+}
+
+/// Replays `trace` once. Fails only on a bad `conf`, or if the allocator
+/// reports something other than lack of memory.
+pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, String> {
+    let config = policy_config(trace, options).map_err(|e| format!("--conf: {e}"))?;
+    let devices = trace.devices as usize;
+    let backend = std::sync::Arc::new(HostBackend::new(devices, options.capacity));
+    let alloc = Allocator::with_backend(config, backend);
+
+    let mut ptrs = vec![(0u64, 0u32); trace.allocs as usize];
+    let every = if options.samples == 0 { u64::MAX } else { (trace.events.len() as u64 / options.samples as u64).max(1) };
+    let mut series = Vec::new();
+    let mut ooms = 0u64;
+    let start = Instant::now();
+    for (index, event) in trace.events.iter().enumerate() {
+        match *event {
+            Event::Alloc { id, size, stream, device } => {
+                match alloc.allocate(device as usize, size as usize, Stream(stream)) {
+                    Ok(ptr) => ptrs[id as usize] = (ptr.0, device),
+                    Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => ooms += 1,
+                    Err(other) => return Err(format!("{}: event {index}: {other}", trace.source)),
+                }
+            }
+            Event::Free { id } => {
+                let (ptr, device) = std::mem::take(&mut ptrs[id as usize]);
+                if ptr != 0 {
+                    let _ = alloc.free(device as usize, DevicePtr(ptr));
+                }
+            }
+        }
+        if index as u64 % every == 0 || index + 1 == trace.events.len() {
+            let mut sample = Sample { event: index as u64, requested: 0, allocated: 0, reserved: 0 };
+            for device in 0..devices {
+                let t = alloc.with_heap(device, |h| h.totals()).unwrap_or_default();
+                sample.requested += t.requested;
+                sample.allocated += t.allocated;
+                sample.reserved += t.reserved;
+            }
+            series.push(sample);
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+
+    let mut report = ReplayReport {
+        file: trace.source.clone(),
+        policy: options.policy,
+        capacity: options.capacity,
+        events: trace.events.len() as u64,
+        allocs: trace.allocs as u64,
+        peak_requested_bytes: 0,
+        peak_allocated_bytes: 0,
+        peak_reserved_bytes: 0,
+        device_allocs: 0,
+        device_frees: 0,
+        ooms,
+        peak_inactive_split_bytes: 0,
+        seconds,
+        pytorch_recorded_peak_reserved_bytes: trace.pytorch_peak_reserved,
+        series,
+    };
+    for device in 0..devices {
+        let s = alloc.stats(device).expect("device exists");
+        report.peak_requested_bytes += s.requested_bytes.all.peak;
+        report.peak_allocated_bytes += s.allocated_bytes.all.peak;
+        report.peak_reserved_bytes += s.reserved_bytes.all.peak;
+        report.device_allocs += s.num_device_alloc;
+        report.device_frees += s.num_device_free;
+        report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
+    }
+    Ok(report)
+}
