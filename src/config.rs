@@ -31,6 +31,9 @@ pub struct Config {
     /// Keep each pool's last freed block unmerged for an immediate request
     /// of its size (the cached pair's fast path).
     pub stash: bool,
+    /// Record every allocation and free to this file (RMM CSV); from the
+    /// TIDEPOOL_TRACE environment variable.
+    pub trace_path: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -41,6 +44,7 @@ impl Default for Config {
             host_capacity: 16 << 30,
             rules: SizeRules::default(),
             stash: true,
+            trace_path: None,
         }
     }
 }
@@ -260,11 +264,12 @@ impl Config {
         (config, warnings)
     }
 
-    /// The configuration from `TIDEPOOL_CONF` (defaults when unset), with
-    /// each warning printed to stderr.
+    /// The configuration from `TIDEPOOL_CONF` (defaults when unset) and
+    /// `TIDEPOOL_TRACE`, with each warning printed to stderr.
     pub fn from_env() -> Config {
         let text = std::env::var("TIDEPOOL_CONF").unwrap_or_default();
-        let (config, warnings) = Config::parse(&text);
+        let (mut config, warnings) = Config::parse(&text);
+        config.trace_path = std::env::var_os("TIDEPOOL_TRACE").filter(|p| !p.is_empty()).map(Into::into);
         for warning in warnings {
             eprintln!("tidepool: warning: TIDEPOOL_CONF: {warning}");
         }
@@ -313,6 +318,12 @@ impl ConfigBuilder {
         self.config.backend = BackendKind::Host;
         self.config.host_devices = devices;
         self.config.host_capacity = capacity;
+        self
+    }
+
+    /// Records every allocation and free to `path` (RMM CSV).
+    pub fn trace(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.config.trace_path = Some(path.into());
         self
     }
 

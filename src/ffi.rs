@@ -114,10 +114,33 @@ macro_rules! boundary {
 
 static ALLOCATOR: AtomicPtr<Allocator> = AtomicPtr::new(null_mut());
 static AT_FORK: Once = Once::new();
+/// Set in a fork child: its recording, if any, goes to a file of its own.
+static FORKED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn forget_allocator_in_child() {
-    // Only an atomic store: a fork child may run nothing that locks.
+    // Only atomic stores: a fork child may run nothing that locks.
     ALLOCATOR.store(null_mut(), Ordering::Release);
+    FORKED.store(true, Ordering::Release);
+}
+
+extern "C" fn finish_trace_at_exit() {
+    let current = ALLOCATOR.load(Ordering::Acquire);
+    if !current.is_null() {
+        // SAFETY: a published allocator is never freed (see `allocator`).
+        let _ = catch_unwind(AssertUnwindSafe(|| unsafe { &*current }.finish_trace()));
+    }
+}
+
+/// The process-wide configuration; a fork child records to `<path>.<pid>`
+/// rather than over its parent's trace.
+fn process_config() -> crate::Config {
+    let mut config = crate::Config::from_env();
+    if FORKED.load(Ordering::Acquire) {
+        if let Some(path) = config.trace_path.as_mut() {
+            path.as_mut_os_string().push(format!(".{}", std::process::id()));
+        }
+    }
+    config
 }
 
 /// The process-wide allocator, made on first use.
@@ -129,10 +152,14 @@ fn allocator() -> Result<&'static Allocator, AllocError> {
         return Ok(unsafe { &*current });
     }
     AT_FORK.call_once(|| {
-        // SAFETY: registers a handler that only performs an atomic store.
-        unsafe { libc::pthread_atfork(None, None, Some(forget_allocator_in_child)) };
+        // SAFETY: registers a fork handler that only performs atomic stores,
+        // and an exit handler that catches any panic.
+        unsafe {
+            libc::pthread_atfork(None, None, Some(forget_allocator_in_child));
+            libc::atexit(finish_trace_at_exit);
+        }
     });
-    let fresh = Box::into_raw(Box::new(Allocator::from_env()?));
+    let fresh = Box::into_raw(Box::new(Allocator::new(process_config())?));
     match ALLOCATOR.compare_exchange(null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
         // SAFETY: `fresh` was just leaked from a Box and is now published for good.
         Ok(_) => Ok(unsafe { &*fresh }),

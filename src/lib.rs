@@ -65,6 +65,7 @@ pub struct Allocator {
     config: Config,
     backend: Arc<dyn Backend>,
     heaps: Box<[Mutex<DeviceHeap>]>,
+    recorder: Option<Arc<trace::record::Recorder>>,
 }
 
 impl Allocator {
@@ -82,16 +83,35 @@ impl Allocator {
     }
 
     /// An allocator over a backend built by the caller (tests keep a handle
-    /// to inject faults).
+    /// to inject faults). A trace file that cannot be created is reported on
+    /// stderr and the allocator runs without recording.
     pub fn with_backend(config: Config, backend: Arc<dyn Backend>) -> Allocator {
+        let recorder = config.trace_path.as_ref().and_then(|path| match trace::record::Recorder::create(path) {
+            Ok(recorder) => Some(recorder),
+            Err(err) => {
+                eprintln!("tidepool: warning: TIDEPOOL_TRACE: cannot record to {}: {err}", path.display());
+                None
+            }
+        });
         let heaps = (0..backend.device_count())
             .map(|device| {
                 let mut heap = DeviceHeap::new(device, config.rules.clone(), backend.clone());
                 heap.set_stash(config.stash);
+                if let Some(recorder) = &recorder {
+                    heap.record_to(recorder.clone());
+                }
                 Mutex::new(heap)
             })
             .collect();
-        Allocator { config, backend, heaps }
+        Allocator { config, backend, heaps, recorder }
+    }
+
+    /// Writes out every trace row recorded so far (TIDEPOOL_TRACE), without
+    /// stopping the recording.
+    pub fn flush_trace(&self) {
+        for heap in self.heaps.iter() {
+            heap.lock().flush_trace();
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -220,8 +240,24 @@ impl Allocator {
         Ok(())
     }
 
+    /// Ends the recording: every row is written and the file closed. Later
+    /// allocations are no longer recorded. Dropping the allocator does this too.
+    pub fn finish_trace(&self) -> std::io::Result<()> {
+        let Some(recorder) = &self.recorder else { return Ok(()) };
+        self.flush_trace();
+        recorder.finish()
+    }
+
     /// Runs `f` with the heap of `device` locked (tests and tools).
     pub fn with_heap<R>(&self, device: usize, f: impl FnOnce(&mut DeviceHeap) -> R) -> Result<R, AllocError> {
         Ok(f(&mut self.heap(device)?.lock()))
+    }
+}
+
+impl Drop for Allocator {
+    fn drop(&mut self) {
+        if let Err(err) = self.finish_trace() {
+            eprintln!("tidepool: warning: TIDEPOOL_TRACE: writing the trace failed: {err}");
+        }
     }
 }

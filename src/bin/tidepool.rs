@@ -153,7 +153,8 @@ fn run_replay(args: &[String]) -> Result<(), String> {
                 eprint!("tidepool: replaying {} with {} ...            \r", file.display(), policy.name());
             }
             let samples = if options.plot.is_some() { 2000 } else { 0 };
-            let replay_options = ReplayOptions { capacity: options.capacity, policy, conf: options.conf.clone(), samples };
+            let replay_options =
+                ReplayOptions { capacity: options.capacity, policy, conf: options.conf.clone(), samples, record_to: None };
             reports.push(replay(&trace, &replay_options)?);
         }
         if progress {

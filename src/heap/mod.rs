@@ -39,6 +39,8 @@ use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
 use crate::size_class::{PoolKind, SizeRules};
 use crate::stats::{Counters, Stats};
+use crate::trace::record::{Recorder, TraceBuffer};
+use crate::trace::rmm_csv::Action;
 use crate::Stream;
 use addr_map::AddrMap;
 use block::{BlockArena, BlockId, BlockState, NIL};
@@ -117,6 +119,8 @@ pub struct DeviceHeap {
     reserved_limit: u64,
     /// Whether frees go through the stash (see the top of this file).
     stash_enabled: bool,
+    /// Rows for the TIDEPOOL_TRACE recording, when one is on.
+    trace: Option<TraceBuffer>,
     stats: Counters,
 }
 
@@ -137,7 +141,27 @@ impl DeviceHeap {
             recorded_streams: HashMap::new(),
             reserved_limit: u64::MAX,
             stash_enabled: true,
+            trace: None,
             stats: Counters::default(),
+        }
+    }
+
+    /// Records every allocation and free from now on into `recorder`.
+    pub fn record_to(&mut self, recorder: Arc<Recorder>) {
+        self.trace = Some(TraceBuffer::new(recorder));
+    }
+
+    /// Hands buffered trace rows to the recorder's writer.
+    pub fn flush_trace(&mut self) {
+        if let Some(trace) = self.trace.as_mut() {
+            trace.flush();
+        }
+    }
+
+    #[cold]
+    fn record(&mut self, action: Action, pointer: u64, size: u64, stream: Stream) {
+        if let Some(trace) = self.trace.as_mut() {
+            trace.push(action, pointer, size, stream.0);
         }
     }
 
@@ -223,6 +247,7 @@ impl DeviceHeap {
                     Ok(base) => base,
                     Err(BackendError::OutOfMemory) => {
                         self.stats.num_ooms += 1;
+                        self.record(Action::AllocateFailure, 0, size, stream);
                         return Err(AllocError::OutOfMemory(Box::new(self.oom_report(size))));
                     }
                     Err(err) => return Err(AllocError::Backend(err)),
@@ -302,7 +327,11 @@ impl DeviceHeap {
         let b = &mut self.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = requested;
-        let (addr, size, kind) = (b.addr, b.size, b.kind);
+        let (addr, size, kind, pool) = (b.addr, b.size, b.kind, b.pool);
+        if self.trace.is_some() {
+            let stream = self.pools[pool as usize].stream;
+            self.record(Action::Allocate, addr, requested, stream);
+        }
         let stats = &mut self.stats;
         stats.allocation.increase(kind, 1);
         stats.allocated_bytes.increase(kind, size);
@@ -327,6 +356,10 @@ impl DeviceHeap {
             let requested = std::mem::take(&mut b.requested);
             (b.size, requested, b.pool, b.kind)
         };
+        if self.trace.is_some() {
+            let stream = self.pools[pool as usize].stream;
+            self.record(Action::Free, ptr, requested, stream);
+        }
         let stats = &mut self.stats;
         stats.allocation.decrease(kind, 1);
         stats.allocated_bytes.decrease(kind, size);

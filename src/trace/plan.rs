@@ -24,7 +24,7 @@ pub fn smallest_capacity(trace: &Trace, policy: Policy, conf: &str) -> Result<Pl
     let mut replays = 0;
     let mut fits = |capacity: u64| -> Result<bool, String> {
         replays += 1;
-        let options = ReplayOptions { capacity, policy, conf: conf.to_string(), samples: 0 };
+        let options = ReplayOptions { capacity, policy, conf: conf.to_string(), samples: 0, record_to: None };
         Ok(replay(trace, &options)?.ooms == 0)
     };
     let floor = trace.peak_requested() / STEP * STEP;

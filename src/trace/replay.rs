@@ -43,6 +43,8 @@ pub struct ReplayOptions {
     pub conf: String,
     /// Keep about this many samples of the totals for a plot (0: none).
     pub samples: usize,
+    /// Record what the replayed allocator serves to this file (RMM CSV).
+    pub record_to: Option<std::path::PathBuf>,
 }
 
 /// The totals at one point of the trace.
@@ -108,6 +110,9 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
     let mut builder = Config::builder();
     if options.policy == Policy::Pytorch {
         builder = builder.conf(&trace.pytorch_conf)?.set("stash", "false")?;
+    }
+    if let Some(path) = &options.record_to {
+        builder = builder.trace(path);
     }
     builder.conf(&options.conf)?.host(trace.devices as usize, options.capacity).build()
 }
@@ -180,5 +185,6 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, St
         report.device_frees += s.num_device_free;
         report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
     }
+    alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
     Ok(report)
 }
