@@ -1,0 +1,174 @@
+"""Record the allocation trace of a PyTorch model without a GPU.
+
+The model runs on the meta device (shapes and dtypes, no data) under a
+TorchDispatchMode: every storage an operator creates is an allocation of
+its size, and the death of its last reference, seen through a C++-level
+weak reference to the storage, is its free. The trace is written as RMM's
+logging CSV, which `tidepool replay` and `tidepool plan` read.
+
+    python -m tidepool.record mlp --steps 3 --out mlp.csv
+    python -m tidepool.record transformer-varlen --out varlen.csv
+
+or, for a model of your own:
+
+    from tidepool.record import Recorder
+    with Recorder("trace.csv") as rec:
+        rec.track_module(model)          # parameters and buffers already created
+        for _ in range(steps):
+            step()                       # forward, backward, optimizer step on "meta"
+
+torch is needed for this module only.
+"""
+import argparse
+import time
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+HEADER = "Thread,Time,Action,Pointer,Size,Stream\n"
+
+
+class Recorder(TorchDispatchMode):
+    """A dispatch mode that writes every storage's birth and death as RMM CSV rows."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+        self.out = None
+        self.live = {}  # storage key -> (pointer, size, weak reference)
+        self.next_pointer = 0x1000
+        self.start = time.perf_counter()
+        self.allocs = 0
+
+    # -- output ------------------------------------------------------------
+    def _row(self, action, pointer, size):
+        micros = int((time.perf_counter() - self.start) * 1e6)
+        secs = micros // 1_000_000
+        self.out.write(
+            f"1,{secs // 3600:02}:{secs // 60 % 60:02}:{secs % 60:02}.{micros % 1_000_000:06},"
+            f"{action},{pointer:#x},{size},0\n"
+        )
+
+    # -- storages ----------------------------------------------------------
+    def _track(self, tensor):
+        if not isinstance(tensor, torch.Tensor):
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.live or storage.nbytes() == 0:
+            return
+        pointer = self.next_pointer
+        self.next_pointer += 0x1000
+        self.live[key] = (pointer, storage.nbytes(), StorageWeakRef(storage))
+        self.allocs += 1
+        self._row("allocate", pointer, storage.nbytes())
+
+    def _collect(self):
+        """Frees every storage whose last reference died since the last look."""
+        dead = [key for key, (_, _, ref) in self.live.items() if ref.expired()]
+        for key in dead:
+            pointer, size, _ = self.live.pop(key)
+            self._row("free", pointer, size)
+
+    def track_module(self, module):
+        """Counts the parameters and buffers a module already holds as allocations."""
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            self._track(tensor)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._collect()
+        result = func(*args, **(kwargs or {}))
+        for item in tree_flatten(result)[0]:
+            self._track(item)
+        return result
+
+    def __enter__(self):
+        self.out = open(self.path, "w")
+        self.out.write(HEADER)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        result = super().__exit__(*exc)
+        self._collect()
+        # Whatever is still live (weights, optimizer state) stays live: the
+        # trace ends with it allocated, as the process would.
+        self.out.close()
+        return result
+
+
+# -- example workloads -----------------------------------------------------
+
+def _mlp(batch):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096), torch.nn.GELU(),
+        torch.nn.Linear(4096, 1024),
+    )
+    def step(i):
+        x = torch.randn(batch, 1024, device="meta")
+        return model(x).float().pow(2).mean()
+    return model, step
+
+
+def _cnn(batch):
+    layers, channels = [], 3
+    for width in (64, 128, 256, 512):
+        layers += [torch.nn.Conv2d(channels, width, 3, padding=1), torch.nn.BatchNorm2d(width), torch.nn.ReLU(),
+                   torch.nn.MaxPool2d(2)]
+        channels = width
+    model = torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(512, 1000))
+    def step(i):
+        x = torch.randn(batch, 3, 128, 128, device="meta")
+        return torch.nn.functional.cross_entropy(model(x), torch.zeros(batch, dtype=torch.long, device="meta"))
+    return model, step
+
+
+def _transformer_varlen(batch):
+    model = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True), num_layers=6
+    )
+    lengths = [384, 128, 512, 256, 448, 192, 320, 64]
+    def step(i):
+        x = torch.randn(batch, lengths[i % len(lengths)], 512, device="meta")
+        return model(x).float().pow(2).mean()
+    return model, step
+
+
+WORKLOADS = {"mlp": _mlp, "cnn": _cnn, "transformer-varlen": _transformer_varlen}
+
+
+def record_training(workload, path, steps=4, batch=16, inference=False):
+    """Records `steps` training steps (AdamW) or forward passes of a workload."""
+    with torch.device("meta"):
+        model, step = WORKLOADS[workload](batch)
+    optimizer = None if inference else torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    with Recorder(path) as rec:
+        rec.track_module(model)
+        for i in range(steps):
+            if inference:
+                with torch.no_grad():
+                    step(i)
+            else:
+                loss = step(i)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                del loss
+    return rec.allocs
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
+    parser.add_argument("--out", required=True, help="the CSV to write")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--inference", action="store_true", help="forward passes only, no gradients")
+    args = parser.parse_args(argv)
+    allocs = record_training(args.workload, args.out, args.steps, args.batch, args.inference)
+    print(f"{args.out}: {allocs} allocations")
+
+
+if __name__ == "__main__":
+    main()
