@@ -80,6 +80,25 @@ fn cached_pair(c: &mut Criterion) {
     }
 }
 
+/// The cost of TIDEPOOL_TRACE: the 512 B cached pair with and without a
+/// recording (to /dev/null, so the file does not grow), in the same run.
+fn recording(c: &mut Criterion) {
+    let plain = Allocator::new(Config::builder().host(1, 1 << 40).build().unwrap()).unwrap();
+    let recorded = Allocator::new(Config::builder().host(1, 1 << 40).trace("/dev/null").build().unwrap()).unwrap();
+    let mut group = c.benchmark_group("recording");
+    for (name, alloc) in [("off", &plain), ("on", &recorded)] {
+        let keep = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();
+        group.bench_function(BenchmarkId::from_parameter(name), |b| {
+            b.iter(|| {
+                let p = alloc.allocate(0, black_box(512), Stream::DEFAULT).unwrap();
+                alloc.free(0, black_box(p)).unwrap();
+            })
+        });
+        alloc.free(0, keep).unwrap();
+    }
+    group.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .sample_size(40)
@@ -87,5 +106,5 @@ fn config() -> Criterion {
         .measurement_time(Duration::from_millis(1500))
 }
 
-criterion_group! { name = benches; config = config(); targets = cached_pair }
+criterion_group! { name = benches; config = config(); targets = cached_pair, recording }
 criterion_main!(benches);

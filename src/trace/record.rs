@@ -3,9 +3,12 @@
 //!
 //! Rows go into a buffer of the device heap while its lock is held anyway
 //! (a few stores, no extra synchronisation); a full buffer is handed to a
-//! writer thread, which does the formatting and the I/O off the lock. The
-//! clock is read once every `CLOCK_EVERY` rows (reading it costs more than
-//! the rest of a row), so a row's time is that of a recent read.
+//! writer thread, which does the formatting and the I/O off the lock, and
+//! hands the emptied buffer back. At most `BUFFERS` buffers exist: when the
+//! writer falls behind, the allocating thread waits for it, so memory stays
+//! bounded whatever the allocation rate. The clock is read once every
+//! `CLOCK_EVERY` rows (reading it costs more than the rest of a row), so a
+//! row's time is that of a recent read.
 #![forbid(unsafe_code)]
 
 use std::cell::Cell;
@@ -13,17 +16,19 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::rmm_csv::{write_row, Action, Row, HEADER};
+use super::rmm_csv::{Action, Row, RowWriter, HEADER};
 
 /// Rows a heap buffers before handing them to the writer.
 const BUFFER_ROWS: usize = 4096;
+/// Buffers in circulation between the heaps and the writer.
+const BUFFERS: usize = 16;
 /// Rows between two reads of the clock.
 const CLOCK_EVERY: u32 = 64;
 
@@ -47,7 +52,10 @@ fn thread_number() -> u64 {
 pub struct Recorder {
     path: PathBuf,
     start: Instant,
-    sender: Mutex<Option<Sender<Vec<Row>>>>,
+    /// Full buffers to the writer.
+    sender: Mutex<Option<SyncSender<Vec<Row>>>>,
+    /// Empty buffers back from the writer.
+    empties: Mutex<Receiver<Vec<Row>>>,
     writer: Mutex<Option<JoinHandle<std::io::Result<()>>>>,
 }
 
@@ -56,12 +64,22 @@ impl Recorder {
     pub fn create(path: &Path) -> std::io::Result<Arc<Recorder>> {
         let mut out = BufWriter::with_capacity(1 << 16, File::create(path)?);
         writeln!(out, "{HEADER}")?;
-        let (sender, receiver) = channel::<Vec<Row>>();
+        let (sender, full) = sync_channel::<Vec<Row>>(BUFFERS);
+        let (give_back, empties) = sync_channel::<Vec<Row>>(BUFFERS);
+        for _ in 0..BUFFERS - 1 {
+            give_back.send(Vec::with_capacity(BUFFER_ROWS)).expect("room for every buffer");
+        }
         let writer = std::thread::Builder::new().name("tidepool-trace".into()).spawn(move || {
-            for rows in receiver {
+            let mut text = Vec::with_capacity(BUFFER_ROWS * 64);
+            let mut formatter = RowWriter::default();
+            for mut rows in full {
+                text.clear();
                 for row in &rows {
-                    write_row(&mut out, row)?;
+                    formatter.write(&mut text, row);
                 }
+                out.write_all(&text)?;
+                rows.clear();
+                let _ = give_back.try_send(rows);
             }
             out.flush()
         })?;
@@ -69,6 +87,7 @@ impl Recorder {
             path: path.to_path_buf(),
             start: Instant::now(),
             sender: Mutex::new(Some(sender)),
+            empties: Mutex::new(empties),
             writer: Mutex::new(Some(writer)),
         }))
     }
@@ -77,10 +96,19 @@ impl Recorder {
         &self.path
     }
 
-    fn send(&self, rows: Vec<Row>) {
-        if let Some(sender) = self.sender.lock().as_ref() {
-            let _ = sender.send(rows);
+    /// Hands `rows` to the writer and returns an empty buffer (waiting for
+    /// one if the writer is behind).
+    fn exchange(&self, rows: Vec<Row>) -> Vec<Row> {
+        let sent = match self.sender.lock().as_ref() {
+            Some(sender) => sender.send(rows).is_ok(),
+            None => false,
+        };
+        if sent {
+            if let Ok(empty) = self.empties.lock().recv() {
+                return empty;
+            }
         }
+        Vec::with_capacity(BUFFER_ROWS)
     }
 
     /// Stops the writer after it wrote everything sent; reports a write error.
@@ -122,8 +150,8 @@ impl TraceBuffer {
     /// Hands the buffered rows to the writer.
     pub fn flush(&mut self) {
         if !self.rows.is_empty() {
-            let rows = std::mem::replace(&mut self.rows, Vec::with_capacity(BUFFER_ROWS));
-            self.recorder.send(rows);
+            let rows = std::mem::take(&mut self.rows);
+            self.rows = self.recorder.exchange(rows);
         }
     }
 }
