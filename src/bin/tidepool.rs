@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use tidepool::config::OPTIONS;
 use tidepool::error::human_bytes;
 use tidepool::trace::plan::{card_advice, smallest_capacity};
-use tidepool::trace::replay::{replay, Policy, ReplayOptions, ReplayReport};
+use tidepool::trace::replay::{replay_with_progress, Policy, ReplayOptions, ReplayReport};
 use tidepool::trace::{self, Trace};
 use tidepool::Config;
 
@@ -149,13 +149,17 @@ fn run_replay(args: &[String]) -> Result<(), String> {
         let trace = load(file)?;
         let mut reports = Vec::new();
         for &policy in &options.policies {
-            if progress {
-                eprint!("tidepool: replaying {} with {} ...            \r", file.display(), policy.name());
-            }
             let samples = if options.plot.is_some() { 2000 } else { 0 };
             let replay_options =
                 ReplayOptions { capacity: options.capacity, policy, conf: options.conf.clone(), samples, record_to: None };
-            reports.push(replay(&trace, &replay_options)?);
+            let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let bar = |done: usize, total: usize| {
+                if progress {
+                    let filled = 30 * done / total.max(1);
+                    eprint!("{name} ({}) [{}{}] {:3}%\r", policy.name(), "#".repeat(filled), " ".repeat(30 - filled), 100 * done / total.max(1));
+                }
+            };
+            reports.push(replay_with_progress(&trace, &replay_options, bar)?);
         }
         if progress {
             eprint!("{:80}\r", "");

@@ -120,6 +120,15 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
 /// Replays `trace` once. Fails only on a bad `conf`, or if the allocator
 /// reports something other than lack of memory.
 pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, String> {
+    replay_with_progress(trace, options, |_, _| {})
+}
+
+/// `replay`, calling `progress(done, total)` about a hundred times.
+pub fn replay_with_progress(
+    trace: &Trace,
+    options: &ReplayOptions,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<ReplayReport, String> {
     let config = policy_config(trace, options).map_err(|e| format!("--conf: {e}"))?;
     let devices = trace.devices as usize;
     let backend = std::sync::Arc::new(HostBackend::new(devices, options.capacity));
@@ -129,8 +138,12 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, St
     let every = if options.samples == 0 { u64::MAX } else { (trace.events.len() as u64 / options.samples as u64).max(1) };
     let mut series = Vec::new();
     let mut ooms = 0u64;
+    let tick = (trace.events.len() / 100).max(1);
     let start = Instant::now();
     for (index, event) in trace.events.iter().enumerate() {
+        if index % tick == 0 {
+            progress(index, trace.events.len());
+        }
         match *event {
             Event::Alloc { id, size, stream, device } => {
                 match alloc.allocate(device as usize, size as usize, Stream(stream)) {

@@ -172,7 +172,7 @@ class Install(unittest.TestCase):
     def test_install_hands_pytorch_the_library_and_every_hook(self):
         fake = FakeTorch()
         sys.modules["torch"] = fake.module
-        tidepool.install()
+        tidepool.install(allow_host=True)
         self.assertEqual(fake.calls[0], ("CUDAPluggableAllocator", (tidepool.library_path(), "tidepool_malloc", "tidepool_free")))
         hooks = dict(call for call in fake.calls[1:-1])
         self.assertEqual(hooks, {
@@ -188,7 +188,14 @@ class Install(unittest.TestCase):
     def test_install_after_cuda_started_says_to_call_it_first(self):
         sys.modules["torch"] = FakeTorch(initialized=True).module
         with self.assertRaisesRegex(tidepool.TidepoolError, "first thing"):
-            tidepool.install()
+            tidepool.install(allow_host=True)
+
+    def test_install_refuses_to_give_pytorch_host_memory(self):
+        fake = FakeTorch()
+        sys.modules["torch"] = fake.module
+        with self.assertRaisesRegex(tidepool.TidepoolError, "CUDA kernels cannot use"):
+            tidepool.install(conf="backend:host")
+        self.assertEqual(fake.calls, [], "nothing was handed to PyTorch")
 
 
 if __name__ == "__main__":

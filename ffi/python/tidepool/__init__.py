@@ -45,15 +45,36 @@ def _pluggable(torch):
     return _plug
 
 
-def install(conf=None):
+# The backend the library uses when TIDEPOOL_CONF names none.
+DEFAULT_BACKEND = "host"
+
+
+def _backend(conf):
+    for entry in (conf or "").split(","):
+        key, _, value = entry.partition(":")
+        if key.strip() == "backend":
+            return value.strip()
+    return DEFAULT_BACKEND
+
+
+def install(conf=None, allow_host=False):
     """Makes tidepool PyTorch's CUDA allocator. Call it first thing: PyTorch
     can only switch allocators before CUDA is initialised.
 
     conf: a TIDEPOOL_CONF string ("max_split_size_mb:256,..."); it sets the
     environment variable the library reads when it starts.
+    allow_host: let the `host` backend (host memory standing in for a GPU)
+    serve PyTorch. Its memory is not device memory, so CUDA kernels cannot
+    use it: only for testing the wiring.
     """
     import torch
 
+    effective = conf if conf is not None else os.environ.get("TIDEPOOL_CONF", "")
+    if _backend(effective) == "host" and not allow_host:
+        raise TidepoolError(
+            "tidepool's backend is 'host' (host memory standing in for a GPU), which CUDA kernels cannot use: "
+            "choose a CUDA backend in TIDEPOOL_CONF (backend:cuda) with a build that has one"
+        )
     if torch.cuda.is_initialized():
         raise TidepoolError(
             "CUDA is already initialised, so PyTorch can no longer change its allocator: "
