@@ -8,6 +8,10 @@
 //! child starts a fresh allocator (the parent's heaps belong to the parent;
 //! a CUDA context does not survive fork either).
 
+// The exports take C pointers whose contracts ffi/tidepool.h states; they
+// are called from C, where an `unsafe fn` marker would mean nothing.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};

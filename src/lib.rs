@@ -202,7 +202,7 @@ impl Allocator {
         }
         let heap = self.heap(device)?;
         let total = self.backend.mem_info(device).map_err(AllocError::Backend)?.total;
-        let limit = (fraction < 1.0).then(|| (total as f64 * fraction) as u64);
+        let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
         heap.lock().set_reserved_limit(limit);
         Ok(())
     }
