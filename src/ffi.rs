@@ -363,48 +363,56 @@ fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
 const STATS_V1_SIZE: usize = 1040;
 const _: () = assert!(std::mem::size_of::<tidepool_stats>() >= STATS_V1_SIZE);
 
+/// An export's failure: the code it returns and the last error it sets.
+type Failure = (c_int, String);
+
+/// Turns an export body's result into its return code, setting the last error.
+fn return_code(result: Result<(), Failure>) -> c_int {
+    match result {
+        Ok(()) => TIDEPOOL_OK,
+        Err((code, message)) => {
+            set_last_error(message);
+            code
+        }
+    }
+}
+
+fn allocator_or_internal() -> Result<&'static Allocator, Failure> {
+    allocator().map_err(|err| (TIDEPOOL_ERR_INTERNAL, err.to_string()))
+}
+
 /// Fills `*out` with the statistics of `device`. Returns TIDEPOOL_OK, or
 /// TIDEPOOL_ERR_INVALID_ARGUMENT (NULL `out`, `out->size` too small),
 /// TIDEPOOL_ERR_INVALID_DEVICE, TIDEPOOL_ERR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn tidepool_get_stats(device: c_int, out: *mut tidepool_stats) -> c_int {
-    boundary!(TIDEPOOL_ERR_INTERNAL, {
-        if out.is_null() {
-            set_last_error("tidepool: tidepool_get_stats: out is NULL");
-            return TIDEPOOL_ERR_INVALID_ARGUMENT;
-        }
-        // SAFETY: `out` is non-null and points to at least a `size` field (u32).
-        let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
-        if caller_size < STATS_V1_SIZE {
-            set_last_error(format!(
-                "tidepool: tidepool_get_stats: out->size is {caller_size}, at least {STATS_V1_SIZE} needed"
-            ));
-            return TIDEPOOL_ERR_INVALID_ARGUMENT;
-        }
-        let allocator = match allocator() {
-            Ok(a) => a,
-            Err(err) => {
-                set_last_error(err.to_string());
-                return TIDEPOOL_ERR_INTERNAL;
-            }
-        };
-        let device = match device_index(device).and_then(|d| Ok((d, allocator.stats(d)?))) {
-            Ok((d, stats)) => (d, stats),
-            Err(err) => {
-                set_last_error(err.to_string());
-                return TIDEPOOL_ERR_INVALID_DEVICE;
-            }
-        };
-        let limit = allocator.with_heap(device.0, |h| h.reserved_limit()).ok().flatten();
-        let mut filled = c_stats(&device.1, limit);
-        // A caller built against an older, shorter struct gets its prefix.
-        let n = caller_size.min(std::mem::size_of::<tidepool_stats>());
-        filled.size = n as u32;
-        // SAFETY: the caller vouches for `caller_size` writable bytes at
-        // `out`; we copy n <= caller_size bytes from a local value.
-        unsafe { std::ptr::copy_nonoverlapping(&filled as *const tidepool_stats as *const u8, out as *mut u8, n) };
-        TIDEPOOL_OK
-    })
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(get_stats(device, out)))
+}
+
+fn get_stats(device: c_int, out: *mut tidepool_stats) -> Result<(), Failure> {
+    const WHO: &str = "tidepool: tidepool_get_stats";
+    if out.is_null() {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: out is NULL")));
+    }
+    // SAFETY: `out` is non-null and points to at least a `size` field (u32).
+    let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
+    if caller_size < STATS_V1_SIZE {
+        let message = format!("{WHO}: out->size is {caller_size}, at least {STATS_V1_SIZE} needed");
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, message));
+    }
+    let allocator = allocator_or_internal()?;
+    let invalid_device = |err: AllocError| (TIDEPOOL_ERR_INVALID_DEVICE, err.to_string());
+    let device = device_index(device).map_err(invalid_device)?;
+    let stats = allocator.stats(device).map_err(invalid_device)?;
+    let limit = allocator.with_heap(device, |h| h.reserved_limit()).ok().flatten();
+    let mut filled = c_stats(&stats, limit);
+    // A caller built against an older, shorter struct gets its prefix.
+    let n = caller_size.min(std::mem::size_of::<tidepool_stats>());
+    filled.size = n as u32;
+    // SAFETY: the caller vouches for `caller_size` writable bytes at
+    // `out`; we copy n <= caller_size bytes from a local value.
+    unsafe { std::ptr::copy_nonoverlapping(&filled as *const tidepool_stats as *const u8, out as *mut u8, n) };
+    Ok(())
 }
 
 /// Writes a PyTorch-schema memory snapshot (a pickle) of every device to
@@ -412,31 +420,21 @@ pub extern "C" fn tidepool_get_stats(device: c_int, out: *mut tidepool_stats) ->
 /// non-UTF-8 path), TIDEPOOL_ERR_IO or TIDEPOOL_ERR_INTERNAL.
 #[no_mangle]
 pub extern "C" fn tidepool_dump_snapshot(path: *const c_char) -> c_int {
-    boundary!(TIDEPOOL_ERR_INTERNAL, {
-        if path.is_null() {
-            set_last_error("tidepool: tidepool_dump_snapshot: path is NULL");
-            return TIDEPOOL_ERR_INVALID_ARGUMENT;
-        }
-        // SAFETY: `path` is non-null and, per the contract, a NUL-terminated string.
-        let Ok(path) = unsafe { CStr::from_ptr(path) }.to_str() else {
-            set_last_error("tidepool: tidepool_dump_snapshot: path is not UTF-8");
-            return TIDEPOOL_ERR_INVALID_ARGUMENT;
-        };
-        let allocator = match allocator() {
-            Ok(a) => a,
-            Err(err) => {
-                set_last_error(err.to_string());
-                return TIDEPOOL_ERR_INTERNAL;
-            }
-        };
-        match crate::snapshot::write_snapshot(allocator, Path::new(path)) {
-            Ok(()) => TIDEPOOL_OK,
-            Err(err) => {
-                set_last_error(format!("tidepool: cannot write snapshot {path}: {err}"));
-                TIDEPOOL_ERR_IO
-            }
-        }
-    })
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(dump_snapshot(path)))
+}
+
+fn dump_snapshot(path: *const c_char) -> Result<(), Failure> {
+    const WHO: &str = "tidepool: tidepool_dump_snapshot";
+    if path.is_null() {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: path is NULL")));
+    }
+    // SAFETY: `path` is non-null and, per the contract, a NUL-terminated string.
+    let Ok(path) = unsafe { CStr::from_ptr(path) }.to_str() else {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: path is not UTF-8")));
+    };
+    let allocator = allocator_or_internal()?;
+    crate::snapshot::write_snapshot(allocator, Path::new(path))
+        .map_err(|err| (TIDEPOOL_ERR_IO, format!("tidepool: cannot write snapshot {path}: {err}")))
 }
 
 /// Copies this thread's last error message into `buf` (NUL-terminated,
