@@ -1,20 +1,16 @@
 //! Builds tests/c/ffi_test.c against the cdylib and runs it (and, when
 //! valgrind is installed, runs it again under memcheck).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-/// target/debug (or release): where cargo put libtidepool.so for this test.
-fn library_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().and_then(Path::parent).unwrap().to_path_buf()
-}
 
 /// Compiles the C test to `name` (one name per test: tests run in parallel).
 fn build_c_test(name: &str) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let lib = library_dir();
+    let lib = common::cdylib().parent().unwrap().to_path_buf();
     let status = Command::new("cc")
         .args(["-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread"])
         .arg("-I")

@@ -2,6 +2,8 @@
 //! the same C types, the same structs field by field, the same constants;
 //! and the library must export exactly those functions.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
@@ -182,7 +184,7 @@ fn the_header_constants_match_the_rust_constants() {
 
 #[test]
 fn the_library_exports_exactly_the_declared_functions() {
-    let lib = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("libtidepool.so");
+    let lib = common::cdylib();
     let Ok(output) = Command::new("nm").args(["-D", "--defined-only"]).arg(&lib).output() else {
         eprintln!("nm not installed: skipped");
         return;

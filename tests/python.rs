@@ -1,13 +1,15 @@
 //! Runs the Python package's tests (ffi/python/tests) against the library
 //! this build produced, with Python alone (no torch).
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 
 #[test]
 fn the_python_package_works_through_ctypes() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let lib = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("libtidepool.so");
+    let lib = common::cdylib();
     let Ok(output) = Command::new("python3")
         .args(["-m", "unittest", "discover", "-v", "-s"])
         .arg(root.join("ffi/python/tests"))

@@ -83,3 +83,22 @@ fn words<'a>(ptr: DevicePtr, start: u64, end: u64) -> &'a mut [u64] {
 fn pattern_word(tag: u64, index: u64) -> u64 {
     (tag ^ 0xA5A5_5A5A_0F0F_F0F0).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(index.wrapping_mul(0x1000_0000_0000_0001))
 }
+
+/// The C library (libtidepool.so) of this build, built on first use:
+/// `cargo test` builds the crate as a Rust library only.
+pub fn cdylib() -> std::path::PathBuf {
+    static BUILD: std::sync::Once = std::sync::Once::new();
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(std::path::Path::parent).unwrap().to_path_buf();
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    BUILD.call_once(|| {
+        let mut build = std::process::Command::new(env!("CARGO"));
+        build.args(["build", "--lib", "--quiet", "--manifest-path", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")]);
+        if release {
+            build.arg("--release");
+        }
+        let status = build.status().expect("cargo runs");
+        assert!(status.success(), "building libtidepool.so failed");
+    });
+    profile_dir.join("libtidepool.so")
+}
