@@ -34,6 +34,32 @@ pub struct Config {
     /// Record every allocation and free to this file (RMM CSV); from the
     /// TIDEPOOL_TRACE environment variable.
     pub trace_path: Option<std::path::PathBuf>,
+    /// A whole free segment idle this long goes back to the driver (None: never).
+    pub release_after_ms: Option<u64>,
+    /// Release idle cache while the device has less free memory than this (0: off).
+    pub headroom: u64,
+    /// Reserve at most this much per device (None: no budget).
+    pub max_reserved: Option<u64>,
+    /// How often the reclaimer wakes.
+    pub reclaim_interval_ms: u64,
+}
+
+impl Config {
+    /// The release policy these options describe.
+    pub fn policy(&self) -> crate::reclaim::policy::Policy {
+        crate::reclaim::policy::Policy {
+            release_after_ms: self.release_after_ms.unwrap_or(u64::MAX),
+            headroom: self.headroom,
+            // A segment a loop reuses every step stays: at least a second idle.
+            headroom_min_idle_ms: 1_000,
+            max_reserved: self.max_reserved.unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Whether the background reclaimer has anything to do.
+    pub fn reclaims(&self) -> bool {
+        self.release_after_ms.is_some() || self.headroom > 0 || self.max_reserved.is_some()
+    }
 }
 
 impl Default for Config {
@@ -45,6 +71,10 @@ impl Default for Config {
             rules: SizeRules::default(),
             stash: true,
             trace_path: None,
+            release_after_ms: Some(10_000),
+            headroom: 256 << 20,
+            max_reserved: None,
+            reclaim_interval_ms: 100,
         }
     }
 }
@@ -125,6 +155,49 @@ pub static OPTIONS: &[OptionSpec] = &[
             other => Err(format!("expected true or false, got {other:?}")),
         },
         show: |c| c.stash.to_string(),
+    },
+    OptionSpec {
+        key: "release_after_ms",
+        default: "10000",
+        help: "a whole free segment idle this long goes back to the driver; reuse restarts the wait (off: never)",
+        apply: |c, v| {
+            c.release_after_ms = if v.trim() == "off" { None } else { Some(number(v)?) };
+            Ok(())
+        },
+        show: |c| c.release_after_ms.map_or("off".into(), |v| v.to_string()),
+    },
+    OptionSpec {
+        key: "headroom_mb",
+        default: "256",
+        help: "while the device (every process counted) has less free memory than this, idle cache goes back, longest idle first (0: off)",
+        apply: |c, v| {
+            c.headroom = scaled(v, MIB)?;
+            Ok(())
+        },
+        show: |c| (c.headroom / MIB).to_string(),
+    },
+    OptionSpec {
+        key: "max_reserved_mb",
+        default: "unlimited",
+        help: "reserve at most this much per device: cache goes first, and only live memory beyond it fails",
+        apply: |c, v| {
+            c.max_reserved = if v.trim() == "unlimited" { None } else { Some(scaled(v, MIB)?) };
+            Ok(())
+        },
+        show: |c| c.max_reserved.map_or("unlimited".into(), |v| (v / MIB).to_string()),
+    },
+    OptionSpec {
+        key: "reclaim_interval_ms",
+        default: "100",
+        help: "how often the background reclaimer wakes (10 to 60000)",
+        apply: |c, v| match number(v)? {
+            ms @ 10..=60_000 => {
+                c.reclaim_interval_ms = ms;
+                Ok(())
+            }
+            ms => Err(format!("must be between 10 and 60000, got {ms}")),
+        },
+        show: |c| c.reclaim_interval_ms.to_string(),
     },
     OptionSpec {
         key: "max_split_size_mb",

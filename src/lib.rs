@@ -22,6 +22,7 @@ pub mod error;
 pub mod ffi;
 pub mod heap;
 pub mod pickle;
+pub mod reclaim;
 pub mod size_class;
 pub mod snapshot;
 pub mod stats;
@@ -64,8 +65,10 @@ impl DevicePtr {
 pub struct Allocator {
     config: Config,
     backend: Arc<dyn Backend>,
-    heaps: Box<[Mutex<DeviceHeap>]>,
+    heaps: Arc<[Mutex<DeviceHeap>]>,
     recorder: Option<Arc<trace::record::Recorder>>,
+    /// The background thread that gives idle memory back (None: no policy on).
+    reclaimer: Option<reclaim::Reclaimer>,
 }
 
 impl Allocator {
@@ -93,17 +96,36 @@ impl Allocator {
                 None
             }
         });
-        let heaps = (0..backend.device_count())
+        let clock = reclaim::Clock::new();
+        let heaps: Arc<[Mutex<DeviceHeap>]> = (0..backend.device_count())
             .map(|device| {
                 let mut heap = DeviceHeap::new(device, config.rules.clone(), backend.clone());
                 heap.set_stash(config.stash);
+                heap.set_policy(config.policy(), clock.clone());
                 if let Some(recorder) = &recorder {
                     heap.record_to(recorder.clone());
                 }
                 Mutex::new(heap)
             })
             .collect();
-        Allocator { config, backend, heaps, recorder }
+        let reclaimer = if config.reclaims() {
+            let interval = std::time::Duration::from_millis(config.reclaim_interval_ms);
+            match reclaim::Reclaimer::start(Arc::downgrade(&heaps), clock, interval) {
+                Ok(reclaimer) => Some(reclaimer),
+                Err(err) => {
+                    eprintln!("tidepool: warning: cannot start the reclaimer thread ({err}); idle memory stays cached");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Allocator { config, backend, heaps, recorder, reclaimer }
+    }
+
+    /// Whether a background reclaimer runs for this allocator.
+    pub fn has_reclaimer(&self) -> bool {
+        self.reclaimer.is_some()
     }
 
     /// Writes out every trace row recorded so far (TIDEPOOL_TRACE), without
@@ -168,7 +190,7 @@ impl Allocator {
     pub fn empty_cache(&self) -> Released {
         let mut total = Released::default();
         for heap in self.heaps.iter() {
-            let released = heap.lock().release_free_segments(|_| true);
+            let released = heap.lock().release_free_segments(reclaim::policy::Reason::EmptyCache, |_, _| true);
             total.segments += released.segments;
             total.bytes += released.bytes;
         }

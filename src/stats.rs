@@ -7,6 +7,8 @@
 //! `Counters` and derives `all` when asked, except its peak, which it keeps.
 #![forbid(unsafe_code)]
 
+use crate::heap::Released;
+use crate::reclaim::policy::Reason;
 use crate::size_class::PoolKind;
 
 /// One gauge as reported: its value now, its highest value, and its total
@@ -125,6 +127,10 @@ pub(crate) struct Counters {
     pub num_ooms: u64,
     pub num_invalid_frees: u64,
     pub num_size_mismatches: u64,
+    /// Segments and bytes given back, by `Reason` (index).
+    pub released: [Released; 5],
+    /// Passes of the reclaimer over this heap.
+    pub num_reclaims: u64,
 }
 
 impl Counters {
@@ -158,6 +164,8 @@ impl Counters {
         self.num_ooms = 0;
         self.num_invalid_frees = 0;
         self.num_size_mismatches = 0;
+        self.released = Default::default();
+        self.num_reclaims = 0;
     }
 
     /// The public statistics; the cache figures are the caller's to fill.
@@ -184,6 +192,8 @@ impl Counters {
             num_ooms: self.num_ooms,
             num_invalid_frees: self.num_invalid_frees,
             num_size_mismatches: self.num_size_mismatches,
+            released: self.released,
+            num_reclaims: self.num_reclaims,
             cached_free_bytes: 0,
             largest_free_block_bytes: 0,
         }
@@ -228,6 +238,12 @@ pub struct Stats {
     /// size is used).
     pub num_size_mismatches: u64,
 
+    /// Segments and bytes given back to the driver, by why (index with
+    /// `Reason as usize`; see `released()`).
+    pub released: [Released; 5],
+    /// Passes of the reclaimer over this device.
+    pub num_reclaims: u64,
+
     /// Free bytes cached in all pools (reserved minus allocated).
     pub cached_free_bytes: u64,
     /// The largest free block in any pool.
@@ -235,6 +251,11 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// What was given back for `reason`.
+    pub fn released(&self, reason: Reason) -> Released {
+        self.released[reason as usize]
+    }
+
     /// External fragmentation of the cache: `1 - largest free block / free
     /// bytes`; 0 when nothing is cached. Near 1, the cache is many small
     /// holes and a large request needs a new segment despite free memory.
@@ -286,8 +307,14 @@ impl Stats {
             ("tidepool.num_size_mismatches", self.num_size_mismatches),
             ("tidepool.cached_free_bytes", self.cached_free_bytes),
             ("tidepool.largest_free_block_bytes", self.largest_free_block_bytes),
+            ("tidepool.num_reclaims", self.num_reclaims),
         ] {
             out.push((key.to_string(), value));
+        }
+        for reason in Reason::ALL {
+            let released = self.released(reason);
+            out.push((format!("tidepool.released_bytes.{}", reason.name()), released.bytes));
+            out.push((format!("tidepool.released_segments.{}", reason.name()), released.segments));
         }
         out
     }
@@ -331,7 +358,7 @@ mod tests {
         assert_eq!(keys["allocated_bytes.small_pool.current"], 0);
         assert_eq!(keys["inactive_split_bytes.all.freed"], 0);
         assert_eq!(keys["num_ooms"], 2);
-        assert_eq!(keys.len(), 9 * 3 * 4 + 10);
+        assert_eq!(keys.len(), 9 * 3 * 4 + 11 + 10);
     }
 
     #[test]

@@ -39,6 +39,8 @@ use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
 use crate::size_class::{PoolKind, SizeRules};
 use crate::stats::{Counters, Stats};
+use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
+use crate::reclaim::Clock;
 use crate::trace::record::{Recorder, TraceBuffer};
 use crate::trace::rmm_csv::Action;
 use crate::Stream;
@@ -54,6 +56,8 @@ pub struct Segment {
     pub pool: u32,
     /// The block at `base`.
     pub first_block: BlockId,
+    /// When the segment last became one whole free block (reclaimer clock).
+    pub idle_since_ms: u64,
 }
 
 /// What releasing cached segments gave back.
@@ -115,8 +119,12 @@ pub struct DeviceHeap {
     by_addr: AddrMap,
     /// Live blocks used on streams other than their own (`record_stream`).
     recorded_streams: HashMap<u64, Vec<Stream>>,
-    /// The most this heap may reserve (u64::MAX: no limit).
+    /// The most this heap may reserve by the memory fraction (u64::MAX: no limit).
     reserved_limit: u64,
+    /// When to give memory back; the budget also caps growth.
+    policy: Policy,
+    /// The reclaimer's clock, for idle stamps.
+    clock: Arc<Clock>,
     /// Whether frees go through the stash (see the top of this file).
     stash_enabled: bool,
     /// Rows for the TIDEPOOL_TRACE recording, when one is on.
@@ -140,6 +148,8 @@ impl DeviceHeap {
             by_addr: AddrMap::default(),
             recorded_streams: HashMap::new(),
             reserved_limit: u64::MAX,
+            policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
+            clock: Clock::new(),
             stash_enabled: true,
             trace: None,
             stats: Counters::default(),
@@ -241,7 +251,7 @@ impl DeviceHeap {
         let base = match self.new_segment(segment_size, stream) {
             Ok(base) => base,
             Err(BackendError::OutOfMemory) => {
-                self.release_free_segments(|_| true);
+                self.release_free_segments(Reason::OutOfMemory, |_, _| true);
                 self.stats.num_alloc_retries += 1;
                 match self.new_segment(segment_size, stream) {
                     Ok(base) => base,
@@ -264,7 +274,7 @@ impl DeviceHeap {
             }
         };
         let block = self.blocks.insert(base, segment_size, segment_id, pool, kind);
-        self.segments[segment_id as usize] = Some(Segment { base, size: segment_size, pool, first_block: block });
+        self.segments[segment_id as usize] = Some(Segment { base, size: segment_size, pool, first_block: block, idle_since_ms: 0 });
         self.segment_by_base.insert(base, segment_id);
         self.stats.segment.increase(kind, 1);
         self.stats.reserved_bytes.increase(kind, segment_size);
@@ -276,7 +286,7 @@ impl DeviceHeap {
     /// reserve limit (which then counts as out of memory).
     fn new_segment(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
         match self.stats.reserved_bytes.total().checked_add(size) {
-            Some(total) if total <= self.reserved_limit => {}
+            Some(total) if total <= self.reserved_limit.min(self.policy.max_reserved) => {}
             _ => return Err(BackendError::OutOfMemory),
         }
         self.backend.allocate(self.device, size, stream)
@@ -286,13 +296,66 @@ impl DeviceHeap {
     /// segments above the new cap are released at once.
     pub fn set_reserved_limit(&mut self, limit: Option<u64>) {
         self.reserved_limit = limit.unwrap_or(u64::MAX);
-        if self.stats.reserved_bytes.total() > self.reserved_limit {
-            self.release_free_segments(|_| true);
+        self.release_over_budget();
+    }
+
+    /// The cap on reserved bytes: the memory fraction's or the budget's, the lower.
+    pub fn reserved_limit(&self) -> Option<u64> {
+        let limit = self.reserved_limit.min(self.policy.max_reserved);
+        (limit != u64::MAX).then_some(limit)
+    }
+
+    /// Sets the release policy and the clock its idle stamps use.
+    pub fn set_policy(&mut self, policy: Policy, clock: Arc<Clock>) {
+        self.policy = policy;
+        self.clock = clock;
+        self.release_over_budget();
+    }
+
+    /// Releases cached segments, longest idle first, while reserved is over the cap.
+    fn release_over_budget(&mut self) {
+        let Some(limit) = self.reserved_limit() else { return };
+        if self.stats.reserved_bytes.total() > limit {
+            let policy = Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: limit };
+            self.apply(&policy);
         }
     }
 
-    pub fn reserved_limit(&self) -> Option<u64> {
-        (self.reserved_limit != u64::MAX).then_some(self.reserved_limit)
+    /// One pass of the reclaimer: releases what the policy picks.
+    pub fn reclaim(&mut self) -> Released {
+        self.stats.num_reclaims += 1;
+        let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
+        self.apply(&policy)
+    }
+
+    fn apply(&mut self, policy: &Policy) -> Released {
+        self.flush_stashes();
+        let idle: Vec<IdleSegment> = self
+            .segments
+            .iter()
+            .enumerate()
+            .filter_map(|(id, s)| {
+                let s = s.as_ref()?;
+                let b = &self.blocks[s.first_block];
+                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment { id: id as u32, size: s.size, idle_since_ms: s.idle_since_ms })
+            })
+            .collect();
+        if idle.is_empty() {
+            return Released::default();
+        }
+        let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
+        let pressure = Pressure { device_free, reserved: self.stats.reserved_bytes.total() };
+        let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
+        let mut total = Released::default();
+        for reason in Reason::ALL {
+            let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
+            if !ids.is_empty() {
+                let released = self.release_free_segments(reason, |id, _| ids.contains(&id));
+                total.segments += released.segments;
+                total.bytes += released.bytes;
+            }
+        }
+        total
     }
 
     /// Allocates the free, unbinned block `id` for a request, splitting off
@@ -431,12 +494,14 @@ impl DeviceHeap {
     #[inline]
     fn insert_free(&mut self, id: BlockId) {
         let b = &self.blocks[id];
-        let (pool, size, split) = (b.pool, b.size, b.is_split());
+        let (pool, size, split, segment) = (b.pool, b.size, b.is_split(), b.segment);
         let pool = &mut self.pools[pool as usize];
         pool.insert(&mut self.blocks, id, size);
         if split {
             self.stats.inactive_split.increase(pool.kind, 1);
             self.stats.inactive_split_bytes.increase(pool.kind, size);
+        } else if let Some(segment) = self.segments[segment as usize].as_mut() {
+            segment.idle_since_ms = self.clock.now_ms();
         }
     }
 
@@ -476,13 +541,13 @@ impl DeviceHeap {
     /// Releases every segment that is one whole free block and that `keep`
     /// selects (by segment). A segment the backend fails to release stays
     /// cached, whole and consistent.
-    pub fn release_free_segments(&mut self, mut select: impl FnMut(&Segment) -> bool) -> Released {
+    pub fn release_free_segments(&mut self, reason: Reason, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
         self.flush_stashes();
         let mut released = Released::default();
         for segment_id in 0..self.segments.len() as u32 {
             let Some(segment) = &self.segments[segment_id as usize] else { continue };
             let block = &self.blocks[segment.first_block];
-            if block.is_allocated() || block.next != NIL || !select(segment) {
+            if block.is_allocated() || block.next != NIL || !select(segment_id, segment) {
                 continue;
             }
             let (base, size, pool, block) = (segment.base, segment.size, segment.pool, segment.first_block);
@@ -501,6 +566,9 @@ impl DeviceHeap {
             released.segments += 1;
             released.bytes += size;
         }
+        let by_reason = &mut self.stats.released[reason as usize];
+        by_reason.segments += released.segments;
+        by_reason.bytes += released.bytes;
         released
     }
 

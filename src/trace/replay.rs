@@ -107,7 +107,8 @@ impl ReplayReport {
 
 /// The configuration a policy replays with.
 pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, ConfigError> {
-    let mut builder = Config::builder();
+    // A replay has no wall clock: the time-driven release policies stay off.
+    let mut builder = Config::builder().conf("release_after_ms:off,headroom_mb:0")?;
     if options.policy == Policy::Pytorch {
         builder = builder.conf(&trace.pytorch_conf)?.set("stash", "false")?;
     }

@@ -1,0 +1,119 @@
+//! The background reclaimer end to end, with real time: idle segments go
+//! back, a steady loop is never churned, budget and headroom hold, and the
+//! thread stops with its allocator.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{host_allocator, MIB};
+use tidepool::reclaim::policy::Reason;
+use tidepool::{Allocator, Stream};
+
+const S0: Stream = Stream::DEFAULT;
+
+/// Polls until `done` or the timeout; returns whether it became true.
+fn eventually(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    done()
+}
+
+fn reserved(alloc: &Allocator) -> u64 {
+    alloc.stats(0).unwrap().reserved_bytes.all.current
+}
+
+#[test]
+fn idle_segments_go_back_after_release_after_ms() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:200,reclaim_interval_ms:20");
+    assert!(alloc.has_reclaimer());
+    let keep = alloc.allocate(0, 4096, S0).unwrap();
+    let working_set: Vec<_> = [30 * MIB, 12 * MIB, 3 * MIB, 512 * 1024].iter().map(|&s| alloc.allocate(0, s as usize, S0).unwrap()).collect();
+    for p in working_set {
+        alloc.free(0, p).unwrap();
+    }
+    let cached = reserved(&alloc);
+    assert!(cached > 40 * MIB);
+    // Not before the deadline...
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(reserved(&alloc), cached, "released before release_after_ms");
+    // ...but within the deadline and a couple of intervals after it.
+    assert!(eventually(Duration::from_secs(2), || reserved(&alloc) == 2 * MIB), "reserved {}", reserved(&alloc));
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.released(Reason::IdleDecay).bytes, cached - 2 * MIB);
+    assert!(s.num_reclaims > 0);
+    alloc.free(0, keep).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn a_steady_loop_is_never_churned() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:200,reclaim_interval_ms:20");
+    let step = |alloc: &Allocator| {
+        let ptrs: Vec<_> = [8 * MIB, 2 * MIB, 100_000].iter().map(|&s| alloc.allocate(0, s as usize, S0).unwrap()).collect();
+        for p in ptrs {
+            alloc.free(0, p).unwrap();
+        }
+    };
+    step(&alloc);
+    let warm = alloc.stats(0).unwrap().num_device_alloc;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(800) {
+        step(&alloc);
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.num_device_alloc - warm, 0, "device allocations per step after warm-up");
+    assert_eq!(s.num_device_free, 0);
+}
+
+#[test]
+fn the_budget_releases_cache_first_and_fails_only_for_live_memory() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "max_reserved_mb:64");
+    let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    let b = alloc.allocate(0, (50 * MIB) as usize, S0).unwrap();
+    assert_eq!(reserved(&alloc), 50 * MIB, "the cached 40 MiB went to make room");
+    assert!(alloc.allocate(0, (20 * MIB) as usize, S0).is_err(), "70 MiB live is over the 64 MiB budget");
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.released(Reason::OutOfMemory).bytes, 40 * MIB);
+    alloc.free(0, b).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn headroom_releases_idle_cache_when_the_device_runs_low() {
+    let (alloc, backend) = host_allocator(1, 100 * MIB, "release_after_ms:off,headroom_mb:50,reclaim_interval_ms:20");
+    let a = alloc.allocate(0, (60 * MIB) as usize, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    assert_eq!(tidepool::backend::Backend::mem_info(&*backend, 0).unwrap().free, 40 * MIB);
+    // Segments idle under a second are spared; after that, released.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(reserved(&alloc), 60 * MIB);
+    assert!(eventually(Duration::from_secs(3), || reserved(&alloc) == 0));
+    assert_eq!(alloc.stats(0).unwrap().released(Reason::Headroom).bytes, 60 * MIB);
+}
+
+#[test]
+fn without_a_policy_nothing_is_released_and_no_thread_runs() {
+    let (alloc, _) = host_allocator(1, 100 * MIB, "");
+    assert!(!alloc.has_reclaimer());
+    let a = alloc.allocate(0, (60 * MIB) as usize, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(reserved(&alloc), 60 * MIB);
+}
+
+#[test]
+fn dropping_the_allocator_stops_its_reclaimer_at_once() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:60000,reclaim_interval_ms:60000");
+    assert!(alloc.has_reclaimer());
+    let start = Instant::now();
+    drop(alloc);
+    assert!(start.elapsed() < Duration::from_secs(1), "the thread was not woken to stop");
+}
