@@ -20,7 +20,7 @@ const SIZES: [(&str, usize); 4] = [("512B", 512), ("64KiB", 64 << 10), ("4MiB", 
 
 /// An allocator with `live` blocks of 512 B to 8 KiB live and about as many free holes.
 fn populated(live: usize) -> (Allocator, Vec<DevicePtr>) {
-    let config = Config::builder().host(1, 1 << 40).build().unwrap();
+    let config = Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().host(1, 1 << 40).build().unwrap();
     let alloc = Allocator::new(config).unwrap();
     let mut seed = 0x2545_F491_4F6C_DD1Du64;
     let mut blocks = Vec::with_capacity(2 * live);
@@ -83,10 +83,31 @@ fn cached_pair(c: &mut Criterion) {
 /// The cost of TIDEPOOL_TRACE: the 512 B cached pair with and without a
 /// recording (to /dev/null, so the file does not grow), in the same run.
 fn recording(c: &mut Criterion) {
-    let plain = Allocator::new(Config::builder().host(1, 1 << 40).build().unwrap()).unwrap();
-    let recorded = Allocator::new(Config::builder().host(1, 1 << 40).trace("/dev/null").build().unwrap()).unwrap();
+    let base = || Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().host(1, 1 << 40);
+    let plain = Allocator::new(base().build().unwrap()).unwrap();
+    let recorded = Allocator::new(base().trace("/dev/null").build().unwrap()).unwrap();
     let mut group = c.benchmark_group("recording");
     for (name, alloc) in [("off", &plain), ("on", &recorded)] {
+        let keep = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();
+        group.bench_function(BenchmarkId::from_parameter(name), |b| {
+            b.iter(|| {
+                let p = alloc.allocate(0, black_box(512), Stream::DEFAULT).unwrap();
+                alloc.free(0, black_box(p)).unwrap();
+            })
+        });
+        alloc.free(0, keep).unwrap();
+    }
+    group.finish();
+}
+
+/// The cost of the background reclaimer to the cached path: the 512 B pair
+/// with the reclaimer waking every 10 ms vs no reclaimer, in the same run.
+fn reclaimer(c: &mut Criterion) {
+    let off = Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().host(1, 1 << 40).build().unwrap();
+    let on = Config::builder().conf("release_after_ms:50,reclaim_interval_ms:10").unwrap().host(1, 1 << 40).build().unwrap();
+    let allocators = [("off", Allocator::new(off).unwrap()), ("on", Allocator::new(on).unwrap())];
+    let mut group = c.benchmark_group("reclaimer");
+    for (name, alloc) in &allocators {
         let keep = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();
         group.bench_function(BenchmarkId::from_parameter(name), |b| {
             b.iter(|| {
@@ -106,5 +127,5 @@ fn config() -> Criterion {
         .measurement_time(Duration::from_millis(1500))
 }
 
-criterion_group! { name = benches; config = config(); targets = cached_pair, recording }
+criterion_group! { name = benches; config = config(); targets = cached_pair, recording, reclaimer }
 criterion_main!(benches);

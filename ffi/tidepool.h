@@ -27,7 +27,7 @@ extern "C" {
 #define TIDEPOOL_ERR_INTERNAL 3         /* allocator not created, or internal error */
 #define TIDEPOOL_ERR_IO 4               /* a file could not be written */
 
-#define TIDEPOOL_STATS_VERSION 1
+#define TIDEPOOL_STATS_VERSION 2
 
 /* One gauge, as torch.cuda.memory_stats reports it. */
 typedef struct tidepool_stat {
@@ -45,7 +45,8 @@ typedef struct tidepool_stat_by_pool {
 
 /* Statistics of one device. Set size = sizeof(tidepool_stats) before the
  * call; the library fills at most that many bytes, writes its version and
- * sets size to the bytes filled. Later versions only append fields. */
+ * sets size to the bytes filled. Later versions only append fields: a
+ * caller built with version 1 (1040 bytes, up to gauges) still works. */
 typedef struct tidepool_stats {
     uint32_t size;
     uint32_t version;
@@ -74,6 +75,13 @@ typedef struct tidepool_stats {
      * active, inactive_split, allocated_bytes, reserved_bytes, active_bytes,
      * inactive_split_bytes, requested_bytes. */
     tidepool_stat_by_pool gauges[9];
+    /* Version 2: bytes given back to the driver, by why, and reclaimer passes. */
+    uint64_t released_idle_decay_bytes;
+    uint64_t released_budget_bytes;
+    uint64_t released_headroom_bytes;
+    uint64_t released_out_of_memory_bytes;
+    uint64_t released_empty_cache_bytes;
+    uint64_t num_reclaims;
 } tidepool_stats;
 
 /* size bytes on device for stream. NULL when out of memory (after the cache

@@ -20,6 +20,7 @@ use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Once;
 
+use crate::reclaim::policy::Reason;
 use crate::stats::{Stat, StatByPool, Stats};
 use crate::{AllocError, Allocator, DevicePtr, Stream};
 
@@ -35,7 +36,7 @@ pub const TIDEPOOL_ERR_INTERNAL: c_int = 3;
 pub const TIDEPOOL_ERR_IO: c_int = 4;
 
 /// Version of `tidepool_stats` this library fills.
-pub const TIDEPOOL_STATS_VERSION: u32 = 1;
+pub const TIDEPOOL_STATS_VERSION: u32 = 2;
 
 /// One gauge (`torch.cuda.memory_stats` fields).
 #[repr(C)]
@@ -87,6 +88,12 @@ pub struct tidepool_stats {
     pub num_size_mismatches: u64,
     pub reserved_limit_bytes: u64,
     pub gauges: [tidepool_stat_by_pool; 9],
+    pub released_idle_decay_bytes: u64,
+    pub released_budget_bytes: u64,
+    pub released_headroom_bytes: u64,
+    pub released_out_of_memory_bytes: u64,
+    pub released_empty_cache_bytes: u64,
+    pub num_reclaims: u64,
 }
 
 thread_local! {
@@ -355,6 +362,12 @@ fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
         num_size_mismatches: s.num_size_mismatches,
         reserved_limit_bytes: reserved_limit.unwrap_or(0),
         gauges,
+        released_idle_decay_bytes: s.released(Reason::IdleDecay).bytes,
+        released_budget_bytes: s.released(Reason::Budget).bytes,
+        released_headroom_bytes: s.released(Reason::Headroom).bytes,
+        released_out_of_memory_bytes: s.released(Reason::OutOfMemory).bytes,
+        released_empty_cache_bytes: s.released(Reason::EmptyCache).bytes,
+        num_reclaims: s.num_reclaims,
     }
 }
 

@@ -117,3 +117,21 @@ fn dropping_the_allocator_stops_its_reclaimer_at_once() {
     drop(alloc);
     assert!(start.elapsed() < Duration::from_secs(1), "the thread was not woken to stop");
 }
+
+#[test]
+fn pressure_is_answered_within_a_couple_of_intervals() {
+    // A segment idle for over a second, then another process (here: another
+    // heap's growth on the same device) leaves less than the headroom free.
+    let (alloc, backend) = host_allocator(1, 100 * MIB, "release_after_ms:off,headroom_mb:30,reclaim_interval_ms:20");
+    let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();
+    alloc.free(0, a).unwrap();
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(reserved(&alloc), 40 * MIB, "no pressure yet: the cache stays");
+    let other = tidepool::backend::Backend::allocate(&*backend, 0, 40 * MIB, S0).unwrap();
+    let signal = Instant::now();
+    assert!(eventually(Duration::from_secs(2), || reserved(&alloc) == 0));
+    let latency = signal.elapsed();
+    eprintln!("pressure to release: {latency:?} with a 20 ms interval");
+    assert!(latency < Duration::from_millis(500), "{latency:?}");
+    tidepool::backend::Backend::release(&*backend, 0, other, 40 * MIB).unwrap();
+}

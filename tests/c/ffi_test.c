@@ -58,7 +58,15 @@ static void basic_use(void) {
     CHECK(s.allocated_bytes == 0 && s.num_frees == 1 && s.num_allocs == 1, "after free");
     CHECK(tidepool_malloc(0, 0, NULL) == NULL, "size 0 gives NULL");
     tidepool_empty_cache();
-    CHECK(stats_of(0).reserved_bytes == 0, "empty_cache releases the segment");
+    s = stats_of(0);
+    CHECK(s.reserved_bytes == 0, "empty_cache releases the segment");
+    CHECK(s.released_empty_cache_bytes == 2 * MIB, "counted as released by empty_cache");
+    /* A caller built against version 1 of the struct gets its prefix. */
+    tidepool_stats v1;
+    memset(&v1, 0xEE, sizeof v1);
+    v1.size = 1040;
+    CHECK(tidepool_get_stats(0, &v1) == TIDEPOOL_OK && v1.size == 1040 && v1.version == 2, "v1 caller");
+    CHECK(v1.num_reclaims == 0xEEEEEEEEEEEEEEEEull, "nothing written past the caller's size");
 }
 
 static void bad_input(void) {

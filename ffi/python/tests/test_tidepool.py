@@ -62,7 +62,9 @@ class MemoryStats(unittest.TestCase):
         ptr = malloc(30 * MIB)
         free(ptr, 30 * MIB)
         self.assertGreaterEqual(tidepool.memory_reserved(), 30 * MIB)
+        before = tidepool.memory_stats()["tidepool.released_bytes.empty_cache"]
         tidepool.empty_cache()
+        self.assertGreaterEqual(tidepool.memory_stats()["tidepool.released_bytes.empty_cache"] - before, 30 * MIB)
         self.assertEqual(tidepool.memory_reserved(), tidepool.memory_stats()["reserved_bytes.all.current"])
         self.assertLess(tidepool.memory_reserved(), 30 * MIB)
 

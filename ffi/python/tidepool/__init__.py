@@ -141,6 +141,9 @@ def memory_stats(device=None):
     out["tidepool.num_invalid_frees"] = s.num_invalid_frees
     out["tidepool.num_size_mismatches"] = s.num_size_mismatches
     out["tidepool.reserved_limit_bytes"] = s.reserved_limit_bytes
+    for reason in _native.RELEASE_REASONS:
+        out[f"tidepool.released_bytes.{reason}"] = getattr(s, f"released_{reason}_bytes")
+    out["tidepool.num_reclaims"] = s.num_reclaims
     return dict(sorted(out.items()))
 
 

@@ -16,6 +16,8 @@ GAUGES = (
     "requested_bytes",
 )
 POOLS = ("all", "small_pool", "large_pool")
+# Why memory went back to the driver, as tidepool_stats names it.
+RELEASE_REASONS = ("idle_decay", "budget", "headroom", "out_of_memory", "empty_cache")
 FIELDS = ("current", "peak", "allocated", "freed")
 
 OK = 0
@@ -23,7 +25,7 @@ ERR_INVALID_ARGUMENT = 1
 ERR_INVALID_DEVICE = 2
 ERR_INTERNAL = 3
 ERR_IO = 4
-STATS_VERSION = 1
+STATS_VERSION = 2
 
 
 class Stat(ctypes.Structure):
@@ -60,7 +62,17 @@ class Stats(ctypes.Structure):
             "num_size_mismatches",
             "reserved_limit_bytes",
         )
-    ] + [("gauges", StatByPool * len(GAUGES))]
+    ] + [("gauges", StatByPool * len(GAUGES))] + [
+        (name, ctypes.c_uint64)
+        for name in (
+            "released_idle_decay_bytes",
+            "released_budget_bytes",
+            "released_headroom_bytes",
+            "released_out_of_memory_bytes",
+            "released_empty_cache_bytes",
+            "num_reclaims",
+        )
+    ]
 
 
 class TidepoolError(RuntimeError):
