@@ -6,8 +6,16 @@
 //! replays in address space alone. Each simulated device has a capacity;
 //! growing past it is refused like a real out-of-memory.
 //!
+//! With a shared capacity file (`host_shared`), the capacity is counted
+//! across every process that names the same file, as several processes
+//! share one GPU: the file holds the bytes in use per device, updated under
+//! an exclusive file lock.
+//!
 //! Test hooks (`faults()`) fail the Nth call, fail every call, or add latency.
 
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -90,9 +98,47 @@ struct HostDevice {
     used: AtomicU64,
 }
 
+/// Bytes in use per device, counted across processes in one file.
+struct SharedCapacity {
+    path: PathBuf,
+    file: File,
+}
+
+impl SharedCapacity {
+    fn open(path: &Path) -> std::io::Result<SharedCapacity> {
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(path)?;
+        Ok(SharedCapacity { path: path.to_path_buf(), file })
+    }
+
+    fn used(&self, device: usize) -> std::io::Result<u64> {
+        let mut bytes = [0u8; 8];
+        match self.file.read_exact_at(&mut bytes, 8 * device as u64) {
+            Ok(()) => Ok(u64::from_le_bytes(bytes)),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Adds `delta` to the device's use if the result stays within `capacity`.
+    fn update(&self, device: usize, delta: i128, capacity: u64) -> std::io::Result<bool> {
+        self.file.lock()?;
+        let result = (|| {
+            let used = self.used(device)? as i128 + delta;
+            if used < 0 || used > capacity as i128 {
+                return Ok(false);
+            }
+            self.file.write_all_at(&(used as u64).to_le_bytes(), 8 * device as u64)?;
+            Ok(true)
+        })();
+        self.file.unlock()?;
+        result
+    }
+}
+
 /// Simulated devices on host memory.
 pub struct HostBackend {
     devices: Vec<HostDevice>,
+    shared: Option<SharedCapacity>,
     faults: Faults,
     allocate_calls: AtomicU64,
     release_calls: AtomicU64,
@@ -103,10 +149,16 @@ impl HostBackend {
     pub fn new(devices: usize, capacity: u64) -> HostBackend {
         HostBackend {
             devices: (0..devices).map(|_| HostDevice { capacity, used: AtomicU64::new(0) }).collect(),
+            shared: None,
             faults: Faults::default(),
             allocate_calls: AtomicU64::new(0),
             release_calls: AtomicU64::new(0),
         }
+    }
+
+    /// Devices whose capacity every process naming `path` shares.
+    pub fn shared(devices: usize, capacity: u64, path: &Path) -> std::io::Result<HostBackend> {
+        Ok(HostBackend { shared: Some(SharedCapacity::open(path)?), ..HostBackend::new(devices, capacity) })
     }
 
     /// The failure and latency injection hooks.
@@ -132,13 +184,34 @@ impl HostBackend {
         })
     }
 
-    /// Claims `size` bytes of `dev`'s capacity; false when it would not fit.
-    fn claim(dev: &HostDevice, size: u64) -> bool {
-        dev.used
+    /// Claims `size` bytes of `device`'s capacity; false when it would not fit.
+    fn claim(&self, device: usize, size: u64) -> bool {
+        let dev = &self.devices[device];
+        if let Some(shared) = &self.shared {
+            if !shared.update(device, size as i128, dev.capacity).unwrap_or(false) {
+                return false;
+            }
+        }
+        let claimed = dev
+            .used
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
                 used.checked_add(size).filter(|&total| total <= dev.capacity)
             })
-            .is_ok()
+            .is_ok();
+        if !claimed {
+            self.unclaim(device, size, false);
+        }
+        claimed
+    }
+
+    /// Gives back a claim (of the shared count too, and of this process's when `local`).
+    fn unclaim(&self, device: usize, size: u64, local: bool) {
+        if let Some(shared) = &self.shared {
+            let _ = shared.update(device, -(size as i128), u64::MAX);
+        }
+        if local {
+            self.devices[device].used.fetch_sub(size, Ordering::SeqCst);
+        }
     }
 }
 
@@ -161,7 +234,7 @@ impl Backend for HostBackend {
             return Err(self.faults.injected(CALL));
         }
         let len = usize::try_from(size).map_err(|_| BackendError::OutOfMemory)?;
-        if size == 0 || !Self::claim(dev, size) {
+        if size == 0 || dev.capacity < size || !self.claim(device, size) {
             return Err(BackendError::OutOfMemory);
         }
         // SAFETY: an anonymous private mapping at an address of the kernel's
@@ -177,7 +250,7 @@ impl Backend for HostBackend {
             )
         };
         if addr == libc::MAP_FAILED {
-            dev.used.fetch_sub(size, Ordering::SeqCst);
+            self.unclaim(device, size, true);
             // The address space itself is exhausted: that is this device's OOM.
             return Err(BackendError::OutOfMemory);
         }
@@ -209,14 +282,32 @@ impl Backend for HostBackend {
                 message: err.to_string(),
             });
         }
-        dev.used.fetch_sub(size, Ordering::SeqCst);
+        let _ = dev;
+        self.unclaim(device, size, true);
         Ok(())
     }
 
     fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError> {
         let dev = self.device(device, "mem_info")?;
-        let used = dev.used.load(Ordering::SeqCst);
+        let used = match &self.shared {
+            Some(shared) => shared.used(device).map_err(|e| BackendError::Driver {
+                call: "mem_info",
+                code: e.raw_os_error().unwrap_or(-1) as i64,
+                message: format!("cannot read the shared capacity file: {e}"),
+            })?,
+            None => dev.used.load(Ordering::SeqCst),
+        };
         Ok(MemInfo { free: dev.capacity.saturating_sub(used), total: dev.capacity })
+    }
+
+    fn shared_device_key(&self, device: usize) -> Option<String> {
+        let shared = self.shared.as_ref()?;
+        let path = shared.path.canonicalize().unwrap_or_else(|_| shared.path.clone());
+        // A stable name for (file, device): FNV-1a of the path.
+        let hash = path.as_os_str().as_encoded_bytes().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        Some(format!("host-{hash:016x}-{device}"))
     }
 }
 
@@ -254,6 +345,24 @@ mod tests {
         backend.release(0, a, 1 << 20).unwrap();
         backend.release(0, b, 1 << 20).unwrap();
         assert_eq!(backend.mem_info(0).unwrap().free, 1 << 30);
+    }
+
+    #[test]
+    fn a_shared_capacity_is_counted_across_backends() {
+        let path = std::env::temp_dir().join(format!("tidepool-shared-test-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let a = HostBackend::shared(1, 8 << 20, &path).unwrap();
+        let b = HostBackend::shared(1, 8 << 20, &path).unwrap();
+        let x = a.allocate(0, 6 << 20, Stream::DEFAULT).unwrap();
+        assert_eq!(b.mem_info(0).unwrap().free, 2 << 20, "b sees a's use");
+        assert_eq!(b.allocate(0, 4 << 20, Stream::DEFAULT), Err(BackendError::OutOfMemory));
+        a.release(0, x, 6 << 20).unwrap();
+        let y = b.allocate(0, 4 << 20, Stream::DEFAULT).unwrap();
+        assert_eq!(a.mem_info(0).unwrap().free, 4 << 20);
+        b.release(0, y, 4 << 20).unwrap();
+        assert_eq!(a.shared_device_key(0), b.shared_device_key(0));
+        assert!(HostBackend::new(1, 1).shared_device_key(0).is_none());
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

@@ -50,4 +50,7 @@ pub trait Backend: Send + Sync {
     fn release(&self, device: usize, base: u64, size: u64) -> Result<(), BackendError>;
     /// Free and total memory of `device`.
     fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError>;
+    /// A name for `device` that every process sharing it agrees on (a GPU's
+    /// UUID), or None when no other process can share it.
+    fn shared_device_key(&self, device: usize) -> Option<String>;
 }
