@@ -82,6 +82,13 @@ typedef struct tidepool_stats {
     uint64_t released_out_of_memory_bytes;
     uint64_t released_empty_cache_bytes;
     uint64_t num_reclaims;
+    /* Cooperation with other processes on the device: bytes released for
+     * them, requests posted, requests that got their memory, requests of
+     * others answered. */
+    uint64_t released_cooperation_bytes;
+    uint64_t num_coop_requests;
+    uint64_t num_coop_satisfied;
+    uint64_t num_coop_served;
 } tidepool_stats;
 
 /* size bytes on device for stream. NULL when out of memory (after the cache

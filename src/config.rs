@@ -42,6 +42,14 @@ pub struct Config {
     pub max_reserved: Option<u64>,
     /// How often the reclaimer wakes.
     pub reclaim_interval_ms: u64,
+    /// Processes sharing a device help each other (the registry).
+    pub cooperative: bool,
+    /// How long a request waits for other processes to free memory before OOM.
+    pub oom_wait_ms: u64,
+    /// Where the registries live (None: `reclaim::registry::default_dir()`).
+    pub registry_dir: Option<std::path::PathBuf>,
+    /// Host backend: a file that makes every process naming it share the capacity.
+    pub host_shared: Option<std::path::PathBuf>,
 }
 
 impl Config {
@@ -56,7 +64,8 @@ impl Config {
         }
     }
 
-    /// Whether the background reclaimer has anything to do.
+    /// Whether a time-driven release policy is on (the reclaimer then runs;
+    /// it also runs to cooperate with other processes on a shared device).
     pub fn reclaims(&self) -> bool {
         self.release_after_ms.is_some() || self.headroom > 0 || self.max_reserved.is_some()
     }
@@ -75,6 +84,10 @@ impl Default for Config {
             headroom: 256 << 20,
             max_reserved: None,
             reclaim_interval_ms: 100,
+            cooperative: true,
+            oom_wait_ms: 2000,
+            registry_dir: None,
+            host_shared: None,
         }
     }
 }
@@ -93,6 +106,14 @@ const MIB: u64 = 1 << 20;
 
 fn number(value: &str) -> Result<u64, String> {
     value.trim().parse::<u64>().map_err(|_| format!("expected a non-negative integer, got {value:?}"))
+}
+
+fn boolean(value: &str) -> Result<bool, String> {
+    match value.trim() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        other => Err(format!("expected true or false, got {other:?}")),
+    }
 }
 
 fn scaled(value: &str, unit: u64) -> Result<u64, String> {
@@ -143,16 +164,9 @@ pub static OPTIONS: &[OptionSpec] = &[
         key: "stash",
         default: "true",
         help: "keep each pool's last freed block unmerged until the next request, which takes it back if it is the same size",
-        apply: |c, v| match v.trim() {
-            "true" => {
-                c.stash = true;
-                Ok(())
-            }
-            "false" => {
-                c.stash = false;
-                Ok(())
-            }
-            other => Err(format!("expected true or false, got {other:?}")),
+        apply: |c, v| {
+            c.stash = boolean(v)?;
+            Ok(())
         },
         show: |c| c.stash.to_string(),
     },
@@ -198,6 +212,49 @@ pub static OPTIONS: &[OptionSpec] = &[
             ms => Err(format!("must be between 10 and 60000, got {ms}")),
         },
         show: |c| c.reclaim_interval_ms.to_string(),
+    },
+    OptionSpec {
+        key: "cooperative",
+        default: "true",
+        help: "processes on one device help each other: one about to fail asks, the others give back idle cache",
+        apply: |c, v| {
+            c.cooperative = boolean(v)?;
+            Ok(())
+        },
+        show: |c| c.cooperative.to_string(),
+    },
+    OptionSpec {
+        key: "oom_wait_ms",
+        default: "2000",
+        help: "how long a request that other processes could help waits for them before out of memory",
+        apply: |c, v| match number(v)? {
+            ms @ 0..=600_000 => {
+                c.oom_wait_ms = ms;
+                Ok(())
+            }
+            ms => Err(format!("must be at most 600000, got {ms}")),
+        },
+        show: |c| c.oom_wait_ms.to_string(),
+    },
+    OptionSpec {
+        key: "registry_dir",
+        default: "auto",
+        help: "directory of the registries of processes sharing a device (auto: $XDG_RUNTIME_DIR/tidepool or /tmp/tidepool-<uid>)",
+        apply: |c, v| {
+            c.registry_dir = if v.trim() == "auto" { None } else { Some(v.trim().into()) };
+            Ok(())
+        },
+        show: |c| c.registry_dir.as_ref().map_or("auto".into(), |p| p.display().to_string()),
+    },
+    OptionSpec {
+        key: "host_shared",
+        default: "none",
+        help: "host backend: a file whose name makes processes share one capacity, as on one GPU",
+        apply: |c, v| {
+            c.host_shared = if v.trim() == "none" { None } else { Some(v.trim().into()) };
+            Ok(())
+        },
+        show: |c| c.host_shared.as_ref().map_or("none".into(), |p| p.display().to_string()),
     },
     OptionSpec {
         key: "max_split_size_mb",

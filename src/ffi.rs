@@ -94,6 +94,10 @@ pub struct tidepool_stats {
     pub released_out_of_memory_bytes: u64,
     pub released_empty_cache_bytes: u64,
     pub num_reclaims: u64,
+    pub released_cooperation_bytes: u64,
+    pub num_coop_requests: u64,
+    pub num_coop_satisfied: u64,
+    pub num_coop_served: u64,
 }
 
 thread_local! {
@@ -368,6 +372,10 @@ fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
         released_out_of_memory_bytes: s.released(Reason::OutOfMemory).bytes,
         released_empty_cache_bytes: s.released(Reason::EmptyCache).bytes,
         num_reclaims: s.num_reclaims,
+        released_cooperation_bytes: s.released(Reason::Cooperation).bytes,
+        num_coop_requests: s.num_coop_requests,
+        num_coop_satisfied: s.num_coop_satisfied,
+        num_coop_served: s.num_coop_served,
     }
 }
 

@@ -74,8 +74,13 @@ pub struct Allocator {
 impl Allocator {
     /// An allocator over the backend the configuration names.
     pub fn new(config: Config) -> Result<Allocator, AllocError> {
-        let backend: Arc<dyn Backend> = match config.backend {
-            BackendKind::Host => Arc::new(HostBackend::new(config.host_devices, config.host_capacity)),
+        let backend: Arc<dyn Backend> = match (config.backend, &config.host_shared) {
+            (BackendKind::Host, None) => Arc::new(HostBackend::new(config.host_devices, config.host_capacity)),
+            (BackendKind::Host, Some(path)) => Arc::new(
+                HostBackend::shared(config.host_devices, config.host_capacity, path).map_err(|e| {
+                    AllocError::InvalidArgument(format!("host_shared: cannot open {}: {e}", path.display()))
+                })?,
+            ),
         };
         Ok(Allocator::with_backend(config, backend))
     }
@@ -97,18 +102,23 @@ impl Allocator {
             }
         });
         let clock = reclaim::Clock::new();
+        let mut cooperating = false;
         let heaps: Arc<[Mutex<DeviceHeap>]> = (0..backend.device_count())
             .map(|device| {
                 let mut heap = DeviceHeap::new(device, config.rules.clone(), backend.clone());
                 heap.set_stash(config.stash);
                 heap.set_policy(config.policy(), clock.clone());
+                if let Some(registry) = join_registry(&config, backend.as_ref(), device) {
+                    heap.cooperate(registry, std::time::Duration::from_millis(config.oom_wait_ms));
+                    cooperating = true;
+                }
                 if let Some(recorder) = &recorder {
                     heap.record_to(recorder.clone());
                 }
                 Mutex::new(heap)
             })
             .collect();
-        let reclaimer = if config.reclaims() {
+        let reclaimer = if config.reclaims() || cooperating {
             let interval = std::time::Duration::from_millis(config.reclaim_interval_ms);
             match reclaim::Reclaimer::start(Arc::downgrade(&heaps), clock, interval) {
                 Ok(reclaimer) => Some(reclaimer),
@@ -273,6 +283,24 @@ impl Allocator {
     /// Runs `f` with the heap of `device` locked (tests and tools).
     pub fn with_heap<R>(&self, device: usize, f: impl FnOnce(&mut DeviceHeap) -> R) -> Result<R, AllocError> {
         Ok(f(&mut self.heap(device)?.lock()))
+    }
+}
+
+/// The registry of the processes sharing `device`, when cooperation is on
+/// and the device can be shared; a registry that cannot be used is reported
+/// and cooperation stays off for it.
+fn join_registry(config: &Config, backend: &dyn Backend, device: usize) -> Option<reclaim::registry::Registry> {
+    if !config.cooperative {
+        return None;
+    }
+    let key = backend.shared_device_key(device)?;
+    let dir = config.registry_dir.clone().unwrap_or_else(reclaim::registry::default_dir);
+    match reclaim::registry::Registry::join(&dir, &key) {
+        Ok(registry) => Some(registry),
+        Err(err) => {
+            eprintln!("tidepool: warning: cooperation off for device {device}: {err}");
+            None
+        }
     }
 }
 

@@ -195,13 +195,13 @@ impl SizeRules {
         if self.min_block < 256 {
             return Err(format!("min_block must be at least 256 bytes, got {}", self.min_block));
         }
-        if self.small_size < self.min_block || self.small_size % self.min_block != 0 {
+        if self.small_size < self.min_block || !self.small_size.is_multiple_of(self.min_block) {
             return Err("small_size must be a multiple of min_block".into());
         }
-        if self.small_segment < self.small_size || self.small_segment % self.min_block != 0 {
+        if self.small_segment < self.small_size || !self.small_segment.is_multiple_of(self.min_block) {
             return Err("small_segment must be a multiple of min_block and at least small_size".into());
         }
-        if self.large_segment < self.min_large_alloc || self.large_segment % self.min_block != 0 {
+        if self.large_segment < self.min_large_alloc || !self.large_segment.is_multiple_of(self.min_block) {
             return Err("large_segment must be a multiple of min_block and at least min_large_alloc".into());
         }
         if self.min_large_alloc <= self.small_size {
@@ -303,7 +303,7 @@ mod tests {
         assert_eq!(rules.round(1500), Some(1536));
         for size in [3000u64, 70_000, 5 << 20, (7 << 30) + 3] {
             let r = rules.round(size).unwrap();
-            assert!(r >= size && r % 512 == 0 && (r - size) * 4 <= size, "size {size} -> {r}");
+            assert!(r >= size && r.is_multiple_of(512) && (r - size) * 4 <= size, "size {size} -> {r}");
         }
     }
 

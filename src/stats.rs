@@ -128,9 +128,17 @@ pub(crate) struct Counters {
     pub num_invalid_frees: u64,
     pub num_size_mismatches: u64,
     /// Segments and bytes given back, by `Reason` (index).
-    pub released: [Released; 5],
+    pub released: [Released; 6],
     /// Passes of the reclaimer over this heap.
     pub num_reclaims: u64,
+    /// Requests for memory this process posted to the others on the device.
+    pub num_coop_requests: u64,
+    /// Of those, the ones that got the memory before `oom_wait_ms`.
+    pub num_coop_satisfied: u64,
+    /// Other processes' requests this one answered by releasing cache.
+    pub num_coop_served: u64,
+    /// Milliseconds the last satisfied request waited.
+    pub coop_last_wait_ms: u64,
 }
 
 impl Counters {
@@ -166,6 +174,9 @@ impl Counters {
         self.num_size_mismatches = 0;
         self.released = Default::default();
         self.num_reclaims = 0;
+        self.num_coop_requests = 0;
+        self.num_coop_satisfied = 0;
+        self.num_coop_served = 0;
     }
 
     /// The public statistics; the cache figures are the caller's to fill.
@@ -194,6 +205,10 @@ impl Counters {
             num_size_mismatches: self.num_size_mismatches,
             released: self.released,
             num_reclaims: self.num_reclaims,
+            num_coop_requests: self.num_coop_requests,
+            num_coop_satisfied: self.num_coop_satisfied,
+            num_coop_served: self.num_coop_served,
+            coop_last_wait_ms: self.coop_last_wait_ms,
             cached_free_bytes: 0,
             largest_free_block_bytes: 0,
         }
@@ -240,9 +255,17 @@ pub struct Stats {
 
     /// Segments and bytes given back to the driver, by why (index with
     /// `Reason as usize`; see `released()`).
-    pub released: [Released; 5],
+    pub released: [Released; 6],
     /// Passes of the reclaimer over this device.
     pub num_reclaims: u64,
+    /// Requests for memory posted to the other processes on the device.
+    pub num_coop_requests: u64,
+    /// Of those, the ones that got the memory before `oom_wait_ms`.
+    pub num_coop_satisfied: u64,
+    /// Other processes' requests this one answered by releasing cache.
+    pub num_coop_served: u64,
+    /// Milliseconds the last satisfied request waited for the memory.
+    pub coop_last_wait_ms: u64,
 
     /// Free bytes cached in all pools (reserved minus allocated).
     pub cached_free_bytes: u64,
@@ -308,6 +331,10 @@ impl Stats {
             ("tidepool.cached_free_bytes", self.cached_free_bytes),
             ("tidepool.largest_free_block_bytes", self.largest_free_block_bytes),
             ("tidepool.num_reclaims", self.num_reclaims),
+            ("tidepool.num_coop_requests", self.num_coop_requests),
+            ("tidepool.num_coop_satisfied", self.num_coop_satisfied),
+            ("tidepool.num_coop_served", self.num_coop_served),
+            ("tidepool.coop_last_wait_ms", self.coop_last_wait_ms),
         ] {
             out.push((key.to_string(), value));
         }
@@ -358,7 +385,7 @@ mod tests {
         assert_eq!(keys["allocated_bytes.small_pool.current"], 0);
         assert_eq!(keys["inactive_split_bytes.all.freed"], 0);
         assert_eq!(keys["num_ooms"], 2);
-        assert_eq!(keys.len(), 9 * 3 * 4 + 11 + 10);
+        assert_eq!(keys.len(), 9 * 3 * 4 + 15 + 12);
     }
 
     #[test]

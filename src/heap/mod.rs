@@ -34,12 +34,14 @@ mod validate;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
 use crate::size_class::{PoolKind, SizeRules};
 use crate::stats::{Counters, Stats};
 use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
+use crate::reclaim::registry::{Entry, Registry};
 use crate::reclaim::Clock;
 use crate::trace::record::{Recorder, TraceBuffer};
 use crate::trace::rmm_csv::Action;
@@ -125,6 +127,10 @@ pub struct DeviceHeap {
     policy: Policy,
     /// The reclaimer's clock, for idle stamps.
     clock: Arc<Clock>,
+    /// This process's slot among the processes sharing the device.
+    registry: Option<Registry>,
+    /// How long a request other processes could help waits for them.
+    oom_wait: Duration,
     /// Whether frees go through the stash (see the top of this file).
     stash_enabled: bool,
     /// Rows for the TIDEPOOL_TRACE recording, when one is on.
@@ -150,6 +156,8 @@ impl DeviceHeap {
             reserved_limit: u64::MAX,
             policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
             clock: Clock::new(),
+            registry: None,
+            oom_wait: Duration::ZERO,
             stash_enabled: true,
             trace: None,
             stats: Counters::default(),
@@ -253,7 +261,11 @@ impl DeviceHeap {
             Err(BackendError::OutOfMemory) => {
                 self.release_free_segments(Reason::OutOfMemory, |_, _| true);
                 self.stats.num_alloc_retries += 1;
-                match self.new_segment(segment_size, stream) {
+                let retried = match self.new_segment(segment_size, stream) {
+                    Err(BackendError::OutOfMemory) => self.ask_others(segment_size, stream),
+                    other => other,
+                };
+                match retried {
                     Ok(base) => base,
                     Err(BackendError::OutOfMemory) => {
                         self.stats.num_ooms += 1;
@@ -280,6 +292,45 @@ impl DeviceHeap {
         self.stats.reserved_bytes.increase(kind, segment_size);
         self.stats.num_device_alloc += 1;
         Ok(block)
+    }
+
+    /// The last resort before an OOM: ask the other processes on the device
+    /// for `size` bytes and retry until they free enough or `oom_wait` passes.
+    #[cold]
+    fn ask_others(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
+        let over_budget = self.stats.reserved_bytes.total().saturating_add(size) > self.reserved_limit.min(self.policy.max_reserved);
+        if self.oom_wait.is_zero() || over_budget {
+            return Err(BackendError::OutOfMemory);
+        }
+        let Some(registry) = self.registry.as_mut() else { return Err(BackendError::OutOfMemory) };
+        if registry.request(size).is_err() {
+            return Err(BackendError::OutOfMemory);
+        }
+        self.stats.num_coop_requests += 1;
+        let start = Instant::now();
+        let result = loop {
+            std::thread::sleep(Duration::from_millis(5));
+            match self.new_segment(size, stream) {
+                Ok(base) => {
+                    self.stats.num_coop_satisfied += 1;
+                    self.stats.coop_last_wait_ms = start.elapsed().as_millis() as u64;
+                    break Ok(base);
+                }
+                Err(BackendError::OutOfMemory) if start.elapsed() < self.oom_wait => continue,
+                Err(err) => break Err(err),
+            }
+        };
+        if let Some(registry) = self.registry.as_mut() {
+            let _ = registry.request(0);
+        }
+        result
+    }
+
+    /// Joins the processes sharing this device: publishes at every
+    /// reclaimer pass, answers their requests, asks them before an OOM.
+    pub fn cooperate(&mut self, registry: Registry, oom_wait: Duration) {
+        self.registry = Some(registry);
+        self.oom_wait = oom_wait;
     }
 
     /// A segment from the backend, unless it would take the heap past its
@@ -321,11 +372,36 @@ impl DeviceHeap {
         }
     }
 
-    /// One pass of the reclaimer: releases what the policy picks.
+    /// One pass of the reclaimer: releases what the policy picks, then
+    /// publishes to the other processes on the device and, if any of them
+    /// asks for memory, gives back every idle cached segment.
     pub fn reclaim(&mut self) -> Released {
         self.stats.num_reclaims += 1;
         let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
-        self.apply(&policy)
+        let mut released = self.apply(&policy);
+        if self.registry.is_some() {
+            let stats = self.stats();
+            let entry = Entry {
+                device: self.device as u32,
+                reserved: stats.reserved_bytes.all.current,
+                allocated: stats.allocated_bytes.all.current,
+                cached_free: stats.cached_free_bytes,
+                fragmentation_milli: (stats.external_fragmentation() * 1000.0) as u64,
+                requests_served: stats.num_coop_served,
+                released_for_others: stats.released(Reason::Cooperation).bytes,
+                ..Entry::default()
+            };
+            let asked = self.registry.as_mut().and_then(|r| r.publish(entry).ok()).unwrap_or(0);
+            if asked > 0 {
+                let answer = self.release_free_segments(Reason::Cooperation, |_, _| true);
+                if answer.segments > 0 {
+                    self.stats.num_coop_served += 1;
+                }
+                released.segments += answer.segments;
+                released.bytes += answer.bytes;
+            }
+        }
+        released
     }
 
     fn apply(&mut self, policy: &Policy) -> Released {

@@ -76,7 +76,7 @@ impl DeviceHeap {
                 ensure!(b.addr == expected_addr, "block {cur} at {:#x}, expected {:#x}: segment not tiled", b.addr, expected_addr);
                 ensure!(b.prev == prev, "block {cur} has a wrong prev link");
                 ensure!(b.segment == segment_id as u32 && b.pool == segment.pool, "block {cur} names the wrong segment or pool");
-                ensure!(b.size > 0 && b.size % self.rules.min_block == 0, "block {cur} size {} not a positive multiple of min_block", b.size);
+                ensure!(b.size > 0 && b.size.is_multiple_of(self.rules.min_block), "block {cur} size {} not a positive multiple of min_block", b.size);
                 ensure!(b.state != BlockState::Detached, "block {cur} is detached outside an operation");
                 ensure!(b.state != BlockState::Stashed || stashed.contains(&cur), "block {cur} is marked stashed but no pool stashes it");
                 if b.is_allocated() {

@@ -161,7 +161,7 @@ impl<R: BufRead> Parser<R> {
     }
 
     fn set_items(&mut self, container: NodeId, items: Vec<NodeId>) -> Result<(), PickleError> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return self.fail("SETITEMS with an odd number of values");
         }
         match &mut self.nodes[container as usize] {

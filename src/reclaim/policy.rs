@@ -16,10 +16,13 @@ pub enum Reason {
     OutOfMemory = 3,
     /// `empty_cache()`.
     EmptyCache = 4,
+    /// Another process on the device asked for memory.
+    Cooperation = 5,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 5] = [Reason::IdleDecay, Reason::Budget, Reason::Headroom, Reason::OutOfMemory, Reason::EmptyCache];
+    pub const ALL: [Reason; 6] =
+        [Reason::IdleDecay, Reason::Budget, Reason::Headroom, Reason::OutOfMemory, Reason::EmptyCache, Reason::Cooperation];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -28,6 +31,7 @@ impl Reason {
             Reason::Headroom => "headroom",
             Reason::OutOfMemory => "out_of_memory",
             Reason::EmptyCache => "empty_cache",
+            Reason::Cooperation => "cooperation",
         }
     }
 }

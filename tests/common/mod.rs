@@ -81,7 +81,7 @@ pub fn check(ptr: DevicePtr, len: u64, tag: u64) -> Result<(), u64> {
 }
 
 fn words<'a>(ptr: DevicePtr, start: u64, end: u64) -> &'a mut [u64] {
-    assert!(ptr.0 % 8 == 0 && start % 8 == 0);
+    assert!(ptr.0.is_multiple_of(8) && start.is_multiple_of(8));
     // SAFETY: `ptr` is a live host-backend block of at least `end` bytes,
     // 512-byte aligned, that only the calling test thread uses while it
     // holds the slice.

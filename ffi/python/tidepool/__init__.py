@@ -144,6 +144,8 @@ def memory_stats(device=None):
     for reason in _native.RELEASE_REASONS:
         out[f"tidepool.released_bytes.{reason}"] = getattr(s, f"released_{reason}_bytes")
     out["tidepool.num_reclaims"] = s.num_reclaims
+    for key in ("num_coop_requests", "num_coop_satisfied", "num_coop_served"):
+        out[f"tidepool.{key}"] = getattr(s, key)
     return dict(sorted(out.items()))
 
 

@@ -17,7 +17,7 @@ GAUGES = (
 )
 POOLS = ("all", "small_pool", "large_pool")
 # Why memory went back to the driver, as tidepool_stats names it.
-RELEASE_REASONS = ("idle_decay", "budget", "headroom", "out_of_memory", "empty_cache")
+RELEASE_REASONS = ("idle_decay", "budget", "headroom", "out_of_memory", "empty_cache", "cooperation")
 FIELDS = ("current", "peak", "allocated", "freed")
 
 OK = 0
@@ -71,6 +71,10 @@ class Stats(ctypes.Structure):
             "released_out_of_memory_bytes",
             "released_empty_cache_bytes",
             "num_reclaims",
+            "released_cooperation_bytes",
+            "num_coop_requests",
+            "num_coop_satisfied",
+            "num_coop_served",
         )
     ]
 

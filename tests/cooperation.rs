@@ -1,0 +1,100 @@
+//! Two processes on one device (host backend with a shared capacity file):
+//! A holds 60 % of the device as idle cache; B asks for 70 %. With
+//! cooperation B gets it within a second because A's reclaimer answers B's
+//! request; without it B fails. Both outcomes are asserted.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use tidepool::reclaim::policy::Reason;
+use tidepool::{AllocError, Allocator, Config, Stream};
+
+const MIB: u64 = 1 << 20;
+
+fn conf(dir: &Path, cooperative: bool) -> String {
+    format!(
+        "host_shared:{},registry_dir:{},host_capacity_mb:1024,release_after_ms:off,headroom_mb:0,\
+         reclaim_interval_ms:20,cooperative:{cooperative},oom_wait_ms:1500",
+        dir.join("capacity").display(),
+        dir.join("registry").display()
+    )
+}
+
+fn allocator(conf: &str) -> Allocator {
+    Allocator::new(Config::builder().conf(conf).unwrap().build().unwrap()).unwrap()
+}
+
+fn wait_for(path: &Path, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if path.exists() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+/// Process A: runs only when spawned by the test below.
+#[test]
+fn process_a_holds_idle_cache() {
+    let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_COOP_CONF"), std::env::var("TIDEPOOL_TEST_COOP_DIR")) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let alloc = allocator(&conf);
+    let block = alloc.allocate(0, (600 * MIB) as usize, Stream::DEFAULT).unwrap();
+    alloc.free(0, block).unwrap();
+    std::fs::write(dir.join("ready"), b"").unwrap();
+    assert!(wait_for(&dir.join("done"), Duration::from_secs(20)));
+    let served = alloc.stats(0).unwrap().num_coop_served;
+    std::fs::write(dir.join("served"), served.to_string()).unwrap();
+}
+
+fn spawn_a(dir: &Path, conf: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "process_a_holds_idle_cache", "--test-threads=1", "--nocapture"])
+        .env("TIDEPOOL_TEST_COOP_CONF", conf)
+        .env("TIDEPOOL_TEST_COOP_DIR", dir)
+        .spawn()
+        .unwrap()
+}
+
+fn scenario(cooperative: bool) -> (Result<(), AllocError>, Duration, u64, tidepool::Stats) {
+    let dir = std::env::temp_dir().join(format!("tidepool-coop-{}-{cooperative}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = conf(&dir, cooperative);
+    let mut a = spawn_a(&dir, &conf);
+    assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
+    let b = allocator(&conf);
+    let start = Instant::now();
+    let result = b.allocate(0, (700 * MIB) as usize, Stream::DEFAULT).map(|p| b.free(0, p).unwrap());
+    let waited = start.elapsed();
+    let stats = b.stats(0).unwrap();
+    std::fs::write(dir.join("done"), b"").unwrap();
+    assert!(a.wait().unwrap().success(), "process A failed");
+    let served = std::fs::read_to_string(dir.join("served")).unwrap().parse().unwrap();
+    drop(b);
+    let _ = std::fs::remove_dir_all(&dir);
+    (result, waited, served, stats)
+}
+
+#[test]
+fn a_process_about_to_fail_gets_the_idle_cache_of_another() {
+    let (result, waited, served, stats) = scenario(true);
+    assert!(result.is_ok(), "with cooperation: {result:?}");
+    assert!(waited < Duration::from_secs(1), "waited {waited:?}");
+    assert_eq!((stats.num_coop_requests, stats.num_coop_satisfied), (1, 1));
+    assert_eq!(served, 1, "process A answered one request");
+    eprintln!("request to memory: {waited:?} (B's count: {} ms)", stats.coop_last_wait_ms);
+}
+
+#[test]
+fn without_cooperation_the_same_request_fails() {
+    let (result, _, served, stats) = scenario(false);
+    assert!(matches!(result, Err(AllocError::OutOfMemory(_))), "{result:?}");
+    assert_eq!((stats.num_coop_requests, served), (0, 0));
+    assert_eq!(stats.released(Reason::Cooperation).bytes, 0);
+}
