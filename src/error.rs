@@ -20,6 +20,8 @@ pub enum AllocError {
     UnknownPointer { ptr: u64 },
     /// An argument out of its range, named with the reason.
     InvalidArgument(String),
+    /// The allocator belongs to the parent of this forked process.
+    Forked { parent: u32 },
     /// The backend failed for a reason other than lack of memory.
     Backend(BackendError),
 }
@@ -55,6 +57,11 @@ impl fmt::Display for AllocError {
             },
             AllocError::UnknownPointer { ptr } => write!(f, "tidepool: {ptr:#x} is not a live allocation"),
             AllocError::InvalidArgument(msg) => write!(f, "tidepool: {msg}"),
+            AllocError::Forked { parent } => write!(
+                f,
+                "tidepool: this allocator belongs to process {parent}, which forked this one; \
+                 a forked child creates an allocator of its own (the C ABI does so by itself)"
+            ),
             AllocError::Backend(err) => write!(f, "tidepool: {err}"),
         }
     }

@@ -17,7 +17,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::Once;
 
 use crate::reclaim::policy::Reason;
@@ -129,13 +129,33 @@ macro_rules! boundary {
 
 static ALLOCATOR: AtomicPtr<Allocator> = AtomicPtr::new(null_mut());
 static AT_FORK: Once = Once::new();
+static AT_EXIT: Once = Once::new();
 /// Set in a fork child: its recording, if any, goes to a file of its own.
 static FORKED: AtomicBool = AtomicBool::new(false);
+/// Forks this process has gone through, as seen from the child side.
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
 
-extern "C" fn forget_allocator_in_child() {
+extern "C" fn on_fork_child() {
     // Only atomic stores: a fork child may run nothing that locks.
     ALLOCATOR.store(null_mut(), Ordering::Release);
     FORKED.store(true, Ordering::Release);
+    FORK_GENERATION.fetch_add(1, Ordering::AcqRel);
+}
+
+/// Starts counting forks (idempotent): every allocator checks the count so
+/// that, in a fork child, it refuses to touch heaps its parent's threads
+/// may have held locked.
+pub(crate) fn watch_forks() -> u64 {
+    AT_FORK.call_once(|| {
+        // SAFETY: registers a fork handler that only performs atomic stores.
+        unsafe { libc::pthread_atfork(None, None, Some(on_fork_child)) };
+    });
+    fork_generation()
+}
+
+#[inline]
+pub(crate) fn fork_generation() -> u64 {
+    FORK_GENERATION.load(Ordering::Relaxed)
 }
 
 extern "C" fn finish_trace_at_exit() {
@@ -166,13 +186,10 @@ fn allocator() -> Result<&'static Allocator, AllocError> {
         // never freed, so the reference is valid for the whole process.
         return Ok(unsafe { &*current });
     }
-    AT_FORK.call_once(|| {
-        // SAFETY: registers a fork handler that only performs atomic stores,
-        // and an exit handler that catches any panic.
-        unsafe {
-            libc::pthread_atfork(None, None, Some(forget_allocator_in_child));
-            libc::atexit(finish_trace_at_exit);
-        }
+    watch_forks();
+    AT_EXIT.call_once(|| {
+        // SAFETY: registers an exit handler that catches any panic.
+        unsafe { libc::atexit(finish_trace_at_exit) };
     });
     let fresh = Box::into_raw(Box::new(Allocator::new(process_config())?));
     match ALLOCATOR.compare_exchange(null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {

@@ -69,6 +69,10 @@ pub struct Allocator {
     recorder: Option<Arc<trace::record::Recorder>>,
     /// The background thread that gives idle memory back (None: no policy on).
     reclaimer: Option<reclaim::Reclaimer>,
+    /// The process that made it, and the fork count then: a forked child
+    /// must not touch heaps its parent's threads may have held locked.
+    pid: u32,
+    fork_generation: u64,
 }
 
 impl Allocator {
@@ -130,7 +134,22 @@ impl Allocator {
         } else {
             None
         };
-        Allocator { config, backend, heaps, recorder, reclaimer }
+        let fork_generation = ffi::watch_forks();
+        Allocator { config, backend, heaps, recorder, reclaimer, pid: std::process::id(), fork_generation }
+    }
+
+    /// Whether this process is a fork child of the one that made the allocator.
+    #[inline]
+    fn forked(&self) -> bool {
+        ffi::fork_generation() != self.fork_generation
+    }
+
+    /// Every heap, unless this is a fork child.
+    fn heaps(&self) -> Result<&[Mutex<DeviceHeap>], AllocError> {
+        if self.forked() {
+            return Err(AllocError::Forked { parent: self.pid });
+        }
+        Ok(&self.heaps)
     }
 
     /// Whether a background reclaimer runs for this allocator.
@@ -141,7 +160,7 @@ impl Allocator {
     /// Writes out every trace row recorded so far (TIDEPOOL_TRACE), without
     /// stopping the recording.
     pub fn flush_trace(&self) {
-        for heap in self.heaps.iter() {
+        for heap in self.heaps().unwrap_or(&[]) {
             heap.lock().flush_trace();
         }
     }
@@ -160,6 +179,9 @@ impl Allocator {
 
     #[inline]
     fn heap(&self, device: usize) -> Result<&Mutex<DeviceHeap>, AllocError> {
+        if self.forked() {
+            return Err(AllocError::Forked { parent: self.pid });
+        }
         self.heaps
             .get(device)
             .ok_or(AllocError::InvalidDevice { device: device as i64, device_count: self.heaps.len() })
@@ -199,7 +221,7 @@ impl Allocator {
     /// Releases every whole free segment of every device to the backend.
     pub fn empty_cache(&self) -> Released {
         let mut total = Released::default();
-        for heap in self.heaps.iter() {
+        for heap in self.heaps().unwrap_or(&[]) {
             let released = heap.lock().release_free_segments(reclaim::policy::Reason::EmptyCache, |_, _| true);
             total.segments += released.segments;
             total.bytes += released.bytes;
@@ -242,7 +264,7 @@ impl Allocator {
     /// Notes that the live block at `ptr` is used on `stream` too (PyTorch's
     /// `record_stream`); it is not reused until that stream's work is done.
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<(), AllocError> {
-        for heap in self.heaps.iter() {
+        for heap in self.heaps()? {
             let mut heap = heap.lock();
             if heap.live_size(ptr.0).is_some() {
                 return heap.record_stream(ptr.0, stream);
@@ -254,7 +276,7 @@ impl Allocator {
     /// The device, base and size of the segment holding `ptr`, searching
     /// every device (PyTorch's `getBaseAllocation`).
     pub fn find_segment(&self, ptr: DevicePtr) -> Option<(usize, DevicePtr, u64)> {
-        self.heaps.iter().enumerate().find_map(|(device, heap)| {
+        self.heaps().ok()?.iter().enumerate().find_map(|(device, heap)| {
             heap.lock().segment_of(ptr.0).map(|(base, size)| (device, DevicePtr(base), size))
         })
     }
@@ -266,7 +288,7 @@ impl Allocator {
 
     /// Checks every invariant of every heap; see `heap/mod.rs`.
     pub fn validate(&self) -> Result<(), String> {
-        for (device, heap) in self.heaps.iter().enumerate() {
+        for (device, heap) in self.heaps().map_err(|e| e.to_string())?.iter().enumerate() {
             heap.lock().validate().map_err(|e| format!("device {device}: {e}"))?;
         }
         Ok(())
@@ -276,6 +298,9 @@ impl Allocator {
     /// allocations are no longer recorded. Dropping the allocator does this too.
     pub fn finish_trace(&self) -> std::io::Result<()> {
         let Some(recorder) = &self.recorder else { return Ok(()) };
+        if self.forked() {
+            return Ok(()); // the parent's recording is the parent's to finish
+        }
         self.flush_trace();
         recorder.finish()
     }

@@ -272,6 +272,9 @@ impl Registry {
 impl Drop for Registry {
     fn drop(&mut self) {
         let pid = self.pid;
+        if pid != std::process::id() {
+            return; // a fork child: the slot is the parent's
+        }
         let _ = self.with_lock(|r| {
             if r.read_slot(r.slot).pid == pid {
                 r.write_slot(r.slot, &Entry::default())?;
