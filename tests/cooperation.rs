@@ -98,3 +98,37 @@ fn without_cooperation_the_same_request_fails() {
     assert_eq!((stats.num_coop_requests, served), (0, 0));
     assert_eq!(stats.released(Reason::Cooperation).bytes, 0);
 }
+
+#[test]
+fn top_lists_the_processes_of_the_registry() {
+    let dir = std::env::temp_dir().join(format!("tidepool-top-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = conf(&dir, true);
+    let alloc = allocator(&conf);
+    let p = alloc.allocate(0, (5 * MIB) as usize, Stream::DEFAULT).unwrap();
+    // One reclaimer pass (20 ms) publishes the figures.
+    std::thread::sleep(Duration::from_millis(200));
+    let top = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+            .arg("top")
+            .args(args)
+            .env("TIDEPOOL_CONF", format!("registry_dir:{}", dir.join("registry").display()))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let json = top(&["--once", "--json"]);
+    let me = format!("\"pid\":{}", std::process::id());
+    assert!(json.contains(&me), "{json}");
+    assert!(json.contains(&format!("\"allocated_bytes\":{}", 5 * MIB)), "{json}");
+    assert!(json.contains("\"released_bytes\":{\"idle_decay\":0"), "{json}");
+    let table = top(&["--once"]);
+    assert!(table.contains(&std::process::id().to_string()) && table.contains("5.00 MiB"), "{table}");
+    alloc.free(0, p).unwrap();
+    drop(alloc);
+    // The process left: its slot is gone.
+    assert!(!top(&["--once", "--json"]).contains(&me));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -7,6 +7,8 @@ use std::process::ExitCode;
 
 use tidepool::config::OPTIONS;
 use tidepool::error::human_bytes;
+use tidepool::reclaim::policy::Reason;
+use tidepool::reclaim::registry;
 use tidepool::trace::plan::{card_advice, smallest_capacity};
 use tidepool::trace::replay::{replay_with_progress, Policy, ReplayOptions, ReplayReport};
 use tidepool::trace::{self, Trace};
@@ -24,6 +26,9 @@ usage:
       tidepool and the model of PyTorch's allocator side by side
   tidepool plan FILE [--conf KEY:VAL,...] [--json]
       the smallest device the trace fits, with tidepool and with PyTorch's allocator
+  tidepool top [--once] [--json]
+      the tidepool processes sharing devices on this machine, refreshed every second
+      (--once: one table; --json: one JSON object)
   tidepool config            the options of TIDEPOOL_CONF, their defaults and current values
   tidepool --version         the version
   tidepool help              this text
@@ -36,6 +41,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("replay") => run_replay(&args[1..]),
         Some("plan") => run_plan(&args[1..]),
+        Some("top") => run_top(&args[1..]),
         Some("config") => {
             print_config();
             Ok(())
@@ -295,6 +301,95 @@ fn run_plan(args: &[String]) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+fn run_top(args: &[String]) -> Result<(), String> {
+    let (mut once, mut json) = (false, false);
+    for arg in args {
+        match arg.as_str() {
+            "--once" => once = true,
+            "--json" => json = true,
+            other => return Err(format!("top: unknown option {other}\n\n{USAGE}")),
+        }
+    }
+    let config = Config::from_env();
+    let dir = config.registry_dir.clone().unwrap_or_else(registry::default_dir);
+    if json {
+        println!("{}", top_json(&dir));
+        return Ok(());
+    }
+    loop {
+        let table = top_table(&dir);
+        if once {
+            print!("{table}");
+            return Ok(());
+        }
+        print!("\x1b[2J\x1b[H{table}");
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
+fn top_table(dir: &Path) -> String {
+    let mut out = format!("tidepool processes ({})\n", dir.display());
+    out += &format!(
+        "{:<28} {:>8} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+        "device", "pid", "dev", "allocated", "reserved", "cached free", "frag", "idle decay", "headroom", "oom", "for others", "requesting"
+    );
+    let registries = registry::scan(dir);
+    if registries.iter().all(|(_, entries)| entries.is_empty()) {
+        out += "(none)\n";
+    }
+    for (path, entries) in registries {
+        let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        for e in entries {
+            let released = |r: Reason| human_bytes(e.released[r as usize]);
+            out += &format!(
+                "{:<28} {:>8} {:>4} {:>11} {:>11} {:>11} {:>5.1}% {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+                key,
+                e.pid,
+                e.device,
+                human_bytes(e.allocated),
+                human_bytes(e.reserved),
+                human_bytes(e.cached_free),
+                e.fragmentation_milli.min(1000) as f64 / 10.0,
+                released(Reason::IdleDecay),
+                released(Reason::Headroom),
+                released(Reason::OutOfMemory),
+                released(Reason::Cooperation),
+                if e.request_bytes > 0 { human_bytes(e.request_bytes) } else { "-".into() },
+            );
+        }
+    }
+    out
+}
+
+fn top_json(dir: &Path) -> String {
+    let mut processes = Vec::new();
+    for (path, entries) in registry::scan(dir) {
+        let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        for e in entries {
+            let released: Vec<String> =
+                Reason::ALL.iter().map(|&r| format!("\"{}\":{}", r.name(), e.released[r as usize])).collect();
+            processes.push(format!(
+                "{{\"device_key\":{},\"pid\":{},\"device\":{},\"heartbeat_ms\":{},\"allocated_bytes\":{},\
+                 \"reserved_bytes\":{},\"cached_free_bytes\":{},\"fragmentation\":{:.3},\"released_bytes\":{{{}}},\
+                 \"requests_served\":{},\"request_bytes\":{}}}",
+                json_string(&key),
+                e.pid,
+                e.device,
+                e.heartbeat_ms,
+                e.allocated,
+                e.reserved,
+                e.cached_free,
+                e.fragmentation_milli.min(1000) as f64 / 1000.0,
+                released.join(","),
+                e.requests_served,
+                e.request_bytes
+            ));
+        }
+    }
+    format!("{{\"registry_dir\":{},\"processes\":[{}]}}", json_string(&dir.display().to_string()), processes.join(","))
 }
 
 fn print_config() {

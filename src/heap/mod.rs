@@ -388,7 +388,7 @@ impl DeviceHeap {
                 cached_free: stats.cached_free_bytes,
                 fragmentation_milli: (stats.external_fragmentation() * 1000.0) as u64,
                 requests_served: stats.num_coop_served,
-                released_for_others: stats.released(Reason::Cooperation).bytes,
+                released: Reason::ALL.map(|r| stats.released(r).bytes),
                 ..Entry::default()
             };
             let asked = self.registry.as_mut().and_then(|r| r.publish(entry).ok()).unwrap_or(0);

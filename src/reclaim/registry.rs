@@ -23,7 +23,7 @@ const MAGIC: &[u8; 8] = b"TIDEPOOL";
 const VERSION: u32 = 1;
 pub const SLOTS: usize = 64;
 const HEADER: u64 = 16;
-const SLOT: u64 = 80;
+const SLOT: u64 = 112;
 /// How long to wait for the registry's lock before giving up this time.
 const LOCK_WAIT: Duration = Duration::from_millis(50);
 
@@ -43,8 +43,8 @@ pub struct Entry {
     pub request_bytes: u64,
     /// Requests of other processes this one answered by releasing cache.
     pub requests_served: u64,
-    /// Bytes it released to answer them.
-    pub released_for_others: u64,
+    /// Bytes given back to the driver, by `Reason` (index).
+    pub released: [u64; 6],
 }
 
 impl Entry {
@@ -60,9 +60,8 @@ impl Entry {
             self.fragmentation_milli,
             self.request_bytes,
             self.requests_served,
-            self.released_for_others,
         ];
-        for (i, value) in fields.iter().enumerate() {
+        for (i, value) in fields.iter().chain(self.released.iter()).enumerate() {
             out[8 + 8 * i..16 + 8 * i].copy_from_slice(&value.to_le_bytes());
         }
         out
@@ -80,7 +79,7 @@ impl Entry {
             fragmentation_milli: u64_at(4),
             request_bytes: u64_at(5),
             requests_served: u64_at(6),
-            released_for_others: u64_at(7),
+            released: std::array::from_fn(|i| u64_at(7 + i)),
         }
     }
 }
@@ -232,7 +231,6 @@ impl Registry {
             } else {
                 mine.request_bytes = previous.request_bytes;
                 mine.requests_served = mine.requests_served.max(previous.requests_served);
-                mine.released_for_others = mine.released_for_others.max(previous.released_for_others);
             }
             mine.pid = r.pid;
             mine.heartbeat_ms = now_ms();
@@ -325,7 +323,18 @@ mod tests {
 
     #[test]
     fn entries_round_trip_through_their_encoding() {
-        let e = Entry { pid: 7, device: 1, heartbeat_ms: 2, reserved: 3, allocated: 4, cached_free: 5, fragmentation_milli: 6, request_bytes: 8, requests_served: 9, released_for_others: 10 };
+        let e = Entry {
+            pid: 7,
+            device: 1,
+            heartbeat_ms: 2,
+            reserved: 3,
+            allocated: 4,
+            cached_free: 5,
+            fragmentation_milli: 6,
+            request_bytes: 8,
+            requests_served: 9,
+            released: [10, 11, 12, 13, 14, 15],
+        };
         assert_eq!(Entry::decode(&e.encode()), e);
     }
 
