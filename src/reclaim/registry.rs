@@ -369,6 +369,21 @@ mod tests {
     }
 
     #[test]
+    fn a_registry_locked_forever_by_another_process_does_not_hang() {
+        let dir = dir("locked");
+        let mut a = Registry::join(&dir, "dev").unwrap();
+        let squatter = File::open(a.path()).unwrap();
+        squatter.lock().unwrap();
+        let start = Instant::now();
+        assert!(a.publish(Entry::default()).unwrap_err().0.contains("locked"));
+        assert!(start.elapsed() < Duration::from_millis(500));
+        squatter.unlock().unwrap();
+        assert!(a.publish(Entry::default()).is_ok());
+        drop(a);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn a_hostile_registry_is_refused_or_harmless() {
         let dir = dir("hostile");
         std::fs::create_dir_all(&dir).unwrap();
