@@ -30,7 +30,7 @@ fn reserved(alloc: &Allocator) -> u64 {
 
 #[test]
 fn idle_segments_go_back_after_release_after_ms() {
-    let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:200,reclaim_interval_ms:20");
+    let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:600,reclaim_interval_ms:20");
     assert!(alloc.has_reclaimer());
     let keep = alloc.allocate(0, 4096, S0).unwrap();
     let working_set: Vec<_> = [30 * MIB, 12 * MIB, 3 * MIB, 512 * 1024].iter().map(|&s| alloc.allocate(0, s as usize, S0).unwrap()).collect();
@@ -40,10 +40,10 @@ fn idle_segments_go_back_after_release_after_ms() {
     let cached = reserved(&alloc);
     assert!(cached > 40 * MIB);
     // Not before the deadline...
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(150));
     assert_eq!(reserved(&alloc), cached, "released before release_after_ms");
-    // ...but within the deadline and a couple of intervals after it.
-    assert!(eventually(Duration::from_secs(2), || reserved(&alloc) == 2 * MIB), "reserved {}", reserved(&alloc));
+    // ...but soon after it.
+    assert!(eventually(Duration::from_secs(5), || reserved(&alloc) == 2 * MIB), "reserved {}", reserved(&alloc));
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.released(Reason::IdleDecay).bytes, cached - 2 * MIB);
     assert!(s.num_reclaims > 0);
@@ -53,7 +53,8 @@ fn idle_segments_go_back_after_release_after_ms() {
 
 #[test]
 fn a_steady_loop_is_never_churned() {
-    let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:200,reclaim_interval_ms:20");
+    // The decay (2 s) is far longer than a step (30 ms), as it is in training.
+    let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:2000,reclaim_interval_ms:20");
     let step = |alloc: &Allocator| {
         let ptrs: Vec<_> = [8 * MIB, 2 * MIB, 100_000].iter().map(|&s| alloc.allocate(0, s as usize, S0).unwrap()).collect();
         for p in ptrs {
@@ -93,9 +94,9 @@ fn headroom_releases_idle_cache_when_the_device_runs_low() {
     alloc.free(0, a).unwrap();
     assert_eq!(tidepool::backend::Backend::mem_info(&*backend, 0).unwrap().free, 40 * MIB);
     // Segments idle under a second are spared; after that, released.
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(200));
     assert_eq!(reserved(&alloc), 60 * MIB);
-    assert!(eventually(Duration::from_secs(3), || reserved(&alloc) == 0));
+    assert!(eventually(Duration::from_secs(5), || reserved(&alloc) == 0));
     assert_eq!(alloc.stats(0).unwrap().released(Reason::Headroom).bytes, 60 * MIB);
 }
 
