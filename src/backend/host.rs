@@ -261,7 +261,7 @@ impl Backend for HostBackend {
         const CALL: &str = "munmap";
         self.release_calls.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
-        let dev = self.device(device, CALL)?;
+        self.device(device, CALL)?;
         if Faults::countdown_hits(&self.faults.release_countdown) {
             return Err(self.faults.injected(CALL));
         }
@@ -282,7 +282,6 @@ impl Backend for HostBackend {
                 message: err.to_string(),
             });
         }
-        let _ = dev;
         self.unclaim(device, size, true);
         Ok(())
     }
