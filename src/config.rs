@@ -16,6 +16,8 @@ use crate::size_class::SizeRules;
 pub enum BackendKind {
     /// Host memory standing in for devices (tests, benchmarks, trace replay).
     Host,
+    /// The CUDA driver: `cuMemAlloc` / `cuMemFree`.
+    Cuda,
 }
 
 /// Everything that can be configured.
@@ -125,16 +127,21 @@ pub static OPTIONS: &[OptionSpec] = &[
     OptionSpec {
         key: "backend",
         default: "host",
-        help: "where segments come from: host (host memory standing in for a GPU)",
+        help: "where segments come from: host (host memory standing in for a GPU) or cuda (the CUDA driver)",
         apply: |c, v| match v.trim() {
             "host" => {
                 c.backend = BackendKind::Host;
                 Ok(())
             }
-            other => Err(format!("unknown backend {other:?}; known: host")),
+            "cuda" => {
+                c.backend = BackendKind::Cuda;
+                Ok(())
+            }
+            other => Err(format!("unknown backend {other:?}; known: host, cuda")),
         },
         show: |c| match c.backend {
             BackendKind::Host => "host".into(),
+            BackendKind::Cuda => "cuda".into(),
         },
     },
     OptionSpec {

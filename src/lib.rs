@@ -85,6 +85,7 @@ impl Allocator {
                     AllocError::InvalidArgument(format!("host_shared: cannot open {}: {e}", path.display()))
                 })?,
             ),
+            (BackendKind::Cuda, _) => Arc::new(backend::cuda::CudaBackend::new().map_err(AllocError::Backend)?),
         };
         Ok(Allocator::with_backend(config, backend))
     }

@@ -4,6 +4,7 @@
 //! reports how much memory the device has. It knows nothing of blocks,
 //! pools or streams beyond passing the stream of a request through.
 
+pub mod cuda;
 pub mod host;
 
 use std::fmt;

@@ -2,6 +2,8 @@
 //! the test keeps a handle to, a small deterministic RNG, and byte patterns.
 #![allow(dead_code)]
 
+pub mod conformance;
+
 use std::sync::Arc;
 
 use tidepool::backend::host::HostBackend;

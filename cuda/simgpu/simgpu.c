@@ -1,0 +1,496 @@
+/* simgpu: a stand-in libcuda.so for tests on machines without a GPU.
+ *
+ * It implements, on host memory, the part of the CUDA driver API that
+ * tidepool calls, so CI runs the real `cuda` backend code:
+ *   - devices (SIMGPU_DEVICES, default 1) of SIMGPU_CAPACITY bytes each
+ *     (default 1 GiB; suffixes K, M, G), primary contexts, UUIDs;
+ *   - cuMemAlloc/cuMemFree/cuMemGetInfo with real OOM at the capacity;
+ *   - asynchronous streams: a worker thread per stream runs queued work in
+ *     order; events complete when their stream reaches them; cuMemFree
+ *     waits for every stream, like the driver;
+ *   - test entry points (simgpu_*) to queue sleeps, fills and checks of
+ *     memory on a stream, to name which allocation owns a range, and to
+ *     read the use-after-free detector: a queued write that lands in a
+ *     range owned by another allocation by the time it runs is counted;
+ *   - latency (SIMGPU_LATENCY_US) and fault injection (SIMGPU_FAIL_EVERY=N:
+ *     every Nth cuMemAlloc reports out of memory).
+ * Build: cc -shared -fPIC -O2 -pthread simgpu.c -o libcuda.so
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct simgpu_ctx *CUcontext;
+typedef struct simgpu_stream *CUstream;
+typedef struct simgpu_event *CUevent;
+typedef struct { char bytes[16]; } CUuuid;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_READY = 600,
+};
+
+#define MAX_DEVICES 16
+#define MAX_ALLOCS 65536
+#define MAX_OWNERS 65536
+
+struct simgpu_ctx { int device; };
+
+struct alloc_rec { uintptr_t base; size_t size; int device; };
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int initialized;
+static int device_count = 1;
+static size_t capacity = (size_t)1 << 30;
+static size_t used[MAX_DEVICES];
+static struct simgpu_ctx contexts[MAX_DEVICES];
+static __thread CUcontext current;
+static struct alloc_rec allocs[MAX_ALLOCS];
+static long fail_every, alloc_calls;
+static long latency_us;
+
+/* Ownership of ranges, named by the tests, for the use-after-free detector. */
+struct owner { uintptr_t base; size_t size; uint64_t tag; };
+static struct owner owners[MAX_OWNERS];
+static long violations;
+
+static size_t parse_size(const char *text, size_t fallback) {
+    if (!text || !*text) return fallback;
+    char *end;
+    double v = strtod(text, &end);
+    switch (*end) {
+    case 'K': case 'k': v *= 1024.0; break;
+    case 'M': case 'm': v *= 1024.0 * 1024; break;
+    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
+    default: break;
+    }
+    return v > 0 ? (size_t)v : fallback;
+}
+
+CUresult cuInit(unsigned int flags) {
+    (void)flags;
+    pthread_mutex_lock(&lock);
+    if (!initialized) {
+        const char *d = getenv("SIMGPU_DEVICES");
+        if (d && atoi(d) > 0 && atoi(d) <= MAX_DEVICES) device_count = atoi(d);
+        capacity = parse_size(getenv("SIMGPU_CAPACITY"), capacity);
+        const char *f = getenv("SIMGPU_FAIL_EVERY");
+        fail_every = f ? atol(f) : 0;
+        const char *l = getenv("SIMGPU_LATENCY_US");
+        latency_us = l ? atol(l) : 0;
+        for (int i = 0; i < MAX_DEVICES; i++) contexts[i].device = i;
+        initialized = 1;
+    }
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDriverGetVersion(int *version) {
+    if (!version) return CUDA_ERROR_INVALID_VALUE;
+    *version = 12080;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetCount(int *count) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!count) return CUDA_ERROR_INVALID_VALUE;
+    *count = device_count;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice *device, int ordinal) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal < 0 || ordinal >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice device) {
+    if (device < 0 || device >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+    snprintf(name, (size_t)len, "simgpu %d", device);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice device) {
+    if (device < 0 || device >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    *bytes = capacity;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice device) {
+    if (device < 0 || device >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    if (!uuid) return CUDA_ERROR_INVALID_VALUE;
+    memset(uuid->bytes, 0, 16);
+    memcpy(uuid->bytes, "simgpu", 6);
+    uuid->bytes[15] = (char)device;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (device < 0 || device >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+    *ctx = &contexts[device];
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
+    return device >= 0 && device < device_count ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+    current = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(CUcontext *ctx) {
+    if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+    *ctx = current;
+    return CUDA_SUCCESS;
+}
+
+static void delay(void) {
+    if (latency_us > 0) usleep((useconds_t)latency_us);
+}
+
+static void synchronize_all(void);
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!dptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+    delay();
+    int device = current->device;
+    pthread_mutex_lock(&lock);
+    alloc_calls++;
+    int refuse = (fail_every > 0 && alloc_calls % fail_every == 0) || used[device] + bytes > capacity;
+    int slot = -1;
+    for (int i = 0; i < MAX_ALLOCS && !refuse; i++)
+        if (allocs[i].base == 0) { slot = i; break; }
+    if (refuse || slot < 0) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    void *mem = NULL;
+    if (posix_memalign(&mem, 4096, bytes) != 0) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    used[device] += bytes;
+    allocs[slot] = (struct alloc_rec){(uintptr_t)mem, bytes, device};
+    pthread_mutex_unlock(&lock);
+    *dptr = (CUdeviceptr)(uintptr_t)mem;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    delay();
+    synchronize_all(); /* like the driver: cuMemFree waits for the device */
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].base == (uintptr_t)dptr && dptr != 0) {
+            used[allocs[i].device] -= allocs[i].size;
+            free((void *)allocs[i].base);
+            allocs[i] = (struct alloc_rec){0, 0, 0};
+            pthread_mutex_unlock(&lock);
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    *total = capacity;
+    *free_bytes = capacity - used[current->device];
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult error, const char **name) {
+    static const char *names[] = {"CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_NOT_INITIALIZED"};
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    *name = error >= 0 && error < 4 ? names[error] : "CUDA_ERROR_UNKNOWN (simgpu)";
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorString(CUresult error, const char **text) {
+    return cuGetErrorName(error, text);
+}
+
+/* ---- streams and events ------------------------------------------------ */
+
+enum op_kind { OP_SLEEP, OP_FILL, OP_CHECK, OP_EVENT, OP_WAIT };
+
+struct op {
+    enum op_kind kind;
+    uintptr_t ptr;
+    size_t len;
+    unsigned char byte;
+    uint64_t tag;
+    long micros;
+    CUevent event;
+    struct op *next;
+};
+
+struct simgpu_stream {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct op *head, *tail;
+    long queued, done;
+    int stop;
+    struct simgpu_stream *next_stream;
+};
+
+struct simgpu_event {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    long recorded, completed;
+};
+
+static struct simgpu_stream *streams;
+static long check_failures;
+
+static uint64_t owner_of(uintptr_t ptr, size_t len) {
+    for (int i = 0; i < MAX_OWNERS; i++)
+        if (owners[i].size && ptr >= owners[i].base && ptr + len <= owners[i].base + owners[i].size) return owners[i].tag;
+    return 0;
+}
+
+static void event_complete(CUevent e, long generation) {
+    pthread_mutex_lock(&e->mu);
+    if (generation > e->completed) e->completed = generation;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void run(struct op *op) {
+    switch (op->kind) {
+    case OP_SLEEP: usleep((useconds_t)op->micros); break;
+    case OP_FILL:
+    case OP_CHECK: {
+        pthread_mutex_lock(&lock);
+        uint64_t owner = owner_of(op->ptr, op->len);
+        if (op->tag && owner != op->tag) violations++;
+        pthread_mutex_unlock(&lock);
+        if (op->kind == OP_FILL) {
+            memset((void *)op->ptr, op->byte, op->len);
+        } else {
+            const unsigned char *p = (const unsigned char *)op->ptr;
+            for (size_t i = 0; i < op->len; i++)
+                if (p[i] != op->byte) { __atomic_add_fetch(&check_failures, 1, __ATOMIC_SEQ_CST); break; }
+        }
+        break;
+    }
+    case OP_EVENT: event_complete(op->event, (long)op->tag); break;
+    case OP_WAIT: {
+        CUevent e = op->event;
+        pthread_mutex_lock(&e->mu);
+        while (e->completed < (long)op->tag) pthread_cond_wait(&e->cv, &e->mu);
+        pthread_mutex_unlock(&e->mu);
+        break;
+    }
+    }
+}
+
+static void *worker(void *arg) {
+    struct simgpu_stream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->head && !s->stop) pthread_cond_wait(&s->cv, &s->mu);
+        if (!s->head && s->stop) break;
+        struct op *op = s->head;
+        s->head = op->next;
+        if (!s->head) s->tail = NULL;
+        pthread_mutex_unlock(&s->mu);
+        run(op);
+        free(op);
+        pthread_mutex_lock(&s->mu);
+        s->done++;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static CUresult enqueue(CUstream s, struct op op) {
+    if (!s) {
+        /* The default stream runs work at once, in order, on the caller. */
+        run(&op);
+        return CUDA_SUCCESS;
+    }
+    struct op *copy = malloc(sizeof *copy);
+    if (!copy) return CUDA_ERROR_OUT_OF_MEMORY;
+    *copy = op;
+    copy->next = NULL;
+    pthread_mutex_lock(&s->mu);
+    if (s->tail) s->tail->next = copy; else s->head = copy;
+    s->tail = copy;
+    s->queued++;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamCreate(CUstream *out, unsigned int flags) {
+    (void)flags;
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    struct simgpu_stream *s = calloc(1, sizeof *s);
+    if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    pthread_create(&s->thread, NULL, worker, s);
+    pthread_mutex_lock(&lock);
+    s->next_stream = streams;
+    streams = s;
+    pthread_mutex_unlock(&lock);
+    *out = s;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream s) {
+    if (!s) return CUDA_SUCCESS;
+    pthread_mutex_lock(&s->mu);
+    long target = s->queued;
+    while (s->done < target) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    return CUDA_SUCCESS;
+}
+
+static void synchronize_all(void) {
+    pthread_mutex_lock(&lock);
+    struct simgpu_stream *list = streams;
+    pthread_mutex_unlock(&lock);
+    for (struct simgpu_stream *s = list; s; s = s->next_stream) cuStreamSynchronize(s);
+}
+
+CUresult cuStreamDestroy_v2(CUstream s) {
+    if (!s) return CUDA_ERROR_INVALID_HANDLE;
+    cuStreamSynchronize(s);
+    pthread_mutex_lock(&lock);
+    for (struct simgpu_stream **p = &streams; *p; p = &(*p)->next_stream)
+        if (*p == s) { *p = s->next_stream; break; }
+    pthread_mutex_unlock(&lock);
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thread, NULL);
+    free(s);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventCreate(CUevent *out, unsigned int flags) {
+    (void)flags;
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    struct simgpu_event *e = calloc(1, sizeof *e);
+    if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    *out = e;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent e, CUstream s) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&e->mu);
+    long generation = ++e->recorded;
+    pthread_mutex_unlock(&e->mu);
+    return enqueue(s, (struct op){.kind = OP_EVENT, .event = e, .tag = (uint64_t)generation});
+}
+
+CUresult cuEventQuery(CUevent e) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&e->mu);
+    int done = e->completed >= e->recorded;
+    pthread_mutex_unlock(&e->mu);
+    return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+CUresult cuEventSynchronize(CUevent e) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&e->mu);
+    while (e->completed < e->recorded) pthread_cond_wait(&e->cv, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventDestroy_v2(CUevent e) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    cuEventSynchronize(e);
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
+    (void)flags;
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&e->mu);
+    long generation = e->recorded;
+    pthread_mutex_unlock(&e->mu);
+    return enqueue(s, (struct op){.kind = OP_WAIT, .event = e, .tag = (uint64_t)generation});
+}
+
+/* ---- test entry points ------------------------------------------------- */
+
+/* Queues a sleep of `micros` on stream s. */
+CUresult simgpu_enqueue_sleep(CUstream s, long micros) {
+    return enqueue(s, (struct op){.kind = OP_SLEEP, .micros = micros});
+}
+
+/* Queues a write of `byte` over [ptr, ptr+len) by the allocation `tag`. */
+CUresult simgpu_enqueue_fill(CUstream s, CUdeviceptr ptr, size_t len, unsigned char byte, uint64_t tag) {
+    return enqueue(s, (struct op){.kind = OP_FILL, .ptr = (uintptr_t)ptr, .len = len, .byte = byte, .tag = tag});
+}
+
+/* Queues a check that [ptr, ptr+len) holds `byte` (failures: simgpu_check_failures). */
+CUresult simgpu_enqueue_check(CUstream s, CUdeviceptr ptr, size_t len, unsigned char byte, uint64_t tag) {
+    return enqueue(s, (struct op){.kind = OP_CHECK, .ptr = (uintptr_t)ptr, .len = len, .byte = byte, .tag = tag});
+}
+
+/* Names `tag` the owner of [ptr, ptr+len) from now on (tag 0: no owner). */
+int simgpu_set_owner(CUdeviceptr ptr, size_t len, uint64_t tag) {
+    pthread_mutex_lock(&lock);
+    int slot = -1;
+    for (int i = 0; i < MAX_OWNERS; i++) {
+        if (owners[i].size && owners[i].base == (uintptr_t)ptr) { slot = i; break; }
+        if (!owners[i].size && slot < 0) slot = i;
+    }
+    if (slot >= 0) owners[slot] = tag ? (struct owner){(uintptr_t)ptr, len, tag} : (struct owner){0, 0, 0};
+    pthread_mutex_unlock(&lock);
+    return slot >= 0 ? 0 : -1;
+}
+
+/* Writes queued by an allocation that no longer owned the range when they ran. */
+long simgpu_violations(void) {
+    pthread_mutex_lock(&lock);
+    long v = violations;
+    pthread_mutex_unlock(&lock);
+    return v;
+}
+
+long simgpu_check_failures(void) {
+    return __atomic_load_n(&check_failures, __ATOMIC_SEQ_CST);
+}

@@ -1,0 +1,157 @@
+//! The `cuda` backend: segments from `cuMemAlloc_v2`, back with
+//! `cuMemFree_v2`, through cudarc with the driver loaded at run time (no
+//! CUDA toolkit to build; drivers of CUDA 12 and 13).
+//!
+//! Each device works in its primary context, made current on the calling
+//! thread when it is not (PyTorch's threads have it already; a plain Rust
+//! program's do not). Every driver result is mapped in `check`: out of
+//! memory becomes the engine's OutOfMemory (release and retry), anything
+//! else an error naming the call and the code.
+
+use std::ffi::{c_char, CStr};
+
+use cudarc::driver::sys;
+
+use super::{Backend, BackendError, MemInfo};
+use crate::Stream;
+
+/// One device: its ordinal, primary context and identity.
+struct Device {
+    ordinal: sys::CUdevice,
+    /// The primary context, as an address (a raw pointer is not Send).
+    context: usize,
+    uuid: [u8; 16],
+}
+
+pub struct CudaBackend {
+    devices: Vec<Device>,
+}
+
+/// The driver's name for an error code.
+fn error_name(code: sys::CUresult) -> String {
+    let mut name: *const c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string or leaves it null.
+    let rc = unsafe { sys::cuGetErrorName(code, &mut name) };
+    if rc != sys::CUresult::CUDA_SUCCESS || name.is_null() {
+        return format!("error {}", code as i64);
+    }
+    // SAFETY: the driver returns a NUL-terminated static string.
+    unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+}
+
+/// The one place driver results become errors.
+fn check(result: sys::CUresult, call: &'static str) -> Result<(), BackendError> {
+    match result {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(BackendError::OutOfMemory),
+        other => Err(BackendError::Driver { call, code: other as i64, message: error_name(other) }),
+    }
+}
+
+/// Whether the loaded driver exports `symbol` (cudarc panics on a missing one).
+fn has_symbol(symbol: &[u8]) -> bool {
+    // SAFETY: looking a name up in the already loaded driver library has no
+    // side effect; the symbol is not called here.
+    unsafe { sys::culib().get::<unsafe extern "C" fn()>(symbol).is_ok() }
+}
+
+impl CudaBackend {
+    /// Loads the driver, initialises it and retains every device's primary context.
+    pub fn new() -> Result<CudaBackend, BackendError> {
+        // SAFETY: probing for the library only tries to dlopen it.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(BackendError::Driver {
+                call: "dlopen(libcuda.so)",
+                code: -1,
+                message: "no CUDA driver found: libcuda.so could not be loaded; backend:host runs without a GPU".into(),
+            });
+        }
+        // SAFETY: cuInit takes flags 0 and may be called more than once.
+        check(unsafe { sys::cuInit(0) }, "cuInit")?;
+        let mut count = 0;
+        // SAFETY: writes the device count into a local.
+        check(unsafe { sys::cuDeviceGetCount(&mut count) }, "cuDeviceGetCount")?;
+        let mut devices = Vec::new();
+        for ordinal in 0..count {
+            let mut device: sys::CUdevice = 0;
+            // SAFETY: `ordinal` is below the count the driver gave.
+            check(unsafe { sys::cuDeviceGet(&mut device, ordinal) }, "cuDeviceGet")?;
+            let mut context: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: retains the device's primary context; it stays retained
+            // for the life of the process, as PyTorch's does.
+            check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, device) }, "cuDevicePrimaryCtxRetain")?;
+            let mut uuid = [0u8; 16];
+            if has_symbol(b"cuDeviceGetUuid_v2\0") {
+                let mut raw = sys::CUuuid_st { bytes: [0; 16] };
+                // SAFETY: writes 16 bytes into a local CUuuid.
+                check(unsafe { sys::cuDeviceGetUuid_v2(&mut raw, device) }, "cuDeviceGetUuid_v2")?;
+                uuid = raw.bytes.map(|b| b as u8);
+            }
+            devices.push(Device { ordinal: device, context: context as usize, uuid });
+        }
+        Ok(CudaBackend { devices })
+    }
+
+    fn device(&self, device: usize, call: &'static str) -> Result<&Device, BackendError> {
+        self.devices.get(device).ok_or_else(|| BackendError::Driver {
+            call,
+            code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i64,
+            message: format!("no device {device}; the driver has {}", self.devices.len()),
+        })
+    }
+
+    /// Makes `device`'s primary context current on this thread if it is not.
+    fn enter(&self, device: usize, call: &'static str) -> Result<(), BackendError> {
+        let wanted = self.device(device, call)?.context as sys::CUcontext;
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: reads this thread's current context into a local.
+        check(unsafe { sys::cuCtxGetCurrent(&mut current) }, "cuCtxGetCurrent")?;
+        if current != wanted {
+            // SAFETY: `wanted` is a primary context retained in `new` and never released.
+            check(unsafe { sys::cuCtxSetCurrent(wanted) }, "cuCtxSetCurrent")?;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn allocate(&self, device: usize, size: u64, _stream: Stream) -> Result<u64, BackendError> {
+        self.enter(device, "cuMemAlloc_v2")?;
+        let bytes = usize::try_from(size).map_err(|_| BackendError::OutOfMemory)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the device's context is current; the driver writes the address into a local.
+        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, "cuMemAlloc_v2")?;
+        Ok(ptr)
+    }
+
+    fn release(&self, device: usize, base: u64, _size: u64) -> Result<(), BackendError> {
+        self.enter(device, "cuMemFree_v2")?;
+        // SAFETY: `base` came from cuMemAlloc_v2 on this device and the engine
+        // releases it once, with no block of it in use.
+        check(unsafe { sys::cuMemFree_v2(base) }, "cuMemFree_v2")
+    }
+
+    fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError> {
+        self.enter(device, "cuMemGetInfo_v2")?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: the device's context is current; the driver writes two sizes into locals.
+        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo_v2")?;
+        Ok(MemInfo { free: free as u64, total: total as u64 })
+    }
+
+    fn shared_device_key(&self, device: usize) -> Option<String> {
+        let d = self.devices.get(device)?;
+        if d.uuid == [0; 16] {
+            return Some(format!("cuda-ordinal-{}", d.ordinal));
+        }
+        Some(format!("cuda-{}", d.uuid.iter().map(|b| format!("{b:02x}")).collect::<String>()))
+    }
+}
