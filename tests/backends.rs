@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{conformance, host_allocator};
+use common::{conformance, host_allocator, simgpu_dir};
 use tidepool::{Allocator, Config};
 
 const CAPACITY: u64 = 256 << 20;
@@ -16,24 +16,6 @@ const CAPACITY: u64 = 256 << 20;
 #[test]
 fn the_host_backend_conforms() {
     conformance::run(&|conf| host_allocator(1, CAPACITY, conf).0, CAPACITY);
-}
-
-/// Builds cuda/simgpu into a directory of its own; returns that directory.
-fn simgpu_dir() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("simgpu");
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join(format!("libcuda.so.{}", std::process::id()));
-    let status = Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-O2", "-pthread"])
-        .arg(root.join("cuda/simgpu/simgpu.c"))
-        .arg("-o")
-        .arg(&out)
-        .status()
-        .expect("a C compiler (cc) is needed to build simgpu");
-    assert!(status.success(), "building simgpu failed");
-    std::fs::rename(&out, dir.join("libcuda.so")).unwrap();
-    dir
 }
 
 /// Runs the test `name` of this binary in a child process with `env`.

@@ -28,6 +28,10 @@ fn build_c_test(name: &str) -> PathBuf {
 }
 
 fn run(program: &Path, wrapper: &[&str], iterations: &str) -> (bool, String) {
+    run_with(program, wrapper, iterations, &[("TIDEPOOL_CONF", "backend:host,host_capacity_mb:4096")])
+}
+
+fn run_with(program: &Path, wrapper: &[&str], iterations: &str, env: &[(&str, &str)]) -> (bool, String) {
     let snapshot = program.with_extension("pickle");
     let _ = std::fs::remove_file(&snapshot);
     let mut command = match wrapper.split_first() {
@@ -38,12 +42,11 @@ fn run(program: &Path, wrapper: &[&str], iterations: &str) -> (bool, String) {
         }
         None => Command::new(program),
     };
-    let output = command
-        .arg(&snapshot)
-        .arg(iterations)
-        .env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:4096")
-        .output()
-        .unwrap();
+    command.arg(&snapshot).arg(iterations);
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let output = command.output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     (output.status.success() && snapshot.exists(), text)
 }
@@ -68,4 +71,18 @@ fn the_c_abi_is_clean_under_valgrind_memcheck() {
     let (ok, text) = run(&program, &["valgrind", "--error-exitcode=99", "--leak-check=no", "-q"], "300");
     assert!(ok, "ffi_test under valgrind failed:\n{text}");
     assert!(!text.contains("Invalid read") && !text.contains("Invalid write"), "{text}");
+}
+
+#[test]
+fn the_c_abi_works_over_the_cuda_backend_on_simgpu() {
+    let program = build_c_test("ffi_test_cuda");
+    let simgpu = common::simgpu_dir();
+    let env = [
+        ("TIDEPOOL_CONF", "backend:cuda"),
+        ("LD_LIBRARY_PATH", simgpu.to_str().unwrap()),
+        ("SIMGPU_CAPACITY", "4096M"),
+    ];
+    let (ok, text) = run_with(&program, &[], "5000", &env);
+    assert!(ok, "ffi_test over cuda/simgpu failed:\n{text}");
+    assert!(text.contains(" passed, 0 failed"), "{text}");
 }

@@ -113,3 +113,23 @@ pub fn cdylib() -> std::path::PathBuf {
     });
     profile_dir.join("libtidepool.so")
 }
+
+/// Builds cuda/simgpu (the stand-in libcuda.so) into a directory of its
+/// own and returns that directory, for LD_LIBRARY_PATH.
+pub fn simgpu_dir() -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("simgpu");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Built under a name of its own, then renamed: tests build it in parallel.
+    let out = dir.join(format!("libcuda.so.{}.{:?}", std::process::id(), std::thread::current().id()));
+    let status = std::process::Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-O2", "-pthread"])
+        .arg(root.join("cuda/simgpu/simgpu.c"))
+        .arg("-o")
+        .arg(&out)
+        .status()
+        .expect("a C compiler (cc) is needed to build simgpu");
+    assert!(status.success(), "building simgpu failed");
+    std::fs::rename(&out, dir.join("libcuda.so")).unwrap();
+    dir
+}
