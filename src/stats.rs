@@ -139,6 +139,8 @@ pub(crate) struct Counters {
     pub num_coop_served: u64,
     /// Milliseconds the last satisfied request waited.
     pub coop_last_wait_ms: u64,
+    /// Streams of `record_stream` the driver failed to synchronize at free.
+    pub num_stream_sync_errors: u64,
 }
 
 impl Counters {
@@ -209,6 +211,7 @@ impl Counters {
             num_coop_satisfied: self.num_coop_satisfied,
             num_coop_served: self.num_coop_served,
             coop_last_wait_ms: self.coop_last_wait_ms,
+            num_stream_sync_errors: self.num_stream_sync_errors,
             cached_free_bytes: 0,
             largest_free_block_bytes: 0,
         }
@@ -266,6 +269,8 @@ pub struct Stats {
     pub num_coop_served: u64,
     /// Milliseconds the last satisfied request waited for the memory.
     pub coop_last_wait_ms: u64,
+    /// Streams of `record_stream` the driver failed to synchronize at free.
+    pub num_stream_sync_errors: u64,
 
     /// Free bytes cached in all pools (reserved minus allocated).
     pub cached_free_bytes: u64,

@@ -84,3 +84,140 @@ fn without_a_driver_the_cuda_backend_is_a_clear_error_not_a_panic() {
     assert!(ok, "{text}");
     assert!(text.contains("no CUDA driver found") && text.contains("backend:host runs without a GPU"), "{text}");
 }
+
+/// simgpu's streams and test entry points, looked up in the loaded driver.
+struct Simgpu {
+    stream_create: unsafe extern "C" fn(*mut u64, u32) -> i32,
+    stream_synchronize: unsafe extern "C" fn(u64) -> i32,
+    enqueue_sleep: unsafe extern "C" fn(u64, i64) -> i32,
+    enqueue_fill: unsafe extern "C" fn(u64, u64, usize, u8, u64) -> i32,
+    enqueue_set_owner: unsafe extern "C" fn(u64, u64, usize, u64) -> i32,
+    event_create: unsafe extern "C" fn(*mut u64, u32) -> i32,
+    event_record: unsafe extern "C" fn(u64, u64) -> i32,
+    stream_wait_event: unsafe extern "C" fn(u64, u64, u32) -> i32,
+    violations: unsafe extern "C" fn() -> i64,
+}
+
+impl Simgpu {
+    fn load() -> Simgpu {
+        // SAFETY: opens the libcuda.so this process already loaded (simgpu,
+        // through LD_LIBRARY_PATH) and reads symbols whose C signatures are
+        // the ones declared in cuda/simgpu/simgpu.c.
+        unsafe {
+            let handle = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW);
+            assert!(!handle.is_null(), "simgpu not loaded");
+            let sym = |name: &std::ffi::CStr| {
+                let p = libc::dlsym(handle, name.as_ptr());
+                assert!(!p.is_null(), "{name:?} missing: not simgpu");
+                p
+            };
+            Simgpu {
+                stream_create: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamCreate")),
+                stream_synchronize: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamSynchronize")),
+                enqueue_sleep: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_sleep")),
+                enqueue_fill: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_fill")),
+                enqueue_set_owner: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_set_owner")),
+                event_create: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuEventCreate")),
+                event_record: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuEventRecord")),
+                stream_wait_event: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamWaitEvent")),
+                violations: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_violations")),
+            }
+        }
+    }
+}
+
+/// The child side: 4 streams, blocks written on a stream other than their
+/// own, freed and reallocated at random; with or without `record_stream`.
+#[test]
+fn child_stream_safety() {
+    if !in_child() {
+        return;
+    }
+    let record = std::env::var("TIDEPOOL_TEST_RECORD").as_deref() == Ok("1");
+    let ops: u64 = std::env::var("TIDEPOOL_TEST_OPS").unwrap().parse().unwrap();
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    let streams: Vec<u64> = (0..4)
+        .map(|_| {
+            let mut s = 0u64;
+            // SAFETY: simgpu writes a new stream handle into a local.
+            assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
+            s
+        })
+        .collect();
+    let events: Vec<u64> = (0..4)
+        .map(|_| {
+            let mut e = 0u64;
+            // SAFETY: simgpu writes a new event handle into a local.
+            assert_eq!(unsafe { (sim.event_create)(&mut e, 0) }, 0);
+            e
+        })
+        .collect();
+    let mut rng = common::Rng(0x5EED);
+    let mut live: Vec<(tidepool::DevicePtr, usize, u64)> = Vec::new();
+    for tag in 1..=ops {
+        let own_index = rng.below(4) as usize;
+        let (own, other) = (streams[own_index], streams[rng.below(4) as usize]);
+        let size = 512 + rng.below(16 << 10) as usize;
+        let ptr = alloc.allocate(0, size, tidepool::Stream(own)).unwrap();
+        // SAFETY: plain calls into simgpu with a live block of `size` bytes.
+        // Ownership changes in the order of the block's own stream, as the
+        // work of a new owner is ordered after its predecessor's there.
+        unsafe {
+            (sim.enqueue_set_owner)(own, ptr.0, size, tag);
+            if other != own {
+                // As a correct program does before using a block on another
+                // stream: that stream waits for the block's own stream.
+                (sim.event_record)(events[own_index], own);
+                (sim.stream_wait_event)(other, events[own_index], 0);
+            }
+            if rng.below(8) == 0 {
+                (sim.enqueue_sleep)(other, 100);
+            }
+            (sim.enqueue_fill)(other, ptr.0, size, tag as u8, tag);
+        }
+        if record && other != own {
+            alloc.record_stream(ptr, tidepool::Stream(other)).unwrap();
+        }
+        live.push((ptr, size, own));
+        while live.len() > 8 || (!live.is_empty() && rng.below(3) == 0) {
+            let (ptr, size, own) = live.swap_remove(rng.below(live.len() as u64) as usize);
+            alloc.free(0, ptr).unwrap();
+            // SAFETY: from here on in its stream's order, the block is no one's.
+            unsafe { (sim.enqueue_set_owner)(own, ptr.0, size, 0) };
+        }
+    }
+    for s in &streams {
+        // SAFETY: waits for the queued work of a stream made above.
+        unsafe { (sim.stream_synchronize)(*s) };
+    }
+    // SAFETY: reads simgpu's counter.
+    println!("violations: {}", unsafe { (sim.violations)() });
+}
+
+fn stream_safety(record: bool, ops: u64) -> i64 {
+    let dir = simgpu_dir();
+    let (ok, text) = child(
+        "child_stream_safety",
+        &[
+            ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
+            ("SIMGPU_CAPACITY", "1G"),
+            ("TIDEPOOL_TEST_RECORD", if record { "1" } else { "0" }),
+            ("TIDEPOOL_TEST_OPS", &ops.to_string()),
+        ],
+    );
+    assert!(ok, "{text}");
+    let at = text.find("violations: ").unwrap_or_else(|| panic!("{text}")) + "violations: ".len();
+    text[at..].split_whitespace().next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn with_record_stream_no_block_is_reused_while_another_stream_writes_it() {
+    assert_eq!(stream_safety(true, 100_000), 0);
+}
+
+#[test]
+fn without_record_stream_the_detector_catches_the_reuse() {
+    // The same program minus record_stream: the bug the detector exists for.
+    assert!(stream_safety(false, 20_000) > 0);
+}

@@ -241,7 +241,7 @@ CUresult cuGetErrorString(CUresult error, const char **text) {
 
 /* ---- streams and events ------------------------------------------------ */
 
-enum op_kind { OP_SLEEP, OP_FILL, OP_CHECK, OP_EVENT, OP_WAIT };
+enum op_kind { OP_SLEEP, OP_FILL, OP_CHECK, OP_EVENT, OP_WAIT, OP_OWNER };
 
 struct op {
     enum op_kind kind;
@@ -279,6 +279,8 @@ static uint64_t owner_of(uintptr_t ptr, size_t len) {
     return 0;
 }
 
+int simgpu_set_owner(CUdeviceptr ptr, size_t len, uint64_t tag);
+
 static void event_complete(CUevent e, long generation) {
     pthread_mutex_lock(&e->mu);
     if (generation > e->completed) e->completed = generation;
@@ -305,6 +307,7 @@ static void run(struct op *op) {
         break;
     }
     case OP_EVENT: event_complete(op->event, (long)op->tag); break;
+    case OP_OWNER: simgpu_set_owner((CUdeviceptr)op->ptr, op->len, op->tag); break;
     case OP_WAIT: {
         CUevent e = op->event;
         pthread_mutex_lock(&e->mu);
@@ -481,6 +484,12 @@ int simgpu_set_owner(CUdeviceptr ptr, size_t len, uint64_t tag) {
     if (slot >= 0) owners[slot] = tag ? (struct owner){(uintptr_t)ptr, len, tag} : (struct owner){0, 0, 0};
     pthread_mutex_unlock(&lock);
     return slot >= 0 ? 0 : -1;
+}
+
+/* Names `tag` the owner of the range when stream s reaches this point: an
+ * allocation owns its block from the moment its stream's work can touch it. */
+CUresult simgpu_enqueue_set_owner(CUstream s, CUdeviceptr ptr, size_t len, uint64_t tag) {
+    return enqueue(s, (struct op){.kind = OP_OWNER, .ptr = (uintptr_t)ptr, .len = len, .tag = tag});
 }
 
 /* Writes queued by an allocation that no longer owned the range when they ran. */

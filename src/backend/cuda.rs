@@ -147,6 +147,13 @@ impl Backend for CudaBackend {
         Ok(MemInfo { free: free as u64, total: total as u64 })
     }
 
+    fn synchronize_stream(&self, device: usize, stream: Stream) -> Result<(), BackendError> {
+        self.enter(device, "cuStreamSynchronize")?;
+        // SAFETY: `stream` is a CUstream the caller used for its work on this
+        // device (PyTorch's record_stream); 0 is the legacy default stream.
+        check(unsafe { sys::cuStreamSynchronize(stream.0 as sys::CUstream) }, "cuStreamSynchronize")
+    }
+
     fn shared_device_key(&self, device: usize) -> Option<String> {
         let d = self.devices.get(device)?;
         if d.uuid == [0; 16] {

@@ -54,4 +54,9 @@ pub trait Backend: Send + Sync {
     /// A name for `device` that every process sharing it agrees on (a GPU's
     /// UUID), or None when no other process can share it.
     fn shared_device_key(&self, device: usize) -> Option<String>;
+    /// Waits until the work queued on `stream` so far has run. Backends
+    /// without asynchronous work have nothing to wait for.
+    fn synchronize_stream(&self, _device: usize, _stream: Stream) -> Result<(), BackendError> {
+        Ok(())
+    }
 }

@@ -487,7 +487,9 @@ impl DeviceHeap {
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
         if !self.recorded_streams.is_empty() {
-            self.recorded_streams.remove(&ptr);
+            if let Some(streams) = self.recorded_streams.remove(&ptr) {
+                self.wait_for_streams(&streams);
+            }
         }
         let (size, requested, pool, kind) = {
             let b = &mut self.blocks[id];
@@ -655,9 +657,20 @@ impl DeviceHeap {
         (ptr < segment.base + segment.size).then_some((segment.base, segment.size))
     }
 
-    /// Notes that the live block at `ptr` is also used on `stream`. The host
-    /// backend runs no work on streams, so at free such a block is reusable
-    /// at once; a backend with asynchronous streams waits for that work.
+    /// Before a block used on other streams becomes reusable, the work those
+    /// streams had queued must have run: for now by waiting for them (a host
+    /// synchronization, paid only by blocks given to `record_stream`).
+    #[cold]
+    fn wait_for_streams(&mut self, streams: &[Stream]) {
+        for &stream in streams {
+            if self.backend.synchronize_stream(self.device, stream).is_err() {
+                self.stats.num_stream_sync_errors += 1;
+            }
+        }
+    }
+
+    /// Notes that the live block at `ptr` is also used on `stream`: when it
+    /// is freed, it is reused only after the work queued on `stream` runs.
     pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<(), AllocError> {
         let id = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
         let Some(id) = id else {
