@@ -3,9 +3,13 @@
 //! process that finds it through LD_LIBRARY_PATH, and the clear error of
 //! the `cuda` backend where no driver exists.
 
+// The simgpu entry points are looked up by name and cast to the C
+// signatures declared in cuda/simgpu/simgpu.c.
+#![allow(clippy::missing_transmute_annotations)]
+
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use common::{conformance, host_allocator, simgpu_dir};

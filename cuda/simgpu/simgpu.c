@@ -338,7 +338,19 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* Whether s is a stream this library made and has not destroyed: an
+ * unknown handle is an error, as a careful driver reports it. */
+static int known_stream(CUstream s) {
+    pthread_mutex_lock(&lock);
+    int known = 0;
+    for (struct simgpu_stream *p = streams; p; p = p->next_stream)
+        if (p == s) { known = 1; break; }
+    pthread_mutex_unlock(&lock);
+    return known;
+}
+
 static CUresult enqueue(CUstream s, struct op op) {
+    if (s && !known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
     if (!s) {
         /* The default stream runs work at once, in order, on the caller. */
         run(&op);
@@ -375,6 +387,7 @@ CUresult cuStreamCreate(CUstream *out, unsigned int flags) {
 
 CUresult cuStreamSynchronize(CUstream s) {
     if (!s) return CUDA_SUCCESS;
+    if (!known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&s->mu);
     long target = s->queued;
     while (s->done < target) pthread_cond_wait(&s->cv, &s->mu);
@@ -386,11 +399,16 @@ static void synchronize_all(void) {
     pthread_mutex_lock(&lock);
     struct simgpu_stream *list = streams;
     pthread_mutex_unlock(&lock);
-    for (struct simgpu_stream *s = list; s; s = s->next_stream) cuStreamSynchronize(s);
+    for (struct simgpu_stream *s = list; s; s = s->next_stream) {
+        pthread_mutex_lock(&s->mu);
+        long target = s->queued;
+        while (s->done < target) pthread_cond_wait(&s->cv, &s->mu);
+        pthread_mutex_unlock(&s->mu);
+    }
 }
 
 CUresult cuStreamDestroy_v2(CUstream s) {
-    if (!s) return CUDA_ERROR_INVALID_HANDLE;
+    if (!s || !known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
     cuStreamSynchronize(s);
     pthread_mutex_lock(&lock);
     for (struct simgpu_stream **p = &streams; *p; p = &(*p)->next_stream)
