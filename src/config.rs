@@ -76,7 +76,7 @@ impl Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            backend: BackendKind::Host,
+            backend: BackendKind::Cuda,
             host_devices: 1,
             host_capacity: 16 << 30,
             rules: SizeRules::default(),
@@ -126,7 +126,7 @@ fn scaled(value: &str, unit: u64) -> Result<u64, String> {
 pub static OPTIONS: &[OptionSpec] = &[
     OptionSpec {
         key: "backend",
-        default: "host",
+        default: "cuda",
         help: "where segments come from: host (host memory standing in for a GPU) or cuda (the CUDA driver)",
         apply: |c, v| match v.trim() {
             "host" => {

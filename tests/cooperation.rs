@@ -14,7 +14,7 @@ const MIB: u64 = 1 << 20;
 
 fn conf(dir: &Path, cooperative: bool) -> String {
     format!(
-        "host_shared:{},registry_dir:{},host_capacity_mb:1024,release_after_ms:off,headroom_mb:0,\
+        "backend:host,host_shared:{},registry_dir:{},host_capacity_mb:1024,release_after_ms:off,headroom_mb:0,\
          reclaim_interval_ms:20,cooperative:{cooperative},oom_wait_ms:1500",
         dir.join("capacity").display(),
         dir.join("registry").display()

@@ -46,7 +46,7 @@ def _pluggable(torch):
 
 
 # The backend the library uses when TIDEPOOL_CONF names none.
-DEFAULT_BACKEND = "host"
+DEFAULT_BACKEND = "cuda"
 
 
 def _backend(conf):
@@ -73,7 +73,7 @@ def install(conf=None, allow_host=False):
     if _backend(effective) == "host" and not allow_host:
         raise TidepoolError(
             "tidepool's backend is 'host' (host memory standing in for a GPU), which CUDA kernels cannot use: "
-            "choose a CUDA backend in TIDEPOOL_CONF (backend:cuda) with a build that has one"
+            "use backend:cuda (the default) in TIDEPOOL_CONF"
         )
     if torch.cuda.is_initialized():
         raise TidepoolError(
