@@ -52,3 +52,18 @@ class Record(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch not installed")
+class MemoryViz(unittest.TestCase):
+    def test_pytorchs_memory_viz_draws_tidepools_snapshot(self):
+        import tidepool
+        import torch.cuda._memory_viz as viz
+
+        lib = tidepool._native.lib()
+        ptr = lib.tidepool_malloc(12345, 0, None)
+        snapshot = tidepool.snapshot()
+        lib.tidepool_free(ptr, 12345, 0, None)
+        for draw in (viz.segment_plot, viz.trace_plot):
+            html = draw(snapshot)
+            self.assertIn("<html", html.lower())

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPU checks of tidepool, for a machine with an NVIDIA GPU, nvcc, PyTorch
+# and transformers, but no cargo: build the library elsewhere first
+#   cargo build --release --lib     (carries target/release/libtidepool.so)
+# then run this from the repository root. Prints a short table last.
+# Record what it prints in docs/gpu-results.md with the date, GPU and driver.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$(mktemp -d)}
+LIB=target/release/libtidepool.so
+[ -f "$LIB" ] || { echo "run.sh: $LIB missing: build it with cargo first" >&2; exit 2; }
+export TIDEPOOL_LIBRARY=$PWD/$LIB TIDEPOOL_CONF=${TIDEPOOL_CONF:-backend:cuda}
+
+# tidepool (through cudarc) opens libcuda.so; drivers often ship only libcuda.so.1.
+if ! ldconfig -p | grep -q 'libcuda.so '; then
+  real=$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')
+  mkdir -p "$OUT/libcuda" && ln -sf "$real" "$OUT/libcuda/libcuda.so"
+  export LD_LIBRARY_PATH=$OUT/libcuda:${LD_LIBRARY_PATH:-}
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+echo "== build"
+nvcc -O2 -I ffi cuda/check/tidepool_check.cu -L target/release -ltidepool -lcuda \
+  -Xlinker -rpath -Xlinker "$PWD/target/release" -o "$OUT/tidepool_check" || exit 1
+
+echo "== patterns across streams, and latency"
+timeout 240 "$OUT/tidepool_check" 20000 | tee "$OUT/check.txt"
+check_rc=${PIPESTATUS[0]}
+
+echo "== PyTorch end to end"
+for a in native native-expandable tidepool; do
+  timeout 150 python3 cuda/check/torch_e2e.py --allocator $a --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$a.json"
+done
+
+echo
+echo "== summary"
+python3 - "$OUT" "$check_rc" <<'PY'
+import json, sys, pathlib
+out, check_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+print("gpu:", (out / "gpu.txt").read_text().strip())
+print("patterns/latency check:", "ok" if check_rc == 0 else f"FAILED ({check_rc})")
+runs = {}
+for name in ["native", "native-expandable", "tidepool"]:
+    try:
+        runs[name] = json.loads((out / f"e2e-{name}.json").read_text())
+    except Exception as e:
+        print(f"{name}: no result ({e})")
+if "native" in runs and "tidepool" in runs:
+    n, t = runs["native"], runs["tidepool"]
+    print(f"losses identical: {n['losses'] == t['losses']}")
+    print(f"step time tidepool/native: {t['median_step_s'] / n['median_step_s']:.3f} (target <= 1.02)")
+    for name, r in runs.items():
+        print(f"peak reserved {name:18s} {r['peak_reserved_bytes'] / 2**30:7.3f} GiB")
+    print(f"tidepool stats sane: {t.get('stats_sane')}, snapshot in memory_viz: {t.get('snapshot_loads_in_memory_viz')}")
+PY

@@ -1,0 +1,73 @@
+"""PyTorch end to end on a GPU: a small GPT-2-style model (transformers,
+random init), bf16 autocast, AdamW, a sequence length that changes every
+step, with a side stream and record_stream. Run once per allocator in fresh
+processes (`--allocator native|tidepool`); prints one JSON line.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--allocator", choices=["native", "tidepool", "native-expandable"], required=True)
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--snapshot", default=None)
+args = parser.parse_args()
+
+if args.allocator == "tidepool":
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "ffi", "python"))
+    import tidepool
+
+    tidepool.install()  # first thing: before CUDA starts
+elif args.allocator == "native-expandable":
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+torch.manual_seed(0)
+torch.backends.cudnn.deterministic = True
+torch.use_deterministic_algorithms(True, warn_only=True)
+config = GPT2Config(n_layer=6, n_head=8, n_embd=512, vocab_size=8192, n_positions=1024)
+model = GPT2LMHeadModel(config).cuda()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+lengths = [512, 128, 1024, 256, 768, 384, 896, 640]
+side = torch.cuda.Stream()
+losses, times = [], []
+for step in range(args.steps):
+    n = lengths[step % len(lengths)]
+    ids = torch.randint(0, config.vocab_size, (8, n), device="cuda", generator=None)
+    # A side stream uses the batch too: record_stream keeps it from early reuse.
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        shadow = ids.float().mean()
+    ids.record_stream(side)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - start)
+    losses.append(round(loss.item(), 4))
+    del shadow
+
+result = {"allocator": args.allocator, "losses": losses, "median_step_s": sorted(times[5:])[len(times[5:]) // 2]}
+if args.allocator == "tidepool":
+    stats = tidepool.memory_stats()
+    result["peak_reserved_bytes"] = stats["reserved_bytes.all.peak"]
+    result["peak_allocated_bytes"] = stats["allocated_bytes.all.peak"]
+    result["stats_sane"] = stats["allocated_bytes.all.peak"] <= stats["reserved_bytes.all.peak"] and stats["num_ooms"] == 0
+    if args.snapshot:
+        tidepool.dump_snapshot(args.snapshot)
+        import torch.cuda._memory_viz as viz
+
+        viz.segment_plot(tidepool.load_snapshot(args.snapshot))
+        result["snapshot_loads_in_memory_viz"] = True
+else:
+    result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+print(json.dumps(result))
