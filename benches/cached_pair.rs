@@ -67,7 +67,7 @@ fn cached_pair(c: &mut Criterion) {
         group.bench_function(BenchmarkId::from_parameter("host_backend_mmap_munmap"), |b| {
             b.iter(|| {
                 let base = backend.allocate(0, black_box(size as u64), Stream::DEFAULT).unwrap();
-                backend.release(0, black_box(base), size as u64).unwrap();
+                backend.release(0, black_box(base), size as u64, Stream::DEFAULT).unwrap();
             })
         });
         group.finish();

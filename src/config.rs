@@ -18,6 +18,9 @@ pub enum BackendKind {
     Host,
     /// The CUDA driver: `cuMemAlloc` / `cuMemFree`.
     Cuda,
+    /// The CUDA driver's stream-ordered allocator: `cuMemAllocFromPoolAsync`
+    /// / `cuMemFreeAsync` + `cuMemPoolTrimTo`.
+    CudaAsync,
 }
 
 /// Everything that can be configured.
@@ -127,7 +130,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     OptionSpec {
         key: "backend",
         default: "cuda",
-        help: "where segments come from: host (host memory standing in for a GPU) or cuda (the CUDA driver)",
+        help: "where segments come from: cuda (cuMemAlloc), cuda_async (cuMemAllocAsync pools), host (host memory standing in for a GPU)",
         apply: |c, v| match v.trim() {
             "host" => {
                 c.backend = BackendKind::Host;
@@ -137,11 +140,16 @@ pub static OPTIONS: &[OptionSpec] = &[
                 c.backend = BackendKind::Cuda;
                 Ok(())
             }
-            other => Err(format!("unknown backend {other:?}; known: host, cuda")),
+            "cuda_async" => {
+                c.backend = BackendKind::CudaAsync;
+                Ok(())
+            }
+            other => Err(format!("unknown backend {other:?}; known: host, cuda, cuda_async")),
         },
         show: |c| match c.backend {
             BackendKind::Host => "host".into(),
             BackendKind::Cuda => "cuda".into(),
+            BackendKind::CudaAsync => "cuda_async".into(),
         },
     },
     OptionSpec {

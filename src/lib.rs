@@ -85,7 +85,8 @@ impl Allocator {
                     AllocError::InvalidArgument(format!("host_shared: cannot open {}: {e}", path.display()))
                 })?,
             ),
-            (BackendKind::Cuda, _) => Arc::new(backend::cuda::CudaBackend::new().map_err(AllocError::Backend)?),
+            (BackendKind::Cuda, _) => Arc::new(backend::cuda::CudaBackend::new(false).map_err(AllocError::Backend)?),
+            (BackendKind::CudaAsync, _) => Arc::new(backend::cuda::CudaBackend::new(true).map_err(AllocError::Backend)?),
         };
         Ok(Allocator::with_backend(config, backend))
     }

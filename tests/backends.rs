@@ -19,7 +19,7 @@ const CAPACITY: u64 = 256 << 20;
 
 #[test]
 fn the_host_backend_conforms() {
-    conformance::run(&|conf| host_allocator(1, CAPACITY, conf).0, CAPACITY);
+    conformance::run(&|conf| host_allocator(1, CAPACITY, conf).0, CAPACITY, [tidepool::Stream(1), tidepool::Stream(2)]);
 }
 
 /// Runs the test `name` of this binary in a child process with `env`.
@@ -37,32 +37,59 @@ fn in_child() -> bool {
     std::env::var_os("TIDEPOOL_TEST_CHILD").is_some()
 }
 
+/// The backend a child runs on: TIDEPOOL_TEST_BACKEND, `cuda` by default.
+fn child_backend() -> String {
+    std::env::var("TIDEPOOL_TEST_BACKEND").unwrap_or_else(|_| "cuda".into())
+}
+
 fn cuda_allocator(conf: &str) -> Allocator {
-    let config = Config::builder().conf("backend:cuda,release_after_ms:off,headroom_mb:0").unwrap().conf(conf).unwrap().build().unwrap();
+    let base = format!("backend:{},release_after_ms:off,headroom_mb:0", child_backend());
+    let config = Config::builder().conf(&base).unwrap().conf(conf).unwrap().build().unwrap();
     Allocator::new(config).unwrap()
 }
 
-/// The child side: the suite over the `cuda` backend.
+/// The child side: the suite over a CUDA backend.
 #[test]
 fn child_cuda_conformance() {
     if !in_child() {
         return;
     }
     let alloc = cuda_allocator("");
-    assert_eq!(alloc.backend().name(), "cuda");
+    assert_eq!(alloc.backend().name(), child_backend());
     assert_eq!(alloc.backend().mem_info(0).unwrap().total, CAPACITY);
-    conformance::run(&cuda_allocator, CAPACITY);
+    let sim = Simgpu::load();
+    let streams = [0, 1].map(|_| {
+        let mut s = 0u64;
+        // SAFETY: simgpu writes a new stream handle into a local.
+        assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
+        tidepool::Stream(s)
+    });
+    conformance::run(&cuda_allocator, CAPACITY, streams);
     println!("cuda conformance: ok");
+}
+
+fn conforms_over_simgpu(backend: &str) {
+    let dir = simgpu_dir();
+    let (ok, text) = child(
+        "child_cuda_conformance",
+        &[
+            ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
+            ("SIMGPU_CAPACITY", "256M"),
+            ("SIMGPU_DEVICES", "2"),
+            ("TIDEPOOL_TEST_BACKEND", backend),
+        ],
+    );
+    assert!(ok && text.contains("cuda conformance: ok"), "{text}");
 }
 
 #[test]
 fn the_cuda_backend_conforms_over_simgpu() {
-    let dir = simgpu_dir();
-    let (ok, text) = child(
-        "child_cuda_conformance",
-        &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M"), ("SIMGPU_DEVICES", "2")],
-    );
-    assert!(ok && text.contains("cuda conformance: ok"), "{text}");
+    conforms_over_simgpu("cuda");
+}
+
+#[test]
+fn the_cuda_async_backend_conforms_over_simgpu() {
+    conforms_over_simgpu("cuda_async");
 }
 
 /// The child side: a machine without libcuda.
@@ -200,10 +227,15 @@ fn child_stream_safety() {
 }
 
 fn stream_safety(record: bool, ops: u64) -> i64 {
+    stream_safety_on("cuda", record, ops)
+}
+
+fn stream_safety_on(backend: &str, record: bool, ops: u64) -> i64 {
     let dir = simgpu_dir();
     let (ok, text) = child(
         "child_stream_safety",
         &[
+            ("TIDEPOOL_TEST_BACKEND", backend),
             ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
             ("SIMGPU_CAPACITY", "1G"),
             ("TIDEPOOL_TEST_RECORD", if record { "1" } else { "0" }),
@@ -218,6 +250,11 @@ fn stream_safety(record: bool, ops: u64) -> i64 {
 #[test]
 fn with_record_stream_no_block_is_reused_while_another_stream_writes_it() {
     assert_eq!(stream_safety(true, 100_000), 0);
+}
+
+#[test]
+fn the_stream_ordered_backend_is_stream_safe_too() {
+    assert_eq!(stream_safety_on("cuda_async", true, 20_000), 0);
 }
 
 #[test]

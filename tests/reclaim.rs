@@ -134,5 +134,5 @@ fn pressure_is_answered_within_a_couple_of_intervals() {
     let latency = signal.elapsed();
     eprintln!("pressure to release: {latency:?} with a 20 ms interval");
     assert!(latency < Duration::from_millis(500), "{latency:?}");
-    tidepool::backend::Backend::release(&*backend, 0, other, 40 * MIB).unwrap();
+    tidepool::backend::Backend::release(&*backend, 0, other, 40 * MIB, S0).unwrap();
 }

@@ -170,6 +170,7 @@ static void delay(void) {
 }
 
 static void synchronize_all(void);
+static void release_now(CUdeviceptr dptr, int *found);
 
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
@@ -199,22 +200,28 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuMemFree_v2(CUdeviceptr dptr) {
-    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
-    delay();
-    synchronize_all(); /* like the driver: cuMemFree waits for the device */
+static void release_now(CUdeviceptr dptr, int *found) {
     pthread_mutex_lock(&lock);
+    *found = 0;
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (allocs[i].base == (uintptr_t)dptr && dptr != 0) {
             used[allocs[i].device] -= allocs[i].size;
             free((void *)allocs[i].base);
             allocs[i] = (struct alloc_rec){0, 0, 0};
-            pthread_mutex_unlock(&lock);
-            return CUDA_SUCCESS;
+            *found = 1;
+            break;
         }
     }
     pthread_mutex_unlock(&lock);
-    return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    delay();
+    synchronize_all(); /* like the driver: cuMemFree waits for the device */
+    int found;
+    release_now(dptr, &found);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
@@ -229,9 +236,18 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
 }
 
 CUresult cuGetErrorName(CUresult error, const char **name) {
-    static const char *names[] = {"CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_NOT_INITIALIZED"};
     if (!name) return CUDA_ERROR_INVALID_VALUE;
-    *name = error >= 0 && error < 4 ? names[error] : "CUDA_ERROR_UNKNOWN (simgpu)";
+    switch (error) {
+    case CUDA_SUCCESS: *name = "CUDA_SUCCESS"; break;
+    case CUDA_ERROR_INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *name = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case CUDA_ERROR_NOT_INITIALIZED: *name = "CUDA_ERROR_NOT_INITIALIZED"; break;
+    case CUDA_ERROR_INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *name = "CUDA_ERROR_INVALID_CONTEXT"; break;
+    case CUDA_ERROR_INVALID_HANDLE: *name = "CUDA_ERROR_INVALID_HANDLE"; break;
+    case CUDA_ERROR_NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
+    default: *name = "CUDA_ERROR_UNKNOWN"; break;
+    }
     return CUDA_SUCCESS;
 }
 
@@ -241,7 +257,7 @@ CUresult cuGetErrorString(CUresult error, const char **text) {
 
 /* ---- streams and events ------------------------------------------------ */
 
-enum op_kind { OP_SLEEP, OP_FILL, OP_CHECK, OP_EVENT, OP_WAIT, OP_OWNER };
+enum op_kind { OP_SLEEP, OP_FILL, OP_CHECK, OP_EVENT, OP_WAIT, OP_OWNER, OP_FREE };
 
 struct op {
     enum op_kind kind;
@@ -308,6 +324,11 @@ static void run(struct op *op) {
     }
     case OP_EVENT: event_complete(op->event, (long)op->tag); break;
     case OP_OWNER: simgpu_set_owner((CUdeviceptr)op->ptr, op->len, op->tag); break;
+    case OP_FREE: {
+        int found;
+        release_now((CUdeviceptr)op->ptr, &found);
+        break;
+    }
     case OP_WAIT: {
         CUevent e = op->event;
         pthread_mutex_lock(&e->mu);
@@ -472,6 +493,52 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
     long generation = e->recorded;
     pthread_mutex_unlock(&e->mu);
     return enqueue(s, (struct op){.kind = OP_WAIT, .event = e, .tag = (uint64_t)generation});
+}
+
+/* ---- stream-ordered allocation (cudaMallocAsync) ----------------------- */
+
+typedef struct simgpu_pool *CUmemoryPool;
+struct simgpu_pool { int device; };
+static struct simgpu_pool pools[MAX_DEVICES];
+
+CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props) {
+    if (!pool || !props) return CUDA_ERROR_INVALID_VALUE;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    pools[current->device].device = current->device;
+    *pool = &pools[current->device];
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+    return pool ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value) {
+    (void)attr;
+    return pool && value ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Memory freed with cuMemFreeAsync goes back when its stream reaches the
+ * free, so there is never more to trim. */
+CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
+    (void)keep;
+    return pool ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s) {
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    if (s && !known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
+    return cuMemAlloc_v2(dptr, bytes);
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s) {
+    if (s && !known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
+    return cuMemAlloc_v2(dptr, bytes);
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s) {
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    return enqueue(s, (struct op){.kind = OP_FREE, .ptr = (uintptr_t)dptr});
 }
 
 /* ---- test entry points ------------------------------------------------- */

@@ -1,6 +1,12 @@
-//! The `cuda` backend: segments from `cuMemAlloc_v2`, back with
-//! `cuMemFree_v2`, through cudarc with the driver loaded at run time (no
-//! CUDA toolkit to build; drivers of CUDA 12 and 13).
+//! The `cuda` and `cuda_async` backends, through cudarc with the driver
+//! loaded at run time (no CUDA toolkit to build; drivers of CUDA 12 and 13).
+//!
+//! `cuda`: segments from `cuMemAlloc_v2`, back with `cuMemFree_v2` (which
+//! waits for the whole device). `cuda_async`: segments from
+//! `cuMemAllocFromPoolAsync` on the requesting stream, out of a memory pool
+//! tidepool creates per device, back with `cuMemFreeAsync` on the segment's
+//! last stream followed by `cuMemPoolTrimTo`, so releasing never stalls the
+//! device.
 //!
 //! Each device works in its primary context, made current on the calling
 //! thread when it is not (PyTorch's threads have it already; a plain Rust
@@ -15,16 +21,19 @@ use cudarc::driver::sys;
 use super::{Backend, BackendError, MemInfo};
 use crate::Stream;
 
-/// One device: its ordinal, primary context and identity.
+/// One device: its ordinal, primary context, identity and (cuda_async) pool.
 struct Device {
     ordinal: sys::CUdevice,
     /// The primary context, as an address (a raw pointer is not Send).
     context: usize,
     uuid: [u8; 16],
+    /// The memory pool of `cuda_async`, as an address; 0 for `cuda`.
+    pool: usize,
 }
 
 pub struct CudaBackend {
     devices: Vec<Device>,
+    stream_ordered: bool,
 }
 
 /// The driver's name for an error code.
@@ -56,8 +65,9 @@ fn has_symbol(symbol: &[u8]) -> bool {
 }
 
 impl CudaBackend {
-    /// Loads the driver, initialises it and retains every device's primary context.
-    pub fn new() -> Result<CudaBackend, BackendError> {
+    /// Loads the driver, initialises it and retains every device's primary
+    /// context; with `stream_ordered`, creates a memory pool per device.
+    pub fn new(stream_ordered: bool) -> Result<CudaBackend, BackendError> {
         // SAFETY: probing for the library only tries to dlopen it.
         if !unsafe { sys::is_culib_present() } {
             return Err(BackendError::Driver {
@@ -87,9 +97,27 @@ impl CudaBackend {
                 check(unsafe { sys::cuDeviceGetUuid_v2(&mut raw, device) }, "cuDeviceGetUuid_v2")?;
                 uuid = raw.bytes.map(|b| b as u8);
             }
-            devices.push(Device { ordinal: device, context: context as usize, uuid });
+            let pool = if stream_ordered { Self::create_pool(device, context)? } else { 0 };
+            devices.push(Device { ordinal: device, context: context as usize, uuid, pool });
         }
-        Ok(CudaBackend { devices })
+        Ok(CudaBackend { devices, stream_ordered })
+    }
+
+    /// A device memory pool of tidepool's own (not the device's default pool,
+    /// which other code in the process may trim or configure).
+    fn create_pool(device: sys::CUdevice, context: sys::CUcontext) -> Result<usize, BackendError> {
+        // SAFETY: makes the device's retained primary context current on this thread.
+        check(unsafe { sys::cuCtxSetCurrent(context) }, "cuCtxSetCurrent")?;
+        // SAFETY: CUmemPoolProps is plain data; all zero is its documented
+        // default, completed below with the allocation type and location.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = device;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `props` is a valid pool description; the driver writes the pool handle.
+        check(unsafe { sys::cuMemPoolCreate(&mut pool, &props) }, "cuMemPoolCreate")?;
+        Ok(pool as usize)
     }
 
     fn device(&self, device: usize, call: &'static str) -> Result<&Device, BackendError> {
@@ -116,27 +144,50 @@ impl CudaBackend {
 
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
-        "cuda"
+        if self.stream_ordered {
+            "cuda_async"
+        } else {
+            "cuda"
+        }
     }
 
     fn device_count(&self) -> usize {
         self.devices.len()
     }
 
-    fn allocate(&self, device: usize, size: u64, _stream: Stream) -> Result<u64, BackendError> {
-        self.enter(device, "cuMemAlloc_v2")?;
+    fn allocate(&self, device: usize, size: u64, stream: Stream) -> Result<u64, BackendError> {
+        self.enter(device, "cuMemAlloc")?;
         let bytes = usize::try_from(size).map_err(|_| BackendError::OutOfMemory)?;
         let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: the device's context is current; the driver writes the address into a local.
-        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, "cuMemAlloc_v2")?;
+        let pool = self.devices[device].pool;
+        if pool != 0 {
+            // SAFETY: the context is current, `pool` was created for this
+            // device, `stream` is the requester's; the driver writes the address.
+            check(
+                unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, pool as sys::CUmemoryPool, stream.0 as sys::CUstream) },
+                "cuMemAllocFromPoolAsync",
+            )?;
+        } else {
+            // SAFETY: the device's context is current; the driver writes the address into a local.
+            check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, "cuMemAlloc_v2")?;
+        }
         Ok(ptr)
     }
 
-    fn release(&self, device: usize, base: u64, _size: u64) -> Result<(), BackendError> {
-        self.enter(device, "cuMemFree_v2")?;
-        // SAFETY: `base` came from cuMemAlloc_v2 on this device and the engine
-        // releases it once, with no block of it in use.
-        check(unsafe { sys::cuMemFree_v2(base) }, "cuMemFree_v2")
+    fn release(&self, device: usize, base: u64, _size: u64, stream: Stream) -> Result<(), BackendError> {
+        self.enter(device, "cuMemFree")?;
+        let pool = self.devices[device].pool;
+        if pool != 0 {
+            // SAFETY: `base` came from this device's pool and is released once,
+            // in the order of the stream it was last used on.
+            check(unsafe { sys::cuMemFreeAsync(base, stream.0 as sys::CUstream) }, "cuMemFreeAsync")?;
+            // SAFETY: `pool` is this device's pool; trimming only returns free memory.
+            check(unsafe { sys::cuMemPoolTrimTo(pool as sys::CUmemoryPool, 0) }, "cuMemPoolTrimTo")
+        } else {
+            // SAFETY: `base` came from cuMemAlloc_v2 on this device and the engine
+            // releases it once, with no block of it in use.
+            check(unsafe { sys::cuMemFree_v2(base) }, "cuMemFree_v2")
+        }
     }
 
     fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError> {

@@ -257,7 +257,7 @@ impl Backend for HostBackend {
         Ok(addr as u64)
     }
 
-    fn release(&self, device: usize, base: u64, size: u64) -> Result<(), BackendError> {
+    fn release(&self, device: usize, base: u64, size: u64, _stream: Stream) -> Result<(), BackendError> {
         const CALL: &str = "munmap";
         self.release_calls.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
@@ -324,8 +324,8 @@ mod tests {
         assert_eq!(backend.allocate(0, 512, Stream::DEFAULT), Err(BackendError::OutOfMemory));
         // SAFETY: `a` is a live 4 MiB read-write mapping made above.
         unsafe { std::ptr::write_bytes(a as *mut u8, 0xAB, 4 << 20) };
-        backend.release(0, a, 4 << 20).unwrap();
-        backend.release(0, b, 4 << 20).unwrap();
+        backend.release(0, a, 4 << 20, Stream::DEFAULT).unwrap();
+        backend.release(0, b, 4 << 20, Stream::DEFAULT).unwrap();
         assert_eq!(backend.mem_info(0).unwrap().free, 8 << 20);
     }
 
@@ -340,9 +340,9 @@ mod tests {
         backend.faults().set_kind(FaultKind::DriverError);
         assert!(matches!(backend.allocate(0, 1 << 20, Stream::DEFAULT), Err(BackendError::Driver { .. })));
         backend.faults().fail_nth_release(1);
-        assert!(backend.release(0, a, 1 << 20).is_err());
-        backend.release(0, a, 1 << 20).unwrap();
-        backend.release(0, b, 1 << 20).unwrap();
+        assert!(backend.release(0, a, 1 << 20, Stream::DEFAULT).is_err());
+        backend.release(0, a, 1 << 20, Stream::DEFAULT).unwrap();
+        backend.release(0, b, 1 << 20, Stream::DEFAULT).unwrap();
         assert_eq!(backend.mem_info(0).unwrap().free, 1 << 30);
     }
 
@@ -355,10 +355,10 @@ mod tests {
         let x = a.allocate(0, 6 << 20, Stream::DEFAULT).unwrap();
         assert_eq!(b.mem_info(0).unwrap().free, 2 << 20, "b sees a's use");
         assert_eq!(b.allocate(0, 4 << 20, Stream::DEFAULT), Err(BackendError::OutOfMemory));
-        a.release(0, x, 6 << 20).unwrap();
+        a.release(0, x, 6 << 20, Stream::DEFAULT).unwrap();
         let y = b.allocate(0, 4 << 20, Stream::DEFAULT).unwrap();
         assert_eq!(a.mem_info(0).unwrap().free, 4 << 20);
-        b.release(0, y, 4 << 20).unwrap();
+        b.release(0, y, 4 << 20, Stream::DEFAULT).unwrap();
         assert_eq!(a.shared_device_key(0), b.shared_device_key(0));
         assert!(HostBackend::new(1, 1).shared_device_key(0).is_none());
         std::fs::remove_file(&path).unwrap();

@@ -47,8 +47,9 @@ pub trait Backend: Send + Sync {
     /// A new segment of exactly `size` bytes on `device`, for use on `stream`.
     /// Returns its base address (never 0).
     fn allocate(&self, device: usize, size: u64, stream: Stream) -> Result<u64, BackendError>;
-    /// Returns a segment obtained from `allocate` with the same size.
-    fn release(&self, device: usize, base: u64, size: u64) -> Result<(), BackendError>;
+    /// Returns a segment obtained from `allocate` with the same size; its
+    /// last use was on `stream` (a stream-ordered driver frees it there).
+    fn release(&self, device: usize, base: u64, size: u64, stream: Stream) -> Result<(), BackendError>;
     /// Free and total memory of `device`.
     fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError>;
     /// A name for `device` that every process sharing it agrees on (a GPU's

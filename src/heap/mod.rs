@@ -629,7 +629,7 @@ impl DeviceHeap {
                 continue;
             }
             let (base, size, pool, block) = (segment.base, segment.size, segment.pool, segment.first_block);
-            if self.backend.release(self.device, base, size).is_err() {
+            if self.backend.release(self.device, base, size, self.pools[pool as usize].stream).is_err() {
                 continue;
             }
             let kind = self.pools[pool as usize].kind;

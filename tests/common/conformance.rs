@@ -6,10 +6,11 @@
 use super::{check, fill, MIB};
 use tidepool::{AllocError, Allocator, Stream};
 
-/// Runs every check; `make` builds a fresh allocator with extra TIDEPOOL_CONF.
-pub fn run(make: &dyn Fn(&str) -> Allocator, capacity: u64) {
+/// Runs every check; `make` builds a fresh allocator with extra
+/// TIDEPOOL_CONF; `streams` are two distinct streams valid for the backend.
+pub fn run(make: &dyn Fn(&str) -> Allocator, capacity: u64, streams: [Stream; 2]) {
     allocations_hold_their_bytes_and_never_overlap(&make(""));
-    a_freed_block_is_reused_on_its_stream_only(&make(""));
+    a_freed_block_is_reused_on_its_stream_only(&make(""), streams);
     the_device_fills_up_then_the_cache_makes_room(&make(""), capacity);
     empty_cache_gives_everything_back(&make(""));
 }
@@ -27,11 +28,11 @@ fn allocations_hold_their_bytes_and_never_overlap(alloc: &Allocator) {
     alloc.validate().unwrap();
 }
 
-fn a_freed_block_is_reused_on_its_stream_only(alloc: &Allocator) {
-    let a = alloc.allocate(0, 4096, Stream(1)).unwrap();
+fn a_freed_block_is_reused_on_its_stream_only(alloc: &Allocator, [one, two]: [Stream; 2]) {
+    let a = alloc.allocate(0, 4096, one).unwrap();
     alloc.free(0, a).unwrap();
-    assert_eq!(alloc.allocate(0, 4096, Stream(1)).unwrap(), a);
-    let b = alloc.allocate(0, 4096, Stream(2)).unwrap();
+    assert_eq!(alloc.allocate(0, 4096, one).unwrap(), a);
+    let b = alloc.allocate(0, 4096, two).unwrap();
     assert_ne!(alloc.segment_of(0, a).unwrap(), alloc.segment_of(0, b).unwrap());
     alloc.validate().unwrap();
 }
