@@ -20,7 +20,7 @@ const SIZES: [(&str, usize); 4] = [("512B", 512), ("64KiB", 64 << 10), ("4MiB", 
 
 /// An allocator with `live` blocks of 512 B to 8 KiB live and about as many free holes.
 fn populated(live: usize) -> (Allocator, Vec<DevicePtr>) {
-    let config = Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().host(1, 1 << 40).build().unwrap();
+    let config = quiet().build().unwrap();
     let alloc = Allocator::new(config).unwrap();
     let mut seed = 0x2545_F491_4F6C_DD1Du64;
     let mut blocks = Vec::with_capacity(2 * live);
@@ -80,14 +80,12 @@ fn cached_pair(c: &mut Criterion) {
     }
 }
 
-/// The cost of TIDEPOOL_TRACE: the 512 B cached pair with and without a
-/// recording (to /dev/null, so the file does not grow), in the same run.
-fn recording(c: &mut Criterion) {
-    let base = || Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().host(1, 1 << 40);
-    let plain = Allocator::new(base().build().unwrap()).unwrap();
-    let recorded = Allocator::new(base().trace("/dev/null").build().unwrap()).unwrap();
-    let mut group = c.benchmark_group("recording");
-    for (name, alloc) in [("off", &plain), ("on", &recorded)] {
+/// The 512 B cached pair on each allocator, as one group: a feature's cost
+/// to the cached path, off and on, measured in the same run.
+fn pair_off_and_on(c: &mut Criterion, group: &str, allocators: [(&str, Config); 2]) {
+    let mut group = c.benchmark_group(group);
+    for (name, config) in allocators {
+        let alloc = Allocator::new(config).unwrap();
         let keep = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();
         group.bench_function(BenchmarkId::from_parameter(name), |b| {
             b.iter(|| {
@@ -100,24 +98,19 @@ fn recording(c: &mut Criterion) {
     group.finish();
 }
 
-/// The cost of the background reclaimer to the cached path: the 512 B pair
-/// with the reclaimer waking every 10 ms vs no reclaimer, in the same run.
+fn quiet() -> tidepool::config::ConfigBuilder {
+    Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().host(1, 1 << 40)
+}
+
+/// TIDEPOOL_TRACE, recording to /dev/null so the file does not grow.
+fn recording(c: &mut Criterion) {
+    pair_off_and_on(c, "recording", [("off", quiet().build().unwrap()), ("on", quiet().trace("/dev/null").build().unwrap())]);
+}
+
+/// The background reclaimer, waking every 10 ms.
 fn reclaimer(c: &mut Criterion) {
-    let off = Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().host(1, 1 << 40).build().unwrap();
-    let on = Config::builder().conf("release_after_ms:50,reclaim_interval_ms:10").unwrap().host(1, 1 << 40).build().unwrap();
-    let allocators = [("off", Allocator::new(off).unwrap()), ("on", Allocator::new(on).unwrap())];
-    let mut group = c.benchmark_group("reclaimer");
-    for (name, alloc) in &allocators {
-        let keep = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();
-        group.bench_function(BenchmarkId::from_parameter(name), |b| {
-            b.iter(|| {
-                let p = alloc.allocate(0, black_box(512), Stream::DEFAULT).unwrap();
-                alloc.free(0, black_box(p)).unwrap();
-            })
-        });
-        alloc.free(0, keep).unwrap();
-    }
-    group.finish();
+    let on = quiet().conf("release_after_ms:50,reclaim_interval_ms:10").unwrap().build().unwrap();
+    pair_off_and_on(c, "reclaimer", [("off", quiet().build().unwrap()), ("on", on)]);
 }
 
 fn config() -> Criterion {
