@@ -185,7 +185,7 @@ fn child_stream_safety() {
         })
         .collect();
     let mut rng = common::Rng(0x5EED);
-    let mut live: Vec<(tidepool::DevicePtr, usize, u64)> = Vec::new();
+    let mut live: Vec<(tidepool::DevicePtr, usize, u64)> = Vec::new(); // (block, size, its stream)
     for tag in 1..=ops {
         let own_index = rng.below(4) as usize;
         let (own, other) = (streams[own_index], streams[rng.below(4) as usize]);
@@ -212,10 +212,10 @@ fn child_stream_safety() {
         }
         live.push((ptr, size, own));
         while live.len() > 8 || (!live.is_empty() && rng.below(3) == 0) {
-            let (ptr, size, own) = live.swap_remove(rng.below(live.len() as u64) as usize);
+            // The block keeps its owner until its memory is handed to another
+            // allocation: the detector counts writes that land after that.
+            let (ptr, _, _) = live.swap_remove(rng.below(live.len() as u64) as usize);
             alloc.free(0, ptr).unwrap();
-            // SAFETY: from here on in its stream's order, the block is no one's.
-            unsafe { (sim.enqueue_set_owner)(own, ptr.0, size, 0) };
         }
     }
     for s in &streams {
@@ -261,4 +261,48 @@ fn the_stream_ordered_backend_is_stream_safe_too() {
 fn without_record_stream_the_detector_catches_the_reuse() {
     // The same program minus record_stream: the bug the detector exists for.
     assert!(stream_safety(false, 20_000) > 0);
+}
+
+/// The child side: freeing a block another stream still uses does not wait.
+#[test]
+fn child_deferred_free() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    let [own, other] = [0, 1].map(|_| {
+        let mut s = 0u64;
+        // SAFETY: simgpu writes a new stream handle into a local.
+        assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
+        s
+    });
+    let ptr = alloc.allocate(0, 1 << 20, tidepool::Stream(own)).unwrap();
+    // SAFETY: queues a 300 ms sleep on a stream made above.
+    unsafe { (sim.enqueue_sleep)(other, 300_000) };
+    alloc.record_stream(ptr, tidepool::Stream(other)).unwrap();
+    let start = std::time::Instant::now();
+    alloc.free(0, ptr).unwrap();
+    let took = start.elapsed();
+    assert!(took < std::time::Duration::from_millis(100), "free waited {took:?}");
+    assert!(alloc.free(0, ptr).is_err(), "a pending block freed twice is refused");
+    let meanwhile = alloc.allocate(0, 1 << 20, tidepool::Stream(own)).unwrap();
+    assert_ne!(meanwhile, ptr, "reused while the other stream may still write it");
+    alloc.validate().unwrap();
+    // SAFETY: waits for the stream made above.
+    unsafe { (sim.stream_synchronize)(other) };
+    let after = alloc.allocate(0, 2 << 20, tidepool::Stream(own)).unwrap();
+    alloc.free(0, after).unwrap();
+    alloc.free(0, meanwhile).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.allocated_bytes.all.current, 0, "the pending block was freed once its event completed");
+    alloc.validate().unwrap();
+    println!("deferred free: {took:?}");
+}
+
+#[test]
+fn freeing_a_block_in_use_on_another_stream_does_not_wait_for_it() {
+    let dir = simgpu_dir();
+    let (ok, text) = child("child_deferred_free", &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M")]);
+    assert!(ok && text.contains("deferred free:"), "{text}");
 }

@@ -558,15 +558,18 @@ CUresult simgpu_enqueue_check(CUstream s, CUdeviceptr ptr, size_t len, unsigned 
     return enqueue(s, (struct op){.kind = OP_CHECK, .ptr = (uintptr_t)ptr, .len = len, .byte = byte, .tag = tag});
 }
 
-/* Names `tag` the owner of [ptr, ptr+len) from now on (tag 0: no owner). */
+/* Names `tag` the owner of [ptr, ptr+len) from now on (tag 0: no owner).
+ * Whatever owned any part of the range before owns none of it any more. */
 int simgpu_set_owner(CUdeviceptr ptr, size_t len, uint64_t tag) {
+    uintptr_t lo = (uintptr_t)ptr, hi = (uintptr_t)ptr + len;
     pthread_mutex_lock(&lock);
     int slot = -1;
     for (int i = 0; i < MAX_OWNERS; i++) {
-        if (owners[i].size && owners[i].base == (uintptr_t)ptr) { slot = i; break; }
+        if (owners[i].size && owners[i].base < hi && lo < owners[i].base + owners[i].size)
+            owners[i] = (struct owner){0, 0, 0};
         if (!owners[i].size && slot < 0) slot = i;
     }
-    if (slot >= 0) owners[slot] = tag ? (struct owner){(uintptr_t)ptr, len, tag} : (struct owner){0, 0, 0};
+    if (slot >= 0 && tag) owners[slot] = (struct owner){lo, len, tag};
     pthread_mutex_unlock(&lock);
     return slot >= 0 ? 0 : -1;
 }

@@ -16,6 +16,8 @@
 
 use std::ffi::{c_char, CStr};
 
+use parking_lot::Mutex;
+
 use cudarc::driver::sys;
 
 use super::{Backend, BackendError, MemInfo};
@@ -29,6 +31,8 @@ struct Device {
     uuid: [u8; 16],
     /// The memory pool of `cuda_async`, as an address; 0 for `cuda`.
     pool: usize,
+    /// Events ready for reuse, as addresses.
+    events: Mutex<Vec<usize>>,
 }
 
 pub struct CudaBackend {
@@ -98,7 +102,7 @@ impl CudaBackend {
                 uuid = raw.bytes.map(|b| b as u8);
             }
             let pool = if stream_ordered { Self::create_pool(device, context)? } else { 0 };
-            devices.push(Device { ordinal: device, context: context as usize, uuid, pool });
+            devices.push(Device { ordinal: device, context: context as usize, uuid, pool, events: Mutex::new(Vec::new()) });
         }
         Ok(CudaBackend { devices, stream_ordered })
     }
@@ -203,6 +207,45 @@ impl Backend for CudaBackend {
         // SAFETY: `stream` is a CUstream the caller used for its work on this
         // device (PyTorch's record_stream); 0 is the legacy default stream.
         check(unsafe { sys::cuStreamSynchronize(stream.0 as sys::CUstream) }, "cuStreamSynchronize")
+    }
+
+    fn record_event(&self, device: usize, stream: Stream) -> Result<Option<u64>, BackendError> {
+        self.enter(device, "cuEventRecord")?;
+        let reused = self.devices[device].events.lock().pop();
+        let event = match reused {
+            Some(event) => event as sys::CUevent,
+            None => {
+                let mut event: sys::CUevent = std::ptr::null_mut();
+                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+                // SAFETY: the context is current; the driver writes a new event handle.
+                check(unsafe { sys::cuEventCreate(&mut event, flags) }, "cuEventCreate")?;
+                event
+            }
+        };
+        // SAFETY: `event` belongs to this device's context; `stream` is the caller's.
+        check(unsafe { sys::cuEventRecord(event, stream.0 as sys::CUstream) }, "cuEventRecord")?;
+        Ok(Some(event as u64))
+    }
+
+    fn event_done(&self, device: usize, event: u64) -> Result<bool, BackendError> {
+        self.enter(device, "cuEventQuery")?;
+        // SAFETY: `event` came from record_event and has not been recycled.
+        match unsafe { sys::cuEventQuery(event as sys::CUevent) } {
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check(other, "cuEventQuery").map(|()| true),
+        }
+    }
+
+    fn wait_event(&self, device: usize, event: u64) -> Result<(), BackendError> {
+        self.enter(device, "cuEventSynchronize")?;
+        // SAFETY: `event` came from record_event and has not been recycled.
+        check(unsafe { sys::cuEventSynchronize(event as sys::CUevent) }, "cuEventSynchronize")
+    }
+
+    fn recycle_event(&self, device: usize, event: u64) {
+        if let Some(d) = self.devices.get(device) {
+            d.events.lock().push(event as usize);
+        }
     }
 
     fn shared_device_key(&self, device: usize) -> Option<String> {

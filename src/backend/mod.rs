@@ -60,4 +60,23 @@ pub trait Backend: Send + Sync {
     fn synchronize_stream(&self, _device: usize, _stream: Stream) -> Result<(), BackendError> {
         Ok(())
     }
+
+    /// An event marking the work queued on `stream` so far (from a pool of
+    /// reusable events), or None when the backend has no asynchronous work.
+    fn record_event(&self, _device: usize, _stream: Stream) -> Result<Option<u64>, BackendError> {
+        Ok(None)
+    }
+
+    /// Whether the work before `event` has run (without waiting).
+    fn event_done(&self, _device: usize, _event: u64) -> Result<bool, BackendError> {
+        Ok(true)
+    }
+
+    /// Waits until the work before `event` has run.
+    fn wait_event(&self, _device: usize, _event: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Returns a completed event to the pool.
+    fn recycle_event(&self, _device: usize, _event: u64) {}
 }

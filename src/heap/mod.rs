@@ -121,6 +121,9 @@ pub struct DeviceHeap {
     by_addr: AddrMap,
     /// Live blocks used on streams other than their own (`record_stream`).
     recorded_streams: HashMap<u64, Vec<Stream>>,
+    /// Freed blocks waiting for the events of the other streams that used
+    /// them: (address, events). Still allocated to the heap until then.
+    pending: Vec<(u64, Vec<u64>)>,
     /// The most this heap may reserve by the memory fraction (u64::MAX: no limit).
     reserved_limit: u64,
     /// When to give memory back; the budget also caps growth.
@@ -153,6 +156,7 @@ impl DeviceHeap {
             last_stream: None,
             by_addr: AddrMap::default(),
             recorded_streams: HashMap::new(),
+            pending: Vec::new(),
             reserved_limit: u64::MAX,
             policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
             clock: Clock::new(),
@@ -240,6 +244,7 @@ impl DeviceHeap {
     #[cold]
     #[inline(never)]
     fn allocate_from_bins(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
+        self.process_pending(false);
         self.flush_stash(pool);
         let block = match self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules) {
             Some(id) => {
@@ -377,6 +382,7 @@ impl DeviceHeap {
     /// asks for memory, gives back every idle cached segment.
     pub fn reclaim(&mut self) -> Released {
         self.stats.num_reclaims += 1;
+        self.process_pending(false);
         let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
         let mut released = self.apply(&policy);
         if self.registry.is_some() {
@@ -486,11 +492,22 @@ impl DeviceHeap {
             self.stats.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
-        if !self.recorded_streams.is_empty() {
+        if !self.recorded_streams.is_empty() || !self.pending.is_empty() {
+            if self.pending.iter().any(|(p, _)| *p == ptr) {
+                self.stats.num_invalid_frees += 1;
+                return Err(AllocError::InvalidFree { ptr, reason: InvalidFree::NotLive });
+            }
             if let Some(streams) = self.recorded_streams.remove(&ptr) {
-                self.wait_for_streams(&streams);
+                if let Some(freed) = self.defer_free(id, ptr, &streams) {
+                    return Ok(freed);
+                }
             }
         }
+        self.free_now(id, ptr)
+    }
+
+    /// Frees the allocated block `id` at `ptr` now: stats, then the stash or the bins.
+    fn free_now(&mut self, id: BlockId, ptr: u64) -> Result<Freed, AllocError> {
         let (size, requested, pool, kind) = {
             let b = &mut self.blocks[id];
             b.state = BlockState::Stashed;
@@ -620,6 +637,7 @@ impl DeviceHeap {
     /// selects (by segment). A segment the backend fails to release stays
     /// cached, whole and consistent.
     pub fn release_free_segments(&mut self, reason: Reason, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
+        self.process_pending(true);
         self.flush_stashes();
         let mut released = Released::default();
         for segment_id in 0..self.segments.len() as u32 {
@@ -657,16 +675,63 @@ impl DeviceHeap {
         (ptr < segment.base + segment.size).then_some((segment.base, segment.size))
     }
 
-    /// Before a block used on other streams becomes reusable, the work those
-    /// streams had queued must have run: for now by waiting for them (a host
-    /// synchronization, paid only by blocks given to `record_stream`).
+    /// A block used on other streams becomes reusable only once the work
+    /// those streams had queued has run: an event is recorded on each, and
+    /// the block waits in `pending` (still counted as allocated) until they
+    /// complete. Returns None when there is nothing to wait for (a backend
+    /// without asynchronous work), and the block is freed at once.
     #[cold]
-    fn wait_for_streams(&mut self, streams: &[Stream]) {
+    fn defer_free(&mut self, id: BlockId, ptr: u64, streams: &[Stream]) -> Option<Freed> {
+        let mut events = Vec::with_capacity(streams.len());
         for &stream in streams {
-            if self.backend.synchronize_stream(self.device, stream).is_err() {
-                self.stats.num_stream_sync_errors += 1;
+            match self.backend.record_event(self.device, stream) {
+                Ok(Some(event)) => events.push(event),
+                Ok(None) => {}
+                // No event: wait for the stream here instead.
+                Err(_) => {
+                    if self.backend.synchronize_stream(self.device, stream).is_err() {
+                        self.stats.num_stream_sync_errors += 1;
+                    }
+                }
             }
         }
+        if events.is_empty() {
+            return None;
+        }
+        let b = &self.blocks[id];
+        let freed = Freed { size: b.size, requested: b.requested };
+        self.pending.push((ptr, events));
+        Some(freed)
+    }
+
+    /// Frees the pending blocks whose events completed; with `wait`, waits
+    /// for every event first (before releasing memory, so nothing still in
+    /// use goes back to the driver).
+    pub fn process_pending(&mut self, wait: bool) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let mut still = Vec::new();
+        for (ptr, events) in std::mem::take(&mut self.pending) {
+            let done = events.iter().all(|&event| {
+                if wait {
+                    self.backend.wait_event(self.device, event).is_ok()
+                } else {
+                    self.backend.event_done(self.device, event).unwrap_or(true)
+                }
+            });
+            if !done {
+                still.push((ptr, events));
+                continue;
+            }
+            for event in events {
+                self.backend.recycle_event(self.device, event);
+            }
+            if let Some(id) = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()) {
+                let _ = self.free_now(id, ptr);
+            }
+        }
+        self.pending = still;
     }
 
     /// Notes that the live block at `ptr` is also used on `stream`: when it
@@ -731,6 +796,7 @@ impl DeviceHeap {
     /// The statistics, with the cache figures computed now (stashed
     /// blocks are merged first, so the figures are those of a merged heap).
     pub fn stats(&mut self) -> Stats {
+        self.process_pending(false);
         self.flush_stashes();
         let mut stats = self.stats.report();
         stats.cached_free_bytes = self.pools.iter().map(|p| p.free_bytes).sum();

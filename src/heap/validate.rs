@@ -108,6 +108,12 @@ impl DeviceHeap {
         ensure!(block_records == self.blocks.len(), "{} block records in use but {block_records} reachable from segments", self.blocks.len());
         ensure!(allocated_blocks + stashed.len() == self.by_addr.len(), "{} address map entries for {allocated_blocks} allocated and {} stashed blocks", self.by_addr.len(), stashed.len());
 
+        for (ptr, events) in &self.pending {
+            let id = self.by_addr.get(*ptr);
+            ensure!(id.is_some_and(|id| self.blocks[id].is_allocated()), "pending free {ptr:#x} is not an allocated block");
+            ensure!(!events.is_empty(), "pending free {ptr:#x} waits for no event");
+        }
+
         let mut binned = HashSet::new();
         for (pool_id, pool) in self.pools.iter().enumerate() {
             let (mut bytes, mut count) = (0u64, 0usize);
