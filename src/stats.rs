@@ -141,6 +141,8 @@ pub(crate) struct Counters {
     pub coop_last_wait_ms: u64,
     /// Streams of `record_stream` the driver failed to synchronize at free.
     pub num_stream_sync_errors: u64,
+    /// Requests served, when the device was full, by a block cached for another stream.
+    pub num_cross_stream_reuses: u64,
 }
 
 impl Counters {
@@ -212,6 +214,7 @@ impl Counters {
             num_coop_served: self.num_coop_served,
             coop_last_wait_ms: self.coop_last_wait_ms,
             num_stream_sync_errors: self.num_stream_sync_errors,
+            num_cross_stream_reuses: self.num_cross_stream_reuses,
             cached_free_bytes: 0,
             largest_free_block_bytes: 0,
         }
@@ -271,6 +274,8 @@ pub struct Stats {
     pub coop_last_wait_ms: u64,
     /// Streams of `record_stream` the driver failed to synchronize at free.
     pub num_stream_sync_errors: u64,
+    /// Requests served, when the device was full, by a block cached for another stream.
+    pub num_cross_stream_reuses: u64,
 
     /// Free bytes cached in all pools (reserved minus allocated).
     pub cached_free_bytes: u64,

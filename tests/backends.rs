@@ -306,3 +306,47 @@ fn freeing_a_block_in_use_on_another_stream_does_not_wait_for_it() {
     let (ok, text) = child("child_deferred_free", &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M")]);
     assert!(ok && text.contains("deferred free:"), "{text}");
 }
+
+/// The child side: a stream borrows a block another stream still writes.
+#[test]
+fn child_borrowing() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    let [one, two] = [0, 1].map(|_| {
+        let mut s = 0u64;
+        // SAFETY: simgpu writes a new stream handle into a local.
+        assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
+        s
+    });
+    let size = 40usize << 20;
+    let a = alloc.allocate(0, size, tidepool::Stream(one)).unwrap();
+    // SAFETY: stream-ordered work on a live block of `size` bytes.
+    unsafe {
+        (sim.enqueue_set_owner)(one, a.0, size, 1);
+        (sim.enqueue_sleep)(one, 200_000);
+        (sim.enqueue_fill)(one, a.0, size, 1, 1);
+    }
+    alloc.free(0, a).unwrap(); // on its own stream: no event needed
+    let b = alloc.allocate(0, 30 << 20, tidepool::Stream(two)).unwrap();
+    assert_eq!(b, a);
+    // SAFETY: the new owner takes the block in stream two's order.
+    unsafe {
+        (sim.enqueue_set_owner)(two, b.0, 30 << 20, 2);
+        (sim.stream_synchronize)(one);
+        (sim.stream_synchronize)(two);
+    }
+    assert_eq!(alloc.stats(0).unwrap().num_cross_stream_reuses, 1);
+    // SAFETY: reads simgpu's counter.
+    println!("violations: {}", unsafe { (sim.violations)() });
+}
+
+#[test]
+fn a_borrowed_block_waits_for_its_streams_work_on_the_device() {
+    let dir = simgpu_dir();
+    let (ok, text) = child("child_borrowing", &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "64M")]);
+    assert!(ok, "{text}");
+    assert!(text.contains("violations: 0"), "{text}");
+}

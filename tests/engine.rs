@@ -381,3 +381,19 @@ fn a_snapshot_lists_segments_with_their_blocks_in_address_order() {
     let blocks: Vec<_> = segment.blocks.iter().map(|b| (b.address, b.size, b.requested, b.allocated)).collect();
     assert_eq!(blocks, vec![(a.0, 1024, 0, false), (b.0, 2048, 2048, true), (b.0 + 2048, 2 * MIB - 3072, 0, false)]);
 }
+
+#[test]
+fn a_full_device_lends_another_streams_cached_block_instead_of_failing() {
+    let (alloc, _) = host_allocator(1, 64 * MIB, "");
+    let a = alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap();
+    alloc.free(0, a).unwrap();
+    // 40 MiB cached for stream 1 + 30 MiB new would not fit: stream 2 borrows.
+    let b = alloc.allocate(0, (30 * MIB) as usize, Stream(2)).unwrap();
+    assert_eq!(b, a, "carved from stream 1's cached segment");
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.num_cross_stream_reuses, s.num_device_alloc, s.num_device_free), (1, 1, 0));
+    alloc.free(0, b).unwrap();
+    // Back in stream 1's pool, whole again.
+    assert_eq!(alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap(), a);
+    alloc.validate().unwrap();
+}

@@ -242,6 +242,12 @@ impl Backend for CudaBackend {
         check(unsafe { sys::cuEventSynchronize(event as sys::CUevent) }, "cuEventSynchronize")
     }
 
+    fn stream_wait_event(&self, device: usize, stream: Stream, event: u64) -> Result<(), BackendError> {
+        self.enter(device, "cuStreamWaitEvent")?;
+        // SAFETY: `event` came from record_event; `stream` is the requester's.
+        check(unsafe { sys::cuStreamWaitEvent(stream.0 as sys::CUstream, event as sys::CUevent, 0) }, "cuStreamWaitEvent")
+    }
+
     fn recycle_event(&self, device: usize, event: u64) {
         if let Some(d) = self.devices.get(device) {
             d.events.lock().push(event as usize);

@@ -79,4 +79,10 @@ pub trait Backend: Send + Sync {
 
     /// Returns a completed event to the pool.
     fn recycle_event(&self, _device: usize, _event: u64) {}
+
+    /// Makes future work on `stream` wait for the work before `event`,
+    /// without waiting on the host.
+    fn stream_wait_event(&self, _device: usize, _stream: Stream, _event: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
 }

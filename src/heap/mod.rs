@@ -253,7 +253,12 @@ impl DeviceHeap {
             }
             None => self.grow(pool, rounded, size, stream)?,
         };
-        Ok(self.carve(block, rounded, size))
+        let borrowed = self.pools[self.blocks[block].pool as usize].stream != stream;
+        let addr = self.carve(block, rounded, size);
+        if borrowed {
+            self.recorded_streams.insert(addr, vec![stream]);
+        }
+        Ok(addr)
     }
 
     /// Gets a new segment for `pool` big enough for `rounded`, releasing the
@@ -264,6 +269,9 @@ impl DeviceHeap {
         let base = match self.new_segment(segment_size, stream) {
             Ok(base) => base,
             Err(BackendError::OutOfMemory) => {
+                if let Some(block) = self.borrow_from_other_streams(pool, rounded, stream) {
+                    return Ok(block);
+                }
                 self.release_free_segments(Reason::OutOfMemory, |_, _| true);
                 self.stats.num_alloc_retries += 1;
                 let retried = match self.new_segment(segment_size, stream) {
@@ -297,6 +305,34 @@ impl DeviceHeap {
         self.stats.reserved_bytes.increase(kind, segment_size);
         self.stats.num_device_alloc += 1;
         Ok(block)
+    }
+
+    /// When the device is full, a free block cached for another stream can
+    /// serve: the requesting stream first waits (on the device, not the
+    /// host) for an event recorded on the block's stream, and the block is
+    /// recorded as used by the requester, so it goes back to its own
+    /// stream's pool only once the requester's work on it is done.
+    #[cold]
+    fn borrow_from_other_streams(&mut self, pool: u32, rounded: u64, stream: Stream) -> Option<BlockId> {
+        let kind = self.pools[pool as usize].kind;
+        self.flush_stashes();
+        let best = (0..self.pools.len() as u32)
+            .filter(|&p| p != pool && self.pools[p as usize].kind == kind)
+            .filter_map(|p| self.pools[p as usize].best_fit(&self.blocks, rounded, &self.rules))
+            .min_by_key(|&id| self.blocks[id].size)?;
+        let owner = self.pools[self.blocks[best].pool as usize].stream;
+        match self.backend.record_event(self.device, owner) {
+            Ok(Some(event)) => {
+                let waited = self.backend.stream_wait_event(self.device, stream, event);
+                self.backend.recycle_event(self.device, event);
+                waited.ok()?;
+            }
+            Ok(None) => {}
+            Err(_) => return None,
+        }
+        self.remove_free(best);
+        self.stats.num_cross_stream_reuses += 1;
+        Some(best)
     }
 
     /// The last resort before an OOM: ask the other processes on the device
