@@ -14,7 +14,12 @@
 //! request of exactly that block's size takes it back with no split and no
 //! merge; anything else merges it first (`flush_stash`), and so does every
 //! operation that looks at the whole heap (release, statistics). Allocation
-//! loops that free and reallocate the same sizes thus cost two map updates.
+//! loops that free and reallocate the same sizes thus cost one map lookup.
+//!
+//! This file holds the allocation and free paths; `release.rs` gives memory
+//! back (caps, the reclaimer's pass, cooperation with other processes) and
+//! `streams.rs` keeps blocks safe across streams (pending frees waiting for
+//! events, lending a block to another stream when the device is full).
 //!
 //! Invariants, checked by `validate()`:
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
@@ -24,24 +29,27 @@
 //! - each allocated or stashed block is in `by_addr` under its address, and
 //!   nothing else is;
 //! - every gauge equals the sum recomputed from the blocks (stashed blocks
-//!   count as free, but as inactive-split only once merged).
+//!   count as free, but as inactive-split only once merged);
+//! - every pending free names an allocated block and waits for an event.
 #![forbid(unsafe_code)]
 
 pub mod addr_map;
 pub mod block;
 pub mod pool;
+mod release;
+mod streams;
 mod validate;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
 use crate::size_class::{PoolKind, SizeRules};
 use crate::stats::{Counters, Stats};
-use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
-use crate::reclaim::registry::{Entry, Registry};
+use crate::reclaim::policy::{Policy, Reason};
+use crate::reclaim::registry::Registry;
 use crate::reclaim::Clock;
 use crate::trace::record::{Recorder, TraceBuffer};
 use crate::trace::rmm_csv::Action;
@@ -307,175 +315,6 @@ impl DeviceHeap {
         Ok(block)
     }
 
-    /// When the device is full, a free block cached for another stream can
-    /// serve: the requesting stream first waits (on the device, not the
-    /// host) for an event recorded on the block's stream, and the block is
-    /// recorded as used by the requester, so it goes back to its own
-    /// stream's pool only once the requester's work on it is done.
-    #[cold]
-    fn borrow_from_other_streams(&mut self, pool: u32, rounded: u64, stream: Stream) -> Option<BlockId> {
-        let kind = self.pools[pool as usize].kind;
-        self.flush_stashes();
-        let best = (0..self.pools.len() as u32)
-            .filter(|&p| p != pool && self.pools[p as usize].kind == kind)
-            .filter_map(|p| self.pools[p as usize].best_fit(&self.blocks, rounded, &self.rules))
-            .min_by_key(|&id| self.blocks[id].size)?;
-        let owner = self.pools[self.blocks[best].pool as usize].stream;
-        match self.backend.record_event(self.device, owner) {
-            Ok(Some(event)) => {
-                let waited = self.backend.stream_wait_event(self.device, stream, event);
-                self.backend.recycle_event(self.device, event);
-                waited.ok()?;
-            }
-            Ok(None) => {}
-            Err(_) => return None,
-        }
-        self.remove_free(best);
-        self.stats.num_cross_stream_reuses += 1;
-        Some(best)
-    }
-
-    /// The last resort before an OOM: ask the other processes on the device
-    /// for `size` bytes and retry until they free enough or `oom_wait` passes.
-    #[cold]
-    fn ask_others(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
-        let over_budget = self.stats.reserved_bytes.total().saturating_add(size) > self.reserved_limit.min(self.policy.max_reserved);
-        if self.oom_wait.is_zero() || over_budget {
-            return Err(BackendError::OutOfMemory);
-        }
-        let Some(registry) = self.registry.as_mut() else { return Err(BackendError::OutOfMemory) };
-        if registry.request(size).is_err() {
-            return Err(BackendError::OutOfMemory);
-        }
-        self.stats.num_coop_requests += 1;
-        let start = Instant::now();
-        let result = loop {
-            std::thread::sleep(Duration::from_millis(5));
-            match self.new_segment(size, stream) {
-                Ok(base) => {
-                    self.stats.num_coop_satisfied += 1;
-                    self.stats.coop_last_wait_ms = start.elapsed().as_millis() as u64;
-                    break Ok(base);
-                }
-                Err(BackendError::OutOfMemory) if start.elapsed() < self.oom_wait => continue,
-                Err(err) => break Err(err),
-            }
-        };
-        if let Some(registry) = self.registry.as_mut() {
-            let _ = registry.request(0);
-        }
-        result
-    }
-
-    /// Joins the processes sharing this device: publishes at every
-    /// reclaimer pass, answers their requests, asks them before an OOM.
-    pub fn cooperate(&mut self, registry: Registry, oom_wait: Duration) {
-        self.registry = Some(registry);
-        self.oom_wait = oom_wait;
-    }
-
-    /// A segment from the backend, unless it would take the heap past its
-    /// reserve limit (which then counts as out of memory).
-    fn new_segment(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
-        match self.stats.reserved_bytes.total().checked_add(size) {
-            Some(total) if total <= self.reserved_limit.min(self.policy.max_reserved) => {}
-            _ => return Err(BackendError::OutOfMemory),
-        }
-        self.backend.allocate(self.device, size, stream)
-    }
-
-    /// Caps the bytes this heap may reserve (`None`: no cap). Cached
-    /// segments above the new cap are released at once.
-    pub fn set_reserved_limit(&mut self, limit: Option<u64>) {
-        self.reserved_limit = limit.unwrap_or(u64::MAX);
-        self.release_over_budget();
-    }
-
-    /// The cap on reserved bytes: the memory fraction's or the budget's, the lower.
-    pub fn reserved_limit(&self) -> Option<u64> {
-        let limit = self.reserved_limit.min(self.policy.max_reserved);
-        (limit != u64::MAX).then_some(limit)
-    }
-
-    /// Sets the release policy and the clock its idle stamps use.
-    pub fn set_policy(&mut self, policy: Policy, clock: Arc<Clock>) {
-        self.policy = policy;
-        self.clock = clock;
-        self.release_over_budget();
-    }
-
-    /// Releases cached segments, longest idle first, while reserved is over the cap.
-    fn release_over_budget(&mut self) {
-        let Some(limit) = self.reserved_limit() else { return };
-        if self.stats.reserved_bytes.total() > limit {
-            let policy = Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: limit };
-            self.apply(&policy);
-        }
-    }
-
-    /// One pass of the reclaimer: releases what the policy picks, then
-    /// publishes to the other processes on the device and, if any of them
-    /// asks for memory, gives back every idle cached segment.
-    pub fn reclaim(&mut self) -> Released {
-        self.stats.num_reclaims += 1;
-        self.process_pending(false);
-        let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
-        let mut released = self.apply(&policy);
-        if self.registry.is_some() {
-            let stats = self.stats();
-            let entry = Entry {
-                device: self.device as u32,
-                reserved: stats.reserved_bytes.all.current,
-                allocated: stats.allocated_bytes.all.current,
-                cached_free: stats.cached_free_bytes,
-                fragmentation_milli: (stats.external_fragmentation() * 1000.0) as u64,
-                requests_served: stats.num_coop_served,
-                released: Reason::ALL.map(|r| stats.released(r).bytes),
-                ..Entry::default()
-            };
-            let asked = self.registry.as_mut().and_then(|r| r.publish(entry).ok()).unwrap_or(0);
-            if asked > 0 {
-                let answer = self.release_free_segments(Reason::Cooperation, |_, _| true);
-                if answer.segments > 0 {
-                    self.stats.num_coop_served += 1;
-                }
-                released.segments += answer.segments;
-                released.bytes += answer.bytes;
-            }
-        }
-        released
-    }
-
-    fn apply(&mut self, policy: &Policy) -> Released {
-        self.flush_stashes();
-        let idle: Vec<IdleSegment> = self
-            .segments
-            .iter()
-            .enumerate()
-            .filter_map(|(id, s)| {
-                let s = s.as_ref()?;
-                let b = &self.blocks[s.first_block];
-                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment { id: id as u32, size: s.size, idle_since_ms: s.idle_since_ms })
-            })
-            .collect();
-        if idle.is_empty() {
-            return Released::default();
-        }
-        let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
-        let pressure = Pressure { device_free, reserved: self.stats.reserved_bytes.total() };
-        let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
-        let mut total = Released::default();
-        for reason in Reason::ALL {
-            let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
-            if !ids.is_empty() {
-                let released = self.release_free_segments(reason, |id, _| ids.contains(&id));
-                total.segments += released.segments;
-                total.bytes += released.bytes;
-            }
-        }
-        total
-    }
-
     /// Allocates the free, unbinned block `id` for a request, splitting off
     /// the rest when the rules say so. Returns the block's address.
     #[inline]
@@ -669,126 +508,11 @@ impl DeviceHeap {
         InvalidFree::NotLive
     }
 
-    /// Releases every segment that is one whole free block and that `keep`
-    /// selects (by segment). A segment the backend fails to release stays
-    /// cached, whole and consistent.
-    pub fn release_free_segments(&mut self, reason: Reason, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
-        self.process_pending(true);
-        self.flush_stashes();
-        let mut released = Released::default();
-        for segment_id in 0..self.segments.len() as u32 {
-            let Some(segment) = &self.segments[segment_id as usize] else { continue };
-            let block = &self.blocks[segment.first_block];
-            if block.is_allocated() || block.next != NIL || !select(segment_id, segment) {
-                continue;
-            }
-            let (base, size, pool, block) = (segment.base, segment.size, segment.pool, segment.first_block);
-            if self.backend.release(self.device, base, size, self.pools[pool as usize].stream).is_err() {
-                continue;
-            }
-            let kind = self.pools[pool as usize].kind;
-            self.remove_free(block);
-            self.blocks.remove(block);
-            self.segments[segment_id as usize] = None;
-            self.unused_segments.push(segment_id);
-            self.segment_by_base.remove(&base);
-            self.stats.segment.decrease(kind, 1);
-            self.stats.reserved_bytes.decrease(kind, size);
-            self.stats.num_device_free += 1;
-            released.segments += 1;
-            released.bytes += size;
-        }
-        let by_reason = &mut self.stats.released[reason as usize];
-        by_reason.segments += released.segments;
-        by_reason.bytes += released.bytes;
-        released
-    }
-
     /// The segment holding `ptr`: its base and size.
     pub fn segment_of(&self, ptr: u64) -> Option<(u64, u64)> {
         let (_, &id) = self.segment_by_base.range(..=ptr).next_back()?;
         let segment = self.segments[id as usize].as_ref()?;
         (ptr < segment.base + segment.size).then_some((segment.base, segment.size))
-    }
-
-    /// A block used on other streams becomes reusable only once the work
-    /// those streams had queued has run: an event is recorded on each, and
-    /// the block waits in `pending` (still counted as allocated) until they
-    /// complete. Returns None when there is nothing to wait for (a backend
-    /// without asynchronous work), and the block is freed at once.
-    #[cold]
-    fn defer_free(&mut self, id: BlockId, ptr: u64, streams: &[Stream]) -> Option<Freed> {
-        let mut events = Vec::with_capacity(streams.len());
-        for &stream in streams {
-            match self.backend.record_event(self.device, stream) {
-                Ok(Some(event)) => events.push(event),
-                Ok(None) => {}
-                // No event: wait for the stream here instead.
-                Err(_) => {
-                    if self.backend.synchronize_stream(self.device, stream).is_err() {
-                        self.stats.num_stream_sync_errors += 1;
-                    }
-                }
-            }
-        }
-        if events.is_empty() {
-            return None;
-        }
-        let b = &self.blocks[id];
-        let freed = Freed { size: b.size, requested: b.requested };
-        self.pending.push((ptr, events));
-        Some(freed)
-    }
-
-    /// Frees the pending blocks whose events completed; with `wait`, waits
-    /// for every event first (before releasing memory, so nothing still in
-    /// use goes back to the driver).
-    pub fn process_pending(&mut self, wait: bool) {
-        if self.pending.is_empty() {
-            return;
-        }
-        let mut still = Vec::new();
-        for (ptr, events) in std::mem::take(&mut self.pending) {
-            let done = events.iter().all(|&event| {
-                if wait {
-                    self.backend.wait_event(self.device, event).is_ok()
-                } else {
-                    self.backend.event_done(self.device, event).unwrap_or(true)
-                }
-            });
-            if !done {
-                still.push((ptr, events));
-                continue;
-            }
-            for event in events {
-                self.backend.recycle_event(self.device, event);
-            }
-            if let Some(id) = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()) {
-                let _ = self.free_now(id, ptr);
-            }
-        }
-        self.pending = still;
-    }
-
-    /// Notes that the live block at `ptr` is also used on `stream`: when it
-    /// is freed, it is reused only after the work queued on `stream` runs.
-    pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<(), AllocError> {
-        let id = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
-        let Some(id) = id else {
-            return Err(AllocError::UnknownPointer { ptr });
-        };
-        if self.pools[self.blocks[id].pool as usize].stream != stream {
-            let streams = self.recorded_streams.entry(ptr).or_default();
-            if !streams.contains(&stream) {
-                streams.push(stream);
-            }
-        }
-        Ok(())
-    }
-
-    /// The streams recorded for the live block at `ptr`.
-    pub fn recorded_streams(&self, ptr: u64) -> &[Stream] {
-        self.recorded_streams.get(&ptr).map_or(&[], Vec::as_slice)
     }
 
     /// Every segment with its blocks in address order, for snapshots.

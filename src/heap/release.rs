@@ -1,0 +1,195 @@
+//! Giving memory back, for one device heap: the reserve cap (budget and
+//! memory fraction), the reclaimer's pass (the release policy applied to
+//! idle segments), the release of whole free segments, and cooperation with
+//! the other processes on the device (answering their requests, asking them
+//! before an out-of-memory).
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::block::NIL;
+use super::{DeviceHeap, Released, Segment};
+use crate::backend::BackendError;
+use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
+use crate::reclaim::registry::{Entry, Registry};
+use crate::reclaim::Clock;
+use crate::Stream;
+
+impl DeviceHeap {
+    /// The last resort before an OOM: ask the other processes on the device
+    /// for `size` bytes and retry until they free enough or `oom_wait` passes.
+    #[cold]
+    pub(super) fn ask_others(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
+        let over_budget = self.stats.reserved_bytes.total().saturating_add(size) > self.reserved_limit.min(self.policy.max_reserved);
+        if self.oom_wait.is_zero() || over_budget {
+            return Err(BackendError::OutOfMemory);
+        }
+        let Some(registry) = self.registry.as_mut() else { return Err(BackendError::OutOfMemory) };
+        if registry.request(size).is_err() {
+            return Err(BackendError::OutOfMemory);
+        }
+        self.stats.num_coop_requests += 1;
+        let start = Instant::now();
+        let result = loop {
+            std::thread::sleep(Duration::from_millis(5));
+            match self.new_segment(size, stream) {
+                Ok(base) => {
+                    self.stats.num_coop_satisfied += 1;
+                    self.stats.coop_last_wait_ms = start.elapsed().as_millis() as u64;
+                    break Ok(base);
+                }
+                Err(BackendError::OutOfMemory) if start.elapsed() < self.oom_wait => continue,
+                Err(err) => break Err(err),
+            }
+        };
+        if let Some(registry) = self.registry.as_mut() {
+            let _ = registry.request(0);
+        }
+        result
+    }
+
+    /// Joins the processes sharing this device: publishes at every
+    /// reclaimer pass, answers their requests, asks them before an OOM.
+    pub fn cooperate(&mut self, registry: Registry, oom_wait: Duration) {
+        self.registry = Some(registry);
+        self.oom_wait = oom_wait;
+    }
+
+    /// A segment from the backend, unless it would take the heap past its
+    /// reserve limit (which then counts as out of memory).
+    pub(super) fn new_segment(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
+        match self.stats.reserved_bytes.total().checked_add(size) {
+            Some(total) if total <= self.reserved_limit.min(self.policy.max_reserved) => {}
+            _ => return Err(BackendError::OutOfMemory),
+        }
+        self.backend.allocate(self.device, size, stream)
+    }
+
+    /// Caps the bytes this heap may reserve (`None`: no cap). Cached
+    /// segments above the new cap are released at once.
+    pub fn set_reserved_limit(&mut self, limit: Option<u64>) {
+        self.reserved_limit = limit.unwrap_or(u64::MAX);
+        self.release_over_budget();
+    }
+
+    /// The cap on reserved bytes: the memory fraction's or the budget's, the lower.
+    pub fn reserved_limit(&self) -> Option<u64> {
+        let limit = self.reserved_limit.min(self.policy.max_reserved);
+        (limit != u64::MAX).then_some(limit)
+    }
+
+    /// Sets the release policy and the clock its idle stamps use.
+    pub fn set_policy(&mut self, policy: Policy, clock: Arc<Clock>) {
+        self.policy = policy;
+        self.clock = clock;
+        self.release_over_budget();
+    }
+
+    /// Releases cached segments, longest idle first, while reserved is over the cap.
+    pub(super) fn release_over_budget(&mut self) {
+        let Some(limit) = self.reserved_limit() else { return };
+        if self.stats.reserved_bytes.total() > limit {
+            let policy = Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: limit };
+            self.apply(&policy);
+        }
+    }
+
+    /// One pass of the reclaimer: releases what the policy picks, then
+    /// publishes to the other processes on the device and, if any of them
+    /// asks for memory, gives back every idle cached segment.
+    pub fn reclaim(&mut self) -> Released {
+        self.stats.num_reclaims += 1;
+        self.process_pending(false);
+        let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
+        let mut released = self.apply(&policy);
+        if self.registry.is_some() {
+            let stats = self.stats();
+            let entry = Entry {
+                device: self.device as u32,
+                reserved: stats.reserved_bytes.all.current,
+                allocated: stats.allocated_bytes.all.current,
+                cached_free: stats.cached_free_bytes,
+                fragmentation_milli: (stats.external_fragmentation() * 1000.0) as u64,
+                requests_served: stats.num_coop_served,
+                released: Reason::ALL.map(|r| stats.released(r).bytes),
+                ..Entry::default()
+            };
+            let asked = self.registry.as_mut().and_then(|r| r.publish(entry).ok()).unwrap_or(0);
+            if asked > 0 {
+                let answer = self.release_free_segments(Reason::Cooperation, |_, _| true);
+                if answer.segments > 0 {
+                    self.stats.num_coop_served += 1;
+                }
+                released.segments += answer.segments;
+                released.bytes += answer.bytes;
+            }
+        }
+        released
+    }
+
+    pub(super) fn apply(&mut self, policy: &Policy) -> Released {
+        self.flush_stashes();
+        let idle: Vec<IdleSegment> = self
+            .segments
+            .iter()
+            .enumerate()
+            .filter_map(|(id, s)| {
+                let s = s.as_ref()?;
+                let b = &self.blocks[s.first_block];
+                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment { id: id as u32, size: s.size, idle_since_ms: s.idle_since_ms })
+            })
+            .collect();
+        if idle.is_empty() {
+            return Released::default();
+        }
+        let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
+        let pressure = Pressure { device_free, reserved: self.stats.reserved_bytes.total() };
+        let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
+        let mut total = Released::default();
+        for reason in Reason::ALL {
+            let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
+            if !ids.is_empty() {
+                let released = self.release_free_segments(reason, |id, _| ids.contains(&id));
+                total.segments += released.segments;
+                total.bytes += released.bytes;
+            }
+        }
+        total
+    }
+
+    /// Releases every segment that is one whole free block and that `keep`
+    /// selects (by segment). A segment the backend fails to release stays
+    /// cached, whole and consistent.
+    pub fn release_free_segments(&mut self, reason: Reason, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
+        self.process_pending(true);
+        self.flush_stashes();
+        let mut released = Released::default();
+        for segment_id in 0..self.segments.len() as u32 {
+            let Some(segment) = &self.segments[segment_id as usize] else { continue };
+            let block = &self.blocks[segment.first_block];
+            if block.is_allocated() || block.next != NIL || !select(segment_id, segment) {
+                continue;
+            }
+            let (base, size, pool, block) = (segment.base, segment.size, segment.pool, segment.first_block);
+            if self.backend.release(self.device, base, size, self.pools[pool as usize].stream).is_err() {
+                continue;
+            }
+            let kind = self.pools[pool as usize].kind;
+            self.remove_free(block);
+            self.blocks.remove(block);
+            self.segments[segment_id as usize] = None;
+            self.unused_segments.push(segment_id);
+            self.segment_by_base.remove(&base);
+            self.stats.segment.decrease(kind, 1);
+            self.stats.reserved_bytes.decrease(kind, size);
+            self.stats.num_device_free += 1;
+            released.segments += 1;
+            released.bytes += size;
+        }
+        let by_reason = &mut self.stats.released[reason as usize];
+        by_reason.segments += released.segments;
+        by_reason.bytes += released.bytes;
+        released
+    }
+}
