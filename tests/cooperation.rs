@@ -3,6 +3,8 @@
 //! cooperation B gets it within a second because A's reclaimer answers B's
 //! request; without it B fails. Both outcomes are asserted.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -53,12 +55,74 @@ fn process_a_holds_idle_cache() {
 }
 
 fn spawn_a(dir: &Path, conf: &str) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "process_a_holds_idle_cache", "--test-threads=1", "--nocapture"])
+    spawn("process_a_holds_idle_cache", dir, conf, &[])
+}
+
+/// Runs the test `name` of this binary as another process.
+fn spawn(name: &str, dir: &Path, conf: &str, env: &[(&str, String)]) -> Child {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", name, "--test-threads=1", "--nocapture"])
         .env("TIDEPOOL_TEST_COOP_CONF", conf)
         .env("TIDEPOOL_TEST_COOP_DIR", dir)
-        .spawn()
-        .unwrap()
+        .stdout(std::process::Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.spawn().unwrap()
+}
+
+/// Process B of the CUDA variant: asks for 70 % of the device.
+#[test]
+fn process_b_asks_for_memory() {
+    let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_COOP_CONF"), std::env::var("TIDEPOOL_TEST_COOP_DIR")) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
+    let alloc = allocator(&conf);
+    let start = Instant::now();
+    match alloc.allocate(0, (700 * MIB) as usize, Stream::DEFAULT) {
+        Ok(p) => {
+            println!("b: ok in {:?}", start.elapsed());
+            alloc.free(0, p).unwrap();
+        }
+        Err(AllocError::OutOfMemory(_)) => println!("b: out of memory"),
+        Err(other) => println!("b: error {other}"),
+    }
+    std::fs::write(dir.join("done"), b"").unwrap();
+}
+
+/// Both processes on the `cuda` backend over one simgpu device shared
+/// through SIMGPU_SHARED; returns what B printed.
+fn scenario_on_simgpu(cooperative: bool) -> String {
+    let dir = std::env::temp_dir().join(format!("tidepool-coop-simgpu-{}-{cooperative}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = format!(
+        "backend:cuda,registry_dir:{},release_after_ms:off,headroom_mb:0,reclaim_interval_ms:20,cooperative:{cooperative},oom_wait_ms:1500",
+        dir.join("registry").display()
+    );
+    let env = [
+        ("LD_LIBRARY_PATH", common::simgpu_dir().display().to_string()),
+        ("SIMGPU_SHARED", dir.join("simgpu-used").display().to_string()),
+        ("SIMGPU_CAPACITY", "1024M".to_string()),
+    ];
+    let a = spawn("process_a_holds_idle_cache", &dir, &conf, &env);
+    let b = spawn("process_b_asks_for_memory", &dir, &conf, &env);
+    let b_out = b.wait_with_output().unwrap();
+    let a_out = a.wait_with_output().unwrap();
+    assert!(a_out.status.success() && b_out.status.success(), "{:?} {:?}", a_out, b_out);
+    let _ = std::fs::remove_dir_all(&dir);
+    String::from_utf8_lossy(&b_out.stdout).into_owned()
+}
+
+#[test]
+fn processes_on_one_simgpu_device_help_each_other() {
+    let helped = scenario_on_simgpu(true);
+    assert!(helped.contains("b: ok"), "{helped}");
+    let alone = scenario_on_simgpu(false);
+    assert!(alone.contains("b: out of memory"), "{alone}");
 }
 
 fn scenario(cooperative: bool) -> (Result<(), AllocError>, Duration, u64, tidepool::Stats) {
@@ -66,7 +130,7 @@ fn scenario(cooperative: bool) -> (Result<(), AllocError>, Duration, u64, tidepo
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let conf = conf(&dir, cooperative);
-    let mut a = spawn_a(&dir, &conf);
+    let a = spawn_a(&dir, &conf);
     assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
     let b = allocator(&conf);
     let start = Instant::now();
@@ -74,7 +138,7 @@ fn scenario(cooperative: bool) -> (Result<(), AllocError>, Duration, u64, tidepo
     let waited = start.elapsed();
     let stats = b.stats(0).unwrap();
     std::fs::write(dir.join("done"), b"").unwrap();
-    assert!(a.wait().unwrap().success(), "process A failed");
+    assert!(a.wait_with_output().unwrap().status.success(), "process A failed");
     let served = std::fs::read_to_string(dir.join("served")).unwrap().parse().unwrap();
     drop(b);
     let _ = std::fs::remove_dir_all(&dir);

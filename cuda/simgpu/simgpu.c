@@ -4,6 +4,9 @@
  * tidepool calls, so CI runs the real `cuda` backend code:
  *   - devices (SIMGPU_DEVICES, default 1) of SIMGPU_CAPACITY bytes each
  *     (default 1 GiB; suffixes K, M, G), primary contexts, UUIDs;
+ *   - SIMGPU_SHARED=<file>: the bytes in use are counted in that file, shared
+ *     by every process naming it, so cuMemGetInfo sees them all and one
+ *     capacity is shared, as processes share a GPU;
  *   - cuMemAlloc/cuMemFree/cuMemGetInfo with real OOM at the capacity;
  *   - asynchronous streams: a worker thread per stream runs queued work in
  *     order; events complete when their stream reaches them; cuMemFree
@@ -17,7 +20,9 @@
  * Build: cc -shared -fPIC -O2 -pthread simgpu.c -o libcuda.so
  */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,7 +60,9 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialized;
 static int device_count = 1;
 static size_t capacity = (size_t)1 << 30;
-static size_t used[MAX_DEVICES];
+static size_t local_used[MAX_DEVICES];
+/* Bytes in use per device: this process's, or a map of SIMGPU_SHARED. */
+static size_t *used = local_used;
 static struct simgpu_ctx contexts[MAX_DEVICES];
 static __thread CUcontext current;
 static struct alloc_rec allocs[MAX_ALLOCS];
@@ -92,6 +99,15 @@ CUresult cuInit(unsigned int flags) {
         const char *l = getenv("SIMGPU_LATENCY_US");
         latency_us = l ? atol(l) : 0;
         for (int i = 0; i < MAX_DEVICES; i++) contexts[i].device = i;
+        const char *shared = getenv("SIMGPU_SHARED");
+        if (shared && *shared) {
+            int fd = open(shared, O_RDWR | O_CREAT, 0600);
+            if (fd >= 0 && ftruncate(fd, sizeof local_used) == 0) {
+                void *map = mmap(NULL, sizeof local_used, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+                if (map != MAP_FAILED) used = map;
+            }
+            if (fd >= 0) close(fd);
+        }
         initialized = 1;
     }
     pthread_mutex_unlock(&lock);
@@ -180,20 +196,27 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     int device = current->device;
     pthread_mutex_lock(&lock);
     alloc_calls++;
-    int refuse = (fail_every > 0 && alloc_calls % fail_every == 0) || used[device] + bytes > capacity;
+    int refuse = fail_every > 0 && alloc_calls % fail_every == 0;
+    /* Claim the bytes atomically: other processes may share the count. */
+    size_t seen = __atomic_load_n(&used[device], __ATOMIC_SEQ_CST);
+    while (!refuse) {
+        if (seen + bytes > capacity) { refuse = 1; break; }
+        if (__atomic_compare_exchange_n(&used[device], &seen, seen + bytes, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) break;
+    }
     int slot = -1;
     for (int i = 0; i < MAX_ALLOCS && !refuse; i++)
         if (allocs[i].base == 0) { slot = i; break; }
     if (refuse || slot < 0) {
+        if (!refuse) __atomic_sub_fetch(&used[device], bytes, __ATOMIC_SEQ_CST);
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     void *mem = NULL;
     if (posix_memalign(&mem, 4096, bytes) != 0) {
+        __atomic_sub_fetch(&used[device], bytes, __ATOMIC_SEQ_CST);
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    used[device] += bytes;
     allocs[slot] = (struct alloc_rec){(uintptr_t)mem, bytes, device};
     pthread_mutex_unlock(&lock);
     *dptr = (CUdeviceptr)(uintptr_t)mem;
@@ -205,7 +228,7 @@ static void release_now(CUdeviceptr dptr, int *found) {
     *found = 0;
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (allocs[i].base == (uintptr_t)dptr && dptr != 0) {
-            used[allocs[i].device] -= allocs[i].size;
+            __atomic_sub_fetch(&used[allocs[i].device], allocs[i].size, __ATOMIC_SEQ_CST);
             free((void *)allocs[i].base);
             allocs[i] = (struct alloc_rec){0, 0, 0};
             *found = 1;
@@ -230,7 +253,8 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&lock);
     *total = capacity;
-    *free_bytes = capacity - used[current->device];
+    size_t in_use = __atomic_load_n(&used[current->device], __ATOMIC_SEQ_CST);
+    *free_bytes = in_use < capacity ? capacity - in_use : 0;
     pthread_mutex_unlock(&lock);
     return CUDA_SUCCESS;
 }
