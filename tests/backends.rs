@@ -350,3 +350,93 @@ fn a_borrowed_block_waits_for_its_streams_work_on_the_device() {
     assert!(ok, "{text}");
     assert!(text.contains("violations: 0"), "{text}");
 }
+
+/// The child side: the driver fails half the frees.
+#[test]
+fn child_failing_frees() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("");
+    let ptrs: Vec<_> = (0..6).map(|_| alloc.allocate(0, 30 << 20, tidepool::Stream::DEFAULT).unwrap()).collect();
+    for p in ptrs {
+        alloc.free(0, p).unwrap();
+    }
+    let first = alloc.empty_cache();
+    alloc.validate().unwrap();
+    let kept = alloc.stats(0).unwrap().reserved_bytes.all.current;
+    assert!(first.segments < 6 && kept > 0, "some releases failed: {first:?}");
+    // Whatever failed stays cached and consistent; later passes release it.
+    for _ in 0..6 {
+        alloc.empty_cache();
+    }
+    alloc.validate().unwrap();
+    assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
+    assert_eq!(alloc.backend().mem_info(0).unwrap().free, CAPACITY, "nothing leaked");
+    println!("failing frees: ok");
+}
+
+#[test]
+fn a_driver_failing_mid_release_leaves_the_heap_consistent_and_leaks_nothing() {
+    let dir = simgpu_dir();
+    let env = [("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M"), ("SIMGPU_FAIL_FREE_EVERY", "2")];
+    let (ok, text) = child("child_failing_frees", &env);
+    assert!(ok && text.contains("failing frees: ok"), "{text}");
+}
+
+/// The child side: events cannot be recorded; unknown streams.
+#[test]
+fn child_failing_events_and_bad_streams() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    let [own, other] = [0, 1].map(|_| {
+        let mut s = 0u64;
+        // SAFETY: simgpu writes a new stream handle into a local.
+        assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
+        s
+    });
+    // record_stream with failing events: the free waits for the stream instead.
+    let ptr = alloc.allocate(0, 1 << 20, tidepool::Stream(own)).unwrap();
+    // SAFETY: stream-ordered work on a live block.
+    unsafe {
+        (sim.enqueue_set_owner)(own, ptr.0, 1 << 20, 1);
+        (sim.enqueue_sleep)(other, 100_000);
+        (sim.enqueue_fill)(other, ptr.0, 1 << 20, 1, 1);
+    }
+    alloc.record_stream(ptr, tidepool::Stream(other)).unwrap();
+    alloc.free(0, ptr).unwrap();
+    let again = alloc.allocate(0, 1 << 20, tidepool::Stream(own)).unwrap();
+    // SAFETY: the new owner takes the block in its stream's order.
+    unsafe {
+        (sim.enqueue_set_owner)(own, again.0, 1 << 20, 2);
+        (sim.stream_synchronize)(own);
+        (sim.stream_synchronize)(other);
+    }
+    alloc.free(0, again).unwrap();
+    // An unknown stream handle: an error naming the call, nothing leaked.
+    if alloc.backend().name() == "cuda_async" {
+        let err = alloc.allocate(0, 4096, tidepool::Stream(0xdead0)).unwrap_err();
+        assert!(err.to_string().contains("cuMemAllocFromPoolAsync"), "{err}");
+    }
+    alloc.validate().unwrap();
+    // SAFETY: reads simgpu's counter.
+    println!("violations: {}", unsafe { (sim.violations)() });
+}
+
+#[test]
+fn failing_events_and_unknown_streams_are_survived() {
+    let dir = simgpu_dir();
+    for backend in ["cuda", "cuda_async"] {
+        let env = [
+            ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
+            ("SIMGPU_CAPACITY", "256M"),
+            ("SIMGPU_FAIL_EVENTS", "1"),
+            ("TIDEPOOL_TEST_BACKEND", backend),
+        ];
+        let (ok, text) = child("child_failing_events_and_bad_streams", &env);
+        assert!(ok && text.contains("violations: 0"), "{backend}: {text}");
+    }
+}

@@ -15,8 +15,10 @@
  *     memory on a stream, to name which allocation owns a range, and to
  *     read the use-after-free detector: a queued write that lands in a
  *     range owned by another allocation by the time it runs is counted;
- *   - latency (SIMGPU_LATENCY_US) and fault injection (SIMGPU_FAIL_EVERY=N:
- *     every Nth cuMemAlloc reports out of memory).
+ *   - latency (SIMGPU_LATENCY_US) and fault injection: SIMGPU_FAIL_EVERY=N
+ *     (every Nth cuMemAlloc reports out of memory), SIMGPU_FAIL_FREE_EVERY=N
+ *     (every Nth cuMemFree fails and frees nothing), SIMGPU_FAIL_EVENTS=1
+ *     (cuEventRecord fails).
  * Build: cc -shared -fPIC -O2 -pthread simgpu.c -o libcuda.so
  */
 #define _GNU_SOURCE
@@ -66,7 +68,7 @@ static size_t *used = local_used;
 static struct simgpu_ctx contexts[MAX_DEVICES];
 static __thread CUcontext current;
 static struct alloc_rec allocs[MAX_ALLOCS];
-static long fail_every, alloc_calls;
+static long fail_every, alloc_calls, fail_free_every, free_calls, fail_events;
 static long latency_us;
 
 /* Ownership of ranges, named by the tests, for the use-after-free detector. */
@@ -96,6 +98,10 @@ CUresult cuInit(unsigned int flags) {
         capacity = parse_size(getenv("SIMGPU_CAPACITY"), capacity);
         const char *f = getenv("SIMGPU_FAIL_EVERY");
         fail_every = f ? atol(f) : 0;
+        const char *ff = getenv("SIMGPU_FAIL_FREE_EVERY");
+        fail_free_every = ff ? atol(ff) : 0;
+        const char *fe = getenv("SIMGPU_FAIL_EVENTS");
+        fail_events = fe ? atol(fe) : 0;
         const char *l = getenv("SIMGPU_LATENCY_US");
         latency_us = l ? atol(l) : 0;
         for (int i = 0; i < MAX_DEVICES; i++) contexts[i].device = i;
@@ -242,6 +248,8 @@ CUresult cuMemFree_v2(CUdeviceptr dptr) {
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     delay();
     synchronize_all(); /* like the driver: cuMemFree waits for the device */
+    if (fail_free_every > 0 && __atomic_add_fetch(&free_calls, 1, __ATOMIC_SEQ_CST) % fail_free_every == 0)
+        return CUDA_ERROR_INVALID_VALUE;
     int found;
     release_now(dptr, &found);
     return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
@@ -480,7 +488,7 @@ CUresult cuEventCreate(CUevent *out, unsigned int flags) {
 }
 
 CUresult cuEventRecord(CUevent e, CUstream s) {
-    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    if (!e || fail_events) return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&e->mu);
     long generation = ++e->recorded;
     pthread_mutex_unlock(&e->mu);
