@@ -21,9 +21,9 @@ fn pairs_on_threads(alloc: &Arc<Allocator>, threads: u64, iters: u64) -> Duratio
                 barrier.wait();
                 for _ in 0..iters {
                     let p = alloc.allocate(0, black_box(512), stream).unwrap();
-                    alloc.free(0, black_box(p)).unwrap();
+                    alloc.free_on_stream(0, black_box(p), stream).unwrap();
                 }
-                alloc.free(0, keep).unwrap();
+                alloc.free_on_stream(0, keep, stream).unwrap();
             })
         })
         .collect();
@@ -36,14 +36,18 @@ fn pairs_on_threads(alloc: &Arc<Allocator>, threads: u64, iters: u64) -> Duratio
 }
 
 fn scaling(c: &mut Criterion) {
-    let config = Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().host(1, 1 << 40).build().unwrap();
-    let alloc = Arc::new(Allocator::new(config).unwrap());
     let mut group = c.benchmark_group("threads");
-    for threads in [1u64, 2] {
-        group.throughput(Throughput::Elements(threads));
-        group.bench_function(BenchmarkId::from_parameter(threads), |b| {
-            b.iter_custom(|iters| pairs_on_threads(&alloc, threads, iters))
-        });
+    // One heap per device (the default), then 16 stream shards.
+    for shards in [1, 16] {
+        let conf = format!("release_after_ms:off,headroom_mb:0,stream_shards:{shards}");
+        let config = Config::builder().conf(&conf).unwrap().host(1, 1 << 40).build().unwrap();
+        let alloc = Arc::new(Allocator::new(config).unwrap());
+        for threads in [1u64, 2] {
+            group.throughput(Throughput::Elements(threads));
+            group.bench_function(BenchmarkId::new(format!("shards_{shards}"), threads), |b| {
+                b.iter_custom(|iters| pairs_on_threads(&alloc, threads, iters))
+            });
+        }
     }
     group.finish();
 }

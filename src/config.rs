@@ -55,6 +55,8 @@ pub struct Config {
     pub registry_dir: Option<std::path::PathBuf>,
     /// Host backend: a file that makes every process naming it share the capacity.
     pub host_shared: Option<std::path::PathBuf>,
+    /// Heaps per device, streams spread over them (1: one heap, exact peaks).
+    pub stream_shards: usize,
 }
 
 impl Config {
@@ -93,6 +95,7 @@ impl Default for Config {
             oom_wait_ms: 2000,
             registry_dir: None,
             host_shared: None,
+            stream_shards: 1,
         }
     }
 }
@@ -174,6 +177,19 @@ pub static OPTIONS: &[OptionSpec] = &[
             Ok(())
         },
         show: |c| (c.host_capacity / MIB).to_string(),
+    },
+    OptionSpec {
+        key: "stream_shards",
+        default: "1",
+        help: "heaps per device, streams spread over them: threads on different streams stop contending (1 to 64; above 1, peaks are summed over heaps)",
+        apply: |c, v| match number(v)? {
+            n @ 1..=64 => {
+                c.stream_shards = n as usize;
+                Ok(())
+            }
+            n => Err(format!("must be between 1 and 64, got {n}")),
+        },
+        show: |c| c.stream_shards.to_string(),
     },
     OptionSpec {
         key: "stash",

@@ -244,12 +244,13 @@ pub extern "C" fn tidepool_malloc(size: usize, device: c_int, stream: *mut c_voi
 /// refused and counted; a `size` that differs from the allocation's is
 /// counted and the recorded size used.
 #[no_mangle]
-pub extern "C" fn tidepool_free(ptr: *mut c_void, size: usize, device: c_int, _stream: *mut c_void) {
+pub extern "C" fn tidepool_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     boundary!((), {
         if ptr.is_null() {
             return;
         }
-        let result = allocator().and_then(|a| a.free_sized(device_index(device)?, DevicePtr(ptr as u64), size));
+        let result = allocator()
+            .and_then(|a| a.free_sized(device_index(device)?, DevicePtr(ptr as u64), size, Stream(stream as u64)));
         match result {
             Ok(recorded) if recorded != size as u64 => log_once(
                 &LOGGED_SIZE_MISMATCH,

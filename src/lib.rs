@@ -65,7 +65,11 @@ impl DevicePtr {
 pub struct Allocator {
     config: Config,
     backend: Arc<dyn Backend>,
+    /// `shards` heaps per device, device by device: a stream's requests go
+    /// to the heap `device * shards + shard_of(stream)`.
     heaps: Arc<[Mutex<DeviceHeap>]>,
+    shards: usize,
+    devices: usize,
     recorder: Option<Arc<trace::record::Recorder>>,
     /// The background thread that gives idle memory back (None: no policy on).
     reclaimer: Option<reclaim::Reclaimer>,
@@ -109,21 +113,29 @@ impl Allocator {
         });
         let clock = reclaim::Clock::new();
         let mut cooperating = false;
-        let heaps: Arc<[Mutex<DeviceHeap>]> = (0..backend.device_count())
-            .map(|device| {
+        let shards = config.stream_shards.max(1);
+        let mut heaps = Vec::with_capacity(backend.device_count() * shards);
+        for device in 0..backend.device_count() {
+            let device_reserved = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            for shard in 0..shards {
                 let mut heap = DeviceHeap::new(device, config.rules.clone(), backend.clone());
+                heap.share_device_reserved(device_reserved.clone());
                 heap.set_stash(config.stash);
                 heap.set_policy(config.policy(), clock.clone());
-                if let Some(registry) = join_registry(&config, backend.as_ref(), device) {
-                    heap.cooperate(registry, std::time::Duration::from_millis(config.oom_wait_ms));
-                    cooperating = true;
+                // One registry slot per device: the first shard speaks for it.
+                if shard == 0 {
+                    if let Some(registry) = join_registry(&config, backend.as_ref(), device) {
+                        heap.cooperate(registry, std::time::Duration::from_millis(config.oom_wait_ms));
+                        cooperating = true;
+                    }
                 }
                 if let Some(recorder) = &recorder {
                     heap.record_to(recorder.clone());
                 }
-                Mutex::new(heap)
-            })
-            .collect();
+                heaps.push(Mutex::new(heap));
+            }
+        }
+        let heaps: Arc<[Mutex<DeviceHeap>]> = heaps.into();
         let reclaimer = if config.reclaims() || cooperating {
             let interval = std::time::Duration::from_millis(config.reclaim_interval_ms);
             match reclaim::Reclaimer::start(Arc::downgrade(&heaps), clock, interval) {
@@ -137,7 +149,62 @@ impl Allocator {
             None
         };
         let fork_generation = ffi::watch_forks();
-        Allocator { config, backend, heaps, recorder, reclaimer, pid: std::process::id(), fork_generation }
+        let devices = backend.device_count();
+        Allocator { config, backend, heaps, shards, devices, recorder, reclaimer, pid: std::process::id(), fork_generation }
+    }
+
+    /// Why `device` cannot be used: a fork child's, or no such device.
+    #[cold]
+    fn unusable(&self, device: usize) -> AllocError {
+        if self.forked() {
+            AllocError::Forked { parent: self.pid }
+        } else {
+            AllocError::InvalidDevice { device: device as i64, device_count: self.devices }
+        }
+    }
+
+    /// The heaps of `device` (its stream shards).
+    fn device_heaps(&self, device: usize) -> Result<&[Mutex<DeviceHeap>], AllocError> {
+        if device >= self.devices || self.forked() {
+            return Err(self.unusable(device));
+        }
+        Ok(&self.heaps[device * self.shards..(device + 1) * self.shards])
+    }
+
+    /// The heap serving `stream` on `device`.
+    #[inline(always)]
+    fn stream_heap(&self, device: usize, stream: Stream) -> Result<&Mutex<DeviceHeap>, AllocError> {
+        if device >= self.devices || self.forked() {
+            return Err(self.unusable(device));
+        }
+        let shard = if self.shards == 1 {
+            0
+        } else {
+            let mixed = stream.0 ^ (stream.0 >> 7) ^ (stream.0 >> 17);
+            (mixed % self.shards as u64) as usize
+        };
+        Ok(&self.heaps[device * self.shards + shard])
+    }
+
+    /// Runs `f` on the heap of `device` holding the block `ptr`, locked
+    /// once: `stream`'s heap first, then the others; if none holds it,
+    /// `stream`'s heap (which then reports the bad pointer).
+    #[inline(always)]
+    fn with_owner<R>(&self, device: usize, ptr: DevicePtr, stream: Stream, f: impl FnOnce(&mut DeviceHeap) -> R) -> Result<R, AllocError> {
+        let first = self.stream_heap(device, stream)?;
+        {
+            let mut heap = first.lock();
+            if self.shards == 1 || heap.owns(ptr.0) {
+                return Ok(f(&mut heap));
+            }
+        }
+        for other in self.device_heaps(device)?.iter().filter(|h| !std::ptr::eq(*h, first)) {
+            let mut heap = other.lock();
+            if heap.owns(ptr.0) {
+                return Ok(f(&mut heap));
+            }
+        }
+        Ok(f(&mut first.lock()))
     }
 
     /// Whether this process is a fork child of the one that made the allocator.
@@ -176,48 +243,83 @@ impl Allocator {
     }
 
     pub fn device_count(&self) -> usize {
-        self.heaps.len()
+        self.devices
     }
 
+    /// The first heap of `device` (the only one without stream shards).
     #[inline]
     fn heap(&self, device: usize) -> Result<&Mutex<DeviceHeap>, AllocError> {
-        if self.forked() {
-            return Err(AllocError::Forked { parent: self.pid });
-        }
-        self.heaps
-            .get(device)
-            .ok_or(AllocError::InvalidDevice { device: device as i64, device_count: self.heaps.len() })
+        Ok(&self.device_heaps(device)?[0])
     }
 
     /// `size` bytes on `device` for use on `stream`. A 0-byte request returns
     /// [`DevicePtr::NULL`] and no error.
-    #[inline]
+    #[inline(always)]
     pub fn allocate(&self, device: usize, size: usize, stream: Stream) -> Result<DevicePtr, AllocError> {
-        self.heap(device)?.lock().allocate(size as u64, stream).map(DevicePtr)
+        let heap = self.stream_heap(device, stream)?;
+        let result = heap.lock().allocate(size as u64, stream);
+        match result {
+            Ok(addr) => Ok(DevicePtr(addr)),
+            Err(err) => self.allocate_after(err, heap, device, size, stream),
+        }
+    }
+
+    /// After a failed request: with stream shards, the other shards may
+    /// cache what this one could not get; they release their whole free
+    /// segments and the request is tried once more.
+    #[cold]
+    fn allocate_after(
+        &self,
+        err: AllocError,
+        heap: &Mutex<DeviceHeap>,
+        device: usize,
+        size: usize,
+        stream: Stream,
+    ) -> Result<DevicePtr, AllocError> {
+        if !matches!(err, AllocError::OutOfMemory(_)) || self.shards == 1 {
+            return Err(err);
+        }
+        for other in self.device_heaps(device)?.iter().filter(|h| !std::ptr::eq(*h, heap)) {
+            other.lock().release_free_segments(reclaim::policy::Reason::OutOfMemory, |_, _| true);
+        }
+        let mut heap = heap.lock();
+        let retried = heap.allocate(size as u64, stream).map(DevicePtr);
+        if retried.is_ok() {
+            heap.retract_oom();
+        }
+        retried
     }
 
     /// Frees a pointer returned by `allocate` on `device`. Freeing NULL does nothing.
-    #[inline]
+    #[inline(always)]
     pub fn free(&self, device: usize, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.free_on_stream(device, ptr, Stream::DEFAULT)
+    }
+
+    /// Frees `ptr`, allocated on `stream`: with stream shards, the stream
+    /// names the heap at once (other heaps are searched if it is wrong).
+    #[inline(always)]
+    pub fn free_on_stream(&self, device: usize, ptr: DevicePtr, stream: Stream) -> Result<(), AllocError> {
         if ptr.is_null() {
             return Ok(());
         }
-        self.heap(device)?.lock().free(ptr.0).map(|_| ())
+        self.with_owner(device, ptr, stream, |heap| heap.free(ptr.0))?.map(|_| ())
     }
 
     /// Frees `ptr`, checking the size the caller believes it has: a
     /// different size is counted (`num_size_mismatches`) and the recorded
     /// one is used. Returns the recorded size.
-    pub fn free_sized(&self, device: usize, ptr: DevicePtr, size: usize) -> Result<u64, AllocError> {
+    pub fn free_sized(&self, device: usize, ptr: DevicePtr, size: usize, stream: Stream) -> Result<u64, AllocError> {
         if ptr.is_null() {
             return Ok(0);
         }
-        let mut heap = self.heap(device)?.lock();
-        let freed = heap.free(ptr.0)?;
-        if freed.requested != size as u64 {
-            heap.count_size_mismatch();
-        }
-        Ok(freed.requested)
+        self.with_owner(device, ptr, stream, |heap| {
+            let freed = heap.free(ptr.0)?;
+            if freed.requested != size as u64 {
+                heap.count_size_mismatch();
+            }
+            Ok(freed.requested)
+        })?
     }
 
     /// Releases every whole free segment of every device to the backend.
@@ -232,19 +334,25 @@ impl Allocator {
     }
 
     /// The statistics of `device`.
+    /// With stream shards, each figure is the sum over the shards, so a peak
+    /// is an upper bound of the device's (the shards may peak at different times).
     pub fn stats(&self, device: usize) -> Result<Stats, AllocError> {
-        Ok(self.heap(device)?.lock().stats())
+        let heaps = self.device_heaps(device)?;
+        let each: Vec<Stats> = heaps.iter().map(|h| h.lock().stats()).collect();
+        Ok(Stats::combine(&each))
     }
 
     /// Resets the peaks of `device` to the current values.
     pub fn reset_peak_stats(&self, device: usize) -> Result<(), AllocError> {
-        self.heap(device)?.lock().reset_peak_stats();
+        for heap in self.device_heaps(device)? {
+            heap.lock().reset_peak_stats();
+        }
         Ok(())
     }
 
     /// The base and size of the segment holding `ptr` (PyTorch's `getBaseAllocation`).
     pub fn segment_of(&self, device: usize, ptr: DevicePtr) -> Result<Option<(DevicePtr, u64)>, AllocError> {
-        Ok(self.heap(device)?.lock().segment_of(ptr.0).map(|(base, size)| (DevicePtr(base), size)))
+        Ok(self.device_heaps(device)?.iter().find_map(|h| h.lock().segment_of(ptr.0)).map(|(base, size)| (DevicePtr(base), size)))
     }
 
     /// Limits what `device` may reserve to `fraction` of its total memory
@@ -256,10 +364,12 @@ impl Allocator {
                 "memory fraction must be between 0 and 1, got {fraction}"
             )));
         }
-        let heap = self.heap(device)?;
+        let heaps = self.device_heaps(device)?;
         let total = self.backend.mem_info(device).map_err(AllocError::Backend)?.total;
         let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
-        heap.lock().set_reserved_limit(limit);
+        for heap in heaps {
+            heap.lock().set_reserved_limit(limit);
+        }
         Ok(())
     }
 
@@ -278,20 +388,23 @@ impl Allocator {
     /// The device, base and size of the segment holding `ptr`, searching
     /// every device (PyTorch's `getBaseAllocation`).
     pub fn find_segment(&self, ptr: DevicePtr) -> Option<(usize, DevicePtr, u64)> {
-        self.heaps().ok()?.iter().enumerate().find_map(|(device, heap)| {
-            heap.lock().segment_of(ptr.0).map(|(base, size)| (device, DevicePtr(base), size))
+        self.heaps().ok()?.iter().enumerate().find_map(|(index, heap)| {
+            heap.lock().segment_of(ptr.0).map(|(base, size)| (index / self.shards, DevicePtr(base), size))
         })
     }
 
     /// Every segment of `device` with its blocks, in address order.
     pub fn snapshot(&self, device: usize) -> Result<Vec<SegmentSnapshot>, AllocError> {
-        Ok(self.heap(device)?.lock().snapshot())
+        let mut segments: Vec<SegmentSnapshot> = self.device_heaps(device)?.iter().flat_map(|h| h.lock().snapshot()).collect();
+        segments.sort_by_key(|s| s.address);
+        Ok(segments)
     }
 
     /// Checks every invariant of every heap; see `heap/mod.rs`.
     pub fn validate(&self) -> Result<(), String> {
-        for (device, heap) in self.heaps().map_err(|e| e.to_string())?.iter().enumerate() {
-            heap.lock().validate().map_err(|e| format!("device {device}: {e}"))?;
+        for (index, heap) in self.heaps().map_err(|e| e.to_string())?.iter().enumerate() {
+            let (device, shard) = (index / self.shards, index % self.shards);
+            heap.lock().validate().map_err(|e| format!("device {device} (shard {shard}): {e}"))?;
         }
         Ok(())
     }
@@ -307,7 +420,7 @@ impl Allocator {
         recorder.finish()
     }
 
-    /// Runs `f` with the heap of `device` locked (tests and tools).
+    /// Runs `f` with the (first) heap of `device` locked (tests and tools).
     pub fn with_heap<R>(&self, device: usize, f: impl FnOnce(&mut DeviceHeap) -> R) -> Result<R, AllocError> {
         Ok(f(&mut self.heap(device)?.lock()))
     }

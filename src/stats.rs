@@ -284,6 +284,60 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// The figures of several heaps of one device as one: every count and
+    /// current value summed, peaks summed too (an upper bound: the heaps
+    /// may peak at different times), the largest free block the largest.
+    pub fn combine(parts: &[Stats]) -> Stats {
+        let Some((first, rest)) = parts.split_first() else { return Stats::default() };
+        let mut total = first.clone();
+        for part in rest {
+            for ((_, into), (_, from)) in total.gauges_mut().into_iter().zip(part.gauges()) {
+                for (a, b) in [(&mut into.all, &from.all), (&mut into.small_pool, &from.small_pool), (&mut into.large_pool, &from.large_pool)] {
+                    a.current += b.current;
+                    a.peak += b.peak;
+                    a.allocated += b.allocated;
+                    a.freed += b.freed;
+                }
+            }
+            for (a, b) in total.released.iter_mut().zip(part.released) {
+                a.segments += b.segments;
+                a.bytes += b.bytes;
+            }
+            total.num_allocs += part.num_allocs;
+            total.num_frees += part.num_frees;
+            total.num_device_alloc += part.num_device_alloc;
+            total.num_device_free += part.num_device_free;
+            total.num_alloc_retries += part.num_alloc_retries;
+            total.num_ooms += part.num_ooms;
+            total.num_invalid_frees += part.num_invalid_frees;
+            total.num_size_mismatches += part.num_size_mismatches;
+            total.num_reclaims += part.num_reclaims;
+            total.num_coop_requests += part.num_coop_requests;
+            total.num_coop_satisfied += part.num_coop_satisfied;
+            total.num_coop_served += part.num_coop_served;
+            total.coop_last_wait_ms = total.coop_last_wait_ms.max(part.coop_last_wait_ms);
+            total.num_stream_sync_errors += part.num_stream_sync_errors;
+            total.num_cross_stream_reuses += part.num_cross_stream_reuses;
+            total.cached_free_bytes += part.cached_free_bytes;
+            total.largest_free_block_bytes = total.largest_free_block_bytes.max(part.largest_free_block_bytes);
+        }
+        total
+    }
+
+    fn gauges_mut(&mut self) -> [(&'static str, &mut StatByPool); 9] {
+        [
+            ("allocation", &mut self.allocation),
+            ("segment", &mut self.segment),
+            ("active", &mut self.active),
+            ("inactive_split", &mut self.inactive_split),
+            ("allocated_bytes", &mut self.allocated_bytes),
+            ("reserved_bytes", &mut self.reserved_bytes),
+            ("active_bytes", &mut self.active_bytes),
+            ("inactive_split_bytes", &mut self.inactive_split_bytes),
+            ("requested_bytes", &mut self.requested_bytes),
+        ]
+    }
+
     /// What was given back for `reason`.
     pub fn released(&self, reason: Reason) -> Released {
         self.released[reason as usize]

@@ -298,7 +298,7 @@ fn a_device_out_of_range_is_an_error() {
 fn a_wrong_size_at_free_is_counted_and_the_recorded_size_used() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
     let a = alloc.allocate(0, 3000, S0).unwrap();
-    assert_eq!(alloc.free_sized(0, a, 12).unwrap(), 3000);
+    assert_eq!(alloc.free_sized(0, a, 12, S0).unwrap(), 3000);
     let s = alloc.stats(0).unwrap();
     assert_eq!((s.num_size_mismatches, s.allocated_bytes.all.current), (1, 0));
 }

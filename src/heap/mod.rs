@@ -41,6 +41,7 @@ mod streams;
 mod validate;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -112,7 +113,10 @@ pub struct Freed {
     pub requested: u64,
 }
 
-/// The heap of one device.
+/// The heap of one device (or of one stream shard of a device). Aligned to
+/// 128 bytes so that heaps side by side, used by different threads, share
+/// no cache line.
+#[repr(align(128))]
 pub struct DeviceHeap {
     device: usize,
     rules: SizeRules,
@@ -132,8 +136,11 @@ pub struct DeviceHeap {
     /// Freed blocks waiting for the events of the other streams that used
     /// them: (address, events). Still allocated to the heap until then.
     pending: Vec<(u64, Vec<u64>)>,
-    /// The most this heap may reserve by the memory fraction (u64::MAX: no limit).
+    /// The most the device may reserve by the memory fraction (u64::MAX: no limit).
     reserved_limit: u64,
+    /// Bytes the device holds from the driver, counted across the heaps
+    /// that share it (one per stream shard): what the caps apply to.
+    device_reserved: Arc<AtomicU64>,
     /// When to give memory back; the budget also caps growth.
     policy: Policy,
     /// The reclaimer's clock, for idle stamps.
@@ -166,6 +173,7 @@ impl DeviceHeap {
             recorded_streams: HashMap::new(),
             pending: Vec::new(),
             reserved_limit: u64::MAX,
+            device_reserved: Arc::new(AtomicU64::new(0)),
             policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
             clock: Clock::new(),
             registry: None,
@@ -193,6 +201,17 @@ impl DeviceHeap {
         if let Some(trace) = self.trace.as_mut() {
             trace.push(action, pointer, size, stream.0);
         }
+    }
+
+    /// Shares the device's reserved count with the other heaps of the device.
+    pub fn share_device_reserved(&mut self, counter: Arc<AtomicU64>) {
+        self.device_reserved = counter;
+    }
+
+    /// Whether `ptr` is a block of this heap that a free could name
+    /// (allocated, or freed and pending).
+    pub fn owns(&self, ptr: u64) -> bool {
+        self.live_size(ptr).is_some()
     }
 
     /// Turns the stash on or off (off: every free merges at once).
@@ -382,6 +401,7 @@ impl DeviceHeap {
     }
 
     /// Frees the allocated block `id` at `ptr` now: stats, then the stash or the bins.
+    #[inline(always)]
     fn free_now(&mut self, id: BlockId, ptr: u64) -> Result<Freed, AllocError> {
         let (size, requested, pool, kind) = {
             let b = &mut self.blocks[id];
@@ -546,6 +566,12 @@ impl DeviceHeap {
     /// The size of the live block at `ptr`, if there is one.
     pub fn live_size(&self, ptr: u64) -> Option<u64> {
         self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()).map(|id| self.blocks[id].size)
+    }
+
+    /// Uncounts the last out-of-memory: the allocator served the request
+    /// after all, with memory other heaps of the device gave back.
+    pub fn retract_oom(&mut self) {
+        self.stats.num_ooms = self.stats.num_ooms.saturating_sub(1);
     }
 
     /// Counts a free whose stated size differed from the block's.

@@ -5,6 +5,7 @@
 //! before an out-of-memory).
 #![forbid(unsafe_code)]
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,7 +22,7 @@ impl DeviceHeap {
     /// for `size` bytes and retry until they free enough or `oom_wait` passes.
     #[cold]
     pub(super) fn ask_others(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
-        let over_budget = self.stats.reserved_bytes.total().saturating_add(size) > self.reserved_limit.min(self.policy.max_reserved);
+        let over_budget = self.device_reserved.load(Ordering::SeqCst).saturating_add(size) > self.reserved_limit.min(self.policy.max_reserved);
         if self.oom_wait.is_zero() || over_budget {
             return Err(BackendError::OutOfMemory);
         }
@@ -59,11 +60,19 @@ impl DeviceHeap {
     /// A segment from the backend, unless it would take the heap past its
     /// reserve limit (which then counts as out of memory).
     pub(super) fn new_segment(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
-        match self.stats.reserved_bytes.total().checked_add(size) {
-            Some(total) if total <= self.reserved_limit.min(self.policy.max_reserved) => {}
-            _ => return Err(BackendError::OutOfMemory),
+        // Claimed first on the device's count (shared with the other stream
+        // shards of the device), so that two shards cannot both pass the cap.
+        let limit = self.reserved_limit.min(self.policy.max_reserved);
+        let before = self.device_reserved.fetch_add(size, Ordering::SeqCst);
+        if before.checked_add(size).is_none_or(|total| total > limit) {
+            self.device_reserved.fetch_sub(size, Ordering::SeqCst);
+            return Err(BackendError::OutOfMemory);
         }
-        self.backend.allocate(self.device, size, stream)
+        let result = self.backend.allocate(self.device, size, stream);
+        if result.is_err() {
+            self.device_reserved.fetch_sub(size, Ordering::SeqCst);
+        }
+        result
     }
 
     /// Caps the bytes this heap may reserve (`None`: no cap). Cached
@@ -89,7 +98,7 @@ impl DeviceHeap {
     /// Releases cached segments, longest idle first, while reserved is over the cap.
     pub(super) fn release_over_budget(&mut self) {
         let Some(limit) = self.reserved_limit() else { return };
-        if self.stats.reserved_bytes.total() > limit {
+        if self.device_reserved.load(Ordering::SeqCst) > limit {
             let policy = Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: limit };
             self.apply(&policy);
         }
@@ -144,7 +153,7 @@ impl DeviceHeap {
             return Released::default();
         }
         let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
-        let pressure = Pressure { device_free, reserved: self.stats.reserved_bytes.total() };
+        let pressure = Pressure { device_free, reserved: self.device_reserved.load(Ordering::SeqCst) };
         let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
         let mut total = Released::default();
         for reason in Reason::ALL {
@@ -183,6 +192,7 @@ impl DeviceHeap {
             self.segment_by_base.remove(&base);
             self.stats.segment.decrease(kind, 1);
             self.stats.reserved_bytes.decrease(kind, size);
+            self.device_reserved.fetch_sub(size, Ordering::SeqCst);
             self.stats.num_device_free += 1;
             released.segments += 1;
             released.bytes += size;
