@@ -56,6 +56,16 @@ fn child_cuda_conformance() {
     }
     let alloc = cuda_allocator("");
     assert_eq!(alloc.backend().name(), child_backend());
+    if std::env::var_os("TIDEPOOL_TEST_DEVICE_MEMORY").is_some() {
+        // A real GPU (cuda/check/run.sh, backend `cuda`): a 1 GiB budget
+        // makes it a 1 GiB device; stream handles are only pool keys for
+        // `cuda`, so any two distinct values will do.
+        drop(alloc);
+        let budgeted = |conf: &str| cuda_allocator(&format!("max_reserved_mb:1024,{conf}"));
+        conformance::run(&budgeted, 1 << 30, [tidepool::Stream(1), tidepool::Stream(2)]);
+        println!("cuda conformance: ok");
+        return;
+    }
     assert_eq!(alloc.backend().mem_info(0).unwrap().total, CAPACITY);
     let sim = Simgpu::load();
     let streams = [0, 1].map(|_| {
@@ -439,4 +449,19 @@ fn failing_events_and_unknown_streams_are_survived() {
         let (ok, text) = child("child_failing_events_and_bad_streams", &env);
         assert!(ok && text.contains("violations: 0"), "{backend}: {text}");
     }
+}
+
+#[test]
+fn the_real_gpu_variant_of_the_suite_runs_over_simgpu() {
+    // What cuda/check/run.sh runs on a GPU, tried here on a larger simgpu
+    // device so that the GPU run fails only for reasons of the GPU.
+    let dir = simgpu_dir();
+    let env = [
+        ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
+        ("SIMGPU_CAPACITY", "4G"),
+        ("TIDEPOOL_TEST_DEVICE_MEMORY", "1"),
+        ("TIDEPOOL_TEST_BACKEND", "cuda"),
+    ];
+    let (ok, text) = child("child_cuda_conformance", &env);
+    assert!(ok && text.contains("cuda conformance: ok"), "{text}");
 }

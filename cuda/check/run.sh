@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks of tidepool, for a machine with an NVIDIA GPU, nvcc, PyTorch
-# and transformers, but no cargo: build the library elsewhere first
-#   cargo build --release --lib     (carries target/release/libtidepool.so)
+# and transformers, but no cargo: build elsewhere first
+#   cargo build --release --lib && cargo test --release --test backends --no-run
+#   cp target/release/deps/backends-<hash> target/release/backends-test
+# (carry target/release/libtidepool.so and target/release/backends-test),
 # then run this from the repository root. Prints a short table last.
 # Record what it prints in docs/gpu-results.md with the date, GPU and driver.
 set -uo pipefail
@@ -23,6 +25,14 @@ echo "== build"
 nvcc -O2 -I ffi cuda/check/tidepool_check.cu -L target/release -ltidepool -lcuda \
   -Xlinker -rpath -Xlinker "$PWD/target/release" -o "$OUT/tidepool_check" || exit 1
 
+echo "== conformance suite on the real driver"
+if [ -x target/release/backends-test ]; then
+  TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda timeout 120 \
+    target/release/backends-test --exact child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance.txt"
+else
+  echo "target/release/backends-test missing: conformance skipped" | tee "$OUT/conformance.txt"
+fi
+
 echo "== patterns across streams, and latency"
 timeout 240 "$OUT/tidepool_check" 20000 | tee "$OUT/check.txt"
 check_rc=${PIPESTATUS[0]}
@@ -38,6 +48,7 @@ python3 - "$OUT" "$check_rc" <<'PY'
 import json, sys, pathlib
 out, check_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 print("gpu:", (out / "gpu.txt").read_text().strip())
+print("conformance on the driver:", "ok" if "cuda conformance: ok" in (out / "conformance.txt").read_text() else "not ok")
 print("patterns/latency check:", "ok" if check_rc == 0 else f"FAILED ({check_rc})")
 runs = {}
 for name in ["native", "native-expandable", "tidepool"]:

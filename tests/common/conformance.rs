@@ -8,8 +8,13 @@ use tidepool::{AllocError, Allocator, Stream};
 
 /// Runs every check; `make` builds a fresh allocator with extra
 /// TIDEPOOL_CONF; `streams` are two distinct streams valid for the backend.
+/// On a real GPU (TIDEPOOL_TEST_DEVICE_MEMORY=1) blocks cannot be written
+/// from the host: the byte patterns are skipped (cuda/check's kernels
+/// check them there).
 pub fn run(make: &dyn Fn(&str) -> Allocator, capacity: u64, streams: [Stream; 2]) {
-    allocations_hold_their_bytes_and_never_overlap(&make(""));
+    if std::env::var_os("TIDEPOOL_TEST_DEVICE_MEMORY").is_none() {
+        allocations_hold_their_bytes_and_never_overlap(&make(""));
+    }
     a_freed_block_is_reused_on_its_stream_only(&make(""), streams);
     the_device_fills_up_then_the_cache_makes_room(&make(""), capacity);
     empty_cache_gives_everything_back(&make(""));
@@ -56,8 +61,11 @@ fn empty_cache_gives_everything_back(alloc: &Allocator) {
     let before = alloc.backend().mem_info(0).unwrap().free;
     let p = alloc.allocate(0, (8 * MIB) as usize, Stream::DEFAULT).unwrap();
     alloc.free(0, p).unwrap();
-    assert!(alloc.backend().mem_info(0).unwrap().free < before);
+    assert!(alloc.stats(0).unwrap().reserved_bytes.all.current >= 8 * MIB, "the freed block stays cached");
     alloc.empty_cache();
-    assert_eq!(alloc.backend().mem_info(0).unwrap().free, before);
     assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
+    // A real driver's free figure moves with everything else on the GPU.
+    if std::env::var_os("TIDEPOOL_TEST_DEVICE_MEMORY").is_none() {
+        assert_eq!(alloc.backend().mem_info(0).unwrap().free, before);
+    }
 }
