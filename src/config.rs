@@ -57,6 +57,8 @@ pub struct Config {
     pub host_shared: Option<std::path::PathBuf>,
     /// Heaps per device, streams spread over them (1: one heap, exact peaks).
     pub stream_shards: usize,
+    /// When the device is full, serve a stream from blocks cached for another.
+    pub lend_across_streams: bool,
 }
 
 impl Config {
@@ -96,6 +98,7 @@ impl Default for Config {
             registry_dir: None,
             host_shared: None,
             stream_shards: 1,
+            lend_across_streams: true,
         }
     }
 }
@@ -190,6 +193,16 @@ pub static OPTIONS: &[OptionSpec] = &[
             n => Err(format!("must be between 1 and 64, got {n}")),
         },
         show: |c| c.stream_shards.to_string(),
+    },
+    OptionSpec {
+        key: "lend_across_streams",
+        default: "true",
+        help: "when the device is full, serve a stream from blocks cached for another (after a device-side wait on that stream)",
+        apply: |c, v| {
+            c.lend_across_streams = boolean(v)?;
+            Ok(())
+        },
+        show: |c| c.lend_across_streams.to_string(),
     },
     OptionSpec {
         key: "stash",

@@ -121,6 +121,7 @@ impl Allocator {
                 let mut heap = DeviceHeap::new(device, config.rules.clone(), backend.clone());
                 heap.share_device_reserved(device_reserved.clone());
                 heap.set_stash(config.stash);
+                heap.set_lend_across_streams(config.lend_across_streams);
                 heap.set_policy(config.policy(), clock.clone());
                 // One registry slot per device: the first shard speaks for it.
                 if shard == 0 {

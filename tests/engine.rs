@@ -397,3 +397,14 @@ fn a_full_device_lends_another_streams_cached_block_instead_of_failing() {
     assert_eq!(alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap(), a);
     alloc.validate().unwrap();
 }
+
+#[test]
+fn lending_across_streams_can_be_turned_off() {
+    let (alloc, _) = host_allocator(1, 64 * MIB, "lend_across_streams:false");
+    let a = alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap();
+    alloc.free(0, a).unwrap();
+    // No lending: stream 1's cache is released and stream 2 grows instead.
+    alloc.allocate(0, (30 * MIB) as usize, Stream(2)).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.num_cross_stream_reuses, s.num_device_free, s.num_alloc_retries), (0, 1, 1));
+}

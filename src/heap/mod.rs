@@ -151,6 +151,8 @@ pub struct DeviceHeap {
     oom_wait: Duration,
     /// Whether frees go through the stash (see the top of this file).
     stash_enabled: bool,
+    /// Whether a full device may lend one stream's cached blocks to another.
+    lend_across_streams: bool,
     /// Rows for the TIDEPOOL_TRACE recording, when one is on.
     trace: Option<TraceBuffer>,
     stats: Counters,
@@ -179,6 +181,7 @@ impl DeviceHeap {
             registry: None,
             oom_wait: Duration::ZERO,
             stash_enabled: true,
+            lend_across_streams: true,
             trace: None,
             stats: Counters::default(),
         }
@@ -201,6 +204,11 @@ impl DeviceHeap {
         if let Some(trace) = self.trace.as_mut() {
             trace.push(action, pointer, size, stream.0);
         }
+    }
+
+    /// Lets (or stops) a full device lend one stream's cached blocks to another.
+    pub fn set_lend_across_streams(&mut self, on: bool) {
+        self.lend_across_streams = on;
     }
 
     /// Shares the device's reserved count with the other heaps of the device.

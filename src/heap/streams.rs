@@ -16,6 +16,9 @@ impl DeviceHeap {
     /// stream's pool only once the requester's work on it is done.
     #[cold]
     pub(super) fn borrow_from_other_streams(&mut self, pool: u32, rounded: u64, stream: Stream) -> Option<BlockId> {
+        if !self.lend_across_streams {
+            return None;
+        }
         let kind = self.pools[pool as usize].kind;
         self.flush_stashes();
         let best = (0..self.pools.len() as u32)

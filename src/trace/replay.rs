@@ -10,7 +10,8 @@
 //! bytes remain and large ones when more than 1 MiB does, release of every
 //! cached whole segment and one retry before an OOM), with the settings the
 //! snapshot recorded (`max_split_size`, `roundup_power2_divisions`), and
-//! without tidepool's stash of the last freed block.
+//! without tidepool's stash of the last freed block or its lending of
+//! blocks across streams.
 #![forbid(unsafe_code)]
 
 use std::time::Instant;
@@ -110,7 +111,8 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
     // A replay has no wall clock: the time-driven release policies stay off.
     let mut builder = Config::builder().conf("release_after_ms:off,headroom_mb:0")?;
     if options.policy == Policy::Pytorch {
-        builder = builder.conf(&trace.pytorch_conf)?.set("stash", "false")?;
+        // PyTorch merges every free at once and never lends across streams.
+        builder = builder.conf(&trace.pytorch_conf)?.set("stash", "false")?.set("lend_across_streams", "false")?;
     }
     if let Some(path) = &options.record_to {
         builder = builder.trace(path);
