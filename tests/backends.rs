@@ -68,12 +68,7 @@ fn child_cuda_conformance() {
     }
     assert_eq!(alloc.backend().mem_info(0).unwrap().total, CAPACITY);
     let sim = Simgpu::load();
-    let streams = [0, 1].map(|_| {
-        let mut s = 0u64;
-        // SAFETY: simgpu writes a new stream handle into a local.
-        assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
-        tidepool::Stream(s)
-    });
+    let streams = [sim.stream(), sim.stream()].map(tidepool::Stream);
     conformance::run(&cuda_allocator, CAPACITY, streams);
     println!("cuda conformance: ok");
 }
@@ -140,6 +135,14 @@ struct Simgpu {
 }
 
 impl Simgpu {
+    /// A new simgpu stream.
+    fn stream(&self) -> u64 {
+        let mut s = 0u64;
+        // SAFETY: simgpu writes a new stream handle into a local.
+        assert_eq!(unsafe { (self.stream_create)(&mut s, 0) }, 0);
+        s
+    }
+
     fn load() -> Simgpu {
         // SAFETY: opens the libcuda.so this process already loaded (simgpu,
         // through LD_LIBRARY_PATH) and reads symbols whose C signatures are
@@ -178,14 +181,7 @@ fn child_stream_safety() {
     let ops: u64 = std::env::var("TIDEPOOL_TEST_OPS").unwrap().parse().unwrap();
     let alloc = cuda_allocator("");
     let sim = Simgpu::load();
-    let streams: Vec<u64> = (0..4)
-        .map(|_| {
-            let mut s = 0u64;
-            // SAFETY: simgpu writes a new stream handle into a local.
-            assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
-            s
-        })
-        .collect();
+    let streams: Vec<u64> = (0..4).map(|_| sim.stream()).collect();
     let events: Vec<u64> = (0..4)
         .map(|_| {
             let mut e = 0u64;
@@ -281,12 +277,7 @@ fn child_deferred_free() {
     }
     let alloc = cuda_allocator("");
     let sim = Simgpu::load();
-    let [own, other] = [0, 1].map(|_| {
-        let mut s = 0u64;
-        // SAFETY: simgpu writes a new stream handle into a local.
-        assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
-        s
-    });
+    let [own, other] = [sim.stream(), sim.stream()];
     let ptr = alloc.allocate(0, 1 << 20, tidepool::Stream(own)).unwrap();
     // SAFETY: queues a 300 ms sleep on a stream made above.
     unsafe { (sim.enqueue_sleep)(other, 300_000) };
@@ -325,12 +316,7 @@ fn child_borrowing() {
     }
     let alloc = cuda_allocator("");
     let sim = Simgpu::load();
-    let [one, two] = [0, 1].map(|_| {
-        let mut s = 0u64;
-        // SAFETY: simgpu writes a new stream handle into a local.
-        assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
-        s
-    });
+    let [one, two] = [sim.stream(), sim.stream()];
     let size = 40usize << 20;
     let a = alloc.allocate(0, size, tidepool::Stream(one)).unwrap();
     // SAFETY: stream-ordered work on a live block of `size` bytes.
@@ -402,12 +388,7 @@ fn child_failing_events_and_bad_streams() {
     }
     let alloc = cuda_allocator("");
     let sim = Simgpu::load();
-    let [own, other] = [0, 1].map(|_| {
-        let mut s = 0u64;
-        // SAFETY: simgpu writes a new stream handle into a local.
-        assert_eq!(unsafe { (sim.stream_create)(&mut s, 0) }, 0);
-        s
-    });
+    let [own, other] = [sim.stream(), sim.stream()];
     // record_stream with failing events: the free waits for the stream instead.
     let ptr = alloc.allocate(0, 1 << 20, tidepool::Stream(own)).unwrap();
     // SAFETY: stream-ordered work on a live block.
