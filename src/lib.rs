@@ -38,7 +38,7 @@ pub use config::{BackendKind, Config, ConfigError};
 pub use error::{AllocError, InvalidFree, OomReport};
 use heap::DeviceHeap;
 pub use heap::{BlockSnapshot, Released, SegmentSnapshot};
-pub use stats::{Stat, StatByPool, Stats};
+pub use stats::{Events, Stat, StatByPool, Stats};
 
 /// An opaque stream handle (a `CUstream`); 0 is the default stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -111,6 +111,65 @@ impl Gauge {
     }
 }
 
+/// Events a heap counts as they happen: driver calls, failures, releases,
+/// cooperation. Kept whole in `Counters` and reported whole in `Stats`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Events {
+    pub num_device_alloc: u64,
+    pub num_device_free: u64,
+    /// Times a failed growth released cache and tried again.
+    pub num_alloc_retries: u64,
+    /// Requests that failed for lack of memory.
+    pub num_ooms: u64,
+    /// Frees of pointers that were not live allocations (foreign, double,
+    /// interior): refused and counted.
+    pub num_invalid_frees: u64,
+    /// Frees whose stated size differed from the allocation's (the recorded
+    /// size is used).
+    pub num_size_mismatches: u64,
+
+    /// Segments and bytes given back to the driver, by why (index with
+    /// `Reason as usize`; see `released()`).
+    pub released: [Released; 6],
+    /// Passes of the reclaimer over this device.
+    pub num_reclaims: u64,
+    /// Requests for memory posted to the other processes on the device.
+    pub num_coop_requests: u64,
+    /// Of those, the ones that got the memory before `oom_wait_ms`.
+    pub num_coop_satisfied: u64,
+    /// Other processes' requests this one answered by releasing cache.
+    pub num_coop_served: u64,
+    /// Milliseconds the last satisfied request waited for the memory.
+    pub coop_last_wait_ms: u64,
+    /// Streams of `record_stream` the driver failed to synchronize at free.
+    pub num_stream_sync_errors: u64,
+    /// Requests served, when the device was full, by a block cached for another stream.
+    pub num_cross_stream_reuses: u64,
+}
+
+impl Events {
+    /// Sums `other` into these (the last wait: the longer of the two).
+    fn add(&mut self, other: &Events) {
+        for (a, b) in self.released.iter_mut().zip(other.released) {
+            a.segments += b.segments;
+            a.bytes += b.bytes;
+        }
+        self.num_device_alloc += other.num_device_alloc;
+        self.num_device_free += other.num_device_free;
+        self.num_alloc_retries += other.num_alloc_retries;
+        self.num_ooms += other.num_ooms;
+        self.num_invalid_frees += other.num_invalid_frees;
+        self.num_size_mismatches += other.num_size_mismatches;
+        self.num_reclaims += other.num_reclaims;
+        self.num_coop_requests += other.num_coop_requests;
+        self.num_coop_satisfied += other.num_coop_satisfied;
+        self.num_coop_served += other.num_coop_served;
+        self.coop_last_wait_ms = self.coop_last_wait_ms.max(other.coop_last_wait_ms);
+        self.num_stream_sync_errors += other.num_stream_sync_errors;
+        self.num_cross_stream_reuses += other.num_cross_stream_reuses;
+    }
+}
+
 /// Everything a heap counts, in the form it updates cheaply.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Counters {
@@ -121,28 +180,7 @@ pub(crate) struct Counters {
     pub reserved_bytes: Gauge,
     pub inactive_split_bytes: Gauge,
     pub requested_bytes: Gauge,
-    pub num_device_alloc: u64,
-    pub num_device_free: u64,
-    pub num_alloc_retries: u64,
-    pub num_ooms: u64,
-    pub num_invalid_frees: u64,
-    pub num_size_mismatches: u64,
-    /// Segments and bytes given back, by `Reason` (index).
-    pub released: [Released; 6],
-    /// Passes of the reclaimer over this heap.
-    pub num_reclaims: u64,
-    /// Requests for memory this process posted to the others on the device.
-    pub num_coop_requests: u64,
-    /// Of those, the ones that got the memory before `oom_wait_ms`.
-    pub num_coop_satisfied: u64,
-    /// Other processes' requests this one answered by releasing cache.
-    pub num_coop_served: u64,
-    /// Milliseconds the last satisfied request waited.
-    pub coop_last_wait_ms: u64,
-    /// Streams of `record_stream` the driver failed to synchronize at free.
-    pub num_stream_sync_errors: u64,
-    /// Requests served, when the device was full, by a block cached for another stream.
-    pub num_cross_stream_reuses: u64,
+    pub events: Events,
 }
 
 impl Counters {
@@ -170,17 +208,8 @@ impl Counters {
         for gauge in self.gauges_mut() {
             gauge.reset_accumulated();
         }
-        self.num_device_alloc = 0;
-        self.num_device_free = 0;
-        self.num_alloc_retries = 0;
-        self.num_ooms = 0;
-        self.num_invalid_frees = 0;
-        self.num_size_mismatches = 0;
-        self.released = Default::default();
-        self.num_reclaims = 0;
-        self.num_coop_requests = 0;
-        self.num_coop_satisfied = 0;
-        self.num_coop_served = 0;
+        // `coop_last_wait_ms` is a last value, not an accumulation.
+        self.events = Events { coop_last_wait_ms: self.events.coop_last_wait_ms, ..Events::default() };
     }
 
     /// The public statistics; the cache figures are the caller's to fill.
@@ -201,20 +230,7 @@ impl Counters {
             // Every allocation adds one to `allocation`, every free takes one.
             num_allocs: allocation.all.allocated,
             num_frees: allocation.all.freed,
-            num_device_alloc: self.num_device_alloc,
-            num_device_free: self.num_device_free,
-            num_alloc_retries: self.num_alloc_retries,
-            num_ooms: self.num_ooms,
-            num_invalid_frees: self.num_invalid_frees,
-            num_size_mismatches: self.num_size_mismatches,
-            released: self.released,
-            num_reclaims: self.num_reclaims,
-            num_coop_requests: self.num_coop_requests,
-            num_coop_satisfied: self.num_coop_satisfied,
-            num_coop_served: self.num_coop_served,
-            coop_last_wait_ms: self.coop_last_wait_ms,
-            num_stream_sync_errors: self.num_stream_sync_errors,
-            num_cross_stream_reuses: self.num_cross_stream_reuses,
+            events: self.events,
             cached_free_bytes: 0,
             largest_free_block_bytes: 0,
         }
@@ -246,36 +262,8 @@ pub struct Stats {
 
     pub num_allocs: u64,
     pub num_frees: u64,
-    pub num_device_alloc: u64,
-    pub num_device_free: u64,
-    /// Times a failed growth released cache and tried again.
-    pub num_alloc_retries: u64,
-    /// Requests that failed for lack of memory.
-    pub num_ooms: u64,
-    /// Frees of pointers that were not live allocations (foreign, double,
-    /// interior): refused and counted.
-    pub num_invalid_frees: u64,
-    /// Frees whose stated size differed from the allocation's (the recorded
-    /// size is used).
-    pub num_size_mismatches: u64,
-
-    /// Segments and bytes given back to the driver, by why (index with
-    /// `Reason as usize`; see `released()`).
-    pub released: [Released; 6],
-    /// Passes of the reclaimer over this device.
-    pub num_reclaims: u64,
-    /// Requests for memory posted to the other processes on the device.
-    pub num_coop_requests: u64,
-    /// Of those, the ones that got the memory before `oom_wait_ms`.
-    pub num_coop_satisfied: u64,
-    /// Other processes' requests this one answered by releasing cache.
-    pub num_coop_served: u64,
-    /// Milliseconds the last satisfied request waited for the memory.
-    pub coop_last_wait_ms: u64,
-    /// Streams of `record_stream` the driver failed to synchronize at free.
-    pub num_stream_sync_errors: u64,
-    /// Requests served, when the device was full, by a block cached for another stream.
-    pub num_cross_stream_reuses: u64,
+    /// Everything counted as it happened.
+    pub events: Events,
 
     /// Free bytes cached in all pools (reserved minus allocated).
     pub cached_free_bytes: u64,
@@ -299,25 +287,9 @@ impl Stats {
                     a.freed += b.freed;
                 }
             }
-            for (a, b) in total.released.iter_mut().zip(part.released) {
-                a.segments += b.segments;
-                a.bytes += b.bytes;
-            }
+            total.events.add(&part.events);
             total.num_allocs += part.num_allocs;
             total.num_frees += part.num_frees;
-            total.num_device_alloc += part.num_device_alloc;
-            total.num_device_free += part.num_device_free;
-            total.num_alloc_retries += part.num_alloc_retries;
-            total.num_ooms += part.num_ooms;
-            total.num_invalid_frees += part.num_invalid_frees;
-            total.num_size_mismatches += part.num_size_mismatches;
-            total.num_reclaims += part.num_reclaims;
-            total.num_coop_requests += part.num_coop_requests;
-            total.num_coop_satisfied += part.num_coop_satisfied;
-            total.num_coop_served += part.num_coop_served;
-            total.coop_last_wait_ms = total.coop_last_wait_ms.max(part.coop_last_wait_ms);
-            total.num_stream_sync_errors += part.num_stream_sync_errors;
-            total.num_cross_stream_reuses += part.num_cross_stream_reuses;
             total.cached_free_bytes += part.cached_free_bytes;
             total.largest_free_block_bytes = total.largest_free_block_bytes.max(part.largest_free_block_bytes);
         }
@@ -340,7 +312,7 @@ impl Stats {
 
     /// What was given back for `reason`.
     pub fn released(&self, reason: Reason) -> Released {
-        self.released[reason as usize]
+        self.events.released[reason as usize]
     }
 
     /// External fragmentation of the cache: `1 - largest free block / free
@@ -384,21 +356,21 @@ impl Stats {
             }
         }
         for (key, value) in [
-            ("num_alloc_retries", self.num_alloc_retries),
-            ("num_ooms", self.num_ooms),
-            ("num_device_alloc", self.num_device_alloc),
-            ("num_device_free", self.num_device_free),
+            ("num_alloc_retries", self.events.num_alloc_retries),
+            ("num_ooms", self.events.num_ooms),
+            ("num_device_alloc", self.events.num_device_alloc),
+            ("num_device_free", self.events.num_device_free),
             ("tidepool.num_allocs", self.num_allocs),
             ("tidepool.num_frees", self.num_frees),
-            ("tidepool.num_invalid_frees", self.num_invalid_frees),
-            ("tidepool.num_size_mismatches", self.num_size_mismatches),
+            ("tidepool.num_invalid_frees", self.events.num_invalid_frees),
+            ("tidepool.num_size_mismatches", self.events.num_size_mismatches),
             ("tidepool.cached_free_bytes", self.cached_free_bytes),
             ("tidepool.largest_free_block_bytes", self.largest_free_block_bytes),
-            ("tidepool.num_reclaims", self.num_reclaims),
-            ("tidepool.num_coop_requests", self.num_coop_requests),
-            ("tidepool.num_coop_satisfied", self.num_coop_satisfied),
-            ("tidepool.num_coop_served", self.num_coop_served),
-            ("tidepool.coop_last_wait_ms", self.coop_last_wait_ms),
+            ("tidepool.num_reclaims", self.events.num_reclaims),
+            ("tidepool.num_coop_requests", self.events.num_coop_requests),
+            ("tidepool.num_coop_satisfied", self.events.num_coop_satisfied),
+            ("tidepool.num_coop_served", self.events.num_coop_served),
+            ("tidepool.coop_last_wait_ms", self.events.coop_last_wait_ms),
         ] {
             out.push((key.to_string(), value));
         }
@@ -442,7 +414,7 @@ mod tests {
     fn pytorch_keys_cover_every_gauge_pool_and_field() {
         let mut c = Counters::default();
         c.allocated_bytes.increase(PoolKind::Large, 4096);
-        c.num_ooms = 2;
+        c.events.num_ooms = 2;
         let keys: std::collections::HashMap<_, _> = c.report().to_pytorch_keys().into_iter().collect();
         assert_eq!(keys["allocated_bytes.all.current"], 4096);
         assert_eq!(keys["allocated_bytes.large_pool.peak"], 4096);
@@ -460,8 +432,12 @@ mod tests {
         c.reset_peaks();
         let r = c.report().reserved_bytes;
         assert_eq!((r.all.peak, r.all.current, r.small_pool.peak), (2, 2, 2));
+        c.events.num_cross_stream_reuses = 3;
+        c.events.coop_last_wait_ms = 40;
         c.reset_accumulated();
         let r = c.report().reserved_bytes;
         assert_eq!((r.all.allocated, r.all.current), (0, 2));
+        let e = c.report().events;
+        assert_eq!((e.num_cross_stream_reuses, e.coop_last_wait_ms), (0, 40), "counts reset, the last wait stays");
     }
 }

@@ -334,7 +334,7 @@ fn child_borrowing() {
         (sim.stream_synchronize)(one);
         (sim.stream_synchronize)(two);
     }
-    assert_eq!(alloc.stats(0).unwrap().num_cross_stream_reuses, 1);
+    assert_eq!(alloc.stats(0).unwrap().events.num_cross_stream_reuses, 1);
     // SAFETY: reads simgpu's counter.
     println!("violations: {}", unsafe { (sim.violations)() });
 }

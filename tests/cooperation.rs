@@ -50,7 +50,7 @@ fn process_a_holds_idle_cache() {
     alloc.free(0, block).unwrap();
     std::fs::write(dir.join("ready"), b"").unwrap();
     assert!(wait_for(&dir.join("done"), Duration::from_secs(20)));
-    let served = alloc.stats(0).unwrap().num_coop_served;
+    let served = alloc.stats(0).unwrap().events.num_coop_served;
     std::fs::write(dir.join("served"), served.to_string()).unwrap();
 }
 
@@ -150,16 +150,16 @@ fn a_process_about_to_fail_gets_the_idle_cache_of_another() {
     let (result, waited, served, stats) = scenario(true);
     assert!(result.is_ok(), "with cooperation: {result:?}");
     assert!(waited < Duration::from_secs(1), "waited {waited:?}");
-    assert_eq!((stats.num_coop_requests, stats.num_coop_satisfied), (1, 1));
+    assert_eq!((stats.events.num_coop_requests, stats.events.num_coop_satisfied), (1, 1));
     assert_eq!(served, 1, "process A answered one request");
-    eprintln!("request to memory: {waited:?} (B's count: {} ms)", stats.coop_last_wait_ms);
+    eprintln!("request to memory: {waited:?} (B's count: {} ms)", stats.events.coop_last_wait_ms);
 }
 
 #[test]
 fn without_cooperation_the_same_request_fails() {
     let (result, _, served, stats) = scenario(false);
     assert!(matches!(result, Err(AllocError::OutOfMemory(_))), "{result:?}");
-    assert_eq!((stats.num_coop_requests, served), (0, 0));
+    assert_eq!((stats.events.num_coop_requests, served), (0, 0));
     assert_eq!(stats.released(Reason::Cooperation).bytes, 0);
 }
 

@@ -19,7 +19,7 @@ fn small_requests_are_rounded_to_512_bytes_and_carved_from_one_2_mib_segment() {
     assert_eq!(s.reserved_bytes.small_pool.current, 2 * MIB);
     assert_eq!(s.allocated_bytes.all.current, 1024 + 512);
     assert_eq!(s.requested_bytes.all.current, 1001);
-    assert_eq!(s.num_device_alloc, 1);
+    assert_eq!(s.events.num_device_alloc, 1);
     assert_eq!(s.inactive_split_bytes.all.current, 2 * MIB - 1536);
     alloc.validate().unwrap();
 }
@@ -46,7 +46,7 @@ fn blocks_freed_on_one_stream_are_not_reused_by_another_stream() {
     alloc.free(0, a).unwrap();
     let b = alloc.allocate(0, 4096, Stream(8)).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(s.num_device_alloc, 2, "stream 8 must not take stream 7's cached segment");
+    assert_eq!(s.events.num_device_alloc, 2, "stream 8 must not take stream 7's cached segment");
     assert_ne!(alloc.segment_of(0, a).unwrap(), alloc.segment_of(0, b).unwrap());
     let c = alloc.allocate(0, 4096, Stream(7)).unwrap();
     assert_eq!(c, a, "stream 7 reuses its own block");
@@ -127,7 +127,7 @@ fn a_refused_growth_releases_the_cache_and_retries_once() {
     // 50 MiB does not fit next to the cached 40 MiB segment: release it, retry.
     let b = alloc.allocate(0, (50 * MIB) as usize, S0).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!((s.num_alloc_retries, s.num_ooms, s.num_device_free), (1, 0, 1));
+    assert_eq!((s.events.num_alloc_retries, s.events.num_ooms, s.events.num_device_free), (1, 0, 1));
     assert_eq!(s.reserved_bytes.all.current, 50 * MIB);
     assert_eq!(backend.mem_info(0).unwrap().free, 14 * MIB);
     alloc.free(0, b).unwrap();
@@ -149,7 +149,7 @@ fn out_of_memory_reports_the_figures_and_leaks_nothing() {
     let text = err.to_string();
     assert!(text.contains("out of memory") && text.contains("batch size"), "{text}");
     let after = alloc.stats(0).unwrap();
-    assert_eq!(after.num_ooms, 1);
+    assert_eq!(after.events.num_ooms, 1);
     assert_eq!(after.reserved_bytes.all.current, before.reserved_bytes.all.current);
     assert_eq!(backend.mem_info(0).unwrap().free, 32 * MIB);
     alloc.free(0, live).unwrap();
@@ -174,7 +174,7 @@ fn an_injected_refusal_is_absorbed_by_the_retry() {
     let (alloc, backend) = host_allocator(1, 1 << 30, "");
     backend.faults().fail_nth_allocate(1);
     alloc.allocate(0, 4096, S0).unwrap();
-    assert_eq!(alloc.stats(0).unwrap().num_alloc_retries, 1);
+    assert_eq!(alloc.stats(0).unwrap().events.num_alloc_retries, 1);
     alloc.validate().unwrap();
 }
 
@@ -187,7 +187,7 @@ fn a_driver_error_is_returned_with_its_call_and_changes_nothing() {
     assert!(matches!(err, AllocError::Backend(_)), "{err:?}");
     assert!(err.to_string().contains("mmap failed"), "{err}");
     let s = alloc.stats(0).unwrap();
-    assert_eq!((s.reserved_bytes.all.current, s.num_allocs, s.num_ooms), (0, 0, 0));
+    assert_eq!((s.reserved_bytes.all.current, s.num_allocs, s.events.num_ooms), (0, 0, 0));
     alloc.validate().unwrap();
 }
 
@@ -225,7 +225,7 @@ fn freeing_a_foreign_pointer_is_an_error_that_changes_nothing() {
     let err = alloc.free(0, DevicePtr(0xdead_0000)).unwrap_err();
     assert_eq!(err, AllocError::InvalidFree { ptr: 0xdead_0000, reason: InvalidFree::Foreign });
     let after = alloc.stats(0).unwrap();
-    assert_eq!(after.num_invalid_frees, 1);
+    assert_eq!(after.events.num_invalid_frees, 1);
     assert_eq!(after.allocated_bytes, before.allocated_bytes);
     alloc.free(0, a).unwrap();
     alloc.validate().unwrap();
@@ -242,7 +242,7 @@ fn a_double_free_is_an_error_that_changes_nothing() {
     assert_eq!(err, AllocError::InvalidFree { ptr: a.0, reason: InvalidFree::NotLive });
     assert!(err.to_string().contains("double free"));
     let after = alloc.stats(0).unwrap();
-    assert_eq!(after.num_invalid_frees, 1);
+    assert_eq!(after.events.num_invalid_frees, 1);
     assert_eq!((after.num_frees, after.allocated_bytes), (before.num_frees, before.allocated_bytes));
     alloc.free(0, keep).unwrap();
     alloc.validate().unwrap();
@@ -300,7 +300,7 @@ fn a_wrong_size_at_free_is_counted_and_the_recorded_size_used() {
     let a = alloc.allocate(0, 3000, S0).unwrap();
     assert_eq!(alloc.free_sized(0, a, 12, S0).unwrap(), 3000);
     let s = alloc.stats(0).unwrap();
-    assert_eq!((s.num_size_mismatches, s.allocated_bytes.all.current), (1, 0));
+    assert_eq!((s.events.num_size_mismatches, s.allocated_bytes.all.current), (1, 0));
 }
 
 #[test]
@@ -323,7 +323,7 @@ fn a_memory_fraction_caps_what_the_heap_reserves() {
     // 40 MiB cached + 46 MiB would pass the 50 MiB cap: the cache goes first.
     let b = alloc.allocate(0, (45 * MIB) as usize, S0).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!((s.reserved_bytes.all.current, s.num_alloc_retries), (46 * MIB, 1));
+    assert_eq!((s.reserved_bytes.all.current, s.events.num_alloc_retries), (46 * MIB, 1));
     // Live memory itself over the cap: out of memory, and the report says why.
     let err = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap_err();
     let AllocError::OutOfMemory(report) = &err else { panic!("{err:?}") };
@@ -391,7 +391,7 @@ fn a_full_device_lends_another_streams_cached_block_instead_of_failing() {
     let b = alloc.allocate(0, (30 * MIB) as usize, Stream(2)).unwrap();
     assert_eq!(b, a, "carved from stream 1's cached segment");
     let s = alloc.stats(0).unwrap();
-    assert_eq!((s.num_cross_stream_reuses, s.num_device_alloc, s.num_device_free), (1, 1, 0));
+    assert_eq!((s.events.num_cross_stream_reuses, s.events.num_device_alloc, s.events.num_device_free), (1, 1, 0));
     alloc.free(0, b).unwrap();
     // Back in stream 1's pool, whole again.
     assert_eq!(alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap(), a);
@@ -406,5 +406,5 @@ fn lending_across_streams_can_be_turned_off() {
     // No lending: stream 1's cache is released and stream 2 grows instead.
     alloc.allocate(0, (30 * MIB) as usize, Stream(2)).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!((s.num_cross_stream_reuses, s.num_device_free, s.num_alloc_retries), (0, 1, 1));
+    assert_eq!((s.events.num_cross_stream_reuses, s.events.num_device_free, s.events.num_alloc_retries), (0, 1, 1));
 }

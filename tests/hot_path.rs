@@ -86,7 +86,7 @@ fn a_stashed_block_is_merged_before_a_request_of_another_size() {
     // segment: it must come from the same place, not a new segment.
     let b = alloc.allocate(0, 8192, Stream::DEFAULT).unwrap();
     assert_eq!(b, a);
-    assert_eq!(alloc.stats(0).unwrap().num_device_alloc, 1);
+    assert_eq!(alloc.stats(0).unwrap().events.num_device_alloc, 1);
     alloc.validate().unwrap();
 }
 

@@ -104,7 +104,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         prop_assert_eq!(stats.allocated_bytes.all.current, live.values().map(|l| l.block).sum::<u64>());
         prop_assert_eq!(stats.requested_bytes.all.current, live.values().map(|l| l.requested).sum::<u64>());
         prop_assert_eq!(stats.allocation.all.current, live.len() as u64);
-        prop_assert_eq!(stats.num_invalid_frees, invalid_frees);
+        prop_assert_eq!(stats.events.num_invalid_frees, invalid_frees);
         prop_assert!(stats.reserved_bytes.all.current <= CAPACITY);
     }
     for (addr, entry) in std::mem::take(&mut live) {

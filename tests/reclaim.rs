@@ -46,7 +46,7 @@ fn idle_segments_go_back_after_release_after_ms() {
     assert!(eventually(Duration::from_secs(5), || reserved(&alloc) == 2 * MIB), "reserved {}", reserved(&alloc));
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.released(Reason::IdleDecay).bytes, cached - 2 * MIB);
-    assert!(s.num_reclaims > 0);
+    assert!(s.events.num_reclaims > 0);
     alloc.free(0, keep).unwrap();
     alloc.validate().unwrap();
 }
@@ -62,15 +62,15 @@ fn a_steady_loop_is_never_churned() {
         }
     };
     step(&alloc);
-    let warm = alloc.stats(0).unwrap().num_device_alloc;
+    let warm = alloc.stats(0).unwrap().events.num_device_alloc;
     let start = Instant::now();
     while start.elapsed() < Duration::from_millis(800) {
         step(&alloc);
         std::thread::sleep(Duration::from_millis(30));
     }
     let s = alloc.stats(0).unwrap();
-    assert_eq!(s.num_device_alloc - warm, 0, "device allocations per step after warm-up");
-    assert_eq!(s.num_device_free, 0);
+    assert_eq!(s.events.num_device_alloc - warm, 0, "device allocations per step after warm-up");
+    assert_eq!(s.events.num_device_free, 0);
 }
 
 #[test]

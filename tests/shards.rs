@@ -39,7 +39,7 @@ fn a_full_device_takes_the_cache_of_the_other_shards() {
     alloc.free(0, a).unwrap();
     let b = alloc.allocate(0, (40 * MIB) as usize, Stream(2)).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!((s.reserved_bytes.all.current, s.num_ooms, s.num_device_free), (40 * MIB, 0, 1));
+    assert_eq!((s.reserved_bytes.all.current, s.events.num_ooms, s.events.num_device_free), (40 * MIB, 0, 1));
     alloc.free(0, b).unwrap();
     alloc.validate().unwrap();
 }

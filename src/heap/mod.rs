@@ -308,7 +308,7 @@ impl DeviceHeap {
                     return Ok(block);
                 }
                 self.release_free_segments(Reason::OutOfMemory, |_, _| true);
-                self.stats.num_alloc_retries += 1;
+                self.stats.events.num_alloc_retries += 1;
                 let retried = match self.new_segment(segment_size, stream) {
                     Err(BackendError::OutOfMemory) => self.ask_others(segment_size, stream),
                     other => other,
@@ -316,7 +316,7 @@ impl DeviceHeap {
                 match retried {
                     Ok(base) => base,
                     Err(BackendError::OutOfMemory) => {
-                        self.stats.num_ooms += 1;
+                        self.stats.events.num_ooms += 1;
                         self.record(Action::AllocateFailure, 0, size, stream);
                         return Err(AllocError::OutOfMemory(Box::new(self.oom_report(size))));
                     }
@@ -338,7 +338,7 @@ impl DeviceHeap {
         self.segment_by_base.insert(base, segment_id);
         self.stats.segment.increase(kind, 1);
         self.stats.reserved_bytes.increase(kind, segment_size);
-        self.stats.num_device_alloc += 1;
+        self.stats.events.num_device_alloc += 1;
         Ok(block)
     }
 
@@ -391,12 +391,12 @@ impl DeviceHeap {
     pub fn free(&mut self, ptr: u64) -> Result<Freed, AllocError> {
         let found = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
         let Some(id) = found else {
-            self.stats.num_invalid_frees += 1;
+            self.stats.events.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
         if !self.recorded_streams.is_empty() || !self.pending.is_empty() {
             if self.pending.iter().any(|(p, _)| *p == ptr) {
-                self.stats.num_invalid_frees += 1;
+                self.stats.events.num_invalid_frees += 1;
                 return Err(AllocError::InvalidFree { ptr, reason: InvalidFree::NotLive });
             }
             if let Some(streams) = self.recorded_streams.remove(&ptr) {
@@ -579,12 +579,12 @@ impl DeviceHeap {
     /// Uncounts the last out-of-memory: the allocator served the request
     /// after all, with memory other heaps of the device gave back.
     pub fn retract_oom(&mut self) {
-        self.stats.num_ooms = self.stats.num_ooms.saturating_sub(1);
+        self.stats.events.num_ooms = self.stats.events.num_ooms.saturating_sub(1);
     }
 
     /// Counts a free whose stated size differed from the block's.
     pub fn count_size_mismatch(&mut self) {
-        self.stats.num_size_mismatches += 1;
+        self.stats.events.num_size_mismatches += 1;
     }
 
     /// The statistics, with the cache figures computed now (stashed

@@ -30,14 +30,14 @@ impl DeviceHeap {
         if registry.request(size).is_err() {
             return Err(BackendError::OutOfMemory);
         }
-        self.stats.num_coop_requests += 1;
+        self.stats.events.num_coop_requests += 1;
         let start = Instant::now();
         let result = loop {
             std::thread::sleep(Duration::from_millis(5));
             match self.new_segment(size, stream) {
                 Ok(base) => {
-                    self.stats.num_coop_satisfied += 1;
-                    self.stats.coop_last_wait_ms = start.elapsed().as_millis() as u64;
+                    self.stats.events.num_coop_satisfied += 1;
+                    self.stats.events.coop_last_wait_ms = start.elapsed().as_millis() as u64;
                     break Ok(base);
                 }
                 Err(BackendError::OutOfMemory) if start.elapsed() < self.oom_wait => continue,
@@ -108,7 +108,7 @@ impl DeviceHeap {
     /// publishes to the other processes on the device and, if any of them
     /// asks for memory, gives back every idle cached segment.
     pub fn reclaim(&mut self) -> Released {
-        self.stats.num_reclaims += 1;
+        self.stats.events.num_reclaims += 1;
         self.process_pending(false);
         let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
         let mut released = self.apply(&policy);
@@ -120,7 +120,7 @@ impl DeviceHeap {
                 allocated: stats.allocated_bytes.all.current,
                 cached_free: stats.cached_free_bytes,
                 fragmentation_milli: (stats.external_fragmentation() * 1000.0) as u64,
-                requests_served: stats.num_coop_served,
+                requests_served: stats.events.num_coop_served,
                 released: Reason::ALL.map(|r| stats.released(r).bytes),
                 ..Entry::default()
             };
@@ -128,7 +128,7 @@ impl DeviceHeap {
             if asked > 0 {
                 let answer = self.release_free_segments(Reason::Cooperation, |_, _| true);
                 if answer.segments > 0 {
-                    self.stats.num_coop_served += 1;
+                    self.stats.events.num_coop_served += 1;
                 }
                 released.segments += answer.segments;
                 released.bytes += answer.bytes;
@@ -193,11 +193,11 @@ impl DeviceHeap {
             self.stats.segment.decrease(kind, 1);
             self.stats.reserved_bytes.decrease(kind, size);
             self.device_reserved.fetch_sub(size, Ordering::SeqCst);
-            self.stats.num_device_free += 1;
+            self.stats.events.num_device_free += 1;
             released.segments += 1;
             released.bytes += size;
         }
-        let by_reason = &mut self.stats.released[reason as usize];
+        let by_reason = &mut self.stats.events.released[reason as usize];
         by_reason.segments += released.segments;
         by_reason.bytes += released.bytes;
         released

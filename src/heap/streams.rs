@@ -36,7 +36,7 @@ impl DeviceHeap {
             Err(_) => return None,
         }
         self.remove_free(best);
-        self.stats.num_cross_stream_reuses += 1;
+        self.stats.events.num_cross_stream_reuses += 1;
         Some(best)
     }
 
@@ -55,7 +55,7 @@ impl DeviceHeap {
                 // No event: wait for the stream here instead.
                 Err(_) => {
                     if self.backend.synchronize_stream(self.device, stream).is_err() {
-                        self.stats.num_stream_sync_errors += 1;
+                        self.stats.events.num_stream_sync_errors += 1;
                     }
                 }
             }

@@ -197,8 +197,8 @@ pub fn replay_with_progress(
         report.peak_requested_bytes += s.requested_bytes.all.peak;
         report.peak_allocated_bytes += s.allocated_bytes.all.peak;
         report.peak_reserved_bytes += s.reserved_bytes.all.peak;
-        report.device_allocs += s.num_device_alloc;
-        report.device_frees += s.num_device_free;
+        report.device_allocs += s.events.num_device_alloc;
+        report.device_frees += s.events.num_device_free;
         report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
     }
     alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;

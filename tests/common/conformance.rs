@@ -49,7 +49,7 @@ fn the_device_fills_up_then_the_cache_makes_room(alloc: &Allocator, capacity: u6
     // The cached half does not fit beside another half: released, retried.
     let b = alloc.allocate(0, (half + 4 * MIB) as usize, Stream::DEFAULT).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!((s.num_alloc_retries, s.num_device_free), (1, 1));
+    assert_eq!((s.events.num_alloc_retries, s.events.num_device_free), (1, 1));
     // More than the device: a clear out-of-memory, nothing leaked.
     let err = alloc.allocate(0, capacity as usize, Stream::DEFAULT).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
