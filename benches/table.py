@@ -23,7 +23,10 @@ def fmt(ns):
 
 
 def ratio(a, b):
-    return "n/a" if a is None or b is None else f"{a / b:.2f}x"
+    if a is None or b is None:
+        return "n/a"
+    # Two decimals, or two significant digits for ratios far below one.
+    return f"{a / b:.2f}x" if a / b >= 0.1 else f"{a / b:.2g}x"
 
 
 print("| size | tidepool, 1k live | tidepool, 100k live | glibc malloc+free | host mmap+munmap "
