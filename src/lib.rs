@@ -327,9 +327,7 @@ impl Allocator {
     pub fn empty_cache(&self) -> Released {
         let mut total = Released::default();
         for heap in self.heaps().unwrap_or(&[]) {
-            let released = heap.lock().release_free_segments(reclaim::policy::Reason::EmptyCache, |_, _| true);
-            total.segments += released.segments;
-            total.bytes += released.bytes;
+            total += heap.lock().release_free_segments(reclaim::policy::Reason::EmptyCache, |_, _| true);
         }
         total
     }

@@ -150,9 +150,8 @@ pub struct Events {
 impl Events {
     /// Sums `other` into these (the last wait: the longer of the two).
     fn add(&mut self, other: &Events) {
-        for (a, b) in self.released.iter_mut().zip(other.released) {
-            a.segments += b.segments;
-            a.bytes += b.bytes;
+        for (into, from) in self.released.iter_mut().zip(other.released) {
+            *into += from;
         }
         self.num_device_alloc += other.num_device_alloc;
         self.num_device_free += other.num_device_free;

@@ -78,6 +78,13 @@ pub struct Released {
     pub bytes: u64,
 }
 
+impl std::ops::AddAssign for Released {
+    fn add_assign(&mut self, other: Released) {
+        self.segments += other.segments;
+        self.bytes += other.bytes;
+    }
+}
+
 /// The three byte counts a replay follows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Totals {

@@ -130,8 +130,7 @@ impl DeviceHeap {
                 if answer.segments > 0 {
                     self.stats.events.num_coop_served += 1;
                 }
-                released.segments += answer.segments;
-                released.bytes += answer.bytes;
+                released += answer;
             }
         }
         released
@@ -160,8 +159,7 @@ impl DeviceHeap {
             let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
             if !ids.is_empty() {
                 let released = self.release_free_segments(reason, |id, _| ids.contains(&id));
-                total.segments += released.segments;
-                total.bytes += released.bytes;
+                total += released;
             }
         }
         total
@@ -197,9 +195,7 @@ impl DeviceHeap {
             released.segments += 1;
             released.bytes += size;
         }
-        let by_reason = &mut self.stats.events.released[reason as usize];
-        by_reason.segments += released.segments;
-        by_reason.bytes += released.bytes;
+        self.stats.events.released[reason as usize] += released;
         released
     }
 }
