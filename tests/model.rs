@@ -1,8 +1,10 @@
 //! A state machine test against a reference model: random sequences of
-//! allocations, frees, cache releases, injected growth failures and bad
-//! frees over several streams. After every step the heap validates, live
-//! ranges never overlap, patterns written into blocks are intact, and the
-//! statistics equal the model's.
+//! allocations, frees, cache releases, injected growth and release failures
+//! (the first or the second driver call of a request) and bad frees over
+//! several streams, with whole segments and with expandable segments.
+//! After every step the heap validates, live ranges never overlap, patterns
+//! written into blocks are intact, and the statistics equal the model's; at
+//! the end everything goes back to the driver.
 
 mod common;
 
@@ -18,6 +20,8 @@ enum Op {
     Free { pick: usize },
     EmptyCache,
     FailNextGrowth,
+    FailSecondGrowth,
+    FailNextRelease,
     FreeForeign,
     DoubleFree { pick: usize },
 }
@@ -37,6 +41,8 @@ fn op() -> impl Strategy<Value = Op> {
         7 => any::<usize>().prop_map(|pick| Op::Free { pick }),
         1 => Just(Op::EmptyCache),
         1 => Just(Op::FailNextGrowth),
+        1 => Just(Op::FailSecondGrowth),
+        1 => Just(Op::FailNextRelease),
         1 => Just(Op::FreeForeign),
         1 => any::<usize>().prop_map(|pick| Op::DoubleFree { pick }),
     ]
@@ -50,8 +56,12 @@ struct Live {
 
 const CAPACITY: u64 = 160 * MIB;
 
-fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let (alloc, backend) = host_allocator(1, CAPACITY, "");
+fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
+    let (alloc, backend) = host_allocator(1, CAPACITY, conf);
+    prop_assert_eq!(
+        alloc.with_heap(0, |h| h.is_expandable()).unwrap(),
+        conf.contains("expandable:true")
+    );
     let mut live: BTreeMap<u64, Live> = BTreeMap::new();
     let mut freed: Vec<u64> = Vec::new();
     let mut invalid_frees = 0;
@@ -60,16 +70,29 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Alloc { stream, size } => match alloc.allocate(0, size as usize, Stream(stream)) {
                 Ok(ptr) => {
                     prop_assert!(!ptr.is_null() && ptr.0 % 512 == 0);
-                    let block = alloc.with_heap(0, |h| h.live_size(ptr.0)).unwrap().expect("returned block is live");
+                    let block = alloc
+                        .with_heap(0, |h| h.live_size(ptr.0))
+                        .unwrap()
+                        .expect("returned block is live");
                     prop_assert!(block >= size);
                     if let Some((&addr, prev)) = live.range(..ptr.0).next_back() {
-                        prop_assert!(addr + prev.block <= ptr.0, "overlaps the block at {addr:#x}");
+                        prop_assert!(
+                            addr + prev.block <= ptr.0,
+                            "overlaps the block at {addr:#x}"
+                        );
                     }
                     if let Some((&addr, _)) = live.range(ptr.0..).next() {
                         prop_assert!(ptr.0 + block <= addr, "overlaps the block at {addr:#x}");
                     }
                     fill(ptr, size, step as u64);
-                    live.insert(ptr.0, Live { block, requested: size, tag: step as u64 });
+                    live.insert(
+                        ptr.0,
+                        Live {
+                            block,
+                            requested: size,
+                            tag: step as u64,
+                        },
+                    );
                 }
                 Err(AllocError::OutOfMemory(report)) => prop_assert_eq!(report.requested, size),
                 Err(other) => prop_assert!(false, "unexpected error {other:?}"),
@@ -77,7 +100,12 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Free { pick } if !live.is_empty() => {
                 let addr = *live.keys().nth(pick % live.len()).unwrap();
                 let entry = live.remove(&addr).unwrap();
-                prop_assert_eq!(check(DevicePtr(addr), entry.requested, entry.tag), Ok(()), "pattern of {:#x} damaged", addr);
+                prop_assert_eq!(
+                    check(DevicePtr(addr), entry.requested, entry.tag),
+                    Ok(()),
+                    "pattern of {:#x} damaged",
+                    addr
+                );
                 alloc.free(0, DevicePtr(addr)).unwrap();
                 freed.push(addr);
             }
@@ -86,6 +114,8 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 alloc.empty_cache();
             }
             Op::FailNextGrowth => backend.faults().fail_nth_allocate(1),
+            Op::FailSecondGrowth => backend.faults().fail_nth_allocate(2),
+            Op::FailNextRelease => backend.faults().fail_nth_release(1),
             Op::FreeForeign => {
                 prop_assert!(alloc.free(0, DevicePtr(0x1000)).is_err());
                 invalid_frees += 1;
@@ -101,20 +131,39 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         }
         alloc.validate().map_err(TestCaseError::fail)?;
         let stats = alloc.stats(0).unwrap();
-        prop_assert_eq!(stats.allocated_bytes.all.current, live.values().map(|l| l.block).sum::<u64>());
-        prop_assert_eq!(stats.requested_bytes.all.current, live.values().map(|l| l.requested).sum::<u64>());
+        prop_assert_eq!(
+            stats.allocated_bytes.all.current,
+            live.values().map(|l| l.block).sum::<u64>()
+        );
+        prop_assert_eq!(
+            stats.requested_bytes.all.current,
+            live.values().map(|l| l.requested).sum::<u64>()
+        );
         prop_assert_eq!(stats.allocation.all.current, live.len() as u64);
         prop_assert_eq!(stats.events.num_invalid_frees, invalid_frees);
         prop_assert!(stats.reserved_bytes.all.current <= CAPACITY);
     }
+    backend.faults().fail_nth_allocate(0);
+    backend.faults().fail_nth_release(0);
     for (addr, entry) in std::mem::take(&mut live) {
         prop_assert_eq!(check(DevicePtr(addr), entry.requested, entry.tag), Ok(()));
         alloc.free(0, DevicePtr(addr)).unwrap();
     }
     alloc.empty_cache();
     alloc.validate().map_err(TestCaseError::fail)?;
-    prop_assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
-    prop_assert_eq!(tidepool::backend::Backend::mem_info(&*backend, 0).unwrap().free, CAPACITY);
+    let stats = alloc.stats(0).unwrap();
+    prop_assert_eq!(stats.reserved_bytes.all.current, 0);
+    prop_assert_eq!(
+        stats.segment.all.current,
+        0,
+        "address space reserved for nothing"
+    );
+    prop_assert_eq!(
+        tidepool::backend::Backend::mem_info(&*backend, 0)
+            .unwrap()
+            .free,
+        CAPACITY
+    );
     Ok(())
 }
 
@@ -123,6 +172,11 @@ proptest! {
 
     #[test]
     fn the_heap_agrees_with_a_model_of_live_ranges(ops in prop::collection::vec(op(), 1..80)) {
-        run(ops)?;
+        run(ops, "")?;
+    }
+
+    #[test]
+    fn expandable_segments_agree_with_the_model(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops, "expandable:true")?;
     }
 }

@@ -3,6 +3,10 @@
 //! A backend hands out and takes back whole segments of device memory and
 //! reports how much memory the device has. It knows nothing of blocks,
 //! pools or streams beyond passing the stream of a request through.
+//!
+//! Backends that support virtual memory also reserve address ranges and map
+//! physical pages into them one run of pages at a time (the `vm_*` calls):
+//! the expandable segments of `heap/expandable.rs`.
 
 pub mod cuda;
 pub mod host;
@@ -25,14 +29,22 @@ pub enum BackendError {
     /// The device has no room for the segment; the engine releases cache and retries.
     OutOfMemory,
     /// Any other failure, naming the call that failed and the driver's code.
-    Driver { call: &'static str, code: i64, message: String },
+    Driver {
+        call: &'static str,
+        code: i64,
+        message: String,
+    },
 }
 
 impl fmt::Display for BackendError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             BackendError::OutOfMemory => write!(f, "the device is out of memory"),
-            BackendError::Driver { call, code, message } => write!(f, "{call} failed with code {code}: {message}"),
+            BackendError::Driver {
+                call,
+                code,
+                message,
+            } => write!(f, "{call} failed with code {code}: {message}"),
         }
     }
 }
@@ -49,7 +61,13 @@ pub trait Backend: Send + Sync {
     fn allocate(&self, device: usize, size: u64, stream: Stream) -> Result<u64, BackendError>;
     /// Returns a segment obtained from `allocate` with the same size; its
     /// last use was on `stream` (a stream-ordered driver frees it there).
-    fn release(&self, device: usize, base: u64, size: u64, stream: Stream) -> Result<(), BackendError>;
+    fn release(
+        &self,
+        device: usize,
+        base: u64,
+        size: u64,
+        stream: Stream,
+    ) -> Result<(), BackendError>;
     /// Free and total memory of `device`.
     fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError>;
     /// A name for `device` that every process sharing it agrees on (a GPU's
@@ -77,12 +95,55 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// The page size of virtual memory on `device`, or None when the
+    /// backend cannot map pages (expandable segments then stay off).
+    fn vm_page_size(&self, _device: usize) -> Option<u64> {
+        None
+    }
+
+    /// Reserves `size` bytes of address space (a multiple of the page size)
+    /// on `device`, backed by nothing. Returns its base, page-aligned.
+    fn vm_reserve(&self, _device: usize, _size: u64) -> Result<u64, BackendError> {
+        Err(vm_unsupported("vm_reserve"))
+    }
+
+    /// Gives back a range from `vm_reserve`, with no page of it mapped.
+    fn vm_free(&self, _device: usize, _base: u64, _size: u64) -> Result<(), BackendError> {
+        Err(vm_unsupported("vm_free"))
+    }
+
+    /// Backs `[addr, addr + len)` of a reserved range (page-aligned, all
+    /// unmapped) with new physical memory, readable and writable by the
+    /// device. All or nothing: on failure nothing of the run stays mapped.
+    fn vm_map(&self, _device: usize, _addr: u64, _len: u64) -> Result<(), BackendError> {
+        Err(vm_unsupported("vm_map"))
+    }
+
+    /// Unmaps `[addr, addr + len)` (pages mapped by `vm_map`, whose last use
+    /// on the device has completed) and frees their physical memory.
+    fn vm_unmap(&self, _device: usize, _addr: u64, _len: u64) -> Result<(), BackendError> {
+        Err(vm_unsupported("vm_unmap"))
+    }
+
     /// Returns a completed event to the pool.
     fn recycle_event(&self, _device: usize, _event: u64) {}
 
     /// Makes future work on `stream` wait for the work before `event`,
     /// without waiting on the host.
-    fn stream_wait_event(&self, _device: usize, _stream: Stream, _event: u64) -> Result<(), BackendError> {
+    fn stream_wait_event(
+        &self,
+        _device: usize,
+        _stream: Stream,
+        _event: u64,
+    ) -> Result<(), BackendError> {
         Ok(())
+    }
+}
+
+fn vm_unsupported(call: &'static str) -> BackendError {
+    BackendError::Driver {
+        call,
+        code: 801,
+        message: "this backend has no virtual memory management".into(),
     }
 }

@@ -18,14 +18,15 @@ const USAGE: &str = "\
 tidepool: a CUDA caching allocator that gives memory back
 
 usage:
-  tidepool replay FILE... [--capacity SIZE] [--conf KEY:VAL,...] [--policy tidepool|pytorch|both]
-                          [--json] [--plot OUT.svg]
+  tidepool replay FILE... [--capacity SIZE] [--conf KEY:VAL,...] [--policy LIST] [--json]
+                          [--plot OUT.svg]
       replay allocation traces (RMM logging CSV, PyTorch memory snapshot pickles) and report
       peak requested, allocated and reserved memory, driver calls, OOMs and fragmentation;
-      --capacity limits each device (default: unlimited), --policy both (the default) puts
-      tidepool and the model of PyTorch's allocator side by side
+      --capacity limits each device (default: unlimited); --policy picks from pytorch (the
+      model of PyTorch's allocator), tidepool and expandable (tidepool with expandable:true),
+      comma-separated; all three by default
   tidepool plan FILE [--conf KEY:VAL,...] [--json]
-      the smallest device the trace fits, with tidepool and with PyTorch's allocator
+      the smallest device the trace fits, with PyTorch's allocator and with tidepool
   tidepool top [--once] [--json]
       the tidepool processes sharing devices on this machine, refreshed every second
       (--once: one table; --json: one JSON object)
@@ -80,13 +81,17 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
         files: Vec::new(),
         capacity: 1 << 50,
         conf: String::new(),
-        policies: vec![Policy::Tidepool, Policy::Pytorch],
+        policies: Policy::ALL.to_vec(),
         json: false,
         plot: None,
     };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
-        let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value"));
+        let mut value = |name: &str| {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
         if arg.starts_with("--") && !allow.contains(&arg.as_str()) {
             return Err(format!("unknown option {arg}\n\n{USAGE}"));
         }
@@ -94,12 +99,7 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
             "--capacity" => options.capacity = parse_size(&value("--capacity")?)?,
             "--conf" => options.conf = value("--conf")?,
             "--policy" => {
-                options.policies = match value("--policy")?.as_str() {
-                    "tidepool" => vec![Policy::Tidepool],
-                    "pytorch" => vec![Policy::Pytorch],
-                    "both" => vec![Policy::Tidepool, Policy::Pytorch],
-                    other => return Err(format!("--policy: expected tidepool, pytorch or both, got {other:?}")),
-                }
+                options.policies = parse_policies(&value("--policy")?)?;
             }
             "--json" => options.json = true,
             "--plot" => options.plot = Some(PathBuf::from(value("--plot")?)),
@@ -109,14 +109,42 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
     if options.files.is_empty() {
         return Err(format!("no trace file given\n\n{USAGE}"));
     }
-    Config::builder().conf(&options.conf).map_err(|e| format!("--conf: {e}"))?;
+    Config::builder()
+        .conf(&options.conf)
+        .map_err(|e| format!("--conf: {e}"))?;
     Ok(options)
+}
+
+/// "pytorch,expandable" -> the policies, in the order given.
+fn parse_policies(text: &str) -> Result<Vec<Policy>, String> {
+    let mut policies = Vec::new();
+    for name in text.split(',') {
+        let policy = match name.trim() {
+            "all" => {
+                policies.extend(Policy::ALL);
+                continue;
+            }
+            // Earlier releases' name for tidepool and pytorch.
+            "both" => {
+                policies.extend([Policy::Tidepool, Policy::Pytorch]);
+                continue;
+            }
+            other => Policy::ALL.into_iter().find(|p| p.name() == other),
+        };
+        policies.push(policy.ok_or_else(|| {
+            format!("--policy: expected pytorch, tidepool, expandable or all, got {name:?}")
+        })?);
+    }
+    policies.dedup();
+    Ok(policies)
 }
 
 /// "24GiB", "512M", "1073741824" -> bytes.
 fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
-    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
     let number: f64 = number.parse().map_err(|_| format!("bad size {text:?}"))?;
     let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
@@ -137,13 +165,21 @@ fn parse_size(text: &str) -> Result<u64, String> {
 fn load(path: &Path) -> Result<Trace, String> {
     let trace = trace::load(path).map_err(|e| e.to_string())?;
     if trace.warnings.count > 0 {
-        eprintln!("tidepool: {}: {} warnings, first: {}", path.display(), trace.warnings.count, trace.warnings.first[0]);
+        eprintln!(
+            "tidepool: {}: {} warnings, first: {}",
+            path.display(),
+            trace.warnings.count,
+            trace.warnings.first[0]
+        );
     }
     Ok(trace)
 }
 
 fn run_replay(args: &[String]) -> Result<(), String> {
-    let options = parse_options(args, &["--capacity", "--conf", "--policy", "--json", "--plot"])?;
+    let options = parse_options(
+        args,
+        &["--capacity", "--conf", "--policy", "--json", "--plot"],
+    )?;
     if options.plot.is_some() && options.files.len() > 1 {
         return Err("--plot draws one trace: give one file".into());
     }
@@ -156,13 +192,27 @@ fn run_replay(args: &[String]) -> Result<(), String> {
         let mut reports = Vec::new();
         for &policy in &options.policies {
             let samples = if options.plot.is_some() { 2000 } else { 0 };
-            let replay_options =
-                ReplayOptions { capacity: options.capacity, policy, conf: options.conf.clone(), samples, record_to: None };
-            let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let replay_options = ReplayOptions {
+                capacity: options.capacity,
+                policy,
+                conf: options.conf.clone(),
+                samples,
+                record_to: None,
+            };
+            let name = file
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             let bar = |done: usize, total: usize| {
                 if progress {
                     let filled = 30 * done / total.max(1);
-                    eprint!("{name} ({}) [{}{}] {:3}%\r", policy.name(), "#".repeat(filled), " ".repeat(30 - filled), 100 * done / total.max(1));
+                    eprint!(
+                        "{name} ({}) [{}{}] {:3}%\r",
+                        policy.name(),
+                        "#".repeat(filled),
+                        " ".repeat(30 - filled),
+                        100 * done / total.max(1)
+                    );
                 }
             };
             reports.push(replay_with_progress(&trace, &replay_options, bar)?);
@@ -178,7 +228,13 @@ fn run_replay(args: &[String]) -> Result<(), String> {
             print_report(&trace, &reports);
         }
         if let Some(path) = &options.plot {
-            let title = format!("{} ({})", file.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(), trace.format.name());
+            let title = format!(
+                "{} ({})",
+                file.file_name()
+                    .map(|n| n.to_string_lossy())
+                    .unwrap_or_default(),
+                trace.format.name()
+            );
             tidepool::trace::plot::write_svg(path, &title, &reports.iter().collect::<Vec<_>>())?;
             if !options.json {
                 println!("plot written to {}", path.display());
@@ -199,8 +255,7 @@ fn print_report(trace: &Trace, reports: &[ReplayReport]) {
     );
     let mut header = format!("  {:<24}", "");
     for r in reports {
-        let name = if r.policy == Policy::Pytorch { "pytorch model" } else { "tidepool" };
-        header += &format!("{name:>16}");
+        header += &format!("{:>21}", r.policy.title());
     }
     if trace.pytorch_peak_reserved.is_some() {
         header += &format!("{:>18}", "pytorch recorded");
@@ -209,7 +264,7 @@ fn print_report(trace: &Trace, reports: &[ReplayReport]) {
     let row = |label: &str, cell: &dyn Fn(&ReplayReport) -> String, recorded: Option<String>| {
         let mut line = format!("  {label:<24}");
         for r in reports {
-            line += &format!("{:>16}", cell(r));
+            line += &format!("{:>21}", cell(r));
         }
         if let Some(recorded) = recorded {
             line += &format!("{recorded:>18}");
@@ -217,8 +272,16 @@ fn print_report(trace: &Trace, reports: &[ReplayReport]) {
         println!("{line}");
     };
     let recorded = trace.pytorch_peak_reserved;
-    row("peak allocated", &|r| human_bytes(r.peak_allocated_bytes), None);
-    row("peak reserved", &|r| human_bytes(r.peak_reserved_bytes), recorded.map(human_bytes));
+    row(
+        "peak allocated",
+        &|r| human_bytes(r.peak_allocated_bytes),
+        None,
+    );
+    row(
+        "peak reserved",
+        &|r| human_bytes(r.peak_reserved_bytes),
+        recorded.map(human_bytes),
+    );
     row(
         "reserved / requested",
         &|r| format!("{:.3}", r.reserved_over_requested()),
@@ -227,8 +290,16 @@ fn print_report(trace: &Trace, reports: &[ReplayReport]) {
     row("device allocs", &|r| r.device_allocs.to_string(), None);
     row("device frees", &|r| r.device_frees.to_string(), None);
     row("OOMs", &|r| r.ooms.to_string(), None);
-    row("fragmentation (peak)", &|r| format!("{:.1} %", 100.0 * r.fragmentation()), None);
-    row("replay speed", &|r| format!("{:.1} M ev/s", r.events_per_second() / 1e6), None);
+    row(
+        "fragmentation (peak)",
+        &|r| format!("{:.1} %", 100.0 * r.fragmentation()),
+        None,
+    );
+    row(
+        "replay speed",
+        &|r| format!("{:.1} M ev/s", r.events_per_second() / 1e6),
+        None,
+    );
 }
 
 fn json_string(s: &str) -> String {
@@ -246,7 +317,9 @@ fn json_string(s: &str) -> String {
 }
 
 fn report_json(r: &ReplayReport) -> String {
-    let recorded = r.pytorch_recorded_peak_reserved_bytes.map_or("null".to_string(), |v| v.to_string());
+    let recorded = r
+        .pytorch_recorded_peak_reserved_bytes
+        .map_or("null".to_string(), |v| v.to_string());
     format!(
         "{{\"file\":{},\"policy\":\"{}\",\"capacity_bytes\":{},\"events\":{},\"allocs\":{},\"peak_requested_bytes\":{},\
          \"peak_allocated_bytes\":{},\"peak_reserved_bytes\":{},\"reserved_over_requested\":{:.6},\"device_allocs\":{},\
@@ -279,25 +352,45 @@ fn run_plan(args: &[String]) -> Result<(), String> {
     }
     let file = &options.files[0];
     let trace = load(file)?;
-    let tidepool = smallest_capacity(&trace, Policy::Tidepool, &options.conf)?;
-    let pytorch = smallest_capacity(&trace, Policy::Pytorch, &options.conf)?;
+    let plans = Policy::ALL.map(|policy| smallest_capacity(&trace, policy, &options.conf));
+    let [pytorch, tidepool, expandable] = match plans {
+        [Ok(a), Ok(b), Ok(c)] => [a, b, c],
+        [a, b, c] => {
+            return Err([a, b, c]
+                .into_iter()
+                .find_map(Result::err)
+                .unwrap_or_default())
+        }
+    };
     let peak = trace.peak_requested();
     if options.json {
         println!(
-            "{{\"file\":{},\"peak_requested_bytes\":{},\"tidepool\":{{\"min_capacity_bytes\":{}}},\"pytorch\":{{\"min_capacity_bytes\":{}}}}}",
+            "{{\"file\":{},\"peak_requested_bytes\":{},\"pytorch\":{{\"min_capacity_bytes\":{}}},\"tidepool\":{{\"min_capacity_bytes\":{}}},\"expandable\":{{\"min_capacity_bytes\":{}}}}}",
             json_string(&trace.source),
             peak,
+            pytorch.min_capacity,
             tidepool.min_capacity,
-            pytorch.min_capacity
+            expandable.min_capacity
         );
     } else {
-        let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
-        println!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), gib(peak));
+        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
         println!(
-            "needs {} with PyTorch's allocator, {} with tidepool; {}",
+            "{} ({}): peak of live memory {}",
+            trace.source,
+            trace.format.name(),
+            gib(peak)
+        );
+        println!(
+            "needs {} with PyTorch's allocator, {} with tidepool, {} with tidepool expandable:true",
             gib(pytorch.min_capacity),
             gib(tidepool.min_capacity),
-            card_advice(tidepool.min_capacity.max(pytorch.min_capacity))
+            gib(expandable.min_capacity),
+        );
+        let best = tidepool.min_capacity.min(expandable.min_capacity);
+        println!(
+            "tidepool: {}. PyTorch's allocator: {}.",
+            card_advice(best),
+            card_advice(pytorch.min_capacity)
         );
     }
     Ok(())
@@ -313,7 +406,10 @@ fn run_top(args: &[String]) -> Result<(), String> {
         }
     }
     let config = Config::from_env();
-    let dir = config.registry_dir.clone().unwrap_or_else(registry::default_dir);
+    let dir = config
+        .registry_dir
+        .clone()
+        .unwrap_or_else(registry::default_dir);
     if json {
         println!("{}", top_json(&dir));
         return Ok(());
@@ -334,14 +430,28 @@ fn top_table(dir: &Path) -> String {
     let mut out = format!("tidepool processes ({})\n", dir.display());
     out += &format!(
         "{:<28} {:>8} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
-        "device", "pid", "dev", "allocated", "reserved", "cached free", "frag", "idle decay", "headroom", "oom", "for others", "requesting"
+        "device",
+        "pid",
+        "dev",
+        "allocated",
+        "reserved",
+        "cached free",
+        "frag",
+        "idle decay",
+        "headroom",
+        "oom",
+        "for others",
+        "requesting"
     );
     let registries = registry::scan(dir);
     if registries.iter().all(|(_, entries)| entries.is_empty()) {
         out += "(none)\n";
     }
     for (path, entries) in registries {
-        let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let key = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
         for e in entries {
             let released = |r: Reason| human_bytes(e.released[r as usize]);
             out += &format!(
@@ -367,10 +477,15 @@ fn top_table(dir: &Path) -> String {
 fn top_json(dir: &Path) -> String {
     let mut processes = Vec::new();
     for (path, entries) in registry::scan(dir) {
-        let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let key = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
         for e in entries {
-            let released: Vec<String> =
-                Reason::ALL.iter().map(|&r| format!("\"{}\":{}", r.name(), e.released[r as usize])).collect();
+            let released: Vec<String> = Reason::ALL
+                .iter()
+                .map(|&r| format!("\"{}\":{}", r.name(), e.released[r as usize]))
+                .collect();
             processes.push(format!(
                 "{{\"device_key\":{},\"pid\":{},\"device\":{},\"heartbeat_ms\":{},\"allocated_bytes\":{},\
                  \"reserved_bytes\":{},\"cached_free_bytes\":{},\"fragmentation\":{:.3},\"released_bytes\":{{{}}},\
@@ -389,7 +504,11 @@ fn top_json(dir: &Path) -> String {
             ));
         }
     }
-    format!("{{\"registry_dir\":{},\"processes\":[{}]}}", json_string(&dir.display().to_string()), processes.join(","))
+    format!(
+        "{{\"registry_dir\":{},\"processes\":[{}]}}",
+        json_string(&dir.display().to_string()),
+        processes.join(",")
+    )
 }
 
 fn print_config() {
@@ -401,6 +520,12 @@ fn print_config() {
     println!("TIDEPOOL_CONF={text:?}\n");
     println!("{:<26} {:<10} {:<10} meaning", "key", "default", "current");
     for spec in OPTIONS {
-        println!("{:<26} {:<10} {:<10} {}", spec.key, spec.default, (spec.show)(&config), spec.help);
+        println!(
+            "{:<26} {:<10} {:<10} {}",
+            spec.key,
+            spec.default,
+            (spec.show)(&config),
+            spec.help
+        );
     }
 }

@@ -35,6 +35,8 @@
 
 pub mod addr_map;
 pub mod block;
+mod expandable;
+pub mod pages;
 pub mod pool;
 mod release;
 mod streams;
@@ -47,23 +49,28 @@ use std::time::Duration;
 
 use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
-use crate::size_class::{PoolKind, SizeRules};
-use crate::stats::{Counters, Stats};
 use crate::reclaim::policy::{Policy, Reason};
 use crate::reclaim::registry::Registry;
 use crate::reclaim::Clock;
+use crate::size_class::{PoolKind, SizeRules};
+use crate::stats::{Counters, Stats};
 use crate::trace::record::{Recorder, TraceBuffer};
 use crate::trace::rmm_csv::Action;
 use crate::Stream;
 use addr_map::AddrMap;
 use block::{BlockArena, BlockId, BlockState, NIL};
+use expandable::Vm;
+use pages::PageMap;
 use pool::Pool;
 
-/// One allocation from the backend.
+/// One allocation from the backend, or one reserved range of an
+/// expandable segment (then `size` is its address space, and `pages` says
+/// which of its pages hold memory).
 #[derive(Clone, Debug)]
 pub struct Segment {
     pub base: u64,
     pub size: u64,
+    pub pages: Option<PageMap>,
     pub pool: u32,
     /// The block at `base`.
     pub first_block: BlockId,
@@ -160,6 +167,8 @@ pub struct DeviceHeap {
     stash_enabled: bool,
     /// Whether a full device may lend one stream's cached blocks to another.
     lend_across_streams: bool,
+    /// Expandable segments (`expandable:true`): page size and range size.
+    vm: Option<Vm>,
     /// Rows for the TIDEPOOL_TRACE recording, when one is on.
     trace: Option<TraceBuffer>,
     stats: Counters,
@@ -183,12 +192,18 @@ impl DeviceHeap {
             pending: Vec::new(),
             reserved_limit: u64::MAX,
             device_reserved: Arc::new(AtomicU64::new(0)),
-            policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
+            policy: Policy {
+                release_after_ms: u64::MAX,
+                headroom: 0,
+                headroom_min_idle_ms: 0,
+                max_reserved: u64::MAX,
+            },
             clock: Clock::new(),
             registry: None,
             oom_wait: Duration::ZERO,
             stash_enabled: true,
             lend_across_streams: true,
+            vm: None,
             trace: None,
             stats: Counters::default(),
         }
@@ -270,7 +285,10 @@ impl DeviceHeap {
         if size == 0 {
             return Ok(0);
         }
-        let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
+        let rounded = self
+            .rules
+            .round(size)
+            .ok_or(AllocError::TooLarge { size })?;
         let kind = self.rules.kind(rounded);
         let pool = self.pool_id(stream, kind);
         let stashed = self.pools[pool as usize].stash;
@@ -285,15 +303,21 @@ impl DeviceHeap {
     /// The allocation path past the stash: best fit in the bins, else growth.
     #[cold]
     #[inline(never)]
-    fn allocate_from_bins(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
+    fn allocate_from_bins(
+        &mut self,
+        pool: u32,
+        rounded: u64,
+        size: u64,
+        stream: Stream,
+    ) -> Result<u64, AllocError> {
         self.process_pending(false);
         self.flush_stash(pool);
-        let block = match self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules) {
-            Some(id) => {
-                self.remove_free(id);
-                id
+        let block = match self.take_block(pool, rounded) {
+            Ok(block) => block,
+            Err(BackendError::OutOfMemory) => {
+                self.take_block_after_oom(pool, rounded, size, stream)?
             }
-            None => self.grow(pool, rounded, size, stream)?,
+            Err(err) => return Err(AllocError::Backend(err)),
         };
         let borrowed = self.pools[self.blocks[block].pool as usize].stream != stream;
         let addr = self.carve(block, rounded, size);
@@ -303,34 +327,77 @@ impl DeviceHeap {
         Ok(addr)
     }
 
-    /// Gets a new segment for `pool` big enough for `rounded`, releasing the
-    /// cache and retrying once when the backend refuses. The segment's one
-    /// block is returned unlinked from any bin.
-    fn grow(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<BlockId, AllocError> {
-        let segment_size = self.rules.segment_size(rounded).ok_or(AllocError::TooLarge { size })?;
-        let base = match self.new_segment(segment_size, stream) {
-            Ok(base) => base,
-            Err(BackendError::OutOfMemory) => {
-                if let Some(block) = self.borrow_from_other_streams(pool, rounded, stream) {
-                    return Ok(block);
-                }
-                self.release_free_segments(Reason::OutOfMemory, |_, _| true);
-                self.stats.events.num_alloc_retries += 1;
-                let retried = match self.new_segment(segment_size, stream) {
-                    Err(BackendError::OutOfMemory) => self.ask_others(segment_size, stream),
-                    other => other,
-                };
-                match retried {
-                    Ok(base) => base,
-                    Err(BackendError::OutOfMemory) => {
-                        self.stats.events.num_ooms += 1;
-                        self.record(Action::AllocateFailure, 0, size, stream);
-                        return Err(AllocError::OutOfMemory(Box::new(self.oom_report(size))));
-                    }
-                    Err(err) => return Err(AllocError::Backend(err)),
-                }
+    /// A free block for `rounded` bytes, unlinked from its bin: the best
+    /// fit, else one from new memory. In an expandable segment the pages
+    /// under the block's allocated part are mapped first.
+    fn take_block(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
+        let block = match self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules) {
+            Some(id) => {
+                self.remove_free(id);
+                id
             }
-            Err(err) => return Err(AllocError::Backend(err)),
+            None => self.grow(pool, rounded)?,
+        };
+        if let Err(err) = self.map_block(block, rounded) {
+            self.insert_free(block);
+            return Err(err);
+        }
+        Ok(block)
+    }
+
+    /// When the device has no room: borrow another stream's block, else
+    /// release every free segment (and free page) of the device and retry
+    /// once, else ask the other processes; then it is an out-of-memory.
+    #[cold]
+    fn take_block_after_oom(
+        &mut self,
+        pool: u32,
+        rounded: u64,
+        size: u64,
+        stream: Stream,
+    ) -> Result<BlockId, AllocError> {
+        if let Some(block) = self.borrow_from_other_streams(pool, rounded, stream) {
+            return Ok(block);
+        }
+        self.release_free_segments(Reason::OutOfMemory, |_, _| true);
+        self.stats.events.num_alloc_retries += 1;
+        let retried = match self.take_block(pool, rounded) {
+            Err(BackendError::OutOfMemory) => self.ask_others(pool, rounded),
+            other => other,
+        };
+        match retried {
+            Ok(block) => Ok(block),
+            Err(BackendError::OutOfMemory) => {
+                self.stats.events.num_ooms += 1;
+                self.record(Action::AllocateFailure, 0, size, stream);
+                Err(AllocError::OutOfMemory(Box::new(self.oom_report(size))))
+            }
+            Err(err) => Err(AllocError::Backend(err)),
+        }
+    }
+
+    /// Memory a request of `rounded` bytes makes the heap take from the
+    /// device: a segment, or (expandable) the pages it covers at most.
+    fn growth_need(&self, rounded: u64) -> u64 {
+        match &self.vm {
+            Some(vm) => rounded.next_multiple_of(vm.page),
+            None => self.rules.segment_size(rounded).unwrap_or(rounded),
+        }
+    }
+
+    /// A new segment (or expandable range) for `pool` big enough for
+    /// `rounded`; its one block is returned unlinked from any bin.
+    fn grow(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
+        let stream = self.pools[pool as usize].stream;
+        let (base, size, pages) = match self.vm {
+            Some(vm) => {
+                let (base, size) = self.reserve_range(vm, rounded)?;
+                (base, size, Some(PageMap::new(size, vm.page)))
+            }
+            None => {
+                let size = self.growth_need(rounded);
+                (self.new_segment(size, stream)?, size, None)
+            }
         };
         let kind = self.pools[pool as usize].kind;
         let segment_id = match self.unused_segments.pop() {
@@ -340,12 +407,21 @@ impl DeviceHeap {
                 (self.segments.len() - 1) as u32
             }
         };
-        let block = self.blocks.insert(base, segment_size, segment_id, pool, kind);
-        self.segments[segment_id as usize] = Some(Segment { base, size: segment_size, pool, first_block: block, idle_since_ms: 0 });
+        let block = self.blocks.insert(base, size, segment_id, pool, kind);
+        if pages.is_none() {
+            self.stats.reserved_bytes.increase(kind, size);
+            self.stats.events.num_device_alloc += 1;
+        }
+        self.segments[segment_id as usize] = Some(Segment {
+            base,
+            size,
+            pages,
+            pool,
+            first_block: block,
+            idle_since_ms: 0,
+        });
         self.segment_by_base.insert(base, segment_id);
         self.stats.segment.increase(kind, 1);
-        self.stats.reserved_bytes.increase(kind, segment_size);
-        self.stats.events.num_device_alloc += 1;
         Ok(block)
     }
 
@@ -359,7 +435,9 @@ impl DeviceHeap {
         };
         let kind = self.pools[pool as usize].kind;
         if self.rules.should_split(kind, size, rounded) {
-            let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool, kind);
+            let rest = self
+                .blocks
+                .insert(addr + rounded, size - rounded, segment, pool, kind);
             let next = self.blocks[id].next;
             self.blocks[rest].prev = id;
             self.blocks[rest].next = next;
@@ -396,15 +474,24 @@ impl DeviceHeap {
     /// Frees the live block at `ptr`, merging it with free neighbours.
     #[inline]
     pub fn free(&mut self, ptr: u64) -> Result<Freed, AllocError> {
-        let found = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
+        let found = self
+            .by_addr
+            .get(ptr)
+            .filter(|&id| self.blocks[id].is_allocated());
         let Some(id) = found else {
             self.stats.events.num_invalid_frees += 1;
-            return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
+            return Err(AllocError::InvalidFree {
+                ptr,
+                reason: self.classify_invalid_free(ptr),
+            });
         };
         if !self.recorded_streams.is_empty() || !self.pending.is_empty() {
             if self.pending.iter().any(|(p, _)| *p == ptr) {
                 self.stats.events.num_invalid_frees += 1;
-                return Err(AllocError::InvalidFree { ptr, reason: InvalidFree::NotLive });
+                return Err(AllocError::InvalidFree {
+                    ptr,
+                    reason: InvalidFree::NotLive,
+                });
             }
             if let Some(streams) = self.recorded_streams.remove(&ptr) {
                 if let Some(freed) = self.defer_free(id, ptr, &streams) {
@@ -499,13 +586,18 @@ impl DeviceHeap {
     #[inline]
     fn insert_free(&mut self, id: BlockId) {
         let b = &self.blocks[id];
-        let (pool, size, split, segment) = (b.pool, b.size, b.is_split(), b.segment);
+        let (pool, size, whole, segment) = (b.pool, b.size, !b.is_split(), b.segment);
+        let (split, counted) = self.inactive_split_bytes_of(id);
         let pool = &mut self.pools[pool as usize];
         pool.insert(&mut self.blocks, id, size);
         if split {
             self.stats.inactive_split.increase(pool.kind, 1);
-            self.stats.inactive_split_bytes.increase(pool.kind, size);
-        } else if let Some(segment) = self.segments[segment as usize].as_mut() {
+            self.stats.inactive_split_bytes.increase(pool.kind, counted);
+        }
+        if whole {
+            let Some(segment) = self.segments[segment as usize].as_mut() else {
+                return;
+            };
             segment.idle_since_ms = self.clock.now_ms();
         }
     }
@@ -514,12 +606,39 @@ impl DeviceHeap {
     #[inline]
     fn remove_free(&mut self, id: BlockId) {
         let b = &self.blocks[id];
-        let (pool, size, split) = (b.pool, b.size, b.is_split());
+        let (pool, size) = (b.pool, b.size);
+        let (split, counted) = self.inactive_split_bytes_of(id);
         let pool = &mut self.pools[pool as usize];
         pool.remove(&mut self.blocks, id, size);
         if split {
             self.stats.inactive_split.decrease(pool.kind, 1);
-            self.stats.inactive_split_bytes.decrease(pool.kind, size);
+            self.stats.inactive_split_bytes.decrease(pool.kind, counted);
+        }
+    }
+
+    /// Whether the free block `id` counts as inactive split (free memory
+    /// that only a request fitting the block can use and that cannot go
+    /// back to the driver while the block's neighbours are in use), and
+    /// its bytes that do. A block that is not its whole segment counts with
+    /// all its bytes. In an expandable segment only the bytes of its edge
+    /// pages count (the pages inside it can be unmapped), and the range's
+    /// last block not at all (it grows to fit any request).
+    #[inline]
+    fn inactive_split_bytes_of(&self, id: BlockId) -> (bool, u64) {
+        let b = &self.blocks[id];
+        if !b.is_split() {
+            return (false, 0);
+        }
+        match self.segments[b.segment as usize]
+            .as_ref()
+            .and_then(|s| Some((s.base, s.pages.as_ref()?)))
+        {
+            Some(_) if b.next == NIL => (false, 0),
+            Some((base, pages)) => (
+                true,
+                pages.edge_bytes(b.addr - base, b.addr - base + b.size),
+            ),
+            None => (true, b.size),
         }
     }
 
@@ -528,7 +647,9 @@ impl DeviceHeap {
         let Some((_, &segment_id)) = self.segment_by_base.range(..=ptr).next_back() else {
             return InvalidFree::Foreign;
         };
-        let segment = self.segments[segment_id as usize].as_ref().expect("indexed segment exists");
+        let segment = self.segments[segment_id as usize]
+            .as_ref()
+            .expect("indexed segment exists");
         if ptr >= segment.base + segment.size {
             return InvalidFree::Foreign;
         }
@@ -536,7 +657,11 @@ impl DeviceHeap {
         while cur != NIL {
             let b = &self.blocks[cur];
             if ptr < b.addr + b.size {
-                return if b.is_allocated() { InvalidFree::Interior { block: b.addr } } else { InvalidFree::NotLive };
+                return if b.is_allocated() {
+                    InvalidFree::Interior { block: b.addr }
+                } else {
+                    InvalidFree::NotLive
+                };
             }
             cur = b.next;
         }
@@ -547,7 +672,11 @@ impl DeviceHeap {
     pub fn segment_of(&self, ptr: u64) -> Option<(u64, u64)> {
         let (_, &id) = self.segment_by_base.range(..=ptr).next_back()?;
         let segment = self.segments[id as usize].as_ref()?;
-        (ptr < segment.base + segment.size).then_some((segment.base, segment.size))
+        let size = segment
+            .pages
+            .as_ref()
+            .map_or(segment.size, PageMap::end_bytes);
+        (ptr < segment.base + size).then_some((segment.base, size))
     }
 
     /// Every segment with its blocks in address order, for snapshots.
@@ -559,20 +688,33 @@ impl DeviceHeap {
             .flatten()
             .map(|segment| {
                 let pool = &self.pools[segment.pool as usize];
+                // An expandable segment shows as far as its highest mapped page.
+                let size = segment
+                    .pages
+                    .as_ref()
+                    .map_or(segment.size, PageMap::end_bytes);
+                let end = segment.base + size;
                 let mut blocks = Vec::new();
                 let mut cur = segment.first_block;
-                while cur != NIL {
+                while cur != NIL && self.blocks[cur].addr < end {
                     let b = &self.blocks[cur];
                     blocks.push(BlockSnapshot {
                         address: b.addr,
-                        size: b.size,
+                        size: b.size.min(end - b.addr),
                         requested: b.requested,
                         allocated: b.is_allocated(),
                     });
                     cur = b.next;
                 }
-                SegmentSnapshot { address: segment.base, size: segment.size, stream: pool.stream, kind: pool.kind, blocks }
+                SegmentSnapshot {
+                    address: segment.base,
+                    size,
+                    stream: pool.stream,
+                    kind: pool.kind,
+                    blocks,
+                }
             })
+            .filter(|s| s.size > 0)
             .collect();
         out.sort_by_key(|s| s.address);
         out
@@ -580,7 +722,10 @@ impl DeviceHeap {
 
     /// The size of the live block at `ptr`, if there is one.
     pub fn live_size(&self, ptr: u64) -> Option<u64> {
-        self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()).map(|id| self.blocks[id].size)
+        self.by_addr
+            .get(ptr)
+            .filter(|&id| self.blocks[id].is_allocated())
+            .map(|id| self.blocks[id].size)
     }
 
     /// Uncounts the last out-of-memory: the allocator served the request
@@ -600,8 +745,18 @@ impl DeviceHeap {
         self.process_pending(false);
         self.flush_stashes();
         let mut stats = self.stats.report();
-        stats.cached_free_bytes = self.pools.iter().map(|p| p.free_bytes).sum();
-        stats.largest_free_block_bytes = self.pools.iter().map(|p| p.largest(&self.blocks)).max().unwrap_or(0);
+        // With the stashes merged, every reserved byte not allocated is cached.
+        stats.cached_free_bytes =
+            stats.reserved_bytes.all.current - stats.allocated_bytes.all.current;
+        stats.largest_free_block_bytes = match self.vm {
+            Some(_) => self.largest_mapped_free_run(),
+            None => self
+                .pools
+                .iter()
+                .map(|p| p.largest(&self.blocks))
+                .max()
+                .unwrap_or(0),
+        };
         stats
     }
 

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::block::NIL;
+use super::block::{BlockId, NIL};
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
@@ -19,26 +19,34 @@ use crate::Stream;
 
 impl DeviceHeap {
     /// The last resort before an OOM: ask the other processes on the device
-    /// for `size` bytes and retry until they free enough or `oom_wait` passes.
+    /// for the memory a block of `rounded` bytes needs and retry until they
+    /// free enough or `oom_wait` passes.
     #[cold]
-    pub(super) fn ask_others(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
-        let over_budget = self.device_reserved.load(Ordering::SeqCst).saturating_add(size) > self.reserved_limit.min(self.policy.max_reserved);
+    pub(super) fn ask_others(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
+        let need = self.growth_need(rounded);
+        let over_budget = self
+            .device_reserved
+            .load(Ordering::SeqCst)
+            .saturating_add(need)
+            > self.reserved_limit.min(self.policy.max_reserved);
         if self.oom_wait.is_zero() || over_budget {
             return Err(BackendError::OutOfMemory);
         }
-        let Some(registry) = self.registry.as_mut() else { return Err(BackendError::OutOfMemory) };
-        if registry.request(size).is_err() {
+        let Some(registry) = self.registry.as_mut() else {
+            return Err(BackendError::OutOfMemory);
+        };
+        if registry.request(need).is_err() {
             return Err(BackendError::OutOfMemory);
         }
         self.stats.events.num_coop_requests += 1;
         let start = Instant::now();
         let result = loop {
             std::thread::sleep(Duration::from_millis(5));
-            match self.new_segment(size, stream) {
-                Ok(base) => {
+            match self.take_block(pool, rounded) {
+                Ok(block) => {
                     self.stats.events.num_coop_satisfied += 1;
                     self.stats.events.coop_last_wait_ms = start.elapsed().as_millis() as u64;
-                    break Ok(base);
+                    break Ok(block);
                 }
                 Err(BackendError::OutOfMemory) if start.elapsed() < self.oom_wait => continue,
                 Err(err) => break Err(err),
@@ -60,19 +68,27 @@ impl DeviceHeap {
     /// A segment from the backend, unless it would take the heap past its
     /// reserve limit (which then counts as out of memory).
     pub(super) fn new_segment(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {
-        // Claimed first on the device's count (shared with the other stream
-        // shards of the device), so that two shards cannot both pass the cap.
+        self.claim_reserved(size)?;
+        let result = self.backend.allocate(self.device, size, stream);
+        if result.is_err() {
+            self.device_reserved.fetch_sub(size, Ordering::SeqCst);
+        }
+        result
+    }
+
+    /// Counts `size` more bytes reserved on the device, unless that would
+    /// pass the reserve limit (which counts as out of memory). Claimed on
+    /// the device's count (shared with the other stream shards of the
+    /// device) before the backend is asked, so two shards cannot both pass
+    /// the cap.
+    pub(super) fn claim_reserved(&mut self, size: u64) -> Result<(), BackendError> {
         let limit = self.reserved_limit.min(self.policy.max_reserved);
         let before = self.device_reserved.fetch_add(size, Ordering::SeqCst);
         if before.checked_add(size).is_none_or(|total| total > limit) {
             self.device_reserved.fetch_sub(size, Ordering::SeqCst);
             return Err(BackendError::OutOfMemory);
         }
-        let result = self.backend.allocate(self.device, size, stream);
-        if result.is_err() {
-            self.device_reserved.fetch_sub(size, Ordering::SeqCst);
-        }
-        result
+        Ok(())
     }
 
     /// Caps the bytes this heap may reserve (`None`: no cap). Cached
@@ -97,9 +113,16 @@ impl DeviceHeap {
 
     /// Releases cached segments, longest idle first, while reserved is over the cap.
     pub(super) fn release_over_budget(&mut self) {
-        let Some(limit) = self.reserved_limit() else { return };
+        let Some(limit) = self.reserved_limit() else {
+            return;
+        };
         if self.device_reserved.load(Ordering::SeqCst) > limit {
-            let policy = Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: limit };
+            let policy = Policy {
+                release_after_ms: u64::MAX,
+                headroom: 0,
+                headroom_min_idle_ms: 0,
+                max_reserved: limit,
+            };
             self.apply(&policy);
         }
     }
@@ -110,7 +133,10 @@ impl DeviceHeap {
     pub fn reclaim(&mut self) -> Released {
         self.stats.events.num_reclaims += 1;
         self.process_pending(false);
-        let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
+        let policy = Policy {
+            max_reserved: self.reserved_limit().unwrap_or(u64::MAX),
+            ..self.policy
+        };
         let mut released = self.apply(&policy);
         if self.registry.is_some() {
             let stats = self.stats();
@@ -124,7 +150,11 @@ impl DeviceHeap {
                 released: Reason::ALL.map(|r| stats.released(r).bytes),
                 ..Entry::default()
             };
-            let asked = self.registry.as_mut().and_then(|r| r.publish(entry).ok()).unwrap_or(0);
+            let asked = self
+                .registry
+                .as_mut()
+                .and_then(|r| r.publish(entry).ok())
+                .unwrap_or(0);
             if asked > 0 {
                 let answer = self.release_free_segments(Reason::Cooperation, |_, _| true);
                 if answer.segments > 0 {
@@ -145,18 +175,35 @@ impl DeviceHeap {
             .filter_map(|(id, s)| {
                 let s = s.as_ref()?;
                 let b = &self.blocks[s.first_block];
-                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment { id: id as u32, size: s.size, idle_since_ms: s.idle_since_ms })
+                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment {
+                    id: id as u32,
+                    size: s.size,
+                    idle_since_ms: s.idle_since_ms,
+                })
             })
             .collect();
         if idle.is_empty() {
             return Released::default();
         }
-        let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
-        let pressure = Pressure { device_free, reserved: self.device_reserved.load(Ordering::SeqCst) };
+        let device_free = if policy.headroom > 0 {
+            self.backend
+                .mem_info(self.device)
+                .map_or(u64::MAX, |i| i.free)
+        } else {
+            u64::MAX
+        };
+        let pressure = Pressure {
+            device_free,
+            reserved: self.device_reserved.load(Ordering::SeqCst),
+        };
         let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
         let mut total = Released::default();
         for reason in Reason::ALL {
-            let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
+            let ids: Vec<u32> = chosen
+                .iter()
+                .filter(|c| c.1 == reason)
+                .map(|c| c.0)
+                .collect();
             if !ids.is_empty() {
                 let released = self.release_free_segments(reason, |id, _| ids.contains(&id));
                 total += released;
@@ -166,20 +213,42 @@ impl DeviceHeap {
     }
 
     /// Releases every segment that is one whole free block and that `keep`
-    /// selects (by segment). A segment the backend fails to release stays
-    /// cached, whole and consistent.
-    pub fn release_free_segments(&mut self, reason: Reason, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
+    /// selects (by segment), and in the selected expandable segments every
+    /// page lying entirely inside free blocks. A segment the backend fails
+    /// to release stays cached, whole and consistent.
+    pub fn release_free_segments(
+        &mut self,
+        reason: Reason,
+        mut select: impl FnMut(u32, &Segment) -> bool,
+    ) -> Released {
         self.process_pending(true);
         self.flush_stashes();
         let mut released = Released::default();
         for segment_id in 0..self.segments.len() as u32 {
-            let Some(segment) = &self.segments[segment_id as usize] else { continue };
+            let Some(segment) = &self.segments[segment_id as usize] else {
+                continue;
+            };
+            if segment.pages.is_some() {
+                if select(segment_id, segment) {
+                    released += self.release_free_pages(segment_id);
+                }
+                continue;
+            }
             let block = &self.blocks[segment.first_block];
             if block.is_allocated() || block.next != NIL || !select(segment_id, segment) {
                 continue;
             }
-            let (base, size, pool, block) = (segment.base, segment.size, segment.pool, segment.first_block);
-            if self.backend.release(self.device, base, size, self.pools[pool as usize].stream).is_err() {
+            let (base, size, pool, block) = (
+                segment.base,
+                segment.size,
+                segment.pool,
+                segment.first_block,
+            );
+            if self
+                .backend
+                .release(self.device, base, size, self.pools[pool as usize].stream)
+                .is_err()
+            {
                 continue;
             }
             let kind = self.pools[pool as usize].kind;

@@ -2,8 +2,9 @@
 //! only: a 60 GiB trace replays on a laptop) and reports what a person
 //! sizing a GPU needs: peaks, the driver calls, OOMs, fragmentation.
 //!
-//! Two policies: `tidepool` (tidepool's configuration, TIDEPOOL_CONF syntax
-//! via `conf`) and `pytorch`, the model of PyTorch's native caching
+//! Three policies: `tidepool` (tidepool's configuration, TIDEPOOL_CONF
+//! syntax via `conf`), `expandable` (the same with `expandable:true`) and
+//! `pytorch`, the model of PyTorch's native caching
 //! allocator: the rules it shares with tidepool's engine (512-byte
 //! rounding, 2 MiB segments for requests up to 1 MiB, 20 MiB below 10 MiB,
 //! 2 MiB rounding above, best fit per stream, small blocks split when 512
@@ -23,14 +24,28 @@ use crate::{AllocError, Allocator, Config, ConfigError, DevicePtr, Stream};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     Tidepool,
+    /// tidepool with expandable segments (`expandable:true`).
+    Expandable,
     Pytorch,
 }
 
 impl Policy {
+    pub const ALL: [Policy; 3] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable];
+
     pub fn name(self) -> &'static str {
         match self {
             Policy::Tidepool => "tidepool",
+            Policy::Expandable => "expandable",
             Policy::Pytorch => "pytorch",
+        }
+    }
+
+    /// The name as a table heading.
+    pub fn title(self) -> &'static str {
+        match self {
+            Policy::Tidepool => "tidepool",
+            Policy::Expandable => "tidepool expandable",
+            Policy::Pytorch => "pytorch model",
         }
     }
 }
@@ -110,14 +125,26 @@ impl ReplayReport {
 pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, ConfigError> {
     // A replay has no wall clock: the time-driven release policies stay off.
     let mut builder = Config::builder().conf("release_after_ms:off,headroom_mb:0")?;
-    if options.policy == Policy::Pytorch {
-        // PyTorch merges every free at once and never lends across streams.
-        builder = builder.conf(&trace.pytorch_conf)?.set("stash", "false")?.set("lend_across_streams", "false")?;
+    match options.policy {
+        Policy::Pytorch => builder = builder.conf(&trace.pytorch_conf)?,
+        Policy::Expandable => builder = builder.set("expandable", "true")?,
+        Policy::Tidepool => {}
     }
     if let Some(path) = &options.record_to {
         builder = builder.trace(path);
     }
-    builder.conf(&options.conf)?.host(trace.devices as usize, options.capacity).build()
+    builder = builder.conf(&options.conf)?;
+    if options.policy == Policy::Pytorch {
+        // PyTorch merges every free at once, never lends across streams and
+        // (by default) grows by whole segments, whatever `conf` says.
+        builder = builder
+            .set("stash", "false")?
+            .set("lend_across_streams", "false")?
+            .set("expandable", "false")?;
+    }
+    builder
+        .host(trace.devices as usize, options.capacity)
+        .build()
 }
 
 /// Replays `trace` once. Fails only on a bad `conf`, or if the allocator
@@ -138,7 +165,11 @@ pub fn replay_with_progress(
     let alloc = Allocator::with_backend(config, backend);
 
     let mut ptrs = vec![(0u64, 0u32); trace.allocs as usize];
-    let every = if options.samples == 0 { u64::MAX } else { (trace.events.len() as u64 / options.samples as u64).max(1) };
+    let every = if options.samples == 0 {
+        u64::MAX
+    } else {
+        (trace.events.len() as u64 / options.samples as u64).max(1)
+    };
     let mut series = Vec::new();
     let mut ooms = 0u64;
     let tick = (trace.events.len() / 100).max(1);
@@ -148,13 +179,16 @@ pub fn replay_with_progress(
             progress(index, trace.events.len());
         }
         match *event {
-            Event::Alloc { id, size, stream, device } => {
-                match alloc.allocate(device as usize, size as usize, Stream(stream)) {
-                    Ok(ptr) => ptrs[id as usize] = (ptr.0, device),
-                    Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => ooms += 1,
-                    Err(other) => return Err(format!("{}: event {index}: {other}", trace.source)),
-                }
-            }
+            Event::Alloc {
+                id,
+                size,
+                stream,
+                device,
+            } => match alloc.allocate(device as usize, size as usize, Stream(stream)) {
+                Ok(ptr) => ptrs[id as usize] = (ptr.0, device),
+                Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => ooms += 1,
+                Err(other) => return Err(format!("{}: event {index}: {other}", trace.source)),
+            },
             Event::Free { id } => {
                 let (ptr, device) = std::mem::take(&mut ptrs[id as usize]);
                 if ptr != 0 {
@@ -163,7 +197,12 @@ pub fn replay_with_progress(
             }
         }
         if (index as u64).is_multiple_of(every) || index + 1 == trace.events.len() {
-            let mut sample = Sample { event: index as u64, requested: 0, allocated: 0, reserved: 0 };
+            let mut sample = Sample {
+                event: index as u64,
+                requested: 0,
+                allocated: 0,
+                reserved: 0,
+            };
             for device in 0..devices {
                 let t = alloc.with_heap(device, |h| h.totals()).unwrap_or_default();
                 sample.requested += t.requested;
@@ -201,6 +240,8 @@ pub fn replay_with_progress(
         report.device_frees += s.events.num_device_free;
         report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
     }
-    alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
+    alloc
+        .finish_trace()
+        .map_err(|e| format!("recording the replay: {e}"))?;
     Ok(report)
 }

@@ -1,0 +1,328 @@
+//! Expandable segments (`expandable:true`): each pool grows inside one
+//! large reserved range of address space instead of separate segments, and
+//! memory is held page by page.
+//!
+//! A range is reserved (no memory) when a pool first needs one, as large as
+//! the device, and starts as one free block; blocks are carved from it by
+//! the ordinary best fit, so a pool's blocks pack against each other across
+//! what would have been segment boundaries. Before a block is handed out,
+//! the pages under it that hold no memory are mapped (`map_block`). A page
+//! lying entirely inside free blocks can be unmapped when a release policy
+//! asks for memory (`release_free_pages`): holes left by freed blocks give
+//! their memory back even while live blocks sit on both sides, and the
+//! address space stays for the next block to land there.
+//!
+//! Invariants (checked by `validate()`):
+//! - every page touched by an allocated or stashed block is mapped, so an
+//!   unmapped page lies inside one free block;
+//! - `reserved_bytes` counts mapped pages; `inactive_split_bytes` counts,
+//!   of each free block but a range's last, the bytes of its edge pages:
+//!   the free memory that neither goes back to the driver nor serves any
+//!   request but one that fits the block.
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::Ordering;
+
+use super::block::{BlockId, BlockState, NIL};
+use super::{DeviceHeap, Released};
+use crate::backend::BackendError;
+
+/// Page size and range size of a heap's expandable segments.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Vm {
+    pub page: u64,
+    pub range: u64,
+}
+
+/// Runs `(first page, count)` of one range, with its base and page size.
+struct Runs {
+    base: u64,
+    page: u64,
+    runs: Vec<(u64, u64)>,
+}
+
+/// The most address space one range reserves (a request larger than this
+/// gets a range of its own size).
+const MAX_RANGE: u64 = 1 << 40;
+
+impl DeviceHeap {
+    /// Turns expandable segments on or off; only before the first allocation.
+    /// Fails, leaving them off, when the backend cannot map pages.
+    pub fn set_expandable(&mut self, on: bool) -> Result<(), String> {
+        if self.segments.iter().any(Option::is_some) {
+            return Err(
+                "expandable segments can only be switched before the first allocation".into(),
+            );
+        }
+        if !on {
+            self.vm = None;
+            return Ok(());
+        }
+        let page = self
+            .backend
+            .vm_page_size(self.device)
+            .filter(|p| p.is_power_of_two())
+            .ok_or_else(|| {
+                format!(
+                    "the {} backend cannot map pages; expandable segments stay off",
+                    self.backend.name()
+                )
+            })?;
+        let total = self
+            .backend
+            .mem_info(self.device)
+            .map_or(MAX_RANGE, |info| info.total);
+        let range = total.clamp(page, MAX_RANGE).next_multiple_of(page);
+        // A range is one huge free block: it must split for any request.
+        self.rules.max_split_size = u64::MAX;
+        self.vm = Some(Vm { page, range });
+        Ok(())
+    }
+
+    /// Whether this heap grows by expandable segments.
+    pub fn is_expandable(&self) -> bool {
+        self.vm.is_some()
+    }
+
+    /// Reserves address space for a new range holding at least `rounded`
+    /// bytes: the device's size, halved while the reservation fails (an
+    /// address space shared by many pools), but never below the request.
+    pub(super) fn reserve_range(
+        &mut self,
+        vm: Vm,
+        rounded: u64,
+    ) -> Result<(u64, u64), BackendError> {
+        let need = rounded.next_multiple_of(vm.page);
+        let mut size = vm.range.max(need);
+        loop {
+            match self.backend.vm_reserve(self.device, size) {
+                Ok(base) => return Ok((base, size)),
+                Err(_) if size / 2 >= need => size = (size / 2).next_multiple_of(vm.page),
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// Maps the unmapped pages under the part of the free, unbinned block
+    /// `id` that a request of `rounded` bytes will use (all of it when the
+    /// block will not be split). All or nothing: on failure no page stays
+    /// mapped that was not before. Nothing to do outside expandable segments.
+    pub(super) fn map_block(&mut self, id: BlockId, rounded: u64) -> Result<(), BackendError> {
+        let b = &self.blocks[id];
+        let (addr, size, segment_id, kind) = (b.addr, b.size, b.segment as usize, b.kind);
+        let Some((base, pages)) = self.segments[segment_id]
+            .as_ref()
+            .and_then(|s| Some((s.base, s.pages.as_ref()?)))
+        else {
+            return Ok(());
+        };
+        let used = if self.rules.should_split(kind, size, rounded) {
+            rounded
+        } else {
+            size
+        };
+        let (first, count) = pages.touched(addr - base, addr - base + used);
+        let runs = pages.runs(first, count, false);
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let page = pages.page_size();
+        let mut failed = None;
+        for (done, &(p, n)) in runs.iter().enumerate() {
+            let bytes = n * page;
+            let mapped = self.claim_reserved(bytes).and_then(|()| {
+                let result = self.backend.vm_map(self.device, base + p * page, bytes);
+                if result.is_err() {
+                    self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
+                }
+                result
+            });
+            if let Err(err) = mapped {
+                failed = Some((done, err));
+                break;
+            }
+        }
+        let mut keep = runs.as_slice();
+        if let Some((done, err)) = failed {
+            // Undo the runs mapped so far; one the backend will not unmap
+            // stays mapped (and counted), inside what is still a free block.
+            keep = &runs[..done];
+            let mut stuck = Vec::new();
+            for &(p, n) in keep {
+                if self
+                    .backend
+                    .vm_unmap(self.device, base + p * page, n * page)
+                    .is_ok()
+                {
+                    self.device_reserved.fetch_sub(n * page, Ordering::SeqCst);
+                } else {
+                    stuck.push((p, n));
+                }
+            }
+            self.commit_mapped(segment_id, kind, &stuck);
+            return Err(err);
+        }
+        self.commit_mapped(segment_id, kind, keep);
+        Ok(())
+    }
+
+    /// Marks runs of pages mapped and counts them.
+    fn commit_mapped(
+        &mut self,
+        segment_id: usize,
+        kind: crate::size_class::PoolKind,
+        runs: &[(u64, u64)],
+    ) {
+        let Some(pages) = self.segments[segment_id]
+            .as_mut()
+            .and_then(|s| s.pages.as_mut())
+        else {
+            return;
+        };
+        let page = pages.page_size();
+        let mut total = 0;
+        for &(p, n) in runs {
+            pages.set_mapped(p, n);
+            total += n;
+        }
+        self.stats.reserved_bytes.increase(kind, total * page);
+        self.stats.events.num_pages_mapped += total;
+        self.stats.events.num_device_alloc += runs.len() as u64;
+    }
+
+    /// Unmaps every page lying entirely inside the free blocks of the
+    /// expandable segment `segment_id`, after the work queued on its
+    /// stream has run; a range left with no memory and no block goes back
+    /// whole. Pages the backend fails to unmap stay mapped and counted.
+    pub(super) fn release_free_pages(&mut self, segment_id: u32) -> Released {
+        let mut released = Released::default();
+        let Some(segment) = self.segments[segment_id as usize].as_ref() else {
+            return released;
+        };
+        let stream = self.pools[segment.pool as usize].stream;
+        let mut free_blocks = Vec::new();
+        let mut cur = segment.first_block;
+        while cur != NIL {
+            if self.blocks[cur].state == BlockState::Binned && self.unmappable_runs(cur).is_some() {
+                free_blocks.push(cur);
+            }
+            cur = self.blocks[cur].next;
+        }
+        if !free_blocks.is_empty() {
+            // Work already queued on the pool's stream may still use these pages.
+            if self
+                .backend
+                .synchronize_stream(self.device, stream)
+                .is_err()
+            {
+                self.stats.events.num_stream_sync_errors += 1;
+                return released;
+            }
+            for block in free_blocks {
+                released.bytes += self.unmap_inside(block);
+            }
+        }
+        released += self.free_empty_range(segment_id);
+        released
+    }
+
+    /// The mapped runs of pages lying entirely inside the free block `id`
+    /// of an expandable segment, with the range's base and page size.
+    fn unmappable_runs(&self, id: BlockId) -> Option<Runs> {
+        let b = &self.blocks[id];
+        let segment = self.segments[b.segment as usize].as_ref()?;
+        let pages = segment.pages.as_ref()?;
+        let offset = b.addr - segment.base;
+        let (first, count) = pages.inside(offset, offset + b.size);
+        let runs = pages.runs(first, count, true);
+        (!runs.is_empty()).then(|| Runs { base: segment.base, page: pages.page_size(), runs })
+    }
+
+    /// Unmaps the mapped pages lying entirely inside the binned free block
+    /// `id` (whose stream has no work left on them). Returns the bytes unmapped.
+    pub(super) fn unmap_inside(&mut self, id: BlockId) -> u64 {
+        let Some((base, page, runs)) = self.unmappable_runs(id) else {
+            return 0;
+        };
+        let (segment_id, kind) = (self.blocks[id].segment as usize, self.blocks[id].kind);
+        let mut bytes = 0;
+        for (p, n) in runs {
+            if self
+                .backend
+                .vm_unmap(self.device, base + p * page, n * page)
+                .is_err()
+            {
+                continue;
+            }
+            let pages = self.segments[segment_id]
+                .as_mut()
+                .and_then(|s| s.pages.as_mut())
+                .expect("checked above");
+            pages.set_unmapped(p, n);
+            bytes += n * page;
+            self.stats.events.num_pages_unmapped += n;
+            self.stats.events.num_device_free += 1;
+        }
+        // Only pages inside the block go: its inactive-split bytes (its edge
+        // pages) stay as they were.
+        self.stats.reserved_bytes.decrease(kind, bytes);
+        self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
+        bytes
+    }
+
+    /// Gives back the expandable range `segment_id` if it is one free block
+    /// with no page mapped.
+    fn free_empty_range(&mut self, segment_id: u32) -> Released {
+        let Some(segment) = self.segments[segment_id as usize].as_ref() else {
+            return Released::default();
+        };
+        let block = segment.first_block;
+        let b = &self.blocks[block];
+        let empty = b.state == BlockState::Binned
+            && b.next == NIL
+            && segment
+                .pages
+                .as_ref()
+                .is_some_and(|p| p.mapped_bytes() == 0);
+        if !empty
+            || self
+                .backend
+                .vm_free(self.device, segment.base, segment.size)
+                .is_err()
+        {
+            return Released::default();
+        }
+        let (base, kind) = (segment.base, b.kind);
+        self.remove_free(block);
+        self.blocks.remove(block);
+        self.segments[segment_id as usize] = None;
+        self.unused_segments.push(segment_id);
+        self.segment_by_base.remove(&base);
+        self.stats.segment.decrease(kind, 1);
+        Released {
+            segments: 1,
+            bytes: 0,
+        }
+    }
+
+    /// The longest stretch of mapped memory inside one free block: the
+    /// largest request the expandable segments serve without the driver.
+    pub(super) fn largest_mapped_free_run(&self) -> u64 {
+        let mut largest = 0;
+        for segment in self.segments.iter().flatten() {
+            let Some(pages) = segment.pages.as_ref() else {
+                continue;
+            };
+            let mut cur = segment.first_block;
+            while cur != NIL {
+                let b = &self.blocks[cur];
+                if b.state == BlockState::Binned && b.addr - segment.base < pages.end_bytes() {
+                    let offset = b.addr - segment.base;
+                    largest = largest.max(pages.longest_mapped_run(offset, offset + b.size));
+                }
+                cur = b.next;
+            }
+        }
+        largest
+    }
+}
