@@ -241,7 +241,7 @@ impl DeviceHeap {
     /// Unmaps the mapped pages lying entirely inside the binned free block
     /// `id` (whose stream has no work left on them). Returns the bytes unmapped.
     pub(super) fn unmap_inside(&mut self, id: BlockId) -> u64 {
-        let Some((base, page, runs)) = self.unmappable_runs(id) else {
+        let Some(Runs { base, page, runs }) = self.unmappable_runs(id) else {
             return 0;
         };
         let (segment_id, kind) = (self.blocks[id].segment as usize, self.blocks[id].kind);
