@@ -16,12 +16,7 @@ use tidepool::backend::host::HostBackend;
 use tidepool::backend::Backend;
 use tidepool::{Allocator, Config, DevicePtr, Stream};
 
-const SIZES: [(&str, usize); 4] = [
-    ("512B", 512),
-    ("64KiB", 64 << 10),
-    ("4MiB", 4 << 20),
-    ("64MiB", 64 << 20),
-];
+const SIZES: [(&str, usize); 4] = [("512B", 512), ("64KiB", 64 << 10), ("4MiB", 4 << 20), ("64MiB", 64 << 20)];
 
 /// An allocator with `live` blocks of 512 B to 8 KiB live and about as many free holes.
 fn populated(live: usize) -> (Allocator, Vec<DevicePtr>) {
@@ -48,10 +43,7 @@ fn populated(live: usize) -> (Allocator, Vec<DevicePtr>) {
 }
 
 fn cached_pair(c: &mut Criterion) {
-    let heaps = [
-        ("tidepool_1k_live", populated(1_000)),
-        ("tidepool_100k_live", populated(100_000)),
-    ];
+    let heaps = [("tidepool_1k_live", populated(1_000)), ("tidepool_100k_live", populated(100_000))];
     let backend = HostBackend::new(1, 1 << 40);
     for (size_name, size) in SIZES {
         let mut group = c.benchmark_group(format!("cached_pair/{size_name}"));
@@ -72,19 +64,12 @@ fn cached_pair(c: &mut Criterion) {
                 unsafe { libc::free(black_box(libc::malloc(black_box(size)))) }
             })
         });
-        group.bench_function(
-            BenchmarkId::from_parameter("host_backend_mmap_munmap"),
-            |b| {
-                b.iter(|| {
-                    let base = backend
-                        .allocate(0, black_box(size as u64), Stream::DEFAULT)
-                        .unwrap();
-                    backend
-                        .release(0, black_box(base), size as u64, Stream::DEFAULT)
-                        .unwrap();
-                })
-            },
-        );
+        group.bench_function(BenchmarkId::from_parameter("host_backend_mmap_munmap"), |b| {
+            b.iter(|| {
+                let base = backend.allocate(0, black_box(size as u64), Stream::DEFAULT).unwrap();
+                backend.release(0, black_box(base), size as u64, Stream::DEFAULT).unwrap();
+            })
+        });
         group.finish();
     }
     for (_, (alloc, live)) in heaps {
@@ -114,36 +99,18 @@ fn pair_off_and_on(c: &mut Criterion, group: &str, allocators: [(&str, Config); 
 }
 
 fn quiet() -> tidepool::config::ConfigBuilder {
-    Config::builder()
-        .conf("release_after_ms:off,headroom_mb:0")
-        .unwrap()
-        .host(1, 1 << 40)
+    Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().host(1, 1 << 40)
 }
 
 /// TIDEPOOL_TRACE, recording to /dev/null so the file does not grow.
 fn recording(c: &mut Criterion) {
-    pair_off_and_on(
-        c,
-        "recording",
-        [
-            ("off", quiet().build().unwrap()),
-            ("on", quiet().trace("/dev/null").build().unwrap()),
-        ],
-    );
+    pair_off_and_on(c, "recording", [("off", quiet().build().unwrap()), ("on", quiet().trace("/dev/null").build().unwrap())]);
 }
 
 /// The background reclaimer, waking every 10 ms.
 fn reclaimer(c: &mut Criterion) {
-    let on = quiet()
-        .conf("release_after_ms:50,reclaim_interval_ms:10")
-        .unwrap()
-        .build()
-        .unwrap();
-    pair_off_and_on(
-        c,
-        "reclaimer",
-        [("off", quiet().build().unwrap()), ("on", on)],
-    );
+    let on = quiet().conf("release_after_ms:50,reclaim_interval_ms:10").unwrap().build().unwrap();
+    pair_off_and_on(c, "reclaimer", [("off", quiet().build().unwrap()), ("on", on)]);
 }
 
 fn config() -> Criterion {

@@ -10,10 +10,7 @@ use tidepool::trace::replay::{replay, Policy, ReplayOptions};
 fn traces() -> Vec<(String, tidepool::trace::Trace)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut paths = vec![root.join("examples/traces/transformer-varlen-train.csv")];
-    for shared in [
-        "../shared/traces/rmm-csv/gpt2-b8-varlen.csv",
-        "../shared/traces/pytorch-snapshots/kk_memory_ctx128_fullstep.pickle",
-    ] {
+    for shared in ["../shared/traces/rmm-csv/gpt2-b8-varlen.csv", "../shared/traces/pytorch-snapshots/kk_memory_ctx128_fullstep.pickle"] {
         let path = root.join(shared);
         if path.exists() {
             paths.push(path);
@@ -21,12 +18,7 @@ fn traces() -> Vec<(String, tidepool::trace::Trace)> {
     }
     paths
         .into_iter()
-        .map(|p| {
-            (
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                tidepool::trace::load(&p).unwrap(),
-            )
-        })
+        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), tidepool::trace::load(&p).unwrap()))
         .collect()
 }
 
@@ -34,16 +26,8 @@ fn replay_speed(c: &mut Criterion) {
     let mut group = c.benchmark_group("replay");
     for (name, trace) in traces() {
         group.throughput(Throughput::Elements(trace.events.len() as u64));
-        let options = ReplayOptions {
-            capacity: 1 << 50,
-            policy: Policy::Tidepool,
-            conf: String::new(),
-            samples: 0,
-            record_to: None,
-        };
-        group.bench_function(BenchmarkId::from_parameter(name), |b| {
-            b.iter(|| replay(&trace, &options).unwrap())
-        });
+        let options = ReplayOptions { capacity: 1 << 50, policy: Policy::Tidepool, conf: String::new(), samples: 0, record_to: None };
+        group.bench_function(BenchmarkId::from_parameter(name), |b| b.iter(|| replay(&trace, &options).unwrap()));
     }
     group.finish();
 }

@@ -40,12 +40,7 @@ fn scaling(c: &mut Criterion) {
     // One heap per device (the default), then 16 stream shards.
     for shards in [1, 16] {
         let conf = format!("release_after_ms:off,headroom_mb:0,stream_shards:{shards}");
-        let config = Config::builder()
-            .conf(&conf)
-            .unwrap()
-            .host(1, 1 << 40)
-            .build()
-            .unwrap();
+        let config = Config::builder().conf(&conf).unwrap().host(1, 1 << 40).build().unwrap();
         let alloc = Arc::new(Allocator::new(config).unwrap());
         for threads in [1u64, 2] {
             group.throughput(Throughput::Elements(threads));

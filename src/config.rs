@@ -120,10 +120,7 @@ pub struct OptionSpec {
 const MIB: u64 = 1 << 20;
 
 fn number(value: &str) -> Result<u64, String> {
-    value
-        .trim()
-        .parse::<u64>()
-        .map_err(|_| format!("expected a non-negative integer, got {value:?}"))
+    value.trim().parse::<u64>().map_err(|_| format!("expected a non-negative integer, got {value:?}"))
 }
 
 fn boolean(value: &str) -> Result<bool, String> {
@@ -135,9 +132,7 @@ fn boolean(value: &str) -> Result<bool, String> {
 }
 
 fn scaled(value: &str, unit: u64) -> Result<u64, String> {
-    number(value)?
-        .checked_mul(unit)
-        .ok_or_else(|| format!("{value} is too large"))
+    number(value)?.checked_mul(unit).ok_or_else(|| format!("{value} is too large"))
 }
 
 /// The options table. README's configuration section lists the same rows.
@@ -446,9 +441,7 @@ impl Config {
             }
         }
         if let Err(msg) = config.rules.check() {
-            warnings.push(format!(
-                "ignoring the size options: {msg}; using the defaults"
-            ));
+            warnings.push(format!("ignoring the size options: {msg}; using the defaults"));
             // Splitting and rounding options are checked on their own and kept.
             config.rules = SizeRules {
                 max_split_size: config.rules.max_split_size,
@@ -464,9 +457,7 @@ impl Config {
     pub fn from_env() -> Config {
         let text = std::env::var("TIDEPOOL_CONF").unwrap_or_default();
         let (mut config, warnings) = Config::parse(&text);
-        config.trace_path = std::env::var_os("TIDEPOOL_TRACE")
-            .filter(|p| !p.is_empty())
-            .map(Into::into);
+        config.trace_path = std::env::var_os("TIDEPOOL_TRACE").filter(|p| !p.is_empty()).map(Into::into);
         for warning in warnings {
             eprintln!("tidepool: warning: TIDEPOOL_CONF: {warning}");
         }
@@ -475,18 +466,15 @@ impl Config {
 
     /// A strict builder starting from the defaults.
     pub fn builder() -> ConfigBuilder {
-        ConfigBuilder {
-            config: Config::default(),
-        }
+        ConfigBuilder { config: Config::default() }
     }
 }
 
 fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError> {
-    let spec = OPTIONS.iter().find(|o| o.key == key).ok_or_else(|| {
-        ConfigError(format!(
-            "unknown option {key:?}; run `tidepool config` for the list"
-        ))
-    })?;
+    let spec = OPTIONS
+        .iter()
+        .find(|o| o.key == key)
+        .ok_or_else(|| ConfigError(format!("unknown option {key:?}; run `tidepool config` for the list")))?;
     (spec.apply)(config, value).map_err(|msg| ConfigError(format!("{key}: {msg}")))
 }
 
@@ -506,9 +494,7 @@ impl ConfigBuilder {
     /// Applies a whole `key:value,...` string, failing on the first bad entry.
     pub fn conf(mut self, text: &str) -> Result<Self, ConfigError> {
         for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let (key, value) = entry
-                .split_once(':')
-                .ok_or_else(|| ConfigError(format!("{entry:?}: expected key:value")))?;
+            let (key, value) = entry.split_once(':').ok_or_else(|| ConfigError(format!("{entry:?}: expected key:value")))?;
             self = self.set(key.trim(), value)?;
         }
         Ok(self)
@@ -549,8 +535,7 @@ mod tests {
 
     #[test]
     fn pytorch_syntax_sets_the_named_options() {
-        let (c, warnings) =
-            Config::parse(" max_split_size_mb:256 , roundup_power2_divisions:4,host_devices:2");
+        let (c, warnings) = Config::parse(" max_split_size_mb:256 , roundup_power2_divisions:4,host_devices:2");
         assert!(warnings.is_empty(), "{warnings:?}");
         assert_eq!(c.rules.max_split_size, 256 << 20);
         assert_eq!(c.rules.roundup_power2_divisions, 4);
@@ -587,21 +572,9 @@ mod tests {
     fn the_builder_is_strict() {
         assert!(Config::builder().set("max_split_size_mb", "5").is_err());
         assert!(Config::builder().set("nope", "1").is_err());
-        assert!(Config::builder()
-            .set("small_segment_mb", "0")
-            .unwrap()
-            .build()
-            .is_err());
-        let c = Config::builder()
-            .conf("max_split_size_mb:64")
-            .unwrap()
-            .host(2, 1 << 30)
-            .build()
-            .unwrap();
-        assert_eq!(
-            (c.rules.max_split_size, c.host_devices, c.host_capacity),
-            (64 << 20, 2, 1 << 30)
-        );
+        assert!(Config::builder().set("small_segment_mb", "0").unwrap().build().is_err());
+        let c = Config::builder().conf("max_split_size_mb:64").unwrap().host(2, 1 << 30).build().unwrap();
+        assert_eq!((c.rules.max_split_size, c.host_devices, c.host_capacity), (64 << 20, 2, 1 << 30));
     }
 
     #[test]
@@ -609,18 +582,8 @@ mod tests {
         for spec in OPTIONS {
             let mut c = Config::default();
             (spec.apply)(&mut c, spec.default).unwrap_or_else(|e| panic!("{}: {e}", spec.key));
-            assert_eq!(
-                c,
-                Config::default(),
-                "default of {} differs from Config::default()",
-                spec.key
-            );
-            assert_eq!(
-                (spec.show)(&c),
-                spec.default,
-                "{} shows its default differently",
-                spec.key
-            );
+            assert_eq!(c, Config::default(), "default of {} differs from Config::default()", spec.key);
+            assert_eq!((spec.show)(&c), spec.default, "{} shows its default differently", spec.key);
         }
         let (c, _) = Config::parse("max_split_size_mb:64,host_capacity_mb:1024");
         let shown: Vec<_> = OPTIONS.iter().map(|o| (o.key, (o.show)(&c))).collect();

@@ -122,25 +122,13 @@ impl fmt::Display for OomReport {
             self.fragmentation * 100.0,
         )?;
         if let (Some(free), Some(total)) = (self.device_free, self.device_total) {
-            write!(
-                f,
-                "; the device has {} free of {}",
-                human_bytes(free),
-                human_bytes(total)
-            )?;
+            write!(f, "; the device has {} free of {}", human_bytes(free), human_bytes(total))?;
         }
         if let Some(limit) = self.reserved_limit {
-            write!(
-                f,
-                "; tidepool may reserve at most {} on it (memory fraction)",
-                human_bytes(limit)
-            )?;
+            write!(f, "; tidepool may reserve at most {} on it (memory fraction)", human_bytes(limit))?;
         }
         write!(f, ". ")?;
-        if self
-            .reserved_limit
-            .is_some_and(|limit| self.allocated.saturating_add(self.requested) > limit)
-        {
+        if self.reserved_limit.is_some_and(|limit| self.allocated.saturating_add(self.requested) > limit) {
             write!(
                 f,
                 "The memory fraction is the limit: raise it (torch.cuda.set_per_process_memory_fraction) \
@@ -189,19 +177,9 @@ mod tests {
             reserved_limit: Some(14 << 30),
         };
         let text = AllocError::OutOfMemory(Box::new(report)).to_string();
-        for needle in [
-            "device 1",
-            "2.00 GiB",
-            "10.00 GiB allocated",
-            "13.00 GiB reserved",
-            "3.00 GiB cached free",
-            "largest free block 1.00 GiB",
-            "67 %",
-            "max_split_size_mb",
-            "batch size",
-            "of 16.00 GiB",
-            "at most 14.00 GiB",
-        ] {
+        for needle in ["device 1", "2.00 GiB", "10.00 GiB allocated", "13.00 GiB reserved", "3.00 GiB cached free",
+            "largest free block 1.00 GiB", "67 %", "max_split_size_mb", "batch size", "of 16.00 GiB", "at most 14.00 GiB"]
+        {
             assert!(text.contains(needle), "{needle:?} missing from {text}");
         }
     }

@@ -172,8 +172,7 @@ fn process_config() -> crate::Config {
     let mut config = crate::Config::from_env();
     if FORKED.load(Ordering::Acquire) {
         if let Some(path) = config.trace_path.as_mut() {
-            path.as_mut_os_string()
-                .push(format!(".{}", std::process::id()));
+            path.as_mut_os_string().push(format!(".{}", std::process::id()));
         }
     }
     config
@@ -208,10 +207,7 @@ fn allocator() -> Result<&'static Allocator, AllocError> {
 }
 
 fn device_index(device: c_int) -> Result<usize, AllocError> {
-    usize::try_from(device).map_err(|_| AllocError::InvalidDevice {
-        device: device as i64,
-        device_count: 0,
-    })
+    usize::try_from(device).map_err(|_| AllocError::InvalidDevice { device: device as i64, device_count: 0 })
 }
 
 /// Logs `message` to stderr the first time `flag` is seen unset.
@@ -230,8 +226,7 @@ static LOGGED_SIZE_MISMATCH: AtomicBool = AtomicBool::new(false);
 #[no_mangle]
 pub extern "C" fn tidepool_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
     boundary!(null_mut(), {
-        let result = allocator()
-            .and_then(|a| a.allocate(device_index(device)?, size, Stream(stream as u64)));
+        let result = allocator().and_then(|a| a.allocate(device_index(device)?, size, Stream(stream as u64)));
         match result {
             Ok(ptr) => ptr.0 as *mut c_void,
             Err(err) => {
@@ -254,14 +249,8 @@ pub extern "C" fn tidepool_free(ptr: *mut c_void, size: usize, device: c_int, st
         if ptr.is_null() {
             return;
         }
-        let result = allocator().and_then(|a| {
-            a.free_sized(
-                device_index(device)?,
-                DevicePtr(ptr as u64),
-                size,
-                Stream(stream as u64),
-            )
-        });
+        let result = allocator()
+            .and_then(|a| a.free_sized(device_index(device)?, DevicePtr(ptr as u64), size, Stream(stream as u64)));
         match result {
             Ok(recorded) if recorded != size as u64 => log_once(
                 &LOGGED_SIZE_MISMATCH,
@@ -314,9 +303,7 @@ pub extern "C" fn tidepool_empty_cache() {
 #[no_mangle]
 pub extern "C" fn tidepool_set_memory_fraction(fraction: f64, device: c_int) {
     boundary!((), {
-        if let Err(err) =
-            allocator().and_then(|a| a.set_memory_fraction(device_index(device)?, fraction))
-        {
+        if let Err(err) = allocator().and_then(|a| a.set_memory_fraction(device_index(device)?, fraction)) {
             set_last_error(err.to_string());
         }
     })
@@ -326,9 +313,7 @@ pub extern "C" fn tidepool_set_memory_fraction(fraction: f64, device: c_int) {
 #[no_mangle]
 pub extern "C" fn tidepool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     boundary!((), {
-        if let Err(err) =
-            allocator().and_then(|a| a.record_stream(DevicePtr(ptr as u64), Stream(stream as u64)))
-        {
+        if let Err(err) = allocator().and_then(|a| a.record_stream(DevicePtr(ptr as u64), Stream(stream as u64))) {
             set_last_error(err.to_string());
         }
     })
@@ -362,20 +347,11 @@ pub extern "C" fn tidepool_base_alloc(ptr: *mut c_void, size: *mut usize) -> *mu
 }
 
 fn c_stat(stat: &Stat) -> tidepool_stat {
-    tidepool_stat {
-        current: stat.current,
-        peak: stat.peak,
-        allocated: stat.allocated,
-        freed: stat.freed,
-    }
+    tidepool_stat { current: stat.current, peak: stat.peak, allocated: stat.allocated, freed: stat.freed }
 }
 
 fn c_gauge(gauge: &StatByPool) -> tidepool_stat_by_pool {
-    tidepool_stat_by_pool {
-        all: c_stat(&gauge.all),
-        small_pool: c_stat(&gauge.small_pool),
-        large_pool: c_stat(&gauge.large_pool),
-    }
+    tidepool_stat_by_pool { all: c_stat(&gauge.all), small_pool: c_stat(&gauge.small_pool), large_pool: c_stat(&gauge.large_pool) }
 }
 
 fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
@@ -467,23 +443,14 @@ fn get_stats(device: c_int, out: *mut tidepool_stats) -> Result<(), Failure> {
     let invalid_device = |err: AllocError| (TIDEPOOL_ERR_INVALID_DEVICE, err.to_string());
     let device = device_index(device).map_err(invalid_device)?;
     let stats = allocator.stats(device).map_err(invalid_device)?;
-    let limit = allocator
-        .with_heap(device, |h| h.reserved_limit())
-        .ok()
-        .flatten();
+    let limit = allocator.with_heap(device, |h| h.reserved_limit()).ok().flatten();
     let mut filled = c_stats(&stats, limit);
     // A caller built against an older, shorter struct gets its prefix.
     let n = caller_size.min(std::mem::size_of::<tidepool_stats>());
     filled.size = n as u32;
     // SAFETY: the caller vouches for `caller_size` writable bytes at
     // `out`; we copy n <= caller_size bytes from a local value.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            &filled as *const tidepool_stats as *const u8,
-            out as *mut u8,
-            n,
-        )
-    };
+    unsafe { std::ptr::copy_nonoverlapping(&filled as *const tidepool_stats as *const u8, out as *mut u8, n) };
     Ok(())
 }
 
@@ -498,25 +465,15 @@ pub extern "C" fn tidepool_dump_snapshot(path: *const c_char) -> c_int {
 fn dump_snapshot(path: *const c_char) -> Result<(), Failure> {
     const WHO: &str = "tidepool: tidepool_dump_snapshot";
     if path.is_null() {
-        return Err((
-            TIDEPOOL_ERR_INVALID_ARGUMENT,
-            format!("{WHO}: path is NULL"),
-        ));
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: path is NULL")));
     }
     // SAFETY: `path` is non-null and, per the contract, a NUL-terminated string.
     let Ok(path) = unsafe { CStr::from_ptr(path) }.to_str() else {
-        return Err((
-            TIDEPOOL_ERR_INVALID_ARGUMENT,
-            format!("{WHO}: path is not UTF-8"),
-        ));
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: path is not UTF-8")));
     };
     let allocator = allocator_or_internal()?;
-    crate::snapshot::write_snapshot(allocator, Path::new(path)).map_err(|err| {
-        (
-            TIDEPOOL_ERR_IO,
-            format!("tidepool: cannot write snapshot {path}: {err}"),
-        )
-    })
+    crate::snapshot::write_snapshot(allocator, Path::new(path))
+        .map_err(|err| (TIDEPOOL_ERR_IO, format!("tidepool: cannot write snapshot {path}: {err}")))
 }
 
 /// Copies this thread's last error message into `buf` (NUL-terminated,

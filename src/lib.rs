@@ -83,25 +83,13 @@ impl Allocator {
     /// An allocator over the backend the configuration names.
     pub fn new(config: Config) -> Result<Allocator, AllocError> {
         let backend: Arc<dyn Backend> = match (config.backend, &config.host_shared) {
-            (BackendKind::Host, None) => {
-                Arc::new(HostBackend::new(config.host_devices, config.host_capacity))
-            }
+            (BackendKind::Host, None) => Arc::new(HostBackend::new(config.host_devices, config.host_capacity)),
             (BackendKind::Host, Some(path)) => Arc::new(
-                HostBackend::shared(config.host_devices, config.host_capacity, path).map_err(
-                    |e| {
-                        AllocError::InvalidArgument(format!(
-                            "host_shared: cannot open {}: {e}",
-                            path.display()
-                        ))
-                    },
-                )?,
+                HostBackend::shared(config.host_devices, config.host_capacity, path)
+                    .map_err(|e| AllocError::InvalidArgument(format!("host_shared: cannot open {}: {e}", path.display())))?,
             ),
-            (BackendKind::Cuda, _) => {
-                Arc::new(backend::cuda::CudaBackend::new(false).map_err(AllocError::Backend)?)
-            }
-            (BackendKind::CudaAsync, _) => {
-                Arc::new(backend::cuda::CudaBackend::new(true).map_err(AllocError::Backend)?)
-            }
+            (BackendKind::Cuda, _) => Arc::new(backend::cuda::CudaBackend::new(false).map_err(AllocError::Backend)?),
+            (BackendKind::CudaAsync, _) => Arc::new(backend::cuda::CudaBackend::new(true).map_err(AllocError::Backend)?),
         };
         Ok(Allocator::with_backend(config, backend))
     }
@@ -115,16 +103,11 @@ impl Allocator {
     /// to inject faults). A trace file that cannot be created is reported on
     /// stderr and the allocator runs without recording.
     pub fn with_backend(config: Config, backend: Arc<dyn Backend>) -> Allocator {
-        let recorder = config.trace_path.as_ref().and_then(|path| {
-            match trace::record::Recorder::create(path) {
-                Ok(recorder) => Some(recorder),
-                Err(err) => {
-                    eprintln!(
-                        "tidepool: warning: TIDEPOOL_TRACE: cannot record to {}: {err}",
-                        path.display()
-                    );
-                    None
-                }
+        let recorder = config.trace_path.as_ref().and_then(|path| match trace::record::Recorder::create(path) {
+            Ok(recorder) => Some(recorder),
+            Err(err) => {
+                eprintln!("tidepool: warning: TIDEPOOL_TRACE: cannot record to {}: {err}", path.display());
+                None
             }
         });
         let clock = reclaim::Clock::new();
@@ -147,10 +130,7 @@ impl Allocator {
                 // One registry slot per device: the first shard speaks for it.
                 if shard == 0 {
                     if let Some(registry) = join_registry(&config, backend.as_ref(), device) {
-                        heap.cooperate(
-                            registry,
-                            std::time::Duration::from_millis(config.oom_wait_ms),
-                        );
+                        heap.cooperate(registry, std::time::Duration::from_millis(config.oom_wait_ms));
                         cooperating = true;
                     }
                 }
@@ -175,17 +155,7 @@ impl Allocator {
         };
         let fork_generation = ffi::watch_forks();
         let devices = backend.device_count();
-        Allocator {
-            config,
-            backend,
-            heaps,
-            shards,
-            devices,
-            recorder,
-            reclaimer,
-            pid: std::process::id(),
-            fork_generation,
-        }
+        Allocator { config, backend, heaps, shards, devices, recorder, reclaimer, pid: std::process::id(), fork_generation }
     }
 
     /// Why `device` cannot be used: a fork child's, or no such device.
@@ -194,10 +164,7 @@ impl Allocator {
         if self.forked() {
             AllocError::Forked { parent: self.pid }
         } else {
-            AllocError::InvalidDevice {
-                device: device as i64,
-                device_count: self.devices,
-            }
+            AllocError::InvalidDevice { device: device as i64, device_count: self.devices }
         }
     }
 
@@ -228,13 +195,7 @@ impl Allocator {
     /// once: `stream`'s heap first, then the others; if none holds it,
     /// `stream`'s heap (which then reports the bad pointer).
     #[inline(always)]
-    fn with_owner<R>(
-        &self,
-        device: usize,
-        ptr: DevicePtr,
-        stream: Stream,
-        f: impl FnOnce(&mut DeviceHeap) -> R,
-    ) -> Result<R, AllocError> {
+    fn with_owner<R>(&self, device: usize, ptr: DevicePtr, stream: Stream, f: impl FnOnce(&mut DeviceHeap) -> R) -> Result<R, AllocError> {
         let first = self.stream_heap(device, stream)?;
         {
             let mut heap = first.lock();
@@ -242,11 +203,7 @@ impl Allocator {
                 return Ok(f(&mut heap));
             }
         }
-        for other in self
-            .device_heaps(device)?
-            .iter()
-            .filter(|h| !std::ptr::eq(*h, first))
-        {
+        for other in self.device_heaps(device)?.iter().filter(|h| !std::ptr::eq(*h, first)) {
             let mut heap = other.lock();
             if heap.owns(ptr.0) {
                 return Ok(f(&mut heap));
@@ -303,12 +260,7 @@ impl Allocator {
     /// `size` bytes on `device` for use on `stream`. A 0-byte request returns
     /// [`DevicePtr::NULL`] and no error.
     #[inline(always)]
-    pub fn allocate(
-        &self,
-        device: usize,
-        size: usize,
-        stream: Stream,
-    ) -> Result<DevicePtr, AllocError> {
+    pub fn allocate(&self, device: usize, size: usize, stream: Stream) -> Result<DevicePtr, AllocError> {
         let heap = self.stream_heap(device, stream)?;
         let result = heap.lock().allocate(size as u64, stream);
         match result {
@@ -332,14 +284,8 @@ impl Allocator {
         if !matches!(err, AllocError::OutOfMemory(_)) || self.shards == 1 {
             return Err(err);
         }
-        for other in self
-            .device_heaps(device)?
-            .iter()
-            .filter(|h| !std::ptr::eq(*h, heap))
-        {
-            other
-                .lock()
-                .release_free_segments(reclaim::policy::Reason::OutOfMemory, |_, _| true);
+        for other in self.device_heaps(device)?.iter().filter(|h| !std::ptr::eq(*h, heap)) {
+            other.lock().release_free_segments(reclaim::policy::Reason::OutOfMemory, |_, _| true);
         }
         let mut heap = heap.lock();
         let retried = heap.allocate(size as u64, stream).map(DevicePtr);
@@ -358,29 +304,17 @@ impl Allocator {
     /// Frees `ptr`, allocated on `stream`: with stream shards, the stream
     /// names the heap at once (other heaps are searched if it is wrong).
     #[inline(always)]
-    pub fn free_on_stream(
-        &self,
-        device: usize,
-        ptr: DevicePtr,
-        stream: Stream,
-    ) -> Result<(), AllocError> {
+    pub fn free_on_stream(&self, device: usize, ptr: DevicePtr, stream: Stream) -> Result<(), AllocError> {
         if ptr.is_null() {
             return Ok(());
         }
-        self.with_owner(device, ptr, stream, |heap| heap.free(ptr.0))?
-            .map(|_| ())
+        self.with_owner(device, ptr, stream, |heap| heap.free(ptr.0))?.map(|_| ())
     }
 
     /// Frees `ptr`, checking the size the caller believes it has: a
     /// different size is counted (`num_size_mismatches`) and the recorded
     /// one is used. Returns the recorded size.
-    pub fn free_sized(
-        &self,
-        device: usize,
-        ptr: DevicePtr,
-        size: usize,
-        stream: Stream,
-    ) -> Result<u64, AllocError> {
+    pub fn free_sized(&self, device: usize, ptr: DevicePtr, size: usize, stream: Stream) -> Result<u64, AllocError> {
         if ptr.is_null() {
             return Ok(0);
         }
@@ -397,9 +331,7 @@ impl Allocator {
     pub fn empty_cache(&self) -> Released {
         let mut total = Released::default();
         for heap in self.heaps().unwrap_or(&[]) {
-            total += heap
-                .lock()
-                .release_free_segments(reclaim::policy::Reason::EmptyCache, |_, _| true);
+            total += heap.lock().release_free_segments(reclaim::policy::Reason::EmptyCache, |_, _| true);
         }
         total
     }
@@ -422,16 +354,8 @@ impl Allocator {
     }
 
     /// The base and size of the segment holding `ptr` (PyTorch's `getBaseAllocation`).
-    pub fn segment_of(
-        &self,
-        device: usize,
-        ptr: DevicePtr,
-    ) -> Result<Option<(DevicePtr, u64)>, AllocError> {
-        Ok(self
-            .device_heaps(device)?
-            .iter()
-            .find_map(|h| h.lock().segment_of(ptr.0))
-            .map(|(base, size)| (DevicePtr(base), size)))
+    pub fn segment_of(&self, device: usize, ptr: DevicePtr) -> Result<Option<(DevicePtr, u64)>, AllocError> {
+        Ok(self.device_heaps(device)?.iter().find_map(|h| h.lock().segment_of(ptr.0)).map(|(base, size)| (DevicePtr(base), size)))
     }
 
     /// Limits what `device` may reserve to `fraction` of its total memory
@@ -439,16 +363,10 @@ impl Allocator {
     /// as out of memory after the cache is released. 1.0 lifts the limit.
     pub fn set_memory_fraction(&self, device: usize, fraction: f64) -> Result<(), AllocError> {
         if !(0.0..=1.0).contains(&fraction) {
-            return Err(AllocError::InvalidArgument(format!(
-                "memory fraction must be between 0 and 1, got {fraction}"
-            )));
+            return Err(AllocError::InvalidArgument(format!("memory fraction must be between 0 and 1, got {fraction}")));
         }
         let heaps = self.device_heaps(device)?;
-        let total = self
-            .backend
-            .mem_info(device)
-            .map_err(AllocError::Backend)?
-            .total;
+        let total = self.backend.mem_info(device).map_err(AllocError::Backend)?.total;
         let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
         for heap in heaps {
             heap.lock().set_reserved_limit(limit);
@@ -475,20 +393,12 @@ impl Allocator {
             .ok()?
             .iter()
             .enumerate()
-            .find_map(|(index, heap)| {
-                heap.lock()
-                    .segment_of(ptr.0)
-                    .map(|(base, size)| (index / self.shards, DevicePtr(base), size))
-            })
+            .find_map(|(index, heap)| heap.lock().segment_of(ptr.0).map(|(base, size)| (index / self.shards, DevicePtr(base), size)))
     }
 
     /// Every segment of `device` with its blocks, in address order.
     pub fn snapshot(&self, device: usize) -> Result<Vec<SegmentSnapshot>, AllocError> {
-        let mut segments: Vec<SegmentSnapshot> = self
-            .device_heaps(device)?
-            .iter()
-            .flat_map(|h| h.lock().snapshot())
-            .collect();
+        let mut segments: Vec<SegmentSnapshot> = self.device_heaps(device)?.iter().flat_map(|h| h.lock().snapshot()).collect();
         segments.sort_by_key(|s| s.address);
         Ok(segments)
     }
@@ -497,9 +407,7 @@ impl Allocator {
     pub fn validate(&self) -> Result<(), String> {
         for (index, heap) in self.heaps().map_err(|e| e.to_string())?.iter().enumerate() {
             let (device, shard) = (index / self.shards, index % self.shards);
-            heap.lock()
-                .validate()
-                .map_err(|e| format!("device {device} (shard {shard}): {e}"))?;
+            heap.lock().validate().map_err(|e| format!("device {device} (shard {shard}): {e}"))?;
         }
         Ok(())
     }
@@ -518,11 +426,7 @@ impl Allocator {
     }
 
     /// Runs `f` with the (first) heap of `device` locked (tests and tools).
-    pub fn with_heap<R>(
-        &self,
-        device: usize,
-        f: impl FnOnce(&mut DeviceHeap) -> R,
-    ) -> Result<R, AllocError> {
+    pub fn with_heap<R>(&self, device: usize, f: impl FnOnce(&mut DeviceHeap) -> R) -> Result<R, AllocError> {
         Ok(f(&mut self.heap(device)?.lock()))
     }
 }
@@ -530,19 +434,12 @@ impl Allocator {
 /// The registry of the processes sharing `device`, when cooperation is on
 /// and the device can be shared; a registry that cannot be used is reported
 /// and cooperation stays off for it.
-fn join_registry(
-    config: &Config,
-    backend: &dyn Backend,
-    device: usize,
-) -> Option<reclaim::registry::Registry> {
+fn join_registry(config: &Config, backend: &dyn Backend, device: usize) -> Option<reclaim::registry::Registry> {
     if !config.cooperative {
         return None;
     }
     let key = backend.shared_device_key(device)?;
-    let dir = config
-        .registry_dir
-        .clone()
-        .unwrap_or_else(reclaim::registry::default_dir);
+    let dir = config.registry_dir.clone().unwrap_or_else(reclaim::registry::default_dir);
     match reclaim::registry::Registry::join(&dir, &key) {
         Ok(registry) => Some(registry),
         Err(err) => {

@@ -123,15 +123,14 @@ impl SizeRules {
             return Some(self.min_block);
         }
         let div = self.roundup_power2_divisions;
-        let rounded =
-            if div > 1 && size > self.min_block.saturating_mul(div) && !size.is_power_of_two() {
-                let floor = 1u64 << (63 - size.leading_zeros());
-                // `div` is a power of two (checked by the config), so the step is exact.
-                let step = floor / div;
-                align_up(size, step)?
-            } else {
-                size
-            };
+        let rounded = if div > 1 && size > self.min_block.saturating_mul(div) && !size.is_power_of_two() {
+            let floor = 1u64 << (63 - size.leading_zeros());
+            // `div` is a power of two (checked by the config), so the step is exact.
+            let step = floor / div;
+            align_up(size, step)?
+        } else {
+            size
+        };
         align_up(rounded, self.min_block)
     }
 
@@ -194,27 +193,16 @@ impl SizeRules {
             pow2("roundup_power2_divisions", self.roundup_power2_divisions)?;
         }
         if self.min_block < 256 {
-            return Err(format!(
-                "min_block must be at least 256 bytes, got {}",
-                self.min_block
-            ));
+            return Err(format!("min_block must be at least 256 bytes, got {}", self.min_block));
         }
         if self.small_size < self.min_block || !self.small_size.is_multiple_of(self.min_block) {
             return Err("small_size must be a multiple of min_block".into());
         }
-        if self.small_segment < self.small_size
-            || !self.small_segment.is_multiple_of(self.min_block)
-        {
-            return Err(
-                "small_segment must be a multiple of min_block and at least small_size".into(),
-            );
+        if self.small_segment < self.small_size || !self.small_segment.is_multiple_of(self.min_block) {
+            return Err("small_segment must be a multiple of min_block and at least small_size".into());
         }
-        if self.large_segment < self.min_large_alloc
-            || !self.large_segment.is_multiple_of(self.min_block)
-        {
-            return Err(
-                "large_segment must be a multiple of min_block and at least min_large_alloc".into(),
-            );
+        if self.large_segment < self.min_large_alloc || !self.large_segment.is_multiple_of(self.min_block) {
+            return Err("large_segment must be a multiple of min_block and at least min_large_alloc".into());
         }
         if self.min_large_alloc <= self.small_size {
             return Err("min_large_alloc must be above small_size".into());
@@ -285,10 +273,7 @@ mod tests {
         for bin in SUBS as usize..BIN_COUNT - 1 {
             let lo = bin_lower_bound(bin);
             let width = bin_lower_bound(bin + 1) - lo;
-            assert!(
-                width * SUBS as u64 <= lo,
-                "bin {bin}: width {width}, lower bound {lo}"
-            );
+            assert!(width * SUBS as u64 <= lo, "bin {bin}: width {width}, lower bound {lo}");
         }
     }
 
@@ -300,10 +285,7 @@ mod tests {
         assert_eq!(rules.round(513), Some(1024));
         for size in (1..1u64 << 16).chain([(1 << 30) + 1, u64::MAX / 2]) {
             let r = rules.round(size).unwrap();
-            assert!(
-                r >= size && r % 512 == 0 && r - size < 512,
-                "size {size} -> {r}"
-            );
+            assert!(r >= size && r % 512 == 0 && r - size < 512, "size {size} -> {r}");
         }
         assert_eq!(rules.round(u64::MAX), None);
         assert_eq!(rules.round(u64::MAX - 100), None);
@@ -311,10 +293,7 @@ mod tests {
 
     #[test]
     fn roundup_power2_divisions_rounds_to_steps_of_the_octave() {
-        let rules = SizeRules {
-            roundup_power2_divisions: 4,
-            ..SizeRules::default()
-        };
+        let rules = SizeRules { roundup_power2_divisions: 4, ..SizeRules::default() };
         // 1 MiB octave in four steps of 256 KiB: 1.1 MiB -> 1.25 MiB.
         let mib = 1u64 << 20;
         assert_eq!(rules.round(mib + mib / 10), Some(mib + mib / 4));
@@ -324,10 +303,7 @@ mod tests {
         assert_eq!(rules.round(1500), Some(1536));
         for size in [3000u64, 70_000, 5 << 20, (7 << 30) + 3] {
             let r = rules.round(size).unwrap();
-            assert!(
-                r >= size && r.is_multiple_of(512) && (r - size) * 4 <= size,
-                "size {size} -> {r}"
-            );
+            assert!(r >= size && r.is_multiple_of(512) && (r - size) * 4 <= size, "size {size} -> {r}");
         }
     }
 
@@ -354,43 +330,22 @@ mod tests {
         assert!(!rules.should_split(PoolKind::Small, 2 * mib, 2 * mib));
         assert!(rules.should_split(PoolKind::Large, 20 * mib, 18 * mib));
         assert!(!rules.should_split(PoolKind::Large, 20 * mib, 19 * mib));
-        let capped = SizeRules {
-            max_split_size: 8 * mib,
-            ..rules
-        };
+        let capped = SizeRules { max_split_size: 8 * mib, ..rules };
         assert!(!capped.should_split(PoolKind::Large, 40 * mib, 9 * mib));
         assert!(capped.should_split(PoolKind::Large, 20 * mib, 4 * mib));
-        assert!(
-            !capped.may_serve(20 * mib, 4 * mib),
-            "an oversize block never serves a small request"
-        );
+        assert!(!capped.may_serve(20 * mib, 4 * mib), "an oversize block never serves a small request");
         assert!(capped.may_serve(30 * mib, 12 * mib));
-        assert!(
-            !capped.may_serve(40 * mib, 12 * mib),
-            "nor a request 20 MiB smaller than itself"
-        );
+        assert!(!capped.may_serve(40 * mib, 12 * mib), "nor a request 20 MiB smaller than itself");
     }
 
     #[test]
     fn default_rules_are_consistent_and_bad_ones_are_named() {
         assert_eq!(SizeRules::default().check(), Ok(()));
-        let bad = SizeRules {
-            min_block: 500,
-            ..SizeRules::default()
-        };
+        let bad = SizeRules { min_block: 500, ..SizeRules::default() };
         assert!(bad.check().unwrap_err().contains("min_block"));
-        let bad = SizeRules {
-            small_segment: 1 << 19,
-            ..SizeRules::default()
-        };
+        let bad = SizeRules { small_segment: 1 << 19, ..SizeRules::default() };
         assert!(bad.check().unwrap_err().contains("small_segment"));
-        let bad = SizeRules {
-            roundup_power2_divisions: 3,
-            ..SizeRules::default()
-        };
-        assert!(bad
-            .check()
-            .unwrap_err()
-            .contains("roundup_power2_divisions"));
+        let bad = SizeRules { roundup_power2_divisions: 3, ..SizeRules::default() };
+        assert!(bad.check().unwrap_err().contains("roundup_power2_divisions"));
     }
 }

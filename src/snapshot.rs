@@ -16,18 +16,8 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
     let mut segments = Vec::new();
     for device in 0..alloc.device_count() {
         for segment in alloc.snapshot(device).unwrap_or_default() {
-            let allocated: u64 = segment
-                .blocks
-                .iter()
-                .filter(|b| b.allocated)
-                .map(|b| b.size)
-                .sum();
-            let requested: u64 = segment
-                .blocks
-                .iter()
-                .filter(|b| b.allocated)
-                .map(|b| b.requested)
-                .sum();
+            let allocated: u64 = segment.blocks.iter().filter(|b| b.allocated).map(|b| b.size).sum();
+            let requested: u64 = segment.blocks.iter().filter(|b| b.allocated).map(|b| b.requested).sum();
             let blocks = segment
                 .blocks
                 .iter()
@@ -36,14 +26,7 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
                         ("address", PyValue::int(b.address)),
                         ("size", PyValue::int(b.size)),
                         ("requested_size", PyValue::int(b.requested)),
-                        (
-                            "state",
-                            PyValue::str(if b.allocated {
-                                "active_allocated"
-                            } else {
-                                "inactive"
-                            }),
-                        ),
+                        ("state", PyValue::str(if b.allocated { "active_allocated" } else { "inactive" })),
                         ("frames", PyValue::List(vec![])),
                     ])
                 })
@@ -56,31 +39,16 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
                 ("active_size", PyValue::int(allocated)),
                 ("requested_size", PyValue::int(requested)),
                 ("stream", PyValue::int(segment.stream.0)),
-                (
-                    "segment_type",
-                    PyValue::str(if segment.kind == PoolKind::Small {
-                        "small"
-                    } else {
-                        "large"
-                    }),
-                ),
-                (
-                    "segment_pool_id",
-                    PyValue::Tuple(vec![PyValue::int(0), PyValue::int(0)]),
-                ),
+                ("segment_type", PyValue::str(if segment.kind == PoolKind::Small { "small" } else { "large" })),
+                ("segment_pool_id", PyValue::Tuple(vec![PyValue::int(0), PyValue::int(0)])),
                 ("is_expandable", PyValue::Bool(false)),
                 ("frames", PyValue::List(vec![])),
                 ("blocks", PyValue::List(blocks)),
             ]));
         }
     }
-    let traces = (0..alloc.device_count())
-        .map(|_| PyValue::List(vec![]))
-        .collect();
-    PyValue::dict([
-        ("segments", PyValue::List(segments)),
-        ("device_traces", PyValue::List(traces)),
-    ])
+    let traces = (0..alloc.device_count()).map(|_| PyValue::List(vec![])).collect();
+    PyValue::dict([("segments", PyValue::List(segments)), ("device_traces", PyValue::List(traces))])
 }
 
 /// Writes the snapshot as a pickle to `path` (via a temporary file, so a

@@ -213,10 +213,7 @@ impl Counters {
             gauge.reset_accumulated();
         }
         // `coop_last_wait_ms` is a last value, not an accumulation.
-        self.events = Events {
-            coop_last_wait_ms: self.events.coop_last_wait_ms,
-            ..Events::default()
-        };
+        self.events = Events { coop_last_wait_ms: self.events.coop_last_wait_ms, ..Events::default() };
     }
 
     /// The public statistics; the cache figures are the caller's to fill.
@@ -289,11 +286,9 @@ impl Stats {
         let mut total = first.clone();
         for part in rest {
             for ((_, into), (_, from)) in total.gauges_mut().into_iter().zip(part.gauges()) {
-                for (a, b) in [
-                    (&mut into.all, &from.all),
-                    (&mut into.small_pool, &from.small_pool),
-                    (&mut into.large_pool, &from.large_pool),
-                ] {
+                for (a, b) in
+                    [(&mut into.all, &from.all), (&mut into.small_pool, &from.small_pool), (&mut into.large_pool, &from.large_pool)]
+                {
                     a.current += b.current;
                     a.peak += b.peak;
                     a.allocated += b.allocated;
@@ -304,9 +299,7 @@ impl Stats {
             total.num_allocs += part.num_allocs;
             total.num_frees += part.num_frees;
             total.cached_free_bytes += part.cached_free_bytes;
-            total.largest_free_block_bytes = total
-                .largest_free_block_bytes
-                .max(part.largest_free_block_bytes);
+            total.largest_free_block_bytes = total.largest_free_block_bytes.max(part.largest_free_block_bytes);
         }
         total
     }
@@ -362,17 +355,9 @@ impl Stats {
     pub fn to_pytorch_keys(&self) -> Vec<(String, u64)> {
         let mut out = Vec::with_capacity(9 * 12 + 12);
         for (name, gauge) in self.gauges() {
-            for (pool, stat) in [
-                ("all", &gauge.all),
-                ("small_pool", &gauge.small_pool),
-                ("large_pool", &gauge.large_pool),
-            ] {
-                for (field, value) in [
-                    ("current", stat.current),
-                    ("peak", stat.peak),
-                    ("allocated", stat.allocated),
-                    ("freed", stat.freed),
-                ] {
+            for (pool, stat) in [("all", &gauge.all), ("small_pool", &gauge.small_pool), ("large_pool", &gauge.large_pool)] {
+                for (field, value) in [("current", stat.current), ("peak", stat.peak), ("allocated", stat.allocated), ("freed", stat.freed)]
+                {
                     out.push((format!("{name}.{pool}.{field}"), value));
                 }
             }
@@ -385,21 +370,12 @@ impl Stats {
             ("tidepool.num_allocs", self.num_allocs),
             ("tidepool.num_frees", self.num_frees),
             ("tidepool.num_invalid_frees", self.events.num_invalid_frees),
-            (
-                "tidepool.num_size_mismatches",
-                self.events.num_size_mismatches,
-            ),
+            ("tidepool.num_size_mismatches", self.events.num_size_mismatches),
             ("tidepool.cached_free_bytes", self.cached_free_bytes),
-            (
-                "tidepool.largest_free_block_bytes",
-                self.largest_free_block_bytes,
-            ),
+            ("tidepool.largest_free_block_bytes", self.largest_free_block_bytes),
             ("tidepool.num_reclaims", self.events.num_reclaims),
             ("tidepool.num_coop_requests", self.events.num_coop_requests),
-            (
-                "tidepool.num_coop_satisfied",
-                self.events.num_coop_satisfied,
-            ),
+            ("tidepool.num_coop_satisfied", self.events.num_coop_satisfied),
             ("tidepool.num_coop_served", self.events.num_coop_served),
             ("tidepool.coop_last_wait_ms", self.events.coop_last_wait_ms),
         ] {
@@ -407,14 +383,8 @@ impl Stats {
         }
         for reason in Reason::ALL {
             let released = self.released(reason);
-            out.push((
-                format!("tidepool.released_bytes.{}", reason.name()),
-                released.bytes,
-            ));
-            out.push((
-                format!("tidepool.released_segments.{}", reason.name()),
-                released.segments,
-            ));
+            out.push((format!("tidepool.released_bytes.{}", reason.name()), released.bytes));
+            out.push((format!("tidepool.released_segments.{}", reason.name()), released.segments));
         }
         out
     }
@@ -452,8 +422,7 @@ mod tests {
         let mut c = Counters::default();
         c.allocated_bytes.increase(PoolKind::Large, 4096);
         c.events.num_ooms = 2;
-        let keys: std::collections::HashMap<_, _> =
-            c.report().to_pytorch_keys().into_iter().collect();
+        let keys: std::collections::HashMap<_, _> = c.report().to_pytorch_keys().into_iter().collect();
         assert_eq!(keys["allocated_bytes.all.current"], 4096);
         assert_eq!(keys["allocated_bytes.large_pool.peak"], 4096);
         assert_eq!(keys["allocated_bytes.small_pool.current"], 0);
@@ -476,10 +445,6 @@ mod tests {
         let r = c.report().reserved_bytes;
         assert_eq!((r.all.allocated, r.all.current), (0, 2));
         let e = c.report().events;
-        assert_eq!(
-            (e.num_cross_stream_reuses, e.coop_last_wait_ms),
-            (0, 40),
-            "counts reset, the last wait stays"
-        );
+        assert_eq!((e.num_cross_stream_reuses, e.coop_last_wait_ms), (0, 40), "counts reset, the last wait stays");
     }
 }

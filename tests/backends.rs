@@ -19,31 +19,18 @@ const CAPACITY: u64 = 256 << 20;
 
 #[test]
 fn the_host_backend_conforms() {
-    conformance::run(
-        &|conf| host_allocator(1, CAPACITY, conf).0,
-        CAPACITY,
-        [tidepool::Stream(1), tidepool::Stream(2)],
-    );
+    conformance::run(&|conf| host_allocator(1, CAPACITY, conf).0, CAPACITY, [tidepool::Stream(1), tidepool::Stream(2)]);
 }
 
 /// Runs the test `name` of this binary in a child process with `env`.
 fn child(name: &str, env: &[(&str, &str)]) -> (bool, String) {
     let mut command = Command::new(std::env::current_exe().unwrap());
-    command
-        .args(["--exact", name, "--test-threads=1", "--nocapture"])
-        .env("TIDEPOOL_TEST_CHILD", "1");
+    command.args(["--exact", name, "--test-threads=1", "--nocapture"]).env("TIDEPOOL_TEST_CHILD", "1");
     for (k, v) in env {
         command.env(k, v);
     }
     let out = command.output().unwrap();
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
 fn in_child() -> bool {
@@ -56,17 +43,8 @@ fn child_backend() -> String {
 }
 
 fn cuda_allocator(conf: &str) -> Allocator {
-    let base = format!(
-        "backend:{},release_after_ms:off,headroom_mb:0",
-        child_backend()
-    );
-    let config = Config::builder()
-        .conf(&base)
-        .unwrap()
-        .conf(conf)
-        .unwrap()
-        .build()
-        .unwrap();
+    let base = format!("backend:{},release_after_ms:off,headroom_mb:0", child_backend());
+    let config = Config::builder().conf(&base).unwrap().conf(conf).unwrap().build().unwrap();
     Allocator::new(config).unwrap()
 }
 
@@ -84,11 +62,7 @@ fn child_cuda_conformance() {
         // `cuda`, so any two distinct values will do.
         drop(alloc);
         let budgeted = |conf: &str| cuda_allocator(&format!("max_reserved_mb:1024,{conf}"));
-        conformance::run(
-            &budgeted,
-            1 << 30,
-            [tidepool::Stream(1), tidepool::Stream(2)],
-        );
+        conformance::run(&budgeted, 1 << 30, [tidepool::Stream(1), tidepool::Stream(2)]);
         println!("cuda conformance: ok");
         return;
     }
@@ -129,11 +103,7 @@ fn child_no_driver() {
     if !in_child() {
         return;
     }
-    let config = Config::builder()
-        .conf("backend:cuda")
-        .unwrap()
-        .build()
-        .unwrap();
+    let config = Config::builder().conf("backend:cuda").unwrap().build().unwrap();
     let err = Allocator::new(config).err().expect("no driver here");
     println!("{err}");
 }
@@ -142,21 +112,13 @@ fn child_no_driver() {
 fn without_a_driver_the_cuda_backend_is_a_clear_error_not_a_panic() {
     let empty = Path::new(env!("CARGO_TARGET_TMPDIR")).join("no-driver");
     std::fs::create_dir_all(&empty).unwrap();
-    if Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so").exists()
-        || Path::new("/usr/lib64/libcuda.so").exists()
-    {
+    if Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so").exists() || Path::new("/usr/lib64/libcuda.so").exists() {
         eprintln!("a CUDA driver is installed here: skipped");
         return;
     }
-    let (ok, text) = child(
-        "child_no_driver",
-        &[("LD_LIBRARY_PATH", empty.to_str().unwrap())],
-    );
+    let (ok, text) = child("child_no_driver", &[("LD_LIBRARY_PATH", empty.to_str().unwrap())]);
     assert!(ok, "{text}");
-    assert!(
-        text.contains("no CUDA driver found") && text.contains("backend:host runs without a GPU"),
-        "{text}"
-    );
+    assert!(text.contains("no CUDA driver found") && text.contains("backend:host runs without a GPU"), "{text}");
 }
 
 /// simgpu's streams and test entry points, looked up in the loaded driver.
@@ -195,23 +157,13 @@ impl Simgpu {
             };
             Simgpu {
                 stream_create: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamCreate")),
-                stream_synchronize: std::mem::transmute::<*mut libc::c_void, _>(sym(
-                    c"cuStreamSynchronize",
-                )),
-                enqueue_sleep: std::mem::transmute::<*mut libc::c_void, _>(sym(
-                    c"simgpu_enqueue_sleep",
-                )),
-                enqueue_fill: std::mem::transmute::<*mut libc::c_void, _>(sym(
-                    c"simgpu_enqueue_fill",
-                )),
-                enqueue_set_owner: std::mem::transmute::<*mut libc::c_void, _>(sym(
-                    c"simgpu_enqueue_set_owner",
-                )),
+                stream_synchronize: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamSynchronize")),
+                enqueue_sleep: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_sleep")),
+                enqueue_fill: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_fill")),
+                enqueue_set_owner: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_set_owner")),
                 event_create: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuEventCreate")),
                 event_record: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuEventRecord")),
-                stream_wait_event: std::mem::transmute::<*mut libc::c_void, _>(sym(
-                    c"cuStreamWaitEvent",
-                )),
+                stream_wait_event: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamWaitEvent")),
                 violations: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_violations")),
             }
         }
@@ -297,16 +249,8 @@ fn stream_safety_on(backend: &str, record: bool, ops: u64) -> i64 {
         ],
     );
     assert!(ok, "{text}");
-    let at = text
-        .find("violations: ")
-        .unwrap_or_else(|| panic!("{text}"))
-        + "violations: ".len();
-    text[at..]
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
+    let at = text.find("violations: ").unwrap_or_else(|| panic!("{text}")) + "violations: ".len();
+    text[at..].split_whitespace().next().unwrap().parse().unwrap()
 }
 
 #[test]
@@ -341,19 +285,10 @@ fn child_deferred_free() {
     let start = std::time::Instant::now();
     alloc.free(0, ptr).unwrap();
     let took = start.elapsed();
-    assert!(
-        took < std::time::Duration::from_millis(100),
-        "free waited {took:?}"
-    );
-    assert!(
-        alloc.free(0, ptr).is_err(),
-        "a pending block freed twice is refused"
-    );
+    assert!(took < std::time::Duration::from_millis(100), "free waited {took:?}");
+    assert!(alloc.free(0, ptr).is_err(), "a pending block freed twice is refused");
     let meanwhile = alloc.allocate(0, 1 << 20, tidepool::Stream(own)).unwrap();
-    assert_ne!(
-        meanwhile, ptr,
-        "reused while the other stream may still write it"
-    );
+    assert_ne!(meanwhile, ptr, "reused while the other stream may still write it");
     alloc.validate().unwrap();
     // SAFETY: waits for the stream made above.
     unsafe { (sim.stream_synchronize)(other) };
@@ -361,10 +296,7 @@ fn child_deferred_free() {
     alloc.free(0, after).unwrap();
     alloc.free(0, meanwhile).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        s.allocated_bytes.all.current, 0,
-        "the pending block was freed once its event completed"
-    );
+    assert_eq!(s.allocated_bytes.all.current, 0, "the pending block was freed once its event completed");
     alloc.validate().unwrap();
     println!("deferred free: {took:?}");
 }
@@ -372,13 +304,7 @@ fn child_deferred_free() {
 #[test]
 fn freeing_a_block_in_use_on_another_stream_does_not_wait_for_it() {
     let dir = simgpu_dir();
-    let (ok, text) = child(
-        "child_deferred_free",
-        &[
-            ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
-            ("SIMGPU_CAPACITY", "256M"),
-        ],
-    );
+    let (ok, text) = child("child_deferred_free", &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M")]);
     assert!(ok && text.contains("deferred free:"), "{text}");
 }
 
@@ -416,13 +342,7 @@ fn child_borrowing() {
 #[test]
 fn a_borrowed_block_waits_for_its_streams_work_on_the_device() {
     let dir = simgpu_dir();
-    let (ok, text) = child(
-        "child_borrowing",
-        &[
-            ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
-            ("SIMGPU_CAPACITY", "64M"),
-        ],
-    );
+    let (ok, text) = child("child_borrowing", &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "64M")]);
     assert!(ok, "{text}");
     assert!(text.contains("violations: 0"), "{text}");
 }
@@ -434,45 +354,28 @@ fn child_failing_frees() {
         return;
     }
     let alloc = cuda_allocator("");
-    let ptrs: Vec<_> = (0..6)
-        .map(|_| {
-            alloc
-                .allocate(0, 30 << 20, tidepool::Stream::DEFAULT)
-                .unwrap()
-        })
-        .collect();
+    let ptrs: Vec<_> = (0..6).map(|_| alloc.allocate(0, 30 << 20, tidepool::Stream::DEFAULT).unwrap()).collect();
     for p in ptrs {
         alloc.free(0, p).unwrap();
     }
     let first = alloc.empty_cache();
     alloc.validate().unwrap();
     let kept = alloc.stats(0).unwrap().reserved_bytes.all.current;
-    assert!(
-        first.segments < 6 && kept > 0,
-        "some releases failed: {first:?}"
-    );
+    assert!(first.segments < 6 && kept > 0, "some releases failed: {first:?}");
     // Whatever failed stays cached and consistent; later passes release it.
     for _ in 0..6 {
         alloc.empty_cache();
     }
     alloc.validate().unwrap();
     assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
-    assert_eq!(
-        alloc.backend().mem_info(0).unwrap().free,
-        CAPACITY,
-        "nothing leaked"
-    );
+    assert_eq!(alloc.backend().mem_info(0).unwrap().free, CAPACITY, "nothing leaked");
     println!("failing frees: ok");
 }
 
 #[test]
 fn a_driver_failing_mid_release_leaves_the_heap_consistent_and_leaks_nothing() {
     let dir = simgpu_dir();
-    let env = [
-        ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
-        ("SIMGPU_CAPACITY", "256M"),
-        ("SIMGPU_FAIL_FREE_EVERY", "2"),
-    ];
+    let env = [("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M"), ("SIMGPU_FAIL_FREE_EVERY", "2")];
     let (ok, text) = child("child_failing_frees", &env);
     assert!(ok && text.contains("failing frees: ok"), "{text}");
 }
@@ -506,9 +409,7 @@ fn child_failing_events_and_bad_streams() {
     alloc.free(0, again).unwrap();
     // An unknown stream handle: an error naming the call, nothing leaked.
     if alloc.backend().name() == "cuda_async" {
-        let err = alloc
-            .allocate(0, 4096, tidepool::Stream(0xdead0))
-            .unwrap_err();
+        let err = alloc.allocate(0, 4096, tidepool::Stream(0xdead0)).unwrap_err();
         assert!(err.to_string().contains("cuMemAllocFromPoolAsync"), "{err}");
     }
     alloc.validate().unwrap();

@@ -32,20 +32,13 @@ fn eight_threads_with_random_sizes_never_corrupt_each_others_blocks() {
             std::thread::spawn(move || {
                 let mut rng = Rng(0x9E37_79B9 ^ ((t + 1) * 0x1234_5678_9ABC));
                 // Half the threads share the default stream, half have their own.
-                let stream = if t % 2 == 0 {
-                    Stream::DEFAULT
-                } else {
-                    Stream(100 + t)
-                };
+                let stream = if t % 2 == 0 { Stream::DEFAULT } else { Stream(100 + t) };
                 let mut live: Vec<(DevicePtr, u64, u64)> = Vec::with_capacity(MAX_LIVE_PER_THREAD);
                 for op in 0..OPS_PER_THREAD {
                     let must_free = live.len() == MAX_LIVE_PER_THREAD;
                     if !live.is_empty() && (must_free || rng.below(2) == 0) {
-                        let (ptr, len, tag) =
-                            live.swap_remove(rng.below(live.len() as u64) as usize);
-                        check(ptr, len, tag).unwrap_or_else(|at| {
-                            panic!("thread {t}: block {ptr:?} damaged at {at}")
-                        });
+                        let (ptr, len, tag) = live.swap_remove(rng.below(live.len() as u64) as usize);
+                        check(ptr, len, tag).unwrap_or_else(|at| panic!("thread {t}: block {ptr:?} damaged at {at}"));
                         alloc.free(0, ptr).unwrap();
                     } else {
                         let len = random_size(&mut rng);
@@ -70,11 +63,7 @@ fn eight_threads_with_random_sizes_never_corrupt_each_others_blocks() {
     assert_eq!(stats.allocated_bytes.all.current, 0);
     assert_eq!(stats.num_allocs, stats.num_frees);
     // Every free in the loop follows its allocation, so at least half the ops allocated.
-    assert!(
-        stats.num_allocs >= THREADS * OPS_PER_THREAD / 2,
-        "{} allocations",
-        stats.num_allocs
-    );
+    assert!(stats.num_allocs >= THREADS * OPS_PER_THREAD / 2, "{} allocations", stats.num_allocs);
     alloc.empty_cache();
     assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
 }

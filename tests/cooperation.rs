@@ -41,17 +41,12 @@ fn wait_for(path: &Path, timeout: Duration) -> bool {
 /// Process A: runs only when spawned by the test below.
 #[test]
 fn process_a_holds_idle_cache() {
-    let (Ok(conf), Ok(dir)) = (
-        std::env::var("TIDEPOOL_TEST_COOP_CONF"),
-        std::env::var("TIDEPOOL_TEST_COOP_DIR"),
-    ) else {
+    let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_COOP_CONF"), std::env::var("TIDEPOOL_TEST_COOP_DIR")) else {
         return;
     };
     let dir = PathBuf::from(dir);
     let alloc = allocator(&conf);
-    let block = alloc
-        .allocate(0, (600 * MIB) as usize, Stream::DEFAULT)
-        .unwrap();
+    let block = alloc.allocate(0, (600 * MIB) as usize, Stream::DEFAULT).unwrap();
     alloc.free(0, block).unwrap();
     std::fs::write(dir.join("ready"), b"").unwrap();
     assert!(wait_for(&dir.join("done"), Duration::from_secs(20)));
@@ -80,17 +75,11 @@ fn spawn(name: &str, dir: &Path, conf: &str, env: &[(&str, String)]) -> Child {
 /// Process B of the CUDA variant: asks for 70 % of the device.
 #[test]
 fn process_b_asks_for_memory() {
-    let (Ok(conf), Ok(dir)) = (
-        std::env::var("TIDEPOOL_TEST_COOP_CONF"),
-        std::env::var("TIDEPOOL_TEST_COOP_DIR"),
-    ) else {
+    let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_COOP_CONF"), std::env::var("TIDEPOOL_TEST_COOP_DIR")) else {
         return;
     };
     let dir = PathBuf::from(dir);
-    assert!(
-        wait_for(&dir.join("ready"), Duration::from_secs(20)),
-        "process A did not start"
-    );
+    assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
     let alloc = allocator(&conf);
     let start = Instant::now();
     match alloc.allocate(0, (700 * MIB) as usize, Stream::DEFAULT) {
@@ -107,10 +96,7 @@ fn process_b_asks_for_memory() {
 /// Both processes on the `cuda` backend over one simgpu device shared
 /// through SIMGPU_SHARED; returns what B printed.
 fn scenario_on_simgpu(cooperative: bool) -> String {
-    let dir = std::env::temp_dir().join(format!(
-        "tidepool-coop-simgpu-{}-{cooperative}",
-        std::process::id()
-    ));
+    let dir = std::env::temp_dir().join(format!("tidepool-coop-simgpu-{}-{cooperative}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let conf = format!(
@@ -118,26 +104,15 @@ fn scenario_on_simgpu(cooperative: bool) -> String {
         dir.join("registry").display()
     );
     let env = [
-        (
-            "LD_LIBRARY_PATH",
-            common::simgpu_dir().display().to_string(),
-        ),
-        (
-            "SIMGPU_SHARED",
-            dir.join("simgpu-used").display().to_string(),
-        ),
+        ("LD_LIBRARY_PATH", common::simgpu_dir().display().to_string()),
+        ("SIMGPU_SHARED", dir.join("simgpu-used").display().to_string()),
         ("SIMGPU_CAPACITY", "1024M".to_string()),
     ];
     let a = spawn("process_a_holds_idle_cache", &dir, &conf, &env);
     let b = spawn("process_b_asks_for_memory", &dir, &conf, &env);
     let b_out = b.wait_with_output().unwrap();
     let a_out = a.wait_with_output().unwrap();
-    assert!(
-        a_out.status.success() && b_out.status.success(),
-        "{:?} {:?}",
-        a_out,
-        b_out
-    );
+    assert!(a_out.status.success() && b_out.status.success(), "{:?} {:?}", a_out, b_out);
     let _ = std::fs::remove_dir_all(&dir);
     String::from_utf8_lossy(&b_out.stdout).into_owned()
 }
@@ -151,34 +126,20 @@ fn processes_on_one_simgpu_device_help_each_other() {
 }
 
 fn scenario(cooperative: bool) -> (Result<(), AllocError>, Duration, u64, tidepool::Stats) {
-    let dir = std::env::temp_dir().join(format!(
-        "tidepool-coop-{}-{cooperative}",
-        std::process::id()
-    ));
+    let dir = std::env::temp_dir().join(format!("tidepool-coop-{}-{cooperative}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let conf = conf(&dir, cooperative);
     let a = spawn_a(&dir, &conf);
-    assert!(
-        wait_for(&dir.join("ready"), Duration::from_secs(20)),
-        "process A did not start"
-    );
+    assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
     let b = allocator(&conf);
     let start = Instant::now();
-    let result = b
-        .allocate(0, (700 * MIB) as usize, Stream::DEFAULT)
-        .map(|p| b.free(0, p).unwrap());
+    let result = b.allocate(0, (700 * MIB) as usize, Stream::DEFAULT).map(|p| b.free(0, p).unwrap());
     let waited = start.elapsed();
     let stats = b.stats(0).unwrap();
     std::fs::write(dir.join("done"), b"").unwrap();
-    assert!(
-        a.wait_with_output().unwrap().status.success(),
-        "process A failed"
-    );
-    let served = std::fs::read_to_string(dir.join("served"))
-        .unwrap()
-        .parse()
-        .unwrap();
+    assert!(a.wait_with_output().unwrap().status.success(), "process A failed");
+    let served = std::fs::read_to_string(dir.join("served")).unwrap().parse().unwrap();
     drop(b);
     let _ = std::fs::remove_dir_all(&dir);
     (result, waited, served, stats)
@@ -189,27 +150,15 @@ fn a_process_about_to_fail_gets_the_idle_cache_of_another() {
     let (result, waited, served, stats) = scenario(true);
     assert!(result.is_ok(), "with cooperation: {result:?}");
     assert!(waited < Duration::from_secs(1), "waited {waited:?}");
-    assert_eq!(
-        (
-            stats.events.num_coop_requests,
-            stats.events.num_coop_satisfied
-        ),
-        (1, 1)
-    );
+    assert_eq!((stats.events.num_coop_requests, stats.events.num_coop_satisfied), (1, 1));
     assert_eq!(served, 1, "process A answered one request");
-    eprintln!(
-        "request to memory: {waited:?} (B's count: {} ms)",
-        stats.events.coop_last_wait_ms
-    );
+    eprintln!("request to memory: {waited:?} (B's count: {} ms)", stats.events.coop_last_wait_ms);
 }
 
 #[test]
 fn without_cooperation_the_same_request_fails() {
     let (result, _, served, stats) = scenario(false);
-    assert!(
-        matches!(result, Err(AllocError::OutOfMemory(_))),
-        "{result:?}"
-    );
+    assert!(matches!(result, Err(AllocError::OutOfMemory(_))), "{result:?}");
     assert_eq!((stats.events.num_coop_requests, served), (0, 0));
     assert_eq!(stats.released(Reason::Cooperation).bytes, 0);
 }
@@ -221,44 +170,26 @@ fn top_lists_the_processes_of_the_registry() {
     std::fs::create_dir_all(&dir).unwrap();
     let conf = conf(&dir, true);
     let alloc = allocator(&conf);
-    let p = alloc
-        .allocate(0, (5 * MIB) as usize, Stream::DEFAULT)
-        .unwrap();
+    let p = alloc.allocate(0, (5 * MIB) as usize, Stream::DEFAULT).unwrap();
     // One reclaimer pass (20 ms) publishes the figures.
     std::thread::sleep(Duration::from_millis(200));
     let top = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
             .arg("top")
             .args(args)
-            .env(
-                "TIDEPOOL_CONF",
-                format!("registry_dir:{}", dir.join("registry").display()),
-            )
+            .env("TIDEPOOL_CONF", format!("registry_dir:{}", dir.join("registry").display()))
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let json = top(&["--once", "--json"]);
     let me = format!("\"pid\":{}", std::process::id());
     assert!(json.contains(&me), "{json}");
-    assert!(
-        json.contains(&format!("\"allocated_bytes\":{}", 5 * MIB)),
-        "{json}"
-    );
-    assert!(
-        json.contains("\"released_bytes\":{\"idle_decay\":0"),
-        "{json}"
-    );
+    assert!(json.contains(&format!("\"allocated_bytes\":{}", 5 * MIB)), "{json}");
+    assert!(json.contains("\"released_bytes\":{\"idle_decay\":0"), "{json}");
     let table = top(&["--once"]);
-    assert!(
-        table.contains(&std::process::id().to_string()) && table.contains("5.00 MiB"),
-        "{table}"
-    );
+    assert!(table.contains(&std::process::id().to_string()) && table.contains("5.00 MiB"), "{table}");
     alloc.free(0, p).unwrap();
     drop(alloc);
     // The process left: its slot is gone.

@@ -14,11 +14,7 @@ fn small_requests_are_rounded_to_512_bytes_and_carved_from_one_2_mib_segment() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
     let a = alloc.allocate(0, 1000, S0).unwrap();
     let b = alloc.allocate(0, 1, S0).unwrap();
-    assert_eq!(
-        b.0,
-        a.0 + 1024,
-        "the second block follows the first in the same segment"
-    );
+    assert_eq!(b.0, a.0 + 1024, "the second block follows the first in the same segment");
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.reserved_bytes.small_pool.current, 2 * MIB);
     assert_eq!(s.allocated_bytes.all.current, 1024 + 512);
@@ -50,14 +46,8 @@ fn blocks_freed_on_one_stream_are_not_reused_by_another_stream() {
     alloc.free(0, a).unwrap();
     let b = alloc.allocate(0, 4096, Stream(8)).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        s.events.num_device_alloc, 2,
-        "stream 8 must not take stream 7's cached segment"
-    );
-    assert_ne!(
-        alloc.segment_of(0, a).unwrap(),
-        alloc.segment_of(0, b).unwrap()
-    );
+    assert_eq!(s.events.num_device_alloc, 2, "stream 8 must not take stream 7's cached segment");
+    assert_ne!(alloc.segment_of(0, a).unwrap(), alloc.segment_of(0, b).unwrap());
     let c = alloc.allocate(0, 4096, Stream(7)).unwrap();
     assert_eq!(c, a, "stream 7 reuses its own block");
     alloc.validate().unwrap();
@@ -66,22 +56,13 @@ fn blocks_freed_on_one_stream_are_not_reused_by_another_stream() {
 #[test]
 fn freeing_merges_neighbours_until_the_segment_is_whole_and_releasable() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
-    let blocks: Vec<_> = (0..3)
-        .map(|_| alloc.allocate(0, 100 * KIB as usize, S0).unwrap())
-        .collect();
+    let blocks: Vec<_> = (0..3).map(|_| alloc.allocate(0, 100 * KIB as usize, S0).unwrap()).collect();
     alloc.free(0, blocks[1]).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        s.inactive_split.all.current, 2,
-        "the hole in the middle and the tail"
-    );
+    assert_eq!(s.inactive_split.all.current, 2, "the hole in the middle and the tail");
     alloc.free(0, blocks[0]).unwrap();
     alloc.validate().unwrap();
-    assert_eq!(
-        alloc.stats(0).unwrap().inactive_split.all.current,
-        2,
-        "first two merged, tail separate"
-    );
+    assert_eq!(alloc.stats(0).unwrap().inactive_split.all.current, 2, "first two merged, tail separate");
     alloc.free(0, blocks[2]).unwrap();
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.inactive_split.all.current, 0);
@@ -96,20 +77,14 @@ fn freeing_merges_neighbours_until_the_segment_is_whole_and_releasable() {
 #[test]
 fn holes_in_partly_used_segments_show_as_inactive_split_and_fragmentation() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
-    let blocks: Vec<_> = (0..8)
-        .map(|_| alloc.allocate(0, 256 * KIB as usize, S0).unwrap())
-        .collect();
+    let blocks: Vec<_> = (0..8).map(|_| alloc.allocate(0, 256 * KIB as usize, S0).unwrap()).collect();
     for b in blocks.iter().step_by(2) {
         alloc.free(0, *b).unwrap();
     }
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.inactive_split_bytes.all.current, 4 * 256 * KIB);
     assert_eq!(s.largest_free_block_bytes, 256 * KIB);
-    assert!(
-        (s.external_fragmentation() - 0.75).abs() < 1e-9,
-        "{}",
-        s.external_fragmentation()
-    );
+    assert!((s.external_fragmentation() - 0.75).abs() < 1e-9, "{}", s.external_fragmentation());
     alloc.validate().unwrap();
 }
 
@@ -118,21 +93,14 @@ fn large_requests_share_20_mib_segments_below_10_mib_and_get_their_own_above() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
     let a = alloc.allocate(0, (3 * MIB) as usize, S0).unwrap();
     let b = alloc.allocate(0, (3 * MIB) as usize, S0).unwrap();
-    assert_eq!(
-        alloc.segment_of(0, a).unwrap(),
-        alloc.segment_of(0, b).unwrap()
-    );
+    assert_eq!(alloc.segment_of(0, a).unwrap(), alloc.segment_of(0, b).unwrap());
     assert_eq!(alloc.segment_of(0, a).unwrap().unwrap().1, 20 * MIB);
     // 15 MiB does not fit the 14 MiB left: its own segment, rounded to 16 MiB.
     let c = alloc.allocate(0, (15 * MIB - 100) as usize, S0).unwrap();
     assert_eq!(alloc.segment_of(0, c).unwrap().unwrap(), (c, 16 * MIB));
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.reserved_bytes.large_pool.current, 36 * MIB);
-    assert_eq!(
-        s.allocated_bytes.large_pool.current,
-        6 * MIB + 16 * MIB,
-        "a 1 MiB remainder is not split off"
-    );
+    assert_eq!(s.allocated_bytes.large_pool.current, 6 * MIB + 16 * MIB, "a 1 MiB remainder is not split off");
     alloc.validate().unwrap();
 }
 
@@ -147,10 +115,7 @@ fn max_split_size_keeps_big_cached_blocks_whole() {
     // A 50 MiB request may take the 64 MiB block whole (within 20 MiB), unsplit.
     let again = alloc.allocate(0, (50 * MIB) as usize, S0).unwrap();
     assert_eq!(again, big);
-    assert_eq!(
-        alloc.stats(0).unwrap().allocated_bytes.all.current,
-        12 * MIB + 64 * MIB
-    );
+    assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.current, 12 * MIB + 64 * MIB);
     alloc.validate().unwrap();
 }
 
@@ -162,14 +127,7 @@ fn a_refused_growth_releases_the_cache_and_retries_once() {
     // 50 MiB does not fit next to the cached 40 MiB segment: release it, retry.
     let b = alloc.allocate(0, (50 * MIB) as usize, S0).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        (
-            s.events.num_alloc_retries,
-            s.events.num_ooms,
-            s.events.num_device_free
-        ),
-        (1, 0, 1)
-    );
+    assert_eq!((s.events.num_alloc_retries, s.events.num_ooms, s.events.num_device_free), (1, 0, 1));
     assert_eq!(s.reserved_bytes.all.current, 50 * MIB);
     assert_eq!(backend.mem_info(0).unwrap().free, 14 * MIB);
     alloc.free(0, b).unwrap();
@@ -183,24 +141,16 @@ fn out_of_memory_reports_the_figures_and_leaks_nothing() {
     let small = alloc.allocate(0, 4096, S0).unwrap();
     let before = alloc.stats(0).unwrap();
     let err = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap_err();
-    let AllocError::OutOfMemory(report) = &err else {
-        panic!("expected OutOfMemory, got {err:?}")
-    };
+    let AllocError::OutOfMemory(report) = &err else { panic!("expected OutOfMemory, got {err:?}") };
     assert_eq!(report.requested, 40 * MIB);
     assert_eq!(report.allocated, 30 * MIB + 4096);
     assert_eq!(report.reserved, 32 * MIB);
     assert_eq!(report.device_total, Some(64 * MIB));
     let text = err.to_string();
-    assert!(
-        text.contains("out of memory") && text.contains("batch size"),
-        "{text}"
-    );
+    assert!(text.contains("out of memory") && text.contains("batch size"), "{text}");
     let after = alloc.stats(0).unwrap();
     assert_eq!(after.events.num_ooms, 1);
-    assert_eq!(
-        after.reserved_bytes.all.current,
-        before.reserved_bytes.all.current
-    );
+    assert_eq!(after.reserved_bytes.all.current, before.reserved_bytes.all.current);
     assert_eq!(backend.mem_info(0).unwrap().free, 32 * MIB);
     alloc.free(0, live).unwrap();
     alloc.free(0, small).unwrap();
@@ -237,14 +187,7 @@ fn a_driver_error_is_returned_with_its_call_and_changes_nothing() {
     assert!(matches!(err, AllocError::Backend(_)), "{err:?}");
     assert!(err.to_string().contains("mmap failed"), "{err}");
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        (
-            s.reserved_bytes.all.current,
-            s.num_allocs,
-            s.events.num_ooms
-        ),
-        (0, 0, 0)
-    );
+    assert_eq!((s.reserved_bytes.all.current, s.num_allocs, s.events.num_ooms), (0, 0, 0));
     alloc.validate().unwrap();
 }
 
@@ -269,11 +212,7 @@ fn empty_cache_releases_only_whole_free_segments() {
     alloc.free(0, big).unwrap();
     let released = alloc.empty_cache();
     assert_eq!((released.segments, released.bytes), (1, 30 * MIB));
-    assert_eq!(
-        alloc.stats(0).unwrap().reserved_bytes.all.current,
-        2 * MIB,
-        "the pinned segment stays"
-    );
+    assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 2 * MIB, "the pinned segment stays");
     alloc.free(0, pinned).unwrap();
     alloc.validate().unwrap();
 }
@@ -284,13 +223,7 @@ fn freeing_a_foreign_pointer_is_an_error_that_changes_nothing() {
     let a = alloc.allocate(0, 4096, S0).unwrap();
     let before = alloc.stats(0).unwrap();
     let err = alloc.free(0, DevicePtr(0xdead_0000)).unwrap_err();
-    assert_eq!(
-        err,
-        AllocError::InvalidFree {
-            ptr: 0xdead_0000,
-            reason: InvalidFree::Foreign
-        }
-    );
+    assert_eq!(err, AllocError::InvalidFree { ptr: 0xdead_0000, reason: InvalidFree::Foreign });
     let after = alloc.stats(0).unwrap();
     assert_eq!(after.events.num_invalid_frees, 1);
     assert_eq!(after.allocated_bytes, before.allocated_bytes);
@@ -306,20 +239,11 @@ fn a_double_free_is_an_error_that_changes_nothing() {
     alloc.free(0, a).unwrap();
     let before = alloc.stats(0).unwrap();
     let err = alloc.free(0, a).unwrap_err();
-    assert_eq!(
-        err,
-        AllocError::InvalidFree {
-            ptr: a.0,
-            reason: InvalidFree::NotLive
-        }
-    );
+    assert_eq!(err, AllocError::InvalidFree { ptr: a.0, reason: InvalidFree::NotLive });
     assert!(err.to_string().contains("double free"));
     let after = alloc.stats(0).unwrap();
     assert_eq!(after.events.num_invalid_frees, 1);
-    assert_eq!(
-        (after.num_frees, after.allocated_bytes),
-        (before.num_frees, before.allocated_bytes)
-    );
+    assert_eq!((after.num_frees, after.allocated_bytes), (before.num_frees, before.allocated_bytes));
     alloc.free(0, keep).unwrap();
     alloc.validate().unwrap();
 }
@@ -329,13 +253,7 @@ fn freeing_a_pointer_inside_a_live_block_is_refused() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
     let a = alloc.allocate(0, 4096, S0).unwrap();
     let err = alloc.free(0, DevicePtr(a.0 + 512)).unwrap_err();
-    assert_eq!(
-        err,
-        AllocError::InvalidFree {
-            ptr: a.0 + 512,
-            reason: InvalidFree::Interior { block: a.0 }
-        }
-    );
+    assert_eq!(err, AllocError::InvalidFree { ptr: a.0 + 512, reason: InvalidFree::Interior { block: a.0 } });
     alloc.free(0, a).unwrap();
     alloc.validate().unwrap();
 }
@@ -352,25 +270,14 @@ fn a_zero_byte_request_returns_null_without_error() {
 #[test]
 fn sizes_near_usize_max_are_too_large_without_overflow() {
     let (alloc, backend) = host_allocator(1, 1 << 30, "roundup_power2_divisions:8");
-    for size in [
-        usize::MAX,
-        usize::MAX - 511,
-        usize::MAX / 2 + 1,
-        (1usize << 63) + 12345,
-    ] {
+    for size in [usize::MAX, usize::MAX - 511, usize::MAX / 2 + 1, (1usize << 63) + 12345] {
         let err = alloc.allocate(0, size, S0).unwrap_err();
         assert!(
-            matches!(
-                err,
-                AllocError::TooLarge { .. } | AllocError::OutOfMemory(_)
-            ),
+            matches!(err, AllocError::TooLarge { .. } | AllocError::OutOfMemory(_)),
             "size {size}: {err:?}"
         );
     }
-    assert!(matches!(
-        alloc.allocate(0, usize::MAX, S0),
-        Err(AllocError::TooLarge { .. })
-    ));
+    assert!(matches!(alloc.allocate(0, usize::MAX, S0), Err(AllocError::TooLarge { .. })));
     assert_eq!(backend.mem_info(0).unwrap().free, 1 << 30);
     alloc.validate().unwrap();
 }
@@ -379,20 +286,11 @@ fn sizes_near_usize_max_are_too_large_without_overflow() {
 fn a_device_out_of_range_is_an_error() {
     let (alloc, _) = host_allocator(2, 1 << 30, "");
     let err = alloc.allocate(2, 512, S0).unwrap_err();
-    assert_eq!(
-        err,
-        AllocError::InvalidDevice {
-            device: 2,
-            device_count: 2
-        }
-    );
+    assert_eq!(err, AllocError::InvalidDevice { device: 2, device_count: 2 });
     assert!(alloc.free(5, DevicePtr(0x1000)).is_err());
     assert!(alloc.stats(9).is_err());
     let on_one = alloc.allocate(1, 512, S0).unwrap();
-    assert!(
-        alloc.free(0, on_one).is_err(),
-        "a pointer of device 1 is foreign to device 0"
-    );
+    assert!(alloc.free(0, on_one).is_err(), "a pointer of device 1 is foreign to device 0");
     alloc.free(1, on_one).unwrap();
 }
 
@@ -402,10 +300,7 @@ fn a_wrong_size_at_free_is_counted_and_the_recorded_size_used() {
     let a = alloc.allocate(0, 3000, S0).unwrap();
     assert_eq!(alloc.free_sized(0, a, 12, S0).unwrap(), 3000);
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        (s.events.num_size_mismatches, s.allocated_bytes.all.current),
-        (1, 0)
-    );
+    assert_eq!((s.events.num_size_mismatches, s.allocated_bytes.all.current), (1, 0));
 }
 
 #[test]
@@ -414,10 +309,7 @@ fn peaks_track_the_high_water_mark_until_reset() {
     let a = alloc.allocate(0, (8 * MIB) as usize, S0).unwrap();
     alloc.free(0, a).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        (s.allocated_bytes.all.peak, s.allocated_bytes.all.current),
-        (8 * MIB, 0)
-    );
+    assert_eq!((s.allocated_bytes.all.peak, s.allocated_bytes.all.current), (8 * MIB, 0));
     alloc.reset_peak_stats(0).unwrap();
     assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.peak, 0);
 }
@@ -431,15 +323,10 @@ fn a_memory_fraction_caps_what_the_heap_reserves() {
     // 40 MiB cached + 46 MiB would pass the 50 MiB cap: the cache goes first.
     let b = alloc.allocate(0, (45 * MIB) as usize, S0).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        (s.reserved_bytes.all.current, s.events.num_alloc_retries),
-        (46 * MIB, 1)
-    );
+    assert_eq!((s.reserved_bytes.all.current, s.events.num_alloc_retries), (46 * MIB, 1));
     // Live memory itself over the cap: out of memory, and the report says why.
     let err = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap_err();
-    let AllocError::OutOfMemory(report) = &err else {
-        panic!("{err:?}")
-    };
+    let AllocError::OutOfMemory(report) = &err else { panic!("{err:?}") };
     assert_eq!(report.reserved_limit, Some(50 * MIB));
     assert!(err.to_string().contains("memory fraction"), "{err}");
     alloc.set_memory_fraction(0, 1.0).unwrap();
@@ -453,18 +340,9 @@ fn a_memory_fraction_caps_what_the_heap_reserves() {
 fn a_memory_fraction_outside_zero_to_one_is_refused() {
     let (alloc, _) = host_allocator(1, 100 * MIB, "");
     for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
-        assert!(
-            matches!(
-                alloc.set_memory_fraction(0, bad),
-                Err(AllocError::InvalidArgument(_))
-            ),
-            "{bad}"
-        );
+        assert!(matches!(alloc.set_memory_fraction(0, bad), Err(AllocError::InvalidArgument(_))), "{bad}");
     }
-    assert!(matches!(
-        alloc.set_memory_fraction(3, 0.5),
-        Err(AllocError::InvalidDevice { .. })
-    ));
+    assert!(matches!(alloc.set_memory_fraction(3, 0.5), Err(AllocError::InvalidDevice { .. })));
 }
 
 #[test]
@@ -474,24 +352,11 @@ fn record_stream_needs_a_live_block_and_is_forgotten_at_free() {
     alloc.record_stream(a, Stream(9)).unwrap();
     alloc.record_stream(a, Stream(9)).unwrap();
     alloc.record_stream(a, Stream(5)).unwrap(); // its own stream: nothing to record
-    assert_eq!(
-        alloc
-            .with_heap(1, |h| h.recorded_streams(a.0).to_vec())
-            .unwrap(),
-        vec![Stream(9)]
-    );
+    assert_eq!(alloc.with_heap(1, |h| h.recorded_streams(a.0).to_vec()).unwrap(), vec![Stream(9)]);
     alloc.free(1, a).unwrap();
-    assert!(alloc
-        .with_heap(1, |h| h.recorded_streams(a.0).is_empty())
-        .unwrap());
-    assert_eq!(
-        alloc.record_stream(a, Stream(9)),
-        Err(AllocError::UnknownPointer { ptr: a.0 })
-    );
-    assert_eq!(
-        alloc.record_stream(DevicePtr(0x40), Stream(9)),
-        Err(AllocError::UnknownPointer { ptr: 0x40 })
-    );
+    assert!(alloc.with_heap(1, |h| h.recorded_streams(a.0).is_empty()).unwrap());
+    assert_eq!(alloc.record_stream(a, Stream(9)), Err(AllocError::UnknownPointer { ptr: a.0 }));
+    assert_eq!(alloc.record_stream(DevicePtr(0x40), Stream(9)), Err(AllocError::UnknownPointer { ptr: 0x40 }));
 }
 
 #[test]
@@ -499,10 +364,7 @@ fn find_segment_names_the_device_base_and_size() {
     let (alloc, _) = host_allocator(2, 1 << 30, "");
     let a = alloc.allocate(1, 4096, S0).unwrap();
     let b = alloc.allocate(1, 4096, S0).unwrap();
-    assert_eq!(
-        alloc.find_segment(DevicePtr(b.0 + 100)),
-        Some((1, a, 2 * MIB))
-    );
+    assert_eq!(alloc.find_segment(DevicePtr(b.0 + 100)), Some((1, a, 2 * MIB)));
     assert_eq!(alloc.find_segment(DevicePtr(0x40)), None);
 }
 
@@ -515,23 +377,9 @@ fn a_snapshot_lists_segments_with_their_blocks_in_address_order() {
     let snapshot = alloc.snapshot(0).unwrap();
     assert_eq!(snapshot.len(), 1);
     let segment = &snapshot[0];
-    assert_eq!(
-        (segment.address, segment.size, segment.stream),
-        (a.0, 2 * MIB, Stream(3))
-    );
-    let blocks: Vec<_> = segment
-        .blocks
-        .iter()
-        .map(|b| (b.address, b.size, b.requested, b.allocated))
-        .collect();
-    assert_eq!(
-        blocks,
-        vec![
-            (a.0, 1024, 0, false),
-            (b.0, 2048, 2048, true),
-            (b.0 + 2048, 2 * MIB - 3072, 0, false)
-        ]
-    );
+    assert_eq!((segment.address, segment.size, segment.stream), (a.0, 2 * MIB, Stream(3)));
+    let blocks: Vec<_> = segment.blocks.iter().map(|b| (b.address, b.size, b.requested, b.allocated)).collect();
+    assert_eq!(blocks, vec![(a.0, 1024, 0, false), (b.0, 2048, 2048, true), (b.0 + 2048, 2 * MIB - 3072, 0, false)]);
 }
 
 #[test]
@@ -543,20 +391,10 @@ fn a_full_device_lends_another_streams_cached_block_instead_of_failing() {
     let b = alloc.allocate(0, (30 * MIB) as usize, Stream(2)).unwrap();
     assert_eq!(b, a, "carved from stream 1's cached segment");
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        (
-            s.events.num_cross_stream_reuses,
-            s.events.num_device_alloc,
-            s.events.num_device_free
-        ),
-        (1, 1, 0)
-    );
+    assert_eq!((s.events.num_cross_stream_reuses, s.events.num_device_alloc, s.events.num_device_free), (1, 1, 0));
     alloc.free(0, b).unwrap();
     // Back in stream 1's pool, whole again.
-    assert_eq!(
-        alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap(),
-        a
-    );
+    assert_eq!(alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap(), a);
     alloc.validate().unwrap();
 }
 
@@ -568,12 +406,5 @@ fn lending_across_streams_can_be_turned_off() {
     // No lending: stream 1's cache is released and stream 2 grows instead.
     alloc.allocate(0, (30 * MIB) as usize, Stream(2)).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        (
-            s.events.num_cross_stream_reuses,
-            s.events.num_device_free,
-            s.events.num_alloc_retries
-        ),
-        (0, 1, 1)
-    );
+    assert_eq!((s.events.num_cross_stream_reuses, s.events.num_device_free, s.events.num_alloc_retries), (0, 1, 1));
 }

@@ -51,32 +51,17 @@ fn a_hole_between_live_blocks_gives_its_pages_back_and_its_address_space_is_reus
     fill(right, 4 * MIB, 3);
     assert_eq!(reserved(&a), 72 * MIB);
     a.free(0, hole).unwrap();
-    assert_eq!(
-        reserved(&a),
-        72 * MIB,
-        "freeing alone keeps the pages cached"
-    );
+    assert_eq!(reserved(&a), 72 * MIB, "freeing alone keeps the pages cached");
     a.empty_cache();
     let stats = a.stats(0).unwrap();
-    assert_eq!(
-        stats.reserved_bytes.all.current,
-        8 * MIB,
-        "the hole's 32 pages went back"
-    );
+    assert_eq!(stats.reserved_bytes.all.current, 8 * MIB, "the hole's 32 pages went back");
     assert_eq!(stats.events.num_pages_unmapped, 32);
     assert_eq!(backend.mem_info(0).unwrap().free, (1 << 30) - 8 * MIB);
-    assert_eq!(
-        (check(left, 4 * MIB, 1), check(right, 4 * MIB, 3)),
-        (Ok(()), Ok(())),
-        "neighbours intact"
-    );
+    assert_eq!((check(left, 4 * MIB, 1), check(right, 4 * MIB, 3)), (Ok(()), Ok(())), "neighbours intact");
     a.validate().unwrap();
 
     let again = alloc(&a, 64 * MIB);
-    assert_eq!(
-        again, hole,
-        "the hole's address space serves the next block"
-    );
+    assert_eq!(again, hole, "the hole's address space serves the next block");
     fill(again, 64 * MIB, 2);
     assert_eq!(reserved(&a), 72 * MIB);
     a.validate().unwrap();
@@ -94,20 +79,13 @@ fn release_unmaps_only_whole_pages_inside_free_blocks() {
     a.empty_cache();
     let stats = a.stats(0).unwrap();
     assert_eq!(stats.reserved_bytes.all.current, 4 * MIB);
-    assert_eq!(
-        stats.inactive_split_bytes.all.current, MIB,
-        "the free halves of the two edge pages"
-    );
+    assert_eq!(stats.inactive_split_bytes.all.current, MIB, "the free halves of the two edge pages");
     a.validate().unwrap();
     a.free(0, first).unwrap();
     a.free(0, last).unwrap();
     a.empty_cache();
     let stats = a.stats(0).unwrap();
-    assert_eq!(
-        (stats.reserved_bytes.all.current, stats.segment.all.current),
-        (0, 0),
-        "an empty range goes back whole"
-    );
+    assert_eq!((stats.reserved_bytes.all.current, stats.segment.all.current), (0, 0), "an empty range goes back whole");
     a.validate().unwrap();
 }
 
@@ -135,22 +113,11 @@ fn a_map_failing_midway_undoes_the_pages_it_mapped() {
     let before = (reserved(&a), backend.vm_calls());
     backend.faults().set_kind(FaultKind::DriverError);
     backend.faults().fail_nth_allocate(2);
-    assert!(matches!(
-        a.allocate(0, size as usize, S),
-        Err(AllocError::Backend(_))
-    ));
+    assert!(matches!(a.allocate(0, size as usize, S), Err(AllocError::Backend(_))));
     let after = backend.vm_calls();
-    assert_eq!(
-        (after.0 - before.1 .0, after.1 - before.1 .1),
-        (2, 1),
-        "two runs tried, the first unmapped again"
-    );
+    assert_eq!((after.0 - before.1 .0, after.1 - before.1 .1), (2, 1), "two runs tried, the first unmapped again");
     assert_eq!(reserved(&a), before.0, "nothing new is held");
-    assert_eq!(
-        backend.mem_info(0).unwrap().free,
-        (1 << 30) - before.0,
-        "nothing leaked in the driver"
-    );
+    assert_eq!(backend.mem_info(0).unwrap().free, (1 << 30) - before.0, "nothing leaked in the driver");
     a.validate().unwrap();
 
     // Out of memory midway instead: release, retry, and the request is served.
@@ -205,23 +172,12 @@ fn a_capacity_is_met_by_unmapping_holes_before_failing() {
 #[test]
 fn a_steady_loop_maps_and_unmaps_nothing_after_its_first_step() {
     let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
-    let weights: Vec<_> = [30 * MIB, 7 * MIB, 300 * 1024, 12 * MIB]
-        .iter()
-        .map(|&s| alloc(&a, s))
-        .collect();
+    let weights: Vec<_> = [30 * MIB, 7 * MIB, 300 * 1024, 12 * MIB].iter().map(|&s| alloc(&a, s)).collect();
     let mut after_first = None;
     // Sequence lengths vary every step; the first step is the longest.
-    for (step, len) in [1024u64, 640, 896, 512, 1024, 768, 960, 576]
-        .into_iter()
-        .enumerate()
-    {
-        let mut activations: Vec<_> = (0..12)
-            .map(|layer| alloc(&a, len * (3 * 1024 + layer * 512)))
-            .collect();
-        let grads: Vec<_> = weights
-            .iter()
-            .map(|_| alloc(&a, 5 * MIB + len * 100))
-            .collect();
+    for (step, len) in [1024u64, 640, 896, 512, 1024, 768, 960, 576].into_iter().enumerate() {
+        let mut activations: Vec<_> = (0..12).map(|layer| alloc(&a, len * (3 * 1024 + layer * 512))).collect();
+        let grads: Vec<_> = weights.iter().map(|_| alloc(&a, 5 * MIB + len * 100)).collect();
         while let Some(ptr) = activations.pop() {
             a.free(0, ptr).unwrap();
         }
@@ -234,11 +190,7 @@ fn a_steady_loop_maps_and_unmaps_nothing_after_its_first_step() {
             assert!(counts.0 > 0 && counts.1 == 0);
             after_first = Some(counts);
         }
-        assert_eq!(
-            Some(counts),
-            after_first,
-            "step {step} mapped or unmapped pages"
-        );
+        assert_eq!(Some(counts), after_first, "step {step} mapped or unmapped pages");
     }
     a.validate().unwrap();
 }
@@ -248,8 +200,7 @@ fn a_backend_without_virtual_memory_keeps_whole_segments() {
     let (a, _) = host_allocator(1, 1 << 30, "expandable:true");
     assert!(a.with_heap(0, |h| h.is_expandable()).unwrap());
     // A backend without virtual memory keeps whole segments.
-    let mut heap =
-        tidepool::heap::DeviceHeap::new(0, Default::default(), std::sync::Arc::new(NoVm));
+    let mut heap = tidepool::heap::DeviceHeap::new(0, Default::default(), std::sync::Arc::new(NoVm));
     let err = heap.set_expandable(true).unwrap_err();
     assert!(err.contains("cannot map pages"), "{err}");
     assert!(!heap.is_expandable());
@@ -265,27 +216,13 @@ impl Backend for NoVm {
     fn device_count(&self) -> usize {
         1
     }
-    fn allocate(
-        &self,
-        _: usize,
-        _: u64,
-        _: Stream,
-    ) -> Result<u64, tidepool::backend::BackendError> {
+    fn allocate(&self, _: usize, _: u64, _: Stream) -> Result<u64, tidepool::backend::BackendError> {
         Err(tidepool::backend::BackendError::OutOfMemory)
     }
-    fn release(
-        &self,
-        _: usize,
-        _: u64,
-        _: u64,
-        _: Stream,
-    ) -> Result<(), tidepool::backend::BackendError> {
+    fn release(&self, _: usize, _: u64, _: u64, _: Stream) -> Result<(), tidepool::backend::BackendError> {
         Ok(())
     }
-    fn mem_info(
-        &self,
-        _: usize,
-    ) -> Result<tidepool::backend::MemInfo, tidepool::backend::BackendError> {
+    fn mem_info(&self, _: usize) -> Result<tidepool::backend::MemInfo, tidepool::backend::BackendError> {
         Ok(tidepool::backend::MemInfo { free: 0, total: 0 })
     }
     fn shared_device_key(&self, _: usize) -> Option<String> {
@@ -307,13 +244,7 @@ fn shared_traces() -> Vec<PathBuf> {
 
 /// Peak reserved with plentiful memory, as a ratio to the peak of live bytes.
 fn peak_ratio(trace: &tidepool::trace::Trace, policy: Policy) -> f64 {
-    let options = ReplayOptions {
-        capacity: 1 << 50,
-        policy,
-        conf: String::new(),
-        samples: 0,
-        record_to: None,
-    };
+    let options = ReplayOptions { capacity: 1 << 50, policy, conf: String::new(), samples: 0, record_to: None };
     let report = replay(trace, &options).unwrap();
     assert_eq!(report.ooms, 0);
     report.peak_reserved_bytes as f64 / trace.peak_requested() as f64
@@ -328,20 +259,10 @@ fn with_plentiful_memory_expandable_reserves_less_than_pytorch_on_every_shared_t
     let mut log_sum = 0.0;
     for file in &files {
         let trace = tidepool::trace::load(file).unwrap();
-        let (ours, pytorch) = (
-            peak_ratio(&trace, Policy::Expandable),
-            peak_ratio(&trace, Policy::Pytorch),
-        );
-        eprintln!(
-            "{}: peak reserved / peak live: expandable {ours:.4}, pytorch model {pytorch:.4}",
-            file.display()
-        );
+        let (ours, pytorch) = (peak_ratio(&trace, Policy::Expandable), peak_ratio(&trace, Policy::Pytorch));
+        eprintln!("{}: peak reserved / peak live: expandable {ours:.4}, pytorch model {pytorch:.4}", file.display());
         assert!(ours <= 1.06, "{}: {ours:.4} > 1.06", file.display());
-        assert!(
-            ours <= pytorch,
-            "{}: {ours:.4} above PyTorch's {pytorch:.4}",
-            file.display()
-        );
+        assert!(ours <= pytorch, "{}: {ours:.4} above PyTorch's {pytorch:.4}", file.display());
         log_sum += ours.ln();
     }
     let geomean = (log_sum / files.len() as f64).exp();
@@ -356,27 +277,15 @@ fn the_smallest_device_that_fits_is_within_1_5_percent_of_peak_live_on_every_sha
     for file in shared_traces() {
         let trace = tidepool::trace::load(&file).unwrap();
         let peak = trace.peak_requested() as f64;
-        let ours = smallest_capacity_in_steps(&trace, Policy::Expandable, "", STEP)
-            .unwrap()
-            .min_capacity;
-        let pytorch = smallest_capacity_in_steps(&trace, Policy::Pytorch, "", STEP)
-            .unwrap()
-            .min_capacity;
+        let ours = smallest_capacity_in_steps(&trace, Policy::Expandable, "", STEP).unwrap().min_capacity;
+        let pytorch = smallest_capacity_in_steps(&trace, Policy::Pytorch, "", STEP).unwrap().min_capacity;
         eprintln!(
             "{}: smallest device / peak live: expandable {:.4}, pytorch model {:.4}",
             file.display(),
             ours as f64 / peak,
             pytorch as f64 / peak
         );
-        assert!(
-            ours as f64 <= 1.015 * peak + STEP as f64,
-            "{}: needs {ours}, peak live {peak}",
-            file.display()
-        );
-        assert!(
-            ours <= pytorch,
-            "{}: needs {ours}, PyTorch's model {pytorch}",
-            file.display()
-        );
+        assert!(ours as f64 <= 1.015 * peak + STEP as f64, "{}: needs {ours}, peak live {peak}", file.display());
+        assert!(ours <= pytorch, "{}: needs {ours}, PyTorch's model {pytorch}", file.display());
     }
 }

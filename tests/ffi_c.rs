@@ -12,15 +12,7 @@ fn build_c_test(name: &str) -> PathBuf {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let lib = common::cdylib().parent().unwrap().to_path_buf();
     let status = Command::new("cc")
-        .args([
-            "-std=c11",
-            "-D_DEFAULT_SOURCE",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-O1",
-            "-pthread",
-        ])
+        .args(["-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread"])
         .arg("-I")
         .arg(root.join("ffi"))
         .arg(root.join("tests/c/ffi_test.c"))
@@ -36,20 +28,10 @@ fn build_c_test(name: &str) -> PathBuf {
 }
 
 fn run(program: &Path, wrapper: &[&str], iterations: &str) -> (bool, String) {
-    run_with(
-        program,
-        wrapper,
-        iterations,
-        &[("TIDEPOOL_CONF", "backend:host,host_capacity_mb:4096")],
-    )
+    run_with(program, wrapper, iterations, &[("TIDEPOOL_CONF", "backend:host,host_capacity_mb:4096")])
 }
 
-fn run_with(
-    program: &Path,
-    wrapper: &[&str],
-    iterations: &str,
-    env: &[(&str, &str)],
-) -> (bool, String) {
+fn run_with(program: &Path, wrapper: &[&str], iterations: &str, env: &[(&str, &str)]) -> (bool, String) {
     let snapshot = program.with_extension("pickle");
     let _ = std::fs::remove_file(&snapshot);
     let mut command = match wrapper.split_first() {
@@ -65,11 +47,7 @@ fn run_with(
         command.env(key, value);
     }
     let output = command.output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     (output.status.success() && snapshot.exists(), text)
 }
 
@@ -80,11 +58,7 @@ fn the_c_abi_works_from_c_and_refuses_bad_input() {
     assert!(ok, "ffi_test failed:\n{text}");
     assert!(text.contains(" passed, 0 failed"), "{text}");
     // Bad input is logged once, then only counted.
-    assert_eq!(
-        text.matches("(further ones are only counted)").count(),
-        2,
-        "{text}"
-    );
+    assert_eq!(text.matches("(further ones are only counted)").count(), 2, "{text}");
 }
 
 #[test]
@@ -94,16 +68,9 @@ fn the_c_abi_is_clean_under_valgrind_memcheck() {
         return;
     }
     let program = build_c_test("ffi_test_valgrind");
-    let (ok, text) = run(
-        &program,
-        &["valgrind", "--error-exitcode=99", "--leak-check=no", "-q"],
-        "300",
-    );
+    let (ok, text) = run(&program, &["valgrind", "--error-exitcode=99", "--leak-check=no", "-q"], "300");
     assert!(ok, "ffi_test under valgrind failed:\n{text}");
-    assert!(
-        !text.contains("Invalid read") && !text.contains("Invalid write"),
-        "{text}"
-    );
+    assert!(!text.contains("Invalid read") && !text.contains("Invalid write"), "{text}");
 }
 
 #[test]

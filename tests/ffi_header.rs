@@ -39,22 +39,14 @@ fn c_type(rust: &str) -> String {
 }
 
 fn squash(s: &str) -> String {
-    s.split_whitespace()
-        .collect::<Vec<_>>()
-        .join(" ")
-        .replace(" *", "*")
+    s.split_whitespace().collect::<Vec<_>>().join(" ").replace(" *", "*")
 }
 
 /// name -> "ret(param types)" from the header's prototypes.
 fn header_functions(header: &str) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for line in header.lines().map(str::trim) {
-        let Some(open) = line
-            .find("tidepool_")
-            .filter(|_| line.ends_with(");") && !line.starts_with("/*"))
-        else {
-            continue;
-        };
+        let Some(open) = line.find("tidepool_").filter(|_| line.ends_with(");") && !line.starts_with("/*")) else { continue };
         let (ret, rest) = line.split_at(open);
         let (name, params) = rest.split_once('(').unwrap();
         let params = params.trim_end_matches(");");
@@ -66,17 +58,12 @@ fn header_functions(header: &str) -> BTreeMap<String, String> {
                 .split(',')
                 .map(|p| {
                     let p = p.trim();
-                    let cut = p
-                        .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
-                        .map_or(0, |i| i + 1);
+                    let cut = p.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |i| i + 1);
                     squash(&p[..cut])
                 })
                 .collect()
         };
-        out.insert(
-            name.to_string(),
-            format!("{}({})", squash(ret), types.join(", ")),
-        );
+        out.insert(name.to_string(), format!("{}({})", squash(ret), types.join(", ")));
     }
     out
 }
@@ -85,25 +72,16 @@ fn header_functions(header: &str) -> BTreeMap<String, String> {
 fn rust_functions(source: &str) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for line in source.lines().map(str::trim) {
-        let Some(rest) = line.strip_prefix("pub extern \"C\" fn ") else {
-            continue;
-        };
+        let Some(rest) = line.strip_prefix("pub extern \"C\" fn ") else { continue };
         let (name, rest) = rest.split_once('(').unwrap();
         let (params, rest) = rest.split_once(')').unwrap();
-        let ret = rest
-            .trim()
-            .strip_prefix("->")
-            .map(|r| r.trim_end_matches('{').trim())
-            .unwrap_or("");
+        let ret = rest.trim().strip_prefix("->").map(|r| r.trim_end_matches('{').trim()).unwrap_or("");
         let types: Vec<String> = params
             .split(',')
             .filter(|p| !p.trim().is_empty())
             .map(|p| c_type(p.split_once(':').unwrap().1))
             .collect();
-        out.insert(
-            name.to_string(),
-            format!("{}({})", c_type(ret), types.join(", ")),
-        );
+        out.insert(name.to_string(), format!("{}({})", c_type(ret), types.join(", ")));
     }
     out
 }
@@ -163,10 +141,7 @@ fn header_constants(header: &str) -> BTreeMap<String, String> {
         .filter_map(|l| l.trim().strip_prefix("#define TIDEPOOL_"))
         .filter_map(|l| {
             let mut parts = l.split_whitespace();
-            Some((
-                format!("TIDEPOOL_{}", parts.next()?),
-                parts.next()?.to_string(),
-            ))
+            Some((format!("TIDEPOOL_{}", parts.next()?), parts.next()?.to_string()))
         })
         .collect()
 }
@@ -177,12 +152,7 @@ fn rust_constants(source: &str) -> BTreeMap<String, String> {
         .filter_map(|l| l.trim().strip_prefix("pub const TIDEPOOL_"))
         .map(|l| {
             let (name, value) = l.split_once(':').unwrap();
-            let value = value
-                .split('=')
-                .nth(1)
-                .unwrap()
-                .trim()
-                .trim_end_matches(';');
+            let value = value.split('=').nth(1).unwrap().trim().trim_end_matches(';');
             (format!("TIDEPOOL_{name}"), value.to_string())
         })
         .collect()
@@ -202,10 +172,7 @@ fn the_header_declares_exactly_the_rust_exports() {
 fn the_header_structs_match_the_rust_structs_field_by_field() {
     let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
     let declared = header_structs(&header);
-    assert_eq!(
-        declared.keys().collect::<Vec<_>>(),
-        ["tidepool_stat", "tidepool_stat_by_pool", "tidepool_stats"]
-    );
+    assert_eq!(declared.keys().collect::<Vec<_>>(), ["tidepool_stat", "tidepool_stat_by_pool", "tidepool_stats"]);
     assert_eq!(declared, rust_structs(&source));
 }
 
@@ -218,22 +185,13 @@ fn the_header_constants_match_the_rust_constants() {
 #[test]
 fn the_library_exports_exactly_the_declared_functions() {
     let lib = common::cdylib();
-    let Ok(output) = Command::new("nm")
-        .args(["-D", "--defined-only"])
-        .arg(&lib)
-        .output()
-    else {
+    let Ok(output) = Command::new("nm").args(["-D", "--defined-only"]).arg(&lib).output() else {
         eprintln!("nm not installed: skipped");
         return;
     };
     let text = String::from_utf8_lossy(&output.stdout);
-    let exported: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.split_whitespace().last())
-        .filter(|s| s.starts_with("tidepool_"))
-        .collect();
-    let declared: Vec<String> = header_functions(&read("ffi/tidepool.h"))
-        .into_keys()
-        .collect();
+    let exported: Vec<&str> =
+        text.lines().filter_map(|l| l.split_whitespace().last()).filter(|s| s.starts_with("tidepool_")).collect();
+    let declared: Vec<String> = header_functions(&read("ffi/tidepool.h")).into_keys().collect();
     assert_eq!(exported, declared);
 }

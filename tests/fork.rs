@@ -12,9 +12,7 @@ use tidepool::{AllocError, Stream};
 fn a_forked_child_refuses_the_parents_allocator_and_works_with_its_own() {
     // A reclaimer thread runs in the parent: it will not exist in the child.
     let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:100,reclaim_interval_ms:10");
-    let parents = alloc
-        .allocate(0, (3 * MIB) as usize, Stream::DEFAULT)
-        .unwrap();
+    let parents = alloc.allocate(0, (3 * MIB) as usize, Stream::DEFAULT).unwrap();
     // SAFETY: the child below only allocates through tidepool and malloc
     // (glibc resets its own locks in the child) and leaves with _exit.
     let pid = unsafe { libc::fork() };
@@ -28,11 +26,8 @@ fn a_forked_child_refuses_the_parents_allocator_and_works_with_its_own() {
             if alloc.free(0, parents).is_ok() || alloc.stats(0).is_ok() {
                 return 3;
             }
-            let (own, _) =
-                host_allocator(1, 1 << 30, "release_after_ms:100,reclaim_interval_ms:10");
-            let Ok(p) = own.allocate(0, (5 * MIB) as usize, Stream::DEFAULT) else {
-                return 4;
-            };
+            let (own, _) = host_allocator(1, 1 << 30, "release_after_ms:100,reclaim_interval_ms:10");
+            let Ok(p) = own.allocate(0, (5 * MIB) as usize, Stream::DEFAULT) else { return 4 };
             if own.free(0, p).is_err() || own.validate().is_err() {
                 return 5;
             }
@@ -51,12 +46,7 @@ fn a_forked_child_refuses_the_parents_allocator_and_works_with_its_own() {
     // SAFETY: waits for the child made above.
     unsafe { libc::waitpid(pid, &mut status, 0) };
     assert!(libc::WIFEXITED(status), "child did not exit normally");
-    assert_eq!(
-        libc::WEXITSTATUS(status),
-        0,
-        "child failed its check {}",
-        libc::WEXITSTATUS(status)
-    );
+    assert_eq!(libc::WEXITSTATUS(status), 0, "child failed its check {}", libc::WEXITSTATUS(status));
     // The parent goes on as before.
     alloc.free(0, parents).unwrap();
     alloc.validate().unwrap();

@@ -49,10 +49,7 @@ static GLOBAL: Counting = Counting;
 
 fn churn(alloc: &Allocator, sizes: &[usize], rounds: usize) {
     for _ in 0..rounds {
-        let ptrs: Vec<_> = sizes
-            .iter()
-            .map(|&s| alloc.allocate(0, s, Stream::DEFAULT).unwrap())
-            .collect();
+        let ptrs: Vec<_> = sizes.iter().map(|&s| alloc.allocate(0, s, Stream::DEFAULT).unwrap()).collect();
         for p in ptrs.into_iter().rev() {
             alloc.free(0, p).unwrap();
         }
@@ -62,13 +59,7 @@ fn churn(alloc: &Allocator, sizes: &[usize], rounds: usize) {
 #[test]
 fn cached_allocations_and_frees_make_no_host_allocation() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
-    let sizes = [
-        512,
-        3000,
-        64 * KIB as usize,
-        4 * MIB as usize,
-        64 * MIB as usize,
-    ];
+    let sizes = [512, 3000, 64 * KIB as usize, 4 * MIB as usize, 64 * MIB as usize];
     let mut ptrs = Vec::with_capacity(sizes.len());
     churn(&alloc, &sizes, 3); // warm: segments, block records, map capacity
     let before = counted();
@@ -106,10 +97,7 @@ fn statistics_see_a_freed_block_as_merged() {
     let a = alloc.allocate(0, 4096, Stream::DEFAULT).unwrap();
     alloc.free(0, a).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        s.inactive_split.all.current, 1,
-        "one free block after the live 512 B, merged"
-    );
+    assert_eq!(s.inactive_split.all.current, 1, "one free block after the live 512 B, merged");
     assert_eq!(s.largest_free_block_bytes, 2 * MIB - 512);
     assert_eq!(s.cached_free_bytes, 2 * MIB - 512);
     alloc.free(0, keep).unwrap();

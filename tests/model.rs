@@ -58,10 +58,7 @@ const CAPACITY: u64 = 160 * MIB;
 
 fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
     let (alloc, backend) = host_allocator(1, CAPACITY, conf);
-    prop_assert_eq!(
-        alloc.with_heap(0, |h| h.is_expandable()).unwrap(),
-        conf.contains("expandable:true")
-    );
+    prop_assert_eq!(alloc.with_heap(0, |h| h.is_expandable()).unwrap(), conf.contains("expandable:true"));
     let mut live: BTreeMap<u64, Live> = BTreeMap::new();
     let mut freed: Vec<u64> = Vec::new();
     let mut invalid_frees = 0;
@@ -70,29 +67,16 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
             Op::Alloc { stream, size } => match alloc.allocate(0, size as usize, Stream(stream)) {
                 Ok(ptr) => {
                     prop_assert!(!ptr.is_null() && ptr.0 % 512 == 0);
-                    let block = alloc
-                        .with_heap(0, |h| h.live_size(ptr.0))
-                        .unwrap()
-                        .expect("returned block is live");
+                    let block = alloc.with_heap(0, |h| h.live_size(ptr.0)).unwrap().expect("returned block is live");
                     prop_assert!(block >= size);
                     if let Some((&addr, prev)) = live.range(..ptr.0).next_back() {
-                        prop_assert!(
-                            addr + prev.block <= ptr.0,
-                            "overlaps the block at {addr:#x}"
-                        );
+                        prop_assert!(addr + prev.block <= ptr.0, "overlaps the block at {addr:#x}");
                     }
                     if let Some((&addr, _)) = live.range(ptr.0..).next() {
                         prop_assert!(ptr.0 + block <= addr, "overlaps the block at {addr:#x}");
                     }
                     fill(ptr, size, step as u64);
-                    live.insert(
-                        ptr.0,
-                        Live {
-                            block,
-                            requested: size,
-                            tag: step as u64,
-                        },
-                    );
+                    live.insert(ptr.0, Live { block, requested: size, tag: step as u64 });
                 }
                 Err(AllocError::OutOfMemory(report)) => prop_assert_eq!(report.requested, size),
                 Err(other) => prop_assert!(false, "unexpected error {other:?}"),
@@ -100,12 +84,7 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
             Op::Free { pick } if !live.is_empty() => {
                 let addr = *live.keys().nth(pick % live.len()).unwrap();
                 let entry = live.remove(&addr).unwrap();
-                prop_assert_eq!(
-                    check(DevicePtr(addr), entry.requested, entry.tag),
-                    Ok(()),
-                    "pattern of {:#x} damaged",
-                    addr
-                );
+                prop_assert_eq!(check(DevicePtr(addr), entry.requested, entry.tag), Ok(()), "pattern of {:#x} damaged", addr);
                 alloc.free(0, DevicePtr(addr)).unwrap();
                 freed.push(addr);
             }
@@ -131,14 +110,8 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
         }
         alloc.validate().map_err(TestCaseError::fail)?;
         let stats = alloc.stats(0).unwrap();
-        prop_assert_eq!(
-            stats.allocated_bytes.all.current,
-            live.values().map(|l| l.block).sum::<u64>()
-        );
-        prop_assert_eq!(
-            stats.requested_bytes.all.current,
-            live.values().map(|l| l.requested).sum::<u64>()
-        );
+        prop_assert_eq!(stats.allocated_bytes.all.current, live.values().map(|l| l.block).sum::<u64>());
+        prop_assert_eq!(stats.requested_bytes.all.current, live.values().map(|l| l.requested).sum::<u64>());
         prop_assert_eq!(stats.allocation.all.current, live.len() as u64);
         prop_assert_eq!(stats.events.num_invalid_frees, invalid_frees);
         prop_assert!(stats.reserved_bytes.all.current <= CAPACITY);
@@ -153,17 +126,8 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
     alloc.validate().map_err(TestCaseError::fail)?;
     let stats = alloc.stats(0).unwrap();
     prop_assert_eq!(stats.reserved_bytes.all.current, 0);
-    prop_assert_eq!(
-        stats.segment.all.current,
-        0,
-        "address space reserved for nothing"
-    );
-    prop_assert_eq!(
-        tidepool::backend::Backend::mem_info(&*backend, 0)
-            .unwrap()
-            .free,
-        CAPACITY
-    );
+    prop_assert_eq!(stats.segment.all.current, 0, "address space reserved for nothing");
+    prop_assert_eq!(tidepool::backend::Backend::mem_info(&*backend, 0).unwrap().free, CAPACITY);
     Ok(())
 }
 

@@ -20,11 +20,7 @@ fn the_python_package_works_through_ctypes() {
         eprintln!("python3 not installed: skipped");
         return;
     };
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "python tests failed:\n{text}");
     assert!(text.contains("\nOK"), "{text}");
 }

@@ -33,10 +33,7 @@ fn idle_segments_go_back_after_release_after_ms() {
     let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:600,reclaim_interval_ms:20");
     assert!(alloc.has_reclaimer());
     let keep = alloc.allocate(0, 4096, S0).unwrap();
-    let working_set: Vec<_> = [30 * MIB, 12 * MIB, 3 * MIB, 512 * 1024]
-        .iter()
-        .map(|&s| alloc.allocate(0, s as usize, S0).unwrap())
-        .collect();
+    let working_set: Vec<_> = [30 * MIB, 12 * MIB, 3 * MIB, 512 * 1024].iter().map(|&s| alloc.allocate(0, s as usize, S0).unwrap()).collect();
     for p in working_set {
         alloc.free(0, p).unwrap();
     }
@@ -46,11 +43,7 @@ fn idle_segments_go_back_after_release_after_ms() {
     std::thread::sleep(Duration::from_millis(150));
     assert_eq!(reserved(&alloc), cached, "released before release_after_ms");
     // ...but soon after it.
-    assert!(
-        eventually(Duration::from_secs(5), || reserved(&alloc) == 2 * MIB),
-        "reserved {}",
-        reserved(&alloc)
-    );
+    assert!(eventually(Duration::from_secs(5), || reserved(&alloc) == 2 * MIB), "reserved {}", reserved(&alloc));
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.released(Reason::IdleDecay).bytes, cached - 2 * MIB);
     assert!(s.events.num_reclaims > 0);
@@ -63,10 +56,7 @@ fn a_steady_loop_is_never_churned() {
     // The decay (2 s) is far longer than a step (30 ms), as it is in training.
     let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:2000,reclaim_interval_ms:20");
     let step = |alloc: &Allocator| {
-        let ptrs: Vec<_> = [8 * MIB, 2 * MIB, 100_000]
-            .iter()
-            .map(|&s| alloc.allocate(0, s as usize, S0).unwrap())
-            .collect();
+        let ptrs: Vec<_> = [8 * MIB, 2 * MIB, 100_000].iter().map(|&s| alloc.allocate(0, s as usize, S0).unwrap()).collect();
         for p in ptrs {
             alloc.free(0, p).unwrap();
         }
@@ -79,11 +69,7 @@ fn a_steady_loop_is_never_churned() {
         std::thread::sleep(Duration::from_millis(30));
     }
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        s.events.num_device_alloc - warm,
-        0,
-        "device allocations per step after warm-up"
-    );
+    assert_eq!(s.events.num_device_alloc - warm, 0, "device allocations per step after warm-up");
     assert_eq!(s.events.num_device_free, 0);
 }
 
@@ -93,15 +79,8 @@ fn the_budget_releases_cache_first_and_fails_only_for_live_memory() {
     let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();
     alloc.free(0, a).unwrap();
     let b = alloc.allocate(0, (50 * MIB) as usize, S0).unwrap();
-    assert_eq!(
-        reserved(&alloc),
-        50 * MIB,
-        "the cached 40 MiB went to make room"
-    );
-    assert!(
-        alloc.allocate(0, (20 * MIB) as usize, S0).is_err(),
-        "70 MiB live is over the 64 MiB budget"
-    );
+    assert_eq!(reserved(&alloc), 50 * MIB, "the cached 40 MiB went to make room");
+    assert!(alloc.allocate(0, (20 * MIB) as usize, S0).is_err(), "70 MiB live is over the 64 MiB budget");
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.released(Reason::OutOfMemory).bytes, 40 * MIB);
     alloc.free(0, b).unwrap();
@@ -110,27 +89,15 @@ fn the_budget_releases_cache_first_and_fails_only_for_live_memory() {
 
 #[test]
 fn headroom_releases_idle_cache_when_the_device_runs_low() {
-    let (alloc, backend) = host_allocator(
-        1,
-        100 * MIB,
-        "release_after_ms:off,headroom_mb:50,reclaim_interval_ms:20",
-    );
+    let (alloc, backend) = host_allocator(1, 100 * MIB, "release_after_ms:off,headroom_mb:50,reclaim_interval_ms:20");
     let a = alloc.allocate(0, (60 * MIB) as usize, S0).unwrap();
     alloc.free(0, a).unwrap();
-    assert_eq!(
-        tidepool::backend::Backend::mem_info(&*backend, 0)
-            .unwrap()
-            .free,
-        40 * MIB
-    );
+    assert_eq!(tidepool::backend::Backend::mem_info(&*backend, 0).unwrap().free, 40 * MIB);
     // Segments idle under a second are spared; after that, released.
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(reserved(&alloc), 60 * MIB);
     assert!(eventually(Duration::from_secs(5), || reserved(&alloc) == 0));
-    assert_eq!(
-        alloc.stats(0).unwrap().released(Reason::Headroom).bytes,
-        60 * MIB
-    );
+    assert_eq!(alloc.stats(0).unwrap().released(Reason::Headroom).bytes, 60 * MIB);
 }
 
 #[test]
@@ -145,37 +112,22 @@ fn without_a_policy_nothing_is_released_and_no_thread_runs() {
 
 #[test]
 fn dropping_the_allocator_stops_its_reclaimer_at_once() {
-    let (alloc, _) = host_allocator(
-        1,
-        1 << 30,
-        "release_after_ms:60000,reclaim_interval_ms:60000",
-    );
+    let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:60000,reclaim_interval_ms:60000");
     assert!(alloc.has_reclaimer());
     let start = Instant::now();
     drop(alloc);
-    assert!(
-        start.elapsed() < Duration::from_secs(1),
-        "the thread was not woken to stop"
-    );
+    assert!(start.elapsed() < Duration::from_secs(1), "the thread was not woken to stop");
 }
 
 #[test]
 fn pressure_is_answered_within_a_couple_of_intervals() {
     // A segment idle for over a second, then another process (here: another
     // heap's growth on the same device) leaves less than the headroom free.
-    let (alloc, backend) = host_allocator(
-        1,
-        100 * MIB,
-        "release_after_ms:off,headroom_mb:30,reclaim_interval_ms:20",
-    );
+    let (alloc, backend) = host_allocator(1, 100 * MIB, "release_after_ms:off,headroom_mb:30,reclaim_interval_ms:20");
     let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();
     alloc.free(0, a).unwrap();
     std::thread::sleep(Duration::from_millis(1100));
-    assert_eq!(
-        reserved(&alloc),
-        40 * MIB,
-        "no pressure yet: the cache stays"
-    );
+    assert_eq!(reserved(&alloc), 40 * MIB, "no pressure yet: the cache stays");
     let other = tidepool::backend::Backend::allocate(&*backend, 0, 40 * MIB, S0).unwrap();
     let signal = Instant::now();
     assert!(eventually(Duration::from_secs(2), || reserved(&alloc) == 0));

@@ -13,9 +13,7 @@ use tidepool::trace::{self, Trace};
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn shared(relative: &str) -> Option<PathBuf> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces")
-        .join(relative);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces").join(relative);
     if path.exists() {
         Some(path)
     } else {
@@ -25,13 +23,7 @@ fn shared(relative: &str) -> Option<PathBuf> {
 }
 
 fn options(policy: Policy) -> ReplayOptions {
-    ReplayOptions {
-        capacity: 1 << 50,
-        policy,
-        conf: String::new(),
-        samples: 0,
-        record_to: None,
-    }
+    ReplayOptions { capacity: 1 << 50, policy, conf: String::new(), samples: 0, record_to: None }
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -50,17 +42,10 @@ fn the_pytorch_model_lands_within_2_percent_of_pytorchs_recorded_peak_reserved()
             return;
         };
         let trace = trace::load(&path).unwrap();
-        let recorded = trace
-            .pytorch_peak_reserved
-            .expect("snapshots record segments") as f64;
+        let recorded = trace.pytorch_peak_reserved.expect("snapshots record segments") as f64;
         let report = replay(&trace, &options(Policy::Pytorch)).unwrap();
         let error = report.peak_reserved_bytes as f64 / recorded - 1.0;
-        assert!(
-            error.abs() <= 0.02,
-            "{name}: model {} vs recorded {recorded}: {:.2} %",
-            report.peak_reserved_bytes,
-            100.0 * error
-        );
+        assert!(error.abs() <= 0.02, "{name}: model {} vs recorded {recorded}: {:.2} %", report.peak_reserved_bytes, 100.0 * error);
         assert_eq!(report.ooms, 0);
     }
 }
@@ -68,21 +53,14 @@ fn the_pytorch_model_lands_within_2_percent_of_pytorchs_recorded_peak_reserved()
 #[test]
 fn the_rmm_logs_replay_to_the_published_pytorch_policy_figures() {
     // ../shared/traces/README.md: PyTorch-policy peak reserved per log.
-    for (name, gib) in [
-        ("resnet50-b64.csv", 6.438),
-        ("gpt2-b8-s1024.csv", 29.143),
-        ("gpt2-b8-varlen.csv", 30.383),
-    ] {
+    for (name, gib) in [("resnet50-b64.csv", 6.438), ("gpt2-b8-s1024.csv", 29.143), ("gpt2-b8-varlen.csv", 30.383)] {
         let Some(path) = shared(&format!("rmm-csv/{name}")) else {
             return;
         };
         let trace = trace::load(&path).unwrap();
         let report = replay(&trace, &options(Policy::Pytorch)).unwrap();
         let ours = report.peak_reserved_bytes as f64 / GIB;
-        assert!(
-            (ours / gib - 1.0).abs() <= 0.02,
-            "{name}: {ours:.3} GiB vs {gib} GiB"
-        );
+        assert!((ours / gib - 1.0).abs() <= 0.02, "{name}: {ours:.3} GiB vs {gib} GiB");
     }
 }
 
@@ -97,10 +75,7 @@ fn plan_finds_the_published_smallest_device() {
     assert!((gib / 30.383 - 1.0).abs() <= 0.01, "{gib:.3} GiB");
     assert!(plan.min_capacity >= trace.peak_requested());
     // One step less does not fit.
-    let smaller = ReplayOptions {
-        capacity: plan.min_capacity - (64 << 20),
-        ..options(Policy::Pytorch)
-    };
+    let smaller = ReplayOptions { capacity: plan.min_capacity - (64 << 20), ..options(Policy::Pytorch) };
     assert!(replay(&trace, &smaller).unwrap().ooms > 0);
 }
 
@@ -148,29 +123,14 @@ fn a_recorded_replay_replays_to_the_same_peaks() {
         None => small_trace(),
     };
     let recording = tmp("recorded_replay.csv");
-    let first = replay(
-        &original,
-        &ReplayOptions {
-            record_to: Some(recording.clone()),
-            ..options(Policy::Tidepool)
-        },
-    )
-    .unwrap();
+    let first = replay(&original, &ReplayOptions { record_to: Some(recording.clone()), ..options(Policy::Tidepool) }).unwrap();
     let recorded = trace::load(&recording).unwrap();
     assert_eq!(recorded.allocs, original.allocs);
     assert_eq!(recorded.warnings.count, 0);
     let second = replay(&recorded, &options(Policy::Tidepool)).unwrap();
     assert_eq!(
-        (
-            second.peak_requested_bytes,
-            second.peak_allocated_bytes,
-            second.peak_reserved_bytes
-        ),
-        (
-            first.peak_requested_bytes,
-            first.peak_allocated_bytes,
-            first.peak_reserved_bytes
-        )
+        (second.peak_requested_bytes, second.peak_allocated_bytes, second.peak_reserved_bytes),
+        (first.peak_requested_bytes, first.peak_allocated_bytes, first.peak_reserved_bytes)
     );
 }
 
@@ -181,45 +141,19 @@ fn bad_files_are_clear_errors_that_name_the_file_and_place() {
         std::fs::write(&path, bytes).unwrap();
         path
     };
-    let err = trace::load(&write("bad_header.csv", b"a,b,c\n1,2,3\n"))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("bad_header.csv") && err.contains("line 1") && err.contains("header"),
-        "{err}"
-    );
-    let err = trace::load(&write(
-        "bad_size.csv",
-        b"Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,-5,0\n",
-    ))
-    .unwrap_err()
-    .to_string();
+    let err = trace::load(&write("bad_header.csv", b"a,b,c\n1,2,3\n")).unwrap_err().to_string();
+    assert!(err.contains("bad_header.csv") && err.contains("line 1") && err.contains("header"), "{err}");
+    let err =
+        trace::load(&write("bad_size.csv", b"Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,-5,0\n")).unwrap_err().to_string();
     assert!(err.contains("line 2") && err.contains("bad size"), "{err}");
-    let err = trace::load(&write("evil.pickle", b"\x80\x04cos\nsystem\n."))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("evil.pickle") && err.contains("byte 2") && err.contains("refused"),
-        "{err}"
-    );
-    let err = trace::load(&write(
-        "truncated.pickle",
-        b"\x80\x04}\x94(\x8c\x08segments",
-    ))
-    .unwrap_err()
-    .to_string();
+    let err = trace::load(&write("evil.pickle", b"\x80\x04cos\nsystem\n.")).unwrap_err().to_string();
+    assert!(err.contains("evil.pickle") && err.contains("byte 2") && err.contains("refused"), "{err}");
+    let err = trace::load(&write("truncated.pickle", b"\x80\x04}\x94(\x8c\x08segments")).unwrap_err().to_string();
     assert!(err.contains("truncated"), "{err}");
-    let err = trace::load(&write("empty.csv", b""))
-        .unwrap_err()
-        .to_string();
+    let err = trace::load(&write("empty.csv", b"")).unwrap_err().to_string();
     assert!(err.contains("empty"), "{err}");
-    let err = trace::load(Path::new("/nonexistent/trace.csv"))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("/nonexistent/trace.csv") && err.contains("cannot open"),
-        "{err}"
-    );
+    let err = trace::load(Path::new("/nonexistent/trace.csv")).unwrap_err().to_string();
+    assert!(err.contains("/nonexistent/trace.csv") && err.contains("cannot open"), "{err}");
     // 32 MiB of garbage, as text and as a pickle: refused at once.
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let garbage: Vec<u8> = (0..32 << 20)
@@ -240,26 +174,15 @@ fn bad_files_are_clear_errors_that_name_the_file_and_place() {
 }
 
 fn tidepool_cli(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into(),
-        String::from_utf8_lossy(&out.stderr).into(),
-    )
+    let out = Command::new(env!("CARGO_BIN_EXE_tidepool")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
 }
 
 fn write_small_csv() -> PathBuf {
     let path = tmp("small_cli.csv");
     let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
     for i in 1..=50u64 {
-        text += &format!(
-            "1,00:00:00.{i:06},allocate,{:#x},{},0\n",
-            i << 20,
-            i * 100_000
-        );
+        text += &format!("1,00:00:00.{i:06},allocate,{:#x},{},0\n", i << 20, i * 100_000);
     }
     for i in (1..=50u64).step_by(2) {
         text += &format!("1,00:00:01.{i:06},free,{:#x},{},0\n", i << 20, i * 100_000);
@@ -292,31 +215,10 @@ fn replay_json_has_one_object_per_policy_with_the_documented_keys() {
     ] {
         assert!(lines[0].contains(key), "{key} missing from {}", lines[0]);
     }
-    let policies: Vec<&str> = lines
-        .iter()
-        .map(|l| {
-            l.split("\"policy\":\"")
-                .nth(1)
-                .unwrap()
-                .split('"')
-                .next()
-                .unwrap()
-        })
-        .collect();
+    let policies: Vec<&str> = lines.iter().map(|l| l.split("\"policy\":\"").nth(1).unwrap().split('"').next().unwrap()).collect();
     assert_eq!(policies, ["pytorch", "tidepool", "expandable"]);
-    let (ok, stdout, _) = tidepool_cli(&[
-        "replay",
-        path.to_str().unwrap(),
-        "--json",
-        "--policy",
-        "expandable,pytorch",
-    ]);
-    assert!(
-        ok && stdout.lines().count() == 2
-            && stdout.starts_with("{")
-            && stdout.contains("\"policy\":\"expandable\""),
-        "{stdout}"
-    );
+    let (ok, stdout, _) = tidepool_cli(&["replay", path.to_str().unwrap(), "--json", "--policy", "expandable,pytorch"]);
+    assert!(ok && stdout.lines().count() == 2 && stdout.starts_with("{") && stdout.contains("\"policy\":\"expandable\""), "{stdout}");
 }
 
 #[test]
@@ -324,12 +226,7 @@ fn plan_answers_in_plain_words_and_in_json() {
     let path = write_small_csv();
     let (ok, stdout, stderr) = tidepool_cli(&["plan", path.to_str().unwrap()]);
     assert!(ok, "{stderr}");
-    assert!(
-        stdout.contains("with PyTorch's allocator")
-            && stdout.contains("with tidepool")
-            && stdout.contains("card"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("with PyTorch's allocator") && stdout.contains("with tidepool") && stdout.contains("card"), "{stdout}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--json"]);
     assert!(ok);
     for key in [
@@ -347,36 +244,16 @@ fn plan_answers_in_plain_words_and_in_json() {
 fn the_plot_is_an_svg_with_every_series() {
     let path = write_small_csv();
     let svg = tmp("small.svg");
-    let (ok, _, stderr) = tidepool_cli(&[
-        "replay",
-        path.to_str().unwrap(),
-        "--plot",
-        svg.to_str().unwrap(),
-    ]);
+    let (ok, _, stderr) = tidepool_cli(&["replay", path.to_str().unwrap(), "--plot", svg.to_str().unwrap()]);
     assert!(ok, "{stderr}");
     let text = std::fs::read_to_string(&svg).unwrap();
-    assert!(
-        text.starts_with("<svg") && text.trim_end().ends_with("</svg>"),
-        "not an SVG document"
-    );
-    for label in [
-        "requested",
-        "allocated (tidepool)",
-        "reserved (tidepool)",
-        "allocated (pytorch)",
-        "reserved (pytorch)",
-        "memory (GiB)",
-        "event",
-    ] {
-        assert!(
-            text.contains(&format!(">{label}<")) || text.contains(label),
-            "{label} missing"
-        );
+    assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"), "not an SVG document");
+    for label in
+        ["requested", "allocated (tidepool)", "reserved (tidepool)", "allocated (pytorch)", "reserved (pytorch)", "memory (GiB)", "event"]
+    {
+        assert!(text.contains(&format!(">{label}<")) || text.contains(label), "{label} missing");
     }
-    assert!(
-        text.matches("<polyline").count() >= 5,
-        "expected five line series"
-    );
+    assert!(text.matches("<polyline").count() >= 5, "expected five line series");
     // Well formed: every element that opens closes.
     let opens = text.matches("<text").count();
     assert_eq!(opens, text.matches("</text>").count());

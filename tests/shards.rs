@@ -12,11 +12,7 @@ use tidepool::{DevicePtr, Stream};
 
 #[test]
 fn the_conformance_suite_holds_with_stream_shards() {
-    conformance::run(
-        &|conf| host_allocator(1, 256 * MIB, &format!("stream_shards:4,{conf}")).0,
-        256 * MIB,
-        [Stream(1), Stream(2)],
-    );
+    conformance::run(&|conf| host_allocator(1, 256 * MIB, &format!("stream_shards:4,{conf}")).0, 256 * MIB, [Stream(1), Stream(2)]);
 }
 
 #[test]
@@ -26,11 +22,7 @@ fn statistics_add_up_over_the_shards() {
     let b = alloc.allocate(0, 3 * MIB as usize, Stream(2)).unwrap();
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.allocated_bytes.all.current, 4096 + 3 * MIB);
-    assert_eq!(
-        s.reserved_bytes.all.current,
-        2 * MIB + 20 * MIB,
-        "a segment per stream's shard"
-    );
+    assert_eq!(s.reserved_bytes.all.current, 2 * MIB + 20 * MIB, "a segment per stream's shard");
     assert_eq!(s.num_allocs, 2);
     // Freed without naming the stream: found in its shard all the same.
     alloc.free(0, a).unwrap();
@@ -47,14 +39,7 @@ fn a_full_device_takes_the_cache_of_the_other_shards() {
     alloc.free(0, a).unwrap();
     let b = alloc.allocate(0, (40 * MIB) as usize, Stream(2)).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        (
-            s.reserved_bytes.all.current,
-            s.events.num_ooms,
-            s.events.num_device_free
-        ),
-        (40 * MIB, 0, 1)
-    );
+    assert_eq!((s.reserved_bytes.all.current, s.events.num_ooms, s.events.num_device_free), (40 * MIB, 0, 1));
     alloc.free(0, b).unwrap();
     alloc.validate().unwrap();
 }
@@ -64,10 +49,7 @@ fn the_memory_fraction_caps_the_device_not_each_shard() {
     let (alloc, _) = host_allocator(1, 100 * MIB, "stream_shards:4");
     alloc.set_memory_fraction(0, 0.5).unwrap();
     let a = alloc.allocate(0, (30 * MIB) as usize, Stream(1)).unwrap();
-    assert!(
-        alloc.allocate(0, (30 * MIB) as usize, Stream(2)).is_err(),
-        "60 MiB over a 50 MiB cap"
-    );
+    assert!(alloc.allocate(0, (30 * MIB) as usize, Stream(2)).is_err(), "60 MiB over a 50 MiB cap");
     alloc.free(0, a).unwrap();
 }
 

@@ -49,9 +49,7 @@ fn error_name(code: sys::CUresult) -> String {
         return format!("error {}", code as i64);
     }
     // SAFETY: the driver returns a NUL-terminated static string.
-    unsafe { CStr::from_ptr(name) }
-        .to_string_lossy()
-        .into_owned()
+    unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
 }
 
 /// The one place driver results become errors.
@@ -59,11 +57,7 @@ fn check(result: sys::CUresult, call: &'static str) -> Result<(), BackendError> 
     match result {
         sys::CUresult::CUDA_SUCCESS => Ok(()),
         sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(BackendError::OutOfMemory),
-        other => Err(BackendError::Driver {
-            call,
-            code: other as i64,
-            message: error_name(other),
-        }),
+        other => Err(BackendError::Driver { call, code: other as i64, message: error_name(other) }),
     }
 }
 
@@ -90,52 +84,27 @@ impl CudaBackend {
         check(unsafe { sys::cuInit(0) }, "cuInit")?;
         let mut count = 0;
         // SAFETY: writes the device count into a local.
-        check(
-            unsafe { sys::cuDeviceGetCount(&mut count) },
-            "cuDeviceGetCount",
-        )?;
+        check(unsafe { sys::cuDeviceGetCount(&mut count) }, "cuDeviceGetCount")?;
         let mut devices = Vec::new();
         for ordinal in 0..count {
             let mut device: sys::CUdevice = 0;
             // SAFETY: `ordinal` is below the count the driver gave.
-            check(
-                unsafe { sys::cuDeviceGet(&mut device, ordinal) },
-                "cuDeviceGet",
-            )?;
+            check(unsafe { sys::cuDeviceGet(&mut device, ordinal) }, "cuDeviceGet")?;
             let mut context: sys::CUcontext = std::ptr::null_mut();
             // SAFETY: retains the device's primary context; it stays retained
             // for the life of the process, as PyTorch's does.
-            check(
-                unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, device) },
-                "cuDevicePrimaryCtxRetain",
-            )?;
+            check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, device) }, "cuDevicePrimaryCtxRetain")?;
             let mut uuid = [0u8; 16];
             if has_symbol(b"cuDeviceGetUuid_v2\0") {
                 let mut raw = sys::CUuuid_st { bytes: [0; 16] };
                 // SAFETY: writes 16 bytes into a local CUuuid.
-                check(
-                    unsafe { sys::cuDeviceGetUuid_v2(&mut raw, device) },
-                    "cuDeviceGetUuid_v2",
-                )?;
+                check(unsafe { sys::cuDeviceGetUuid_v2(&mut raw, device) }, "cuDeviceGetUuid_v2")?;
                 uuid = raw.bytes.map(|b| b as u8);
             }
-            let pool = if stream_ordered {
-                Self::create_pool(device, context)?
-            } else {
-                0
-            };
-            devices.push(Device {
-                ordinal: device,
-                context: context as usize,
-                uuid,
-                pool,
-                events: Mutex::new(Vec::new()),
-            });
+            let pool = if stream_ordered { Self::create_pool(device, context)? } else { 0 };
+            devices.push(Device { ordinal: device, context: context as usize, uuid, pool, events: Mutex::new(Vec::new()) });
         }
-        Ok(CudaBackend {
-            devices,
-            stream_ordered,
-        })
+        Ok(CudaBackend { devices, stream_ordered })
     }
 
     /// A device memory pool of tidepool's own (not the device's default pool,
@@ -151,21 +120,16 @@ impl CudaBackend {
         props.location.id = device;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: `props` is a valid pool description; the driver writes the pool handle.
-        check(
-            unsafe { sys::cuMemPoolCreate(&mut pool, &props) },
-            "cuMemPoolCreate",
-        )?;
+        check(unsafe { sys::cuMemPoolCreate(&mut pool, &props) }, "cuMemPoolCreate")?;
         Ok(pool as usize)
     }
 
     fn device(&self, device: usize, call: &'static str) -> Result<&Device, BackendError> {
-        self.devices
-            .get(device)
-            .ok_or_else(|| BackendError::Driver {
-                call,
-                code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i64,
-                message: format!("no device {device}; the driver has {}", self.devices.len()),
-            })
+        self.devices.get(device).ok_or_else(|| BackendError::Driver {
+            call,
+            code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i64,
+            message: format!("no device {device}; the driver has {}", self.devices.len()),
+        })
     }
 
     /// Makes `device`'s primary context current on this thread if it is not.
@@ -173,10 +137,7 @@ impl CudaBackend {
         let wanted = self.device(device, call)?.context as sys::CUcontext;
         let mut current: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: reads this thread's current context into a local.
-        check(
-            unsafe { sys::cuCtxGetCurrent(&mut current) },
-            "cuCtxGetCurrent",
-        )?;
+        check(unsafe { sys::cuCtxGetCurrent(&mut current) }, "cuCtxGetCurrent")?;
         if current != wanted {
             // SAFETY: `wanted` is a primary context retained in `new` and never released.
             check(unsafe { sys::cuCtxSetCurrent(wanted) }, "cuCtxSetCurrent")?;
@@ -207,47 +168,25 @@ impl Backend for CudaBackend {
             // SAFETY: the context is current, `pool` was created for this
             // device, `stream` is the requester's; the driver writes the address.
             check(
-                unsafe {
-                    sys::cuMemAllocFromPoolAsync(
-                        &mut ptr,
-                        bytes,
-                        pool as sys::CUmemoryPool,
-                        stream.0 as sys::CUstream,
-                    )
-                },
+                unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, pool as sys::CUmemoryPool, stream.0 as sys::CUstream) },
                 "cuMemAllocFromPoolAsync",
             )?;
         } else {
             // SAFETY: the device's context is current; the driver writes the address into a local.
-            check(
-                unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) },
-                "cuMemAlloc_v2",
-            )?;
+            check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, "cuMemAlloc_v2")?;
         }
         Ok(ptr)
     }
 
-    fn release(
-        &self,
-        device: usize,
-        base: u64,
-        _size: u64,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    fn release(&self, device: usize, base: u64, _size: u64, stream: Stream) -> Result<(), BackendError> {
         self.enter(device, "cuMemFree")?;
         let pool = self.devices[device].pool;
         if pool != 0 {
             // SAFETY: `base` came from this device's pool and is released once,
             // in the order of the stream it was last used on.
-            check(
-                unsafe { sys::cuMemFreeAsync(base, stream.0 as sys::CUstream) },
-                "cuMemFreeAsync",
-            )?;
+            check(unsafe { sys::cuMemFreeAsync(base, stream.0 as sys::CUstream) }, "cuMemFreeAsync")?;
             // SAFETY: `pool` is this device's pool; trimming only returns free memory.
-            check(
-                unsafe { sys::cuMemPoolTrimTo(pool as sys::CUmemoryPool, 0) },
-                "cuMemPoolTrimTo",
-            )
+            check(unsafe { sys::cuMemPoolTrimTo(pool as sys::CUmemoryPool, 0) }, "cuMemPoolTrimTo")
         } else {
             // SAFETY: `base` came from cuMemAlloc_v2 on this device and the engine
             // releases it once, with no block of it in use.
@@ -259,24 +198,15 @@ impl Backend for CudaBackend {
         self.enter(device, "cuMemGetInfo_v2")?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: the device's context is current; the driver writes two sizes into locals.
-        check(
-            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
-            "cuMemGetInfo_v2",
-        )?;
-        Ok(MemInfo {
-            free: free as u64,
-            total: total as u64,
-        })
+        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo_v2")?;
+        Ok(MemInfo { free: free as u64, total: total as u64 })
     }
 
     fn synchronize_stream(&self, device: usize, stream: Stream) -> Result<(), BackendError> {
         self.enter(device, "cuStreamSynchronize")?;
         // SAFETY: `stream` is a CUstream the caller used for its work on this
         // device (PyTorch's record_stream); 0 is the legacy default stream.
-        check(
-            unsafe { sys::cuStreamSynchronize(stream.0 as sys::CUstream) },
-            "cuStreamSynchronize",
-        )
+        check(unsafe { sys::cuStreamSynchronize(stream.0 as sys::CUstream) }, "cuStreamSynchronize")
     }
 
     fn record_event(&self, device: usize, stream: Stream) -> Result<Option<u64>, BackendError> {
@@ -288,18 +218,12 @@ impl Backend for CudaBackend {
                 let mut event: sys::CUevent = std::ptr::null_mut();
                 let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
                 // SAFETY: the context is current; the driver writes a new event handle.
-                check(
-                    unsafe { sys::cuEventCreate(&mut event, flags) },
-                    "cuEventCreate",
-                )?;
+                check(unsafe { sys::cuEventCreate(&mut event, flags) }, "cuEventCreate")?;
                 event
             }
         };
         // SAFETY: `event` belongs to this device's context; `stream` is the caller's.
-        check(
-            unsafe { sys::cuEventRecord(event, stream.0 as sys::CUstream) },
-            "cuEventRecord",
-        )?;
+        check(unsafe { sys::cuEventRecord(event, stream.0 as sys::CUstream) }, "cuEventRecord")?;
         Ok(Some(event as u64))
     }
 
@@ -315,24 +239,13 @@ impl Backend for CudaBackend {
     fn wait_event(&self, device: usize, event: u64) -> Result<(), BackendError> {
         self.enter(device, "cuEventSynchronize")?;
         // SAFETY: `event` came from record_event and has not been recycled.
-        check(
-            unsafe { sys::cuEventSynchronize(event as sys::CUevent) },
-            "cuEventSynchronize",
-        )
+        check(unsafe { sys::cuEventSynchronize(event as sys::CUevent) }, "cuEventSynchronize")
     }
 
-    fn stream_wait_event(
-        &self,
-        device: usize,
-        stream: Stream,
-        event: u64,
-    ) -> Result<(), BackendError> {
+    fn stream_wait_event(&self, device: usize, stream: Stream, event: u64) -> Result<(), BackendError> {
         self.enter(device, "cuStreamWaitEvent")?;
         // SAFETY: `event` came from record_event; `stream` is the requester's.
-        check(
-            unsafe { sys::cuStreamWaitEvent(stream.0 as sys::CUstream, event as sys::CUevent, 0) },
-            "cuStreamWaitEvent",
-        )
+        check(unsafe { sys::cuStreamWaitEvent(stream.0 as sys::CUstream, event as sys::CUevent, 0) }, "cuStreamWaitEvent")
     }
 
     fn recycle_event(&self, device: usize, event: u64) {
@@ -346,12 +259,6 @@ impl Backend for CudaBackend {
         if d.uuid == [0; 16] {
             return Some(format!("cuda-ordinal-{}", d.ordinal));
         }
-        Some(format!(
-            "cuda-{}",
-            d.uuid
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        ))
+        Some(format!("cuda-{}", d.uuid.iter().map(|b| format!("{b:02x}")).collect::<String>()))
     }
 }

@@ -70,27 +70,17 @@ impl Faults {
     }
     /// What injected failures look like.
     pub fn set_kind(&self, kind: FaultKind) {
-        self.as_driver_error
-            .store(kind == FaultKind::DriverError, Ordering::SeqCst);
+        self.as_driver_error.store(kind == FaultKind::DriverError, Ordering::SeqCst);
     }
     /// Latency added to every allocate and release.
     pub fn set_latency(&self, latency: Duration) {
-        self.latency_ns.store(
-            latency.as_nanos().min(u64::MAX as u128) as u64,
-            Ordering::SeqCst,
-        );
+        self.latency_ns.store(latency.as_nanos().min(u64::MAX as u128) as u64, Ordering::SeqCst);
     }
 
     /// Counts one call down; true when this call must fail.
     fn countdown_hits(counter: &AtomicU64) -> bool {
         counter
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                if n == 0 {
-                    None
-                } else {
-                    Some(n - 1)
-                }
-            })
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| if n == 0 { None } else { Some(n - 1) })
             .map(|before| before == 1)
             .unwrap_or(false)
     }
@@ -104,11 +94,7 @@ impl Faults {
 
     fn injected(&self, call: &'static str) -> BackendError {
         if self.as_driver_error.load(Ordering::SeqCst) {
-            BackendError::Driver {
-                call,
-                code: -1,
-                message: "failure injected by a test".into(),
-            }
+            BackendError::Driver { call, code: -1, message: "failure injected by a test".into() }
         } else {
             BackendError::OutOfMemory
         }
@@ -128,17 +114,8 @@ struct SharedCapacity {
 
 impl SharedCapacity {
     fn open(path: &Path) -> std::io::Result<SharedCapacity> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(path)?;
-        Ok(SharedCapacity {
-            path: path.to_path_buf(),
-            file,
-        })
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(path)?;
+        Ok(SharedCapacity { path: path.to_path_buf(), file })
     }
 
     fn used(&self, device: usize) -> std::io::Result<u64> {
@@ -158,8 +135,7 @@ impl SharedCapacity {
             if used < 0 || used > capacity as i128 {
                 return Ok(false);
             }
-            self.file
-                .write_all_at(&(used as u64).to_le_bytes(), 8 * device as u64)?;
+            self.file.write_all_at(&(used as u64).to_le_bytes(), 8 * device as u64)?;
             Ok(true)
         })();
         self.file.unlock()?;
@@ -185,12 +161,7 @@ impl HostBackend {
     /// `devices` devices of `capacity` bytes each.
     pub fn new(devices: usize, capacity: u64) -> HostBackend {
         HostBackend {
-            devices: (0..devices)
-                .map(|_| HostDevice {
-                    capacity,
-                    used: AtomicU64::new(0),
-                })
-                .collect(),
+            devices: (0..devices).map(|_| HostDevice { capacity, used: AtomicU64::new(0) }).collect(),
             shared: None,
             faults: Faults::default(),
             allocate_calls: AtomicU64::new(0),
@@ -202,10 +173,7 @@ impl HostBackend {
 
     /// Devices whose capacity every process naming `path` shares.
     pub fn shared(devices: usize, capacity: u64, path: &Path) -> std::io::Result<HostBackend> {
-        Ok(HostBackend {
-            shared: Some(SharedCapacity::open(path)?),
-            ..HostBackend::new(devices, capacity)
-        })
+        Ok(HostBackend { shared: Some(SharedCapacity::open(path)?), ..HostBackend::new(devices, capacity) })
     }
 
     /// The failure and latency injection hooks.
@@ -225,42 +193,28 @@ impl HostBackend {
 
     /// `vm_map` and `vm_unmap` calls so far.
     pub fn vm_calls(&self) -> (u64, u64) {
-        (
-            self.vm_map_calls.load(Ordering::Relaxed),
-            self.vm_unmap_calls.load(Ordering::Relaxed),
-        )
+        (self.vm_map_calls.load(Ordering::Relaxed), self.vm_unmap_calls.load(Ordering::Relaxed))
     }
 
     fn device(&self, device: usize, call: &'static str) -> Result<&HostDevice, BackendError> {
-        self.devices
-            .get(device)
-            .ok_or_else(|| BackendError::Driver {
-                call,
-                code: 101, // CUDA_ERROR_INVALID_DEVICE
-                message: format!(
-                    "no device {device}; the host backend has {}",
-                    self.devices.len()
-                ),
-            })
+        self.devices.get(device).ok_or_else(|| BackendError::Driver {
+            call,
+            code: 101, // CUDA_ERROR_INVALID_DEVICE
+            message: format!("no device {device}; the host backend has {}", self.devices.len()),
+        })
     }
 
     /// Claims `size` bytes of `device`'s capacity; false when it would not fit.
     fn claim(&self, device: usize, size: u64) -> bool {
         let dev = &self.devices[device];
         if let Some(shared) = &self.shared {
-            if !shared
-                .update(device, size as i128, dev.capacity)
-                .unwrap_or(false)
-            {
+            if !shared.update(device, size as i128, dev.capacity).unwrap_or(false) {
                 return false;
             }
         }
         let claimed = dev
             .used
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
-                used.checked_add(size)
-                    .filter(|&total| total <= dev.capacity)
-            })
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| used.checked_add(size).filter(|&total| total <= dev.capacity))
             .is_ok();
         if !claimed {
             self.unclaim(device, size, false);
@@ -321,13 +275,7 @@ impl Backend for HostBackend {
         Ok(addr as u64)
     }
 
-    fn release(
-        &self,
-        device: usize,
-        base: u64,
-        size: u64,
-        _stream: Stream,
-    ) -> Result<(), BackendError> {
+    fn release(&self, device: usize, base: u64, size: u64, _stream: Stream) -> Result<(), BackendError> {
         const CALL: &str = "munmap";
         self.release_calls.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
@@ -360,30 +308,18 @@ impl Backend for HostBackend {
         self.device(device, CALL)?;
         let len = usize::try_from(size).map_err(|_| BackendError::OutOfMemory)?;
         // Over-reserve by a page so the range can start on a page boundary.
-        let padded = len
-            .checked_add(HOST_PAGE as usize)
-            .ok_or(BackendError::OutOfMemory)?;
+        let padded = len.checked_add(HOST_PAGE as usize).ok_or(BackendError::OutOfMemory)?;
         // SAFETY: an inaccessible anonymous mapping at an address of the
         // kernel's choosing touches no existing memory; checked below.
         let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                padded,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
+            libc::mmap(std::ptr::null_mut(), padded, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
         };
         if addr == libc::MAP_FAILED {
             return Err(BackendError::OutOfMemory);
         }
         let start = addr as u64;
         let base = start.next_multiple_of(HOST_PAGE);
-        let (head, tail) = (
-            (base - start) as usize,
-            padded - (base - start) as usize - len,
-        );
+        let (head, tail) = ((base - start) as usize, padded - (base - start) as usize - len);
         // SAFETY: both trims lie inside the mapping just made, outside [base, base + len).
         unsafe {
             if head > 0 {
@@ -478,26 +414,15 @@ impl Backend for HostBackend {
             })?,
             None => dev.used.load(Ordering::SeqCst),
         };
-        Ok(MemInfo {
-            free: dev.capacity.saturating_sub(used),
-            total: dev.capacity,
-        })
+        Ok(MemInfo { free: dev.capacity.saturating_sub(used), total: dev.capacity })
     }
 
     fn shared_device_key(&self, device: usize) -> Option<String> {
         let shared = self.shared.as_ref()?;
-        let path = shared
-            .path
-            .canonicalize()
-            .unwrap_or_else(|_| shared.path.clone());
+        let path = shared.path.canonicalize().unwrap_or_else(|_| shared.path.clone());
         // A stable name for (file, device): FNV-1a of the path.
-        let hash = path
-            .as_os_str()
-            .as_encoded_bytes()
-            .iter()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-            });
+        let hash =
+            path.as_os_str().as_encoded_bytes().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
         Some(format!("host-{hash:016x}-{device}"))
     }
 }
@@ -505,11 +430,7 @@ impl Backend for HostBackend {
 /// The last OS error as a backend error of `call`.
 fn os_error(call: &'static str) -> BackendError {
     let err = std::io::Error::last_os_error();
-    BackendError::Driver {
-        call,
-        code: err.raw_os_error().unwrap_or(-1) as i64,
-        message: err.to_string(),
-    }
+    BackendError::Driver { call, code: err.raw_os_error().unwrap_or(-1) as i64, message: err.to_string() }
 }
 
 #[cfg(test)]
@@ -522,17 +443,8 @@ mod tests {
         let a = backend.allocate(0, 4 << 20, Stream::DEFAULT).unwrap();
         let b = backend.allocate(0, 4 << 20, Stream::DEFAULT).unwrap();
         assert_ne!(a, b);
-        assert_eq!(
-            backend.mem_info(0).unwrap(),
-            MemInfo {
-                free: 0,
-                total: 8 << 20
-            }
-        );
-        assert_eq!(
-            backend.allocate(0, 512, Stream::DEFAULT),
-            Err(BackendError::OutOfMemory)
-        );
+        assert_eq!(backend.mem_info(0).unwrap(), MemInfo { free: 0, total: 8 << 20 });
+        assert_eq!(backend.allocate(0, 512, Stream::DEFAULT), Err(BackendError::OutOfMemory));
         // SAFETY: `a` is a live 4 MiB read-write mapping made above.
         unsafe { std::ptr::write_bytes(a as *mut u8, 0xAB, 4 << 20) };
         backend.release(0, a, 4 << 20, Stream::DEFAULT).unwrap();
@@ -545,17 +457,11 @@ mod tests {
         let backend = HostBackend::new(1, 1 << 30);
         backend.faults().fail_nth_allocate(2);
         let a = backend.allocate(0, 1 << 20, Stream::DEFAULT).unwrap();
-        assert_eq!(
-            backend.allocate(0, 1 << 20, Stream::DEFAULT),
-            Err(BackendError::OutOfMemory)
-        );
+        assert_eq!(backend.allocate(0, 1 << 20, Stream::DEFAULT), Err(BackendError::OutOfMemory));
         let b = backend.allocate(0, 1 << 20, Stream::DEFAULT).unwrap();
         backend.faults().fail_every_allocate(true);
         backend.faults().set_kind(FaultKind::DriverError);
-        assert!(matches!(
-            backend.allocate(0, 1 << 20, Stream::DEFAULT),
-            Err(BackendError::Driver { .. })
-        ));
+        assert!(matches!(backend.allocate(0, 1 << 20, Stream::DEFAULT), Err(BackendError::Driver { .. })));
         backend.faults().fail_nth_release(1);
         assert!(backend.release(0, a, 1 << 20, Stream::DEFAULT).is_err());
         backend.release(0, a, 1 << 20, Stream::DEFAULT).unwrap();
@@ -565,17 +471,13 @@ mod tests {
 
     #[test]
     fn a_shared_capacity_is_counted_across_backends() {
-        let path =
-            std::env::temp_dir().join(format!("tidepool-shared-test-{}", std::process::id()));
+        let path = std::env::temp_dir().join(format!("tidepool-shared-test-{}", std::process::id()));
         let _ = std::fs::remove_file(&path);
         let a = HostBackend::shared(1, 8 << 20, &path).unwrap();
         let b = HostBackend::shared(1, 8 << 20, &path).unwrap();
         let x = a.allocate(0, 6 << 20, Stream::DEFAULT).unwrap();
         assert_eq!(b.mem_info(0).unwrap().free, 2 << 20, "b sees a's use");
-        assert_eq!(
-            b.allocate(0, 4 << 20, Stream::DEFAULT),
-            Err(BackendError::OutOfMemory)
-        );
+        assert_eq!(b.allocate(0, 4 << 20, Stream::DEFAULT), Err(BackendError::OutOfMemory));
         a.release(0, x, 6 << 20, Stream::DEFAULT).unwrap();
         let y = b.allocate(0, 4 << 20, Stream::DEFAULT).unwrap();
         assert_eq!(a.mem_info(0).unwrap().free, 4 << 20);
@@ -590,29 +492,17 @@ mod tests {
         let backend = HostBackend::new(1, 4 * HOST_PAGE);
         let base = backend.vm_reserve(0, 64 * HOST_PAGE).unwrap();
         assert_eq!(base % HOST_PAGE, 0);
-        assert_eq!(
-            backend.mem_info(0).unwrap().free,
-            4 * HOST_PAGE,
-            "a reservation costs no capacity"
-        );
+        assert_eq!(backend.mem_info(0).unwrap().free, 4 * HOST_PAGE, "a reservation costs no capacity");
         let page = base + 10 * HOST_PAGE;
         backend.vm_map(0, page, 2 * HOST_PAGE).unwrap();
         assert_eq!(backend.mem_info(0).unwrap().free, 2 * HOST_PAGE);
         // SAFETY: two pages mapped read-write just above.
         unsafe { std::ptr::write_bytes(page as *mut u8, 0xCD, 2 * HOST_PAGE as usize) };
-        assert_eq!(
-            backend.vm_map(0, base, 3 * HOST_PAGE),
-            Err(BackendError::OutOfMemory),
-            "over capacity"
-        );
+        assert_eq!(backend.vm_map(0, base, 3 * HOST_PAGE), Err(BackendError::OutOfMemory), "over capacity");
         backend.vm_unmap(0, page, 2 * HOST_PAGE).unwrap();
         backend.vm_map(0, page, HOST_PAGE).unwrap();
         // SAFETY: the page was mapped again just above.
-        assert_eq!(
-            unsafe { *(page as *const u8) },
-            0,
-            "a page mapped again starts fresh"
-        );
+        assert_eq!(unsafe { *(page as *const u8) }, 0, "a page mapped again starts fresh");
         backend.vm_unmap(0, page, HOST_PAGE).unwrap();
         backend.vm_free(0, base, 64 * HOST_PAGE).unwrap();
         assert_eq!(backend.mem_info(0).unwrap().free, 4 * HOST_PAGE);
@@ -622,10 +512,7 @@ mod tests {
     #[test]
     fn a_missing_device_is_an_error_not_a_panic() {
         let backend = HostBackend::new(2, 1 << 30);
-        assert!(matches!(
-            backend.allocate(2, 512, Stream::DEFAULT),
-            Err(BackendError::Driver { code: 101, .. })
-        ));
+        assert!(matches!(backend.allocate(2, 512, Stream::DEFAULT), Err(BackendError::Driver { code: 101, .. })));
         assert!(backend.mem_info(7).is_err());
     }
 }

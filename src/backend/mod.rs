@@ -29,22 +29,14 @@ pub enum BackendError {
     /// The device has no room for the segment; the engine releases cache and retries.
     OutOfMemory,
     /// Any other failure, naming the call that failed and the driver's code.
-    Driver {
-        call: &'static str,
-        code: i64,
-        message: String,
-    },
+    Driver { call: &'static str, code: i64, message: String },
 }
 
 impl fmt::Display for BackendError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             BackendError::OutOfMemory => write!(f, "the device is out of memory"),
-            BackendError::Driver {
-                call,
-                code,
-                message,
-            } => write!(f, "{call} failed with code {code}: {message}"),
+            BackendError::Driver { call, code, message } => write!(f, "{call} failed with code {code}: {message}"),
         }
     }
 }
@@ -61,13 +53,7 @@ pub trait Backend: Send + Sync {
     fn allocate(&self, device: usize, size: u64, stream: Stream) -> Result<u64, BackendError>;
     /// Returns a segment obtained from `allocate` with the same size; its
     /// last use was on `stream` (a stream-ordered driver frees it there).
-    fn release(
-        &self,
-        device: usize,
-        base: u64,
-        size: u64,
-        stream: Stream,
-    ) -> Result<(), BackendError>;
+    fn release(&self, device: usize, base: u64, size: u64, stream: Stream) -> Result<(), BackendError>;
     /// Free and total memory of `device`.
     fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError>;
     /// A name for `device` that every process sharing it agrees on (a GPU's
@@ -130,20 +116,11 @@ pub trait Backend: Send + Sync {
 
     /// Makes future work on `stream` wait for the work before `event`,
     /// without waiting on the host.
-    fn stream_wait_event(
-        &self,
-        _device: usize,
-        _stream: Stream,
-        _event: u64,
-    ) -> Result<(), BackendError> {
+    fn stream_wait_event(&self, _device: usize, _stream: Stream, _event: u64) -> Result<(), BackendError> {
         Ok(())
     }
 }
 
 fn vm_unsupported(call: &'static str) -> BackendError {
-    BackendError::Driver {
-        call,
-        code: 801,
-        message: "this backend has no virtual memory management".into(),
-    }
+    BackendError::Driver { call, code: 801, message: "this backend has no virtual memory management".into() }
 }

@@ -77,21 +77,11 @@ struct Options {
 }
 
 fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
-    let mut options = Options {
-        files: Vec::new(),
-        capacity: 1 << 50,
-        conf: String::new(),
-        policies: Policy::ALL.to_vec(),
-        json: false,
-        plot: None,
-    };
+    let mut options =
+        Options { files: Vec::new(), capacity: 1 << 50, conf: String::new(), policies: Policy::ALL.to_vec(), json: false, plot: None };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .cloned()
-                .ok_or_else(|| format!("{name} needs a value"))
-        };
+        let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value"));
         if arg.starts_with("--") && !allow.contains(&arg.as_str()) {
             return Err(format!("unknown option {arg}\n\n{USAGE}"));
         }
@@ -109,9 +99,7 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
     if options.files.is_empty() {
         return Err(format!("no trace file given\n\n{USAGE}"));
     }
-    Config::builder()
-        .conf(&options.conf)
-        .map_err(|e| format!("--conf: {e}"))?;
+    Config::builder().conf(&options.conf).map_err(|e| format!("--conf: {e}"))?;
     Ok(options)
 }
 
@@ -131,9 +119,7 @@ fn parse_policies(text: &str) -> Result<Vec<Policy>, String> {
             }
             other => Policy::ALL.into_iter().find(|p| p.name() == other),
         };
-        policies.push(policy.ok_or_else(|| {
-            format!("--policy: expected pytorch, tidepool, expandable or all, got {name:?}")
-        })?);
+        policies.push(policy.ok_or_else(|| format!("--policy: expected pytorch, tidepool, expandable or all, got {name:?}"))?);
     }
     policies.dedup();
     Ok(policies)
@@ -142,9 +128,7 @@ fn parse_policies(text: &str) -> Result<Vec<Policy>, String> {
 /// "24GiB", "512M", "1073741824" -> bytes.
 fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
     let number: f64 = number.parse().map_err(|_| format!("bad size {text:?}"))?;
     let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
@@ -165,21 +149,13 @@ fn parse_size(text: &str) -> Result<u64, String> {
 fn load(path: &Path) -> Result<Trace, String> {
     let trace = trace::load(path).map_err(|e| e.to_string())?;
     if trace.warnings.count > 0 {
-        eprintln!(
-            "tidepool: {}: {} warnings, first: {}",
-            path.display(),
-            trace.warnings.count,
-            trace.warnings.first[0]
-        );
+        eprintln!("tidepool: {}: {} warnings, first: {}", path.display(), trace.warnings.count, trace.warnings.first[0]);
     }
     Ok(trace)
 }
 
 fn run_replay(args: &[String]) -> Result<(), String> {
-    let options = parse_options(
-        args,
-        &["--capacity", "--conf", "--policy", "--json", "--plot"],
-    )?;
+    let options = parse_options(args, &["--capacity", "--conf", "--policy", "--json", "--plot"])?;
     if options.plot.is_some() && options.files.len() > 1 {
         return Err("--plot draws one trace: give one file".into());
     }
@@ -192,17 +168,8 @@ fn run_replay(args: &[String]) -> Result<(), String> {
         let mut reports = Vec::new();
         for &policy in &options.policies {
             let samples = if options.plot.is_some() { 2000 } else { 0 };
-            let replay_options = ReplayOptions {
-                capacity: options.capacity,
-                policy,
-                conf: options.conf.clone(),
-                samples,
-                record_to: None,
-            };
-            let name = file
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
+            let replay_options = ReplayOptions { capacity: options.capacity, policy, conf: options.conf.clone(), samples, record_to: None };
+            let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             let bar = |done: usize, total: usize| {
                 if progress {
                     let filled = 30 * done / total.max(1);
@@ -228,13 +195,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
             print_report(&trace, &reports);
         }
         if let Some(path) = &options.plot {
-            let title = format!(
-                "{} ({})",
-                file.file_name()
-                    .map(|n| n.to_string_lossy())
-                    .unwrap_or_default(),
-                trace.format.name()
-            );
+            let title = format!("{} ({})", file.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(), trace.format.name());
             tidepool::trace::plot::write_svg(path, &title, &reports.iter().collect::<Vec<_>>())?;
             if !options.json {
                 println!("plot written to {}", path.display());
@@ -272,16 +233,8 @@ fn print_report(trace: &Trace, reports: &[ReplayReport]) {
         println!("{line}");
     };
     let recorded = trace.pytorch_peak_reserved;
-    row(
-        "peak allocated",
-        &|r| human_bytes(r.peak_allocated_bytes),
-        None,
-    );
-    row(
-        "peak reserved",
-        &|r| human_bytes(r.peak_reserved_bytes),
-        recorded.map(human_bytes),
-    );
+    row("peak allocated", &|r| human_bytes(r.peak_allocated_bytes), None);
+    row("peak reserved", &|r| human_bytes(r.peak_reserved_bytes), recorded.map(human_bytes));
     row(
         "reserved / requested",
         &|r| format!("{:.3}", r.reserved_over_requested()),
@@ -290,16 +243,8 @@ fn print_report(trace: &Trace, reports: &[ReplayReport]) {
     row("device allocs", &|r| r.device_allocs.to_string(), None);
     row("device frees", &|r| r.device_frees.to_string(), None);
     row("OOMs", &|r| r.ooms.to_string(), None);
-    row(
-        "fragmentation (peak)",
-        &|r| format!("{:.1} %", 100.0 * r.fragmentation()),
-        None,
-    );
-    row(
-        "replay speed",
-        &|r| format!("{:.1} M ev/s", r.events_per_second() / 1e6),
-        None,
-    );
+    row("fragmentation (peak)", &|r| format!("{:.1} %", 100.0 * r.fragmentation()), None);
+    row("replay speed", &|r| format!("{:.1} M ev/s", r.events_per_second() / 1e6), None);
 }
 
 fn json_string(s: &str) -> String {
@@ -317,9 +262,7 @@ fn json_string(s: &str) -> String {
 }
 
 fn report_json(r: &ReplayReport) -> String {
-    let recorded = r
-        .pytorch_recorded_peak_reserved_bytes
-        .map_or("null".to_string(), |v| v.to_string());
+    let recorded = r.pytorch_recorded_peak_reserved_bytes.map_or("null".to_string(), |v| v.to_string());
     format!(
         "{{\"file\":{},\"policy\":\"{}\",\"capacity_bytes\":{},\"events\":{},\"allocs\":{},\"peak_requested_bytes\":{},\
          \"peak_allocated_bytes\":{},\"peak_reserved_bytes\":{},\"reserved_over_requested\":{:.6},\"device_allocs\":{},\
@@ -355,12 +298,7 @@ fn run_plan(args: &[String]) -> Result<(), String> {
     let plans = Policy::ALL.map(|policy| smallest_capacity(&trace, policy, &options.conf));
     let [pytorch, tidepool, expandable] = match plans {
         [Ok(a), Ok(b), Ok(c)] => [a, b, c],
-        [a, b, c] => {
-            return Err([a, b, c]
-                .into_iter()
-                .find_map(Result::err)
-                .unwrap_or_default())
-        }
+        [a, b, c] => return Err([a, b, c].into_iter().find_map(Result::err).unwrap_or_default()),
     };
     let peak = trace.peak_requested();
     if options.json {
@@ -374,12 +312,7 @@ fn run_plan(args: &[String]) -> Result<(), String> {
         );
     } else {
         let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
-        println!(
-            "{} ({}): peak of live memory {}",
-            trace.source,
-            trace.format.name(),
-            gib(peak)
-        );
+        println!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), gib(peak));
         println!(
             "needs {} with PyTorch's allocator, {} with tidepool, {} with tidepool expandable:true",
             gib(pytorch.min_capacity),
@@ -387,11 +320,7 @@ fn run_plan(args: &[String]) -> Result<(), String> {
             gib(expandable.min_capacity),
         );
         let best = tidepool.min_capacity.min(expandable.min_capacity);
-        println!(
-            "tidepool: {}. PyTorch's allocator: {}.",
-            card_advice(best),
-            card_advice(pytorch.min_capacity)
-        );
+        println!("tidepool: {}. PyTorch's allocator: {}.", card_advice(best), card_advice(pytorch.min_capacity));
     }
     Ok(())
 }
@@ -406,10 +335,7 @@ fn run_top(args: &[String]) -> Result<(), String> {
         }
     }
     let config = Config::from_env();
-    let dir = config
-        .registry_dir
-        .clone()
-        .unwrap_or_else(registry::default_dir);
+    let dir = config.registry_dir.clone().unwrap_or_else(registry::default_dir);
     if json {
         println!("{}", top_json(&dir));
         return Ok(());
@@ -430,28 +356,14 @@ fn top_table(dir: &Path) -> String {
     let mut out = format!("tidepool processes ({})\n", dir.display());
     out += &format!(
         "{:<28} {:>8} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
-        "device",
-        "pid",
-        "dev",
-        "allocated",
-        "reserved",
-        "cached free",
-        "frag",
-        "idle decay",
-        "headroom",
-        "oom",
-        "for others",
-        "requesting"
+        "device", "pid", "dev", "allocated", "reserved", "cached free", "frag", "idle decay", "headroom", "oom", "for others", "requesting"
     );
     let registries = registry::scan(dir);
     if registries.iter().all(|(_, entries)| entries.is_empty()) {
         out += "(none)\n";
     }
     for (path, entries) in registries {
-        let key = path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         for e in entries {
             let released = |r: Reason| human_bytes(e.released[r as usize]);
             out += &format!(
@@ -477,15 +389,9 @@ fn top_table(dir: &Path) -> String {
 fn top_json(dir: &Path) -> String {
     let mut processes = Vec::new();
     for (path, entries) in registry::scan(dir) {
-        let key = path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         for e in entries {
-            let released: Vec<String> = Reason::ALL
-                .iter()
-                .map(|&r| format!("\"{}\":{}", r.name(), e.released[r as usize]))
-                .collect();
+            let released: Vec<String> = Reason::ALL.iter().map(|&r| format!("\"{}\":{}", r.name(), e.released[r as usize])).collect();
             processes.push(format!(
                 "{{\"device_key\":{},\"pid\":{},\"device\":{},\"heartbeat_ms\":{},\"allocated_bytes\":{},\
                  \"reserved_bytes\":{},\"cached_free_bytes\":{},\"fragmentation\":{:.3},\"released_bytes\":{{{}}},\
@@ -504,11 +410,7 @@ fn top_json(dir: &Path) -> String {
             ));
         }
     }
-    format!(
-        "{{\"registry_dir\":{},\"processes\":[{}]}}",
-        json_string(&dir.display().to_string()),
-        processes.join(",")
-    )
+    format!("{{\"registry_dir\":{},\"processes\":[{}]}}", json_string(&dir.display().to_string()), processes.join(","))
 }
 
 fn print_config() {
@@ -520,12 +422,6 @@ fn print_config() {
     println!("TIDEPOOL_CONF={text:?}\n");
     println!("{:<26} {:<10} {:<10} meaning", "key", "default", "current");
     for spec in OPTIONS {
-        println!(
-            "{:<26} {:<10} {:<10} {}",
-            spec.key,
-            spec.default,
-            (spec.show)(&config),
-            spec.help
-        );
+        println!("{:<26} {:<10} {:<10} {}", spec.key, spec.default, (spec.show)(&config), spec.help);
     }
 }

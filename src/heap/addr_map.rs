@@ -29,11 +29,7 @@ impl Default for AddrMap {
 impl AddrMap {
     fn with_capacity(capacity: usize) -> AddrMap {
         debug_assert!(capacity.is_power_of_two());
-        AddrMap {
-            slots: vec![(EMPTY, 0); capacity],
-            len: 0,
-            shift: 64 - capacity.trailing_zeros(),
-        }
+        AddrMap { slots: vec![(EMPTY, 0); capacity], len: 0, shift: 64 - capacity.trailing_zeros() }
     }
 
     #[inline]

@@ -72,22 +72,11 @@ pub struct BlockArena {
 
 impl BlockArena {
     pub fn new() -> Self {
-        BlockArena {
-            blocks: Vec::new(),
-            unused: NIL,
-            in_use: 0,
-        }
+        BlockArena { blocks: Vec::new(), unused: NIL, in_use: 0 }
     }
 
     /// A fresh record for a free, unlinked block.
-    pub fn insert(
-        &mut self,
-        addr: u64,
-        size: u64,
-        segment: u32,
-        pool: u32,
-        kind: PoolKind,
-    ) -> BlockId {
+    pub fn insert(&mut self, addr: u64, size: u64, segment: u32, pool: u32, kind: PoolKind) -> BlockId {
         let block = Block {
             addr,
             size,

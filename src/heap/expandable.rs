@@ -50,9 +50,7 @@ impl DeviceHeap {
     /// Fails, leaving them off, when the backend cannot map pages.
     pub fn set_expandable(&mut self, on: bool) -> Result<(), String> {
         if self.segments.iter().any(Option::is_some) {
-            return Err(
-                "expandable segments can only be switched before the first allocation".into(),
-            );
+            return Err("expandable segments can only be switched before the first allocation".into());
         }
         if !on {
             self.vm = None;
@@ -62,16 +60,8 @@ impl DeviceHeap {
             .backend
             .vm_page_size(self.device)
             .filter(|p| p.is_power_of_two())
-            .ok_or_else(|| {
-                format!(
-                    "the {} backend cannot map pages; expandable segments stay off",
-                    self.backend.name()
-                )
-            })?;
-        let total = self
-            .backend
-            .mem_info(self.device)
-            .map_or(MAX_RANGE, |info| info.total);
+            .ok_or_else(|| format!("the {} backend cannot map pages; expandable segments stay off", self.backend.name()))?;
+        let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
         let range = total.clamp(page, MAX_RANGE).next_multiple_of(page);
         // A range is one huge free block: it must split for any request.
         self.rules.max_split_size = u64::MAX;
@@ -87,11 +77,7 @@ impl DeviceHeap {
     /// Reserves address space for a new range holding at least `rounded`
     /// bytes: the device's size, halved while the reservation fails (an
     /// address space shared by many pools), but never below the request.
-    pub(super) fn reserve_range(
-        &mut self,
-        vm: Vm,
-        rounded: u64,
-    ) -> Result<(u64, u64), BackendError> {
+    pub(super) fn reserve_range(&mut self, vm: Vm, rounded: u64) -> Result<(u64, u64), BackendError> {
         let need = rounded.next_multiple_of(vm.page);
         let mut size = vm.range.max(need);
         loop {
@@ -110,17 +96,10 @@ impl DeviceHeap {
     pub(super) fn map_block(&mut self, id: BlockId, rounded: u64) -> Result<(), BackendError> {
         let b = &self.blocks[id];
         let (addr, size, segment_id, kind) = (b.addr, b.size, b.segment as usize, b.kind);
-        let Some((base, pages)) = self.segments[segment_id]
-            .as_ref()
-            .and_then(|s| Some((s.base, s.pages.as_ref()?)))
-        else {
+        let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
             return Ok(());
         };
-        let used = if self.rules.should_split(kind, size, rounded) {
-            rounded
-        } else {
-            size
-        };
+        let used = if self.rules.should_split(kind, size, rounded) { rounded } else { size };
         let (first, count) = pages.touched(addr - base, addr - base + used);
         let runs = pages.runs(first, count, false);
         if runs.is_empty() {
@@ -149,11 +128,7 @@ impl DeviceHeap {
             keep = &runs[..done];
             let mut stuck = Vec::new();
             for &(p, n) in keep {
-                if self
-                    .backend
-                    .vm_unmap(self.device, base + p * page, n * page)
-                    .is_ok()
-                {
+                if self.backend.vm_unmap(self.device, base + p * page, n * page).is_ok() {
                     self.device_reserved.fetch_sub(n * page, Ordering::SeqCst);
                 } else {
                     stuck.push((p, n));
@@ -167,16 +142,8 @@ impl DeviceHeap {
     }
 
     /// Marks runs of pages mapped and counts them.
-    fn commit_mapped(
-        &mut self,
-        segment_id: usize,
-        kind: crate::size_class::PoolKind,
-        runs: &[(u64, u64)],
-    ) {
-        let Some(pages) = self.segments[segment_id]
-            .as_mut()
-            .and_then(|s| s.pages.as_mut())
-        else {
+    fn commit_mapped(&mut self, segment_id: usize, kind: crate::size_class::PoolKind, runs: &[(u64, u64)]) {
+        let Some(pages) = self.segments[segment_id].as_mut().and_then(|s| s.pages.as_mut()) else {
             return;
         };
         let page = pages.page_size();
@@ -210,11 +177,7 @@ impl DeviceHeap {
         }
         if !free_blocks.is_empty() {
             // Work already queued on the pool's stream may still use these pages.
-            if self
-                .backend
-                .synchronize_stream(self.device, stream)
-                .is_err()
-            {
+            if self.backend.synchronize_stream(self.device, stream).is_err() {
                 self.stats.events.num_stream_sync_errors += 1;
                 return released;
             }
@@ -247,17 +210,10 @@ impl DeviceHeap {
         let (segment_id, kind) = (self.blocks[id].segment as usize, self.blocks[id].kind);
         let mut bytes = 0;
         for (p, n) in runs {
-            if self
-                .backend
-                .vm_unmap(self.device, base + p * page, n * page)
-                .is_err()
-            {
+            if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
                 continue;
             }
-            let pages = self.segments[segment_id]
-                .as_mut()
-                .and_then(|s| s.pages.as_mut())
-                .expect("checked above");
+            let pages = self.segments[segment_id].as_mut().and_then(|s| s.pages.as_mut()).expect("checked above");
             pages.set_unmapped(p, n);
             bytes += n * page;
             self.stats.events.num_pages_unmapped += n;
@@ -278,18 +234,8 @@ impl DeviceHeap {
         };
         let block = segment.first_block;
         let b = &self.blocks[block];
-        let empty = b.state == BlockState::Binned
-            && b.next == NIL
-            && segment
-                .pages
-                .as_ref()
-                .is_some_and(|p| p.mapped_bytes() == 0);
-        if !empty
-            || self
-                .backend
-                .vm_free(self.device, segment.base, segment.size)
-                .is_err()
-        {
+        let empty = b.state == BlockState::Binned && b.next == NIL && segment.pages.as_ref().is_some_and(|p| p.mapped_bytes() == 0);
+        if !empty || self.backend.vm_free(self.device, segment.base, segment.size).is_err() {
             return Released::default();
         }
         let (base, kind) = (segment.base, b.kind);
@@ -299,10 +245,7 @@ impl DeviceHeap {
         self.unused_segments.push(segment_id);
         self.segment_by_base.remove(&base);
         self.stats.segment.decrease(kind, 1);
-        Released {
-            segments: 1,
-            bytes: 0,
-        }
+        Released { segments: 1, bytes: 0 }
     }
 
     /// The longest stretch of mapped memory inside one free block: the

@@ -192,12 +192,7 @@ impl DeviceHeap {
             pending: Vec::new(),
             reserved_limit: u64::MAX,
             device_reserved: Arc::new(AtomicU64::new(0)),
-            policy: Policy {
-                release_after_ms: u64::MAX,
-                headroom: 0,
-                headroom_min_idle_ms: 0,
-                max_reserved: u64::MAX,
-            },
+            policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
             clock: Clock::new(),
             registry: None,
             oom_wait: Duration::ZERO,
@@ -285,10 +280,7 @@ impl DeviceHeap {
         if size == 0 {
             return Ok(0);
         }
-        let rounded = self
-            .rules
-            .round(size)
-            .ok_or(AllocError::TooLarge { size })?;
+        let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
         let kind = self.rules.kind(rounded);
         let pool = self.pool_id(stream, kind);
         let stashed = self.pools[pool as usize].stash;
@@ -303,20 +295,12 @@ impl DeviceHeap {
     /// The allocation path past the stash: best fit in the bins, else growth.
     #[cold]
     #[inline(never)]
-    fn allocate_from_bins(
-        &mut self,
-        pool: u32,
-        rounded: u64,
-        size: u64,
-        stream: Stream,
-    ) -> Result<u64, AllocError> {
+    fn allocate_from_bins(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
         self.process_pending(false);
         self.flush_stash(pool);
         let block = match self.take_block(pool, rounded) {
             Ok(block) => block,
-            Err(BackendError::OutOfMemory) => {
-                self.take_block_after_oom(pool, rounded, size, stream)?
-            }
+            Err(BackendError::OutOfMemory) => self.take_block_after_oom(pool, rounded, size, stream)?,
             Err(err) => return Err(AllocError::Backend(err)),
         };
         let borrowed = self.pools[self.blocks[block].pool as usize].stream != stream;
@@ -349,13 +333,7 @@ impl DeviceHeap {
     /// release every free segment (and free page) of the device and retry
     /// once, else ask the other processes; then it is an out-of-memory.
     #[cold]
-    fn take_block_after_oom(
-        &mut self,
-        pool: u32,
-        rounded: u64,
-        size: u64,
-        stream: Stream,
-    ) -> Result<BlockId, AllocError> {
+    fn take_block_after_oom(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<BlockId, AllocError> {
         if let Some(block) = self.borrow_from_other_streams(pool, rounded, stream) {
             return Ok(block);
         }
@@ -412,14 +390,7 @@ impl DeviceHeap {
             self.stats.reserved_bytes.increase(kind, size);
             self.stats.events.num_device_alloc += 1;
         }
-        self.segments[segment_id as usize] = Some(Segment {
-            base,
-            size,
-            pages,
-            pool,
-            first_block: block,
-            idle_since_ms: 0,
-        });
+        self.segments[segment_id as usize] = Some(Segment { base, size, pages, pool, first_block: block, idle_since_ms: 0 });
         self.segment_by_base.insert(base, segment_id);
         self.stats.segment.increase(kind, 1);
         Ok(block)
@@ -435,9 +406,7 @@ impl DeviceHeap {
         };
         let kind = self.pools[pool as usize].kind;
         if self.rules.should_split(kind, size, rounded) {
-            let rest = self
-                .blocks
-                .insert(addr + rounded, size - rounded, segment, pool, kind);
+            let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool, kind);
             let next = self.blocks[id].next;
             self.blocks[rest].prev = id;
             self.blocks[rest].next = next;
@@ -474,24 +443,15 @@ impl DeviceHeap {
     /// Frees the live block at `ptr`, merging it with free neighbours.
     #[inline]
     pub fn free(&mut self, ptr: u64) -> Result<Freed, AllocError> {
-        let found = self
-            .by_addr
-            .get(ptr)
-            .filter(|&id| self.blocks[id].is_allocated());
+        let found = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
         let Some(id) = found else {
             self.stats.events.num_invalid_frees += 1;
-            return Err(AllocError::InvalidFree {
-                ptr,
-                reason: self.classify_invalid_free(ptr),
-            });
+            return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
         if !self.recorded_streams.is_empty() || !self.pending.is_empty() {
             if self.pending.iter().any(|(p, _)| *p == ptr) {
                 self.stats.events.num_invalid_frees += 1;
-                return Err(AllocError::InvalidFree {
-                    ptr,
-                    reason: InvalidFree::NotLive,
-                });
+                return Err(AllocError::InvalidFree { ptr, reason: InvalidFree::NotLive });
             }
             if let Some(streams) = self.recorded_streams.remove(&ptr) {
                 if let Some(freed) = self.defer_free(id, ptr, &streams) {
@@ -629,15 +589,9 @@ impl DeviceHeap {
         if !b.is_split() {
             return (false, 0);
         }
-        match self.segments[b.segment as usize]
-            .as_ref()
-            .and_then(|s| Some((s.base, s.pages.as_ref()?)))
-        {
+        match self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) {
             Some(_) if b.next == NIL => (false, 0),
-            Some((base, pages)) => (
-                true,
-                pages.edge_bytes(b.addr - base, b.addr - base + b.size),
-            ),
+            Some((base, pages)) => (true, pages.edge_bytes(b.addr - base, b.addr - base + b.size)),
             None => (true, b.size),
         }
     }
@@ -647,9 +601,7 @@ impl DeviceHeap {
         let Some((_, &segment_id)) = self.segment_by_base.range(..=ptr).next_back() else {
             return InvalidFree::Foreign;
         };
-        let segment = self.segments[segment_id as usize]
-            .as_ref()
-            .expect("indexed segment exists");
+        let segment = self.segments[segment_id as usize].as_ref().expect("indexed segment exists");
         if ptr >= segment.base + segment.size {
             return InvalidFree::Foreign;
         }
@@ -657,11 +609,7 @@ impl DeviceHeap {
         while cur != NIL {
             let b = &self.blocks[cur];
             if ptr < b.addr + b.size {
-                return if b.is_allocated() {
-                    InvalidFree::Interior { block: b.addr }
-                } else {
-                    InvalidFree::NotLive
-                };
+                return if b.is_allocated() { InvalidFree::Interior { block: b.addr } } else { InvalidFree::NotLive };
             }
             cur = b.next;
         }
@@ -672,10 +620,7 @@ impl DeviceHeap {
     pub fn segment_of(&self, ptr: u64) -> Option<(u64, u64)> {
         let (_, &id) = self.segment_by_base.range(..=ptr).next_back()?;
         let segment = self.segments[id as usize].as_ref()?;
-        let size = segment
-            .pages
-            .as_ref()
-            .map_or(segment.size, PageMap::end_bytes);
+        let size = segment.pages.as_ref().map_or(segment.size, PageMap::end_bytes);
         (ptr < segment.base + size).then_some((segment.base, size))
     }
 
@@ -689,10 +634,7 @@ impl DeviceHeap {
             .map(|segment| {
                 let pool = &self.pools[segment.pool as usize];
                 // An expandable segment shows as far as its highest mapped page.
-                let size = segment
-                    .pages
-                    .as_ref()
-                    .map_or(segment.size, PageMap::end_bytes);
+                let size = segment.pages.as_ref().map_or(segment.size, PageMap::end_bytes);
                 let end = segment.base + size;
                 let mut blocks = Vec::new();
                 let mut cur = segment.first_block;
@@ -706,13 +648,7 @@ impl DeviceHeap {
                     });
                     cur = b.next;
                 }
-                SegmentSnapshot {
-                    address: segment.base,
-                    size,
-                    stream: pool.stream,
-                    kind: pool.kind,
-                    blocks,
-                }
+                SegmentSnapshot { address: segment.base, size, stream: pool.stream, kind: pool.kind, blocks }
             })
             .filter(|s| s.size > 0)
             .collect();
@@ -722,10 +658,7 @@ impl DeviceHeap {
 
     /// The size of the live block at `ptr`, if there is one.
     pub fn live_size(&self, ptr: u64) -> Option<u64> {
-        self.by_addr
-            .get(ptr)
-            .filter(|&id| self.blocks[id].is_allocated())
-            .map(|id| self.blocks[id].size)
+        self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()).map(|id| self.blocks[id].size)
     }
 
     /// Uncounts the last out-of-memory: the allocator served the request
@@ -746,16 +679,10 @@ impl DeviceHeap {
         self.flush_stashes();
         let mut stats = self.stats.report();
         // With the stashes merged, every reserved byte not allocated is cached.
-        stats.cached_free_bytes =
-            stats.reserved_bytes.all.current - stats.allocated_bytes.all.current;
+        stats.cached_free_bytes = stats.reserved_bytes.all.current - stats.allocated_bytes.all.current;
         stats.largest_free_block_bytes = match self.vm {
             Some(_) => self.largest_mapped_free_run(),
-            None => self
-                .pools
-                .iter()
-                .map(|p| p.largest(&self.blocks))
-                .max()
-                .unwrap_or(0),
+            None => self.pools.iter().map(|p| p.largest(&self.blocks)).max().unwrap_or(0),
         };
         stats
     }

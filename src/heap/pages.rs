@@ -28,13 +28,7 @@ impl PageMap {
     /// A map of `range` bytes (a multiple of `page`, a power of two), nothing mapped.
     pub fn new(range: u64, page: u64) -> PageMap {
         debug_assert!(page.is_power_of_two() && range.is_multiple_of(page));
-        PageMap {
-            page,
-            pages: range / page,
-            bits: Vec::new(),
-            mapped: 0,
-            end: 0,
-        }
+        PageMap { page, pages: range / page, bits: Vec::new(), mapped: 0, end: 0 }
     }
 
     pub fn page_size(&self) -> u64 {
@@ -99,11 +93,7 @@ impl PageMap {
     /// whose mapped state is `mapped`.
     pub fn runs(&self, first: u64, count: u64, mapped: bool) -> Vec<(u64, u64)> {
         let mut out: Vec<(u64, u64)> = Vec::new();
-        let stop = if mapped {
-            (first + count).min(self.end)
-        } else {
-            first + count
-        };
+        let stop = if mapped { (first + count).min(self.end) } else { first + count };
         let mut page = first;
         while page < stop {
             if page >= self.end {
@@ -130,10 +120,7 @@ impl PageMap {
             return end - start;
         }
         let (first, count) = self.touched(start, end);
-        (first..first + count)
-            .filter(|&p| self.is_mapped(p))
-            .map(|p| end.min((p + 1) * self.page) - start.max(p * self.page))
-            .sum()
+        (first..first + count).filter(|&p| self.is_mapped(p)).map(|p| end.min((p + 1) * self.page) - start.max(p * self.page)).sum()
     }
 
     /// Bytes of `[start, end)` in mapped pages that reach outside it: the
@@ -160,36 +147,21 @@ impl PageMap {
     /// The longest stretch of mapped bytes inside `[start, end)`.
     pub fn longest_mapped_run(&self, start: u64, end: u64) -> u64 {
         let (first, count) = self.touched(start, end);
-        self.runs(first, count, true)
-            .into_iter()
-            .map(|(p, n)| end.min((p + n) * self.page) - start.max(p * self.page))
-            .max()
-            .unwrap_or(0)
+        self.runs(first, count, true).into_iter().map(|(p, n)| end.min((p + n) * self.page) - start.max(p * self.page)).max().unwrap_or(0)
     }
 
     /// Checks the counts against the bits.
     pub fn check(&self) -> Result<(), String> {
         let set: u64 = self.bits.iter().map(|w| w.count_ones() as u64).sum();
         if set != self.mapped {
-            return Err(format!(
-                "page map counts {} mapped pages, bits hold {set}",
-                self.mapped
-            ));
+            return Err(format!("page map counts {} mapped pages, bits hold {set}", self.mapped));
         }
-        let highest = (0..self.bits.len() as u64 * 64)
-            .rev()
-            .find(|&p| self.bits[(p / 64) as usize] >> (p % 64) & 1 == 1);
+        let highest = (0..self.bits.len() as u64 * 64).rev().find(|&p| self.bits[(p / 64) as usize] >> (p % 64) & 1 == 1);
         if highest.map_or(0, |p| p + 1) != self.end {
-            return Err(format!(
-                "page map end is {} but the highest mapped page is {highest:?}",
-                self.end
-            ));
+            return Err(format!("page map end is {} but the highest mapped page is {highest:?}", self.end));
         }
         if self.end > self.pages {
-            return Err(format!(
-                "page map end {} past the range's {} pages",
-                self.end, self.pages
-            ));
+            return Err(format!("page map end {} past the range's {} pages", self.end, self.pages));
         }
         Ok(())
     }
@@ -216,28 +188,13 @@ mod tests {
         assert_eq!((map.mapped_bytes(), map.end_bytes()), (5 * PAGE, 7 * PAGE));
         assert_eq!(map.runs(0, 10, true), vec![(0, 3), (5, 2)]);
         assert_eq!(map.runs(0, 10, false), vec![(3, 2), (7, 3)]);
-        assert_eq!(
-            map.mapped_bytes_within(PAGE / 2, 6 * PAGE),
-            5 * PAGE / 2 + PAGE
-        );
+        assert_eq!(map.mapped_bytes_within(PAGE / 2, 6 * PAGE), 5 * PAGE / 2 + PAGE);
         assert_eq!(map.longest_mapped_run(PAGE / 2, 64 * PAGE), 5 * PAGE / 2);
-        assert_eq!(
-            map.edge_bytes(PAGE / 2, 5 * PAGE + 512),
-            PAGE / 2 + 512,
-            "pages 0 and 5 stick out"
-        );
+        assert_eq!(map.edge_bytes(PAGE / 2, 5 * PAGE + 512), PAGE / 2 + 512, "pages 0 and 5 stick out");
         assert_eq!(map.edge_bytes(PAGE + 512, PAGE + 1024), 512);
-        assert_eq!(
-            map.edge_bytes(PAGE, 3 * PAGE),
-            0,
-            "whole pages are not edges"
-        );
+        assert_eq!(map.edge_bytes(PAGE, 3 * PAGE), 0, "whole pages are not edges");
         map.set_unmapped(5, 2);
-        assert_eq!(
-            map.end_bytes(),
-            3 * PAGE,
-            "end drops back to the highest mapped page"
-        );
+        assert_eq!(map.end_bytes(), 3 * PAGE, "end drops back to the highest mapped page");
         assert_eq!(map.mapped_bytes_within(0, 64 * PAGE), 3 * PAGE);
         map.check().unwrap();
     }

@@ -68,11 +68,7 @@ impl Pool {
         if in_row != 0 {
             return Some(row * SUBS + in_row.trailing_zeros() as usize);
         }
-        let later_rows = if row + 1 >= 64 {
-            0
-        } else {
-            self.rows_nonempty & (u64::MAX << (row + 1))
-        };
+        let later_rows = if row + 1 >= 64 { 0 } else { self.rows_nonempty & (u64::MAX << (row + 1)) };
         if later_rows == 0 {
             return None;
         }
@@ -145,12 +141,7 @@ impl Pool {
     /// Looks in the request's own bin first (blocks there may be smaller),
     /// then takes the head of the first non-empty bin above it.
     #[inline]
-    pub fn best_fit(
-        &self,
-        blocks: &BlockArena,
-        rounded: u64,
-        rules: &SizeRules,
-    ) -> Option<BlockId> {
+    pub fn best_fit(&self, blocks: &BlockArena, rounded: u64, rules: &SizeRules) -> Option<BlockId> {
         let own = bin_of(rounded);
         let mut cur = self.heads[own];
         while cur != NIL && blocks[cur].size < rounded {
@@ -185,11 +176,7 @@ impl Pool {
     }
 
     /// The blocks of one bin, in list order.
-    pub fn bin_members<'a>(
-        &self,
-        blocks: &'a BlockArena,
-        bin: usize,
-    ) -> impl Iterator<Item = BlockId> + 'a {
+    pub fn bin_members<'a>(&self, blocks: &'a BlockArena, bin: usize) -> impl Iterator<Item = BlockId> + 'a {
         let mut cur = self.heads[bin];
         std::iter::from_fn(move || {
             if cur == NIL {
@@ -223,8 +210,7 @@ mod tests {
     #[test]
     fn best_fit_takes_the_smallest_block_that_fits() {
         let kib = 1024;
-        let (pool, arena, ids) =
-            pool_with(&[64 * kib, 33 * kib, 40 * kib, 32 * kib + 512, 1 << 20]);
+        let (pool, arena, ids) = pool_with(&[64 * kib, 33 * kib, 40 * kib, 32 * kib + 512, 1 << 20]);
         let rules = SizeRules::default();
         // 33 KiB and 32.5 KiB share a bin: the walk inside the bin must find 33 KiB for a 33 KiB request.
         assert_eq!(pool.best_fit(&arena, 33 * kib, &rules), Some(ids[1]));
@@ -253,16 +239,9 @@ mod tests {
     fn oversize_blocks_do_not_serve_small_requests() {
         let mib = 1u64 << 20;
         let (pool, arena, ids) = pool_with(&[64 * mib]);
-        let rules = SizeRules {
-            max_split_size: 32 * mib,
-            ..SizeRules::default()
-        };
+        let rules = SizeRules { max_split_size: 32 * mib, ..SizeRules::default() };
         assert_eq!(pool.best_fit(&arena, 4 * mib, &rules), None);
         assert_eq!(pool.best_fit(&arena, 50 * mib, &rules), Some(ids[0]));
-        assert_eq!(
-            pool.best_fit(&arena, 40 * mib, &rules),
-            None,
-            "would waste more than 20 MiB"
-        );
+        assert_eq!(pool.best_fit(&arena, 40 * mib, &rules), None, "would waste more than 20 MiB");
     }
 }

@@ -24,11 +24,8 @@ impl DeviceHeap {
     #[cold]
     pub(super) fn ask_others(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
         let need = self.growth_need(rounded);
-        let over_budget = self
-            .device_reserved
-            .load(Ordering::SeqCst)
-            .saturating_add(need)
-            > self.reserved_limit.min(self.policy.max_reserved);
+        let over_budget =
+            self.device_reserved.load(Ordering::SeqCst).saturating_add(need) > self.reserved_limit.min(self.policy.max_reserved);
         if self.oom_wait.is_zero() || over_budget {
             return Err(BackendError::OutOfMemory);
         }
@@ -117,12 +114,7 @@ impl DeviceHeap {
             return;
         };
         if self.device_reserved.load(Ordering::SeqCst) > limit {
-            let policy = Policy {
-                release_after_ms: u64::MAX,
-                headroom: 0,
-                headroom_min_idle_ms: 0,
-                max_reserved: limit,
-            };
+            let policy = Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: limit };
             self.apply(&policy);
         }
     }
@@ -133,10 +125,7 @@ impl DeviceHeap {
     pub fn reclaim(&mut self) -> Released {
         self.stats.events.num_reclaims += 1;
         self.process_pending(false);
-        let policy = Policy {
-            max_reserved: self.reserved_limit().unwrap_or(u64::MAX),
-            ..self.policy
-        };
+        let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
         let mut released = self.apply(&policy);
         if self.registry.is_some() {
             let stats = self.stats();
@@ -150,11 +139,7 @@ impl DeviceHeap {
                 released: Reason::ALL.map(|r| stats.released(r).bytes),
                 ..Entry::default()
             };
-            let asked = self
-                .registry
-                .as_mut()
-                .and_then(|r| r.publish(entry).ok())
-                .unwrap_or(0);
+            let asked = self.registry.as_mut().and_then(|r| r.publish(entry).ok()).unwrap_or(0);
             if asked > 0 {
                 let answer = self.release_free_segments(Reason::Cooperation, |_, _| true);
                 if answer.segments > 0 {
@@ -175,35 +160,18 @@ impl DeviceHeap {
             .filter_map(|(id, s)| {
                 let s = s.as_ref()?;
                 let b = &self.blocks[s.first_block];
-                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment {
-                    id: id as u32,
-                    size: s.size,
-                    idle_since_ms: s.idle_since_ms,
-                })
+                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment { id: id as u32, size: s.size, idle_since_ms: s.idle_since_ms })
             })
             .collect();
         if idle.is_empty() {
             return Released::default();
         }
-        let device_free = if policy.headroom > 0 {
-            self.backend
-                .mem_info(self.device)
-                .map_or(u64::MAX, |i| i.free)
-        } else {
-            u64::MAX
-        };
-        let pressure = Pressure {
-            device_free,
-            reserved: self.device_reserved.load(Ordering::SeqCst),
-        };
+        let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
+        let pressure = Pressure { device_free, reserved: self.device_reserved.load(Ordering::SeqCst) };
         let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
         let mut total = Released::default();
         for reason in Reason::ALL {
-            let ids: Vec<u32> = chosen
-                .iter()
-                .filter(|c| c.1 == reason)
-                .map(|c| c.0)
-                .collect();
+            let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
             if !ids.is_empty() {
                 let released = self.release_free_segments(reason, |id, _| ids.contains(&id));
                 total += released;
@@ -216,11 +184,7 @@ impl DeviceHeap {
     /// selects (by segment), and in the selected expandable segments every
     /// page lying entirely inside free blocks. A segment the backend fails
     /// to release stays cached, whole and consistent.
-    pub fn release_free_segments(
-        &mut self,
-        reason: Reason,
-        mut select: impl FnMut(u32, &Segment) -> bool,
-    ) -> Released {
+    pub fn release_free_segments(&mut self, reason: Reason, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
         self.process_pending(true);
         self.flush_stashes();
         let mut released = Released::default();
@@ -238,17 +202,8 @@ impl DeviceHeap {
             if block.is_allocated() || block.next != NIL || !select(segment_id, segment) {
                 continue;
             }
-            let (base, size, pool, block) = (
-                segment.base,
-                segment.size,
-                segment.pool,
-                segment.first_block,
-            );
-            if self
-                .backend
-                .release(self.device, base, size, self.pools[pool as usize].stream)
-                .is_err()
-            {
+            let (base, size, pool, block) = (segment.base, segment.size, segment.pool, segment.first_block);
+            if self.backend.release(self.device, base, size, self.pools[pool as usize].stream).is_err() {
                 continue;
             }
             let kind = self.pools[pool as usize].kind;

@@ -15,12 +15,7 @@ impl DeviceHeap {
     /// recorded as used by the requester, so it goes back to its own
     /// stream's pool only once the requester's work on it is done.
     #[cold]
-    pub(super) fn borrow_from_other_streams(
-        &mut self,
-        pool: u32,
-        rounded: u64,
-        stream: Stream,
-    ) -> Option<BlockId> {
+    pub(super) fn borrow_from_other_streams(&mut self, pool: u32, rounded: u64, stream: Stream) -> Option<BlockId> {
         if !self.lend_across_streams {
             return None;
         }
@@ -55,12 +50,7 @@ impl DeviceHeap {
     /// complete. Returns None when there is nothing to wait for (a backend
     /// without asynchronous work), and the block is freed at once.
     #[cold]
-    pub(super) fn defer_free(
-        &mut self,
-        id: BlockId,
-        ptr: u64,
-        streams: &[Stream],
-    ) -> Option<Freed> {
+    pub(super) fn defer_free(&mut self, id: BlockId, ptr: u64, streams: &[Stream]) -> Option<Freed> {
         let mut events = Vec::with_capacity(streams.len());
         for &stream in streams {
             match self.backend.record_event(self.device, stream) {
@@ -68,11 +58,7 @@ impl DeviceHeap {
                 Ok(None) => {}
                 // No event: wait for the stream here instead.
                 Err(_) => {
-                    if self
-                        .backend
-                        .synchronize_stream(self.device, stream)
-                        .is_err()
-                    {
+                    if self.backend.synchronize_stream(self.device, stream).is_err() {
                         self.stats.events.num_stream_sync_errors += 1;
                     }
                 }
@@ -82,10 +68,7 @@ impl DeviceHeap {
             return None;
         }
         let b = &self.blocks[id];
-        let freed = Freed {
-            size: b.size,
-            requested: b.requested,
-        };
+        let freed = Freed { size: b.size, requested: b.requested };
         self.pending.push((ptr, events));
         Some(freed)
     }
@@ -113,11 +96,7 @@ impl DeviceHeap {
             for event in events {
                 self.backend.recycle_event(self.device, event);
             }
-            if let Some(id) = self
-                .by_addr
-                .get(ptr)
-                .filter(|&id| self.blocks[id].is_allocated())
-            {
+            if let Some(id) = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()) {
                 let _ = self.free_now(id, ptr);
             }
         }
@@ -127,10 +106,7 @@ impl DeviceHeap {
     /// Notes that the live block at `ptr` is also used on `stream`: when it
     /// is freed, it is reused only after the work queued on `stream` runs.
     pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<(), AllocError> {
-        let id = self
-            .by_addr
-            .get(ptr)
-            .filter(|&id| self.blocks[id].is_allocated());
+        let id = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
         let Some(id) = id else {
             return Err(AllocError::UnknownPointer { ptr });
         };

@@ -32,35 +32,11 @@ struct Sums {
 
 fn check_gauge(name: &str, gauge: &Gauge, sums: [u64; 2]) -> Result<(), String> {
     let gauge = gauge.report();
-    ensure!(
-        gauge.small_pool.current == sums[0],
-        "{name}.small_pool is {} but the blocks sum to {}",
-        gauge.small_pool.current,
-        sums[0]
-    );
-    ensure!(
-        gauge.large_pool.current == sums[1],
-        "{name}.large_pool is {} but the blocks sum to {}",
-        gauge.large_pool.current,
-        sums[1]
-    );
-    ensure!(
-        gauge.all.current == sums[0] + sums[1],
-        "{name}.all is {} but the pools sum to {}",
-        gauge.all.current,
-        sums[0] + sums[1]
-    );
-    for (pool, stat) in [
-        ("all", &gauge.all),
-        ("small_pool", &gauge.small_pool),
-        ("large_pool", &gauge.large_pool),
-    ] {
-        ensure!(
-            stat.peak >= stat.current,
-            "{name}.{pool} peak {} below current {}",
-            stat.peak,
-            stat.current
-        );
+    ensure!(gauge.small_pool.current == sums[0], "{name}.small_pool is {} but the blocks sum to {}", gauge.small_pool.current, sums[0]);
+    ensure!(gauge.large_pool.current == sums[1], "{name}.large_pool is {} but the blocks sum to {}", gauge.large_pool.current, sums[1]);
+    ensure!(gauge.all.current == sums[0] + sums[1], "{name}.all is {} but the pools sum to {}", gauge.all.current, sums[0] + sums[1]);
+    for (pool, stat) in [("all", &gauge.all), ("small_pool", &gauge.small_pool), ("large_pool", &gauge.large_pool)] {
+        ensure!(stat.peak >= stat.current, "{name}.{pool} peak {} below current {}", stat.peak, stat.current);
     }
     Ok(())
 }
@@ -89,37 +65,25 @@ impl DeviceHeap {
 
         for (segment_id, segment) in self.segments.iter().enumerate() {
             let Some(segment) = segment else {
-                ensure!(
-                    self.unused_segments.contains(&(segment_id as u32)),
-                    "empty segment slot {segment_id} not reusable"
-                );
+                ensure!(self.unused_segments.contains(&(segment_id as u32)), "empty segment slot {segment_id} not reusable");
                 continue;
             };
-            ensure!(
-                self.segment_by_base.get(&segment.base) == Some(&(segment_id as u32)),
-                "segment {segment_id} not indexed by base"
-            );
+            ensure!(self.segment_by_base.get(&segment.base) == Some(&(segment_id as u32)), "segment {segment_id} not indexed by base");
             let kind = self.pools[segment.pool as usize].kind;
             let k = kind as usize;
             sums.segment[k] += 1;
             let pages = segment.pages.as_ref();
             if let Some(pages) = pages {
-                pages
-                    .check()
-                    .map_err(|e| format!("segment {segment_id}: {e}"))?;
+                pages.check().map_err(|e| format!("segment {segment_id}: {e}"))?;
                 ensure!(
-                    segment.base.is_multiple_of(pages.page_size())
-                        && segment.size.is_multiple_of(pages.page_size()),
+                    segment.base.is_multiple_of(pages.page_size()) && segment.size.is_multiple_of(pages.page_size()),
                     "expandable segment {segment_id} is not page-aligned"
                 );
             }
             sums.reserved_bytes[k] += pages.map_or(segment.size, |p| p.mapped_bytes());
             // Bytes of [addr, addr + size) that hold memory.
-            let held = |addr: u64, size: u64| {
-                pages.map_or(size, |p| {
-                    p.mapped_bytes_within(addr - segment.base, addr - segment.base + size)
-                })
-            };
+            let held =
+                |addr: u64, size: u64| pages.map_or(size, |p| p.mapped_bytes_within(addr - segment.base, addr - segment.base + size));
             let mut cur = segment.first_block;
             let mut expected_addr = segment.base;
             let mut prev = NIL;
@@ -127,73 +91,38 @@ impl DeviceHeap {
             while cur != NIL {
                 let b = &self.blocks[cur];
                 block_records += 1;
-                ensure!(
-                    b.addr == expected_addr,
-                    "block {cur} at {:#x}, expected {:#x}: segment not tiled",
-                    b.addr,
-                    expected_addr
-                );
+                ensure!(b.addr == expected_addr, "block {cur} at {:#x}, expected {:#x}: segment not tiled", b.addr, expected_addr);
                 ensure!(b.prev == prev, "block {cur} has a wrong prev link");
-                ensure!(
-                    b.segment == segment_id as u32 && b.pool == segment.pool,
-                    "block {cur} names the wrong segment or pool"
-                );
+                ensure!(b.segment == segment_id as u32 && b.pool == segment.pool, "block {cur} names the wrong segment or pool");
                 ensure!(
                     b.size > 0 && b.size.is_multiple_of(self.rules.min_block),
                     "block {cur} size {} not a positive multiple of min_block",
                     b.size
                 );
-                ensure!(
-                    b.state != BlockState::Detached,
-                    "block {cur} is detached outside an operation"
-                );
-                ensure!(
-                    b.state != BlockState::Stashed || stashed.contains(&cur),
-                    "block {cur} is marked stashed but no pool stashes it"
-                );
+                ensure!(b.state != BlockState::Detached, "block {cur} is detached outside an operation");
+                ensure!(b.state != BlockState::Stashed || stashed.contains(&cur), "block {cur} is marked stashed but no pool stashes it");
                 if b.state != BlockState::Binned {
-                    ensure!(
-                        held(b.addr, b.size) == b.size,
-                        "block {cur} at {:#x} is in use but not all its pages are mapped",
-                        b.addr
-                    );
+                    ensure!(held(b.addr, b.size) == b.size, "block {cur} at {:#x} is in use but not all its pages are mapped", b.addr);
                 }
                 if b.is_allocated() {
                     allocated_blocks += 1;
-                    ensure!(
-                        self.by_addr.get(b.addr) == Some(cur),
-                        "allocated block {cur} at {:#x} missing from the address map",
-                        b.addr
-                    );
-                    ensure!(
-                        b.requested > 0 && b.requested <= b.size,
-                        "block {cur} requested {} of {}",
-                        b.requested,
-                        b.size
-                    );
+                    ensure!(self.by_addr.get(b.addr) == Some(cur), "allocated block {cur} at {:#x} missing from the address map", b.addr);
+                    ensure!(b.requested > 0 && b.requested <= b.size, "block {cur} requested {} of {}", b.requested, b.size);
                     sums.allocation[k] += 1;
                     sums.allocated_bytes[k] += b.size;
                     sums.requested_bytes[k] += b.requested;
                 } else if stashed.contains(&cur) {
-                    ensure!(
-                        self.by_addr.get(b.addr) == Some(cur),
-                        "stashed block {cur} at {:#x} missing from the address map",
-                        b.addr
-                    );
+                    ensure!(self.by_addr.get(b.addr) == Some(cur), "stashed block {cur} at {:#x} missing from the address map", b.addr);
                     // A stashed block may touch free neighbours: it is merged
                     // at the next operation on its pool.
                 } else {
-                    ensure!(
-                        !prev_free,
-                        "free blocks {prev} and {cur} are neighbours and were not merged"
-                    );
+                    ensure!(!prev_free, "free blocks {prev} and {cur} are neighbours and were not merged");
                     free_blocks.insert(cur);
                     // A range's last block grows to fit any request: not split.
                     if b.is_split() && !(pages.is_some() && b.next == NIL) {
                         sums.inactive_split[k] += 1;
-                        sums.inactive_split_bytes[k] += pages.map_or(b.size, |p| {
-                            p.edge_bytes(b.addr - segment.base, b.addr - segment.base + b.size)
-                        });
+                        sums.inactive_split_bytes[k] +=
+                            pages.map_or(b.size, |p| p.edge_bytes(b.addr - segment.base, b.addr - segment.base + b.size));
                     }
                 }
                 prev_free = b.state == BlockState::Binned;
@@ -222,14 +151,8 @@ impl DeviceHeap {
 
         for (ptr, events) in &self.pending {
             let id = self.by_addr.get(*ptr);
-            ensure!(
-                id.is_some_and(|id| self.blocks[id].is_allocated()),
-                "pending free {ptr:#x} is not an allocated block"
-            );
-            ensure!(
-                !events.is_empty(),
-                "pending free {ptr:#x} waits for no event"
-            );
+            ensure!(id.is_some_and(|id| self.blocks[id].is_allocated()), "pending free {ptr:#x} is not an allocated block");
+            ensure!(!events.is_empty(), "pending free {ptr:#x} waits for no event");
         }
 
         let mut binned = HashSet::new();
@@ -237,34 +160,20 @@ impl DeviceHeap {
             let (mut bytes, mut count) = (0u64, 0usize);
             for bin in 0..BIN_COUNT {
                 let bit = pool.bins_nonempty[bin / 32] >> (bin % 32) & 1 == 1;
-                ensure!(
-                    bit == (pool.heads[bin] != NIL),
-                    "pool {pool_id} bin {bin}: bitmap disagrees with the list"
-                );
+                ensure!(bit == (pool.heads[bin] != NIL), "pool {pool_id} bin {bin}: bitmap disagrees with the list");
                 let mut last_size = 0;
                 let mut link_prev = NIL;
                 for id in pool.bin_members(&self.blocks, bin) {
                     let b = &self.blocks[id];
-                    ensure!(free_blocks.contains(&id), "bin {bin} of pool {pool_id} holds block {id}, which is not a free block of a segment");
+                    ensure!(
+                        free_blocks.contains(&id),
+                        "bin {bin} of pool {pool_id} holds block {id}, which is not a free block of a segment"
+                    );
                     ensure!(binned.insert(id), "block {id} is in more than one bin");
-                    ensure!(
-                        b.pool == pool_id as u32,
-                        "block {id} of pool {} is binned in pool {pool_id}",
-                        b.pool
-                    );
-                    ensure!(
-                        bin_of(b.size) == bin,
-                        "block {id} of size {} is in bin {bin}",
-                        b.size
-                    );
-                    ensure!(
-                        b.size >= last_size,
-                        "bin {bin} of pool {pool_id} is not in ascending size order"
-                    );
-                    ensure!(
-                        b.link_prev == link_prev,
-                        "block {id} has a wrong free-list back link"
-                    );
+                    ensure!(b.pool == pool_id as u32, "block {id} of pool {} is binned in pool {pool_id}", b.pool);
+                    ensure!(bin_of(b.size) == bin, "block {id} of size {} is in bin {bin}", b.size);
+                    ensure!(b.size >= last_size, "bin {bin} of pool {pool_id} is not in ascending size order");
+                    ensure!(b.link_prev == link_prev, "block {id} has a wrong free-list back link");
                     last_size = b.size;
                     link_prev = id;
                     bytes += b.size;
@@ -284,12 +193,7 @@ impl DeviceHeap {
                 pool.free_blocks
             );
         }
-        ensure!(
-            binned.len() == free_blocks.len(),
-            "{} free blocks but {} binned",
-            free_blocks.len(),
-            binned.len()
-        );
+        ensure!(binned.len() == free_blocks.len(), "{} free blocks but {} binned", free_blocks.len(), binned.len());
 
         let s = &self.stats;
         check_gauge("allocation", &s.allocation, sums.allocation)?;
@@ -297,11 +201,7 @@ impl DeviceHeap {
         check_gauge("inactive_split", &s.inactive_split, sums.inactive_split)?;
         check_gauge("allocated_bytes", &s.allocated_bytes, sums.allocated_bytes)?;
         check_gauge("reserved_bytes", &s.reserved_bytes, sums.reserved_bytes)?;
-        check_gauge(
-            "inactive_split_bytes",
-            &s.inactive_split_bytes,
-            sums.inactive_split_bytes,
-        )?;
+        check_gauge("inactive_split_bytes", &s.inactive_split_bytes, sums.inactive_split_bytes)?;
         check_gauge("requested_bytes", &s.requested_bytes, sums.requested_bytes)?;
         Ok(())
     }
@@ -317,14 +217,8 @@ mod tests {
     use crate::Stream;
 
     fn heap_with_holes() -> (DeviceHeap, Vec<u64>) {
-        let mut heap = DeviceHeap::new(
-            0,
-            SizeRules::default(),
-            Arc::new(HostBackend::new(1, 1 << 30)),
-        );
-        let ptrs: Vec<u64> = (0..6)
-            .map(|_| heap.allocate(4096, Stream::DEFAULT).unwrap())
-            .collect();
+        let mut heap = DeviceHeap::new(0, SizeRules::default(), Arc::new(HostBackend::new(1, 1 << 30)));
+        let ptrs: Vec<u64> = (0..6).map(|_| heap.allocate(4096, Stream::DEFAULT).unwrap()).collect();
         heap.free(ptrs[1]).unwrap();
         heap.free(ptrs[3]).unwrap();
         heap.stats(); // merges the stash

@@ -35,11 +35,7 @@ impl PyValue {
 
     /// A dict with string keys.
     pub fn dict<'a>(items: impl IntoIterator<Item = (&'a str, PyValue)>) -> PyValue {
-        PyValue::Dict(
-            items
-                .into_iter()
-                .map(|(k, v)| (PyValue::str(k), v))
-                .collect(),
-        )
+        PyValue::Dict(items.into_iter().map(|(k, v)| (PyValue::str(k), v)).collect())
     }
 }
+

@@ -66,10 +66,7 @@ struct Parser<R> {
 
 impl<R: BufRead> Parser<R> {
     fn fail<T>(&self, message: impl Into<String>) -> Result<T, PickleError> {
-        Err(PickleError {
-            offset: self.opcode_at,
-            message: message.into(),
-        })
+        Err(PickleError { offset: self.opcode_at, message: message.into() })
     }
 
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N], PickleError> {
@@ -79,9 +76,7 @@ impl<R: BufRead> Parser<R> {
                 self.offset += N as u64;
                 Ok(buf)
             }
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                self.fail("truncated: the file ends inside an opcode")
-            }
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => self.fail("truncated: the file ends inside an opcode"),
             Err(e) => self.fail(format!("read error: {e}")),
         }
     }
@@ -95,9 +90,7 @@ impl<R: BufRead> Parser<R> {
                 self.offset += len;
                 Ok(out)
             }
-            Ok(_) => self.fail(format!(
-                "truncated: a {len}-byte value runs past the end of the file"
-            )),
+            Ok(_) => self.fail(format!("truncated: a {len}-byte value runs past the end of the file")),
             Err(e) => self.fail(format!("read error: {e}")),
         }
     }
@@ -127,12 +120,7 @@ impl<R: BufRead> Parser<R> {
         let Some(mark) = self.stack.iter().rposition(Option::is_none) else {
             return self.fail("no MARK on the stack");
         };
-        let items = self
-            .stack
-            .split_off(mark + 1)
-            .into_iter()
-            .flatten()
-            .collect();
+        let items = self.stack.split_off(mark + 1).into_iter().flatten().collect();
         self.stack.pop();
         Ok(items)
     }
@@ -329,22 +317,9 @@ impl<R: BufRead> Parser<R> {
                 }
                 b'.' => {
                     let root = self.pop()?;
-                    return Ok(PickleDoc {
-                        nodes: self.nodes,
-                        root,
-                    });
+                    return Ok(PickleDoc { nodes: self.nodes, root });
                 }
-                b'c'
-                | 0x93
-                | b'R'
-                | b'b'
-                | 0x81
-                | 0x92
-                | b'i'
-                | b'o'
-                | b'P'
-                | b'Q'
-                | 0x82..=0x84 => {
+                b'c' | 0x93 | b'R' | b'b' | 0x81 | 0x92 | b'i' | b'o' | b'P' | b'Q' | 0x82..=0x84 => {
                     return self.fail(format!(
                         "opcode {op:#04x} refers to a class or function: refused (only plain data is read)"
                     ));
@@ -380,10 +355,7 @@ impl PickleDoc {
     /// The value under the string key `key` of a dict node.
     pub fn get(&self, dict: NodeId, key: &str) -> Option<NodeId> {
         match self.node(dict) {
-            Node::Dict(items) => items
-                .iter()
-                .find(|(k, _)| self.str(*k) == Some(key))
-                .map(|&(_, v)| v),
+            Node::Dict(items) => items.iter().find(|(k, _)| self.str(*k) == Some(key)).map(|&(_, v)| v),
             _ => None,
         }
     }
@@ -424,32 +396,14 @@ mod tests {
     #[test]
     fn what_the_writer_writes_reads_back() {
         let value = PyValue::dict([
-            (
-                "a",
-                PyValue::List(vec![
-                    PyValue::int(1),
-                    PyValue::int(-5),
-                    PyValue::int(1u64 << 40),
-                    PyValue::None,
-                ]),
-            ),
-            (
-                "b",
-                PyValue::Tuple(vec![
-                    PyValue::str("x"),
-                    PyValue::Bool(false),
-                    PyValue::Float(2.5),
-                ]),
-            ),
+            ("a", PyValue::List(vec![PyValue::int(1), PyValue::int(-5), PyValue::int(1u64 << 40), PyValue::None])),
+            ("b", PyValue::Tuple(vec![PyValue::str("x"), PyValue::Bool(false), PyValue::Float(2.5)])),
         ]);
         let doc = parse(&dumps(&value)).unwrap();
         let a = doc.get(doc.root(), "a").unwrap();
         let ints: Vec<_> = doc.items(a).unwrap().iter().map(|&i| doc.int(i)).collect();
         assert_eq!(ints, vec![Some(1), Some(-5), Some(1 << 40), None]);
-        let b = doc
-            .items(doc.get(doc.root(), "b").unwrap())
-            .unwrap()
-            .to_vec();
+        let b = doc.items(doc.get(doc.root(), "b").unwrap()).unwrap().to_vec();
         assert_eq!(doc.str(b[0]), Some("x"));
         assert_eq!(doc.node(b[2]), &Node::Float(2.5));
     }
@@ -476,14 +430,8 @@ mod tests {
     #[test]
     fn truncated_and_garbage_input_are_errors_not_panics() {
         assert!(parse(b"").unwrap_err().message.contains("before STOP"));
-        assert!(parse(b"\x80\x04X\xff\xff\xff\xffab")
-            .unwrap_err()
-            .message
-            .contains("truncated"));
-        assert!(parse(b"\x80\x04\x8a\x40")
-            .unwrap_err()
-            .message
-            .contains("too large"));
+        assert!(parse(b"\x80\x04X\xff\xff\xff\xffab").unwrap_err().message.contains("truncated"));
+        assert!(parse(b"\x80\x04\x8a\x40").unwrap_err().message.contains("too large"));
         assert!(parse(b"e.").is_err());
         assert!(parse(b"h\x05.").unwrap_err().message.contains("memo"));
         assert!(parse(b"K\x01K\x02u.").is_err());

@@ -110,20 +110,14 @@ mod tests {
         assert_eq!(long_bytes(255), vec![0xff, 0x00]);
         assert_eq!(long_bytes(-1), vec![0xff]);
         assert_eq!(long_bytes(1 << 40), vec![0, 0, 0, 0, 0, 1]);
-        assert_eq!(
-            long_bytes(u64::MAX as i128),
-            vec![0xff; 8].into_iter().chain([0]).collect::<Vec<_>>()
-        );
+        assert_eq!(long_bytes(u64::MAX as i128), vec![0xff; 8].into_iter().chain([0]).collect::<Vec<_>>());
     }
 
     #[test]
     fn a_small_dict_pickles_to_the_bytes_python_expects() {
         // pickle.dumps({'a': [1, None, True]}, protocol=2) minus the memo
         // opcodes Python adds, which a loader does not need.
-        let value = PyValue::dict([(
-            "a",
-            PyValue::List(vec![PyValue::int(1), PyValue::None, PyValue::Bool(true)]),
-        )]);
+        let value = PyValue::dict([("a", PyValue::List(vec![PyValue::int(1), PyValue::None, PyValue::Bool(true)]))]);
         let expected: Vec<u8> = [
             &[0x80, 2, b'}', b'(', b'X', 1, 0, 0, 0, b'a', b']', b'('][..],
             &[b'J', 1, 0, 0, 0, b'N', 0x88, b'e', b'u', b'.'][..],

@@ -27,10 +27,7 @@ pub struct Clock {
 
 impl Clock {
     pub fn new() -> Arc<Clock> {
-        Arc::new(Clock {
-            start: Instant::now(),
-            now_ms: AtomicU64::new(0),
-        })
+        Arc::new(Clock { start: Instant::now(), now_ms: AtomicU64::new(0) })
     }
 
     #[inline]
@@ -40,8 +37,7 @@ impl Clock {
 
     /// Advances the clock to the real time.
     pub fn tick(&self) {
-        self.now_ms
-            .store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.now_ms.store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
     /// Sets the time by hand (tests).
@@ -59,48 +55,36 @@ pub struct Reclaimer {
 
 impl Reclaimer {
     /// Starts the thread over `heaps`, waking every `interval`.
-    pub fn start(
-        heaps: Weak<[parking_lot::Mutex<DeviceHeap>]>,
-        clock: Arc<Clock>,
-        interval: Duration,
-    ) -> std::io::Result<Reclaimer> {
+    pub fn start(heaps: Weak<[parking_lot::Mutex<DeviceHeap>]>, clock: Arc<Clock>, interval: Duration) -> std::io::Result<Reclaimer> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let signal = stop.clone();
-        let handle = std::thread::Builder::new()
-            .name("tidepool-reclaim".into())
-            .spawn(move || {
-                let (lock, wake) = &*signal;
-                let mut stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
-                loop {
-                    // Checked before waiting too: a stop may come before the first wait.
-                    if *stopped {
-                        return;
-                    }
-                    let (guard, _) = wake
-                        .wait_timeout(stopped, interval)
-                        .unwrap_or_else(|e| e.into_inner());
-                    stopped = guard;
-                    if *stopped {
-                        return;
-                    }
-                    clock.tick();
-                    // The heaps are locked one at a time, with the stop flag released.
-                    drop(stopped);
-                    if let Some(heaps) = heaps.upgrade() {
-                        for heap in heaps.iter() {
-                            heap.lock().reclaim();
-                        }
-                    } else {
-                        return;
-                    }
-                    stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let handle = std::thread::Builder::new().name("tidepool-reclaim".into()).spawn(move || {
+            let (lock, wake) = &*signal;
+            let mut stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                // Checked before waiting too: a stop may come before the first wait.
+                if *stopped {
+                    return;
                 }
-            })?;
-        Ok(Reclaimer {
-            stop,
-            handle: Some(handle),
-            pid: std::process::id(),
-        })
+                let (guard, _) = wake.wait_timeout(stopped, interval).unwrap_or_else(|e| e.into_inner());
+                stopped = guard;
+                if *stopped {
+                    return;
+                }
+                clock.tick();
+                // The heaps are locked one at a time, with the stop flag released.
+                drop(stopped);
+                if let Some(heaps) = heaps.upgrade() {
+                    for heap in heaps.iter() {
+                        heap.lock().reclaim();
+                    }
+                } else {
+                    return;
+                }
+                stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
+            }
+        })?;
+        Ok(Reclaimer { stop, handle: Some(handle), pid: std::process::id() })
     }
 }
 

@@ -21,14 +21,8 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 6] = [
-        Reason::IdleDecay,
-        Reason::Budget,
-        Reason::Headroom,
-        Reason::OutOfMemory,
-        Reason::EmptyCache,
-        Reason::Cooperation,
-    ];
+    pub const ALL: [Reason; 6] =
+        [Reason::IdleDecay, Reason::Budget, Reason::Headroom, Reason::OutOfMemory, Reason::EmptyCache, Reason::Cooperation];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -75,12 +69,7 @@ pub struct Pressure {
 }
 
 /// The segments to release and why, longest idle first.
-pub fn decide(
-    policy: &Policy,
-    now_ms: u64,
-    idle: &[IdleSegment],
-    pressure: Pressure,
-) -> Vec<(u32, Reason)> {
+pub fn decide(policy: &Policy, now_ms: u64, idle: &[IdleSegment], pressure: Pressure) -> Vec<(u32, Reason)> {
     let mut by_age: Vec<&IdleSegment> = idle.iter().collect();
     by_age.sort_by_key(|s| (s.idle_since_ms, s.id));
     let idle_for = |s: &IdleSegment| now_ms.saturating_sub(s.idle_since_ms);
@@ -92,10 +81,7 @@ pub fn decide(
             released += s.size;
         }
     }
-    let mut take = |reason: Reason,
-                    done: &dyn Fn(u64) -> bool,
-                    min_idle: u64,
-                    chosen: &mut Vec<(u32, Reason)>| {
+    let mut take = |reason: Reason, done: &dyn Fn(u64) -> bool, min_idle: u64, chosen: &mut Vec<(u32, Reason)>| {
         for s in &by_age {
             if done(released) {
                 break;
@@ -106,18 +92,11 @@ pub fn decide(
             }
         }
     };
-    let over_budget =
-        |released: u64| pressure.reserved.saturating_sub(released) <= policy.max_reserved;
+    let over_budget = |released: u64| pressure.reserved.saturating_sub(released) <= policy.max_reserved;
     take(Reason::Budget, &over_budget, 0, &mut chosen);
     if policy.headroom > 0 {
-        let enough_room =
-            |released: u64| pressure.device_free.saturating_add(released) >= policy.headroom;
-        take(
-            Reason::Headroom,
-            &enough_room,
-            policy.headroom_min_idle_ms,
-            &mut chosen,
-        );
+        let enough_room = |released: u64| pressure.device_free.saturating_add(released) >= policy.headroom;
+        take(Reason::Headroom, &enough_room, policy.headroom_min_idle_ms, &mut chosen);
     }
     chosen
 }
@@ -129,38 +108,20 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn policy() -> Policy {
-        Policy {
-            release_after_ms: 10_000,
-            headroom: 0,
-            headroom_min_idle_ms: 1_000,
-            max_reserved: u64::MAX,
-        }
+        Policy { release_after_ms: 10_000, headroom: 0, headroom_min_idle_ms: 1_000, max_reserved: u64::MAX }
     }
 
     fn seg(id: u32, size_mib: u64, idle_since_ms: u64) -> IdleSegment {
-        IdleSegment {
-            id,
-            size: size_mib * MIB,
-            idle_since_ms,
-        }
+        IdleSegment { id, size: size_mib * MIB, idle_since_ms }
     }
 
-    const CALM: Pressure = Pressure {
-        device_free: u64::MAX,
-        reserved: 0,
-    };
+    const CALM: Pressure = Pressure { device_free: u64::MAX, reserved: 0 };
 
     #[test]
     fn segments_idle_past_the_deadline_are_released_and_younger_ones_kept() {
         let idle = [seg(1, 20, 0), seg(2, 2, 5_000), seg(3, 2, 9_999)];
-        assert_eq!(
-            decide(&policy(), 10_000, &idle, CALM),
-            vec![(1, Reason::IdleDecay)]
-        );
-        assert_eq!(
-            decide(&policy(), 15_000, &idle, CALM),
-            vec![(1, Reason::IdleDecay), (2, Reason::IdleDecay)]
-        );
+        assert_eq!(decide(&policy(), 10_000, &idle, CALM), vec![(1, Reason::IdleDecay)]);
+        assert_eq!(decide(&policy(), 15_000, &idle, CALM), vec![(1, Reason::IdleDecay), (2, Reason::IdleDecay)]);
     }
 
     #[test]
@@ -175,80 +136,31 @@ mod tests {
 
     #[test]
     fn a_budget_releases_longest_idle_first_until_it_is_met() {
-        let p = Policy {
-            max_reserved: 100 * MIB,
-            ..policy()
-        };
+        let p = Policy { max_reserved: 100 * MIB, ..policy() };
         let idle = [seg(1, 20, 300), seg(2, 20, 100), seg(3, 20, 200)];
-        let pressure = Pressure {
-            device_free: u64::MAX,
-            reserved: 130 * MIB,
-        };
+        let pressure = Pressure { device_free: u64::MAX, reserved: 130 * MIB };
         // 30 MiB over: the two longest idle (2, then 3) go.
-        assert_eq!(
-            decide(&p, 1_000, &idle, pressure),
-            vec![(2, Reason::Budget), (3, Reason::Budget)]
-        );
+        assert_eq!(decide(&p, 1_000, &idle, pressure), vec![(2, Reason::Budget), (3, Reason::Budget)]);
     }
 
     #[test]
     fn headroom_releases_longest_idle_first_and_spares_the_recently_used() {
-        let p = Policy {
-            headroom: 50 * MIB,
-            ..policy()
-        };
-        let idle = [
-            seg(1, 20, 4_000),
-            seg(2, 20, 1_000),
-            seg(3, 20, 2_000),
-            seg(4, 20, 4_900),
-        ];
-        let pressure = Pressure {
-            device_free: 10 * MIB,
-            reserved: 80 * MIB,
-        };
+        let p = Policy { headroom: 50 * MIB, ..policy() };
+        let idle = [seg(1, 20, 4_000), seg(2, 20, 1_000), seg(3, 20, 2_000), seg(4, 20, 4_900)];
+        let pressure = Pressure { device_free: 10 * MIB, reserved: 80 * MIB };
         // Needs 40 MiB: segments 2 and 3 (idle longest). Segment 4 (idle
         // 100 ms) would be spared even if more were needed.
-        assert_eq!(
-            decide(&p, 5_000, &idle, pressure),
-            vec![(2, Reason::Headroom), (3, Reason::Headroom)]
-        );
-        let starved = Pressure {
-            device_free: 0,
-            reserved: 80 * MIB,
-        };
-        let chosen = decide(
-            &Policy {
-                headroom: 1 << 40,
-                ..p
-            },
-            5_000,
-            &idle,
-            starved,
-        );
-        assert_eq!(
-            chosen.iter().map(|c| c.0).collect::<Vec<_>>(),
-            vec![2, 3, 1]
-        );
+        assert_eq!(decide(&p, 5_000, &idle, pressure), vec![(2, Reason::Headroom), (3, Reason::Headroom)]);
+        let starved = Pressure { device_free: 0, reserved: 80 * MIB };
+        let chosen = decide(&Policy { headroom: 1 << 40, ..p }, 5_000, &idle, starved);
+        assert_eq!(chosen.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2, 3, 1]);
     }
 
     #[test]
     fn nothing_is_released_without_a_reason() {
         let idle = [seg(1, 20, 0)];
-        assert!(decide(
-            &policy(),
-            100,
-            &idle,
-            Pressure {
-                device_free: 0,
-                reserved: 20 * MIB
-            }
-        )
-        .is_empty());
-        let off = Policy {
-            release_after_ms: u64::MAX,
-            ..policy()
-        };
+        assert!(decide(&policy(), 100, &idle, Pressure { device_free: 0, reserved: 20 * MIB }).is_empty());
+        let off = Policy { release_after_ms: u64::MAX, ..policy() };
         assert!(decide(&off, u64::MAX - 1, &idle, CALM).is_empty());
     }
 }

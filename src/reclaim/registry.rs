@@ -68,8 +68,7 @@ impl Entry {
     }
 
     fn decode(raw: &[u8; SLOT as usize]) -> Entry {
-        let u64_at =
-            |i: usize| u64::from_le_bytes(raw[8 + 8 * i..16 + 8 * i].try_into().expect("8 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(raw[8 + 8 * i..16 + 8 * i].try_into().expect("8 bytes"));
         Entry {
             pid: u32::from_le_bytes(raw[0..4].try_into().expect("4 bytes")),
             device: u32::from_le_bytes(raw[4..8].try_into().expect("4 bytes")),
@@ -96,9 +95,7 @@ impl std::fmt::Display for RegistryError {
 }
 
 fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Whether a process with this pid runs (on this machine).
@@ -112,9 +109,7 @@ pub fn default_dir() -> PathBuf {
         Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("tidepool"),
         _ => {
             // The owner of our own /proc entry is our uid.
-            let uid = std::fs::metadata("/proc/self")
-                .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
-                .unwrap_or(0);
+            let uid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap_or(0);
             PathBuf::from(format!("/tmp/tidepool-{uid}"))
         }
     }
@@ -132,14 +127,8 @@ pub struct Registry {
 impl Registry {
     /// Opens (creating if needed) the registry of `key` in `dir` and claims a slot.
     pub fn join(dir: &Path, key: &str) -> Result<Registry, RegistryError> {
-        let fail = |what: &str, e: std::io::Error| {
-            RegistryError(format!("registry {}: {what}: {e}", dir.display()))
-        };
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(|e| fail("cannot create", e))?;
+        let fail = |what: &str, e: std::io::Error| RegistryError(format!("registry {}: {what}: {e}", dir.display()));
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| fail("cannot create", e))?;
         let path = dir.join(format!("{key}.registry"));
         let file = OpenOptions::new()
             .read(true)
@@ -149,12 +138,7 @@ impl Registry {
             .mode(0o600)
             .open(&path)
             .map_err(|e| fail("cannot open", e))?;
-        let mut registry = Registry {
-            file,
-            path,
-            slot: 0,
-            pid: std::process::id(),
-        };
+        let mut registry = Registry { file, path, slot: 0, pid: std::process::id() };
         registry.with_lock(|r| {
             r.check_or_init_header()?;
             let slot = (0..SLOTS)
@@ -164,14 +148,7 @@ impl Registry {
                 })
                 .ok_or_else(|| RegistryError("registry full: 64 processes on one device".into()))?;
             r.slot = slot;
-            r.write_slot(
-                slot,
-                &Entry {
-                    pid: r.pid,
-                    heartbeat_ms: now_ms(),
-                    ..Entry::default()
-                },
-            )
+            r.write_slot(slot, &Entry { pid: r.pid, heartbeat_ms: now_ms(), ..Entry::default() })
         })?;
         Ok(registry)
     }
@@ -181,10 +158,7 @@ impl Registry {
     }
 
     /// Runs `f` under the registry's exclusive lock, waiting at most LOCK_WAIT.
-    fn with_lock<T>(
-        &mut self,
-        f: impl FnOnce(&mut Registry) -> Result<T, RegistryError>,
-    ) -> Result<T, RegistryError> {
+    fn with_lock<T>(&mut self, f: impl FnOnce(&mut Registry) -> Result<T, RegistryError>) -> Result<T, RegistryError> {
         let start = Instant::now();
         loop {
             match self.file.try_lock() {
@@ -193,13 +167,9 @@ impl Registry {
                     std::thread::sleep(Duration::from_millis(1))
                 }
                 Err(std::fs::TryLockError::WouldBlock) => {
-                    return Err(RegistryError(
-                        "registry locked by another process for too long".into(),
-                    ))
+                    return Err(RegistryError("registry locked by another process for too long".into()))
                 }
-                Err(std::fs::TryLockError::Error(e)) => {
-                    return Err(RegistryError(format!("registry lock: {e}")))
-                }
+                Err(std::fs::TryLockError::Error(e)) => return Err(RegistryError(format!("registry lock: {e}"))),
             }
         }
         let result = f(self);
@@ -215,12 +185,8 @@ impl Registry {
                 fresh[0..8].copy_from_slice(MAGIC);
                 fresh[8..12].copy_from_slice(&VERSION.to_le_bytes());
                 fresh[12..16].copy_from_slice(&(SLOTS as u32).to_le_bytes());
-                self.file
-                    .write_all_at(&fresh, 0)
-                    .map_err(|e| RegistryError(format!("registry write: {e}")))?;
-                self.file
-                    .set_len(HEADER + SLOT * SLOTS as u64)
-                    .map_err(|e| RegistryError(format!("registry size: {e}")))
+                self.file.write_all_at(&fresh, 0).map_err(|e| RegistryError(format!("registry write: {e}")))?;
+                self.file.set_len(HEADER + SLOT * SLOTS as u64).map_err(|e| RegistryError(format!("registry size: {e}")))
             }
             Err(e) => Err(RegistryError(format!("registry read: {e}"))),
             Ok(()) => {
@@ -240,10 +206,7 @@ impl Registry {
     /// A slot, or an empty entry if the file is short or unreadable.
     fn read_slot(&self, slot: usize) -> Entry {
         let mut raw = [0u8; SLOT as usize];
-        match self
-            .file
-            .read_exact_at(&mut raw, HEADER + SLOT * slot as u64)
-        {
+        match self.file.read_exact_at(&mut raw, HEADER + SLOT * slot as u64) {
             Ok(()) => Entry::decode(&raw),
             Err(_) => Entry::default(),
         }
@@ -300,12 +263,7 @@ impl Registry {
 
     /// Every live entry (for `tidepool top`).
     pub fn entries(&mut self) -> Result<Vec<Entry>, RegistryError> {
-        self.with_lock(|r| {
-            Ok((0..SLOTS)
-                .map(|s| r.read_slot(s))
-                .filter(|e| alive(e.pid))
-                .collect())
-        })
+        self.with_lock(|r| Ok((0..SLOTS).map(|s| r.read_slot(s)).filter(|e| alive(e.pid)).collect()))
     }
 }
 
@@ -327,18 +285,14 @@ impl Drop for Registry {
 /// Reads the live entries of every registry in `dir` without joining:
 /// (registry file, entries).
 pub fn scan(dir: &Path) -> Vec<(PathBuf, Vec<Entry>)> {
-    let Ok(listing) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
+    let Ok(listing) = std::fs::read_dir(dir) else { return Vec::new() };
     let mut out = Vec::new();
     for item in listing.flatten() {
         let path = item.path();
         if path.extension().is_none_or(|e| e != "registry") {
             continue;
         }
-        let Ok(file) = File::open(&path) else {
-            continue;
-        };
+        let Ok(file) = File::open(&path) else { continue };
         let mut header = [0u8; HEADER as usize];
         if file.read_exact_at(&mut header, 0).is_err() || &header[0..8] != MAGIC {
             continue;
@@ -346,8 +300,7 @@ pub fn scan(dir: &Path) -> Vec<(PathBuf, Vec<Entry>)> {
         let entries = (0..SLOTS)
             .filter_map(|slot| {
                 let mut raw = [0u8; SLOT as usize];
-                file.read_exact_at(&mut raw, HEADER + SLOT * slot as u64)
-                    .ok()?;
+                file.read_exact_at(&mut raw, HEADER + SLOT * slot as u64).ok()?;
                 let entry = Entry::decode(&raw);
                 alive(entry.pid).then_some(entry)
             })
@@ -363,8 +316,7 @@ mod tests {
     use super::*;
 
     fn dir(name: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("tidepool-registry-{name}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("tidepool-registry-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         dir
     }
@@ -398,10 +350,7 @@ mod tests {
         a.request(0).unwrap();
         assert_eq!(b.publish(Entry::default()).unwrap(), 0);
         let mode = std::fs::metadata(a.path()).unwrap().permissions();
-        assert_eq!(
-            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
-            0o600
-        );
+        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
         drop((a, b));
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -411,17 +360,9 @@ mod tests {
         let dir = dir("dead");
         let mut a = Registry::join(&dir, "dev").unwrap();
         // A slot of a process that no longer exists, asking for memory.
-        let ghost = Entry {
-            pid: u32::MAX - 1,
-            request_bytes: 1 << 30,
-            ..Entry::default()
-        };
+        let ghost = Entry { pid: u32::MAX - 1, request_bytes: 1 << 30, ..Entry::default() };
         a.write_slot(5, &ghost).unwrap();
-        assert_eq!(
-            a.publish(Entry::default()).unwrap(),
-            0,
-            "a dead process's request is ignored"
-        );
+        assert_eq!(a.publish(Entry::default()).unwrap(), 0, "a dead process's request is ignored");
         assert_eq!(a.read_slot(5), Entry::default(), "and its slot cleared");
         drop(a);
         let _ = std::fs::remove_dir_all(&dir);
@@ -434,11 +375,7 @@ mod tests {
         let squatter = File::open(a.path()).unwrap();
         squatter.lock().unwrap();
         let start = Instant::now();
-        assert!(a
-            .publish(Entry::default())
-            .unwrap_err()
-            .0
-            .contains("locked"));
+        assert!(a.publish(Entry::default()).unwrap_err().0.contains("locked"));
         assert!(start.elapsed() < Duration::from_millis(500));
         squatter.unlock().unwrap();
         assert!(a.publish(Entry::default()).is_ok());
@@ -452,17 +389,8 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         // Random bytes: wrong magic, refused.
         let path = dir.join("junk.registry");
-        std::fs::write(
-            &path,
-            (0..5000u32)
-                .map(|i| (i * 7919 % 251) as u8)
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
-        assert!(Registry::join(&dir, "junk")
-            .unwrap_err()
-            .0
-            .contains("not a version"));
+        std::fs::write(&path, (0..5000u32).map(|i| (i * 7919 % 251) as u8).collect::<Vec<_>>()).unwrap();
+        assert!(Registry::join(&dir, "junk").unwrap_err().0.contains("not a version"));
         // Right header, wrong version: refused.
         let mut bad = Vec::from(&MAGIC[..]);
         bad.extend_from_slice(&99u32.to_le_bytes());
@@ -472,22 +400,13 @@ mod tests {
         // Right header, huge counts and a live pid (ours) asking for everything:
         // the worst outcome is a request to release cache.
         let mut a = Registry::join(&dir, "huge").unwrap();
-        let liar = Entry {
-            pid: std::process::id(),
-            request_bytes: u64::MAX,
-            reserved: u64::MAX,
-            ..Entry::default()
-        };
+        let liar = Entry { pid: std::process::id(), request_bytes: u64::MAX, reserved: u64::MAX, ..Entry::default() };
         for slot in 0..SLOTS {
             if slot != a.slot {
                 a.write_slot(slot, &liar).unwrap();
             }
         }
-        assert_eq!(
-            a.publish(Entry::default()).unwrap(),
-            u64::MAX,
-            "saturates, no overflow"
-        );
+        assert_eq!(a.publish(Entry::default()).unwrap(), u64::MAX, "saturates, no overflow");
         // A truncated file reads as empty slots, not a crash.
         a.file.set_len(HEADER + 3).unwrap();
         assert!(a.publish(Entry::default()).is_ok());

@@ -22,15 +22,8 @@ use std::path::Path;
 /// One step of a trace. Allocation ids are dense, in order of allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
-    Alloc {
-        id: u32,
-        size: u64,
-        stream: u64,
-        device: u32,
-    },
-    Free {
-        id: u32,
-    },
+    Alloc { id: u32, size: u64, stream: u64, device: u32 },
+    Free { id: u32 },
 }
 
 /// Where a trace came from.
@@ -106,12 +99,7 @@ impl Trace {
         let id = self.allocs;
         self.allocs += 1;
         self.devices = self.devices.max(device + 1);
-        self.events.push(Event::Alloc {
-            id,
-            size,
-            stream,
-            device,
-        });
+        self.events.push(Event::Alloc { id, size, stream, device });
         id
     }
 
@@ -162,16 +150,10 @@ impl std::error::Error for TraceError {}
 /// starts with the PROTO opcode 0x80; anything else is read as CSV).
 pub fn load(path: &Path) -> Result<Trace, TraceError> {
     let name = path.display().to_string();
-    let error = |message: String| TraceError {
-        file: name.clone(),
-        location: String::new(),
-        message,
-    };
+    let error = |message: String| TraceError { file: name.clone(), location: String::new(), message };
     let mut file = std::fs::File::open(path).map_err(|e| error(format!("cannot open: {e}")))?;
     let mut first = [0u8; 1];
-    let n = file
-        .read(&mut first)
-        .map_err(|e| error(format!("cannot read: {e}")))?;
+    let n = file.read(&mut first).map_err(|e| error(format!("cannot read: {e}")))?;
     if n == 0 {
         return Err(error("the file is empty".into()));
     }

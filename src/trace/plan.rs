@@ -26,31 +26,17 @@ pub fn smallest_capacity(trace: &Trace, policy: Policy, conf: &str) -> Result<Pl
 }
 
 /// `smallest_capacity` to the nearest multiple of `step` bytes.
-pub fn smallest_capacity_in_steps(
-    trace: &Trace,
-    policy: Policy,
-    conf: &str,
-    step: u64,
-) -> Result<Plan, String> {
+pub fn smallest_capacity_in_steps(trace: &Trace, policy: Policy, conf: &str, step: u64) -> Result<Plan, String> {
     let mut replays = 0;
     let mut fits = |capacity: u64| -> Result<bool, String> {
         replays += 1;
-        let options = ReplayOptions {
-            capacity,
-            policy,
-            conf: conf.to_string(),
-            samples: 0,
-            record_to: None,
-        };
+        let options = ReplayOptions { capacity, policy, conf: conf.to_string(), samples: 0, record_to: None };
         Ok(replay(trace, &options)?.ooms == 0)
     };
     let floor = trace.peak_requested() / step * step;
     let mut hi = floor + step;
     while !fits(hi)? {
-        hi = hi
-            .checked_mul(2)
-            .filter(|&h| h < 1 << 50)
-            .ok_or("the trace does not fit even in 1 PiB")?;
+        hi = hi.checked_mul(2).filter(|&h| h < 1 << 50).ok_or("the trace does not fit even in 1 PiB")?;
     }
     // fits(hi); below `lo` nothing can fit.
     let mut lo = floor;
@@ -65,11 +51,7 @@ pub fn smallest_capacity_in_steps(
     if lo > 0 && lo != hi && fits(lo)? {
         hi = lo;
     }
-    Ok(Plan {
-        policy,
-        min_capacity: hi,
-        replays,
-    })
+    Ok(Plan { policy, min_capacity: hi, replays })
 }
 
 /// Common GPU memory sizes, in GiB, for the plain answer.
@@ -83,10 +65,7 @@ pub fn card_advice(need: u64) -> String {
     match (fits, not) {
         (Some(f), Some(n)) => format!("fits a {f} GiB card; not a {n} GiB one"),
         (Some(f), None) => format!("fits a {f} GiB card"),
-        (None, _) => format!(
-            "more than a {} GiB card holds",
-            CARDS_GIB[CARDS_GIB.len() - 1]
-        ),
+        (None, _) => format!("more than a {} GiB card holds", CARDS_GIB[CARDS_GIB.len() - 1]),
     }
 }
 
@@ -97,15 +76,9 @@ mod tests {
     #[test]
     fn card_advice_names_the_nearest_cards() {
         const GIB: u64 = 1 << 30;
-        assert_eq!(
-            card_advice(29 * GIB + GIB / 10),
-            "fits a 32 GiB card; not a 24 GiB one"
-        );
+        assert_eq!(card_advice(29 * GIB + GIB / 10), "fits a 32 GiB card; not a 24 GiB one");
         assert_eq!(card_advice(3 * GIB), "fits a 4 GiB card");
-        assert_eq!(
-            card_advice(16 * GIB),
-            "fits a 16 GiB card; not a 12 GiB one"
-        );
+        assert_eq!(card_advice(16 * GIB), "fits a 16 GiB card; not a 12 GiB one");
         assert!(card_advice(500 * GIB).starts_with("more than"));
     }
 

@@ -67,26 +67,22 @@ impl Recorder {
         let (sender, full) = sync_channel::<Vec<Row>>(BUFFERS);
         let (give_back, empties) = sync_channel::<Vec<Row>>(BUFFERS);
         for _ in 0..BUFFERS - 1 {
-            give_back
-                .send(Vec::with_capacity(BUFFER_ROWS))
-                .expect("room for every buffer");
+            give_back.send(Vec::with_capacity(BUFFER_ROWS)).expect("room for every buffer");
         }
-        let writer = std::thread::Builder::new()
-            .name("tidepool-trace".into())
-            .spawn(move || {
-                let mut text = Vec::with_capacity(BUFFER_ROWS * 64);
-                let mut formatter = RowWriter::default();
-                for mut rows in full {
-                    text.clear();
-                    for row in &rows {
-                        formatter.write(&mut text, row);
-                    }
-                    out.write_all(&text)?;
-                    rows.clear();
-                    let _ = give_back.try_send(rows);
+        let writer = std::thread::Builder::new().name("tidepool-trace".into()).spawn(move || {
+            let mut text = Vec::with_capacity(BUFFER_ROWS * 64);
+            let mut formatter = RowWriter::default();
+            for mut rows in full {
+                text.clear();
+                for row in &rows {
+                    formatter.write(&mut text, row);
                 }
-                out.flush()
-            })?;
+                out.write_all(&text)?;
+                rows.clear();
+                let _ = give_back.try_send(rows);
+            }
+            out.flush()
+        })?;
         Ok(Arc::new(Recorder {
             path: path.to_path_buf(),
             start: Instant::now(),
@@ -119,9 +115,7 @@ impl Recorder {
     pub fn finish(&self) -> std::io::Result<()> {
         self.sender.lock().take();
         match self.writer.lock().take() {
-            Some(handle) => handle
-                .join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("trace writer panicked"))),
+            Some(handle) => handle.join().unwrap_or_else(|_| Err(std::io::Error::other("trace writer panicked"))),
             None => Ok(()),
         }
     }
@@ -137,12 +131,7 @@ pub struct TraceBuffer {
 
 impl TraceBuffer {
     pub fn new(recorder: Arc<Recorder>) -> TraceBuffer {
-        TraceBuffer {
-            recorder,
-            rows: Vec::with_capacity(BUFFER_ROWS),
-            until_clock: 0,
-            micros: 0,
-        }
+        TraceBuffer { recorder, rows: Vec::with_capacity(BUFFER_ROWS), until_clock: 0, micros: 0 }
     }
 
     #[inline]
@@ -152,14 +141,7 @@ impl TraceBuffer {
             self.until_clock = CLOCK_EVERY;
         }
         self.until_clock -= 1;
-        self.rows.push(Row {
-            thread: thread_number(),
-            micros: self.micros,
-            action,
-            pointer,
-            size,
-            stream,
-        });
+        self.rows.push(Row { thread: thread_number(), micros: self.micros, action, pointer, size, stream });
         if self.rows.len() == BUFFER_ROWS {
             self.flush();
         }

@@ -137,14 +137,9 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
     if options.policy == Policy::Pytorch {
         // PyTorch merges every free at once, never lends across streams and
         // (by default) grows by whole segments, whatever `conf` says.
-        builder = builder
-            .set("stash", "false")?
-            .set("lend_across_streams", "false")?
-            .set("expandable", "false")?;
+        builder = builder.set("stash", "false")?.set("lend_across_streams", "false")?.set("expandable", "false")?;
     }
-    builder
-        .host(trace.devices as usize, options.capacity)
-        .build()
+    builder.host(trace.devices as usize, options.capacity).build()
 }
 
 /// Replays `trace` once. Fails only on a bad `conf`, or if the allocator
@@ -165,11 +160,7 @@ pub fn replay_with_progress(
     let alloc = Allocator::with_backend(config, backend);
 
     let mut ptrs = vec![(0u64, 0u32); trace.allocs as usize];
-    let every = if options.samples == 0 {
-        u64::MAX
-    } else {
-        (trace.events.len() as u64 / options.samples as u64).max(1)
-    };
+    let every = if options.samples == 0 { u64::MAX } else { (trace.events.len() as u64 / options.samples as u64).max(1) };
     let mut series = Vec::new();
     let mut ooms = 0u64;
     let tick = (trace.events.len() / 100).max(1);
@@ -179,12 +170,7 @@ pub fn replay_with_progress(
             progress(index, trace.events.len());
         }
         match *event {
-            Event::Alloc {
-                id,
-                size,
-                stream,
-                device,
-            } => match alloc.allocate(device as usize, size as usize, Stream(stream)) {
+            Event::Alloc { id, size, stream, device } => match alloc.allocate(device as usize, size as usize, Stream(stream)) {
                 Ok(ptr) => ptrs[id as usize] = (ptr.0, device),
                 Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => ooms += 1,
                 Err(other) => return Err(format!("{}: event {index}: {other}", trace.source)),
@@ -197,12 +183,7 @@ pub fn replay_with_progress(
             }
         }
         if (index as u64).is_multiple_of(every) || index + 1 == trace.events.len() {
-            let mut sample = Sample {
-                event: index as u64,
-                requested: 0,
-                allocated: 0,
-                reserved: 0,
-            };
+            let mut sample = Sample { event: index as u64, requested: 0, allocated: 0, reserved: 0 };
             for device in 0..devices {
                 let t = alloc.with_heap(device, |h| h.totals()).unwrap_or_default();
                 sample.requested += t.requested;
@@ -240,8 +221,6 @@ pub fn replay_with_progress(
         report.device_frees += s.events.num_device_free;
         report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
     }
-    alloc
-        .finish_trace()
-        .map_err(|e| format!("recording the replay: {e}"))?;
+    alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
     Ok(report)
 }

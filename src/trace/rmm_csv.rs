@@ -23,11 +23,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
     let mut line = Vec::new();
     let mut columns: Option<[usize; 4]> = None;
     for number in 1.. {
-        let error = |message: String| TraceError {
-            file: file.to_string(),
-            location: format!("line {number}"),
-            message,
-        };
+        let error = |message: String| TraceError { file: file.to_string(), location: format!("line {number}"), message };
         line.clear();
         let n = (&mut reader)
             .take(MAX_LINE as u64 + 1)
@@ -37,12 +33,9 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
             break;
         }
         if line.len() > MAX_LINE && !line.ends_with(b"\n") {
-            return Err(error(format!(
-                "longer than {MAX_LINE} bytes: not an RMM log"
-            )));
+            return Err(error(format!("longer than {MAX_LINE} bytes: not an RMM log")));
         }
-        let text = std::str::from_utf8(&line)
-            .map_err(|_| error("not UTF-8 text: not an RMM log".into()))?;
+        let text = std::str::from_utf8(&line).map_err(|_| error("not UTF-8 text: not an RMM log".into()))?;
         let text = text.trim_end_matches(['\n', '\r']);
         if text.trim().is_empty() {
             continue;
@@ -50,49 +43,27 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
         let fields: Vec<&str> = text.split(',').map(str::trim).collect();
         let Some([action_at, pointer_at, size_at, stream_at]) = columns else {
             let find = |name: &str| fields.iter().position(|f| f.eq_ignore_ascii_case(name));
-            match (
-                find("Action"),
-                find("Pointer"),
-                find("Size"),
-                find("Stream"),
-            ) {
+            match (find("Action"), find("Pointer"), find("Size"), find("Stream")) {
                 (Some(a), Some(p), Some(s), Some(st)) => columns = Some([a, p, s, st]),
-                _ => {
-                    return Err(error(format!(
-                        "expected the header {HEADER:?}, found {text:?}"
-                    )))
-                }
+                _ => return Err(error(format!("expected the header {HEADER:?}, found {text:?}"))),
             }
             continue;
         };
-        let field = |at: usize| {
-            fields
-                .get(at)
-                .copied()
-                .ok_or_else(|| error(format!("missing column {}", at + 1)))
-        };
+        let field = |at: usize| fields.get(at).copied().ok_or_else(|| error(format!("missing column {}", at + 1)));
         let action = field(action_at)?;
         if action == "allocate failure" {
-            trace.warnings.add(format!(
-                "line {number}: allocate failure in the log (not replayed)"
-            ));
+            trace.warnings.add(format!("line {number}: allocate failure in the log (not replayed)"));
             continue;
         }
-        let pointer = parse_hex(field(pointer_at)?)
-            .ok_or_else(|| error(format!("bad pointer {:?}", field(pointer_at).unwrap_or(""))))?;
+        let pointer = parse_hex(field(pointer_at)?).ok_or_else(|| error(format!("bad pointer {:?}", field(pointer_at).unwrap_or(""))))?;
         match action {
             "allocate" => {
                 let size_text = field(size_at)?;
-                let size: u64 = size_text
-                    .parse()
-                    .map_err(|_| error(format!("bad size {size_text:?}")))?;
+                let size: u64 = size_text.parse().map_err(|_| error(format!("bad size {size_text:?}")))?;
                 let stream_text = field(stream_at)?;
-                let stream = parse_hex(stream_text)
-                    .ok_or_else(|| error(format!("bad stream {stream_text:?}")))?;
+                let stream = parse_hex(stream_text).ok_or_else(|| error(format!("bad stream {stream_text:?}")))?;
                 if let Some(old) = live.remove(&pointer) {
-                    trace.warnings.add(format!(
-                        "line {number}: {pointer:#x} allocated while live; the old one is freed"
-                    ));
+                    trace.warnings.add(format!("line {number}: {pointer:#x} allocated while live; the old one is freed"));
                     trace.free(old);
                 }
                 let id = trace.alloc(size, stream, 0);
@@ -100,28 +71,19 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
             }
             "free" => match live.remove(&pointer) {
                 Some(id) => trace.free(id),
-                None => trace.warnings.add(format!(
-                    "line {number}: free of {pointer:#x}, which is not live (skipped)"
-                )),
+                None => trace.warnings.add(format!("line {number}: free of {pointer:#x}, which is not live (skipped)")),
             },
             other => return Err(error(format!("unknown action {other:?}"))),
         }
     }
     if columns.is_none() {
-        return Err(TraceError {
-            file: file.to_string(),
-            location: String::new(),
-            message: "no header: not an RMM log".into(),
-        });
+        return Err(TraceError { file: file.to_string(), location: String::new(), message: "no header: not an RMM log".into() });
     }
     Ok(trace)
 }
 
 fn parse_hex(text: &str) -> Option<u64> {
-    let digits = text
-        .strip_prefix("0x")
-        .or_else(|| text.strip_prefix("0X"))
-        .unwrap_or(text);
+    let digits = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")).unwrap_or(text);
     u64::from_str_radix(digits, 16).ok()
 }
 
@@ -203,10 +165,7 @@ struct Line {
 
 impl Default for Line {
     fn default() -> Self {
-        Line {
-            bytes: [0; 128],
-            len: 0,
-        }
+        Line { bytes: [0; 128], len: 0 }
     }
 }
 
@@ -263,18 +222,8 @@ mod tests {
         assert_eq!(
             trace.events,
             vec![
-                Event::Alloc {
-                    id: 0,
-                    size: 100,
-                    stream: 0,
-                    device: 0
-                },
-                Event::Alloc {
-                    id: 1,
-                    size: 300,
-                    stream: 0x7f,
-                    device: 0
-                },
+                Event::Alloc { id: 0, size: 100, stream: 0, device: 0 },
+                Event::Alloc { id: 1, size: 300, stream: 0x7f, device: 0 },
                 Event::Free { id: 0 },
             ]
         );
@@ -284,47 +233,28 @@ mod tests {
 
     #[test]
     fn a_free_of_an_unknown_pointer_is_a_counted_warning() {
-        let trace =
-            read_str("Thread,Time,Action,Pointer,Size,Stream\n1,0,free,0x55,8,0\n").unwrap();
+        let trace = read_str("Thread,Time,Action,Pointer,Size,Stream\n1,0,free,0x55,8,0\n").unwrap();
         assert!(trace.events.is_empty());
         assert_eq!(trace.warnings.count, 1);
-        assert!(
-            trace.warnings.first[0].contains("line 2"),
-            "{:?}",
-            trace.warnings
-        );
+        assert!(trace.warnings.first[0].contains("line 2"), "{:?}", trace.warnings);
     }
 
     #[test]
     fn bad_files_name_the_line() {
         let err = read_str("hello,world\n").unwrap_err();
-        assert_eq!(
-            (err.file.as_str(), err.location.as_str()),
-            ("test.csv", "line 1")
-        );
+        assert_eq!((err.file.as_str(), err.location.as_str()), ("test.csv", "line 1"));
         assert!(err.message.contains("header"));
-        let err = read_str(
-            "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,99999999999999999999999,0\n",
-        )
-        .unwrap_err();
+        let err = read_str("Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,99999999999999999999999,0\n").unwrap_err();
         assert_eq!(err.location, "line 2");
         assert!(err.message.contains("bad size"));
-        let err =
-            read_str("Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,zz,1,0\n").unwrap_err();
+        let err = read_str("Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,zz,1,0\n").unwrap_err();
         assert!(err.message.contains("bad pointer"));
-        let err =
-            read_str("Thread,Time,Action,Pointer,Size,Stream\n1,0,steal,0x1,1,0\n").unwrap_err();
+        let err = read_str("Thread,Time,Action,Pointer,Size,Stream\n1,0,steal,0x1,1,0\n").unwrap_err();
         assert!(err.message.contains("unknown action"));
         assert!(read_str("").unwrap_err().message.contains("no header"));
-        let long = format!(
-            "Thread,Time,Action,Pointer,Size,Stream\n{}\n",
-            "9".repeat(10_000)
-        );
+        let long = format!("Thread,Time,Action,Pointer,Size,Stream\n{}\n", "9".repeat(10_000));
         assert!(read_str(&long).unwrap_err().message.contains("longer than"));
-        assert!(read(&[0xff, 0xfe, b'\n'][..], "x")
-            .unwrap_err()
-            .message
-            .contains("UTF-8"));
+        assert!(read(&[0xff, 0xfe, b'\n'][..], "x").unwrap_err().message.contains("UTF-8"));
     }
 
     #[test]
@@ -333,43 +263,15 @@ mod tests {
         out.extend_from_slice(HEADER.as_bytes());
         out.push(b'\n');
         let rows = [
-            Row {
-                thread: 3,
-                micros: 3_723_000_001,
-                action: Action::Allocate,
-                pointer: 0x7f00_0000_0000,
-                size: 4096,
-                stream: 0x1f,
-            },
-            Row {
-                thread: 3,
-                micros: 3_723_000_002,
-                action: Action::Free,
-                pointer: 0x7f00_0000_0000,
-                size: 4096,
-                stream: 0x1f,
-            },
+            Row { thread: 3, micros: 3_723_000_001, action: Action::Allocate, pointer: 0x7f00_0000_0000, size: 4096, stream: 0x1f },
+            Row { thread: 3, micros: 3_723_000_002, action: Action::Free, pointer: 0x7f00_0000_0000, size: 4096, stream: 0x1f },
         ];
         for row in &rows {
             write_row(&mut out, row).unwrap();
         }
         let text = String::from_utf8(out).unwrap();
-        assert!(
-            text.contains("3,01:02:03.000001,allocate,0x7f0000000000,4096,1f"),
-            "{text}"
-        );
+        assert!(text.contains("3,01:02:03.000001,allocate,0x7f0000000000,4096,1f"), "{text}");
         let trace = read_str(&text).unwrap();
-        assert_eq!(
-            trace.events,
-            vec![
-                Event::Alloc {
-                    id: 0,
-                    size: 4096,
-                    stream: 0x1f,
-                    device: 0
-                },
-                Event::Free { id: 0 }
-            ]
-        );
+        assert_eq!(trace.events, vec![Event::Alloc { id: 0, size: 4096, stream: 0x1f, device: 0 }, Event::Free { id: 0 }]);
     }
 }

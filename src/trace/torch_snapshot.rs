@@ -22,11 +22,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn fail<T>(&self, message: impl Into<String>) -> Result<T, TraceError> {
-        Err(TraceError {
-            file: self.file.to_string(),
-            location: String::new(),
-            message: message.into(),
-        })
+        Err(TraceError { file: self.file.to_string(), location: String::new(), message: message.into() })
     }
 
     fn field(&self, dict: NodeId, key: &str, what: &str) -> Result<NodeId, TraceError> {
@@ -40,9 +36,7 @@ impl Reader<'_> {
         let id = self.field(dict, key, what)?;
         match self.doc.int(id).and_then(|v| u64::try_from(v).ok()) {
             Some(v) => Ok(v),
-            None => self.fail(format!(
-                "{what}: {key:?} is not a non-negative integer that fits 64 bits"
-            )),
+            None => self.fail(format!("{what}: {key:?} is not a non-negative integer that fits 64 bits")),
         }
     }
 
@@ -66,10 +60,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
     let r = Reader { doc: &doc, file };
     let root = doc.root();
     let segments = r.list(r.field(root, "segments", "the snapshot")?, "segments")?;
-    let traces = r.list(
-        r.field(root, "device_traces", "the snapshot")?,
-        "device_traces",
-    )?;
+    let traces = r.list(r.field(root, "device_traces", "the snapshot")?, "device_traces")?;
 
     let mut trace = Trace::new(file, Format::TorchSnapshot);
     trace.pytorch_conf = pytorch_conf(&r, root, &mut trace);
@@ -80,13 +71,10 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
     for &segment in segments {
         let device = r.uint(segment, "device", "a segment")? as usize;
         if device >= devices {
-            return r.fail(format!(
-                "a segment is on device {device}, but the trace has {devices} devices"
-            ));
+            return r.fail(format!("a segment is on device {device}, but the trace has {devices} devices"));
         }
         let stream = r.uint(segment, "stream", "a segment")?;
-        reserved_at_end[device] =
-            reserved_at_end[device].saturating_add(r.uint(segment, "total_size", "a segment")?);
+        reserved_at_end[device] = reserved_at_end[device].saturating_add(r.uint(segment, "total_size", "a segment")?);
         for &block in r.list(r.field(segment, "blocks", "a segment")?, "blocks")? {
             let state = r.field(block, "state", "a block")?;
             if doc.str(state) == Some("inactive") {
@@ -110,10 +98,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
         let mut reserved_at_start = reserved_at_end[device] as i128;
         let mut parsed = Vec::with_capacity(events.len());
         for &event in events {
-            let action = doc
-                .get(event, "action")
-                .and_then(|a| doc.str(a))
-                .unwrap_or("");
+            let action = doc.get(event, "action").and_then(|a| doc.str(a)).unwrap_or("");
             let addr = match action {
                 "oom" | "snapshot" | "" => 0,
                 _ => r.uint(event, "addr", "a trace entry")?,
@@ -123,11 +108,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
                 "oom" => 0,
                 _ => r.uint(event, "size", "a trace entry")?,
             };
-            let stream = doc
-                .get(event, "stream")
-                .and_then(|s| doc.int(s))
-                .and_then(|s| u64::try_from(s).ok())
-                .unwrap_or(0);
+            let stream = doc.get(event, "stream").and_then(|s| doc.int(s)).and_then(|s| u64::try_from(s).ok()).unwrap_or(0);
             parsed.push((action, addr, size, stream));
         }
         for &(action, addr, size, stream) in parsed.iter().rev() {
@@ -154,18 +135,14 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
             match action {
                 "alloc" => {
                     if let Some(old) = ids.remove(&addr) {
-                        trace.warnings.add(format!(
-                            "device {device}: {addr:#x} allocated while live; the old one is freed"
-                        ));
+                        trace.warnings.add(format!("device {device}: {addr:#x} allocated while live; the old one is freed"));
                         trace.free(old);
                     }
                     ids.insert(addr, trace.alloc(size, stream, device as u32));
                 }
                 "free_completed" => match ids.remove(&addr) {
                     Some(id) => trace.free(id),
-                    None => trace.warnings.add(format!(
-                        "device {device}: free of {addr:#x}, which is not live (skipped)"
-                    )),
+                    None => trace.warnings.add(format!("device {device}: free of {addr:#x}, which is not live (skipped)")),
                 },
                 "segment_alloc" | "segment_map" => {
                     any_segment_info = true;
@@ -186,9 +163,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
 /// its policy; settings the model cannot follow become warnings.
 fn pytorch_conf(r: &Reader, root: NodeId, trace: &mut Trace) -> String {
     let doc = r.doc;
-    let Some(settings) = doc.get(root, "allocator_settings") else {
-        return String::new();
-    };
+    let Some(settings) = doc.get(root, "allocator_settings") else { return String::new() };
     let mut conf = Vec::new();
     if let Some(v) = doc.get(settings, "max_split_size").and_then(|v| doc.int(v)) {
         if v > 0 && v != i64::MAX as i128 && v != u64::MAX as i128 {
@@ -197,29 +172,19 @@ fn pytorch_conf(r: &Reader, root: NodeId, trace: &mut Trace) -> String {
     }
     if let Some(div) = doc.get(settings, "roundup_power2_divisions") {
         let values: Vec<i128> = match doc.node(div) {
-            crate::pickle::Node::Dict(items) => {
-                items.iter().filter_map(|&(_, v)| doc.int(v)).collect()
-            }
+            crate::pickle::Node::Dict(items) => items.iter().filter_map(|&(_, v)| doc.int(v)).collect(),
             _ => doc.int(div).into_iter().collect(),
         };
         let nonzero: Vec<i128> = values.into_iter().filter(|&v| v > 1).collect();
         if let Some(&first) = nonzero.first() {
             if nonzero.iter().any(|&v| v != first) {
-                trace.warnings.add(
-                    "roundup_power2_divisions differs by size; the model uses one value for all",
-                );
+                trace.warnings.add("roundup_power2_divisions differs by size; the model uses one value for all");
             }
             conf.push(format!("roundup_power2_divisions:{first}"));
         }
     }
-    if doc
-        .get(settings, "expandable_segments")
-        .and_then(|v| doc.int(v))
-        == Some(1)
-    {
-        trace
-            .warnings
-            .add("PyTorch ran with expandable_segments; the model replays plain segments");
+    if doc.get(settings, "expandable_segments").and_then(|v| doc.int(v)) == Some(1) {
+        trace.warnings.add("PyTorch ran with expandable_segments; the model replays plain segments");
     }
     conf.join(",")
 }
@@ -267,41 +232,18 @@ mod tests {
         // At the end: A (0x1000) live; B (0x2000) was freed during the trace;
         // C (0x3000) was allocated and freed during the trace.
         let bytes = snapshot(
-            vec![
-                block(0x1000, 4096, 4000, "active_allocated"),
-                block(0x2000, 2 * 1024 * 1024 - 4096, 0, "inactive"),
-            ],
-            vec![
-                event("free_requested", 0x2000, 512),
-                event("free_completed", 0x2000, 512),
-                event("alloc", 0x3000, 100),
-                event("free_completed", 0x3000, 100),
-            ],
+            vec![block(0x1000, 4096, 4000, "active_allocated"), block(0x2000, 2 * 1024 * 1024 - 4096, 0, "inactive")],
+            vec![event("free_requested", 0x2000, 512), event("free_completed", 0x2000, 512), event("alloc", 0x3000, 100), event("free_completed", 0x3000, 100)],
         );
         let trace = read(&bytes[..], "t.pickle").unwrap();
         // A and B were live before the trace began: allocated first, by address.
         assert_eq!(
             trace.events,
             vec![
-                Event::Alloc {
-                    id: 0,
-                    size: 4000,
-                    stream: 0,
-                    device: 0
-                },
-                Event::Alloc {
-                    id: 1,
-                    size: 512,
-                    stream: 0,
-                    device: 0
-                },
+                Event::Alloc { id: 0, size: 4000, stream: 0, device: 0 },
+                Event::Alloc { id: 1, size: 512, stream: 0, device: 0 },
                 Event::Free { id: 1 },
-                Event::Alloc {
-                    id: 2,
-                    size: 100,
-                    stream: 0,
-                    device: 0
-                },
+                Event::Alloc { id: 2, size: 100, stream: 0, device: 0 },
                 Event::Free { id: 2 },
             ]
         );
@@ -311,13 +253,7 @@ mod tests {
     #[test]
     fn reserved_follows_the_segment_events() {
         let seg = 20u64 << 20;
-        let bytes = snapshot(
-            vec![],
-            vec![
-                event("segment_alloc", 0x9000_0000, seg),
-                event("segment_free", 0x9000_0000, seg),
-            ],
-        );
+        let bytes = snapshot(vec![], vec![event("segment_alloc", 0x9000_0000, seg), event("segment_free", 0x9000_0000, seg)]);
         let trace = read(&bytes[..], "t.pickle").unwrap();
         // 2 MiB at the end; a 20 MiB segment came and went: peak 22 MiB.
         assert_eq!(trace.pytorch_peak_reserved, Some((2 << 20) + seg));
@@ -325,11 +261,7 @@ mod tests {
 
     #[test]
     fn a_snapshot_without_the_expected_keys_is_an_error() {
-        let err = read(
-            &dumps(&PyValue::dict([("segments", PyValue::List(vec![]))]))[..],
-            "x.pickle",
-        )
-        .unwrap_err();
+        let err = read(&dumps(&PyValue::dict([("segments", PyValue::List(vec![]))]))[..], "x.pickle").unwrap_err();
         assert!(err.message.contains("device_traces"), "{err}");
         let err = read(&b"\x80\x04cos\nsystem\n."[..], "x.pickle").unwrap_err();
         assert_eq!(err.location, "byte 2");

@@ -22,10 +22,7 @@ pub fn run(make: &dyn Fn(&str) -> Allocator, capacity: u64, streams: [Stream; 2]
 
 fn allocations_hold_their_bytes_and_never_overlap(alloc: &Allocator) {
     let sizes = [1u64, 512, 4000, 100_000, 1 << 20, 3 << 20, 12 << 20];
-    let ptrs: Vec<_> = sizes
-        .iter()
-        .map(|&s| alloc.allocate(0, s as usize, Stream::DEFAULT).unwrap())
-        .collect();
+    let ptrs: Vec<_> = sizes.iter().map(|&s| alloc.allocate(0, s as usize, Stream::DEFAULT).unwrap()).collect();
     for (i, (&p, &s)) in ptrs.iter().zip(&sizes).enumerate() {
         fill(p, s, i as u64);
     }
@@ -41,10 +38,7 @@ fn a_freed_block_is_reused_on_its_stream_only(alloc: &Allocator, [one, two]: [St
     alloc.free(0, a).unwrap();
     assert_eq!(alloc.allocate(0, 4096, one).unwrap(), a);
     let b = alloc.allocate(0, 4096, two).unwrap();
-    assert_ne!(
-        alloc.segment_of(0, a).unwrap(),
-        alloc.segment_of(0, b).unwrap()
-    );
+    assert_ne!(alloc.segment_of(0, a).unwrap(), alloc.segment_of(0, b).unwrap());
     alloc.validate().unwrap();
 }
 
@@ -53,18 +47,11 @@ fn the_device_fills_up_then_the_cache_makes_room(alloc: &Allocator, capacity: u6
     let a = alloc.allocate(0, half as usize, Stream::DEFAULT).unwrap();
     alloc.free(0, a).unwrap();
     // The cached half does not fit beside another half: released, retried.
-    let b = alloc
-        .allocate(0, (half + 4 * MIB) as usize, Stream::DEFAULT)
-        .unwrap();
+    let b = alloc.allocate(0, (half + 4 * MIB) as usize, Stream::DEFAULT).unwrap();
     let s = alloc.stats(0).unwrap();
-    assert_eq!(
-        (s.events.num_alloc_retries, s.events.num_device_free),
-        (1, 1)
-    );
+    assert_eq!((s.events.num_alloc_retries, s.events.num_device_free), (1, 1));
     // More than the device: a clear out-of-memory, nothing leaked.
-    let err = alloc
-        .allocate(0, capacity as usize, Stream::DEFAULT)
-        .unwrap_err();
+    let err = alloc.allocate(0, capacity as usize, Stream::DEFAULT).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
     alloc.free(0, b).unwrap();
     alloc.validate().unwrap();
@@ -72,14 +59,9 @@ fn the_device_fills_up_then_the_cache_makes_room(alloc: &Allocator, capacity: u6
 
 fn empty_cache_gives_everything_back(alloc: &Allocator) {
     let before = alloc.backend().mem_info(0).unwrap().free;
-    let p = alloc
-        .allocate(0, (8 * MIB) as usize, Stream::DEFAULT)
-        .unwrap();
+    let p = alloc.allocate(0, (8 * MIB) as usize, Stream::DEFAULT).unwrap();
     alloc.free(0, p).unwrap();
-    assert!(
-        alloc.stats(0).unwrap().reserved_bytes.all.current >= 8 * MIB,
-        "the freed block stays cached"
-    );
+    assert!(alloc.stats(0).unwrap().reserved_bytes.all.current >= 8 * MIB, "the freed block stays cached");
     alloc.empty_cache();
     assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
     // A real driver's free figure moves with everything else on the GPU.

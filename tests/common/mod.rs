@@ -87,16 +87,12 @@ fn words<'a>(ptr: DevicePtr, start: u64, end: u64) -> &'a mut [u64] {
     // SAFETY: `ptr` is a live host-backend block of at least `end` bytes,
     // 512-byte aligned, that only the calling test thread uses while it
     // holds the slice.
-    unsafe {
-        std::slice::from_raw_parts_mut((ptr.0 + start) as *mut u64, ((end - start) / 8) as usize)
-    }
+    unsafe { std::slice::from_raw_parts_mut((ptr.0 + start) as *mut u64, ((end - start) / 8) as usize) }
 }
 
 #[inline]
 fn pattern_word(tag: u64, index: u64) -> u64 {
-    (tag ^ 0xA5A5_5A5A_0F0F_F0F0)
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(index.wrapping_mul(0x1000_0000_0000_0001))
+    (tag ^ 0xA5A5_5A5A_0F0F_F0F0).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(index.wrapping_mul(0x1000_0000_0000_0001))
 }
 
 /// The C library (libtidepool.so) of this build, built on first use:
@@ -104,21 +100,11 @@ fn pattern_word(tag: u64, index: u64) -> u64 {
 pub fn cdylib() -> std::path::PathBuf {
     static BUILD: std::sync::Once = std::sync::Once::new();
     let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe
-        .parent()
-        .and_then(std::path::Path::parent)
-        .unwrap()
-        .to_path_buf();
+    let profile_dir = exe.parent().and_then(std::path::Path::parent).unwrap().to_path_buf();
     let release = profile_dir.file_name().is_some_and(|n| n == "release");
     BUILD.call_once(|| {
         let mut build = std::process::Command::new(env!("CARGO"));
-        build.args([
-            "build",
-            "--lib",
-            "--quiet",
-            "--manifest-path",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
-        ]);
+        build.args(["build", "--lib", "--quiet", "--manifest-path", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")]);
         if release {
             build.arg("--release");
         }
@@ -135,15 +121,9 @@ pub fn simgpu_dir() -> std::path::PathBuf {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("simgpu");
     std::fs::create_dir_all(&dir).unwrap();
     // Built under a name of its own, then renamed: tests build it in parallel.
-    let out = dir.join(format!(
-        "libcuda.so.{}.{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
+    let out = dir.join(format!("libcuda.so.{}.{:?}", std::process::id(), std::thread::current().id()));
     let status = std::process::Command::new("cc")
-        .args([
-            "-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-O2", "-pthread",
-        ])
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-O2", "-pthread"])
         .arg(root.join("cuda/simgpu/simgpu.c"))
         .arg("-o")
         .arg(&out)
