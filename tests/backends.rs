@@ -11,6 +11,7 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use common::{conformance, host_allocator, simgpu_dir};
 use tidepool::{Allocator, Config};
@@ -42,9 +43,11 @@ fn child_backend() -> String {
     std::env::var("TIDEPOOL_TEST_BACKEND").unwrap_or_else(|_| "cuda".into())
 }
 
+/// An allocator over the child's CUDA backend, with TIDEPOOL_TEST_CONF and `conf`.
 fn cuda_allocator(conf: &str) -> Allocator {
     let base = format!("backend:{},release_after_ms:off,headroom_mb:0", child_backend());
-    let config = Config::builder().conf(&base).unwrap().conf(conf).unwrap().build().unwrap();
+    let extra = std::env::var("TIDEPOOL_TEST_CONF").unwrap_or_default();
+    let config = Config::builder().conf(&base).unwrap().conf(&extra).unwrap().conf(conf).unwrap().build().unwrap();
     Allocator::new(config).unwrap()
 }
 
@@ -56,6 +59,8 @@ fn child_cuda_conformance() {
     }
     let alloc = cuda_allocator("");
     assert_eq!(alloc.backend().name(), child_backend());
+    let expandable = std::env::var("TIDEPOOL_TEST_CONF").is_ok_and(|c| c.contains("expandable:true"));
+    assert_eq!(alloc.with_heap(0, |h| h.is_expandable()).unwrap(), expandable);
     if std::env::var_os("TIDEPOOL_TEST_DEVICE_MEMORY").is_some() {
         // A real GPU (cuda/check/run.sh, backend `cuda`): a 1 GiB budget
         // makes it a 1 GiB device; stream handles are only pool keys for
@@ -73,7 +78,7 @@ fn child_cuda_conformance() {
     println!("cuda conformance: ok");
 }
 
-fn conforms_over_simgpu(backend: &str) {
+fn conforms_over_simgpu(backend: &str, conf: &str) {
     let dir = simgpu_dir();
     let (ok, text) = child(
         "child_cuda_conformance",
@@ -82,6 +87,7 @@ fn conforms_over_simgpu(backend: &str) {
             ("SIMGPU_CAPACITY", "256M"),
             ("SIMGPU_DEVICES", "2"),
             ("TIDEPOOL_TEST_BACKEND", backend),
+            ("TIDEPOOL_TEST_CONF", conf),
         ],
     );
     assert!(ok && text.contains("cuda conformance: ok"), "{text}");
@@ -89,12 +95,66 @@ fn conforms_over_simgpu(backend: &str) {
 
 #[test]
 fn the_cuda_backend_conforms_over_simgpu() {
-    conforms_over_simgpu("cuda");
+    conforms_over_simgpu("cuda", "");
 }
 
 #[test]
 fn the_cuda_async_backend_conforms_over_simgpu() {
-    conforms_over_simgpu("cuda_async");
+    conforms_over_simgpu("cuda_async", "");
+}
+
+#[test]
+fn the_cuda_backend_conforms_over_simgpu_with_expandable_segments() {
+    conforms_over_simgpu("cuda", "expandable:true");
+}
+
+#[test]
+fn the_host_backend_conforms_with_expandable_segments() {
+    let make = |conf: &str| host_allocator(1, CAPACITY, &format!("expandable:true,{conf}")).0;
+    conformance::run(&make, CAPACITY, [tidepool::Stream(1), tidepool::Stream(2)]);
+}
+
+/// The child side: pages of a free hole go back only after the work its
+/// stream queued on them has run (else simgpu's worker faults on them).
+#[test]
+fn child_unmap_waits_for_the_stream() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("expandable:true");
+    let sim = Simgpu::load();
+    let stream = tidepool::Stream(sim.stream());
+    let left = alloc.allocate(0, 4 << 20, stream).unwrap();
+    let hole = alloc.allocate(0, 16 << 20, stream).unwrap();
+    let right = alloc.allocate(0, 4 << 20, stream).unwrap();
+    // SAFETY: stream-ordered work on the live 16 MiB block.
+    unsafe {
+        (sim.enqueue_sleep)(stream.0, 300_000);
+        (sim.enqueue_fill)(stream.0, hole.0, 16 << 20, 7, 0);
+    }
+    alloc.free(0, hole).unwrap();
+    let start = Instant::now();
+    alloc.empty_cache();
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(250), "unmapped after {took:?}, before the stream's fill ran");
+    let stats = alloc.stats(0).unwrap();
+    assert_eq!((stats.reserved_bytes.all.current, stats.events.num_pages_unmapped), (8 << 20, 8));
+    let again = alloc.allocate(0, 16 << 20, stream).unwrap();
+    assert_eq!(again, hole, "the hole's address space is mapped again");
+    for p in [left, again, right] {
+        alloc.free(0, p).unwrap();
+    }
+    alloc.empty_cache();
+    assert_eq!(alloc.backend().mem_info(0).unwrap().free, CAPACITY, "every page and range went back");
+    alloc.validate().unwrap();
+    println!("unmap waited: {took:?}");
+}
+
+#[test]
+fn expandable_pages_go_back_only_after_their_streams_work() {
+    let dir = simgpu_dir();
+    let (ok, text) = child("child_unmap_waits_for_the_stream", &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M")]);
+    assert!(ok && text.contains("unmap waited:"), "{text}");
 }
 
 /// The child side: a machine without libcuda.
@@ -180,6 +240,8 @@ fn child_stream_safety() {
     let record = std::env::var("TIDEPOOL_TEST_RECORD").as_deref() == Ok("1");
     let ops: u64 = std::env::var("TIDEPOOL_TEST_OPS").unwrap().parse().unwrap();
     let alloc = cuda_allocator("");
+    // With expandable segments, pages also go back now and then, under the queued work.
+    let releases = alloc.with_heap(0, |h| h.is_expandable()).unwrap();
     let sim = Simgpu::load();
     let streams: Vec<u64> = (0..4).map(|_| sim.stream()).collect();
     let events: Vec<u64> = (0..4)
@@ -223,6 +285,12 @@ fn child_stream_safety() {
             let (ptr, _, _) = live.swap_remove(rng.below(live.len() as u64) as usize);
             alloc.free(0, ptr).unwrap();
         }
+        if releases && tag % 500 == 0 {
+            alloc.empty_cache();
+        }
+    }
+    if releases {
+        assert!(alloc.stats(0).unwrap().events.num_pages_unmapped > 0);
     }
     for s in &streams {
         // SAFETY: waits for the queued work of a stream made above.
@@ -233,15 +301,16 @@ fn child_stream_safety() {
 }
 
 fn stream_safety(record: bool, ops: u64) -> i64 {
-    stream_safety_on("cuda", record, ops)
+    stream_safety_on("cuda", "", record, ops)
 }
 
-fn stream_safety_on(backend: &str, record: bool, ops: u64) -> i64 {
+fn stream_safety_on(backend: &str, conf: &str, record: bool, ops: u64) -> i64 {
     let dir = simgpu_dir();
     let (ok, text) = child(
         "child_stream_safety",
         &[
             ("TIDEPOOL_TEST_BACKEND", backend),
+            ("TIDEPOOL_TEST_CONF", conf),
             ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
             ("SIMGPU_CAPACITY", "1G"),
             ("TIDEPOOL_TEST_RECORD", if record { "1" } else { "0" }),
@@ -260,7 +329,14 @@ fn with_record_stream_no_block_is_reused_while_another_stream_writes_it() {
 
 #[test]
 fn the_stream_ordered_backend_is_stream_safe_too() {
-    assert_eq!(stream_safety_on("cuda_async", true, 20_000), 0);
+    assert_eq!(stream_safety_on("cuda_async", "", true, 20_000), 0);
+}
+
+#[test]
+fn expandable_segments_are_stream_safe_while_pages_come_and_go() {
+    // empty_cache every 500 requests unmaps free pages under queued work;
+    // an unmap before that work ran would fault in simgpu's stream worker.
+    assert_eq!(stream_safety_on("cuda", "expandable:true", true, 20_000), 0);
 }
 
 #[test]

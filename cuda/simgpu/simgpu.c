@@ -15,8 +15,14 @@
  *     memory on a stream, to name which allocation owns a range, and to
  *     read the use-after-free detector: a queued write that lands in a
  *     range owned by another allocation by the time it runs is counted;
+ *   - virtual memory management: cuMemAddressReserve/Free reserve
+ *     inaccessible address space, cuMemCreate makes a physical allocation
+ *     (a memfd, counted against the capacity), cuMemMap maps it at a
+ *     reserved address, cuMemSetAccess makes it read-write, cuMemUnmap puts
+ *     the reservation back, and cuMemRelease frees the memory once its last
+ *     mapping is gone, as the driver does; 2 MiB granularity;
  *   - latency (SIMGPU_LATENCY_US) and fault injection: SIMGPU_FAIL_EVERY=N
- *     (every Nth cuMemAlloc reports out of memory), SIMGPU_FAIL_FREE_EVERY=N
+ *     (every Nth cuMemAlloc or cuMemCreate reports out of memory), SIMGPU_FAIL_FREE_EVERY=N
  *     (every Nth cuMemFree fails and frees nothing), SIMGPU_FAIL_EVENTS=1
  *     (cuEventRecord fails).
  * Build: cc -shared -fPIC -O2 -pthread simgpu.c -o libcuda.so
@@ -47,6 +53,7 @@ enum {
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_NOT_READY = 600,
 };
 
@@ -525,6 +532,219 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
     long generation = e->recorded;
     pthread_mutex_unlock(&e->mu);
     return enqueue(s, (struct op){.kind = OP_WAIT, .event = e, .tag = (uint64_t)generation});
+}
+
+/* ---- virtual memory management (expandable segments) -------------------- */
+
+#define SIMGPU_GRANULARITY ((size_t)2 << 20)
+#define MAX_HANDLES 65536
+#define MAX_MAPPINGS 65536
+#define MAX_RESERVATIONS 1024
+
+typedef unsigned long long CUmemGenericAllocationHandle;
+/* Only the fields simgpu reads; the caller's struct is larger. */
+struct mem_location { int type; int id; };
+struct mem_prop { int type; int handle_types; struct mem_location location; };
+
+struct handle_rec { int fd; size_t size; int device; int mappings; int released; };
+struct mapping_rec { uintptr_t addr; size_t size; long handle; };
+struct reservation_rec { uintptr_t base; size_t size; };
+
+/* Slot i of `handles` is handle i + 1 (0 is never a handle). */
+static struct handle_rec handles[MAX_HANDLES];
+static struct mapping_rec mappings[MAX_MAPPINGS];
+static struct reservation_rec reservations[MAX_RESERVATIONS];
+static long vm_map_calls, vm_unmap_calls;
+
+static struct reservation_rec *reservation_of(uintptr_t addr, size_t size) {
+    for (int i = 0; i < MAX_RESERVATIONS; i++)
+        if (reservations[i].size && addr >= reservations[i].base && addr + size <= reservations[i].base + reservations[i].size)
+            return &reservations[i];
+    return NULL;
+}
+
+static int overlaps_mapping(uintptr_t addr, size_t size) {
+    for (int i = 0; i < MAX_MAPPINGS; i++)
+        if (mappings[i].size && addr < mappings[i].addr + mappings[i].size && mappings[i].addr < addr + size) return 1;
+    return 0;
+}
+
+/* Frees a handle's memory when it is released and no longer mapped. Lock held. */
+static void drop_handle_if_done(long h) {
+    struct handle_rec *rec = &handles[h - 1];
+    if (!rec->released || rec->mappings > 0) return;
+    __atomic_sub_fetch(&used[rec->device], rec->size, __ATOMIC_SEQ_CST);
+    close(rec->fd);
+    *rec = (struct handle_rec){0, 0, 0, 0, 0};
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const void *prop, int option) {
+    (void)option;
+    if (!granularity || !prop) return CUDA_ERROR_INVALID_VALUE;
+    *granularity = SIMGPU_GRANULARITY;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr, unsigned long long flags) {
+    (void)addr;
+    (void)flags;
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ptr || size == 0 || size % SIMGPU_GRANULARITY) return CUDA_ERROR_INVALID_VALUE;
+    size_t align = alignment > SIMGPU_GRANULARITY ? alignment : SIMGPU_GRANULARITY;
+    char *raw = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    uintptr_t base = ((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1);
+    if (base > (uintptr_t)raw) munmap(raw, base - (uintptr_t)raw);
+    size_t tail = (uintptr_t)raw + size + align - (base + size);
+    if (tail) munmap((void *)(base + size), tail);
+    pthread_mutex_lock(&lock);
+    int slot = -1;
+    for (int i = 0; i < MAX_RESERVATIONS; i++)
+        if (!reservations[i].size) { slot = i; break; }
+    if (slot < 0) {
+        pthread_mutex_unlock(&lock);
+        munmap((void *)base, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    reservations[slot] = (struct reservation_rec){base, size};
+    pthread_mutex_unlock(&lock);
+    *ptr = (CUdeviceptr)base;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    pthread_mutex_lock(&lock);
+    struct reservation_rec *r = reservation_of((uintptr_t)ptr, size);
+    if (!r || r->base != (uintptr_t)ptr || r->size != size || overlaps_mapping(r->base, r->size)) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_INVALID_VALUE; /* unknown, partial, or still mapped */
+    }
+    *r = (struct reservation_rec){0, 0};
+    pthread_mutex_unlock(&lock);
+    munmap((void *)(uintptr_t)ptr, size);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const void *prop, unsigned long long flags) {
+    (void)flags;
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    const struct mem_prop *p = prop;
+    if (!handle || !p || size == 0 || size % SIMGPU_GRANULARITY) return CUDA_ERROR_INVALID_VALUE;
+    int device = p->location.id;
+    if (device < 0 || device >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    delay();
+    pthread_mutex_lock(&lock);
+    alloc_calls++;
+    int refuse = fail_every > 0 && alloc_calls % fail_every == 0;
+    size_t seen = __atomic_load_n(&used[device], __ATOMIC_SEQ_CST);
+    while (!refuse) {
+        if (seen + size > capacity) { refuse = 1; break; }
+        if (__atomic_compare_exchange_n(&used[device], &seen, seen + size, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) break;
+    }
+    int slot = -1;
+    for (int i = 0; i < MAX_HANDLES && !refuse; i++)
+        if (!handles[i].size) { slot = i; break; }
+    int fd = (refuse || slot < 0) ? -1 : memfd_create("simgpu", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        if (fd >= 0) close(fd);
+        if (!refuse) __atomic_sub_fetch(&used[device], size, __ATOMIC_SEQ_CST);
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    handles[slot] = (struct handle_rec){fd, size, device, 0, 0};
+    pthread_mutex_unlock(&lock);
+    *handle = (CUmemGenericAllocationHandle)(slot + 1);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    pthread_mutex_lock(&lock);
+    long h = (long)handle;
+    if (h < 1 || h > MAX_HANDLES || !handles[h - 1].size || handles[h - 1].released) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    handles[h - 1].released = 1;
+    drop_handle_if_done(h);
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle, unsigned long long flags) {
+    (void)flags;
+    uintptr_t addr = (uintptr_t)ptr;
+    pthread_mutex_lock(&lock);
+    vm_map_calls++;
+    long h = (long)handle;
+    int bad = h < 1 || h > MAX_HANDLES || !handles[h - 1].size || handles[h - 1].released || offset + size > handles[h - 1].size ||
+              size == 0 || addr % SIMGPU_GRANULARITY || size % SIMGPU_GRANULARITY || !reservation_of(addr, size) ||
+              overlaps_mapping(addr, size);
+    int slot = -1;
+    for (int i = 0; i < MAX_MAPPINGS && !bad; i++)
+        if (!mappings[i].size) { slot = i; break; }
+    if (bad || slot < 0) {
+        pthread_mutex_unlock(&lock);
+        return bad ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    /* Inaccessible until cuMemSetAccess, as on the device. */
+    void *at = mmap((void *)addr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handles[h - 1].fd, (off_t)offset);
+    if (at == MAP_FAILED) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    mappings[slot] = (struct mapping_rec){addr, size, h};
+    handles[h - 1].mappings++;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+/* Whether [addr, addr + size) is covered by mappings exactly. Lock held. */
+static int fully_mapped(uintptr_t addr, size_t size) {
+    for (uintptr_t at = addr; at < addr + size;) {
+        int found = 0;
+        for (int i = 0; i < MAX_MAPPINGS; i++)
+            if (mappings[i].size && mappings[i].addr == at) { at += mappings[i].size; found = 1; break; }
+        if (!found) return 0;
+    }
+    return 1;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t count) {
+    if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    int ok = fully_mapped((uintptr_t)ptr, size) && mprotect((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) == 0;
+    pthread_mutex_unlock(&lock);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    uintptr_t addr = (uintptr_t)ptr;
+    pthread_mutex_lock(&lock);
+    vm_unmap_calls++;
+    if (!fully_mapped(addr, size)) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_INVALID_VALUE; /* only whole mappings can be unmapped */
+    }
+    /* The reservation comes back in place of the memory. */
+    mmap((void *)addr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    for (int i = 0; i < MAX_MAPPINGS; i++) {
+        if (mappings[i].size && mappings[i].addr >= addr && mappings[i].addr < addr + size) {
+            long h = mappings[i].handle;
+            mappings[i] = (struct mapping_rec){0, 0, 0};
+            handles[h - 1].mappings--;
+            drop_handle_if_done(h);
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+/* Test entry point: cuMemMap and cuMemUnmap calls so far. */
+void simgpu_vm_calls(long *maps, long *unmaps) {
+    pthread_mutex_lock(&lock);
+    *maps = vm_map_calls;
+    *unmaps = vm_unmap_calls;
+    pthread_mutex_unlock(&lock);
 }
 
 /* ---- stream-ordered allocation (cudaMallocAsync) ----------------------- */

@@ -8,12 +8,19 @@
 //! last stream followed by `cuMemPoolTrimTo`, so releasing never stalls the
 //! device.
 //!
+//! Virtual memory (expandable segments, `cuda` only): ranges from
+//! `cuMemAddressReserve`, and each page (the allocation granularity, 2 MiB
+//! on current GPUs) its own physical allocation (`cuMemCreate`), mapped with
+//! `cuMemMap` and opened with `cuMemSetAccess`, so that any page can go back
+//! alone (`cuMemUnmap` + `cuMemRelease`): the driver unmaps only whole mappings.
+//!
 //! Each device works in its primary context, made current on the calling
 //! thread when it is not (PyTorch's threads have it already; a plain Rust
 //! program's do not). Every driver result is mapped in `check`: out of
 //! memory becomes the engine's OutOfMemory (release and retry), anything
 //! else an error naming the call and the code.
 
+use std::collections::HashMap;
 use std::ffi::{c_char, CStr};
 
 use parking_lot::Mutex;
@@ -33,6 +40,10 @@ struct Device {
     pool: usize,
     /// Events ready for reuse, as addresses.
     events: Mutex<Vec<usize>>,
+    /// The virtual memory page size; 0 when pages cannot be mapped.
+    vm_page: u64,
+    /// The physical allocation behind each mapped page, by page address.
+    vm_handles: Mutex<HashMap<u64, sys::CUmemGenericAllocationHandle>>,
 }
 
 pub struct CudaBackend {
@@ -102,7 +113,17 @@ impl CudaBackend {
                 uuid = raw.bytes.map(|b| b as u8);
             }
             let pool = if stream_ordered { Self::create_pool(device, context)? } else { 0 };
-            devices.push(Device { ordinal: device, context: context as usize, uuid, pool, events: Mutex::new(Vec::new()) });
+            // Expandable segments are for `cuda`; `cuda_async` has the driver's own pool.
+            let vm_page = if stream_ordered { 0 } else { Self::vm_granularity(device, context) };
+            devices.push(Device {
+                ordinal: device,
+                context: context as usize,
+                uuid,
+                pool,
+                events: Mutex::new(Vec::new()),
+                vm_page,
+                vm_handles: Mutex::new(HashMap::new()),
+            });
         }
         Ok(CudaBackend { devices, stream_ordered })
     }
@@ -122,6 +143,66 @@ impl CudaBackend {
         // SAFETY: `props` is a valid pool description; the driver writes the pool handle.
         check(unsafe { sys::cuMemPoolCreate(&mut pool, &props) }, "cuMemPoolCreate")?;
         Ok(pool as usize)
+    }
+
+    /// The allocation granularity of device memory, or 0 when the driver
+    /// has no virtual memory management (or reports an unusable size).
+    fn vm_granularity(device: sys::CUdevice, context: sys::CUcontext) -> u64 {
+        let calls: [&[u8]; 7] = [
+            b"cuMemGetAllocationGranularity\0",
+            b"cuMemAddressReserve\0",
+            b"cuMemCreate\0",
+            b"cuMemMap\0",
+            b"cuMemSetAccess\0",
+            b"cuMemUnmap\0",
+            b"cuMemRelease\0",
+        ];
+        if !calls.iter().all(|c| has_symbol(c)) {
+            return 0;
+        }
+        // SAFETY: makes the device's retained primary context current on this thread.
+        if unsafe { sys::cuCtxSetCurrent(context) } != sys::CUresult::CUDA_SUCCESS {
+            return 0;
+        }
+        let prop = page_properties(device);
+        let mut granularity = 0usize;
+        let option = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        // SAFETY: `prop` describes device memory of this device; the driver writes one size.
+        let rc = unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, option) };
+        let page = granularity as u64;
+        if rc == sys::CUresult::CUDA_SUCCESS && page.is_power_of_two() {
+            page
+        } else {
+            0
+        }
+    }
+
+    /// Unmaps and frees the pages at `pages` (addresses) of `device`; the
+    /// first failure is returned after trying them all.
+    fn unmap_pages(&self, device: usize, pages: impl Iterator<Item = u64>) -> Result<(), BackendError> {
+        let d = &self.devices[device];
+        let mut result = Ok(());
+        for addr in pages {
+            let Some(handle) = d.vm_handles.lock().get(&addr).copied() else {
+                result = result.and(Err(BackendError::Driver {
+                    call: "cuMemUnmap",
+                    code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i64,
+                    message: format!("no page mapped at {addr:#x}"),
+                }));
+                continue;
+            };
+            // SAFETY: `addr` is a page this backend mapped with `handle`, and
+            // the engine unmaps it only once no work uses it.
+            let unmapped = check(unsafe { sys::cuMemUnmap(addr, d.vm_page as usize) }, "cuMemUnmap");
+            if unmapped.is_err() {
+                result = result.and(unmapped);
+                continue;
+            }
+            d.vm_handles.lock().remove(&addr);
+            // SAFETY: `handle` is no longer mapped anywhere; this is its one release.
+            result = result.and(check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease"));
+        }
+        result
     }
 
     fn device(&self, device: usize, call: &'static str) -> Result<&Device, BackendError> {
@@ -202,6 +283,67 @@ impl Backend for CudaBackend {
         Ok(MemInfo { free: free as u64, total: total as u64 })
     }
 
+    fn vm_page_size(&self, device: usize) -> Option<u64> {
+        self.devices.get(device).map(|d| d.vm_page).filter(|&page| page > 0)
+    }
+
+    fn vm_reserve(&self, device: usize, size: u64) -> Result<u64, BackendError> {
+        self.enter(device, "cuMemAddressReserve")?;
+        let page = self.devices[device].vm_page as usize;
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: reserves address space only (no memory); the driver writes its base.
+        check(unsafe { sys::cuMemAddressReserve(&mut base, size as usize, page, 0, 0) }, "cuMemAddressReserve")?;
+        Ok(base)
+    }
+
+    fn vm_free(&self, device: usize, base: u64, size: u64) -> Result<(), BackendError> {
+        self.enter(device, "cuMemAddressFree")?;
+        // SAFETY: `base`/`size` is a range from vm_reserve with no page mapped.
+        check(unsafe { sys::cuMemAddressFree(base, size as usize) }, "cuMemAddressFree")
+    }
+
+    fn vm_map(&self, device: usize, addr: u64, len: u64) -> Result<(), BackendError> {
+        self.enter(device, "cuMemCreate")?;
+        let d = &self.devices[device];
+        let page = d.vm_page;
+        let prop = page_properties(d.ordinal);
+        let mut mapped = Vec::new();
+        let mut result = Ok(());
+        for at in (addr..addr + len).step_by(page as usize) {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `prop` describes one page of this device's memory; the driver writes the handle.
+            result = check(unsafe { sys::cuMemCreate(&mut handle, page as usize, &prop, 0) }, "cuMemCreate");
+            if result.is_err() {
+                break;
+            }
+            // SAFETY: `at` is an unmapped page of a range reserved by vm_reserve.
+            result = check(unsafe { sys::cuMemMap(at, page as usize, 0, handle, 0) }, "cuMemMap");
+            if result.is_err() {
+                // SAFETY: the handle was never mapped; this is its one release.
+                unsafe { sys::cuMemRelease(handle) };
+                break;
+            }
+            d.vm_handles.lock().insert(at, handle);
+            mapped.push(at);
+        }
+        if result.is_ok() {
+            let access = sys::CUmemAccessDesc { location: prop.location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+            // SAFETY: [addr, addr + len) is mapped just above; one access descriptor.
+            result = check(unsafe { sys::cuMemSetAccess(addr, len as usize, &access, 1) }, "cuMemSetAccess");
+        }
+        if result.is_err() {
+            // All or nothing: the pages mapped so far go back.
+            let _ = self.unmap_pages(device, mapped.into_iter());
+        }
+        result
+    }
+
+    fn vm_unmap(&self, device: usize, addr: u64, len: u64) -> Result<(), BackendError> {
+        self.enter(device, "cuMemUnmap")?;
+        let page = self.devices[device].vm_page;
+        self.unmap_pages(device, (addr..addr + len).step_by(page as usize))
+    }
+
     fn synchronize_stream(&self, device: usize, stream: Stream) -> Result<(), BackendError> {
         self.enter(device, "cuStreamSynchronize")?;
         // SAFETY: `stream` is a CUstream the caller used for its work on this
@@ -261,4 +403,16 @@ impl Backend for CudaBackend {
         }
         Some(format!("cuda-{}", d.uuid.iter().map(|b| format!("{b:02x}")).collect::<String>()))
     }
+}
+
+/// One page of pinned device memory on `device`, for cuMemCreate and the
+/// granularity query.
+fn page_properties(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+    // SAFETY: CUmemAllocationProp is plain data; all zero is its documented
+    // default (no handle types, no flags), completed below.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop
 }

@@ -45,6 +45,9 @@ fn a_freed_block_is_reused_on_its_stream_only(alloc: &Allocator, [one, two]: [St
 fn the_device_fills_up_then_the_cache_makes_room(alloc: &Allocator, capacity: u64) {
     let half = capacity / 2 + MIB;
     let a = alloc.allocate(0, half as usize, Stream::DEFAULT).unwrap();
+    // A live block after `a`, so that an expandable segment cannot grow
+    // the freed `a` in place either.
+    let c = alloc.allocate(0, (2 * MIB) as usize, Stream::DEFAULT).unwrap();
     alloc.free(0, a).unwrap();
     // The cached half does not fit beside another half: released, retried.
     let b = alloc.allocate(0, (half + 4 * MIB) as usize, Stream::DEFAULT).unwrap();
@@ -54,6 +57,7 @@ fn the_device_fills_up_then_the_cache_makes_room(alloc: &Allocator, capacity: u6
     let err = alloc.allocate(0, capacity as usize, Stream::DEFAULT).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
     alloc.free(0, b).unwrap();
+    alloc.free(0, c).unwrap();
     alloc.validate().unwrap();
 }
 
