@@ -289,3 +289,46 @@ fn the_smallest_device_that_fits_is_within_1_5_percent_of_peak_live_on_every_sha
         assert!(ours <= pytorch, "{}: needs {ours}, PyTorch's model {pytorch}", file.display());
     }
 }
+
+#[test]
+fn the_release_policies_give_back_the_pages_of_holes_between_live_blocks() {
+    use std::sync::Arc;
+    use tidepool::backend::host::HostBackend;
+    use tidepool::heap::DeviceHeap;
+    use tidepool::reclaim::policy::{Policy as Release, Reason};
+    use tidepool::reclaim::Clock;
+
+    let mut heap = DeviceHeap::new(0, Default::default(), Arc::new(HostBackend::new(1, 1 << 30)));
+    heap.set_expandable(true).unwrap();
+    let clock = Clock::new();
+    let policy = Release { release_after_ms: 1_000, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX };
+    heap.set_policy(policy, clock.clone());
+    let _left = heap.allocate(4 * MIB, S).unwrap();
+    let old_hole = heap.allocate(16 * MIB, S).unwrap();
+    let _middle = heap.allocate(4 * MIB, S).unwrap();
+    let new_hole = heap.allocate(8 * MIB, S).unwrap();
+    let _right = heap.allocate(4 * MIB, S).unwrap();
+    clock.set(100);
+    heap.free(old_hole).unwrap();
+    heap.stats(); // merges the stash: the hole is idle from now
+    clock.set(700);
+    heap.free(new_hole).unwrap();
+    heap.stats();
+
+    // Idle decay: only the hole idle for 1 s goes, while live blocks sit on both sides.
+    clock.set(1_050);
+    assert_eq!(heap.reclaim().bytes, 0);
+    clock.set(1_150);
+    assert_eq!(heap.reclaim().bytes, 16 * MIB);
+    let stats = heap.stats();
+    assert_eq!(stats.released(Reason::IdleDecay).bytes, 16 * MIB);
+    assert_eq!(stats.reserved_bytes.all.current, 20 * MIB);
+    heap.validate().unwrap();
+
+    // A budget below what is reserved: the other hole goes at once.
+    heap.set_reserved_limit(Some(16 * MIB));
+    let stats = heap.stats();
+    assert_eq!(stats.released(Reason::Budget).bytes, 8 * MIB);
+    assert_eq!(stats.reserved_bytes.all.current, 12 * MIB);
+    heap.validate().unwrap();
+}

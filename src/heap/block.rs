@@ -46,6 +46,9 @@ pub struct Block {
     pub link_prev: BlockId,
     pub link_next: BlockId,
     pub state: BlockState,
+    /// When the block last went into a bin (reclaimer clock; kept for
+    /// blocks of expandable segments, whose free pages the policies release).
+    pub idle_since_ms: u64,
 }
 
 impl Block {
@@ -89,6 +92,7 @@ impl BlockArena {
             link_prev: NIL,
             link_next: NIL,
             state: BlockState::Detached,
+            idle_since_ms: 0,
         };
         self.in_use += 1;
         if self.unused != NIL {

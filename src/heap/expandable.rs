@@ -189,6 +189,37 @@ impl DeviceHeap {
         released
     }
 
+    /// The free blocks of expandable segments that hold unmappable pages
+    /// while live blocks keep their range: each with the bytes it would give
+    /// back. (A range with no live block is a whole free segment instead.)
+    pub(super) fn holes_with_free_pages(&self) -> Vec<(BlockId, u64)> {
+        let mut holes = Vec::new();
+        for segment in self.segments.iter().flatten().filter(|s| s.pages.is_some()) {
+            let mut cur = segment.first_block;
+            while cur != NIL {
+                let b = &self.blocks[cur];
+                if b.state == BlockState::Binned && b.is_split() {
+                    if let Some(runs) = self.unmappable_runs(cur) {
+                        holes.push((cur, runs.runs.iter().map(|&(_, n)| n * runs.page).sum()));
+                    }
+                }
+                cur = b.next;
+            }
+        }
+        holes
+    }
+
+    /// Unmaps the free pages inside the free block `id` of an expandable
+    /// segment once its stream's queued work has run. Returns the bytes.
+    pub(super) fn release_hole(&mut self, id: BlockId) -> u64 {
+        let stream = self.pools[self.blocks[id].pool as usize].stream;
+        if self.backend.synchronize_stream(self.device, stream).is_err() {
+            self.stats.events.num_stream_sync_errors += 1;
+            return 0;
+        }
+        self.unmap_inside(id)
+    }
+
     /// The mapped runs of pages lying entirely inside the free block `id`
     /// of an expandable segment, with the range's base and page size.
     fn unmappable_runs(&self, id: BlockId) -> Option<Runs> {

@@ -548,6 +548,9 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size, whole, segment) = (b.pool, b.size, !b.is_split(), b.segment);
         let (split, counted) = self.inactive_split_bytes_of(id);
+        if self.vm.is_some() {
+            self.blocks[id].idle_since_ms = self.clock.now_ms();
+        }
         let pool = &mut self.pools[pool as usize];
         pool.insert(&mut self.blocks, id, size);
         if split {

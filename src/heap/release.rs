@@ -151,31 +151,51 @@ impl DeviceHeap {
         released
     }
 
+    /// Releases what `policy` picks among the whole free segments and, in
+    /// expandable segments, the free pages inside holes between live blocks
+    /// (each hole a candidate, idle since it was last freed).
     pub(super) fn apply(&mut self, policy: &Policy) -> Released {
         self.flush_stashes();
-        let idle: Vec<IdleSegment> = self
+        let mut idle: Vec<IdleSegment> = self
             .segments
             .iter()
             .enumerate()
             .filter_map(|(id, s)| {
                 let s = s.as_ref()?;
                 let b = &self.blocks[s.first_block];
-                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment { id: id as u32, size: s.size, idle_since_ms: s.idle_since_ms })
+                let size = s.pages.as_ref().map_or(s.size, |p| p.mapped_bytes());
+                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment { id: id as u32, size, idle_since_ms: s.idle_since_ms })
             })
             .collect();
+        // Candidates past the segments' ids are holes: index into `holes`.
+        let holes = self.holes_with_free_pages();
+        for (index, &(block, bytes)) in holes.iter().enumerate() {
+            let id = (self.segments.len() + index) as u32;
+            idle.push(IdleSegment { id, size: bytes, idle_since_ms: self.blocks[block].idle_since_ms });
+        }
         if idle.is_empty() {
             return Released::default();
         }
         let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
         let pressure = Pressure { device_free, reserved: self.device_reserved.load(Ordering::SeqCst) };
         let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
+        let segment_count = self.segments.len() as u32;
         let mut total = Released::default();
         for reason in Reason::ALL {
             let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
-            if !ids.is_empty() {
-                let released = self.release_free_segments(reason, |id, _| ids.contains(&id));
-                total += released;
+            if ids.is_empty() {
+                continue;
             }
+            let mut released = Released::default();
+            let whole: Vec<u32> = ids.iter().copied().filter(|&id| id < segment_count).collect();
+            if !whole.is_empty() {
+                released += self.release_segments_where(|id, _| whole.contains(&id));
+            }
+            for id in ids.into_iter().filter(|&id| id >= segment_count) {
+                released.bytes += self.release_hole(holes[(id - segment_count) as usize].0);
+            }
+            self.stats.events.released[reason as usize] += released;
+            total += released;
         }
         total
     }
@@ -184,7 +204,14 @@ impl DeviceHeap {
     /// selects (by segment), and in the selected expandable segments every
     /// page lying entirely inside free blocks. A segment the backend fails
     /// to release stays cached, whole and consistent.
-    pub fn release_free_segments(&mut self, reason: Reason, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
+    pub fn release_free_segments(&mut self, reason: Reason, select: impl FnMut(u32, &Segment) -> bool) -> Released {
+        let released = self.release_segments_where(select);
+        self.stats.events.released[reason as usize] += released;
+        released
+    }
+
+    /// `release_free_segments` without counting the release under a reason.
+    fn release_segments_where(&mut self, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
         self.process_pending(true);
         self.flush_stashes();
         let mut released = Released::default();
@@ -219,7 +246,6 @@ impl DeviceHeap {
             released.segments += 1;
             released.bytes += size;
         }
-        self.stats.events.released[reason as usize] += released;
         released
     }
 }
