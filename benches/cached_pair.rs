@@ -80,20 +80,29 @@ fn cached_pair(c: &mut Criterion) {
     }
 }
 
-/// The 512 B cached pair on each allocator, as one group: a feature's cost
-/// to the cached path, off and on, measured in the same run.
-fn pair_off_and_on(c: &mut Criterion, group: &str, allocators: [(&str, Config); 2]) {
+/// A loop of requests on each allocator, as one group: a feature's cost
+/// to the cached path, off and on, measured in the same run. Each
+/// iteration allocates `sizes` in order and frees them in order; with one
+/// size that is the cached pair (the stash), with several every request
+/// but the last goes through the bins (best fit, split, merge).
+fn off_and_on(c: &mut Criterion, group: &str, allocators: [(&str, Config); 2], sizes: &[usize]) {
     let mut group = c.benchmark_group(group);
     for (name, config) in allocators {
         let alloc = Allocator::new(config).unwrap();
         let keep = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();
+        let mut ptrs = Vec::with_capacity(sizes.len());
         group.bench_function(BenchmarkId::from_parameter(name), |b| {
             b.iter(|| {
-                let p = alloc.allocate(0, black_box(512), Stream::DEFAULT).unwrap();
-                alloc.free(0, black_box(p)).unwrap();
+                for &size in sizes {
+                    ptrs.push(alloc.allocate(0, black_box(size), Stream::DEFAULT).unwrap());
+                }
+                for p in ptrs.drain(..) {
+                    alloc.free(0, black_box(p)).unwrap();
+                }
             })
         });
         alloc.free(0, keep).unwrap();
+        alloc.validate().unwrap();
     }
     group.finish();
 }
@@ -104,13 +113,21 @@ fn quiet() -> tidepool::config::ConfigBuilder {
 
 /// TIDEPOOL_TRACE, recording to /dev/null so the file does not grow.
 fn recording(c: &mut Criterion) {
-    pair_off_and_on(c, "recording", [("off", quiet().build().unwrap()), ("on", quiet().trace("/dev/null").build().unwrap())]);
+    off_and_on(c, "recording", [("off", quiet().build().unwrap()), ("on", quiet().trace("/dev/null").build().unwrap())], &[512]);
 }
 
 /// The background reclaimer, waking every 10 ms.
 fn reclaimer(c: &mut Criterion) {
     let on = quiet().conf("release_after_ms:50,reclaim_interval_ms:10").unwrap().build().unwrap();
-    pair_off_and_on(c, "reclaimer", [("off", quiet().build().unwrap()), ("on", on)]);
+    off_and_on(c, "reclaimer", [("off", quiet().build().unwrap()), ("on", on)], &[512]);
+}
+
+/// Expandable segments: the cached pair, and a loop of three sizes whose
+/// requests go through the bins (and the page check of expandable segments).
+fn expandable(c: &mut Criterion) {
+    let both = || [("off", quiet().build().unwrap()), ("on", quiet().conf("expandable:true").unwrap().build().unwrap())];
+    off_and_on(c, "expandable_pair", both(), &[512]);
+    off_and_on(c, "expandable_mixed", both(), &[512, 3 << 20, 64 << 10]);
 }
 
 fn config() -> Criterion {
@@ -120,5 +137,5 @@ fn config() -> Criterion {
         .measurement_time(Duration::from_millis(1500))
 }
 
-criterion_group! { name = benches; config = config(); targets = cached_pair, recording, reclaimer }
+criterion_group! { name = benches; config = config(); targets = cached_pair, recording, reclaimer, expandable }
 criterion_main!(benches);

@@ -41,3 +41,13 @@ for size in ["512B", "64KiB", "4MiB", "64MiB"]:
     worst = max(t for t in (t1k, t100k) if t is not None) if t1k or t100k else None
     print(f"| {size} | {fmt(t1k)} | {fmt(t100k)} | {fmt(glibc)} | {fmt(mmap)} "
           f"| {ratio(worst, glibc)} | {ratio(t100k, t1k)} | {ratio(mmap, worst)} |")
+
+print()
+print("| feature | cached path off | on | on / off |")
+print("|---|---|---|---|")
+for group, label in [("recording", "recording (TIDEPOOL_TRACE), 512 B pair"),
+                     ("reclaimer", "reclaimer every 10 ms, 512 B pair"),
+                     ("expandable_pair", "expandable segments, 512 B pair"),
+                     ("expandable_mixed", "expandable segments, 512 B + 3 MiB + 64 KiB")]:
+    off, on = median_ns(group, "off"), median_ns(group, "on")
+    print(f"| {label} | {fmt(off)} | {fmt(on)} | {ratio(on, off)} |")

@@ -27,7 +27,7 @@ extern "C" {
 #define TIDEPOOL_ERR_INTERNAL 3         /* allocator not created, or internal error */
 #define TIDEPOOL_ERR_IO 4               /* a file could not be written */
 
-#define TIDEPOOL_STATS_VERSION 2
+#define TIDEPOOL_STATS_VERSION 3
 
 /* One gauge, as torch.cuda.memory_stats reports it. */
 typedef struct tidepool_stat {
@@ -89,6 +89,9 @@ typedef struct tidepool_stats {
     uint64_t num_coop_requests;
     uint64_t num_coop_satisfied;
     uint64_t num_coop_served;
+    /* Version 3: pages of expandable segments mapped and unmapped. */
+    uint64_t num_pages_mapped;
+    uint64_t num_pages_unmapped;
 } tidepool_stats;
 
 /* size bytes on device for stream. NULL when out of memory (after the cache

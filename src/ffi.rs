@@ -36,7 +36,7 @@ pub const TIDEPOOL_ERR_INTERNAL: c_int = 3;
 pub const TIDEPOOL_ERR_IO: c_int = 4;
 
 /// Version of `tidepool_stats` this library fills.
-pub const TIDEPOOL_STATS_VERSION: u32 = 2;
+pub const TIDEPOOL_STATS_VERSION: u32 = 3;
 
 /// One gauge (`torch.cuda.memory_stats` fields).
 #[repr(C)]
@@ -98,6 +98,9 @@ pub struct tidepool_stats {
     pub num_coop_requests: u64,
     pub num_coop_satisfied: u64,
     pub num_coop_served: u64,
+    /// Version 3: pages of expandable segments mapped and unmapped.
+    pub num_pages_mapped: u64,
+    pub num_pages_unmapped: u64,
 }
 
 thread_local! {
@@ -394,6 +397,8 @@ fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
         num_coop_requests: s.events.num_coop_requests,
         num_coop_satisfied: s.events.num_coop_satisfied,
         num_coop_served: s.events.num_coop_served,
+        num_pages_mapped: s.events.num_pages_mapped,
+        num_pages_unmapped: s.events.num_pages_unmapped,
     }
 }
 

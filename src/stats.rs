@@ -378,6 +378,8 @@ impl Stats {
             ("tidepool.num_coop_satisfied", self.events.num_coop_satisfied),
             ("tidepool.num_coop_served", self.events.num_coop_served),
             ("tidepool.coop_last_wait_ms", self.events.coop_last_wait_ms),
+            ("tidepool.num_pages_mapped", self.events.num_pages_mapped),
+            ("tidepool.num_pages_unmapped", self.events.num_pages_unmapped),
         ] {
             out.push((key.to_string(), value));
         }

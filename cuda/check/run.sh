@@ -29,8 +29,11 @@ echo "== conformance suite on the real driver"
 if [ -x target/release/backends-test ]; then
   TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda timeout 120 \
     target/release/backends-test --exact child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance.txt"
+  echo "-- with expandable segments"
+  TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda TIDEPOOL_TEST_CONF=expandable:true timeout 120 \
+    target/release/backends-test --exact child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance-expandable.txt"
 else
-  echo "target/release/backends-test missing: conformance skipped" | tee "$OUT/conformance.txt"
+  echo "target/release/backends-test missing: conformance skipped" | tee "$OUT/conformance.txt" "$OUT/conformance-expandable.txt"
 fi
 
 echo "== patterns across streams, and latency"
@@ -38,7 +41,7 @@ timeout 240 "$OUT/tidepool_check" 20000 | tee "$OUT/check.txt"
 check_rc=${PIPESTATUS[0]}
 
 echo "== PyTorch end to end"
-for a in native native-expandable tidepool; do
+for a in native native-expandable tidepool tidepool-expandable; do
   timeout 150 python3 cuda/check/torch_e2e.py --allocator $a --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$a.json"
 done
 
@@ -48,10 +51,11 @@ python3 - "$OUT" "$check_rc" <<'PY'
 import json, sys, pathlib
 out, check_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 print("gpu:", (out / "gpu.txt").read_text().strip())
-print("conformance on the driver:", "ok" if "cuda conformance: ok" in (out / "conformance.txt").read_text() else "not ok")
+for name in ["conformance", "conformance-expandable"]:
+    print(f"{name} on the driver:", "ok" if "cuda conformance: ok" in (out / f"{name}.txt").read_text() else "not ok")
 print("patterns/latency check:", "ok" if check_rc == 0 else f"FAILED ({check_rc})")
 runs = {}
-for name in ["native", "native-expandable", "tidepool"]:
+for name in ["native", "native-expandable", "tidepool", "tidepool-expandable"]:
     try:
         runs[name] = json.loads((out / f"e2e-{name}.json").read_text())
     except Exception as e:
@@ -63,4 +67,8 @@ if "native" in runs and "tidepool" in runs:
     for name, r in runs.items():
         print(f"peak reserved {name:18s} {r['peak_reserved_bytes'] / 2**30:7.3f} GiB")
     print(f"tidepool stats sane: {t.get('stats_sane')}, snapshot in memory_viz: {t.get('snapshot_loads_in_memory_viz')}")
+    if "tidepool-expandable" in runs:
+        e = runs["tidepool-expandable"]
+        print(f"expandable: losses identical {n['losses'] == e['losses']}, step time/native {e['median_step_s'] / n['median_step_s']:.3f}, "
+              f"pages mapped/unmapped after warm-up {e['pages_mapped_after_warm_up']}/{e['pages_unmapped_after_warm_up']} (target 0/0)")
 PY

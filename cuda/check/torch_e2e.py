@@ -1,7 +1,8 @@
 """PyTorch end to end on a GPU: a small GPT-2-style model (transformers,
 random init), bf16 autocast, AdamW, a sequence length that changes every
 step, with a side stream and record_stream. Run once per allocator in fresh
-processes (`--allocator native|tidepool`); prints one JSON line.
+processes (`--allocator native|native-expandable|tidepool|tidepool-expandable`);
+prints one JSON line.
 """
 import argparse
 import json
@@ -10,16 +11,19 @@ import sys
 import time
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--allocator", choices=["native", "tidepool", "native-expandable"], required=True)
+parser.add_argument("--allocator", choices=["native", "native-expandable", "tidepool", "tidepool-expandable"], required=True)
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--snapshot", default=None)
 args = parser.parse_args()
 
-if args.allocator == "tidepool":
+if args.allocator.startswith("tidepool"):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "ffi", "python"))
     import tidepool
 
-    tidepool.install()  # first thing: before CUDA starts
+    conf = os.environ.get("TIDEPOOL_CONF", "")
+    if args.allocator == "tidepool-expandable":
+        conf += ",expandable:true"
+    tidepool.install(conf)  # first thing: before CUDA starts
 elif args.allocator == "native-expandable":
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
@@ -35,7 +39,12 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 lengths = [512, 128, 1024, 256, 768, 384, 896, 640]
 side = torch.cuda.Stream()
 losses, times = [], []
+pages_at_warm_up = None
 for step in range(args.steps):
+    if step == len(lengths) and args.allocator.startswith("tidepool"):
+        # Every sequence length has been seen once: warm.
+        s = tidepool.memory_stats()
+        pages_at_warm_up = (s["tidepool.num_pages_mapped"], s["tidepool.num_pages_unmapped"])
     n = lengths[step % len(lengths)]
     ids = torch.randint(0, config.vocab_size, (8, n), device="cuda", generator=None)
     # A side stream uses the batch too: record_stream keeps it from early reuse.
@@ -56,8 +65,10 @@ for step in range(args.steps):
     del shadow
 
 result = {"allocator": args.allocator, "losses": losses, "median_step_s": sorted(times[5:])[len(times[5:]) // 2]}
-if args.allocator == "tidepool":
+if args.allocator.startswith("tidepool"):
     stats = tidepool.memory_stats()
+    result["pages_mapped_after_warm_up"] = stats["tidepool.num_pages_mapped"] - pages_at_warm_up[0]
+    result["pages_unmapped_after_warm_up"] = stats["tidepool.num_pages_unmapped"] - pages_at_warm_up[1]
     result["peak_reserved_bytes"] = stats["reserved_bytes.all.peak"]
     result["peak_allocated_bytes"] = stats["allocated_bytes.all.peak"]
     result["stats_sane"] = stats["allocated_bytes.all.peak"] <= stats["reserved_bytes.all.peak"] and stats["num_ooms"] == 0

@@ -144,7 +144,7 @@ def memory_stats(device=None):
     for reason in _native.RELEASE_REASONS:
         out[f"tidepool.released_bytes.{reason}"] = getattr(s, f"released_{reason}_bytes")
     out["tidepool.num_reclaims"] = s.num_reclaims
-    for key in ("num_coop_requests", "num_coop_satisfied", "num_coop_served"):
+    for key in ("num_coop_requests", "num_coop_satisfied", "num_coop_served", "num_pages_mapped", "num_pages_unmapped"):
         out[f"tidepool.{key}"] = getattr(s, key)
     return dict(sorted(out.items()))
 

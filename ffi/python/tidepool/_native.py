@@ -25,7 +25,7 @@ ERR_INVALID_ARGUMENT = 1
 ERR_INVALID_DEVICE = 2
 ERR_INTERNAL = 3
 ERR_IO = 4
-STATS_VERSION = 2
+STATS_VERSION = 3
 
 
 class Stat(ctypes.Structure):
@@ -75,6 +75,8 @@ class Stats(ctypes.Structure):
             "num_coop_requests",
             "num_coop_satisfied",
             "num_coop_served",
+            "num_pages_mapped",
+            "num_pages_unmapped",
         )
     ]
 
