@@ -430,7 +430,7 @@ mod tests {
         assert_eq!(keys["allocated_bytes.small_pool.current"], 0);
         assert_eq!(keys["inactive_split_bytes.all.freed"], 0);
         assert_eq!(keys["num_ooms"], 2);
-        assert_eq!(keys.len(), 9 * 3 * 4 + 15 + 12);
+        assert_eq!(keys.len(), 9 * 3 * 4 + 17 + 12);
     }
 
     #[test]

@@ -26,6 +26,7 @@ use std::sync::atomic::Ordering;
 use super::block::{BlockId, BlockState, NIL};
 use super::{DeviceHeap, Released};
 use crate::backend::BackendError;
+use crate::size_class::PoolKind;
 
 /// Page size and range size of a heap's expandable segments.
 #[derive(Clone, Copy, Debug)]
@@ -69,6 +70,24 @@ impl DeviceHeap {
         Ok(())
     }
 
+    /// The expandable-segment parameters for pools of `kind`, or None when
+    /// that kind grows by whole segments.
+    pub(super) fn expandable_vm(&self, kind: PoolKind) -> Option<Vm> {
+        self.vm.filter(|_| kind == PoolKind::Large)
+    }
+
+    /// Whether a free block of `block` bytes serving `rounded` is split. In
+    /// an expandable segment any remainder of at least `min_block` is: it
+    /// merges back with its neighbours like any free block, while left
+    /// inside the allocation it would be held for the allocation's life.
+    #[inline]
+    pub(super) fn should_split(&self, kind: PoolKind, block: u64, rounded: u64) -> bool {
+        match self.expandable_vm(kind) {
+            Some(_) => block - rounded >= self.rules.min_block,
+            None => self.rules.should_split(kind, block, rounded),
+        }
+    }
+
     /// Whether this heap grows by expandable segments.
     pub fn is_expandable(&self) -> bool {
         self.vm.is_some()
@@ -99,7 +118,7 @@ impl DeviceHeap {
         let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
             return Ok(());
         };
-        let used = if self.rules.should_split(kind, size, rounded) { rounded } else { size };
+        let used = if self.should_split(kind, size, rounded) { rounded } else { size };
         let (first, count) = pages.touched(addr - base, addr - base + used);
         let runs = pages.runs(first, count, false);
         if runs.is_empty() {
@@ -142,7 +161,7 @@ impl DeviceHeap {
     }
 
     /// Marks runs of pages mapped and counts them.
-    fn commit_mapped(&mut self, segment_id: usize, kind: crate::size_class::PoolKind, runs: &[(u64, u64)]) {
+    fn commit_mapped(&mut self, segment_id: usize, kind: PoolKind, runs: &[(u64, u64)]) {
         let Some(pages) = self.segments[segment_id].as_mut().and_then(|s| s.pages.as_mut()) else {
             return;
         };

@@ -357,7 +357,7 @@ impl DeviceHeap {
     /// Memory a request of `rounded` bytes makes the heap take from the
     /// device: a segment, or (expandable) the pages it covers at most.
     fn growth_need(&self, rounded: u64) -> u64 {
-        match &self.vm {
+        match self.expandable_vm(self.rules.kind(rounded)) {
             Some(vm) => rounded.next_multiple_of(vm.page),
             None => self.rules.segment_size(rounded).unwrap_or(rounded),
         }
@@ -367,7 +367,7 @@ impl DeviceHeap {
     /// `rounded`; its one block is returned unlinked from any bin.
     fn grow(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
         let stream = self.pools[pool as usize].stream;
-        let (base, size, pages) = match self.vm {
+        let (base, size, pages) = match self.expandable_vm(self.pools[pool as usize].kind) {
             Some(vm) => {
                 let (base, size) = self.reserve_range(vm, rounded)?;
                 (base, size, Some(PageMap::new(size, vm.page)))
@@ -405,7 +405,7 @@ impl DeviceHeap {
             (b.addr, b.size, b.pool, b.segment)
         };
         let kind = self.pools[pool as usize].kind;
-        if self.rules.should_split(kind, size, rounded) {
+        if self.should_split(kind, size, rounded) {
             let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool, kind);
             let next = self.blocks[id].next;
             self.blocks[rest].prev = id;
@@ -683,10 +683,8 @@ impl DeviceHeap {
         let mut stats = self.stats.report();
         // With the stashes merged, every reserved byte not allocated is cached.
         stats.cached_free_bytes = stats.reserved_bytes.all.current - stats.allocated_bytes.all.current;
-        stats.largest_free_block_bytes = match self.vm {
-            Some(_) => self.largest_mapped_free_run(),
-            None => self.pools.iter().map(|p| p.largest(&self.blocks)).max().unwrap_or(0),
-        };
+        let classic = self.pools.iter().filter(|p| self.expandable_vm(p.kind).is_none()).map(|p| p.largest(&self.blocks));
+        stats.largest_free_block_bytes = classic.max().unwrap_or(0).max(self.largest_mapped_free_run());
         stats
     }
 

@@ -43,6 +43,12 @@ class Record(unittest.TestCase):
         params = 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 1024 + 1024
         self.assertGreaterEqual(sum(live.values()), 3 * params * 4)
 
+    def test_generation_grows_every_key_and_value_cache_by_one_token_per_step(self):
+        allocs, rows = self.rows("kv-generate", steps=3, batch=2)
+        sizes = [int(r["Size"]) for r in rows if r["Action"] == "allocate"]
+        for tokens in (128, 129, 130):  # the prompt, then one more token per step
+            self.assertGreaterEqual(sizes.count(2 * tokens * 1024 * 4), 24, f"12 layers' caches of {tokens} tokens")
+
     def test_inference_frees_every_activation(self):
         allocs, rows = self.rows("mlp", steps=2, batch=8, inference=True)
         frees = sum(r["Action"] == "free" for r in rows)

@@ -135,11 +135,61 @@ def _transformer_varlen(batch):
     return model, step
 
 
-WORKLOADS = {"mlp": _mlp, "cnn": _cnn, "transformer-varlen": _transformer_varlen}
+def _encoder_finetune_varlen(batch):
+    # BERT-style fine-tuning: every batch padded to its own length.
+    model = torch.nn.Sequential(
+        torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True), num_layers=6
+        ),
+    )
+    head = torch.nn.Linear(512, 2)
+    model.append(head)
+    lengths = [200, 64, 448, 96, 320, 512, 160, 384, 128, 256, 480, 224]
+    def step(i):
+        x = torch.randn(batch, lengths[i % len(lengths)], 512, device="meta")
+        logits = model(x)[:, 0]
+        return torch.nn.functional.cross_entropy(logits, torch.zeros(batch, dtype=torch.long, device="meta"))
+    return model, step
+
+
+def _kv_generate(batch, layers=12, width=1024, prompt=128):
+    # Autoregressive decoding: each step appends one token to every layer's
+    # key and value caches (torch.cat, so each cache is a new, larger tensor).
+    def block():
+        return torch.nn.ModuleDict(dict(qkv=torch.nn.Linear(width, 3 * width), out=torch.nn.Linear(width, width),
+                                        up=torch.nn.Linear(width, 4 * width), down=torch.nn.Linear(4 * width, width)))
+    model = torch.nn.ModuleDict(dict(embed=torch.nn.Embedding(32000, width), blocks=torch.nn.ModuleList(block() for _ in range(layers)),
+                                     head=torch.nn.Linear(width, 32000)))
+    caches = [None] * layers
+    state = {"ids": None}
+    def step(i):
+        ids = state["ids"] if i > 0 else torch.zeros(batch, prompt, dtype=torch.long, device="meta")
+        h = model["embed"](ids)
+        for n, b in enumerate(model["blocks"]):
+            q, k, v = b["qkv"](h).chunk(3, dim=-1)
+            caches[n] = (k.contiguous(), v.contiguous()) if caches[n] is None else (
+                torch.cat([caches[n][0], k], 1), torch.cat([caches[n][1], v], 1))
+            keys, values = caches[n]
+            h = h + b["out"](torch.softmax(q @ keys.transpose(1, 2) / width ** 0.5, -1) @ values)
+            h = h + b["down"](torch.nn.functional.gelu(b["up"](h)))
+        state["ids"] = model["head"](h[:, -1:]).argmax(-1)
+    return model, step
+
+
+WORKLOADS = {
+    "mlp": _mlp,
+    "cnn": _cnn,
+    "transformer-varlen": _transformer_varlen,
+    "encoder-finetune-varlen": _encoder_finetune_varlen,
+    "kv-generate": _kv_generate,
+}
+# Workloads that only run forward (a step is one generated token).
+GENERATION = {"kv-generate"}
 
 
 def record_training(workload, path, steps=4, batch=16, inference=False):
     """Records `steps` training steps (AdamW) or forward passes of a workload."""
+    inference = inference or workload in GENERATION
     with torch.device("meta"):
         model, step = WORKLOADS[workload](batch)
     optimizer = None if inference else torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
@@ -164,7 +214,7 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help="the CSV to write")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--inference", action="store_true", help="forward passes only, no gradients")
+    parser.add_argument("--inference", action="store_true", help="forward passes only, no gradients (always for kv-generate)")
     args = parser.parse_args(argv)
     allocs = record_training(args.workload, args.out, args.steps, args.batch, args.inference)
     print(f"{args.out}: {allocs} allocations")
