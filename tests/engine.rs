@@ -269,17 +269,16 @@ fn a_zero_byte_request_returns_null_without_error() {
 
 #[test]
 fn sizes_near_usize_max_are_too_large_without_overflow() {
-    let (alloc, backend) = host_allocator(1, 1 << 30, "roundup_power2_divisions:8");
-    for size in [usize::MAX, usize::MAX - 511, usize::MAX / 2 + 1, (1usize << 63) + 12345] {
-        let err = alloc.allocate(0, size, S0).unwrap_err();
-        assert!(
-            matches!(err, AllocError::TooLarge { .. } | AllocError::OutOfMemory(_)),
-            "size {size}: {err:?}"
-        );
+    for conf in ["roundup_power2_divisions:8", "expandable:true"] {
+        let (alloc, backend) = host_allocator(1, 1 << 30, conf);
+        for size in [usize::MAX, usize::MAX - 511, usize::MAX / 2 + 1, (1usize << 63) + 12345, 1 << 41] {
+            let err = alloc.allocate(0, size, S0).unwrap_err();
+            assert!(matches!(err, AllocError::TooLarge { .. } | AllocError::OutOfMemory(_)), "{conf}: size {size}: {err:?}");
+        }
+        assert!(matches!(alloc.allocate(0, usize::MAX, S0), Err(AllocError::TooLarge { .. })));
+        assert_eq!(backend.mem_info(0).unwrap().free, 1 << 30);
+        alloc.validate().unwrap();
     }
-    assert!(matches!(alloc.allocate(0, usize::MAX, S0), Err(AllocError::TooLarge { .. })));
-    assert_eq!(backend.mem_info(0).unwrap().free, 1 << 30);
-    alloc.validate().unwrap();
 }
 
 #[test]

@@ -97,7 +97,7 @@ impl DeviceHeap {
     /// bytes: the device's size, halved while the reservation fails (an
     /// address space shared by many pools), but never below the request.
     pub(super) fn reserve_range(&mut self, vm: Vm, rounded: u64) -> Result<(u64, u64), BackendError> {
-        let need = rounded.next_multiple_of(vm.page);
+        let need = rounded.checked_next_multiple_of(vm.page).ok_or(BackendError::OutOfMemory)?;
         let mut size = vm.range.max(need);
         loop {
             match self.backend.vm_reserve(self.device, size) {
@@ -288,13 +288,7 @@ impl DeviceHeap {
         if !empty || self.backend.vm_free(self.device, segment.base, segment.size).is_err() {
             return Released::default();
         }
-        let (base, kind) = (segment.base, b.kind);
-        self.remove_free(block);
-        self.blocks.remove(block);
-        self.segments[segment_id as usize] = None;
-        self.unused_segments.push(segment_id);
-        self.segment_by_base.remove(&base);
-        self.stats.segment.decrease(kind, 1);
+        self.forget_segment(segment_id);
         Released { segments: 1, bytes: 0 }
     }
 

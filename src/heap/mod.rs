@@ -4,8 +4,10 @@
 //! A request is rounded (`SizeRules::round`), looked up in the pool of its
 //! (stream, kind) by best fit, and served from the block found, split when
 //! the rest is worth keeping. With no fitting block the heap grows by one
-//! segment from the backend; when the backend refuses, every whole free
-//! segment of the device is released and growth is tried once more. A free
+//! segment from the backend (with expandable segments, the large pool
+//! instead maps pages of one reserved range: `expandable.rs`); when the
+//! backend refuses, every whole free segment (and free page) of the device
+//! is released and growth is tried once more. A free
 //! merges the block with its free neighbours and returns it to the pool of
 //! the stream it was allocated on.
 //!
@@ -298,6 +300,9 @@ impl DeviceHeap {
     fn allocate_from_bins(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
         self.process_pending(false);
         self.flush_stash(pool);
+        if self.growth_need(rounded).is_none() {
+            return Err(AllocError::TooLarge { size });
+        }
         let block = match self.take_block(pool, rounded) {
             Ok(block) => block,
             Err(BackendError::OutOfMemory) => self.take_block_after_oom(pool, rounded, size, stream)?,
@@ -356,10 +361,11 @@ impl DeviceHeap {
 
     /// Memory a request of `rounded` bytes makes the heap take from the
     /// device: a segment, or (expandable) the pages it covers at most.
-    fn growth_need(&self, rounded: u64) -> u64 {
+    /// None when that does not fit in 64 bits.
+    fn growth_need(&self, rounded: u64) -> Option<u64> {
         match self.expandable_vm(self.rules.kind(rounded)) {
-            Some(vm) => rounded.next_multiple_of(vm.page),
-            None => self.rules.segment_size(rounded).unwrap_or(rounded),
+            Some(vm) => rounded.checked_next_multiple_of(vm.page),
+            None => self.rules.segment_size(rounded),
         }
     }
 
@@ -373,7 +379,7 @@ impl DeviceHeap {
                 (base, size, Some(PageMap::new(size, vm.page)))
             }
             None => {
-                let size = self.growth_need(rounded);
+                let size = self.growth_need(rounded).ok_or(BackendError::OutOfMemory)?;
                 (self.new_segment(size, stream)?, size, None)
             }
         };

@@ -23,7 +23,7 @@ impl DeviceHeap {
     /// free enough or `oom_wait` passes.
     #[cold]
     pub(super) fn ask_others(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
-        let need = self.growth_need(rounded);
+        let need = self.growth_need(rounded).unwrap_or(u64::MAX);
         let over_budget =
             self.device_reserved.load(Ordering::SeqCst).saturating_add(need) > self.reserved_limit.min(self.policy.max_reserved);
         if self.oom_wait.is_zero() || over_budget {
@@ -229,17 +229,12 @@ impl DeviceHeap {
             if block.is_allocated() || block.next != NIL || !select(segment_id, segment) {
                 continue;
             }
-            let (base, size, pool, block) = (segment.base, segment.size, segment.pool, segment.first_block);
+            let (base, size, pool) = (segment.base, segment.size, segment.pool);
             if self.backend.release(self.device, base, size, self.pools[pool as usize].stream).is_err() {
                 continue;
             }
             let kind = self.pools[pool as usize].kind;
-            self.remove_free(block);
-            self.blocks.remove(block);
-            self.segments[segment_id as usize] = None;
-            self.unused_segments.push(segment_id);
-            self.segment_by_base.remove(&base);
-            self.stats.segment.decrease(kind, 1);
+            self.forget_segment(segment_id);
             self.stats.reserved_bytes.decrease(kind, size);
             self.device_reserved.fetch_sub(size, Ordering::SeqCst);
             self.stats.events.num_device_free += 1;
@@ -247,5 +242,17 @@ impl DeviceHeap {
             released.bytes += size;
         }
         released
+    }
+
+    /// Drops the records of the segment `segment_id`, one whole free block
+    /// the backend has just taken back.
+    pub(super) fn forget_segment(&mut self, segment_id: u32) {
+        let Some(segment) = self.segments[segment_id as usize].take() else { return };
+        let kind = self.pools[segment.pool as usize].kind;
+        self.remove_free(segment.first_block);
+        self.blocks.remove(segment.first_block);
+        self.unused_segments.push(segment_id);
+        self.segment_by_base.remove(&segment.base);
+        self.stats.segment.decrease(kind, 1);
     }
 }
