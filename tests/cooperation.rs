@@ -1,7 +1,9 @@
 //! Two processes on one device (host backend with a shared capacity file):
 //! A holds 60 % of the device as idle cache; B asks for 70 %. With
 //! cooperation B gets it within a second because A's reclaimer answers B's
-//! request; without it B fails. Both outcomes are asserted.
+//! request; without it B fails. Both outcomes are asserted. With expandable
+//! segments, A's idle cache is a hole between two live blocks, and what A
+//! gives back is the hole's pages.
 
 mod common;
 
@@ -46,12 +48,20 @@ fn process_a_holds_idle_cache() {
     };
     let dir = PathBuf::from(dir);
     let alloc = allocator(&conf);
+    // With expandable segments the cache is a hole between two live blocks.
+    let pins = conf.contains("expandable:true");
+    let left = pins.then(|| alloc.allocate(0, (8 * MIB) as usize, Stream::DEFAULT).unwrap());
     let block = alloc.allocate(0, (600 * MIB) as usize, Stream::DEFAULT).unwrap();
+    let right = pins.then(|| alloc.allocate(0, (8 * MIB) as usize, Stream::DEFAULT).unwrap());
     alloc.free(0, block).unwrap();
     std::fs::write(dir.join("ready"), b"").unwrap();
     assert!(wait_for(&dir.join("done"), Duration::from_secs(20)));
     let served = alloc.stats(0).unwrap().events.num_coop_served;
     std::fs::write(dir.join("served"), served.to_string()).unwrap();
+    for pin in [left, right].into_iter().flatten() {
+        alloc.free(0, pin).unwrap();
+    }
+    alloc.validate().unwrap();
 }
 
 fn spawn_a(dir: &Path, conf: &str) -> Child {
@@ -125,11 +135,11 @@ fn processes_on_one_simgpu_device_help_each_other() {
     assert!(alone.contains("b: out of memory"), "{alone}");
 }
 
-fn scenario(cooperative: bool) -> (Result<(), AllocError>, Duration, u64, tidepool::Stats) {
-    let dir = std::env::temp_dir().join(format!("tidepool-coop-{}-{cooperative}", std::process::id()));
+fn scenario(cooperative: bool, extra: &str) -> (Result<(), AllocError>, Duration, u64, tidepool::Stats) {
+    let dir = std::env::temp_dir().join(format!("tidepool-coop-{}-{cooperative}-{}", std::process::id(), extra.len()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let conf = conf(&dir, cooperative);
+    let conf = format!("{},{extra}", conf(&dir, cooperative));
     let a = spawn_a(&dir, &conf);
     assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
     let b = allocator(&conf);
@@ -147,7 +157,7 @@ fn scenario(cooperative: bool) -> (Result<(), AllocError>, Duration, u64, tidepo
 
 #[test]
 fn a_process_about_to_fail_gets_the_idle_cache_of_another() {
-    let (result, waited, served, stats) = scenario(true);
+    let (result, waited, served, stats) = scenario(true, "");
     assert!(result.is_ok(), "with cooperation: {result:?}");
     assert!(waited < Duration::from_secs(1), "waited {waited:?}");
     assert_eq!((stats.events.num_coop_requests, stats.events.num_coop_satisfied), (1, 1));
@@ -157,10 +167,20 @@ fn a_process_about_to_fail_gets_the_idle_cache_of_another() {
 
 #[test]
 fn without_cooperation_the_same_request_fails() {
-    let (result, _, served, stats) = scenario(false);
+    let (result, _, served, stats) = scenario(false, "");
     assert!(matches!(result, Err(AllocError::OutOfMemory(_))), "{result:?}");
     assert_eq!((stats.events.num_coop_requests, served), (0, 0));
     assert_eq!(stats.released(Reason::Cooperation).bytes, 0);
+}
+
+#[test]
+fn with_expandable_segments_a_hole_between_live_blocks_goes_to_the_other_process() {
+    let (result, waited, served, stats) = scenario(true, "expandable:true");
+    assert!(result.is_ok(), "with cooperation: {result:?}");
+    assert!(waited < Duration::from_secs(1), "waited {waited:?}");
+    assert_eq!((stats.events.num_coop_satisfied, served), (1, 1));
+    let (result, _, served, _) = scenario(false, "expandable:true");
+    assert!(matches!(result, Err(AllocError::OutOfMemory(_))) && served == 0, "{result:?}");
 }
 
 #[test]

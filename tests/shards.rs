@@ -12,7 +12,10 @@ use tidepool::{DevicePtr, Stream};
 
 #[test]
 fn the_conformance_suite_holds_with_stream_shards() {
-    conformance::run(&|conf| host_allocator(1, 256 * MIB, &format!("stream_shards:4,{conf}")).0, 256 * MIB, [Stream(1), Stream(2)]);
+    for extra in ["", "expandable:true"] {
+        let make = |conf: &str| host_allocator(1, 256 * MIB, &format!("stream_shards:4,{extra},{conf}")).0;
+        conformance::run(&make, 256 * MIB, [Stream(1), Stream(2)]);
+    }
 }
 
 #[test]
@@ -34,14 +37,17 @@ fn statistics_add_up_over_the_shards() {
 
 #[test]
 fn a_full_device_takes_the_cache_of_the_other_shards() {
-    let (alloc, _) = host_allocator(1, 64 * MIB, "stream_shards:4");
-    let a = alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap();
-    alloc.free(0, a).unwrap();
-    let b = alloc.allocate(0, (40 * MIB) as usize, Stream(2)).unwrap();
-    let s = alloc.stats(0).unwrap();
-    assert_eq!((s.reserved_bytes.all.current, s.events.num_ooms, s.events.num_device_free), (40 * MIB, 0, 1));
-    alloc.free(0, b).unwrap();
-    alloc.validate().unwrap();
+    // With expandable segments, what the other shard gives back is pages.
+    for conf in ["stream_shards:4", "stream_shards:4,expandable:true"] {
+        let (alloc, _) = host_allocator(1, 64 * MIB, conf);
+        let a = alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap();
+        alloc.free(0, a).unwrap();
+        let b = alloc.allocate(0, (40 * MIB) as usize, Stream(2)).unwrap();
+        let s = alloc.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes.all.current, s.events.num_ooms, s.events.num_device_free), (40 * MIB, 0, 1), "{conf}");
+        alloc.free(0, b).unwrap();
+        alloc.validate().unwrap();
+    }
 }
 
 #[test]

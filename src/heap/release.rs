@@ -142,7 +142,7 @@ impl DeviceHeap {
             let asked = self.registry.as_mut().and_then(|r| r.publish(entry).ok()).unwrap_or(0);
             if asked > 0 {
                 let answer = self.release_free_segments(Reason::Cooperation, |_, _| true);
-                if answer.segments > 0 {
+                if answer.bytes > 0 || answer.segments > 0 {
                     self.stats.events.num_coop_served += 1;
                 }
                 released += answer;
