@@ -272,3 +272,19 @@ fn the_command_line_refuses_bad_arguments_clearly() {
     let (ok, _, stderr) = tidepool_cli(&["frobnicate"]);
     assert!(!ok && stderr.contains("unknown command"), "{stderr}");
 }
+
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    // `tidepool replay ... | head -1`: the reader goes away after one line.
+    let path = write_small_csv();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .args(["replay", path.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !stderr.contains("panicked"), "{:?}: {stderr}", out.status);
+}

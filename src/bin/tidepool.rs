@@ -14,6 +14,17 @@ use tidepool::trace::replay::{replay_with_progress, Policy, ReplayOptions, Repla
 use tidepool::trace::{self, Trace};
 use tidepool::Config;
 
+/// `println!` that ends the process quietly when stdout is closed
+/// (`tidepool replay ... | head`) instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout(), $($arg)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
 const USAGE: &str = "\
 tidepool: a CUDA caching allocator that gives memory back
 
@@ -48,7 +59,7 @@ fn main() -> ExitCode {
             Ok(())
         }
         Some("--version") | Some("-V") => {
-            println!("tidepool {}", env!("CARGO_PKG_VERSION"));
+            out!("tidepool {}", env!("CARGO_PKG_VERSION"));
             Ok(())
         }
         Some("help") | Some("--help") | Some("-h") | None => {
@@ -189,7 +200,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
         }
         if options.json {
             for report in &reports {
-                println!("{}", report_json(report));
+                out!("{}", report_json(report));
             }
         } else {
             print_report(&trace, &reports);
@@ -198,7 +209,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
             let title = format!("{} ({})", file.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(), trace.format.name());
             tidepool::trace::plot::write_svg(path, &title, &reports.iter().collect::<Vec<_>>())?;
             if !options.json {
-                println!("plot written to {}", path.display());
+                out!("plot written to {}", path.display());
             }
         }
     }
@@ -206,7 +217,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
 }
 
 fn print_report(trace: &Trace, reports: &[ReplayReport]) {
-    println!(
+    out!(
         "{} ({}): {} events, {} allocations, peak requested {}",
         trace.source,
         trace.format.name(),
@@ -221,7 +232,7 @@ fn print_report(trace: &Trace, reports: &[ReplayReport]) {
     if trace.pytorch_peak_reserved.is_some() {
         header += &format!("{:>18}", "pytorch recorded");
     }
-    println!("{header}");
+    out!("{header}");
     let row = |label: &str, cell: &dyn Fn(&ReplayReport) -> String, recorded: Option<String>| {
         let mut line = format!("  {label:<24}");
         for r in reports {
@@ -230,7 +241,7 @@ fn print_report(trace: &Trace, reports: &[ReplayReport]) {
         if let Some(recorded) = recorded {
             line += &format!("{recorded:>18}");
         }
-        println!("{line}");
+        out!("{line}");
     };
     let recorded = trace.pytorch_peak_reserved;
     row("peak allocated", &|r| human_bytes(r.peak_allocated_bytes), None);
@@ -302,7 +313,7 @@ fn run_plan(args: &[String]) -> Result<(), String> {
     };
     let peak = trace.peak_requested();
     if options.json {
-        println!(
+        out!(
             "{{\"file\":{},\"peak_requested_bytes\":{},\"pytorch\":{{\"min_capacity_bytes\":{}}},\"tidepool\":{{\"min_capacity_bytes\":{}}},\"expandable\":{{\"min_capacity_bytes\":{}}}}}",
             json_string(&trace.source),
             peak,
@@ -312,15 +323,15 @@ fn run_plan(args: &[String]) -> Result<(), String> {
         );
     } else {
         let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
-        println!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), gib(peak));
-        println!(
+        out!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), gib(peak));
+        out!(
             "needs {} with PyTorch's allocator, {} with tidepool, {} with tidepool expandable:true",
             gib(pytorch.min_capacity),
             gib(tidepool.min_capacity),
             gib(expandable.min_capacity),
         );
         let best = tidepool.min_capacity.min(expandable.min_capacity);
-        println!("tidepool: {}. PyTorch's allocator: {}.", card_advice(best), card_advice(pytorch.min_capacity));
+        out!("tidepool: {}. PyTorch's allocator: {}.", card_advice(best), card_advice(pytorch.min_capacity));
     }
     Ok(())
 }
@@ -337,7 +348,7 @@ fn run_top(args: &[String]) -> Result<(), String> {
     let config = Config::from_env();
     let dir = config.registry_dir.clone().unwrap_or_else(registry::default_dir);
     if json {
-        println!("{}", top_json(&dir));
+        out!("{}", top_json(&dir));
         return Ok(());
     }
     loop {
@@ -419,9 +430,9 @@ fn print_config() {
     for warning in &warnings {
         eprintln!("tidepool: warning: TIDEPOOL_CONF: {warning}");
     }
-    println!("TIDEPOOL_CONF={text:?}\n");
-    println!("{:<26} {:<10} {:<10} meaning", "key", "default", "current");
+    out!("TIDEPOOL_CONF={text:?}\n");
+    out!("{:<26} {:<10} {:<10} meaning", "key", "default", "current");
     for spec in OPTIONS {
-        println!("{:<26} {:<10} {:<10} {}", spec.key, spec.default, (spec.show)(&config), spec.help);
+        out!("{:<26} {:<10} {:<10} {}", spec.key, spec.default, (spec.show)(&config), spec.help);
     }
 }
