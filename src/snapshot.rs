@@ -41,7 +41,7 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
                 ("stream", PyValue::int(segment.stream.0)),
                 ("segment_type", PyValue::str(if segment.kind == PoolKind::Small { "small" } else { "large" })),
                 ("segment_pool_id", PyValue::Tuple(vec![PyValue::int(0), PyValue::int(0)])),
-                ("is_expandable", PyValue::Bool(false)),
+                ("is_expandable", PyValue::Bool(segment.expandable)),
                 ("frames", PyValue::List(vec![])),
                 ("blocks", PyValue::List(blocks)),
             ]));

@@ -60,6 +60,10 @@ fn a_hole_between_live_blocks_gives_its_pages_back_and_its_address_space_is_reus
     assert_eq!(backend.mem_info(0).unwrap().free, (1 << 30) - 8 * MIB);
     assert_eq!((check(left, 4 * MIB, 1), check(right, 4 * MIB, 3)), (Ok(()), Ok(())), "neighbours intact");
     a.validate().unwrap();
+    // The snapshot shows the two mapped runs, as PyTorch shows its own expandable segments.
+    let snapshot = a.snapshot(0).unwrap();
+    let runs: Vec<_> = snapshot.iter().map(|s| (s.address, s.size, s.expandable, s.blocks.len())).collect();
+    assert_eq!(runs, [(left.0, 4 * MIB, true, 1), (right.0, 4 * MIB, true, 1)]);
 
     let again = alloc(&a, 64 * MIB);
     assert_eq!(again, hole, "the hole's address space serves the next block");

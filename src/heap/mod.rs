@@ -109,6 +109,8 @@ pub struct SegmentSnapshot {
     pub size: u64,
     pub stream: Stream,
     pub kind: PoolKind,
+    /// Part of an expandable segment (a run of its mapped pages).
+    pub expandable: bool,
     pub blocks: Vec<BlockSnapshot>,
 }
 
@@ -633,34 +635,47 @@ impl DeviceHeap {
         (ptr < segment.base + size).then_some((segment.base, size))
     }
 
-    /// Every segment with its blocks in address order, for snapshots.
+    /// Every segment with its blocks in address order, for snapshots. An
+    /// expandable segment shows as one segment per run of mapped pages
+    /// (as PyTorch shows its own), its blocks cut to the run.
     pub fn snapshot(&mut self) -> Vec<SegmentSnapshot> {
         self.flush_stashes();
-        let mut out: Vec<SegmentSnapshot> = self
-            .segments
-            .iter()
-            .flatten()
-            .map(|segment| {
-                let pool = &self.pools[segment.pool as usize];
-                // An expandable segment shows as far as its highest mapped page.
-                let size = segment.pages.as_ref().map_or(segment.size, PageMap::end_bytes);
-                let end = segment.base + size;
+        let mut out = Vec::new();
+        for segment in self.segments.iter().flatten() {
+            let runs = match &segment.pages {
+                Some(pages) => {
+                    let page = pages.page_size();
+                    pages.runs(0, pages.end_bytes() / page, true).into_iter().map(|(p, n)| (p * page, (p + n) * page)).collect()
+                }
+                None => vec![(0, segment.size)],
+            };
+            let pool = &self.pools[segment.pool as usize];
+            // Blocks and runs both ascend: one walk over the blocks.
+            let mut cur = segment.first_block;
+            for (start, end) in runs {
+                let (start, end) = (segment.base + start, segment.base + end);
                 let mut blocks = Vec::new();
-                let mut cur = segment.first_block;
                 while cur != NIL && self.blocks[cur].addr < end {
                     let b = &self.blocks[cur];
-                    blocks.push(BlockSnapshot {
-                        address: b.addr,
-                        size: b.size.min(end - b.addr),
-                        requested: b.requested,
-                        allocated: b.is_allocated(),
-                    });
+                    let (from, to) = (b.addr.max(start), (b.addr + b.size).min(end));
+                    if from < to {
+                        blocks.push(BlockSnapshot { address: from, size: to - from, requested: b.requested, allocated: b.is_allocated() });
+                    }
+                    if b.addr + b.size > end {
+                        break; // the block goes on into the next run
+                    }
                     cur = b.next;
                 }
-                SegmentSnapshot { address: segment.base, size, stream: pool.stream, kind: pool.kind, blocks }
-            })
-            .filter(|s| s.size > 0)
-            .collect();
+                out.push(SegmentSnapshot {
+                    address: start,
+                    size: end - start,
+                    stream: pool.stream,
+                    kind: pool.kind,
+                    expandable: segment.pages.is_some(),
+                    blocks,
+                });
+            }
+        }
         out.sort_by_key(|s| s.address);
         out
     }
