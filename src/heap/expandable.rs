@@ -72,6 +72,7 @@ impl DeviceHeap {
 
     /// The expandable-segment parameters for pools of `kind`, or None when
     /// that kind grows by whole segments.
+    #[inline]
     pub(super) fn expandable_vm(&self, kind: PoolKind) -> Option<Vm> {
         self.vm.filter(|_| kind == PoolKind::Large)
     }
@@ -115,6 +116,9 @@ impl DeviceHeap {
     pub(super) fn map_block(&mut self, id: BlockId, rounded: u64) -> Result<(), BackendError> {
         let b = &self.blocks[id];
         let (addr, size, segment_id, kind) = (b.addr, b.size, b.segment as usize, b.kind);
+        if self.expandable_vm(kind).is_none() {
+            return Ok(());
+        }
         let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
             return Ok(());
         };

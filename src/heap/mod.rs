@@ -556,7 +556,7 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size, whole, segment) = (b.pool, b.size, !b.is_split(), b.segment);
         let (split, counted) = self.inactive_split_bytes_of(id);
-        if self.vm.is_some() {
+        if self.expandable_vm(self.blocks[id].kind).is_some() {
             self.blocks[id].idle_since_ms = self.clock.now_ms();
         }
         let pool = &mut self.pools[pool as usize];
@@ -599,6 +599,9 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         if !b.is_split() {
             return (false, 0);
+        }
+        if self.expandable_vm(b.kind).is_none() {
+            return (true, b.size);
         }
         match self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) {
             Some(_) if b.next == NIL => (false, 0),
