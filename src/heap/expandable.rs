@@ -1,6 +1,8 @@
-//! Expandable segments (`expandable:true`): each pool grows inside one
-//! large reserved range of address space instead of separate segments, and
-//! memory is held page by page.
+//! Expandable segments (`expandable:true`): the large pool of each stream
+//! grows inside one large reserved range of address space instead of
+//! separate segments, and memory is held page by page. (The small pool
+//! keeps its segments: they are one page each, and small blocks packed
+//! across page boundaries would pin two pages where one would do.)
 //!
 //! A range is reserved (no memory) when a pool first needs one, as large as
 //! the device, and starts as one free block; blocks are carved from it by
