@@ -333,3 +333,25 @@ fn the_release_policies_give_back_the_pages_of_holes_between_live_blocks() {
     assert_eq!(stats.reserved_bytes.all.current, 12 * MIB);
     heap.validate().unwrap();
 }
+
+#[test]
+fn a_pool_that_grows_past_the_peak_takes_the_free_pages_of_another_pools_holes() {
+    let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
+    let left = alloc(&a, 4 * MIB);
+    let hole = alloc(&a, 64 * MIB);
+    let right = alloc(&a, 4 * MIB);
+    fill(left, 4 * MIB, 1);
+    a.free(0, hole).unwrap();
+    // The large pool caches 64 MiB it does not use; now the small pool needs 20 MiB.
+    let small: Vec<_> = (0..20).map(|_| alloc(&a, MIB)).collect();
+    let stats = a.stats(0).unwrap();
+    assert_eq!(stats.reserved_bytes.all.peak, 72 * MIB, "the peak did not rise");
+    assert_eq!(stats.reserved_bytes.all.current, 8 * MIB + 20 * MIB);
+    assert_eq!(stats.events.num_pages_unmapped, 32, "the hole's pages moved to the small pool");
+    assert_eq!(check(left, 4 * MIB, 1), Ok(()));
+    a.validate().unwrap();
+    for p in small.into_iter().chain([left, right]) {
+        a.free(0, p).unwrap();
+    }
+    a.validate().unwrap();
+}

@@ -131,6 +131,8 @@ impl DeviceHeap {
             return Ok(());
         }
         let page = pages.page_size();
+        let pool = self.blocks[id].pool;
+        self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum(), pool);
         let mut failed = None;
         for (done, &(p, n)) in runs.iter().enumerate() {
             let bytes = n * page;
@@ -232,6 +234,42 @@ impl DeviceHeap {
             }
         }
         holes
+    }
+
+    /// Before the heap takes `bytes` more from the device past its peak, the
+    /// free pages inside holes of other pools' ranges go first, oldest hole
+    /// first: memory another pool cached and is not using moves to where it
+    /// is needed instead of the peak rising (the small pool growing while the
+    /// large pool sits on the free pages of a finished step, say). Pages of
+    /// the requesting pool are left alone: its own holes are where its next
+    /// requests land.
+    pub(super) fn recycle_before_growth(&mut self, bytes: u64, pool: u32) {
+        if self.vm.is_none() {
+            return;
+        }
+        let (current, peak) = {
+            let reserved = self.stats.reserved_bytes.report();
+            (reserved.all.current, reserved.all.peak)
+        };
+        let Some(mut want) = (current + bytes).checked_sub(peak).filter(|&w| w > 0) else { return };
+        self.flush_stashes(); // a stashed block is a hole too
+        let mut holes = Vec::new();
+        for segment in self.segments.iter().flatten().filter(|s| s.pages.is_some() && s.pool != pool) {
+            let mut cur = segment.first_block;
+            while cur != NIL {
+                if self.blocks[cur].state == BlockState::Binned && self.unmappable_runs(cur).is_some() {
+                    holes.push(cur);
+                }
+                cur = self.blocks[cur].next;
+            }
+        }
+        holes.sort_by_key(|&id| self.blocks[id].idle_since_ms);
+        for hole in holes {
+            want = want.saturating_sub(self.release_hole(hole));
+            if want == 0 {
+                break;
+            }
+        }
     }
 
     /// Unmaps the free pages inside the free block `id` of an expandable

@@ -382,6 +382,7 @@ impl DeviceHeap {
             }
             None => {
                 let size = self.growth_need(rounded).ok_or(BackendError::OutOfMemory)?;
+                self.recycle_before_growth(size, pool);
                 (self.new_segment(size, stream)?, size, None)
             }
         };
