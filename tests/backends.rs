@@ -457,6 +457,54 @@ fn a_driver_failing_mid_release_leaves_the_heap_consistent_and_leaks_nothing() {
     assert!(ok && text.contains("failing frees: ok"), "{text}");
 }
 
+/// The child side: with expandable segments, the driver refuses every 5th
+/// physical page (`cuMemCreate`), so runs of pages fail midway.
+#[test]
+fn child_failing_page_maps() {
+    if !in_child() {
+        return;
+    }
+    // No other process to wait for at an out-of-memory.
+    let alloc = cuda_allocator("expandable:true,oom_wait_ms:0");
+    let mut rng = common::Rng(0xFA11);
+    let mut live = Vec::new();
+    let mut failures = 0;
+    for _ in 0..300 {
+        if live.len() > 6 || (!live.is_empty() && rng.below(2) == 0) {
+            let p = live.swap_remove(rng.below(live.len() as u64) as usize);
+            alloc.free(0, p).unwrap();
+        } else {
+            match alloc.allocate(0, ((2 + rng.below(14)) << 20) as usize, tidepool::Stream::DEFAULT) {
+                Ok(p) => live.push(p),
+                Err(tidepool::AllocError::OutOfMemory(_)) => failures += 1,
+                Err(other) => panic!("{other}"),
+            }
+        }
+        if rng.below(10) == 0 {
+            alloc.empty_cache();
+        }
+        alloc.validate().unwrap();
+    }
+    for p in live {
+        alloc.free(0, p).unwrap();
+    }
+    alloc.empty_cache();
+    alloc.validate().unwrap();
+    let stats = alloc.stats(0).unwrap();
+    assert!(stats.events.num_alloc_retries > 0, "no map failed");
+    assert_eq!((stats.reserved_bytes.all.current, stats.segment.all.current), (0, 0));
+    assert_eq!(alloc.backend().mem_info(0).unwrap().free, CAPACITY, "a page leaked in the driver");
+    println!("failing page maps: ok ({failures} requests out of memory)");
+}
+
+#[test]
+fn a_driver_refusing_pages_midway_leaves_the_heap_consistent_and_leaks_nothing() {
+    let dir = simgpu_dir();
+    let env = [("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M"), ("SIMGPU_FAIL_EVERY", "5")];
+    let (ok, text) = child("child_failing_page_maps", &env);
+    assert!(ok && text.contains("failing page maps: ok"), "{text}");
+}
+
 /// The child side: events cannot be recorded; unknown streams.
 #[test]
 fn child_failing_events_and_bad_streams() {
