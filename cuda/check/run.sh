@@ -70,5 +70,5 @@ if "native" in runs and "tidepool" in runs:
     if "tidepool-expandable" in runs:
         e = runs["tidepool-expandable"]
         print(f"expandable: losses identical {n['losses'] == e['losses']}, step time/native {e['median_step_s'] / n['median_step_s']:.3f}, "
-              f"pages mapped/unmapped after warm-up {e['pages_mapped_after_warm_up']}/{e['pages_unmapped_after_warm_up']} (target 0/0)")
+              f"pages mapped/unmapped after warm-up {e.get('pages_mapped_after_warm_up')}/{e.get('pages_unmapped_after_warm_up')} (target 0/0)")
 PY

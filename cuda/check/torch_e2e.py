@@ -67,8 +67,9 @@ for step in range(args.steps):
 result = {"allocator": args.allocator, "losses": losses, "median_step_s": sorted(times[5:])[len(times[5:]) // 2]}
 if args.allocator.startswith("tidepool"):
     stats = tidepool.memory_stats()
-    result["pages_mapped_after_warm_up"] = stats["tidepool.num_pages_mapped"] - pages_at_warm_up[0]
-    result["pages_unmapped_after_warm_up"] = stats["tidepool.num_pages_unmapped"] - pages_at_warm_up[1]
+    if pages_at_warm_up is not None:
+        result["pages_mapped_after_warm_up"] = stats["tidepool.num_pages_mapped"] - pages_at_warm_up[0]
+        result["pages_unmapped_after_warm_up"] = stats["tidepool.num_pages_unmapped"] - pages_at_warm_up[1]
     result["peak_reserved_bytes"] = stats["reserved_bytes.all.peak"]
     result["peak_allocated_bytes"] = stats["allocated_bytes.all.peak"]
     result["stats_sane"] = stats["allocated_bytes.all.peak"] <= stats["reserved_bytes.all.peak"] and stats["num_ooms"] == 0
