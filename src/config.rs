@@ -317,7 +317,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     OptionSpec {
         key: "max_split_size_mb",
         default: "unlimited",
-        help: "blocks at least this large are never split and only serve requests within 20 MiB of their size",
+        help: "blocks at least this large are never split and only serve requests within 20 MiB of their size (whole segments only: expandable segments split any block)",
         apply: |c, v| {
             if v.trim() == "unlimited" {
                 c.rules.max_split_size = u64::MAX;
