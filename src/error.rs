@@ -138,13 +138,14 @@ impl fmt::Display for OomReport {
             write!(
                 f,
                 "The cache holds enough free memory but in pieces too small: set \
-                 TIDEPOOL_CONF=max_split_size_mb:<MB> so large blocks are not split, or reduce the batch size."
+                 TIDEPOOL_CONF=expandable:true (free pages of holes go back to the device) or \
+                 max_split_size_mb:<MB> so large blocks are not split, or reduce the batch size."
             )
         } else {
             write!(
                 f,
                 "Live memory needs more than the device has: reduce the batch size, use mixed precision \
-                 or gradient checkpointing; if fragmentation is high, try TIDEPOOL_CONF=max_split_size_mb:<MB>."
+                 or gradient checkpointing; if fragmentation is high, try TIDEPOOL_CONF=expandable:true."
             )
         }
     }
