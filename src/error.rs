@@ -90,6 +90,9 @@ pub struct OomReport {
     pub device_total: Option<u64>,
     /// The cap on reserved bytes (`set_memory_fraction`), when there is one.
     pub reserved_limit: Option<u64>,
+    /// Whether the heap grows by expandable segments (then every free page
+    /// was already given back before the request failed).
+    pub expandable: bool,
 }
 
 /// Bytes as a person reads them: "1.50 GiB", "512 B".
@@ -134,12 +137,19 @@ impl fmt::Display for OomReport {
                 "The memory fraction is the limit: raise it (torch.cuda.set_per_process_memory_fraction) \
                  or reduce the batch size."
             )
-        } else if self.cached_free >= self.requested {
+        } else if self.cached_free >= self.requested && !self.expandable {
             write!(
                 f,
                 "The cache holds enough free memory but in pieces too small: set \
                  TIDEPOOL_CONF=expandable:true (free pages of holes go back to the device) or \
                  max_split_size_mb:<MB> so large blocks are not split, or reduce the batch size."
+            )
+        } else if self.expandable {
+            // Every page inside a free block went back before this failed.
+            write!(
+                f,
+                "Live memory (and the pages it shares with free pieces) needs more than the device has: \
+                 reduce the batch size, use mixed precision or gradient checkpointing."
             )
         } else {
             write!(
@@ -176,12 +186,17 @@ mod tests {
             device_free: Some(0),
             device_total: Some(16 << 30),
             reserved_limit: Some(14 << 30),
+            expandable: false,
         };
-        let text = AllocError::OutOfMemory(Box::new(report)).to_string();
+        let text = AllocError::OutOfMemory(Box::new(report.clone())).to_string();
         for needle in ["device 1", "2.00 GiB", "10.00 GiB allocated", "13.00 GiB reserved", "3.00 GiB cached free",
-            "largest free block 1.00 GiB", "67 %", "max_split_size_mb", "batch size", "of 16.00 GiB", "at most 14.00 GiB"]
+            "largest free block 1.00 GiB", "67 %", "expandable:true", "max_split_size_mb", "batch size", "of 16.00 GiB",
+            "at most 14.00 GiB"]
         {
             assert!(text.contains(needle), "{needle:?} missing from {text}");
         }
+        // With expandable segments on, it does not advise turning them on.
+        let text = AllocError::OutOfMemory(Box::new(OomReport { expandable: true, ..report })).to_string();
+        assert!(!text.contains("expandable:true") && text.contains("batch size"), "{text}");
     }
 }

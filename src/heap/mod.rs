@@ -735,6 +735,7 @@ impl DeviceHeap {
             device_free: info.map(|i| i.free),
             device_total: info.map(|i| i.total),
             reserved_limit: self.reserved_limit(),
+            expandable: self.vm.is_some(),
         }
     }
 
