@@ -62,6 +62,13 @@ fn the_c_abi_works_from_c_and_refuses_bad_input() {
 }
 
 #[test]
+fn the_c_abi_works_with_expandable_segments() {
+    let program = build_c_test("ffi_test_expandable");
+    let (ok, text) = run_with(&program, &[], "5000", &[("TIDEPOOL_CONF", "backend:host,host_capacity_mb:4096,expandable:true")]);
+    assert!(ok && text.contains(" passed, 0 failed"), "ffi_test with expandable segments failed:\n{text}");
+}
+
+#[test]
 fn the_c_abi_is_clean_under_valgrind_memcheck() {
     if Command::new("valgrind").arg("--version").output().is_err() {
         eprintln!("valgrind not installed: skipped");
