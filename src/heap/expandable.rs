@@ -216,16 +216,17 @@ impl DeviceHeap {
         released
     }
 
-    /// The free blocks of expandable segments that hold unmappable pages
-    /// while live blocks keep their range: each with the bytes it would give
-    /// back. (A range with no live block is a whole free segment instead.)
-    pub(super) fn holes_with_free_pages(&self) -> Vec<(BlockId, u64)> {
+    /// The free blocks of expandable segments, idle since `idle_before` or
+    /// earlier, that hold unmappable pages while live blocks keep their
+    /// range: each with the bytes it would give back. (A range with no live
+    /// block is a whole free segment instead.)
+    pub(super) fn holes_with_free_pages(&self, idle_before: u64) -> Vec<(BlockId, u64)> {
         let mut holes = Vec::new();
         for segment in self.segments.iter().flatten().filter(|s| s.pages.is_some()) {
             let mut cur = segment.first_block;
             while cur != NIL {
                 let b = &self.blocks[cur];
-                if b.state == BlockState::Binned && b.is_split() {
+                if b.state == BlockState::Binned && b.is_split() && b.idle_since_ms <= idle_before {
                     if let Some(runs) = self.unmappable_runs(cur) {
                         holes.push((cur, runs.runs.iter().map(|&(_, n)| n * runs.page).sum()));
                     }

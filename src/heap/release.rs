@@ -167,8 +167,18 @@ impl DeviceHeap {
                 (!b.is_allocated() && b.next == NIL).then_some(IdleSegment { id: id as u32, size, idle_since_ms: s.idle_since_ms })
             })
             .collect();
+        let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
+        let pressure = Pressure { device_free, reserved: self.device_reserved.load(Ordering::SeqCst) };
         // Candidates past the segments' ids are holes: index into `holes`.
-        let holes = self.holes_with_free_pages();
+        // Without pressure only holes past the idle deadline can go, so the
+        // walk (under the heap's lock) looks at no others.
+        let under_pressure = pressure.reserved > policy.max_reserved || pressure.device_free < policy.headroom;
+        let idle_before = if under_pressure { u64::MAX } else { self.clock.now_ms().saturating_sub(policy.release_after_ms) };
+        let holes = if self.vm.is_some() && (under_pressure || policy.release_after_ms != u64::MAX) {
+            self.holes_with_free_pages(idle_before)
+        } else {
+            Vec::new()
+        };
         for (index, &(block, bytes)) in holes.iter().enumerate() {
             let id = (self.segments.len() + index) as u32;
             idle.push(IdleSegment { id, size: bytes, idle_since_ms: self.blocks[block].idle_since_ms });
@@ -176,8 +186,6 @@ impl DeviceHeap {
         if idle.is_empty() {
             return Released::default();
         }
-        let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
-        let pressure = Pressure { device_free, reserved: self.device_reserved.load(Ordering::SeqCst) };
         let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
         let segment_count = self.segments.len() as u32;
         let mut total = Released::default();
