@@ -39,6 +39,9 @@ fi
 echo "== patterns across streams, and latency"
 timeout 240 "$OUT/tidepool_check" 20000 | tee "$OUT/check.txt"
 check_rc=${PIPESTATUS[0]}
+echo "-- with expandable segments (kernels write into pages tidepool mapped)"
+TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" timeout 120 "$OUT/tidepool_check" 5000 | tee "$OUT/check-expandable.txt"
+check_expandable_rc=${PIPESTATUS[0]}
 
 echo "== PyTorch end to end"
 for a in native native-expandable tidepool tidepool-expandable; do
@@ -47,13 +50,14 @@ done
 
 echo
 echo "== summary"
-python3 - "$OUT" "$check_rc" <<'PY'
+python3 - "$OUT" "$check_rc" "$check_expandable_rc" <<'PY'
 import json, sys, pathlib
-out, check_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+out, check_rc, check_expandable_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 print("gpu:", (out / "gpu.txt").read_text().strip())
 for name in ["conformance", "conformance-expandable"]:
     print(f"{name} on the driver:", "ok" if "cuda conformance: ok" in (out / f"{name}.txt").read_text() else "not ok")
 print("patterns/latency check:", "ok" if check_rc == 0 else f"FAILED ({check_rc})")
+print("patterns check, expandable segments:", "ok" if check_expandable_rc == 0 else f"FAILED ({check_expandable_rc})")
 runs = {}
 for name in ["native", "native-expandable", "tidepool", "tidepool-expandable"]:
     try:

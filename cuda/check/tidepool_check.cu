@@ -5,6 +5,7 @@
 //    handed to tidepool_record_stream, freed and reallocated at random; at
 //    every free a kernel on the block's own stream checks the block still
 //    holds its owner's bytes. Any overlap or early reuse shows as mismatches.
+//    Every 1000 operations the cache is emptied under the queued kernels.
 // 2. Latency of an allocation+free pair: tidepool (cached) against
 //    cuMemAlloc/cuMemFree and cuMemAllocAsync/cuMemFreeAsync.
 // Build: nvcc -O2 -I ffi cuda/check/tidepool_check.cu -L target/release -ltidepool -lcuda
@@ -91,6 +92,9 @@ int main(int argc, char** argv) {
             verify<<<32, 256, 0, streams[b.stream]>>>(b.ptr, b.size, b.tag, bad);
             tidepool_free(b.ptr, b.size, 0, streams[b.stream]);
         }
+        // Cache goes back (pages unmapped, with expandable segments) while
+        // kernels are still queued on the blocks around it.
+        if (op % 1000 == 999) tidepool_empty_cache();
     }
     for (auto& b : live) {
         verify<<<32, 256, 0, streams[b.stream]>>>(b.ptr, b.size, b.tag, bad);
