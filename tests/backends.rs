@@ -34,6 +34,17 @@ fn child(name: &str, env: &[(&str, &str)]) -> (bool, String) {
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
+/// Runs the child test `name` over simgpu (a device of `capacity`, plus
+/// `env`); asserts that it passed and returns what it printed.
+fn on_simgpu(name: &str, capacity: &str, env: &[(&str, &str)]) -> String {
+    let dir = simgpu_dir();
+    let mut all = vec![("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", capacity)];
+    all.extend_from_slice(env);
+    let (ok, text) = child(name, &all);
+    assert!(ok, "{name} failed:\n{text}");
+    text
+}
+
 fn in_child() -> bool {
     std::env::var_os("TIDEPOOL_TEST_CHILD").is_some()
 }
@@ -79,18 +90,9 @@ fn child_cuda_conformance() {
 }
 
 fn conforms_over_simgpu(backend: &str, conf: &str) {
-    let dir = simgpu_dir();
-    let (ok, text) = child(
-        "child_cuda_conformance",
-        &[
-            ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
-            ("SIMGPU_CAPACITY", "256M"),
-            ("SIMGPU_DEVICES", "2"),
-            ("TIDEPOOL_TEST_BACKEND", backend),
-            ("TIDEPOOL_TEST_CONF", conf),
-        ],
-    );
-    assert!(ok && text.contains("cuda conformance: ok"), "{text}");
+    let env = [("SIMGPU_DEVICES", "2"), ("TIDEPOOL_TEST_BACKEND", backend), ("TIDEPOOL_TEST_CONF", conf)];
+    let text = on_simgpu("child_cuda_conformance", "256M", &env);
+    assert!(text.contains("cuda conformance: ok"), "{text}");
 }
 
 #[test]
@@ -152,9 +154,8 @@ fn child_unmap_waits_for_the_stream() {
 
 #[test]
 fn expandable_pages_go_back_only_after_their_streams_work() {
-    let dir = simgpu_dir();
-    let (ok, text) = child("child_unmap_waits_for_the_stream", &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M")]);
-    assert!(ok && text.contains("unmap waited:"), "{text}");
+    let text = on_simgpu("child_unmap_waits_for_the_stream", "256M", &[]);
+    assert!(text.contains("unmap waited:"), "{text}");
 }
 
 /// The child side: a machine without libcuda.
@@ -306,19 +307,14 @@ fn stream_safety(record: bool, ops: u64) -> i64 {
 }
 
 fn stream_safety_on(backend: &str, conf: &str, record: bool, ops: u64) -> i64 {
-    let dir = simgpu_dir();
-    let (ok, text) = child(
-        "child_stream_safety",
-        &[
-            ("TIDEPOOL_TEST_BACKEND", backend),
-            ("TIDEPOOL_TEST_CONF", conf),
-            ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
-            ("SIMGPU_CAPACITY", "1G"),
-            ("TIDEPOOL_TEST_RECORD", if record { "1" } else { "0" }),
-            ("TIDEPOOL_TEST_OPS", &ops.to_string()),
-        ],
-    );
-    assert!(ok, "{text}");
+    let ops = ops.to_string();
+    let env = [
+        ("TIDEPOOL_TEST_BACKEND", backend),
+        ("TIDEPOOL_TEST_CONF", conf),
+        ("TIDEPOOL_TEST_RECORD", if record { "1" } else { "0" }),
+        ("TIDEPOOL_TEST_OPS", &ops),
+    ];
+    let text = on_simgpu("child_stream_safety", "1G", &env);
     let at = text.find("violations: ").unwrap_or_else(|| panic!("{text}")) + "violations: ".len();
     text[at..].split_whitespace().next().unwrap().parse().unwrap()
 }
@@ -380,9 +376,8 @@ fn child_deferred_free() {
 
 #[test]
 fn freeing_a_block_in_use_on_another_stream_does_not_wait_for_it() {
-    let dir = simgpu_dir();
-    let (ok, text) = child("child_deferred_free", &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M")]);
-    assert!(ok && text.contains("deferred free:"), "{text}");
+    let text = on_simgpu("child_deferred_free", "256M", &[]);
+    assert!(text.contains("deferred free:"), "{text}");
 }
 
 /// The child side: a stream borrows a block another stream still writes.
@@ -418,9 +413,7 @@ fn child_borrowing() {
 
 #[test]
 fn a_borrowed_block_waits_for_its_streams_work_on_the_device() {
-    let dir = simgpu_dir();
-    let (ok, text) = child("child_borrowing", &[("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "64M")]);
-    assert!(ok, "{text}");
+    let text = on_simgpu("child_borrowing", "64M", &[]);
     assert!(text.contains("violations: 0"), "{text}");
 }
 
@@ -451,10 +444,8 @@ fn child_failing_frees() {
 
 #[test]
 fn a_driver_failing_mid_release_leaves_the_heap_consistent_and_leaks_nothing() {
-    let dir = simgpu_dir();
-    let env = [("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M"), ("SIMGPU_FAIL_FREE_EVERY", "2")];
-    let (ok, text) = child("child_failing_frees", &env);
-    assert!(ok && text.contains("failing frees: ok"), "{text}");
+    let text = on_simgpu("child_failing_frees", "256M", &[("SIMGPU_FAIL_FREE_EVERY", "2")]);
+    assert!(text.contains("failing frees: ok"), "{text}");
 }
 
 /// The child side: with expandable segments, the driver refuses every 5th
@@ -499,10 +490,8 @@ fn child_failing_page_maps() {
 
 #[test]
 fn a_driver_refusing_pages_midway_leaves_the_heap_consistent_and_leaks_nothing() {
-    let dir = simgpu_dir();
-    let env = [("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", "256M"), ("SIMGPU_FAIL_EVERY", "5")];
-    let (ok, text) = child("child_failing_page_maps", &env);
-    assert!(ok && text.contains("failing page maps: ok"), "{text}");
+    let text = on_simgpu("child_failing_page_maps", "256M", &[("SIMGPU_FAIL_EVERY", "5")]);
+    assert!(text.contains("failing page maps: ok"), "{text}");
 }
 
 /// The child side: events cannot be recorded; unknown streams.
@@ -544,16 +533,10 @@ fn child_failing_events_and_bad_streams() {
 
 #[test]
 fn failing_events_and_unknown_streams_are_survived() {
-    let dir = simgpu_dir();
     for backend in ["cuda", "cuda_async"] {
-        let env = [
-            ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
-            ("SIMGPU_CAPACITY", "256M"),
-            ("SIMGPU_FAIL_EVENTS", "1"),
-            ("TIDEPOOL_TEST_BACKEND", backend),
-        ];
-        let (ok, text) = child("child_failing_events_and_bad_streams", &env);
-        assert!(ok && text.contains("violations: 0"), "{backend}: {text}");
+        let env = [("SIMGPU_FAIL_EVENTS", "1"), ("TIDEPOOL_TEST_BACKEND", backend)];
+        let text = on_simgpu("child_failing_events_and_bad_streams", "256M", &env);
+        assert!(text.contains("violations: 0"), "{backend}: {text}");
     }
 }
 
@@ -561,13 +544,7 @@ fn failing_events_and_unknown_streams_are_survived() {
 fn the_real_gpu_variant_of_the_suite_runs_over_simgpu() {
     // What cuda/check/run.sh runs on a GPU, tried here on a larger simgpu
     // device so that the GPU run fails only for reasons of the GPU.
-    let dir = simgpu_dir();
-    let env = [
-        ("LD_LIBRARY_PATH", dir.to_str().unwrap()),
-        ("SIMGPU_CAPACITY", "4G"),
-        ("TIDEPOOL_TEST_DEVICE_MEMORY", "1"),
-        ("TIDEPOOL_TEST_BACKEND", "cuda"),
-    ];
-    let (ok, text) = child("child_cuda_conformance", &env);
-    assert!(ok && text.contains("cuda conformance: ok"), "{text}");
+    let env = [("TIDEPOOL_TEST_DEVICE_MEMORY", "1"), ("TIDEPOOL_TEST_BACKEND", "cuda")];
+    let text = on_simgpu("child_cuda_conformance", "4G", &env);
+    assert!(text.contains("cuda conformance: ok"), "{text}");
 }
