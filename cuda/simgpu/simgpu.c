@@ -201,6 +201,19 @@ static void delay(void) {
 static void synchronize_all(void);
 static void release_now(CUdeviceptr dptr, int *found);
 
+/* Counts one call that takes memory and claims `bytes` of `device`'s
+ * capacity: 0 when refused (full, or SIMGPU_FAIL_EVERY). Lock held. The
+ * claim is atomic: other processes may share the count (SIMGPU_SHARED). */
+static int claim(int device, size_t bytes) {
+    alloc_calls++;
+    if (fail_every > 0 && alloc_calls % fail_every == 0) return 0;
+    size_t seen = __atomic_load_n(&used[device], __ATOMIC_SEQ_CST);
+    for (;;) {
+        if (seen + bytes > capacity) return 0;
+        if (__atomic_compare_exchange_n(&used[device], &seen, seen + bytes, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return 1;
+    }
+}
+
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     if (!current) return CUDA_ERROR_INVALID_CONTEXT;
@@ -208,14 +221,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     delay();
     int device = current->device;
     pthread_mutex_lock(&lock);
-    alloc_calls++;
-    int refuse = fail_every > 0 && alloc_calls % fail_every == 0;
-    /* Claim the bytes atomically: other processes may share the count. */
-    size_t seen = __atomic_load_n(&used[device], __ATOMIC_SEQ_CST);
-    while (!refuse) {
-        if (seen + bytes > capacity) { refuse = 1; break; }
-        if (__atomic_compare_exchange_n(&used[device], &seen, seen + bytes, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) break;
-    }
+    int refuse = !claim(device, bytes);
     int slot = -1;
     for (int i = 0; i < MAX_ALLOCS && !refuse; i++)
         if (allocs[i].base == 0) { slot = i; break; }
@@ -634,13 +640,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const vo
     if (device < 0 || device >= device_count) return CUDA_ERROR_INVALID_DEVICE;
     delay();
     pthread_mutex_lock(&lock);
-    alloc_calls++;
-    int refuse = fail_every > 0 && alloc_calls % fail_every == 0;
-    size_t seen = __atomic_load_n(&used[device], __ATOMIC_SEQ_CST);
-    while (!refuse) {
-        if (seen + size > capacity) { refuse = 1; break; }
-        if (__atomic_compare_exchange_n(&used[device], &seen, seen + size, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) break;
-    }
+    int refuse = !claim(device, size);
     int slot = -1;
     for (int i = 0; i < MAX_HANDLES && !refuse; i++)
         if (!handles[i].size) { slot = i; break; }
