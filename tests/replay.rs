@@ -3,6 +3,8 @@
 //! figures, determinism, recordings that replay to the same peaks, bad
 //! files, pictures and the command line.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -155,15 +157,8 @@ fn bad_files_are_clear_errors_that_name_the_file_and_place() {
     let err = trace::load(Path::new("/nonexistent/trace.csv")).unwrap_err().to_string();
     assert!(err.contains("/nonexistent/trace.csv") && err.contains("cannot open"), "{err}");
     // 32 MiB of garbage, as text and as a pickle: refused at once.
-    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-    let garbage: Vec<u8> = (0..32 << 20)
-        .map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed as u8
-        })
-        .collect();
+    let mut rng = common::Rng(0x9E37_79B9_7F4A_7C15);
+    let garbage: Vec<u8> = (0..32 << 20).map(|_| rng.next() as u8).collect();
     let mut as_pickle = garbage.clone();
     as_pickle[0] = 0x80;
     as_pickle[1] = 4;
