@@ -75,6 +75,11 @@ impl Gauge {
         self.current[0] + self.current[1]
     }
 
+    /// The peak of the value over both pool kinds.
+    pub fn peak_total(&self) -> u64 {
+        self.all_peak
+    }
+
     fn reset_peak(&mut self) {
         self.peak = self.current;
         self.all_peak = self.current[0] + self.current[1];

@@ -25,8 +25,8 @@
 
 use std::sync::atomic::Ordering;
 
-use super::block::{BlockId, BlockState, NIL};
-use super::{DeviceHeap, Released};
+use super::block::{Block, BlockId, BlockState, NIL};
+use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::size_class::PoolKind;
 
@@ -35,13 +35,6 @@ use crate::size_class::PoolKind;
 pub(super) struct Vm {
     pub page: u64,
     pub range: u64,
-}
-
-/// Runs `(first page, count)` of one range, with its base and page size.
-struct Runs {
-    base: u64,
-    page: u64,
-    runs: Vec<(u64, u64)>,
 }
 
 /// The most address space one range reserves (a request larger than this
@@ -195,25 +188,40 @@ impl DeviceHeap {
         };
         let stream = self.pools[segment.pool as usize].stream;
         let mut free_blocks = Vec::new();
-        let mut cur = segment.first_block;
-        while cur != NIL {
-            if self.blocks[cur].state == BlockState::Binned && self.unmappable_runs(cur).is_some() {
-                free_blocks.push(cur);
-            }
-            cur = self.blocks[cur].next;
-        }
+        self.free_blocks_with_pages(segment, |_| true, &mut free_blocks);
         if !free_blocks.is_empty() {
             // Work already queued on the pool's stream may still use these pages.
             if self.backend.synchronize_stream(self.device, stream).is_err() {
                 self.stats.events.num_stream_sync_errors += 1;
                 return released;
             }
-            for block in free_blocks {
+            for (block, _) in free_blocks {
                 released.bytes += self.unmap_inside(block);
             }
         }
         released += self.free_empty_range(segment_id);
         released
+    }
+
+    /// Appends to `out` the binned free blocks of the expandable `segment`
+    /// that `select` picks and that have mapped pages lying entirely inside
+    /// them, each with those pages' bytes (what unmapping it would give back).
+    fn free_blocks_with_pages(&self, segment: &Segment, select: impl Fn(&Block) -> bool, out: &mut Vec<(BlockId, u64)>) {
+        let Some(pages) = segment.pages.as_ref() else { return };
+        let page = pages.page_size();
+        let mut cur = segment.first_block;
+        while cur != NIL {
+            let b = &self.blocks[cur];
+            if b.state == BlockState::Binned && select(b) {
+                let offset = b.addr - segment.base;
+                let (first, count) = pages.inside(offset, offset + b.size);
+                let bytes = pages.mapped_bytes_within(first * page, (first + count) * page);
+                if bytes > 0 {
+                    out.push((cur, bytes));
+                }
+            }
+            cur = b.next;
+        }
     }
 
     /// The free blocks of expandable segments, idle since `idle_before` or
@@ -222,17 +230,8 @@ impl DeviceHeap {
     /// block is a whole free segment instead.)
     pub(super) fn holes_with_free_pages(&self, idle_before: u64) -> Vec<(BlockId, u64)> {
         let mut holes = Vec::new();
-        for segment in self.segments.iter().flatten().filter(|s| s.pages.is_some()) {
-            let mut cur = segment.first_block;
-            while cur != NIL {
-                let b = &self.blocks[cur];
-                if b.state == BlockState::Binned && b.is_split() && b.idle_since_ms <= idle_before {
-                    if let Some(runs) = self.unmappable_runs(cur) {
-                        holes.push((cur, runs.runs.iter().map(|&(_, n)| n * runs.page).sum()));
-                    }
-                }
-                cur = b.next;
-            }
+        for segment in self.segments.iter().flatten() {
+            self.free_blocks_with_pages(segment, |b| b.is_split() && b.idle_since_ms <= idle_before, &mut holes);
         }
         holes
     }
@@ -248,24 +247,15 @@ impl DeviceHeap {
         if self.vm.is_none() {
             return;
         }
-        let (current, peak) = {
-            let reserved = self.stats.reserved_bytes.report();
-            (reserved.all.current, reserved.all.peak)
-        };
-        let Some(mut want) = (current + bytes).checked_sub(peak).filter(|&w| w > 0) else { return };
+        let reserved = &self.stats.reserved_bytes;
+        let Some(mut want) = (reserved.total() + bytes).checked_sub(reserved.peak_total()).filter(|&w| w > 0) else { return };
         self.flush_stashes(); // a stashed block is a hole too
         let mut holes = Vec::new();
-        for segment in self.segments.iter().flatten().filter(|s| s.pages.is_some() && s.pool != pool) {
-            let mut cur = segment.first_block;
-            while cur != NIL {
-                if self.blocks[cur].state == BlockState::Binned && self.unmappable_runs(cur).is_some() {
-                    holes.push(cur);
-                }
-                cur = self.blocks[cur].next;
-            }
+        for segment in self.segments.iter().flatten().filter(|s| s.pool != pool) {
+            self.free_blocks_with_pages(segment, |_| true, &mut holes);
         }
-        holes.sort_by_key(|&id| self.blocks[id].idle_since_ms);
-        for hole in holes {
+        holes.sort_by_key(|&(id, _)| self.blocks[id].idle_since_ms);
+        for (hole, _) in holes {
             want = want.saturating_sub(self.release_hole(hole));
             if want == 0 {
                 break;
@@ -284,27 +274,18 @@ impl DeviceHeap {
         self.unmap_inside(id)
     }
 
-    /// The mapped runs of pages lying entirely inside the free block `id`
-    /// of an expandable segment, with the range's base and page size.
-    fn unmappable_runs(&self, id: BlockId) -> Option<Runs> {
-        let b = &self.blocks[id];
-        let segment = self.segments[b.segment as usize].as_ref()?;
-        let pages = segment.pages.as_ref()?;
-        let offset = b.addr - segment.base;
-        let (first, count) = pages.inside(offset, offset + b.size);
-        let runs = pages.runs(first, count, true);
-        (!runs.is_empty()).then(|| Runs { base: segment.base, page: pages.page_size(), runs })
-    }
-
     /// Unmaps the mapped pages lying entirely inside the binned free block
     /// `id` (whose stream has no work left on them). Returns the bytes unmapped.
-    pub(super) fn unmap_inside(&mut self, id: BlockId) -> u64 {
-        let Some(Runs { base, page, runs }) = self.unmappable_runs(id) else {
+    fn unmap_inside(&mut self, id: BlockId) -> u64 {
+        let b = &self.blocks[id];
+        let (addr, size, segment_id, kind) = (b.addr, b.size, b.segment as usize, b.kind);
+        let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
             return 0;
         };
-        let (segment_id, kind) = (self.blocks[id].segment as usize, self.blocks[id].kind);
+        let page = pages.page_size();
+        let (first, count) = pages.inside(addr - base, addr - base + size);
         let mut bytes = 0;
-        for (p, n) in runs {
+        for (p, n) in pages.runs(first, count, true) {
             if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
                 continue;
             }
