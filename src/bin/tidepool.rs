@@ -306,11 +306,8 @@ fn run_plan(args: &[String]) -> Result<(), String> {
     }
     let file = &options.files[0];
     let trace = load(file)?;
-    let plans = Policy::ALL.map(|policy| smallest_capacity(&trace, policy, &options.conf));
-    let [pytorch, tidepool, expandable] = match plans {
-        [Ok(a), Ok(b), Ok(c)] => [a, b, c],
-        [a, b, c] => return Err([a, b, c].into_iter().find_map(Result::err).unwrap_or_default()),
-    };
+    let [pytorch, tidepool, expandable] = Policy::ALL.map(|policy| smallest_capacity(&trace, policy, &options.conf));
+    let (pytorch, tidepool, expandable) = (pytorch?, tidepool?, expandable?);
     let peak = trace.peak_requested();
     if options.json {
         out!(
