@@ -10,7 +10,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{check, fill, host_allocator, MIB};
+use common::{check, fill, host_allocator, reserved, MIB};
 use tidepool::backend::host::FaultKind;
 use tidepool::backend::Backend;
 use tidepool::trace::plan::smallest_capacity_in_steps;
@@ -21,10 +21,6 @@ const S: Stream = Stream::DEFAULT;
 
 fn alloc(a: &Allocator, size: u64) -> DevicePtr {
     a.allocate(0, size as usize, S).unwrap()
-}
-
-fn reserved(a: &Allocator) -> u64 {
-    a.stats(0).unwrap().reserved_bytes.all.current
 }
 
 #[test]

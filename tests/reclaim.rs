@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{host_allocator, MIB};
+use common::{host_allocator, reserved, MIB};
 use tidepool::reclaim::policy::Reason;
 use tidepool::{Allocator, Stream};
 
@@ -22,10 +22,6 @@ fn eventually(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(10));
     }
     done()
-}
-
-fn reserved(alloc: &Allocator) -> u64 {
-    alloc.stats(0).unwrap().reserved_bytes.all.current
 }
 
 #[test]

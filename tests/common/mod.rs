@@ -29,6 +29,11 @@ pub fn host_allocator(devices: usize, capacity: u64, conf: &str) -> (Allocator, 
     (Allocator::with_backend(config, backend.clone()), backend)
 }
 
+/// Bytes device 0 reserves now.
+pub fn reserved(alloc: &Allocator) -> u64 {
+    alloc.stats(0).unwrap().reserved_bytes.all.current
+}
+
 /// xorshift64*: deterministic, dependency-free.
 pub struct Rng(pub u64);
 
