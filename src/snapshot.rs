@@ -6,6 +6,7 @@
 use std::io::Write;
 use std::path::Path;
 
+use crate::heap::BlockSnapshot;
 use crate::pickle::{dumps, PyValue};
 use crate::size_class::PoolKind;
 use crate::Allocator;
@@ -17,7 +18,9 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
     for device in 0..alloc.device_count() {
         for segment in alloc.snapshot(device).unwrap_or_default() {
             let allocated: u64 = segment.blocks.iter().filter(|b| b.allocated).map(|b| b.size).sum();
-            let requested: u64 = segment.blocks.iter().filter(|b| b.allocated).map(|b| b.requested).sum();
+            // As PyTorch: pending blocks are active, and keep their requested size.
+            let active = segment.blocks.iter().filter(|b| b.allocated || b.pending);
+            let (active, requested) = active.fold((0, 0), |(size, requested), b| (size + b.size, requested + b.requested));
             let blocks = segment
                 .blocks
                 .iter()
@@ -26,7 +29,7 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
                         ("address", PyValue::int(b.address)),
                         ("size", PyValue::int(b.size)),
                         ("requested_size", PyValue::int(b.requested)),
-                        ("state", PyValue::str(if b.allocated { "active_allocated" } else { "inactive" })),
+                        ("state", PyValue::str(block_state(b))),
                         ("frames", PyValue::List(vec![])),
                     ])
                 })
@@ -36,7 +39,7 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
                 ("address", PyValue::int(segment.address)),
                 ("total_size", PyValue::int(segment.size)),
                 ("allocated_size", PyValue::int(allocated)),
-                ("active_size", PyValue::int(allocated)),
+                ("active_size", PyValue::int(active)),
                 ("requested_size", PyValue::int(requested)),
                 ("stream", PyValue::int(segment.stream.0)),
                 ("segment_type", PyValue::str(if segment.kind == PoolKind::Small { "small" } else { "large" })),
@@ -49,6 +52,15 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
     }
     let traces = (0..alloc.device_count()).map(|_| PyValue::List(vec![])).collect();
     PyValue::dict([("segments", PyValue::List(segments)), ("device_traces", PyValue::List(traces))])
+}
+
+/// A block's state as PyTorch names it.
+fn block_state(block: &BlockSnapshot) -> &'static str {
+    match (block.allocated, block.pending) {
+        (true, _) => "active_allocated",
+        (false, true) => "active_pending_free",
+        (false, false) => "inactive",
+    }
 }
 
 /// Writes the snapshot as a pickle to `path` (via a temporary file, so a

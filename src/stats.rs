@@ -189,11 +189,52 @@ pub(crate) struct Counters {
     pub reserved_bytes: Gauge,
     pub inactive_split_bytes: Gauge,
     pub requested_bytes: Gauge,
+    /// Blocks freed by their caller but waiting for other streams' work:
+    /// active, no longer allocated (as in PyTorch).
+    pub pending: Gauge,
+    pub pending_bytes: Gauge,
+    active_peaks: [Peaks; 2],
     pub events: Events,
 }
 
+/// Peaks of active blocks and bytes (allocated + pending) reached while
+/// blocks were pending. The rest of the time active equals allocated, so
+/// active's peak is the larger of these and allocated's: the hot path never
+/// counts active memory, and only notes these while blocks are pending.
+#[derive(Clone, Copy, Debug, Default)]
+struct Peaks {
+    per_kind: [u64; 2],
+    all: u64,
+}
+
+impl Peaks {
+    fn note(&mut self, allocated: &Gauge, pending: &Gauge) {
+        let current = [0, 1].map(|k| allocated.current[k] + pending.current[k]);
+        self.per_kind = [0, 1].map(|k| self.per_kind[k].max(current[k]));
+        self.all = self.all.max(current[0] + current[1]);
+    }
+
+    /// Active as reported: allocated plus pending, with these peaks.
+    fn active(&self, allocated: &Gauge, pending: &Gauge) -> StatByPool {
+        let (allocated, pending) = (allocated.report(), pending.report());
+        // Active grows only as blocks are allocated, and shrinks as they are
+        // freed, except for those that went pending and are still pending.
+        let stat = |a: &Stat, p: &Stat, peak: u64| Stat {
+            current: a.current + p.current,
+            peak: a.peak.max(peak),
+            allocated: a.allocated,
+            freed: a.freed + p.freed - p.allocated,
+        };
+        StatByPool {
+            all: stat(&allocated.all, &pending.all, self.all),
+            small_pool: stat(&allocated.small_pool, &pending.small_pool, self.per_kind[0]),
+            large_pool: stat(&allocated.large_pool, &pending.large_pool, self.per_kind[1]),
+        }
+    }
+}
+
 impl Counters {
-    fn gauges_mut(&mut self) -> [&mut Gauge; 7] {
+    fn gauges_mut(&mut self) -> [&mut Gauge; 9] {
         [
             &mut self.allocation,
             &mut self.segment,
@@ -202,7 +243,15 @@ impl Counters {
             &mut self.reserved_bytes,
             &mut self.inactive_split_bytes,
             &mut self.requested_bytes,
+            &mut self.pending,
+            &mut self.pending_bytes,
         ]
+    }
+
+    /// Notes the peaks of active memory; called on each allocation made while blocks are pending.
+    pub fn note_active_peaks(&mut self) {
+        self.active_peaks[0].note(&self.allocation, &self.pending);
+        self.active_peaks[1].note(&self.allocated_bytes, &self.pending_bytes);
     }
 
     /// Sets every peak to its current value (`torch.cuda.reset_peak_memory_stats`).
@@ -210,6 +259,8 @@ impl Counters {
         for gauge in self.gauges_mut() {
             gauge.reset_peak();
         }
+        self.active_peaks = Default::default();
+        self.note_active_peaks();
     }
 
     /// Zeroes the accumulated counters (`torch.cuda.reset_accumulated_memory_stats`).
@@ -223,17 +274,15 @@ impl Counters {
 
     /// The public statistics; the cache figures are the caller's to fill.
     pub fn report(&self) -> Stats {
-        // Every live block is active until deferred (stream-ordered) frees exist.
         let allocation = self.allocation.report();
-        let allocated_bytes = self.allocated_bytes.report();
         Stats {
             allocation,
             segment: self.segment.report(),
-            active: allocation,
+            active: self.active_peaks[0].active(&self.allocation, &self.pending),
             inactive_split: self.inactive_split.report(),
-            allocated_bytes,
+            allocated_bytes: self.allocated_bytes.report(),
             reserved_bytes: self.reserved_bytes.report(),
-            active_bytes: allocated_bytes,
+            active_bytes: self.active_peaks[1].active(&self.allocated_bytes, &self.pending_bytes),
             inactive_split_bytes: self.inactive_split_bytes.report(),
             requested_bytes: self.requested_bytes.report(),
             // Every allocation adds one to `allocation`, every free takes one.

@@ -193,6 +193,7 @@ struct Simgpu {
     event_record: unsafe extern "C" fn(u64, u64) -> i32,
     stream_wait_event: unsafe extern "C" fn(u64, u64, u32) -> i32,
     violations: unsafe extern "C" fn() -> i64,
+    event_queries: unsafe extern "C" fn() -> i64,
 }
 
 impl Simgpu {
@@ -226,6 +227,7 @@ impl Simgpu {
                 event_record: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuEventRecord")),
                 stream_wait_event: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamWaitEvent")),
                 violations: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_violations")),
+                event_queries: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_event_queries")),
             }
         }
     }
@@ -378,6 +380,66 @@ fn child_deferred_free() {
 fn freeing_a_block_in_use_on_another_stream_does_not_wait_for_it() {
     let text = on_simgpu("child_deferred_free", "256M", &[]);
     assert!(text.contains("deferred free:"), "{text}");
+}
+
+/// The child side: many blocks freed while another stream still uses them.
+#[test]
+fn child_pending_frees() {
+    if !in_child() {
+        return;
+    }
+    const PENDING: u64 = 200;
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    let [own, other] = [sim.stream(), sim.stream()].map(tidepool::Stream);
+    // SAFETY: queues a 1 s sleep on a stream made above.
+    unsafe { (sim.enqueue_sleep)(other.0, 1_000_000) };
+    let ptrs: Vec<_> = (0..PENDING).map(|_| alloc.allocate(0, 1 << 20, own).unwrap()).collect();
+    for &ptr in &ptrs {
+        alloc.record_stream(ptr, other).unwrap();
+        alloc.free(0, ptr).unwrap();
+    }
+    // Freed, so no longer allocated; in use until the other stream is done, so active (as in PyTorch).
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes.all.current, s.active_bytes.all.current), (0, PENDING << 20));
+    assert!(alloc.record_stream(ptrs[0], other).is_err(), "record_stream on a freed block is refused");
+    let states = |alloc: &Allocator| alloc.snapshot(0).unwrap().iter().flat_map(|s| s.blocks.clone()).filter(|b| b.pending).count();
+    assert_eq!(states(&alloc), PENDING as usize, "the snapshot shows the blocks as pending frees");
+
+    // Active memory peaks above its peak while everything was allocated.
+    let extra = alloc.allocate(0, 2 << 20, own).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes.all.peak, s.active_bytes.all.peak), (PENDING << 20, (PENDING + 2) << 20));
+
+    // Allocations keep polling the pending frees: one event query per
+    // stream with frees pending, not one per pending block.
+    // SAFETY: reads a counter of the loaded simgpu.
+    let before = unsafe { (sim.event_queries)() };
+    let sizes: Vec<_> = (0..PENDING).map(|i| (i as usize + 1) * 4096).collect();
+    let more: Vec<_> = sizes.iter().map(|&size| alloc.allocate(0, size, own).unwrap()).collect();
+    // SAFETY: reads a counter of the loaded simgpu.
+    let queries = unsafe { (sim.event_queries)() } - before;
+    assert!(queries <= 2 * PENDING as i64 + 10, "{queries} event queries for {PENDING} allocations over {PENDING} pending frees");
+    assert_eq!(alloc.stats(0).unwrap().active_bytes.all.current - alloc.stats(0).unwrap().allocated_bytes.all.current, PENDING << 20);
+    alloc.validate().unwrap();
+
+    // SAFETY: waits for a stream made above.
+    unsafe { (sim.stream_synchronize)(other.0) };
+    for ptr in more.into_iter().chain([extra]) {
+        alloc.free(0, ptr).unwrap();
+    }
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes.all.current, s.active_bytes.all.current), (0, 0), "every pending free completed");
+    assert_eq!(s.active.all.freed, s.allocation.all.freed);
+    assert_eq!(states(&alloc), 0);
+    alloc.validate().unwrap();
+    println!("pending frees: {queries} event queries");
+}
+
+#[test]
+fn pending_frees_are_active_not_allocated_and_cost_one_poll_per_stream() {
+    let text = on_simgpu("child_pending_frees", "1G", &[]);
+    assert!(text.contains("pending frees:"), "{text}");
 }
 
 /// The child side: a stream borrows a block another stream still writes.

@@ -12,8 +12,9 @@
  *     order; events complete when their stream reaches them; cuMemFree
  *     waits for every stream, like the driver;
  *   - test entry points (simgpu_*) to queue sleeps, fills and checks of
- *     memory on a stream, to name which allocation owns a range, and to
- *     read the use-after-free detector: a queued write that lands in a
+ *     memory on a stream, to name which allocation owns a range, to count
+ *     driver calls (VMM maps, event queries), and to read the
+ *     use-after-free detector: a queued write that lands in a
  *     range owned by another allocation by the time it runs is counted;
  *   - virtual memory management: cuMemAddressReserve/Free reserve
  *     inaccessible address space, cuMemCreate makes a physical allocation
@@ -508,8 +509,11 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     return enqueue(s, (struct op){.kind = OP_EVENT, .event = e, .tag = (uint64_t)generation});
 }
 
+static long event_queries;
+
 CUresult cuEventQuery(CUevent e) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    __atomic_fetch_add(&event_queries, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&e->mu);
     int done = e->completed >= e->recorded;
     pthread_mutex_unlock(&e->mu);
@@ -745,6 +749,11 @@ void simgpu_vm_calls(long *maps, long *unmaps) {
     *maps = vm_map_calls;
     *unmaps = vm_unmap_calls;
     pthread_mutex_unlock(&lock);
+}
+
+/* Test entry point: cuEventQuery calls so far. */
+long simgpu_event_queries(void) {
+    return __atomic_load_n(&event_queries, __ATOMIC_RELAXED);
 }
 
 /* ---- stream-ordered allocation (cudaMallocAsync) ----------------------- */

@@ -25,6 +25,10 @@ pub enum BlockState {
     Detached,
     /// Handed out to a caller.
     Allocated,
+    /// Freed by its caller but still used by work queued on other streams
+    /// (`record_stream`): waits for their events before it can be reused.
+    /// Active, no longer allocated (as in PyTorch).
+    Pending,
 }
 
 /// One block: a range of a segment, allocated or free.
@@ -52,9 +56,16 @@ pub struct Block {
 }
 
 impl Block {
+    /// Held by a caller, who may still free it or record streams on it.
     #[inline]
     pub fn is_allocated(&self) -> bool {
         self.state == BlockState::Allocated
+    }
+
+    /// Allocated or pending: the block's memory is in use and cannot be reused.
+    #[inline]
+    pub fn is_active(&self) -> bool {
+        matches!(self.state, BlockState::Allocated | BlockState::Pending)
     }
 
     /// True when the block does not cover its whole segment.

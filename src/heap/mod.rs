@@ -28,11 +28,13 @@
 //! - no two free blocks are neighbours, unless one of them is a stashed block;
 //! - each free block is either in exactly one bin (the bin of its size, in
 //!   its segment's pool) or the stash of its pool;
-//! - each allocated or stashed block is in `by_addr` under its address, and
-//!   nothing else is;
+//! - each allocated, pending or stashed block is in `by_addr` under its
+//!   address, and nothing else is;
 //! - every gauge equals the sum recomputed from the blocks (stashed blocks
-//!   count as free, but as inactive-split only once merged);
-//! - every pending free names an allocated block and waits for an event.
+//!   count as free, but as inactive-split only once merged; pending blocks
+//!   as active, not allocated);
+//! - each pending block waits for as many queued events as it is named in,
+//!   and at least one.
 #![forbid(unsafe_code)]
 
 pub mod addr_map;
@@ -64,6 +66,7 @@ use block::{BlockArena, BlockId, BlockState, NIL};
 use expandable::Vm;
 use pages::PageMap;
 use pool::Pool;
+use streams::PendingFrees;
 
 /// One allocation from the backend, or one reserved range of an
 /// expandable segment (then `size` is its address space, and `pages` says
@@ -121,7 +124,11 @@ pub struct BlockSnapshot {
     pub size: u64,
     /// Bytes asked for; 0 for a free block.
     pub requested: u64,
+    /// Held by its caller.
     pub allocated: bool,
+    /// Freed by its caller, waiting for other streams' work (PyTorch's
+    /// `active_pending_free`).
+    pub pending: bool,
 }
 
 /// A freed block, as the caller needs to know it.
@@ -151,9 +158,8 @@ pub struct DeviceHeap {
     by_addr: AddrMap,
     /// Live blocks used on streams other than their own (`record_stream`).
     recorded_streams: HashMap<u64, Vec<Stream>>,
-    /// Freed blocks waiting for the events of the other streams that used
-    /// them: (address, events). Still allocated to the heap until then.
-    pending: Vec<(u64, Vec<u64>)>,
+    /// Freed blocks waiting for the events of the other streams that used them.
+    pending: PendingFrees,
     /// The most the device may reserve by the memory fraction (u64::MAX: no limit).
     reserved_limit: u64,
     /// Bytes the device holds from the driver, counted across the heaps
@@ -193,7 +199,7 @@ impl DeviceHeap {
             last_stream: None,
             by_addr: AddrMap::default(),
             recorded_streams: HashMap::new(),
-            pending: Vec::new(),
+            pending: PendingFrees::default(),
             reserved_limit: u64::MAX,
             device_reserved: Arc::new(AtomicU64::new(0)),
             policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
@@ -240,7 +246,7 @@ impl DeviceHeap {
     /// Whether `ptr` is a block of this heap that a free could name
     /// (allocated, or freed and pending).
     pub fn owns(&self, ptr: u64) -> bool {
-        self.live_size(ptr).is_some()
+        self.by_addr.get(ptr).is_some_and(|id| self.blocks[id].is_active())
     }
 
     /// Turns the stash on or off (off: every free merges at once).
@@ -446,6 +452,9 @@ impl DeviceHeap {
         stats.allocation.increase(kind, 1);
         stats.allocated_bytes.increase(kind, size);
         stats.requested_bytes.increase(kind, requested);
+        if !self.pending.is_empty() {
+            stats.note_active_peaks();
+        }
         addr
     }
 
@@ -457,29 +466,24 @@ impl DeviceHeap {
             self.stats.events.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
-        if !self.recorded_streams.is_empty() || !self.pending.is_empty() {
-            if self.pending.iter().any(|(p, _)| *p == ptr) {
-                self.stats.events.num_invalid_frees += 1;
-                return Err(AllocError::InvalidFree { ptr, reason: InvalidFree::NotLive });
-            }
+        if !self.recorded_streams.is_empty() {
             if let Some(streams) = self.recorded_streams.remove(&ptr) {
                 if let Some(freed) = self.defer_free(id, ptr, &streams) {
                     return Ok(freed);
                 }
             }
         }
-        self.free_now(id, ptr)
+        let freed = self.count_free(id, ptr);
+        self.deactivate(id);
+        Ok(freed)
     }
 
-    /// Frees the allocated block `id` at `ptr` now: stats, then the stash or the bins.
+    /// Counts the caller's free of the allocated block `id` at `ptr`: the
+    /// statistics of allocated memory, and the trace.
     #[inline(always)]
-    fn free_now(&mut self, id: BlockId, ptr: u64) -> Result<Freed, AllocError> {
-        let (size, requested, pool, kind) = {
-            let b = &mut self.blocks[id];
-            b.state = BlockState::Stashed;
-            let requested = std::mem::take(&mut b.requested);
-            (b.size, requested, b.pool, b.kind)
-        };
+    fn count_free(&mut self, id: BlockId, ptr: u64) -> Freed {
+        let b = &self.blocks[id];
+        let (size, requested, pool, kind) = (b.size, b.requested, b.pool, b.kind);
         if self.trace.is_some() {
             let stream = self.pools[pool as usize].stream;
             self.record(Action::Free, ptr, requested, stream);
@@ -488,17 +492,25 @@ impl DeviceHeap {
         stats.allocation.decrease(kind, 1);
         stats.allocated_bytes.decrease(kind, size);
         stats.requested_bytes.decrease(kind, requested);
+        Freed { size, requested }
+    }
 
+    /// Makes the freed block `id` reusable: into the stash or the bins.
+    #[inline(always)]
+    fn deactivate(&mut self, id: BlockId) {
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Stashed;
+        b.requested = 0;
+        let pool = b.pool;
         if !self.stash_enabled {
             self.merge_and_bin(id);
-            return Ok(Freed { size, requested });
+            return;
         }
         let previous = std::mem::replace(&mut self.pools[pool as usize].stash, id);
         if previous != NIL {
             self.merge_and_bin(previous);
         }
         // The stash path ends here: merging is for the next operation.
-        Ok(Freed { size, requested })
     }
 
     /// Merges the stashed block of `pool`, if any, into the bins.
@@ -663,7 +675,8 @@ impl DeviceHeap {
                     let b = &self.blocks[cur];
                     let (from, to) = (b.addr.max(start), (b.addr + b.size).min(end));
                     if from < to {
-                        blocks.push(BlockSnapshot { address: from, size: to - from, requested: b.requested, allocated: b.is_allocated() });
+                        let (address, size, requested) = (from, to - from, b.requested);
+                        blocks.push(BlockSnapshot { address, size, requested, allocated: b.is_allocated(), pending: b.state == BlockState::Pending });
                     }
                     if b.addr + b.size > end {
                         break; // the block goes on into the next run
@@ -747,17 +760,5 @@ impl DeviceHeap {
             allocated: self.stats.allocated_bytes.total(),
             reserved: self.stats.reserved_bytes.total(),
         }
-    }
-
-    /// Live blocks as (address, size, requested) in address order, for tests and snapshots.
-    pub fn live_blocks(&self) -> Vec<(u64, u64, u64)> {
-        let mut out: Vec<_> = self
-            .by_addr
-            .iter()
-            .filter(|&(_, id)| self.blocks[id].is_allocated())
-            .map(|(addr, id)| (addr, self.blocks[id].size, self.blocks[id].requested))
-            .collect();
-        out.sort_unstable();
-        out
     }
 }

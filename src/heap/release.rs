@@ -164,7 +164,7 @@ impl DeviceHeap {
                 let s = s.as_ref()?;
                 let b = &self.blocks[s.first_block];
                 let size = s.pages.as_ref().map_or(s.size, |p| p.mapped_bytes());
-                (!b.is_allocated() && b.next == NIL).then_some(IdleSegment { id: id as u32, size, idle_since_ms: s.idle_since_ms })
+                (!b.is_active() && b.next == NIL).then_some(IdleSegment { id: id as u32, size, idle_since_ms: s.idle_since_ms })
             })
             .collect();
         let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
@@ -234,7 +234,7 @@ impl DeviceHeap {
                 continue;
             }
             let block = &self.blocks[segment.first_block];
-            if block.is_allocated() || block.next != NIL || !select(segment_id, segment) {
+            if block.is_active() || block.next != NIL || !select(segment_id, segment) {
                 continue;
             }
             let (base, size, pool) = (segment.base, segment.size, segment.pool);

@@ -3,7 +3,9 @@
 //! device lends a block cached for another stream after a device-side wait.
 #![forbid(unsafe_code)]
 
-use super::block::BlockId;
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use super::block::{BlockId, BlockState};
 use super::{DeviceHeap, Freed};
 use crate::error::AllocError;
 use crate::Stream;
@@ -46,15 +48,15 @@ impl DeviceHeap {
 
     /// A block used on other streams becomes reusable only once the work
     /// those streams had queued has run: an event is recorded on each, and
-    /// the block waits in `pending` (still counted as allocated) until they
+    /// the block waits, pending (active, no longer allocated), until they
     /// complete. Returns None when there is nothing to wait for (a backend
-    /// without asynchronous work), and the block is freed at once.
+    /// without asynchronous work): the caller frees the block at once.
     #[cold]
     pub(super) fn defer_free(&mut self, id: BlockId, ptr: u64, streams: &[Stream]) -> Option<Freed> {
         let mut events = Vec::with_capacity(streams.len());
         for &stream in streams {
             match self.backend.record_event(self.device, stream) {
-                Ok(Some(event)) => events.push(event),
+                Ok(Some(event)) => events.push((stream, event)),
                 Ok(None) => {}
                 // No event: wait for the stream here instead.
                 Err(_) => {
@@ -67,44 +69,48 @@ impl DeviceHeap {
         if events.is_empty() {
             return None;
         }
-        let b = &self.blocks[id];
-        let freed = Freed { size: b.size, requested: b.requested };
-        self.pending.push((ptr, events));
+        let freed = self.count_free(id, ptr);
+        self.blocks[id].state = BlockState::Pending;
+        self.stats.pending.increase(self.blocks[id].kind, 1);
+        self.stats.pending_bytes.increase(self.blocks[id].kind, freed.size);
+        self.pending.push(id, &events);
         Some(freed)
     }
 
-    /// Frees the pending blocks whose events completed; with `wait`, waits
-    /// for every event first (before releasing memory, so nothing still in
-    /// use goes back to the driver).
+    /// Makes reusable the pending blocks whose events completed; with
+    /// `wait`, waits for every event first (before releasing memory, so
+    /// nothing still in use goes back to the driver). A stream's events
+    /// complete in order, so each stream's queue is polled up to its first
+    /// event not done: one query per stream, however many blocks wait.
     pub fn process_pending(&mut self, wait: bool) {
         if self.pending.is_empty() {
             return;
         }
-        let mut still = Vec::new();
-        for (ptr, events) in std::mem::take(&mut self.pending) {
-            let done = events.iter().all(|&event| {
-                if wait {
+        for queue in 0..self.pending.queues.len() {
+            while let Some(&(event, id)) = self.pending.queues[queue].1.front() {
+                let done = if wait {
                     self.backend.wait_event(self.device, event).is_ok()
                 } else {
                     self.backend.event_done(self.device, event).unwrap_or(true)
+                };
+                if !done {
+                    break;
                 }
-            });
-            if !done {
-                still.push((ptr, events));
-                continue;
-            }
-            for event in events {
+                self.pending.queues[queue].1.pop_front();
                 self.backend.recycle_event(self.device, event);
-            }
-            if let Some(id) = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()) {
-                let _ = self.free_now(id, ptr);
+                if self.pending.event_done(id) {
+                    let (kind, size) = (self.blocks[id].kind, self.blocks[id].size);
+                    self.stats.pending.decrease(kind, 1);
+                    self.stats.pending_bytes.decrease(kind, size);
+                    self.deactivate(id);
+                }
             }
         }
-        self.pending = still;
+        self.pending.queues.retain(|(_, events)| !events.is_empty());
     }
 
-    /// Notes that the live block at `ptr` is also used on `stream`: when it
-    /// is freed, it is reused only after the work queued on `stream` runs.
+    /// Notes that the allocated block at `ptr` is also used on `stream`: when
+    /// it is freed, it is reused only after the work queued on `stream` runs.
     pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<(), AllocError> {
         let id = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
         let Some(id) = id else {
@@ -122,5 +128,71 @@ impl DeviceHeap {
     /// The streams recorded for the live block at `ptr`.
     pub fn recorded_streams(&self, ptr: u64) -> &[Stream] {
         self.recorded_streams.get(&ptr).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// Freed blocks waiting for events recorded on the other streams that used
+/// them: per stream, its events in the order they were recorded (the order
+/// they complete), each naming its block; and per block, how many of its
+/// events have not completed.
+#[derive(Default)]
+pub(super) struct PendingFrees {
+    queues: Vec<(Stream, VecDeque<(u64, BlockId)>)>,
+    waiting: HashMap<BlockId, u32>,
+}
+
+impl PendingFrees {
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
+    /// Queues the events `block` waits for, each on its stream.
+    fn push(&mut self, block: BlockId, events: &[(Stream, u64)]) {
+        for &(stream, event) in events {
+            let queue = match self.queues.iter().position(|(s, _)| *s == stream) {
+                Some(queue) => queue,
+                None => {
+                    self.queues.push((stream, VecDeque::new()));
+                    self.queues.len() - 1
+                }
+            };
+            self.queues[queue].1.push_back((event, block));
+        }
+        self.waiting.insert(block, events.len() as u32);
+    }
+
+    /// Notes that one event of `block` completed; true when it was the last.
+    fn event_done(&mut self, block: BlockId) -> bool {
+        let left = self.waiting.get_mut(&block).expect("a queued event names a pending block");
+        *left -= 1;
+        if *left > 0 {
+            return false;
+        }
+        self.waiting.remove(&block);
+        true
+    }
+
+    /// Checks that each block waits for as many events as the queues name
+    /// it in, at least one, and that each stream has one queue; returns the
+    /// pending blocks (for `validate`).
+    pub fn check(&self) -> Result<HashSet<BlockId>, String> {
+        let mut queued: HashMap<BlockId, u32> = HashMap::new();
+        for (i, (stream, events)) in self.queues.iter().enumerate() {
+            if self.queues[..i].iter().any(|(s, _)| s == stream) {
+                return Err(format!("stream {stream:?} has two queues of pending frees"));
+            }
+            for &(_, block) in events {
+                *queued.entry(block).or_default() += 1;
+            }
+        }
+        for (&block, &left) in &self.waiting {
+            if left == 0 || queued.get(&block) != Some(&left) {
+                return Err(format!("pending block {block} waits for {left} events but is queued for {:?}", queued.get(&block)));
+            }
+        }
+        if queued.len() != self.waiting.len() {
+            return Err(format!("{} blocks queued for events but {} pending", queued.len(), self.waiting.len()));
+        }
+        Ok(queued.into_keys().collect())
     }
 }

@@ -28,6 +28,8 @@ struct Sums {
     reserved_bytes: [u64; 2],
     inactive_split_bytes: [u64; 2],
     requested_bytes: [u64; 2],
+    pending: [u64; 2],
+    pending_bytes: [u64; 2],
 }
 
 fn check_gauge(name: &str, gauge: &Gauge, sums: [u64; 2]) -> Result<(), String> {
@@ -46,7 +48,8 @@ impl DeviceHeap {
     pub fn validate(&self) -> Result<(), String> {
         let mut sums = Sums::default();
         let mut free_blocks = HashSet::new();
-        let mut allocated_blocks = 0usize;
+        let mut active_blocks = 0usize;
+        let pending = self.pending.check()?;
         let mut block_records = 0usize;
         let mut stashed = HashSet::new();
         for (pool_id, pool) in self.pools.iter().enumerate() {
@@ -104,13 +107,19 @@ impl DeviceHeap {
                 if b.state != BlockState::Binned {
                     ensure!(held(b.addr, b.size) == b.size, "block {cur} at {:#x} is in use but not all its pages are mapped", b.addr);
                 }
-                if b.is_allocated() {
-                    allocated_blocks += 1;
-                    ensure!(self.by_addr.get(b.addr) == Some(cur), "allocated block {cur} at {:#x} missing from the address map", b.addr);
+                if b.is_active() {
+                    active_blocks += 1;
+                    ensure!(self.by_addr.get(b.addr) == Some(cur), "active block {cur} at {:#x} missing from the address map", b.addr);
                     ensure!(b.requested > 0 && b.requested <= b.size, "block {cur} requested {} of {}", b.requested, b.size);
-                    sums.allocation[k] += 1;
-                    sums.allocated_bytes[k] += b.size;
-                    sums.requested_bytes[k] += b.requested;
+                    ensure!(b.is_allocated() || pending.contains(&cur), "block {cur} is marked pending but waits for no event");
+                    if b.is_allocated() {
+                        sums.allocation[k] += 1;
+                        sums.allocated_bytes[k] += b.size;
+                        sums.requested_bytes[k] += b.requested;
+                    } else {
+                        sums.pending[k] += 1;
+                        sums.pending_bytes[k] += b.size;
+                    }
                 } else if stashed.contains(&cur) {
                     ensure!(self.by_addr.get(b.addr) == Some(cur), "stashed block {cur} at {:#x} missing from the address map", b.addr);
                     // A stashed block may touch free neighbours: it is merged
@@ -143,16 +152,14 @@ impl DeviceHeap {
             self.blocks.len()
         );
         ensure!(
-            allocated_blocks + stashed.len() == self.by_addr.len(),
-            "{} address map entries for {allocated_blocks} allocated and {} stashed blocks",
+            active_blocks + stashed.len() == self.by_addr.len(),
+            "{} address map entries for {active_blocks} active and {} stashed blocks",
             self.by_addr.len(),
             stashed.len()
         );
 
-        for (ptr, events) in &self.pending {
-            let id = self.by_addr.get(*ptr);
-            ensure!(id.is_some_and(|id| self.blocks[id].is_allocated()), "pending free {ptr:#x} is not an allocated block");
-            ensure!(!events.is_empty(), "pending free {ptr:#x} waits for no event");
+        for &id in &pending {
+            ensure!(self.blocks[id].state == BlockState::Pending, "block {id} waits for events but is {:?}", self.blocks[id].state);
         }
 
         let mut binned = HashSet::new();
@@ -203,6 +210,8 @@ impl DeviceHeap {
         check_gauge("reserved_bytes", &s.reserved_bytes, sums.reserved_bytes)?;
         check_gauge("inactive_split_bytes", &s.inactive_split_bytes, sums.inactive_split_bytes)?;
         check_gauge("requested_bytes", &s.requested_bytes, sums.requested_bytes)?;
+        check_gauge("pending", &s.pending, sums.pending)?;
+        check_gauge("pending_bytes", &s.pending_bytes, sums.pending_bytes)?;
         Ok(())
     }
 }
@@ -277,5 +286,13 @@ mod tests {
         let (mut heap, ptrs) = heap_with_holes();
         heap.by_addr.remove(ptrs[4]);
         assert!(heap.validate().unwrap_err().contains("address map"));
+    }
+
+    #[test]
+    fn a_pending_block_that_waits_for_nothing_is_caught() {
+        let (mut heap, ptrs) = heap_with_holes();
+        let id = heap.by_addr.get(ptrs[4]).unwrap();
+        heap.blocks[id].state = super::BlockState::Pending;
+        assert!(heap.validate().unwrap_err().contains("waits for no event"));
     }
 }
