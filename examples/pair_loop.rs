@@ -1,5 +1,6 @@
 //! A tight cached alloc+free loop, for profilers (perf, callgrind).
 //! `cargo run --release --example pair_loop -- [size|mixed] [iterations] [TIDEPOOL_CONF]`
+//! (TIDEPOOL_TRACE=<path> records the loop)
 //! `mixed` allocates 512 B, 3 MiB and 64 KiB, then frees them, each iteration:
 //! requests that go through the bins rather than the stash.
 use std::hint::black_box;
@@ -16,7 +17,11 @@ fn main() {
     };
     let iters: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(10_000_000);
     let conf = args.next().unwrap_or_default();
-    let config = Config::builder().conf(&conf).expect("a valid TIDEPOOL_CONF string").host(1, 1 << 40).build().unwrap();
+    let mut builder = Config::builder().conf(&conf).expect("a valid TIDEPOOL_CONF string").host(1, 1 << 40);
+    if let Some(path) = std::env::var_os("TIDEPOOL_TRACE").filter(|p| !p.is_empty()) {
+        builder = builder.trace(path);
+    }
+    let config = builder.build().unwrap();
     let alloc = Allocator::new(config).unwrap();
     let keep = alloc.allocate(0, 512, S).unwrap();
     let start = std::time::Instant::now();

@@ -226,7 +226,7 @@ impl DeviceHeap {
         }
     }
 
-    #[cold]
+    #[inline(always)]
     fn record(&mut self, action: Action, pointer: u64, size: u64, stream: Stream) {
         if let Some(trace) = self.trace.as_mut() {
             trace.push(action, pointer, size, stream.0);

@@ -25,12 +25,12 @@ use parking_lot::Mutex;
 
 use super::rmm_csv::{Action, Row, RowWriter, HEADER};
 
-/// Rows a heap buffers before handing them to the writer.
+/// Rows a heap buffers before handing them to the writer (a multiple of `CLOCK_EVERY`).
 const BUFFER_ROWS: usize = 4096;
 /// Buffers in circulation between the heaps and the writer.
 const BUFFERS: usize = 16;
 /// Rows between two reads of the clock.
-const CLOCK_EVERY: u32 = 64;
+const CLOCK_EVERY: usize = 64;
 
 static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
 
@@ -70,14 +70,10 @@ impl Recorder {
             give_back.send(Vec::with_capacity(BUFFER_ROWS)).expect("room for every buffer");
         }
         let writer = std::thread::Builder::new().name("tidepool-trace".into()).spawn(move || {
-            let mut text = Vec::with_capacity(BUFFER_ROWS * 64);
+            let mut text = Vec::new();
             let mut formatter = RowWriter::default();
             for mut rows in full {
-                text.clear();
-                for row in &rows {
-                    formatter.write(&mut text, row);
-                }
-                out.write_all(&text)?;
+                out.write_all(formatter.format(&rows, &mut text))?;
                 rows.clear();
                 let _ = give_back.try_send(rows);
             }
@@ -125,26 +121,31 @@ impl Recorder {
 pub struct TraceBuffer {
     recorder: Arc<Recorder>,
     rows: Vec<Row>,
-    until_clock: u32,
     micros: u64,
 }
 
 impl TraceBuffer {
     pub fn new(recorder: Arc<Recorder>) -> TraceBuffer {
-        TraceBuffer { recorder, rows: Vec::with_capacity(BUFFER_ROWS), until_clock: 0, micros: 0 }
+        TraceBuffer { recorder, rows: Vec::with_capacity(BUFFER_ROWS), micros: 0 }
     }
 
-    #[inline]
+    /// Buffers a row: on the allocation path, so a few stores and one test.
+    #[inline(always)]
     pub fn push(&mut self, action: Action, pointer: u64, size: u64, stream: u64) {
-        if self.until_clock == 0 {
-            self.micros = self.recorder.start.elapsed().as_micros() as u64;
-            self.until_clock = CLOCK_EVERY;
+        if self.rows.len().is_multiple_of(CLOCK_EVERY) {
+            self.tick();
         }
-        self.until_clock -= 1;
         self.rows.push(Row { thread: thread_number(), micros: self.micros, action, pointer, size, stream });
+    }
+
+    /// Every `CLOCK_EVERY` rows: hands a full buffer to the writer, and reads the clock.
+    #[cold]
+    #[inline(never)]
+    fn tick(&mut self) {
         if self.rows.len() == BUFFER_ROWS {
             self.flush();
         }
+        self.micros = self.recorder.start.elapsed().as_micros() as u64;
     }
 
     /// Hands the buffered rows to the writer.

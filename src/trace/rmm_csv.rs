@@ -108,97 +108,188 @@ pub enum Action {
 
 /// Writes one row in RMM's format.
 pub fn write_row(out: &mut Vec<u8>, row: &Row) -> std::io::Result<()> {
-    RowWriter::default().write(out, row);
+    let mut text = Vec::new();
+    out.extend_from_slice(RowWriter::default().format(std::slice::from_ref(row), &mut text));
     Ok(())
 }
 
-/// Formats rows by hand, reusing the "thread,time," prefix while it stays
-/// the same (a recording reads its clock once every few dozen rows): a
-/// recording writes millions of rows and formatting is its bottleneck.
-#[derive(Default)]
+/// Formats rows by hand: a recording writes tens of millions of rows, and
+/// formatting them is what limits its rate. A row is four pieces of text:
+/// "thread,time," (the same for runs of rows: a recording reads its clock
+/// once every few dozen rows), "action,", "0xpointer,size" and ",stream\n"
+/// (most rows name one stream). Each is kept formatted while it repeats;
+/// "pointer,size" is looked up among recent ones (a free repeats its
+/// allocation's, and a caching allocator hands the same blocks out again
+/// and again). Pieces are copied whole, at a fixed size, into a buffer kept
+/// at its full length, so a row costs a few copies and no length checks.
 pub struct RowWriter {
     prefix_of: Option<(u64, u64)>,
-    prefix: Line,
+    prefix: Piece,
+    suffix_of: Option<u64>,
+    suffix: Piece,
+    /// (pointer, size, "0xpointer,size") by a hash of pointer and size.
+    recent: Box<[(u64, u64, Piece)]>,
+}
+
+/// Entries of `RowWriter::recent`: 1024 (a power of two).
+const RECENT_BITS: u32 = 10;
+
+/// The most a row takes in the buffer: its four pieces, each copied whole.
+const ROW_ROOM: usize = 4 * PIECE;
+
+impl Default for RowWriter {
+    fn default() -> Self {
+        let zero = (0, 0, Piece::pointer_size(0, 0));
+        RowWriter { prefix_of: None, prefix: Piece::default(), suffix_of: None, suffix: Piece::default(), recent: vec![zero; 1 << RECENT_BITS].into() }
+    }
 }
 
 impl RowWriter {
-    pub fn write(&mut self, out: &mut Vec<u8>, row: &Row) {
+    /// Formats `rows` into `buffer` (reused from call to call: it keeps its
+    /// length) and returns the text.
+    pub fn format<'a>(&mut self, rows: &[Row], buffer: &'a mut Vec<u8>) -> &'a [u8] {
+        let room = rows.len() * ROW_ROOM;
+        if buffer.len() < room {
+            buffer.resize(room, 0);
+        }
+        let mut at = 0;
+        for row in rows {
+            at = self.write(buffer, at, row);
+        }
+        &buffer[..at]
+    }
+
+    /// Writes `row` at `at` in `buffer`, which has room for it; returns where it ends.
+    #[inline(always)]
+    fn write(&mut self, buffer: &mut [u8], at: usize, row: &Row) -> usize {
         if self.prefix_of != Some((row.thread, row.micros)) {
-            let secs = row.micros / 1_000_000;
-            let p = &mut self.prefix;
-            p.len = 0;
-            p.decimal(row.thread, 1);
-            p.push(b",");
-            p.decimal(secs / 3600, 2);
-            p.push(b":");
-            p.decimal(secs / 60 % 60, 2);
-            p.push(b":");
-            p.decimal(secs % 60, 2);
-            p.push(b".");
-            p.decimal(row.micros % 1_000_000, 6);
-            p.push(b",");
+            self.prefix = Piece::prefix(row.thread, row.micros);
             self.prefix_of = Some((row.thread, row.micros));
         }
-        let action: &[u8] = match row.action {
-            Action::Allocate => b"allocate,0x",
-            Action::Free => b"free,0x",
-            Action::AllocateFailure => b"allocate failure,0x",
+        if self.suffix_of != Some(row.stream) {
+            self.suffix = Piece::suffix(row.stream);
+            self.suffix_of = Some(row.stream);
+        }
+        let action = match row.action {
+            Action::Allocate => &ALLOCATE,
+            Action::Free => &FREE,
+            Action::AllocateFailure => &ALLOCATE_FAILURE,
         };
-        let mut line = Line::default();
-        line.push(&self.prefix.bytes[..self.prefix.len]);
-        line.push(action);
-        line.hex(row.pointer);
-        line.push(b",");
-        line.decimal(row.size, 1);
-        line.push(b",");
-        line.hex(row.stream);
-        line.push(b"\n");
-        out.extend_from_slice(&line.bytes[..line.len]);
+        let key = (row.pointer ^ row.size.rotate_left(32)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - RECENT_BITS);
+        let entry = &mut self.recent[key as usize];
+        if (entry.0, entry.1) != (row.pointer, row.size) {
+            *entry = (row.pointer, row.size, Piece::pointer_size(row.pointer, row.size));
+        }
+        let at = self.prefix.put(buffer, at);
+        let at = action.put(buffer, at);
+        let at = entry.2.put(buffer, at);
+        self.suffix.put(buffer, at)
     }
 }
 
-/// A row being formatted: at most 20 + 16 + 19 + 16 + 20 + 16 + 5 bytes.
-struct Line {
-    bytes: [u8; 128],
+/// The room of a piece of text.
+const PIECE: usize = 48;
+
+/// Up to `PIECE` bytes of text, copied whole wherever it goes.
+#[derive(Clone, Copy)]
+struct Piece {
+    bytes: [u8; PIECE],
     len: usize,
 }
 
-impl Default for Line {
+impl Default for Piece {
     fn default() -> Self {
-        Line { bytes: [0; 128], len: 0 }
+        Piece { bytes: [0; PIECE], len: 0 }
     }
 }
 
-impl Line {
-    #[inline]
-    fn push(&mut self, text: &[u8]) {
-        self.bytes[self.len..self.len + text.len()].copy_from_slice(text);
-        self.len += text.len();
+impl Piece {
+    /// For constants (a const fn copies byte by byte).
+    const fn new(text: &[u8]) -> Piece {
+        let mut bytes = [0; PIECE];
+        let mut i = 0;
+        while i < text.len() {
+            bytes[i] = text[i];
+            i += 1;
+        }
+        Piece { bytes, len: text.len() }
     }
 
-    /// `value` in decimal, zero-padded to `width` digits.
-    #[inline]
-    fn decimal(&mut self, mut value: u64, width: usize) {
-        let mut digits = [0u8; 20];
-        let mut at = digits.len();
-        while value > 0 || digits.len() - at < width {
+    fn from(text: &[u8]) -> Piece {
+        let mut piece = Piece::default();
+        piece.bytes[..text.len()].copy_from_slice(text);
+        piece.len = text.len();
+        piece
+    }
+
+    /// "thread,hh:mm:ss.micros," (hours grow past two digits if need be):
+    /// at most 20 + 1 + 10 + 13 + 1 bytes.
+    fn prefix(thread: u64, micros: u64) -> Piece {
+        let secs = micros / 1_000_000;
+        let text = format!("{thread},{:02}:{:02}:{:02}.{:06},", secs / 3600, secs / 60 % 60, secs % 60, micros % 1_000_000);
+        Piece::from(text.as_bytes())
+    }
+
+    /// "0xpointer,size": at most 18 + 1 + 20 bytes. By hand, from the
+    /// right: a recording of a workload with many block sizes makes one
+    /// every few rows.
+    fn pointer_size(pointer: u64, size: u64) -> Piece {
+        let mut text = [0u8; 40];
+        let mut at = text.len();
+        let mut value = size;
+        while value >= 100 {
+            let pair = (value % 100) as usize * 2;
+            value /= 100;
+            at -= 2;
+            text[at..at + 2].copy_from_slice(&DIGIT_PAIRS[pair..pair + 2]);
+        }
+        if value >= 10 {
+            at -= 2;
+            text[at..at + 2].copy_from_slice(&DIGIT_PAIRS[value as usize * 2..value as usize * 2 + 2]);
+        } else {
             at -= 1;
-            digits[at] = b'0' + (value % 10) as u8;
-            value /= 10;
+            text[at] = b'0' + value as u8;
         }
-        self.push(&digits[at..]);
+        at -= 1;
+        text[at] = b',';
+        let mut value = pointer;
+        loop {
+            at -= 1;
+            text[at] = b"0123456789abcdef"[(value & 0xf) as usize];
+            value >>= 4;
+            if value == 0 {
+                break;
+            }
+        }
+        at -= 2;
+        text[at..at + 2].copy_from_slice(b"0x");
+        Piece::from(&text[at..])
     }
 
-    /// `value` in lower-case hex without prefix.
-    #[inline]
-    fn hex(&mut self, value: u64) {
-        let n = (64 - value.leading_zeros() as usize).div_ceil(4).max(1);
-        for i in (0..n).rev() {
-            self.bytes[self.len] = b"0123456789abcdef"[(value >> (4 * i)) as usize & 0xf];
-            self.len += 1;
-        }
+    /// ",stream\n", the stream in hex.
+    fn suffix(stream: u64) -> Piece {
+        Piece::from(format!(",{stream:x}\n").as_bytes())
+    }
+
+    /// Copies the piece to `at` in `buffer`; returns where its text ends.
+    #[inline(always)]
+    fn put(&self, buffer: &mut [u8], at: usize) -> usize {
+        buffer[at..at + PIECE].copy_from_slice(&self.bytes);
+        at + self.len
     }
 }
+
+/// The decimal digits of 0 to 99, two by two.
+const DIGIT_PAIRS: &[u8; 200] = b"\
+    0001020304050607080910111213141516171819\
+    2021222324252627282930313233343536373839\
+    4041424344454647484950515253545556575859\
+    6061626364656667686970717273747576777879\
+    8081828384858687888990919293949596979899";
+
+const ALLOCATE: Piece = Piece::new(b"allocate,");
+const FREE: Piece = Piece::new(b"free,");
+const ALLOCATE_FAILURE: Piece = Piece::new(b"allocate failure,");
 
 #[cfg(test)]
 mod tests {
@@ -255,6 +346,43 @@ mod tests {
         let long = format!("Thread,Time,Action,Pointer,Size,Stream\n{}\n", "9".repeat(10_000));
         assert!(read_str(&long).unwrap_err().message.contains("longer than"));
         assert!(read(&[0xff, 0xfe, b'\n'][..], "x").unwrap_err().message.contains("UTF-8"));
+    }
+
+    #[test]
+    fn the_row_writer_writes_what_format_writes() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let edges = [0, 1, 9, 10, 15, 16, 99, 100, 255, 256, 999_999, 1 << 32, u64::MAX / 10, u64::MAX];
+        let mut rows = Vec::new();
+        for i in 0..20_000usize {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let pick = |shift: u32| if i % 3 == 0 { edges[(x >> shift) as usize % edges.len()] } else { x >> (x >> shift & 63) };
+            let (pointer, size, stream, micros) = (pick(1), pick(9), pick(17), pick(25) % (1 << 40));
+            let action = [Action::Allocate, Action::Free, Action::AllocateFailure][i % 3];
+            rows.push(Row { thread: (x & 0xff) + 1, micros, action, pointer, size, stream });
+            // Repeats, as recordings have them: the same block again, the same time and stream.
+            if i % 5 == 0 {
+                rows.push(Row { thread: rows[i / 2].thread, micros, action: Action::Free, ..rows[i / 2] });
+            }
+        }
+        let mut expected = String::new();
+        for row in &rows {
+            let name = match row.action {
+                Action::Allocate => "allocate",
+                Action::Free => "free",
+                Action::AllocateFailure => "allocate failure",
+            };
+            let secs = row.micros / 1_000_000;
+            let (h, m, s, us) = (secs / 3600, secs / 60 % 60, secs % 60, row.micros % 1_000_000);
+            let (thread, pointer, size, stream) = (row.thread, row.pointer, row.size, row.stream);
+            expected += &format!("{thread},{h:02}:{m:02}:{s:02}.{us:06},{name},{pointer:#x},{size},{stream:x}\n");
+        }
+        let (mut writer, mut buffer, mut text) = (RowWriter::default(), Vec::new(), Vec::new());
+        for batch in rows.chunks(777) {
+            text.extend_from_slice(writer.format(batch, &mut buffer));
+        }
+        assert_eq!(String::from_utf8(text).unwrap(), expected);
     }
 
     #[test]
