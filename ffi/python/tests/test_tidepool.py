@@ -1,12 +1,15 @@
-"""The Python package over the real library (ctypes), without torch.
+"""The Python package over the real library (ctypes), without torch but
+for InstallIntoTorch (skipped where torch is not installed).
 
 Run with TIDEPOOL_LIBRARY pointing at a built libtidepool.so and
 TIDEPOOL_CONF selecting the host backend (tests/python.rs does both).
 """
 import ctypes
+import importlib.util
 import io
 import os
 import pickle
+import subprocess
 import sys
 import tempfile
 import types
@@ -198,6 +201,26 @@ class Install(unittest.TestCase):
         with self.assertRaisesRegex(tidepool.TidepoolError, "CUDA kernels cannot use"):
             tidepool.install(conf="backend:host")
         self.assertEqual(fake.calls, [], "nothing was handed to PyTorch")
+
+
+@unittest.skipUnless(importlib.util.find_spec("torch"), "torch not installed")
+class InstallIntoTorch(unittest.TestCase):
+    """install() with the real torch: its CUDAPluggableAllocator loads the
+    library, takes every hook under the name install() uses, and becomes the
+    allocator (no GPU needed: CUDA is not initialised by any of it)."""
+
+    def test_torch_takes_the_library_and_every_hook(self):
+        script = (
+            "import torch, tidepool\n"
+            "tidepool.install(allow_host=True)\n"
+            "assert torch._C._cuda_getAllocator() is tidepool._plug.allocator(), 'not the current allocator'\n"
+            "assert not torch.cuda.is_initialized()\n"
+            "print('installed')\n"
+        )
+        env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
+        done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertIn("installed", done.stdout)
 
 
 if __name__ == "__main__":
