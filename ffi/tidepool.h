@@ -116,6 +116,18 @@ void tidepool_set_memory_fraction(double fraction, int device);
 /* Notes that the live allocation ptr is used on stream too. */
 void tidepool_record_stream(void* ptr, void* stream);
 
+/* Routes every allocation on device to the private pool (id0, id1) until
+ * tidepool_end_allocate_to_pool: PyTorch's begin-allocate-to-pool hook (CUDA
+ * graph capture, torch.cuda.use_mem_pool). filter (PyTorch's std::function)
+ * is not used. While a private pool is in use its memory stays in it. */
+void tidepool_begin_allocate_to_pool(int device, uint64_t id0, uint64_t id1, void* filter);
+
+/* Stops routing allocations on device to the private pool (id0, id1). */
+void tidepool_end_allocate_to_pool(int device, uint64_t id0, uint64_t id1);
+
+/* Drops a use of the private pool (id0, id1) on device (a graph or MemPool went). */
+void tidepool_release_pool(int device, uint64_t id0, uint64_t id1);
+
 /* The base of the segment holding ptr, its size in *size; NULL if none. */
 void* tidepool_base_alloc(void* ptr, size_t* size);
 

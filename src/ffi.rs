@@ -22,7 +22,7 @@ use std::sync::Once;
 
 use crate::reclaim::policy::Reason;
 use crate::stats::{Stat, StatByPool, Stats};
-use crate::{AllocError, Allocator, DevicePtr, Stream};
+use crate::{AllocError, Allocator, DevicePtr, PrivatePoolId, Stream};
 
 /// Success.
 pub const TIDEPOOL_OK: c_int = 0;
@@ -317,6 +317,41 @@ pub extern "C" fn tidepool_set_memory_fraction(fraction: f64, device: c_int) {
 pub extern "C" fn tidepool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     boundary!((), {
         if let Err(err) = allocator().and_then(|a| a.record_stream(DevicePtr(ptr as u64), Stream(stream as u64))) {
+            set_last_error(err.to_string());
+        }
+    })
+}
+
+/// Routes every allocation on `device` to the private pool (id0, id1)
+/// until `tidepool_end_allocate_to_pool` (PyTorch's
+/// `set_begin_allocate_to_pool` hook: CUDA graph capture, `use_mem_pool`).
+/// `filter` (a C++ `std::function` of PyTorch's) is not used: every
+/// allocation on the device goes to the pool, which is safe.
+#[no_mangle]
+pub extern "C" fn tidepool_begin_allocate_to_pool(device: c_int, id0: u64, id1: u64, _filter: *mut c_void) {
+    boundary!((), {
+        if let Err(err) = device_index(device).and_then(|d| allocator()?.begin_private(d, PrivatePoolId(id0, id1))) {
+            set_last_error(err.to_string());
+        }
+    })
+}
+
+/// Stops routing allocations on `device` to the private pool (id0, id1).
+#[no_mangle]
+pub extern "C" fn tidepool_end_allocate_to_pool(device: c_int, id0: u64, id1: u64) {
+    boundary!((), {
+        if let Err(err) = device_index(device).and_then(|d| allocator()?.end_private(d, PrivatePoolId(id0, id1))) {
+            set_last_error(err.to_string());
+        }
+    })
+}
+
+/// Drops a use of the private pool (id0, id1) on `device` (a graph or a
+/// `MemPool` went); its memory is kept while any private pool is in use.
+#[no_mangle]
+pub extern "C" fn tidepool_release_pool(device: c_int, id0: u64, id1: u64) {
+    boundary!((), {
+        if let Err(err) = device_index(device).and_then(|d| allocator()?.release_private(d, PrivatePoolId(id0, id1))) {
             set_last_error(err.to_string());
         }
     })

@@ -37,6 +37,7 @@ use backend::Backend;
 pub use config::{BackendKind, Config, ConfigError};
 pub use error::{AllocError, InvalidFree, OomReport};
 use heap::DeviceHeap;
+pub use heap::private::PrivatePoolId;
 pub use heap::{BlockSnapshot, Released, SegmentSnapshot};
 pub use stats::{Events, Stat, StatByPool, Stats};
 
@@ -370,6 +371,34 @@ impl Allocator {
         let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
         for heap in heaps {
             heap.lock().set_reserved_limit(limit);
+        }
+        Ok(())
+    }
+
+    /// Routes every allocation on `device` to the private pool `id` until
+    /// `end_private` (PyTorch's `beginAllocateToPool`: CUDA graph capture,
+    /// `torch.cuda.use_mem_pool`). See `heap/private.rs` for what a
+    /// private pool keeps.
+    pub fn begin_private(&self, device: usize, id: PrivatePoolId) -> Result<(), AllocError> {
+        for heap in self.device_heaps(device)? {
+            heap.lock().begin_private(id);
+        }
+        Ok(())
+    }
+
+    /// Stops routing allocations on `device` to `id` (PyTorch's `endAllocateToPool`).
+    pub fn end_private(&self, device: usize, id: PrivatePoolId) -> Result<(), AllocError> {
+        for heap in self.device_heaps(device)? {
+            heap.lock().end_private(id).map_err(|e| AllocError::InvalidArgument(format!("tidepool: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Drops a use of the private pool `id` on `device` (PyTorch's
+    /// `releasePool`, when a graph or a `MemPool` goes).
+    pub fn release_private(&self, device: usize, id: PrivatePoolId) -> Result<(), AllocError> {
+        for heap in self.device_heaps(device)? {
+            heap.lock().release_private(id).map_err(|e| AllocError::InvalidArgument(format!("tidepool: {e}")))?;
         }
         Ok(())
     }

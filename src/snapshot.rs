@@ -34,6 +34,7 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
                     ])
                 })
                 .collect();
+            let pool_id = segment.private.map_or((0, 0), |id| (id.0, id.1));
             segments.push(PyValue::dict([
                 ("device", PyValue::int(device as i64)),
                 ("address", PyValue::int(segment.address)),
@@ -43,7 +44,7 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
                 ("requested_size", PyValue::int(requested)),
                 ("stream", PyValue::int(segment.stream.0)),
                 ("segment_type", PyValue::str(if segment.kind == PoolKind::Small { "small" } else { "large" })),
-                ("segment_pool_id", PyValue::Tuple(vec![PyValue::int(0), PyValue::int(0)])),
+                ("segment_pool_id", PyValue::Tuple(vec![PyValue::int(pool_id.0), PyValue::int(pool_id.1)])),
                 ("is_expandable", PyValue::Bool(segment.expandable)),
                 ("frames", PyValue::List(vec![])),
                 ("blocks", PyValue::List(blocks)),

@@ -442,6 +442,49 @@ fn pending_frees_are_active_not_allocated_and_cost_one_poll_per_stream() {
     assert!(text.contains("pending frees:"), "{text}");
 }
 
+/// The child side: a block used on another stream, freed during a capture.
+#[test]
+fn child_free_during_capture() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    let [own, other] = [sim.stream(), sim.stream()].map(tidepool::Stream);
+    let graph = tidepool::PrivatePoolId(3, 0);
+    let ptr = alloc.allocate(0, 1 << 20, own).unwrap();
+    // SAFETY: queues a 300 ms sleep on a stream made above.
+    unsafe { (sim.enqueue_sleep)(other.0, 300_000) };
+    alloc.record_stream(ptr, other).unwrap();
+    alloc.begin_private(0, graph).unwrap();
+    // SAFETY: reads a counter of the loaded simgpu.
+    let before = unsafe { (sim.event_queries)() };
+    alloc.free(0, ptr).unwrap();
+    let during = alloc.allocate(0, 2 << 20, own).unwrap();
+    alloc.stats(0).unwrap();
+    alloc.empty_cache();
+    // SAFETY: reads a counter of the loaded simgpu.
+    assert_eq!(unsafe { (sim.event_queries)() }, before, "an event was queried during a capture");
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes.all.current, s.active_bytes.all.current), (2 << 20, 3 << 20), "the freed block waits");
+    alloc.validate().unwrap();
+    alloc.end_private(0, graph).unwrap();
+    // SAFETY: waits for a stream made above.
+    unsafe { (sim.stream_synchronize)(other.0) };
+    alloc.free(0, during).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.active_bytes.all.current, 0, "the free completed once the capture ended and the stream ran");
+    alloc.release_private(0, graph).unwrap();
+    alloc.validate().unwrap();
+    println!("free during capture: ok");
+}
+
+#[test]
+fn a_free_during_a_capture_waits_for_its_end_without_querying_events() {
+    let text = on_simgpu("child_free_during_capture", "256M", &[]);
+    assert!(text.contains("free during capture: ok"), "{text}");
+}
+
 /// The child side: a stream borrows a block another stream still writes.
 #[test]
 fn child_borrowing() {

@@ -162,9 +162,12 @@ fn rust_constants(source: &str) -> BTreeMap<String, String> {
 fn the_header_declares_exactly_the_rust_exports() {
     let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
     let declared = header_functions(&header);
-    assert_eq!(declared.len(), 10, "{declared:#?}");
+    assert_eq!(declared.len(), 13, "{declared:#?}");
     assert_eq!(declared, rust_functions(&source));
     assert_eq!(declared["tidepool_malloc"], "void*(size_t, int, void*)");
+    // PyTorch calls these as void(int, MempoolId_t, std::function<...>):
+    // the pair by value in two registers, the std::function by address.
+    assert_eq!(declared["tidepool_begin_allocate_to_pool"], "void(int, uint64_t, uint64_t, void*)");
     assert_eq!(declared["tidepool_dump_snapshot"], "int(const char*)");
 }
 

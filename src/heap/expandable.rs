@@ -206,8 +206,12 @@ impl DeviceHeap {
     /// Appends to `out` the binned free blocks of the expandable `segment`
     /// that `select` picks and that have mapped pages lying entirely inside
     /// them, each with those pages' bytes (what unmapping it would give back).
+    /// None while private pools keep their memory, in theirs.
     fn free_blocks_with_pages(&self, segment: &Segment, select: impl Fn(&Block) -> bool, out: &mut Vec<(BlockId, u64)>) {
         let Some(pages) = segment.pages.as_ref() else { return };
+        if self.keeps_memory(segment.pool) {
+            return;
+        }
         let page = pages.page_size();
         let mut cur = segment.first_block;
         while cur != NIL {
@@ -244,7 +248,7 @@ impl DeviceHeap {
     /// the requesting pool are left alone: its own holes are where its next
     /// requests land.
     pub(super) fn recycle_before_growth(&mut self, bytes: u64, pool: u32) {
-        if self.vm.is_none() {
+        if self.vm.is_none() || !self.may_release() {
             return;
         }
         let reserved = &self.stats.reserved_bytes;

@@ -42,6 +42,7 @@ pub mod block;
 mod expandable;
 pub mod pages;
 pub mod pool;
+pub mod private;
 mod release;
 mod streams;
 mod validate;
@@ -66,6 +67,7 @@ use block::{BlockArena, BlockId, BlockState, NIL};
 use expandable::Vm;
 use pages::PageMap;
 use pool::Pool;
+use private::{PrivatePoolId, PrivatePools};
 use streams::PendingFrees;
 
 /// One allocation from the backend, or one reserved range of an
@@ -114,6 +116,8 @@ pub struct SegmentSnapshot {
     pub kind: PoolKind,
     /// Part of an expandable segment (a run of its mapped pages).
     pub expandable: bool,
+    /// The private pool (graph pool, `MemPool`) it belongs to, if any.
+    pub private: Option<PrivatePoolId>,
     pub blocks: Vec<BlockSnapshot>,
 }
 
@@ -151,9 +155,13 @@ pub struct DeviceHeap {
     unused_segments: Vec<u32>,
     segment_by_base: BTreeMap<u64, u32>,
     pools: Vec<Pool>,
-    pools_by_stream: HashMap<Stream, [u32; 2]>,
-    /// The last stream served and its pools: skips the map on the hot path.
+    /// The (small, large) pools of each stream, ordinary or of a private pool.
+    pools_by_stream: HashMap<(Stream, Option<PrivatePoolId>), [u32; 2]>,
+    /// The last stream served and the pools it was served from: skips the
+    /// map on the hot path (cleared as private pools open and close).
     last_stream: Option<(Stream, [u32; 2])>,
+    /// Graph pools and `MemPool`s (`private.rs`).
+    private: PrivatePools,
     /// Allocated and stashed blocks by address: the pointer lookup of `free`.
     by_addr: AddrMap,
     /// Live blocks used on streams other than their own (`record_stream`).
@@ -197,6 +205,7 @@ impl DeviceHeap {
             pools: Vec::new(),
             pools_by_stream: HashMap::new(),
             last_stream: None,
+            private: PrivatePools::default(),
             by_addr: AddrMap::default(),
             recorded_streams: HashMap::new(),
             pending: PendingFrees::default(),
@@ -261,7 +270,8 @@ impl DeviceHeap {
         &self.rules
     }
 
-    /// The pool of (stream, kind), created on first use.
+    /// The pool of (stream, kind) that serves now (a private pool's while
+    /// one is open), created on first use.
     #[inline]
     fn pool_id(&mut self, stream: Stream, kind: PoolKind) -> u32 {
         if let Some((s, ids)) = self.last_stream {
@@ -269,14 +279,15 @@ impl DeviceHeap {
                 return ids[kind as usize];
             }
         }
-        let ids = match self.pools_by_stream.get(&stream) {
+        let private = self.private.routing();
+        let ids = match self.pools_by_stream.get(&(stream, private)) {
             Some(ids) => *ids,
             None => {
                 let first = self.pools.len() as u32;
-                self.pools.push(Pool::new(stream, PoolKind::Small));
-                self.pools.push(Pool::new(stream, PoolKind::Large));
+                self.pools.push(Pool::new(stream, PoolKind::Small, private));
+                self.pools.push(Pool::new(stream, PoolKind::Large, private));
                 let ids = [first, first + 1];
-                self.pools_by_stream.insert(stream, ids);
+                self.pools_by_stream.insert((stream, private), ids);
                 ids
             }
         };
@@ -468,7 +479,7 @@ impl DeviceHeap {
         };
         if !self.recorded_streams.is_empty() {
             if let Some(streams) = self.recorded_streams.remove(&ptr) {
-                if let Some(freed) = self.defer_free(id, ptr, &streams) {
+                if let Some(freed) = self.defer_free(id, ptr, streams) {
                     return Ok(freed);
                 }
             }
@@ -689,6 +700,7 @@ impl DeviceHeap {
                     stream: pool.stream,
                     kind: pool.kind,
                     expandable: segment.pages.is_some(),
+                    private: pool.private,
                     blocks,
                 });
             }

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 use super::block::{BlockArena, BlockId, BlockState, NIL};
+use super::private::PrivatePoolId;
 use crate::size_class::{bin_of, PoolKind, SizeRules, BIN_COUNT, MANTISSA_BITS, ROWS};
 use crate::Stream;
 
@@ -22,6 +23,8 @@ const SUBS: usize = 1 << MANTISSA_BITS;
 pub struct Pool {
     pub stream: Stream,
     pub kind: PoolKind,
+    /// The private pool (graph pool, `MemPool`) this pool belongs to, if any.
+    pub private: Option<PrivatePoolId>,
     pub heads: Box<[BlockId]>,
     pub rows_nonempty: u64,
     pub bins_nonempty: [u32; ROWS as usize],
@@ -33,10 +36,11 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub fn new(stream: Stream, kind: PoolKind) -> Pool {
+    pub fn new(stream: Stream, kind: PoolKind, private: Option<PrivatePoolId>) -> Pool {
         Pool {
             stream,
             kind,
+            private,
             heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
             rows_nonempty: 0,
             bins_nonempty: [0; ROWS as usize],
@@ -195,7 +199,7 @@ mod tests {
 
     fn pool_with(sizes: &[u64]) -> (Pool, BlockArena, Vec<BlockId>) {
         let mut arena = BlockArena::new();
-        let mut pool = Pool::new(Stream::DEFAULT, PoolKind::Large);
+        let mut pool = Pool::new(Stream::DEFAULT, PoolKind::Large, None);
         let mut ids = Vec::new();
         let mut addr = 1 << 30;
         for &size in sizes {

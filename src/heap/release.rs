@@ -155,6 +155,9 @@ impl DeviceHeap {
     /// expandable segments, the free pages inside holes between live blocks
     /// (each hole a candidate, idle since it was last freed).
     pub(super) fn apply(&mut self, policy: &Policy) -> Released {
+        if !self.may_release() {
+            return Released::default();
+        }
         self.flush_stashes();
         let mut idle: Vec<IdleSegment> = self
             .segments
@@ -164,7 +167,8 @@ impl DeviceHeap {
                 let s = s.as_ref()?;
                 let b = &self.blocks[s.first_block];
                 let size = s.pages.as_ref().map_or(s.size, |p| p.mapped_bytes());
-                (!b.is_active() && b.next == NIL).then_some(IdleSegment { id: id as u32, size, idle_since_ms: s.idle_since_ms })
+                let whole_free = !b.is_active() && b.next == NIL && !self.keeps_memory(s.pool);
+                whole_free.then_some(IdleSegment { id: id as u32, size, idle_since_ms: s.idle_since_ms })
             })
             .collect();
         let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
@@ -219,7 +223,12 @@ impl DeviceHeap {
     }
 
     /// `release_free_segments` without counting the release under a reason.
+    /// Nothing while a private pool is open; nothing of private pools while
+    /// they keep their memory (`private.rs`).
     fn release_segments_where(&mut self, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
+        if !self.may_release() {
+            return Released::default();
+        }
         self.process_pending(true);
         self.flush_stashes();
         let mut released = Released::default();
@@ -227,6 +236,9 @@ impl DeviceHeap {
             let Some(segment) = &self.segments[segment_id as usize] else {
                 continue;
             };
+            if self.keeps_memory(segment.pool) {
+                continue;
+            }
             if segment.pages.is_some() {
                 if select(segment_id, segment) {
                     released += self.release_free_pages(segment_id);

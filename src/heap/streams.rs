@@ -16,15 +16,17 @@ impl DeviceHeap {
     /// host) for an event recorded on the block's stream, and the block is
     /// recorded as used by the requester, so it goes back to its own
     /// stream's pool only once the requester's work on it is done.
+    /// Private pools neither lend nor borrow, and nothing is lent while one
+    /// is open (the wait would join a capture to other streams' work).
     #[cold]
     pub(super) fn borrow_from_other_streams(&mut self, pool: u32, rounded: u64, stream: Stream) -> Option<BlockId> {
-        if !self.lend_across_streams {
+        if !self.lend_across_streams || !self.may_release() || self.pools[pool as usize].private.is_some() {
             return None;
         }
         let kind = self.pools[pool as usize].kind;
         self.flush_stashes();
         let best = (0..self.pools.len() as u32)
-            .filter(|&p| p != pool && self.pools[p as usize].kind == kind)
+            .filter(|&p| p != pool && self.pools[p as usize].kind == kind && self.pools[p as usize].private.is_none())
             .filter_map(|p| self.pools[p as usize].best_fit(&self.blocks, rounded, &self.rules))
             .min_by_key(|&id| self.blocks[id].size)?;
         let owner = self.pools[self.blocks[best].pool as usize].stream;
@@ -51,8 +53,29 @@ impl DeviceHeap {
     /// the block waits, pending (active, no longer allocated), until they
     /// complete. Returns None when there is nothing to wait for (a backend
     /// without asynchronous work): the caller frees the block at once.
+    /// While a private pool is open (a capture may be underway) no event
+    /// is recorded: the block waits, pending, until the last one closes.
     #[cold]
-    pub(super) fn defer_free(&mut self, id: BlockId, ptr: u64, streams: &[Stream]) -> Option<Freed> {
+    pub(super) fn defer_free(&mut self, id: BlockId, ptr: u64, streams: Vec<Stream>) -> Option<Freed> {
+        if !self.may_release() {
+            let freed = self.count_free(id, ptr);
+            self.make_pending(id);
+            self.pending.after_capture.push((id, streams));
+            return Some(freed);
+        }
+        let events = self.record_events(&streams);
+        if events.is_empty() {
+            return None;
+        }
+        let freed = self.count_free(id, ptr);
+        self.make_pending(id);
+        self.pending.push(id, &events);
+        Some(freed)
+    }
+
+    /// Records an event on each of `streams` (one that cannot be recorded:
+    /// waits for that stream instead).
+    fn record_events(&mut self, streams: &[Stream]) -> Vec<(Stream, u64)> {
         let mut events = Vec::with_capacity(streams.len());
         for &stream in streams {
             match self.backend.record_event(self.device, stream) {
@@ -66,15 +89,37 @@ impl DeviceHeap {
                 }
             }
         }
-        if events.is_empty() {
-            return None;
+        events
+    }
+
+    /// Marks the freed block `id` pending: active, no longer allocated.
+    fn make_pending(&mut self, id: BlockId) {
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Pending;
+        let (kind, size) = (b.kind, b.size);
+        self.stats.pending.increase(kind, 1);
+        self.stats.pending_bytes.increase(kind, size);
+    }
+
+    /// Makes the pending block `id` reusable.
+    fn finish_pending(&mut self, id: BlockId) {
+        let (kind, size) = (self.blocks[id].kind, self.blocks[id].size);
+        self.stats.pending.decrease(kind, 1);
+        self.stats.pending_bytes.decrease(kind, size);
+        self.deactivate(id);
+    }
+
+    /// Once the last private pool closes: records the events of the frees
+    /// that waited for it.
+    pub(super) fn defer_frees_held_for_capture(&mut self) {
+        for (id, streams) in std::mem::take(&mut self.pending.after_capture) {
+            let events = self.record_events(&streams);
+            if events.is_empty() {
+                self.finish_pending(id);
+            } else {
+                self.pending.push(id, &events);
+            }
         }
-        let freed = self.count_free(id, ptr);
-        self.blocks[id].state = BlockState::Pending;
-        self.stats.pending.increase(self.blocks[id].kind, 1);
-        self.stats.pending_bytes.increase(self.blocks[id].kind, freed.size);
-        self.pending.push(id, &events);
-        Some(freed)
     }
 
     /// Makes reusable the pending blocks whose events completed; with
@@ -82,8 +127,9 @@ impl DeviceHeap {
     /// nothing still in use goes back to the driver). A stream's events
     /// complete in order, so each stream's queue is polled up to its first
     /// event not done: one query per stream, however many blocks wait.
+    /// Queries nothing while a private pool is open (a capture forbids it).
     pub fn process_pending(&mut self, wait: bool) {
-        if self.pending.is_empty() {
+        if self.pending.is_empty() || !self.may_release() {
             return;
         }
         for queue in 0..self.pending.queues.len() {
@@ -99,10 +145,7 @@ impl DeviceHeap {
                 self.pending.queues[queue].1.pop_front();
                 self.backend.recycle_event(self.device, event);
                 if self.pending.event_done(id) {
-                    let (kind, size) = (self.blocks[id].kind, self.blocks[id].size);
-                    self.stats.pending.decrease(kind, 1);
-                    self.stats.pending_bytes.decrease(kind, size);
-                    self.deactivate(id);
+                    self.finish_pending(id);
                 }
             }
         }
@@ -134,16 +177,18 @@ impl DeviceHeap {
 /// Freed blocks waiting for events recorded on the other streams that used
 /// them: per stream, its events in the order they were recorded (the order
 /// they complete), each naming its block; and per block, how many of its
-/// events have not completed.
+/// events have not completed. And the blocks freed while a private pool was
+/// open, with the streams to record their events on once none is.
 #[derive(Default)]
 pub(super) struct PendingFrees {
     queues: Vec<(Stream, VecDeque<(u64, BlockId)>)>,
     waiting: HashMap<BlockId, u32>,
+    after_capture: Vec<(BlockId, Vec<Stream>)>,
 }
 
 impl PendingFrees {
     pub fn is_empty(&self) -> bool {
-        self.waiting.is_empty()
+        self.waiting.is_empty() && self.after_capture.is_empty()
     }
 
     /// Queues the events `block` waits for, each on its stream.
@@ -173,8 +218,8 @@ impl PendingFrees {
     }
 
     /// Checks that each block waits for as many events as the queues name
-    /// it in, at least one, and that each stream has one queue; returns the
-    /// pending blocks (for `validate`).
+    /// it in, at least one, or for the end of a capture, and that each
+    /// stream has one queue; returns the pending blocks (for `validate`).
     pub fn check(&self) -> Result<HashSet<BlockId>, String> {
         let mut queued: HashMap<BlockId, u32> = HashMap::new();
         for (i, (stream, events)) in self.queues.iter().enumerate() {
@@ -193,6 +238,12 @@ impl PendingFrees {
         if queued.len() != self.waiting.len() {
             return Err(format!("{} blocks queued for events but {} pending", queued.len(), self.waiting.len()));
         }
-        Ok(queued.into_keys().collect())
+        let mut pending: HashSet<BlockId> = queued.into_keys().collect();
+        for (block, _) in &self.after_capture {
+            if !pending.insert(*block) {
+                return Err(format!("pending block {block} both waits for events and for the end of a capture"));
+            }
+        }
+        Ok(pending)
     }
 }

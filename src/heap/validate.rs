@@ -50,6 +50,13 @@ impl DeviceHeap {
         let mut free_blocks = HashSet::new();
         let mut active_blocks = 0usize;
         let pending = self.pending.check()?;
+        self.private.check()?;
+        for (&(stream, private), ids) in &self.pools_by_stream {
+            for id in ids {
+                let pool = &self.pools[*id as usize];
+                ensure!(pool.stream == stream && pool.private == private, "pool {id} is filed under another stream or private pool");
+            }
+        }
         let mut block_records = 0usize;
         let mut stashed = HashSet::new();
         for (pool_id, pool) in self.pools.iter().enumerate() {

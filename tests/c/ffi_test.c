@@ -138,6 +138,30 @@ static void segments_and_streams(void) {
     tidepool_free(b, 4096, 0, (void*)3);
 }
 
+/* PyTorch's graph-pool hooks: a capture's blocks stay its own; unbalanced
+ * calls and bad devices set the last error and change nothing. */
+static void private_pools(void) {
+    void* eager = tidepool_malloc(3 * MIB, 0, NULL);
+    tidepool_free(eager, 3 * MIB, 0, NULL);
+    tidepool_begin_allocate_to_pool(0, 5, 0, NULL);
+    void* captured = tidepool_malloc(3 * MIB, 0, NULL);
+    CHECK(captured != NULL && captured != eager, "a capture took an eager block: %p", captured);
+    tidepool_free(captured, 3 * MIB, 0, NULL);
+    tidepool_end_allocate_to_pool(0, 5, 0);
+    void* after = tidepool_malloc(3 * MIB, 0, NULL);
+    CHECK(after == eager, "after the capture, eager cache serves: %p", after);
+    tidepool_free(after, 3 * MIB, 0, NULL);
+    tidepool_release_pool(0, 5, 0);
+    tidepool_end_allocate_to_pool(0, 5, 0);
+    CHECK(strstr(last_error(), "not open") != NULL, "end twice: %s", last_error());
+    tidepool_release_pool(0, 5, 0);
+    CHECK(strstr(last_error(), "never begun") != NULL, "release twice: %s", last_error());
+    tidepool_begin_allocate_to_pool(7, 5, 0, NULL);
+    CHECK(strstr(last_error(), "no device 7") != NULL, "bad device: %s", last_error());
+    tidepool_begin_allocate_to_pool(-1, 5, 0, NULL);
+    CHECK(strstr(last_error(), "-1") != NULL, "negative device: %s", last_error());
+}
+
 static void snapshot(const char* path) {
     void* live = tidepool_malloc(12345, 0, (void*)5);
     CHECK(tidepool_dump_snapshot(path) == TIDEPOOL_OK, "dump_snapshot: %s", last_error());
@@ -233,6 +257,7 @@ int main(int argc, char** argv) {
     basic_use();
     bad_input();
     segments_and_streams();
+    private_pools();
     sixteen_threads(iterations);
     after_fork();
     snapshot(argv[1]);

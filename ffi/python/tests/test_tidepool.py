@@ -186,6 +186,9 @@ class Install(unittest.TestCase):
             "set_memory_fraction_fn": _native.function_address("tidepool_set_memory_fraction"),
             "set_record_stream_fn": _native.function_address("tidepool_record_stream"),
             "set_base_alloc_fn": _native.function_address("tidepool_base_alloc"),
+            "set_begin_allocate_to_pool": _native.function_address("tidepool_begin_allocate_to_pool"),
+            "set_end_allocate_to_pool_fn": _native.function_address("tidepool_end_allocate_to_pool"),
+            "set_release_pool": _native.function_address("tidepool_release_pool"),
         })
         self.assertTrue(all(hooks.values()))
         self.assertEqual(fake.calls[-1][0], "change_current_allocator")
@@ -206,14 +209,26 @@ class Install(unittest.TestCase):
 @unittest.skipUnless(importlib.util.find_spec("torch"), "torch not installed")
 class InstallIntoTorch(unittest.TestCase):
     """install() with the real torch: its CUDAPluggableAllocator loads the
-    library, takes every hook under the name install() uses, and becomes the
-    allocator (no GPU needed: CUDA is not initialised by any of it)."""
+    library, takes every hook under the name install() uses, becomes the
+    allocator, and calls the graph-pool hooks as tidepool reads them (no GPU
+    needed: CUDA is not initialised by any of it)."""
 
     def test_torch_takes_the_library_and_every_hook(self):
+        # torch's own entry points to its graph-pool hooks (what CUDA graph
+        # capture and use_mem_pool call) reach tidepool with the pool's id
+        # intact: the C++ call and tidepool's C signature agree.
         script = (
             "import torch, tidepool\n"
+            "from tidepool import _native\n"
             "tidepool.install(allow_host=True)\n"
             "assert torch._C._cuda_getAllocator() is tidepool._plug.allocator(), 'not the current allocator'\n"
+            "torch._C._cuda_beginAllocateToPool(0, (9, 4))\n"
+            "ptr = _native.lib().tidepool_malloc(1 << 20, 0, None)\n"
+            "torch._C._cuda_endAllocateToPool(0, (9, 4))\n"
+            "pools = {tuple(s['segment_pool_id']) for s in tidepool.snapshot()['segments'] if any(b['address'] == ptr for b in s['blocks'])}\n"
+            "assert pools == {(9, 4)}, pools\n"
+            "_native.lib().tidepool_free(ptr, 1 << 20, 0, None)\n"
+            "torch._C._cuda_releasePool(0, (9, 4))\n"
             "assert not torch.cuda.is_initialized()\n"
             "print('installed')\n"
         )

@@ -41,6 +41,10 @@ def _pluggable(torch):
         raw.set_memory_fraction_fn(_native.function_address("tidepool_set_memory_fraction"))
         raw.set_record_stream_fn(_native.function_address("tidepool_record_stream"))
         raw.set_base_alloc_fn(_native.function_address("tidepool_base_alloc"))
+        # CUDA graphs and MemPools: what a capture allocates stays its own.
+        raw.set_begin_allocate_to_pool(_native.function_address("tidepool_begin_allocate_to_pool"))
+        raw.set_end_allocate_to_pool_fn(_native.function_address("tidepool_end_allocate_to_pool"))
+        raw.set_release_pool(_native.function_address("tidepool_release_pool"))
         _plug = plug
     return _plug
 

@@ -1,0 +1,125 @@
+//! Private pools, for one device heap: PyTorch's CUDA graph pools and
+//! `torch.cuda.MemPool`s, driven by its `beginAllocateToPool`,
+//! `endAllocateToPool` and `releasePool` hooks.
+//!
+//! A CUDA graph replays the addresses it was captured with: every block it
+//! allocated while being captured, even one it freed before the capture
+//! ended, is written again at each replay. So those blocks must serve no one
+//! else, and their memory must stay, for as long as the graph lives. Between
+//! `begin_private(id)` and `end_private(id)` every allocation of the heap
+//! (whatever its stream: the hook's stream filter is C++ and out of reach,
+//! and routing more than the capture's own requests is safe) comes from the
+//! pools of `id`, one pair per stream as for ordinary pools. Blocks go back to
+//! the pool they came from, as always.
+//!
+//! Rules, all conservative:
+//! - while any private pool is open (a capture may be underway), the heap
+//!   calls nothing a capture forbids: no event query or wait (pending frees
+//!   keep their blocks, frees needing events wait until the last pool
+//!   closes), no release of memory, no unmapping of pages, no lending of
+//!   blocks across streams. Growth (`cuMemAlloc`, mapping pages) is allowed,
+//!   as in PyTorch's allocator;
+//! - the free memory of private pools stays in them, never released nor lent
+//!   nor recycled, while any private pool of the heap is held (begun more
+//!   often than released). A pool used inside another's capture (a
+//!   `MemPool` inside a graph capture) may be released before the graph
+//!   that replays its addresses, so no private memory goes until every
+//!   private pool is released;
+//! - once the last is released, their free memory is the release policies'
+//!   again, as any cached memory (`empty_cache` gives it back).
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+
+use super::DeviceHeap;
+
+/// A private pool's identity: PyTorch's `MempoolId_t`, a pair of integers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PrivatePoolId(pub u64, pub u64);
+
+/// The private pools of a heap: those open now, innermost last, and how
+/// many times each pool was begun but not yet released.
+#[derive(Default)]
+pub(super) struct PrivatePools {
+    open: Vec<PrivatePoolId>,
+    uses: HashMap<PrivatePoolId, u64>,
+}
+
+impl PrivatePools {
+    /// The pool allocations go to now, if any.
+    pub fn routing(&self) -> Option<PrivatePoolId> {
+        self.open.last().copied()
+    }
+
+    /// Whether some private pool is open: a capture may be underway.
+    pub fn any_open(&self) -> bool {
+        !self.open.is_empty()
+    }
+
+    /// Whether the memory of private pools must stay where it is.
+    pub fn any_held(&self) -> bool {
+        !self.uses.is_empty()
+    }
+
+    pub fn check(&self) -> Result<(), String> {
+        for id in &self.open {
+            if !self.uses.contains_key(id) {
+                return Err(format!("private pool {id:?} is open but was released"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DeviceHeap {
+    /// Routes every allocation to the private pool `id` until
+    /// `end_private(id)` (PyTorch's `beginAllocateToPool`).
+    pub fn begin_private(&mut self, id: PrivatePoolId) {
+        self.private.open.push(id);
+        *self.private.uses.entry(id).or_default() += 1;
+        self.last_stream = None;
+    }
+
+    /// Stops routing allocations to `id` (PyTorch's `endAllocateToPool`).
+    /// Frees that waited for the last open pool to close record their events now.
+    pub fn end_private(&mut self, id: PrivatePoolId) -> Result<(), String> {
+        let Some(at) = self.private.open.iter().rposition(|&open| open == id) else {
+            return Err(format!("private pool {id:?} is not open"));
+        };
+        self.private.open.remove(at);
+        self.last_stream = None;
+        if !self.private.any_open() {
+            self.defer_frees_held_for_capture();
+        }
+        Ok(())
+    }
+
+    /// Drops one use of `id` (PyTorch's `releasePool`, when a graph or a
+    /// `MemPool` goes); once no private pool is held, their free memory is
+    /// the release policies' again (`empty_cache` gives it back).
+    pub fn release_private(&mut self, id: PrivatePoolId) -> Result<(), String> {
+        let Some(uses) = self.private.uses.get_mut(&id) else {
+            return Err(format!("private pool {id:?} was never begun, or was released as often"));
+        };
+        *uses -= 1;
+        if *uses == 0 {
+            if self.private.open.contains(&id) {
+                *uses = 1;
+                return Err(format!("private pool {id:?} is released while still open"));
+            }
+            self.private.uses.remove(&id);
+        }
+        Ok(())
+    }
+
+    /// Whether the free memory of `pool` must stay in it (a private pool
+    /// while private pools are held).
+    pub(super) fn keeps_memory(&self, pool: u32) -> bool {
+        self.pools[pool as usize].private.is_some() && self.private.any_held()
+    }
+
+    /// Whether memory may leave the heap's caches now, and events be queried.
+    pub(super) fn may_release(&self) -> bool {
+        !self.private.any_open()
+    }
+}
