@@ -1,7 +1,11 @@
 """PyTorch end to end on a GPU: a small GPT-2-style model (transformers,
 random init), bf16 autocast, AdamW, a sequence length that changes every
-step, with a side stream and record_stream. Run once per allocator in fresh
-processes (`--allocator native|native-expandable|tidepool|tidepool-expandable`);
+step, with a side stream and record_stream; then a CUDA graph of the
+model's forward pass, replayed after eager tensors were made: its output must
+match eager execution and the eager tensors must survive the replay (a graph
+replays into the blocks it freed during capture; an allocator that hands
+them out again corrupts them). Run once per allocator in fresh processes
+(`--allocator native|native-expandable|tidepool|tidepool-expandable`);
 prints one JSON line.
 """
 import argparse
@@ -64,7 +68,37 @@ for step in range(args.steps):
     losses.append(round(loss.item(), 4))
     del shadow
 
+
+
+def graph_check():
+    """Captures the forward pass, makes eager tensors, replays: True when the
+    replay matches eager execution and left the eager tensors intact."""
+    model.eval()
+    static_in = torch.randint(0, config.vocab_size, (4, 128), device="cuda")
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm), torch.no_grad():
+        for _ in range(2):
+            model(static_in)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = model(static_in).logits
+    with torch.no_grad():
+        expected = model(static_in).logits.clone()
+    eager = [torch.full((1 << 18,), float(i), device="cuda") for i in range(64)]
+    graph.replay()
+    torch.cuda.synchronize()
+    ok = torch.allclose(static_out, expected, atol=1e-3) and all(bool((t == i).all()) for i, t in enumerate(eager))
+    del graph, static_out, eager
+    return ok
+
+
 result = {"allocator": args.allocator, "losses": losses, "median_step_s": sorted(times[5:])[len(times[5:]) // 2]}
+try:
+    result["graph_ok"] = graph_check()
+except Exception as e:  # reported, not fatal: the rest of the run still counts
+    result["graph_ok"] = f"error: {type(e).__name__}: {e}"[:300]
 if args.allocator.startswith("tidepool"):
     stats = tidepool.memory_stats()
     if pages_at_warm_up is not None:
