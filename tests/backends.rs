@@ -194,6 +194,7 @@ struct Simgpu {
     stream_wait_event: unsafe extern "C" fn(u64, u64, u32) -> i32,
     violations: unsafe extern "C" fn() -> i64,
     event_queries: unsafe extern "C" fn() -> i64,
+    relaxed_allocs: unsafe extern "C" fn(*mut i32) -> i64,
 }
 
 impl Simgpu {
@@ -228,6 +229,7 @@ impl Simgpu {
                 stream_wait_event: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamWaitEvent")),
                 violations: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_violations")),
                 event_queries: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_event_queries")),
+                relaxed_allocs: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_relaxed_allocs")),
             }
         }
     }
@@ -477,6 +479,36 @@ fn child_free_during_capture() {
     alloc.release_private(0, graph).unwrap();
     alloc.validate().unwrap();
     println!("free during capture: ok");
+}
+
+/// The child side: new segments are made in relaxed capture mode.
+#[test]
+fn child_growth_in_relaxed_capture_mode() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    let mut mode = -1;
+    // SAFETY: reads counters of the loaded simgpu into a local.
+    let before = unsafe { (sim.relaxed_allocs)(&mut mode) };
+    assert_eq!(mode, 0, "the thread starts in global mode");
+    alloc.begin_private(0, tidepool::PrivatePoolId(8, 0)).unwrap();
+    let ptr = alloc.allocate(0, 64 << 20, tidepool::Stream::DEFAULT).unwrap();
+    // SAFETY: as above.
+    let after = unsafe { (sim.relaxed_allocs)(&mut mode) };
+    assert_eq!(after - before, 1, "cuMemAlloc ran outside relaxed mode: a global-mode capture would be invalidated");
+    assert_eq!(mode, 0, "the thread's capture mode was not put back");
+    alloc.free(0, ptr).unwrap();
+    alloc.end_private(0, tidepool::PrivatePoolId(8, 0)).unwrap();
+    alloc.release_private(0, tidepool::PrivatePoolId(8, 0)).unwrap();
+    println!("relaxed growth: ok");
+}
+
+#[test]
+fn growth_runs_in_relaxed_capture_mode_and_puts_the_mode_back() {
+    let text = on_simgpu("child_growth_in_relaxed_capture_mode", "256M", &[]);
+    assert!(text.contains("relaxed growth: ok"), "{text}");
 }
 
 #[test]

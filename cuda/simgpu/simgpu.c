@@ -13,9 +13,11 @@
  *     waits for every stream, like the driver;
  *   - test entry points (simgpu_*) to queue sleeps, fills and checks of
  *     memory on a stream, to name which allocation owns a range, to count
- *     driver calls (VMM maps, event queries), and to read the
+ *     driver calls (VMM maps, event queries, allocations in relaxed capture
+ *     mode), and to read the
  *     use-after-free detector: a queued write that lands in a
  *     range owned by another allocation by the time it runs is counted;
+ *   - cuThreadExchangeStreamCaptureMode (a per-thread mode; nothing captures);
  *   - virtual memory management: cuMemAddressReserve/Free reserve
  *     inaccessible address space, cuMemCreate makes a physical allocation
  *     (a memfd, counted against the capacity), cuMemMap maps it at a
@@ -215,7 +217,13 @@ static int claim(int device, size_t bytes) {
     }
 }
 
+/* Stream capture modes: this thread's (0 global, the default; 2 relaxed),
+ * and how many cuMemAlloc calls ran in relaxed mode. */
+static __thread int capture_mode;
+static long relaxed_allocs;
+
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
+    if (capture_mode == 2) __atomic_fetch_add(&relaxed_allocs, 1, __ATOMIC_RELAXED);
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     if (!current) return CUDA_ERROR_INVALID_CONTEXT;
     if (!dptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
@@ -749,6 +757,21 @@ void simgpu_vm_calls(long *maps, long *unmaps) {
     *maps = vm_map_calls;
     *unmaps = vm_unmap_calls;
     pthread_mutex_unlock(&lock);
+}
+
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    if (!mode) return CUDA_ERROR_INVALID_VALUE;
+    int previous = capture_mode;
+    capture_mode = *mode;
+    *mode = previous;
+    return CUDA_SUCCESS;
+}
+
+/* Test entry point: cuMemAlloc calls made in relaxed capture mode so far,
+ * and the calling thread's mode now. */
+long simgpu_relaxed_allocs(int *mode_now) {
+    if (mode_now) *mode_now = capture_mode;
+    return __atomic_load_n(&relaxed_allocs, __ATOMIC_RELAXED);
 }
 
 /* Test entry point: cuEventQuery calls so far. */

@@ -49,6 +49,36 @@ struct Device {
 pub struct CudaBackend {
     devices: Vec<Device>,
     stream_ordered: bool,
+    /// Whether the driver has `cuThreadExchangeStreamCaptureMode`.
+    capture_modes: bool,
+}
+
+/// Makes the calling thread's stream capture mode relaxed while it lives:
+/// a capture in global mode (PyTorch's default) forbids `cuMemAlloc` and
+/// the mapping calls from any thread, though new memory during a capture is
+/// safe when, as in private pools, it is not freed while the graph lives
+/// (PyTorch's own allocator does the same).
+struct RelaxedCapture(Option<sys::CUstreamCaptureMode>);
+
+impl RelaxedCapture {
+    fn new(backend: &CudaBackend) -> RelaxedCapture {
+        if !backend.capture_modes {
+            return RelaxedCapture(None);
+        }
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: swaps this thread's capture mode with a local; restored on drop.
+        let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } == sys::CUresult::CUDA_SUCCESS;
+        RelaxedCapture(swapped.then_some(mode))
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.0 {
+            // SAFETY: puts back the mode swapped out in `new`, on the same thread.
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
 }
 
 /// The driver's name for an error code.
@@ -125,7 +155,7 @@ impl CudaBackend {
                 vm_handles: Mutex::new(HashMap::new()),
             });
         }
-        Ok(CudaBackend { devices, stream_ordered })
+        Ok(CudaBackend { devices, stream_ordered, capture_modes: has_symbol(b"cuThreadExchangeStreamCaptureMode\0") })
     }
 
     /// A device memory pool of tidepool's own (not the device's default pool,
@@ -253,6 +283,7 @@ impl Backend for CudaBackend {
                 "cuMemAllocFromPoolAsync",
             )?;
         } else {
+            let _relaxed = RelaxedCapture::new(self);
             // SAFETY: the device's context is current; the driver writes the address into a local.
             check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, "cuMemAlloc_v2")?;
         }
@@ -291,6 +322,7 @@ impl Backend for CudaBackend {
         self.enter(device, "cuMemAddressReserve")?;
         let page = self.devices[device].vm_page as usize;
         let mut base: sys::CUdeviceptr = 0;
+        let _relaxed = RelaxedCapture::new(self);
         // SAFETY: reserves address space only (no memory); the driver writes its base.
         check(unsafe { sys::cuMemAddressReserve(&mut base, size as usize, page, 0, 0) }, "cuMemAddressReserve")?;
         Ok(base)
@@ -309,6 +341,7 @@ impl Backend for CudaBackend {
         let prop = page_properties(d.ordinal);
         let mut mapped = Vec::new();
         let mut result = Ok(());
+        let _relaxed = RelaxedCapture::new(self);
         for at in (addr..addr + len).step_by(page as usize) {
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: `prop` describes one page of this device's memory; the driver writes the handle.
