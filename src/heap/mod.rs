@@ -21,7 +21,8 @@
 //! This file holds the allocation and free paths; `release.rs` gives memory
 //! back (caps, the reclaimer's pass, cooperation with other processes) and
 //! `streams.rs` keeps blocks safe across streams (pending frees waiting for
-//! events, lending a block to another stream when the device is full).
+//! events, lending a block to another stream when the device is full);
+//! `private.rs` routes allocations to private pools (CUDA graphs, MemPools).
 //!
 //! Invariants, checked by `validate()`:
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
@@ -34,7 +35,9 @@
 //!   count as free, but as inactive-split only once merged; pending blocks
 //!   as active, not allocated);
 //! - each pending block waits for as many queued events as it is named in,
-//!   and at least one.
+//!   and at least one, or for the end of a capture (`streams.rs`);
+//! - each pool is filed under its stream and private pool, and every open
+//!   private pool is held (`private.rs`).
 #![forbid(unsafe_code)]
 
 pub mod addr_map;

@@ -89,7 +89,7 @@ impl DeviceHeap {
         self.private.open.remove(at);
         self.last_stream = None;
         if !self.private.any_open() {
-            self.defer_frees_held_for_capture();
+            self.record_events_after_capture();
         }
         Ok(())
     }

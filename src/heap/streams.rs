@@ -111,7 +111,7 @@ impl DeviceHeap {
 
     /// Once the last private pool closes: records the events of the frees
     /// that waited for it.
-    pub(super) fn defer_frees_held_for_capture(&mut self) {
+    pub(super) fn record_events_after_capture(&mut self) {
         for (id, streams) in std::mem::take(&mut self.pending.after_capture) {
             let events = self.record_events(&streams);
             if events.is_empty() {
