@@ -93,6 +93,9 @@ pub struct OomReport {
     /// Whether the heap grows by expandable segments (then every free page
     /// was already given back before the request failed).
     pub expandable: bool,
+    /// Whether a private pool was open (a CUDA graph capture may have been
+    /// underway), so no cached memory could be given back.
+    pub capturing: bool,
 }
 
 /// Bytes as a person reads them: "1.50 GiB", "512 B".
@@ -131,7 +134,13 @@ impl fmt::Display for OomReport {
             write!(f, "; tidepool may reserve at most {} on it (memory fraction)", human_bytes(limit))?;
         }
         write!(f, ". ")?;
-        if self.reserved_limit.is_some_and(|limit| self.allocated.saturating_add(self.requested) > limit) {
+        if self.capturing && self.cached_free > 0 {
+            write!(
+                f,
+                "A CUDA graph capture (or use_mem_pool) was underway, and during one no cached memory can go \
+                 back to the device: call torch.cuda.empty_cache() before capturing, or capture a smaller batch."
+            )
+        } else if self.reserved_limit.is_some_and(|limit| self.allocated.saturating_add(self.requested) > limit) {
             write!(
                 f,
                 "The memory fraction is the limit: raise it (torch.cuda.set_per_process_memory_fraction) \
@@ -187,6 +196,7 @@ mod tests {
             device_total: Some(16 << 30),
             reserved_limit: Some(14 << 30),
             expandable: false,
+            capturing: false,
         };
         let text = AllocError::OutOfMemory(Box::new(report.clone())).to_string();
         for needle in ["device 1", "2.00 GiB", "10.00 GiB allocated", "13.00 GiB reserved", "3.00 GiB cached free",
@@ -196,7 +206,10 @@ mod tests {
             assert!(text.contains(needle), "{needle:?} missing from {text}");
         }
         // With expandable segments on, it does not advise turning them on.
-        let text = AllocError::OutOfMemory(Box::new(OomReport { expandable: true, ..report })).to_string();
+        let text = AllocError::OutOfMemory(Box::new(OomReport { expandable: true, ..report.clone() })).to_string();
         assert!(!text.contains("expandable:true") && text.contains("batch size"), "{text}");
+        // During a capture, the cache could not be released: it says so, and what to do.
+        let text = AllocError::OutOfMemory(Box::new(OomReport { capturing: true, ..report })).to_string();
+        assert!(text.contains("CUDA graph capture") && text.contains("empty_cache() before capturing"), "{text}");
     }
 }

@@ -764,6 +764,7 @@ impl DeviceHeap {
             device_total: info.map(|i| i.total),
             reserved_limit: self.reserved_limit(),
             expandable: self.vm.is_some(),
+            capturing: !self.may_release(),
         }
     }
 
