@@ -195,6 +195,7 @@ struct Simgpu {
     violations: unsafe extern "C" fn() -> i64,
     event_queries: unsafe extern "C" fn() -> i64,
     relaxed_allocs: unsafe extern "C" fn(*mut i32) -> i64,
+    set_capturing: unsafe extern "C" fn(u64, i32) -> i32,
 }
 
 impl Simgpu {
@@ -230,6 +231,7 @@ impl Simgpu {
                 violations: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_violations")),
                 event_queries: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_event_queries")),
                 relaxed_allocs: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_relaxed_allocs")),
+                set_capturing: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_set_capturing")),
             }
         }
     }
@@ -503,6 +505,33 @@ fn child_growth_in_relaxed_capture_mode() {
     alloc.end_private(0, tidepool::PrivatePoolId(8, 0)).unwrap();
     alloc.release_private(0, tidepool::PrivatePoolId(8, 0)).unwrap();
     println!("relaxed growth: ok");
+}
+
+/// The child side (cuda_async): growth on a stream being captured.
+#[test]
+fn child_async_growth_while_capturing() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    let stream = sim.stream();
+    // SAFETY: marks a stream made above as capturing, in simgpu's bookkeeping only.
+    assert_eq!(unsafe { (sim.set_capturing)(stream, 1) }, 0);
+    let err = alloc.allocate(0, 8 << 20, tidepool::Stream(stream)).unwrap_err().to_string();
+    assert!(err.contains("stream being captured") && err.contains("backend:cuda"), "{err}");
+    // SAFETY: as above.
+    assert_eq!(unsafe { (sim.set_capturing)(stream, 0) }, 0);
+    let ptr = alloc.allocate(0, 8 << 20, tidepool::Stream(stream)).unwrap();
+    alloc.free(0, ptr).unwrap();
+    alloc.validate().unwrap();
+    println!("async capture: refused");
+}
+
+#[test]
+fn the_stream_ordered_backend_refuses_to_grow_on_a_capturing_stream() {
+    let text = on_simgpu("child_async_growth_while_capturing", "256M", &[("TIDEPOOL_TEST_BACKEND", "cuda_async")]);
+    assert!(text.contains("async capture: refused"), "{text}");
 }
 
 #[test]

@@ -17,7 +17,8 @@
  *     mode), and to read the
  *     use-after-free detector: a queued write that lands in a
  *     range owned by another allocation by the time it runs is counted;
- *   - cuThreadExchangeStreamCaptureMode (a per-thread mode; nothing captures);
+ *   - cuThreadExchangeStreamCaptureMode (a per-thread mode) and
+ *     cuStreamIsCapturing (nothing captures, but a test may say a stream does);
  *   - virtual memory management: cuMemAddressReserve/Free reserve
  *     inaccessible address space, cuMemCreate makes a physical allocation
  *     (a memfd, counted against the capacity), cuMemMap maps it at a
@@ -331,6 +332,7 @@ struct simgpu_stream {
     struct op *head, *tail;
     long queued, done;
     int stop;
+    int capturing; /* set by simgpu_set_capturing: what cuStreamIsCapturing reports */
     struct simgpu_stream *next_stream;
 };
 
@@ -772,6 +774,22 @@ CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
 long simgpu_relaxed_allocs(int *mode_now) {
     if (mode_now) *mode_now = capture_mode;
     return __atomic_load_n(&relaxed_allocs, __ATOMIC_RELAXED);
+}
+
+/* Nothing is ever captured; a test marks a stream as capturing to see how
+ * callers react. The default stream never captures. */
+CUresult cuStreamIsCapturing(CUstream s, int *status) {
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    if (s && !known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
+    *status = s ? __atomic_load_n(&s->capturing, __ATOMIC_RELAXED) : 0;
+    return CUDA_SUCCESS;
+}
+
+/* Test entry point: what cuStreamIsCapturing reports for s (1: active). */
+CUresult simgpu_set_capturing(CUstream s, int capturing) {
+    if (!s || !known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
+    __atomic_store_n(&s->capturing, capturing, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
 }
 
 /* Test entry point: cuEventQuery calls so far. */

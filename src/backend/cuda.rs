@@ -49,8 +49,9 @@ struct Device {
 pub struct CudaBackend {
     devices: Vec<Device>,
     stream_ordered: bool,
-    /// Whether the driver has `cuThreadExchangeStreamCaptureMode`.
+    /// Whether the driver has `cuThreadExchangeStreamCaptureMode` and `cuStreamIsCapturing`.
     capture_modes: bool,
+    capture_status: bool,
 }
 
 /// Makes the calling thread's stream capture mode relaxed while it lives:
@@ -155,7 +156,34 @@ impl CudaBackend {
                 vm_handles: Mutex::new(HashMap::new()),
             });
         }
-        Ok(CudaBackend { devices, stream_ordered, capture_modes: has_symbol(b"cuThreadExchangeStreamCaptureMode\0") })
+        Ok(CudaBackend {
+            devices,
+            stream_ordered,
+            capture_modes: has_symbol(b"cuThreadExchangeStreamCaptureMode\0"),
+            capture_status: has_symbol(b"cuStreamIsCapturing\0"),
+        })
+    }
+
+    /// A stream-ordered allocation on a stream being captured would become
+    /// a node of the graph, memory only its replays may use, which the cache
+    /// would then hand to anyone: refused, with what to do instead.
+    fn refuse_capturing_stream(&self, stream: Stream) -> Result<(), BackendError> {
+        if !self.capture_status {
+            return Ok(());
+        }
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `stream` is the requester's stream handle; the driver writes a local.
+        check(unsafe { sys::cuStreamIsCapturing(stream.0 as sys::CUstream, &mut status) }, "cuStreamIsCapturing")?;
+        if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Ok(());
+        }
+        Err(BackendError::Driver {
+            call: "cuMemAllocFromPoolAsync",
+            code: -1,
+            message: "backend:cuda_async cannot take new memory on a stream being captured into a CUDA graph: \
+                      use backend:cuda, or run the captured step once before capturing so the cache holds its memory"
+                .into(),
+        })
     }
 
     /// A device memory pool of tidepool's own (not the device's default pool,
@@ -276,6 +304,7 @@ impl Backend for CudaBackend {
         let mut ptr: sys::CUdeviceptr = 0;
         let pool = self.devices[device].pool;
         if pool != 0 {
+            self.refuse_capturing_stream(stream)?;
             // SAFETY: the context is current, `pool` was created for this
             // device, `stream` is the requester's; the driver writes the address.
             check(
