@@ -1,10 +1,13 @@
 //! A state machine test against a reference model: random sequences of
 //! allocations, frees, cache releases, injected growth and release failures
-//! (the first or the second driver call of a request) and bad frees over
-//! several streams, with whole segments and with expandable segments.
-//! After every step the heap validates, live ranges never overlap, patterns
-//! written into blocks are intact, and the statistics equal the model's; at
-//! the end everything goes back to the driver.
+//! (the first or the second driver call of a request), bad frees, and
+//! private pools begun, ended and released (in order or not) over several
+//! streams, with whole segments and with expandable segments. After every
+//! step the heap validates, live ranges never overlap, patterns written into
+//! blocks are intact, the statistics equal the model's, no memory goes back
+//! while a private pool is open, and no block a private pool ever held goes
+//! to anyone else while private pools are held; at the end everything goes
+//! back to the driver.
 
 mod common;
 
@@ -12,7 +15,7 @@ use std::collections::BTreeMap;
 
 use common::{check, fill, host_allocator, MIB};
 use proptest::prelude::*;
-use tidepool::{AllocError, DevicePtr, Stream};
+use tidepool::{AllocError, DevicePtr, PrivatePoolId, Stream};
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -24,6 +27,9 @@ enum Op {
     FailNextRelease,
     FreeForeign,
     DoubleFree { pick: usize },
+    Begin { pool: u64 },
+    End { pool: u64 },
+    Release { pool: u64 },
 }
 
 fn size() -> impl Strategy<Value = u64> {
@@ -45,6 +51,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::FailNextRelease),
         1 => Just(Op::FreeForeign),
         1 => any::<usize>().prop_map(|pick| Op::DoubleFree { pick }),
+        1 => (1u64..3).prop_map(|pool| Op::Begin { pool }),
+        1 => (1u64..3).prop_map(|pool| Op::End { pool }),
+        1 => (1u64..3).prop_map(|pool| Op::Release { pool }),
     ]
 }
 
@@ -62,13 +71,28 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
     let mut live: BTreeMap<u64, Live> = BTreeMap::new();
     let mut freed: Vec<u64> = Vec::new();
     let mut invalid_frees = 0;
+    // Private pools: those open (innermost last), uses not yet released,
+    // and every range handed out from each while any is held.
+    let (mut open, mut uses) = (Vec::<u64>::new(), BTreeMap::<u64, u64>::new());
+    let mut private_ranges: Vec<(u64, u64, u64)> = Vec::new();
     for (step, op) in ops.into_iter().enumerate() {
+        let reserved_before = alloc.stats(0).unwrap().reserved_bytes.all.current;
         match op {
             Op::Alloc { stream, size } => match alloc.allocate(0, size as usize, Stream(stream)) {
                 Ok(ptr) => {
                     prop_assert!(!ptr.is_null() && ptr.0 % 512 == 0);
                     let block = alloc.with_heap(0, |h| h.live_size(ptr.0)).unwrap().expect("returned block is live");
                     prop_assert!(block >= size);
+                    let routed = open.last().copied().unwrap_or(0);
+                    for &(pool, addr, len) in &private_ranges {
+                        prop_assert!(
+                            pool == routed || ptr.0 + block <= addr || addr + len <= ptr.0,
+                            "a block of private pool {pool} at {addr:#x} went to pool {routed} while private pools are held"
+                        );
+                    }
+                    if routed != 0 {
+                        private_ranges.push((routed, ptr.0, block));
+                    }
                     if let Some((&addr, prev)) = live.range(..ptr.0).next_back() {
                         prop_assert!(addr + prev.block <= ptr.0, "overlaps the block at {addr:#x}");
                     }
@@ -107,6 +131,42 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
                     }
                 }
             }
+            Op::Begin { pool } => {
+                alloc.begin_private(0, PrivatePoolId(pool, 0)).unwrap();
+                open.push(pool);
+                *uses.entry(pool).or_default() += 1;
+            }
+            Op::End { pool } => {
+                let result = alloc.end_private(0, PrivatePoolId(pool, 0));
+                match open.iter().rposition(|&p| p == pool) {
+                    Some(at) => {
+                        prop_assert!(result.is_ok());
+                        open.remove(at);
+                    }
+                    None => prop_assert!(result.is_err()),
+                }
+            }
+            Op::Release { pool } => {
+                let result = alloc.release_private(0, PrivatePoolId(pool, 0));
+                match uses.get(&pool).copied() {
+                    Some(1) if open.contains(&pool) => prop_assert!(result.is_err(), "released while open"),
+                    Some(n) => {
+                        prop_assert!(result.is_ok());
+                        if n == 1 {
+                            uses.remove(&pool);
+                        } else {
+                            uses.insert(pool, n - 1);
+                        }
+                    }
+                    None => prop_assert!(result.is_err()),
+                }
+                if uses.is_empty() {
+                    private_ranges.clear();
+                }
+            }
+        }
+        if !open.is_empty() {
+            prop_assert!(alloc.stats(0).unwrap().reserved_bytes.all.current >= reserved_before, "memory went back during a capture");
         }
         alloc.validate().map_err(TestCaseError::fail)?;
         let stats = alloc.stats(0).unwrap();
@@ -118,6 +178,14 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
     }
     backend.faults().fail_nth_allocate(0);
     backend.faults().fail_nth_release(0);
+    for pool in open.iter().rev() {
+        alloc.end_private(0, PrivatePoolId(*pool, 0)).unwrap();
+    }
+    for (pool, n) in uses {
+        for _ in 0..n {
+            alloc.release_private(0, PrivatePoolId(pool, 0)).unwrap();
+        }
+    }
     for (addr, entry) in std::mem::take(&mut live) {
         prop_assert_eq!(check(DevicePtr(addr), entry.requested, entry.tag), Ok(()));
         alloc.free(0, DevicePtr(addr)).unwrap();
