@@ -406,6 +406,7 @@ fn child_pending_frees() {
     // Freed, so no longer allocated; in use until the other stream is done, so active (as in PyTorch).
     let s = alloc.stats(0).unwrap();
     assert_eq!((s.allocated_bytes.all.current, s.active_bytes.all.current), (0, PENDING << 20));
+    assert_eq!(s.cached_free_bytes, s.reserved_bytes.all.current - (PENDING << 20), "pending blocks counted as free cache");
     assert!(alloc.record_stream(ptrs[0], other).is_err(), "record_stream on a freed block is refused");
     let states = |alloc: &Allocator| alloc.snapshot(0).unwrap().iter().flat_map(|s| s.blocks.clone()).filter(|b| b.pending).count();
     assert_eq!(states(&alloc), PENDING as usize, "the snapshot shows the blocks as pending frees");

@@ -734,8 +734,9 @@ impl DeviceHeap {
         self.process_pending(false);
         self.flush_stashes();
         let mut stats = self.stats.report();
-        // With the stashes merged, every reserved byte not allocated is cached.
-        stats.cached_free_bytes = stats.reserved_bytes.all.current - stats.allocated_bytes.all.current;
+        // With the stashes merged, every reserved byte not active (allocated,
+        // or freed but pending) is cached.
+        stats.cached_free_bytes = stats.reserved_bytes.all.current - stats.active_bytes.all.current;
         let classic = self.pools.iter().filter(|p| self.expandable_vm(p.kind).is_none()).map(|p| p.largest(&self.blocks));
         stats.largest_free_block_bytes = classic.max().unwrap_or(0).max(self.largest_mapped_free_run());
         stats
