@@ -462,6 +462,52 @@ mod tests {
         assert_eq!((r.all.current, r.all.allocated, r.all.freed), (7, 17, 10));
     }
 
+    /// Drives the counters as the heap does: allocate (with the peak note
+    /// while frees are pending), free (count), go pending, complete.
+    fn allocate(c: &mut Counters, bytes: u64) {
+        c.allocation.increase(PoolKind::Large, 1);
+        c.allocated_bytes.increase(PoolKind::Large, bytes);
+        if c.pending.total() > 0 {
+            c.note_active_peaks();
+        }
+    }
+
+    fn free(c: &mut Counters, bytes: u64, pending: bool) {
+        c.allocation.decrease(PoolKind::Large, 1);
+        c.allocated_bytes.decrease(PoolKind::Large, bytes);
+        if pending {
+            c.pending.increase(PoolKind::Large, 1);
+            c.pending_bytes.increase(PoolKind::Large, bytes);
+        }
+    }
+
+    fn complete(c: &mut Counters, bytes: u64) {
+        c.pending.decrease(PoolKind::Large, 1);
+        c.pending_bytes.decrease(PoolKind::Large, bytes);
+    }
+
+    #[test]
+    fn active_is_allocated_plus_pending_with_its_own_peak_and_totals() {
+        let mut c = Counters::default();
+        allocate(&mut c, 100);
+        free(&mut c, 100, true); // pending: active stays 100
+        allocate(&mut c, 30); // active 130 while allocated is 30
+        let s = c.report();
+        assert_eq!((s.allocated_bytes.all.current, s.allocated_bytes.all.peak), (30, 100));
+        assert_eq!((s.active_bytes.all.current, s.active_bytes.all.peak), (130, 130));
+        assert_eq!((s.active.all.current, s.active.all.allocated, s.active.all.freed), (2, 2, 0));
+        c.reset_accumulated();
+        complete(&mut c, 100);
+        free(&mut c, 30, false);
+        let s = c.report();
+        assert_eq!((s.active_bytes.all.current, s.active_bytes.all.allocated, s.active_bytes.all.freed), (0, 0, 130));
+        assert_eq!(s.active_bytes.large_pool.freed, 130);
+        c.reset_peaks();
+        assert_eq!(c.report().active_bytes.all.peak, 0);
+        allocate(&mut c, 10);
+        assert_eq!(c.report().active_bytes.all.peak, 10, "without pending frees active's peak is allocated's");
+    }
+
     #[test]
     fn fragmentation_is_zero_without_cache_and_grows_with_holes() {
         let mut s = Stats::default();
