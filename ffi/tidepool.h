@@ -128,6 +128,11 @@ void tidepool_end_allocate_to_pool(int device, uint64_t id0, uint64_t id1);
 /* Drops a use of the private pool (id0, id1) on device (a graph or MemPool went). */
 void tidepool_release_pool(int device, uint64_t id0, uint64_t id1);
 
+/* Keeps the last max_entries allocation and segment events of every device,
+ * written as device_traces by tidepool_dump_snapshot (the timeline of
+ * pytorch.org/memory_viz); 0 stops and forgets them. Returns TIDEPOOL_OK. */
+int tidepool_record_history(size_t max_entries);
+
 /* The base of the segment holding ptr, its size in *size; NULL if none. */
 void* tidepool_base_alloc(void* ptr, size_t* size);
 

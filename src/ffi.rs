@@ -357,6 +357,21 @@ pub extern "C" fn tidepool_release_pool(device: c_int, id0: u64, id1: u64) {
     })
 }
 
+/// Keeps the last `max_entries` allocation and segment events of every
+/// device for snapshots' `device_traces` (0: stops and forgets them).
+#[no_mangle]
+pub extern "C" fn tidepool_record_history(max_entries: usize) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, {
+        match allocator().and_then(|a| a.record_history(Some(max_entries))) {
+            Ok(()) => TIDEPOOL_OK,
+            Err(err) => {
+                set_last_error(err.to_string());
+                TIDEPOOL_ERR_INTERNAL
+            }
+        }
+    })
+}
+
 /// The base of the segment holding `ptr`, with its size in `*size`; NULL
 /// (and `*size` untouched) when no segment holds it or `size` is NULL.
 #[no_mangle]

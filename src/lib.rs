@@ -37,6 +37,7 @@ use backend::Backend;
 pub use config::{BackendKind, Config, ConfigError};
 pub use error::{AllocError, InvalidFree, OomReport};
 use heap::DeviceHeap;
+pub use heap::history::{HistoryAction, HistoryEntry};
 pub use heap::private::PrivatePoolId;
 pub use heap::{BlockSnapshot, Released, SegmentSnapshot};
 pub use stats::{Events, Stat, StatByPool, Stats};
@@ -426,6 +427,24 @@ impl Allocator {
     }
 
     /// Every segment of `device` with its blocks, in address order.
+    /// Keeps the last `max_entries` allocation and segment events of every
+    /// device from now on, for snapshots' `device_traces` (PyTorch's
+    /// `_record_memory_history`); None or 0 stops and forgets them.
+    pub fn record_history(&self, max_entries: Option<usize>) -> Result<(), AllocError> {
+        for heap in self.heaps()? {
+            heap.lock().record_history(max_entries);
+        }
+        Ok(())
+    }
+
+    /// The events kept for `device`, oldest first (with stream shards, the
+    /// shards' events merged by time).
+    pub fn history(&self, device: usize) -> Result<Vec<HistoryEntry>, AllocError> {
+        let mut entries: Vec<HistoryEntry> = self.device_heaps(device)?.iter().flat_map(|h| h.lock().history()).collect();
+        entries.sort_by_key(|e| e.time_us);
+        Ok(entries)
+    }
+
     pub fn snapshot(&self, device: usize) -> Result<Vec<SegmentSnapshot>, AllocError> {
         let mut segments: Vec<SegmentSnapshot> = self.device_heaps(device)?.iter().flat_map(|h| h.lock().snapshot()).collect();
         segments.sort_by_key(|s| s.address);

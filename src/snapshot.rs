@@ -1,6 +1,7 @@
 //! Memory snapshots in PyTorch's schema (`torch.cuda.memory._snapshot()`),
 //! so pytorch.org/memory_viz and `torch.cuda._memory_viz` read tidepool's
-//! heaps as they read PyTorch's own.
+//! heaps as they read PyTorch's own: the segments and their blocks, and,
+//! with history on, each device's recent events (`device_traces`).
 #![forbid(unsafe_code)]
 
 use std::io::Write;
@@ -51,8 +52,27 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
             ]));
         }
     }
-    let traces = (0..alloc.device_count()).map(|_| PyValue::List(vec![])).collect();
+    let traces = (0..alloc.device_count()).map(|device| PyValue::List(device_trace(alloc, device))).collect();
     PyValue::dict([("segments", PyValue::List(segments)), ("device_traces", PyValue::List(traces))])
+}
+
+/// The events kept for `device` (none unless history is on), as PyTorch's
+/// trace entries.
+fn device_trace(alloc: &Allocator, device: usize) -> Vec<PyValue> {
+    let entries = alloc.history(device).unwrap_or_default();
+    entries
+        .iter()
+        .map(|e| {
+            PyValue::dict([
+                ("action", PyValue::str(e.action.name())),
+                ("addr", PyValue::int(e.addr)),
+                ("size", PyValue::int(e.size)),
+                ("stream", PyValue::int(e.stream.0)),
+                ("time_us", PyValue::int(e.time_us)),
+                ("frames", PyValue::List(vec![])),
+            ])
+        })
+        .collect()
 }
 
 /// A block's state as PyTorch names it.

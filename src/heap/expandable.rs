@@ -26,6 +26,7 @@
 use std::sync::atomic::Ordering;
 
 use super::block::{Block, BlockId, BlockState, NIL};
+use super::history::HistoryAction;
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::size_class::PoolKind;
@@ -172,6 +173,11 @@ impl DeviceHeap {
             pages.set_mapped(p, n);
             total += n;
         }
+        let segment = self.segments[segment_id].as_ref().expect("checked above");
+        let (base, stream) = (segment.base, self.pools[segment.pool as usize].stream);
+        for &(p, n) in runs {
+            self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
+        }
         self.stats.reserved_bytes.increase(kind, total * page);
         self.stats.events.num_pages_mapped += total;
         self.stats.events.num_device_alloc += runs.len() as u64;
@@ -293,8 +299,10 @@ impl DeviceHeap {
             if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
                 continue;
             }
-            let pages = self.segments[segment_id].as_mut().and_then(|s| s.pages.as_mut()).expect("checked above");
-            pages.set_unmapped(p, n);
+            let segment = self.segments[segment_id].as_mut().expect("checked above");
+            let stream = self.pools[segment.pool as usize].stream;
+            segment.pages.as_mut().expect("checked above").set_unmapped(p, n);
+            self.note(HistoryAction::SegmentUnmap, base + p * page, n * page, stream);
             bytes += n * page;
             self.stats.events.num_pages_unmapped += n;
             self.stats.events.num_device_free += 1;

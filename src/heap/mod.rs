@@ -43,6 +43,7 @@
 pub mod addr_map;
 pub mod block;
 mod expandable;
+pub mod history;
 pub mod pages;
 pub mod pool;
 pub mod private;
@@ -68,6 +69,7 @@ use crate::Stream;
 use addr_map::AddrMap;
 use block::{BlockArena, BlockId, BlockState, NIL};
 use expandable::Vm;
+use history::{History, HistoryAction};
 use pages::PageMap;
 use pool::Pool;
 use private::{PrivatePoolId, PrivatePools};
@@ -192,6 +194,10 @@ pub struct DeviceHeap {
     vm: Option<Vm>,
     /// Rows for the TIDEPOOL_TRACE recording, when one is on.
     trace: Option<TraceBuffer>,
+    /// The last events, for snapshots' `device_traces`, when kept (`history.rs`).
+    history: Option<History>,
+    /// Whether a recording or a history is on: one test on the hot path for both.
+    observed: bool,
     stats: Counters,
 }
 
@@ -222,6 +228,8 @@ impl DeviceHeap {
             lend_across_streams: true,
             vm: None,
             trace: None,
+            history: None,
+            observed: false,
             stats: Counters::default(),
         }
     }
@@ -229,6 +237,7 @@ impl DeviceHeap {
     /// Records every allocation and free from now on into `recorder`.
     pub fn record_to(&mut self, recorder: Arc<Recorder>) {
         self.trace = Some(TraceBuffer::new(recorder));
+        self.observed = true;
     }
 
     /// Hands buffered trace rows to the recorder's writer.
@@ -238,10 +247,14 @@ impl DeviceHeap {
         }
     }
 
+    /// Tells the recording and the history (call only when `observed`).
     #[inline(always)]
     fn record(&mut self, action: Action, pointer: u64, size: u64, stream: Stream) {
         if let Some(trace) = self.trace.as_mut() {
             trace.push(action, pointer, size, stream.0);
+        }
+        if self.history.is_some() {
+            self.note_action(action, pointer, size, stream);
         }
     }
 
@@ -374,7 +387,9 @@ impl DeviceHeap {
             Ok(block) => Ok(block),
             Err(BackendError::OutOfMemory) => {
                 self.stats.events.num_ooms += 1;
-                self.record(Action::AllocateFailure, 0, size, stream);
+                if self.observed {
+                    self.record(Action::AllocateFailure, 0, size, stream);
+                }
                 Err(AllocError::OutOfMemory(Box::new(self.oom_report(size))))
             }
             Err(err) => Err(AllocError::Backend(err)),
@@ -418,6 +433,7 @@ impl DeviceHeap {
         if pages.is_none() {
             self.stats.reserved_bytes.increase(kind, size);
             self.stats.events.num_device_alloc += 1;
+            self.note(HistoryAction::SegmentAlloc, base, size, stream);
         }
         self.segments[segment_id as usize] = Some(Segment { base, size, pages, pool, first_block: block, idle_since_ms: 0 });
         self.segment_by_base.insert(base, segment_id);
@@ -458,7 +474,7 @@ impl DeviceHeap {
         b.state = BlockState::Allocated;
         b.requested = requested;
         let (addr, size, kind, pool) = (b.addr, b.size, b.kind, b.pool);
-        if self.trace.is_some() {
+        if self.observed {
             let stream = self.pools[pool as usize].stream;
             self.record(Action::Allocate, addr, requested, stream);
         }
@@ -487,20 +503,24 @@ impl DeviceHeap {
                 }
             }
         }
-        let freed = self.count_free(id, ptr);
+        let freed = self.count_free(id, ptr, true);
         self.deactivate(id);
         Ok(freed)
     }
 
     /// Counts the caller's free of the allocated block `id` at `ptr`: the
-    /// statistics of allocated memory, and the trace.
+    /// statistics of allocated memory, the trace and the history (with
+    /// `completed`, the block is reusable at once).
     #[inline(always)]
-    fn count_free(&mut self, id: BlockId, ptr: u64) -> Freed {
+    fn count_free(&mut self, id: BlockId, ptr: u64, completed: bool) -> Freed {
         let b = &self.blocks[id];
         let (size, requested, pool, kind) = (b.size, b.requested, b.pool, b.kind);
-        if self.trace.is_some() {
+        if self.observed {
             let stream = self.pools[pool as usize].stream;
             self.record(Action::Free, ptr, requested, stream);
+            if completed && self.history.is_some() {
+                self.note(HistoryAction::FreeCompleted, ptr, requested, stream);
+            }
         }
         let stats = &mut self.stats;
         stats.allocation.decrease(kind, 1);

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::block::{BlockId, NIL};
+use super::history::HistoryAction;
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
@@ -255,6 +256,7 @@ impl DeviceHeap {
             }
             let kind = self.pools[pool as usize].kind;
             self.forget_segment(segment_id);
+            self.note(HistoryAction::SegmentFree, base, size, self.pools[pool as usize].stream);
             self.stats.reserved_bytes.decrease(kind, size);
             self.device_reserved.fetch_sub(size, Ordering::SeqCst);
             self.stats.events.num_device_free += 1;

@@ -6,6 +6,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::block::{BlockId, BlockState};
+use super::history::HistoryAction;
 use super::{DeviceHeap, Freed};
 use crate::error::AllocError;
 use crate::Stream;
@@ -58,7 +59,7 @@ impl DeviceHeap {
     #[cold]
     pub(super) fn defer_free(&mut self, id: BlockId, ptr: u64, streams: Vec<Stream>) -> Option<Freed> {
         if !self.may_release() {
-            let freed = self.count_free(id, ptr);
+            let freed = self.count_free(id, ptr, false);
             self.make_pending(id);
             self.pending.after_capture.push((id, streams));
             return Some(freed);
@@ -67,7 +68,7 @@ impl DeviceHeap {
         if events.is_empty() {
             return None;
         }
-        let freed = self.count_free(id, ptr);
+        let freed = self.count_free(id, ptr, false);
         self.make_pending(id);
         self.pending.push(id, &events);
         Some(freed)
@@ -103,9 +104,11 @@ impl DeviceHeap {
 
     /// Makes the pending block `id` reusable.
     fn finish_pending(&mut self, id: BlockId) {
-        let (kind, size) = (self.blocks[id].kind, self.blocks[id].size);
+        let b = &self.blocks[id];
+        let (kind, size, addr, requested, stream) = (b.kind, b.size, b.addr, b.requested, self.pools[b.pool as usize].stream);
         self.stats.pending.decrease(kind, 1);
         self.stats.pending_bytes.decrease(kind, size);
+        self.note(HistoryAction::FreeCompleted, addr, requested, stream);
         self.deactivate(id);
     }
 

@@ -163,6 +163,7 @@ static void private_pools(void) {
 }
 
 static void snapshot(const char* path) {
+    CHECK(tidepool_record_history(1000) == TIDEPOOL_OK, "record_history: %s", last_error());
     void* live = tidepool_malloc(12345, 0, (void*)5);
     CHECK(tidepool_dump_snapshot(path) == TIDEPOOL_OK, "dump_snapshot: %s", last_error());
     CHECK(tidepool_dump_snapshot(NULL) == TIDEPOOL_ERR_INVALID_ARGUMENT, "NULL path");

@@ -67,9 +67,16 @@ class MemoryViz(unittest.TestCase):
         import torch.cuda._memory_viz as viz
 
         lib = tidepool._native.lib()
-        ptr = lib.tidepool_malloc(12345, 0, None)
-        snapshot = tidepool.snapshot()
-        lib.tidepool_free(ptr, 12345, 0, None)
+        tidepool.record_memory_history(max_entries=1000)  # the timeline's events
+        try:
+            ptr = lib.tidepool_malloc(12345, 0, None)
+            other = lib.tidepool_malloc(3 << 20, 0, None)
+            lib.tidepool_free(other, 3 << 20, 0, None)
+            snapshot = tidepool.snapshot()
+            lib.tidepool_free(ptr, 12345, 0, None)
+        finally:
+            tidepool.record_memory_history(enabled=False)
+        self.assertTrue(snapshot["device_traces"][0])
         for draw in (viz.segment_plot, viz.trace_plot):
             html = draw(snapshot)
             self.assertIn("<html", html.lower())

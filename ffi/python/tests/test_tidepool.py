@@ -109,6 +109,24 @@ class Snapshots(unittest.TestCase):
         self.assertEqual((block["size"], block["requested_size"], block["state"]), (12800, 12345, "active_allocated"))
         self.assertTrue(all(b["state"] in ("active_allocated", "inactive") for b in segment["blocks"]))
 
+    def test_history_puts_pytorchs_trace_entries_in_the_snapshot(self):
+        self.assertEqual(tidepool.snapshot()["device_traces"], [[]], "no history unless asked")
+        tidepool.record_memory_history(max_entries=1000)
+        try:
+            ptr = malloc(3 * MIB, stream=11)
+            free(ptr, 3 * MIB, stream=11)
+            trace = tidepool.snapshot()["device_traces"][0]
+        finally:
+            tidepool.record_memory_history(enabled=False)
+        mine = [(e["action"], e["size"]) for e in trace if e["addr"] == ptr]
+        self.assertEqual(mine[-3:], [("alloc", 3 * MIB), ("free_requested", 3 * MIB), ("free_completed", 3 * MIB)])
+        self.assertTrue(all(action.startswith("segment_") for action, _ in mine[:-3]), mine)
+        for entry in trace:
+            self.assertEqual(set(entry), {"action", "addr", "size", "stream", "time_us", "frames"})
+        self.assertEqual(tidepool.snapshot()["device_traces"], [[]], "off forgets")
+        with self.assertRaises(tidepool.TidepoolError):
+            tidepool.record_memory_history(max_entries=-1)
+
     def test_dump_snapshot_writes_a_file_a_plain_data_unpickler_loads(self):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "snap.pickle")

@@ -23,6 +23,7 @@ __all__ = [
     "empty_cache",
     "snapshot",
     "dump_snapshot",
+    "record_memory_history",
     "library_path",
     "TidepoolError",
 ]
@@ -220,6 +221,19 @@ def memory_summary(device=None):
     )
     lines.append("=" * width)
     return "\n".join(lines)
+
+
+def record_memory_history(enabled=True, max_entries=100_000):
+    """Keeps the last max_entries allocation and segment events of every
+    device (torch.cuda.memory._record_memory_history's counterpart): then
+    snapshot() and dump_snapshot() carry them as device_traces, and
+    pytorch.org/memory_viz draws the memory timeline. enabled=False (or
+    None) stops and forgets them."""
+    entries = max_entries if enabled else 0
+    if entries is None or entries < 0:
+        raise TidepoolError(f"max_entries must be a non-negative number, not {max_entries!r}")
+    if _native.lib().tidepool_record_history(entries) != _native.OK:
+        raise TidepoolError(_native.last_error())
 
 
 def dump_snapshot(path):

@@ -120,6 +120,7 @@ def lib():
             "tidepool_base_alloc": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
             "tidepool_get_stats": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(Stats)]),
             "tidepool_dump_snapshot": (ctypes.c_int, [ctypes.c_char_p]),
+            "tidepool_record_history": (ctypes.c_int, [ctypes.c_size_t]),
             "tidepool_last_error": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
         }
         for name, (restype, argtypes) in signatures.items():
