@@ -394,6 +394,7 @@ fn child_pending_frees() {
     }
     const PENDING: u64 = 200;
     let alloc = cuda_allocator("");
+    alloc.record_history(Some(1 << 16)).unwrap();
     let sim = Simgpu::load();
     let [own, other] = [sim.stream(), sim.stream()].map(tidepool::Stream);
     // SAFETY: queues a 1 s sleep on a stream made above.
@@ -438,6 +439,15 @@ fn child_pending_frees() {
     assert_eq!(s.active.all.freed, s.allocation.all.freed);
     assert_eq!(states(&alloc), 0);
     alloc.validate().unwrap();
+    // The history tells the free (requested at once) from its completion (once the stream ran).
+    let history = alloc.history(0).unwrap();
+    let of_first: Vec<_> = history.iter().filter(|e| e.addr == ptrs[0].0 && e.size == 1 << 20).map(|e| e.action).collect();
+    use tidepool::HistoryAction::{Alloc, FreeCompleted, FreeRequested};
+    assert_eq!(&of_first[..3], [Alloc, FreeRequested, FreeCompleted]);
+    let requested_at = history.iter().position(|e| e.action == FreeRequested && e.addr == ptrs[0].0).unwrap();
+    let completed_at = history.iter().position(|e| e.action == FreeCompleted && e.addr == ptrs[0].0).unwrap();
+    let allocs_between = history[requested_at..completed_at].iter().filter(|e| e.action == Alloc).count();
+    assert!(allocs_between > PENDING as usize, "completed before the allocations made while it was pending");
     println!("pending frees: {queries} event queries");
 }
 
