@@ -18,7 +18,8 @@
 //!   keep their blocks, frees needing events wait until the last pool
 //!   closes), no release of memory, no unmapping of pages, no lending of
 //!   blocks across streams. Growth (`cuMemAlloc`, mapping pages) is allowed,
-//!   as in PyTorch's allocator;
+//!   as in PyTorch's allocator (the `cuda` backend relaxes the thread's
+//!   capture mode around it);
 //! - the free memory of private pools stays in them, never released nor lent
 //!   nor recycled, while any private pool of the heap is held (begun more
 //!   often than released). A pool used inside another's capture (a
