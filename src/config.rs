@@ -62,6 +62,9 @@ pub struct Config {
     /// Grow each pool inside one reserved range of address space, holding
     /// memory page by page (see `heap/expandable.rs`).
     pub expandable: bool,
+    /// Keep this many of each device's last events for snapshots'
+    /// `device_traces` from the start (0: off; see `heap/history.rs`).
+    pub history_entries: usize,
 }
 
 impl Config {
@@ -103,6 +106,7 @@ impl Default for Config {
             stream_shards: 1,
             lend_across_streams: true,
             expandable: false,
+            history_entries: 0,
         }
     }
 }
@@ -293,6 +297,16 @@ pub static OPTIONS: &[OptionSpec] = &[
             ms => Err(format!("must be at most 600000, got {ms}")),
         },
         show: |c| c.oom_wait_ms.to_string(),
+    },
+    OptionSpec {
+        key: "history_entries",
+        default: "0",
+        help: "keep each device's last this many allocation and segment events, written into snapshots as device_traces (memory_viz's timeline) (0: off)",
+        apply: |c, v| {
+            c.history_entries = usize::try_from(number(v)?).map_err(|_| "too large".to_string())?;
+            Ok(())
+        },
+        show: |c| c.history_entries.to_string(),
     },
     OptionSpec {
         key: "registry_dir",

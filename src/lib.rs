@@ -129,6 +129,7 @@ impl Allocator {
                     }
                 }
                 heap.set_policy(config.policy(), clock.clone());
+                heap.record_history(Some(config.history_entries));
                 // One registry slot per device: the first shard speaks for it.
                 if shard == 0 {
                     if let Some(registry) = join_registry(&config, backend.as_ref(), device) {

@@ -43,6 +43,19 @@ fn each_allocation_free_and_segment_is_an_event_in_pytorchs_words() {
 }
 
 #[test]
+fn history_entries_in_tidepool_conf_keeps_them_from_the_start() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "history_entries:3");
+    let p = alloc.allocate(0, 4096, S).unwrap();
+    alloc.free(0, p).unwrap();
+    let kept: Vec<_> = alloc.history(0).unwrap().iter().map(|e| e.action).collect();
+    assert_eq!(kept, [HistoryAction::Alloc, HistoryAction::FreeRequested, HistoryAction::FreeCompleted]);
+    let (quiet, _) = host_allocator(1, 1 << 30, "");
+    quiet.allocate(0, 4096, S).unwrap();
+    assert!(quiet.history(0).unwrap().is_empty(), "history is off by default");
+    assert!(tidepool::Config::builder().conf("history_entries:many").is_err());
+}
+
+#[test]
 fn only_the_last_entries_are_kept_and_off_forgets_them() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
     alloc.record_history(Some(10)).unwrap();
