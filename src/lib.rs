@@ -1,9 +1,9 @@
 //! tidepool: a CUDA caching allocator that measures fragmentation and gives
 //! idle memory back.
 //!
-//! [`Allocator`] is the entry point: one [`DeviceHeap`](heap::DeviceHeap)
+//! [`Allocator`] is the entry point: one [`heap::DeviceHeap`]
 //! per device behind its own lock, all growing through one
-//! [`Backend`](backend::Backend).
+//! [`backend::Backend`].
 //!
 //! ```
 //! use tidepool::{Allocator, Config, Stream};

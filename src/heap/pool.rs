@@ -7,8 +7,8 @@
 //! one is two bit scans, whatever the number of free blocks.
 //!
 //! Invariants (checked by `DeviceHeap::validate`):
-//!   bit of bin b set  <=>  heads[b] != NIL
-//!   bit of row r set  <=>  bins_nonempty[r] != 0
+//!   bit of bin b set  <=>  `heads[b] != NIL`
+//!   bit of row r set  <=>  `bins_nonempty[r] != 0`
 //!   every block in list b has bin_of(size) == b, sizes ascend along the list
 //!   free_bytes = sum of sizes in all lists, free_blocks = their count
 #![forbid(unsafe_code)]
