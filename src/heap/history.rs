@@ -12,7 +12,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::DeviceHeap;
 use crate::trace::rmm_csv::Action;
@@ -58,17 +58,24 @@ pub struct HistoryEntry {
     pub time_us: u64,
 }
 
-/// The last `max_entries` events, oldest first.
+/// The last `max_entries` events, oldest first. Stamps come from a
+/// monotonic clock anchored to the wall clock when history started, so
+/// events stay in order even if the wall clock is set back.
 pub(super) struct History {
     entries: VecDeque<HistoryEntry>,
     max_entries: usize,
+    started: Instant,
+    started_us: u64,
 }
 
 impl DeviceHeap {
     /// Keeps the last `max_entries` events from now on (None or 0: stops
     /// and forgets them).
     pub fn record_history(&mut self, max_entries: Option<usize>) {
-        self.history = max_entries.filter(|&n| n > 0).map(|max_entries| History { entries: VecDeque::new(), max_entries });
+        let started_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        self.history = max_entries
+            .filter(|&n| n > 0)
+            .map(|max_entries| History { entries: VecDeque::new(), max_entries, started: Instant::now(), started_us });
         self.observed = self.trace.is_some() || self.history.is_some();
     }
 
@@ -99,7 +106,7 @@ impl DeviceHeap {
         if history.entries.len() == history.max_entries {
             history.entries.pop_front();
         }
-        let time_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        let time_us = history.started_us + history.started.elapsed().as_micros() as u64;
         history.entries.push_back(HistoryEntry { action, addr, size, stream, time_us });
     }
 }
