@@ -329,32 +329,27 @@ pub extern "C" fn tidepool_record_stream(ptr: *mut c_void, stream: *mut c_void) 
 /// allocation on the device goes to the pool, which is safe.
 #[no_mangle]
 pub extern "C" fn tidepool_begin_allocate_to_pool(device: c_int, id0: u64, id1: u64, _filter: *mut c_void) {
-    boundary!((), {
-        if let Err(err) = device_index(device).and_then(|d| allocator()?.begin_private(d, PrivatePoolId(id0, id1))) {
-            set_last_error(err.to_string());
-        }
-    })
+    boundary!((), private_pool_call(device, id0, id1, Allocator::begin_private))
 }
 
 /// Stops routing allocations on `device` to the private pool (id0, id1).
 #[no_mangle]
 pub extern "C" fn tidepool_end_allocate_to_pool(device: c_int, id0: u64, id1: u64) {
-    boundary!((), {
-        if let Err(err) = device_index(device).and_then(|d| allocator()?.end_private(d, PrivatePoolId(id0, id1))) {
-            set_last_error(err.to_string());
-        }
-    })
+    boundary!((), private_pool_call(device, id0, id1, Allocator::end_private))
 }
 
 /// Drops a use of the private pool (id0, id1) on `device` (a graph or a
 /// `MemPool` went); its memory is kept while any private pool is in use.
 #[no_mangle]
 pub extern "C" fn tidepool_release_pool(device: c_int, id0: u64, id1: u64) {
-    boundary!((), {
-        if let Err(err) = device_index(device).and_then(|d| allocator()?.release_private(d, PrivatePoolId(id0, id1))) {
-            set_last_error(err.to_string());
-        }
-    })
+    boundary!((), private_pool_call(device, id0, id1, Allocator::release_private))
+}
+
+/// One of the private-pool hooks; a refusal becomes the last error.
+fn private_pool_call(device: c_int, id0: u64, id1: u64, call: fn(&Allocator, usize, PrivatePoolId) -> Result<(), AllocError>) {
+    if let Err(err) = device_index(device).and_then(|d| call(allocator()?, d, PrivatePoolId(id0, id1))) {
+        set_last_error(err.to_string());
+    }
 }
 
 /// Keeps the last `max_entries` allocation and segment events of every

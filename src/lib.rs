@@ -382,25 +382,28 @@ impl Allocator {
     /// `torch.cuda.use_mem_pool`). See `heap/private.rs` for what a
     /// private pool keeps.
     pub fn begin_private(&self, device: usize, id: PrivatePoolId) -> Result<(), AllocError> {
-        for heap in self.device_heaps(device)? {
-            heap.lock().begin_private(id);
-        }
-        Ok(())
+        self.on_device_heaps(device, |heap| {
+            heap.begin_private(id);
+            Ok(())
+        })
     }
 
     /// Stops routing allocations on `device` to `id` (PyTorch's `endAllocateToPool`).
     pub fn end_private(&self, device: usize, id: PrivatePoolId) -> Result<(), AllocError> {
-        for heap in self.device_heaps(device)? {
-            heap.lock().end_private(id).map_err(|e| AllocError::InvalidArgument(format!("tidepool: {e}")))?;
-        }
-        Ok(())
+        self.on_device_heaps(device, |heap| heap.end_private(id))
     }
 
     /// Drops a use of the private pool `id` on `device` (PyTorch's
     /// `releasePool`, when a graph or a `MemPool` goes).
     pub fn release_private(&self, device: usize, id: PrivatePoolId) -> Result<(), AllocError> {
+        self.on_device_heaps(device, |heap| heap.release_private(id))
+    }
+
+    /// Applies `change` to every heap of `device` (its stream shards keep
+    /// the same private pools, so the first refusal stops them all).
+    fn on_device_heaps(&self, device: usize, mut change: impl FnMut(&mut DeviceHeap) -> Result<(), String>) -> Result<(), AllocError> {
         for heap in self.device_heaps(device)? {
-            heap.lock().release_private(id).map_err(|e| AllocError::InvalidArgument(format!("tidepool: {e}")))?;
+            change(&mut heap.lock()).map_err(|e| AllocError::InvalidArgument(format!("tidepool: {e}")))?;
         }
         Ok(())
     }

@@ -99,18 +99,18 @@ impl DeviceHeap {
     /// `MemPool` goes); once no private pool is held, their free memory is
     /// the release policies' again (`empty_cache` gives it back).
     pub fn release_private(&mut self, id: PrivatePoolId) -> Result<(), String> {
-        let Some(uses) = self.private.uses.get_mut(&id) else {
-            return Err(format!("private pool {id:?} was never begun, or was released as often"));
-        };
-        *uses -= 1;
-        if *uses == 0 {
-            if self.private.open.contains(&id) {
-                *uses = 1;
-                return Err(format!("private pool {id:?} is released while still open"));
+        match self.private.uses.get(&id).copied() {
+            None => Err(format!("private pool {id:?} was never begun, or was released as often")),
+            Some(1) if self.private.open.contains(&id) => Err(format!("private pool {id:?} is released while still open")),
+            Some(1) => {
+                self.private.uses.remove(&id);
+                Ok(())
             }
-            self.private.uses.remove(&id);
+            Some(n) => {
+                self.private.uses.insert(id, n - 1);
+                Ok(())
+            }
         }
-        Ok(())
     }
 
     /// Whether the free memory of `pool` must stay in it (a private pool

@@ -106,13 +106,6 @@ pub enum Action {
     AllocateFailure,
 }
 
-/// Writes one row in RMM's format.
-pub fn write_row(out: &mut Vec<u8>, row: &Row) -> std::io::Result<()> {
-    let mut text = Vec::new();
-    out.extend_from_slice(RowWriter::default().format(std::slice::from_ref(row), &mut text));
-    Ok(())
-}
-
 /// Formats rows by hand: a recording writes tens of millions of rows, and
 /// formatting them is what limits its rate. A row is four pieces of text:
 /// "thread,time," (the same for runs of rows: a recording reads its clock
@@ -394,9 +387,7 @@ mod tests {
             Row { thread: 3, micros: 3_723_000_001, action: Action::Allocate, pointer: 0x7f00_0000_0000, size: 4096, stream: 0x1f },
             Row { thread: 3, micros: 3_723_000_002, action: Action::Free, pointer: 0x7f00_0000_0000, size: 4096, stream: 0x1f },
         ];
-        for row in &rows {
-            write_row(&mut out, row).unwrap();
-        }
+        out.extend_from_slice(RowWriter::default().format(&rows, &mut Vec::new()));
         let text = String::from_utf8(out).unwrap();
         assert!(text.contains("3,01:02:03.000001,allocate,0x7f0000000000,4096,1f"), "{text}");
         let trace = read_str(&text).unwrap();
