@@ -45,6 +45,13 @@ fn on_simgpu(name: &str, capacity: &str, env: &[(&str, &str)]) -> String {
     text
 }
 
+/// Runs the child test `name` over simgpu (as `on_simgpu`) and asserts
+/// that it printed `expected`.
+fn child_prints(name: &str, capacity: &str, env: &[(&str, &str)], expected: &str) {
+    let text = on_simgpu(name, capacity, env);
+    assert!(text.contains(expected), "{name} with {env:?}: {expected:?} not printed:\n{text}");
+}
+
 fn in_child() -> bool {
     std::env::var_os("TIDEPOOL_TEST_CHILD").is_some()
 }
@@ -91,8 +98,7 @@ fn child_cuda_conformance() {
 
 fn conforms_over_simgpu(backend: &str, conf: &str) {
     let env = [("SIMGPU_DEVICES", "2"), ("TIDEPOOL_TEST_BACKEND", backend), ("TIDEPOOL_TEST_CONF", conf)];
-    let text = on_simgpu("child_cuda_conformance", "256M", &env);
-    assert!(text.contains("cuda conformance: ok"), "{text}");
+    child_prints("child_cuda_conformance", "256M", &env, "cuda conformance: ok");
 }
 
 #[test]
@@ -154,8 +160,7 @@ fn child_unmap_waits_for_the_stream() {
 
 #[test]
 fn expandable_pages_go_back_only_after_their_streams_work() {
-    let text = on_simgpu("child_unmap_waits_for_the_stream", "256M", &[]);
-    assert!(text.contains("unmap waited:"), "{text}");
+    child_prints("child_unmap_waits_for_the_stream", "256M", &[], "unmap waited:");
 }
 
 /// The child side: a machine without libcuda.
@@ -395,8 +400,7 @@ fn child_deferred_free() {
 
 #[test]
 fn freeing_a_block_in_use_on_another_stream_does_not_wait_for_it() {
-    let text = on_simgpu("child_deferred_free", "256M", &[]);
-    assert!(text.contains("deferred free:"), "{text}");
+    child_prints("child_deferred_free", "256M", &[], "deferred free:");
 }
 
 /// The child side: many blocks freed while another stream still uses them.
@@ -466,8 +470,7 @@ fn child_pending_frees() {
 
 #[test]
 fn pending_frees_are_active_not_allocated_and_cost_one_poll_per_stream() {
-    let text = on_simgpu("child_pending_frees", "1G", &[]);
-    assert!(text.contains("pending frees:"), "{text}");
+    child_prints("child_pending_frees", "1G", &[], "pending frees:");
 }
 
 /// The child side: a block used on another stream, freed during a capture.
@@ -554,20 +557,17 @@ fn child_async_growth_while_capturing() {
 
 #[test]
 fn the_stream_ordered_backend_refuses_to_grow_on_a_capturing_stream() {
-    let text = on_simgpu("child_async_growth_while_capturing", "256M", &[("TIDEPOOL_TEST_BACKEND", "cuda_async")]);
-    assert!(text.contains("async capture: refused"), "{text}");
+    child_prints("child_async_growth_while_capturing", "256M", &[("TIDEPOOL_TEST_BACKEND", "cuda_async")], "async capture: refused");
 }
 
 #[test]
 fn growth_runs_in_relaxed_capture_mode_and_puts_the_mode_back() {
-    let text = on_simgpu("child_growth_in_relaxed_capture_mode", "256M", &[]);
-    assert!(text.contains("relaxed growth: ok"), "{text}");
+    child_prints("child_growth_in_relaxed_capture_mode", "256M", &[], "relaxed growth: ok");
 }
 
 #[test]
 fn a_free_during_a_capture_waits_for_its_end_without_querying_events() {
-    let text = on_simgpu("child_free_during_capture", "256M", &[]);
-    assert!(text.contains("free during capture: ok"), "{text}");
+    child_prints("child_free_during_capture", "256M", &[], "free during capture: ok");
 }
 
 /// The child side: a stream borrows a block another stream still writes.
@@ -603,8 +603,7 @@ fn child_borrowing() {
 
 #[test]
 fn a_borrowed_block_waits_for_its_streams_work_on_the_device() {
-    let text = on_simgpu("child_borrowing", "64M", &[]);
-    assert!(text.contains("violations: 0"), "{text}");
+    child_prints("child_borrowing", "64M", &[], "violations: 0");
 }
 
 /// The child side: the driver fails half the frees.
@@ -634,8 +633,7 @@ fn child_failing_frees() {
 
 #[test]
 fn a_driver_failing_mid_release_leaves_the_heap_consistent_and_leaks_nothing() {
-    let text = on_simgpu("child_failing_frees", "256M", &[("SIMGPU_FAIL_FREE_EVERY", "2")]);
-    assert!(text.contains("failing frees: ok"), "{text}");
+    child_prints("child_failing_frees", "256M", &[("SIMGPU_FAIL_FREE_EVERY", "2")], "failing frees: ok");
 }
 
 /// The child side: with expandable segments, the driver refuses every 5th
@@ -680,8 +678,7 @@ fn child_failing_page_maps() {
 
 #[test]
 fn a_driver_refusing_pages_midway_leaves_the_heap_consistent_and_leaks_nothing() {
-    let text = on_simgpu("child_failing_page_maps", "256M", &[("SIMGPU_FAIL_EVERY", "5")]);
-    assert!(text.contains("failing page maps: ok"), "{text}");
+    child_prints("child_failing_page_maps", "256M", &[("SIMGPU_FAIL_EVERY", "5")], "failing page maps: ok");
 }
 
 /// The child side: events cannot be recorded; unknown streams.
@@ -726,8 +723,7 @@ fn child_failing_events_and_bad_streams() {
 fn failing_events_and_unknown_streams_are_survived() {
     for backend in ["cuda", "cuda_async"] {
         let env = [("SIMGPU_FAIL_EVENTS", "1"), ("TIDEPOOL_TEST_BACKEND", backend)];
-        let text = on_simgpu("child_failing_events_and_bad_streams", "256M", &env);
-        assert!(text.contains("violations: 0"), "{backend}: {text}");
+        child_prints("child_failing_events_and_bad_streams", "256M", &env, "violations: 0");
     }
 }
 
@@ -736,6 +732,5 @@ fn the_real_gpu_variant_of_the_suite_runs_over_simgpu() {
     // What cuda/check/run.sh runs on a GPU, tried here on a larger simgpu
     // device so that the GPU run fails only for reasons of the GPU.
     let env = [("TIDEPOOL_TEST_DEVICE_MEMORY", "1"), ("TIDEPOOL_TEST_BACKEND", "cuda")];
-    let text = on_simgpu("child_cuda_conformance", "4G", &env);
-    assert!(text.contains("cuda conformance: ok"), "{text}");
+    child_prints("child_cuda_conformance", "4G", &env, "cuda conformance: ok");
 }
