@@ -257,22 +257,12 @@ impl Backend for HostBackend {
         }
         // SAFETY: an anonymous private mapping at an address of the kernel's
         // choosing touches no existing memory; the result is checked below.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if addr == libc::MAP_FAILED {
+        let Some(addr) = (unsafe { map_anonymous(None, len, libc::PROT_READ | libc::PROT_WRITE) }) else {
             self.unclaim(device, size, true);
             // The address space itself is exhausted: that is this device's OOM.
             return Err(BackendError::OutOfMemory);
-        }
-        Ok(addr as u64)
+        };
+        Ok(addr)
     }
 
     fn release(&self, device: usize, base: u64, size: u64, _stream: Stream) -> Result<(), BackendError> {
@@ -311,19 +301,16 @@ impl Backend for HostBackend {
         let padded = len.checked_add(HOST_PAGE as usize).ok_or(BackendError::OutOfMemory)?;
         // SAFETY: an inaccessible anonymous mapping at an address of the
         // kernel's choosing touches no existing memory; checked below.
-        let addr = unsafe {
-            libc::mmap(std::ptr::null_mut(), padded, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
-        };
-        if addr == libc::MAP_FAILED {
+        let Some(addr) = (unsafe { map_anonymous(None, padded, libc::PROT_NONE) }) else {
             return Err(BackendError::OutOfMemory);
-        }
-        let start = addr as u64;
+        };
+        let start = addr;
         let base = start.next_multiple_of(HOST_PAGE);
         let (head, tail) = ((base - start) as usize, padded - (base - start) as usize - len);
         // SAFETY: both trims lie inside the mapping just made, outside [base, base + len).
         unsafe {
             if head > 0 {
-                libc::munmap(addr, head);
+                libc::munmap(addr as *mut libc::c_void, head);
             }
             if tail > 0 {
                 libc::munmap((base + size) as *mut libc::c_void, tail);
@@ -359,17 +346,8 @@ impl Backend for HostBackend {
         // SAFETY: [addr, addr + len) lies in a range this backend reserved
         // and the engine maps only pages it holds no mapping of; MAP_FIXED
         // replaces the inaccessible placeholder there and nothing else.
-        let mapped = unsafe {
-            libc::mmap(
-                addr as *mut libc::c_void,
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                -1,
-                0,
-            )
-        };
-        if mapped == libc::MAP_FAILED {
+        let mapped = unsafe { map_anonymous(Some(addr), len as usize, libc::PROT_READ | libc::PROT_WRITE) };
+        if mapped.is_none() {
             self.unclaim(device, len, true);
             return Err(BackendError::OutOfMemory);
         }
@@ -387,17 +365,8 @@ impl Backend for HostBackend {
         // SAFETY: [addr, addr + len) holds pages mapped by `vm_map` that no
         // block uses; an inaccessible placeholder replaces them, dropping
         // their contents, and the range stays reserved.
-        let placed = unsafe {
-            libc::mmap(
-                addr as *mut libc::c_void,
-                len as usize,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                -1,
-                0,
-            )
-        };
-        if placed == libc::MAP_FAILED {
+        let placed = unsafe { map_anonymous(Some(addr), len as usize, libc::PROT_NONE) };
+        if placed.is_none() {
             return Err(os_error(CALL));
         }
         self.unclaim(device, len, true);
@@ -425,6 +394,22 @@ impl Backend for HostBackend {
             path.as_os_str().as_encoded_bytes().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
         Some(format!("host-{hash:016x}-{device}"))
     }
+}
+
+/// An anonymous private mapping of `len` bytes with protection `prot`, at
+/// `fixed` (replacing whatever was mapped there) or where the kernel
+/// chooses; its address, or None when mmap fails.
+///
+/// # Safety
+/// With `fixed`, `[fixed, fixed + len)` must be address space this backend
+/// reserved, holding nothing anyone still uses.
+unsafe fn map_anonymous(fixed: Option<u64>, len: usize, prot: libc::c_int) -> Option<u64> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | if fixed.is_some() { libc::MAP_FIXED } else { 0 };
+    let at = fixed.map_or(std::ptr::null_mut(), |addr| addr as *mut libc::c_void);
+    // SAFETY: an anonymous mapping reads no file; at a fixed address it
+    // replaces only what the caller vouches for.
+    let addr = unsafe { libc::mmap(at, len, prot, flags, -1, 0) };
+    (addr != libc::MAP_FAILED).then_some(addr as u64)
 }
 
 /// The last OS error as a backend error of `call`.
