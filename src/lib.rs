@@ -20,6 +20,7 @@ pub mod config;
 pub mod error;
 #[allow(non_camel_case_types)]
 pub mod ffi;
+pub mod frames;
 pub mod heap;
 pub mod pickle;
 pub mod reclaim;
@@ -36,6 +37,7 @@ use backend::host::HostBackend;
 use backend::Backend;
 pub use config::{BackendKind, Config, ConfigError};
 pub use error::{AllocError, InvalidFree, OomReport};
+pub use frames::Frame;
 use heap::DeviceHeap;
 pub use heap::history::{HistoryAction, HistoryEntry};
 pub use heap::private::PrivatePoolId;
@@ -79,6 +81,8 @@ pub struct Allocator {
     /// must not touch heaps its parent's threads may have held locked.
     pid: u32,
     fork_generation: u64,
+    /// The frames of allocation contexts, for snapshots.
+    contexts: frames::Contexts,
 }
 
 impl Allocator {
@@ -158,7 +162,9 @@ impl Allocator {
         };
         let fork_generation = ffi::watch_forks();
         let devices = backend.device_count();
-        Allocator { config, backend, heaps, shards, devices, recorder, reclaimer, pid: std::process::id(), fork_generation }
+        let pid = std::process::id();
+        let contexts = frames::Contexts::default();
+        Allocator { config, backend, heaps, shards, devices, recorder, reclaimer, pid, fork_generation, contexts }
     }
 
     /// Why `device` cannot be used: a fork child's, or no such device.
@@ -268,8 +274,31 @@ impl Allocator {
         let result = heap.lock().allocate(size as u64, stream);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
-            Err(err) => self.allocate_after(err, heap, device, size, stream),
+            Err(err) => self.allocate_after(err, heap, device, size, stream, 0),
         }
+    }
+
+    /// `allocate`, remembering `context` (0: none) for the block and for its
+    /// `alloc` event in the history: snapshots show the frames registered
+    /// for it (`register_context`). Plain `allocate` does not pay for this.
+    pub fn allocate_with_context(&self, device: usize, size: usize, stream: Stream, context: u64) -> Result<DevicePtr, AllocError> {
+        let heap = self.stream_heap(device, stream)?;
+        let result = heap.lock().allocate_with_context(size as u64, stream, context);
+        match result {
+            Ok(addr) => Ok(DevicePtr(addr)),
+            Err(err) => self.allocate_after(err, heap, device, size, stream, context),
+        }
+    }
+
+    /// Registers the frames (innermost first) of `context`, non-zero,
+    /// replacing any registered before; they live as long as the allocator.
+    pub fn register_context(&self, context: u64, frames: Vec<Frame>) -> Result<(), AllocError> {
+        self.contexts.register(context, frames)
+    }
+
+    /// The frames registered for `context` (none for 0 or an unknown one).
+    pub fn context_frames(&self, context: u64) -> Arc<[Frame]> {
+        self.contexts.frames(context)
     }
 
     /// After a failed request: with stream shards, the other shards may
@@ -283,6 +312,7 @@ impl Allocator {
         device: usize,
         size: usize,
         stream: Stream,
+        context: u64,
     ) -> Result<DevicePtr, AllocError> {
         if !matches!(err, AllocError::OutOfMemory(_)) || self.shards == 1 {
             return Err(err);
@@ -291,7 +321,7 @@ impl Allocator {
             other.lock().release_free_segments(reclaim::policy::Reason::OutOfMemory, |_, _| true);
         }
         let mut heap = heap.lock();
-        let retried = heap.allocate(size as u64, stream).map(DevicePtr);
+        let retried = heap.allocate_with_context(size as u64, stream, context).map(DevicePtr);
         if retried.is_ok() {
             heap.retract_oom();
         }
@@ -352,6 +382,16 @@ impl Allocator {
     pub fn reset_peak_stats(&self, device: usize) -> Result<(), AllocError> {
         for heap in self.device_heaps(device)? {
             heap.lock().reset_peak_stats();
+        }
+        Ok(())
+    }
+
+    /// Zeroes what `device` accumulated (`torch.cuda.reset_accumulated_memory_stats`):
+    /// every gauge's allocated and freed sums and the event counters;
+    /// current values and peaks stay.
+    pub fn reset_accumulated_stats(&self, device: usize) -> Result<(), AllocError> {
+        for heap in self.device_heaps(device)? {
+            heap.lock().reset_accumulated_stats();
         }
         Ok(())
     }

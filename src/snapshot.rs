@@ -1,7 +1,8 @@
 //! Memory snapshots in PyTorch's schema (`torch.cuda.memory._snapshot()`),
 //! so pytorch.org/memory_viz and `torch.cuda._memory_viz` read tidepool's
 //! heaps as they read PyTorch's own: the segments and their blocks, and,
-//! with history on, each device's recent events (`device_traces`).
+//! with history on, each device's recent events (`device_traces`). Blocks
+//! and events allocated with a context carry its frames (`crate::frames`).
 #![forbid(unsafe_code)]
 
 use std::io::Write;
@@ -31,7 +32,7 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
                         ("size", PyValue::int(b.size)),
                         ("requested_size", PyValue::int(b.requested)),
                         ("state", PyValue::str(block_state(b))),
-                        ("frames", PyValue::List(vec![])),
+                        ("frames", frames(alloc, b.context)),
                     ])
                 })
                 .collect();
@@ -69,10 +70,19 @@ fn device_trace(alloc: &Allocator, device: usize) -> Vec<PyValue> {
                 ("size", PyValue::int(e.size)),
                 ("stream", PyValue::int(e.stream.0)),
                 ("time_us", PyValue::int(e.time_us)),
-                ("frames", PyValue::List(vec![])),
+                ("frames", frames(alloc, e.context)),
             ])
         })
         .collect()
+}
+
+/// The frames of `context` as PyTorch lists them: `[{"filename", "line", "name"}, ...]`.
+fn frames(alloc: &Allocator, context: u64) -> PyValue {
+    let frames = alloc.context_frames(context);
+    let frame = |f: &crate::Frame| {
+        PyValue::dict([("filename", PyValue::str(&f.filename)), ("line", PyValue::int(f.line)), ("name", PyValue::str(&f.name))])
+    };
+    PyValue::List(frames.iter().map(frame).collect())
 }
 
 /// A block's state as PyTorch names it.

@@ -314,6 +314,57 @@ fn peaks_track_the_high_water_mark_until_reset() {
 }
 
 #[test]
+fn resetting_peaks_makes_each_peak_the_current_value() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let keep = alloc.allocate(0, 4096, S0).unwrap();
+    let big = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap();
+    alloc.free(0, big).unwrap();
+    alloc.empty_cache();
+    let before = alloc.stats(0).unwrap();
+    assert!(before.allocated_bytes.all.peak > before.allocated_bytes.all.current);
+    alloc.reset_peak_stats(0).unwrap();
+    let s = alloc.stats(0).unwrap();
+    for (name, gauge) in s.gauges() {
+        for stat in [&gauge.all, &gauge.small_pool, &gauge.large_pool] {
+            assert_eq!(stat.peak, stat.current, "{name}");
+        }
+    }
+    assert_eq!((s.allocated_bytes.all.peak, s.reserved_bytes.all.peak), (4096, 2 * MIB));
+    assert_eq!(s.allocated_bytes.all.allocated, before.allocated_bytes.all.allocated, "sums stay");
+    alloc.free(0, keep).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
+fn resetting_accumulated_stats_zeroes_the_sums_and_counters_and_keeps_current_values() {
+    let (alloc, _) = host_allocator(1, 64 * MIB, "");
+    let keep = alloc.allocate(0, 4096, S0).unwrap();
+    let big = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap();
+    alloc.free(0, big).unwrap();
+    assert!(alloc.allocate(0, (100 * MIB) as usize, S0).is_err());
+    let before = alloc.stats(0).unwrap();
+    assert_eq!((before.events.num_ooms, before.events.num_alloc_retries), (1, 1));
+    assert!(before.events.num_device_alloc > 0 && before.events.num_device_free > 0);
+    alloc.reset_accumulated_stats(0).unwrap();
+    let s = alloc.stats(0).unwrap();
+    for (name, gauge) in s.gauges() {
+        for stat in [&gauge.all, &gauge.small_pool, &gauge.large_pool] {
+            assert_eq!((stat.allocated, stat.freed), (0, 0), "{name}");
+        }
+    }
+    assert_eq!(s.events, tidepool::Events::default());
+    assert_eq!((s.num_allocs, s.num_frees), (0, 0));
+    assert_eq!((s.allocated_bytes.all.current, s.reserved_bytes.all.current), (4096, 2 * MIB), "current values stay");
+    assert_eq!(s.allocated_bytes.all.peak, before.allocated_bytes.all.peak, "peaks stay");
+    // Counting goes on from zero.
+    alloc.free(0, keep).unwrap();
+    let s = alloc.stats(0).unwrap();
+    assert_eq!((s.num_frees, s.allocated_bytes.all.freed, s.allocated_bytes.all.allocated), (1, 4096, 0));
+    assert!(alloc.reset_accumulated_stats(3).is_err() && alloc.reset_peak_stats(3).is_err(), "no device 3");
+    alloc.validate().unwrap();
+}
+
+#[test]
 fn a_memory_fraction_caps_what_the_heap_reserves() {
     let (alloc, _) = host_allocator(1, 100 * MIB, "");
     let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();

@@ -56,6 +56,8 @@ pub struct HistoryEntry {
     pub stream: Stream,
     /// Microseconds since the Unix epoch, as PyTorch stamps its entries.
     pub time_us: u64,
+    /// The context of the block (`alloc` and `free_*` events; 0: none).
+    pub context: u64,
 }
 
 /// The last `max_entries` events, oldest first. Stamps come from a
@@ -76,7 +78,7 @@ impl DeviceHeap {
         self.history = max_entries
             .filter(|&n| n > 0)
             .map(|max_entries| History { entries: VecDeque::new(), max_entries, started: Instant::now(), started_us });
-        self.observed = self.trace.is_some() || self.history.is_some();
+        self.observed = self.trace.is_some() || self.history.is_some() || self.with_contexts;
     }
 
     /// The events kept, oldest first.
@@ -102,11 +104,16 @@ impl DeviceHeap {
     #[cold]
     #[inline(never)]
     pub(super) fn note(&mut self, action: HistoryAction, addr: u64, size: u64, stream: Stream) {
+        let context = match action {
+            HistoryAction::Alloc => self.allocating_context,
+            HistoryAction::FreeRequested | HistoryAction::FreeCompleted => self.context_of(addr),
+            _ => 0,
+        };
         let Some(history) = self.history.as_mut() else { return };
         if history.entries.len() == history.max_entries {
             history.entries.pop_front();
         }
         let time_us = history.started_us + history.started.elapsed().as_micros() as u64;
-        history.entries.push_back(HistoryEntry { action, addr, size, stream, time_us });
+        history.entries.push_back(HistoryEntry { action, addr, size, stream, time_us, context });
     }
 }

@@ -37,7 +37,9 @@
 //! - each pending block waits for as many queued events as it is named in,
 //!   and at least one, or for the end of a capture (`streams.rs`);
 //! - each pool is filed under its stream and private pool, and every open
-//!   private pool is held (`private.rs`).
+//!   private pool is held (`private.rs`);
+//! - each kept context (`contexts`) is that of an allocated or pending
+//!   block at its address, and the heap is `observed` while one is kept.
 #![forbid(unsafe_code)]
 
 pub mod addr_map;
@@ -138,6 +140,8 @@ pub struct BlockSnapshot {
     /// Freed by its caller, waiting for other streams' work (PyTorch's
     /// `active_pending_free`).
     pub pending: bool,
+    /// The context it was allocated with (0: none; see `crate::frames`).
+    pub context: u64,
 }
 
 /// A freed block, as the caller needs to know it.
@@ -196,9 +200,18 @@ pub struct DeviceHeap {
     trace: Option<TraceBuffer>,
     /// The last events, for snapshots' `device_traces`, when kept (`history.rs`).
     history: Option<History>,
-    /// Whether a recording or a history is on: one test on the hot path for both.
+    /// Whether a recording, a history or contexts are on: one test on the
+    /// hot path for all.
     observed: bool,
     stats: Counters,
+    /// The context of each allocated or pending block allocated with one
+    /// (`allocate_with_context`), by address; an entry goes when its block's
+    /// free completes.
+    contexts: HashMap<u64, u64>,
+    /// Whether a block was ever allocated with a context (keeps `observed` on).
+    with_contexts: bool,
+    /// The context of the allocation under way, for its `alloc` event.
+    allocating_context: u64,
 }
 
 impl DeviceHeap {
@@ -231,6 +244,9 @@ impl DeviceHeap {
             history: None,
             observed: false,
             stats: Counters::default(),
+            contexts: HashMap::new(),
+            with_contexts: false,
+            allocating_context: 0,
         }
     }
 
@@ -327,6 +343,35 @@ impl DeviceHeap {
             return Ok(self.hand_out(stashed, size));
         }
         self.allocate_from_bins(pool, rounded, size, stream)
+    }
+
+    /// `allocate`, remembering `context` (0: none) for the block and for its
+    /// `alloc` event: snapshots show the context's frames. From the first
+    /// context on, the heap is observed, so that every free forgets its block's.
+    pub fn allocate_with_context(&mut self, size: u64, stream: Stream, context: u64) -> Result<u64, AllocError> {
+        if context == 0 {
+            return self.allocate(size, stream);
+        }
+        self.with_contexts = true;
+        self.observed = true;
+        self.allocating_context = context;
+        let result = self.allocate(size, stream);
+        self.allocating_context = 0;
+        if let Ok(addr @ 1..) = result {
+            self.contexts.insert(addr, context);
+        }
+        result
+    }
+
+    /// Forgets the context of the block at `addr`, whose free completed.
+    #[cold]
+    fn forget_context(&mut self, addr: u64) {
+        self.contexts.remove(&addr);
+    }
+
+    /// The context the block at `addr` was allocated with (0: none).
+    fn context_of(&self, addr: u64) -> u64 {
+        self.contexts.get(&addr).copied().unwrap_or(0)
     }
 
     /// The allocation path past the stash: best fit in the bins, else growth.
@@ -521,6 +566,9 @@ impl DeviceHeap {
             if completed && self.history.is_some() {
                 self.note(HistoryAction::FreeCompleted, ptr, requested, stream);
             }
+            if completed && !self.contexts.is_empty() {
+                self.forget_context(ptr);
+            }
         }
         let stats = &mut self.stats;
         stats.allocation.decrease(kind, 1);
@@ -709,8 +757,9 @@ impl DeviceHeap {
                     let b = &self.blocks[cur];
                     let (from, to) = (b.addr.max(start), (b.addr + b.size).min(end));
                     if from < to {
-                        let (address, size, requested) = (from, to - from, b.requested);
-                        blocks.push(BlockSnapshot { address, size, requested, allocated: b.is_allocated(), pending: b.state == BlockState::Pending });
+                        let (address, size, requested, context) = (from, to - from, b.requested, self.context_of(b.addr));
+                        let (allocated, pending) = (b.is_allocated(), b.state == BlockState::Pending);
+                        blocks.push(BlockSnapshot { address, size, requested, allocated, pending, context });
                     }
                     if b.addr + b.size > end {
                         break; // the block goes on into the next run

@@ -109,6 +109,7 @@ impl DeviceHeap {
         self.stats.pending.decrease(kind, 1);
         self.stats.pending_bytes.decrease(kind, size);
         self.note(HistoryAction::FreeCompleted, addr, requested, stream);
+        self.forget_context(addr);
         self.deactivate(id);
     }
 

@@ -165,6 +165,12 @@ impl DeviceHeap {
             stashed.len()
         );
 
+        for &addr in self.contexts.keys() {
+            let live = self.by_addr.get(addr).is_some_and(|id| self.blocks[id].is_active());
+            ensure!(live, "a context is kept for {addr:#x}, which is no allocated or pending block");
+        }
+        ensure!(self.contexts.is_empty() || self.observed, "contexts are kept but frees are not observed: they would go stale");
+
         for &id in &pending {
             ensure!(self.blocks[id].state == BlockState::Pending, "block {id} waits for events but is {:?}", self.blocks[id].state);
         }
@@ -301,5 +307,16 @@ mod tests {
         let id = heap.by_addr.get(ptrs[4]).unwrap();
         heap.blocks[id].state = super::BlockState::Pending;
         assert!(heap.validate().unwrap_err().contains("waits for no event"));
+    }
+
+    #[test]
+    fn a_context_left_for_a_freed_block_is_caught() {
+        let (mut heap, _) = heap_with_holes();
+        let p = heap.allocate_with_context(4096, Stream::DEFAULT, 9).unwrap();
+        heap.validate().unwrap();
+        heap.free(p).unwrap();
+        heap.validate().unwrap();
+        heap.contexts.insert(p, 9); // freed (and stashed): no longer live
+        assert!(heap.validate().unwrap_err().contains("no allocated or pending block"));
     }
 }
