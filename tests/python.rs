@@ -1,37 +1,178 @@
-//! Runs the Python package's tests (ffi/python/tests) against the library
-//! this build produced, with Python alone (no torch).
+//! The Python package as a user gets it: `pip wheel ./ffi/python` builds
+//! libtidepool.so with cargo and the C++ parts beside it; the wheel
+//! installs into a fresh venv where no Rust toolchain is on PATH and reads
+//! statistics; then the package's own tests (ffi/python/tests) run over the
+//! installed package, with the real torch.
+//!
+//! The Python used is `TIDEPOOL_TEST_PYTHON` (`.ci/run` makes a venv with a
+//! pinned torch and setuptools-rust), else `python3`. Without torch the
+//! torch tests are skipped with a message, except under `CI=true`, where a
+//! missing torch fails.
 
-mod common;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
 
-use std::path::Path;
-use std::process::Command;
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn scratch() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("python")
+}
+
+fn python() -> PathBuf {
+    std::env::var_os("TIDEPOOL_TEST_PYTHON").map_or_else(|| PathBuf::from("python3"), PathBuf::from)
+}
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+fn text(output: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
+}
+
+fn run(command: &mut Command) -> Output {
+    command.output().unwrap_or_else(|err| panic!("cannot run {command:?}: {err}"))
+}
+
+/// Whether `python` can import `module`.
+fn has_module(python: &Path, module: &str) -> bool {
+    Command::new(python).args(["-c", &format!("import {module}")]).output().is_ok_and(|o| o.status.success())
+}
+
+/// The wheel pip builds from this checkout (once per test run).
+fn wheel() -> &'static Path {
+    static WHEEL: OnceLock<PathBuf> = OnceLock::new();
+    WHEEL.get_or_init(|| {
+        let out = scratch().join("wheel");
+        let _ = std::fs::remove_dir_all(&out);
+        let python = python();
+        let mut build = Command::new(&python);
+        build.args(["-m", "pip", "wheel", "--no-deps", "--quiet", "-w"]).arg(&out).arg(root().join("ffi/python"));
+        if has_module(&python, "setuptools_rust") {
+            build.arg("--no-build-isolation"); // the test venv has the build tools: no download
+        }
+        let output = run(&mut build);
+        assert!(output.status.success(), "pip wheel ./ffi/python failed:\n{}", text(&output));
+        let wheels: Vec<PathBuf> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().path()).collect();
+        assert_eq!(wheels.len(), 1, "{wheels:?}");
+        wheels.into_iter().next().unwrap()
+    })
+}
+
+/// The wheel unpacked into a directory of its own, for PYTHONPATH.
+fn installed_site() -> &'static Path {
+    static SITE: OnceLock<PathBuf> = OnceLock::new();
+    SITE.get_or_init(|| {
+        let site = scratch().join("site");
+        let _ = std::fs::remove_dir_all(&site);
+        let output = run(Command::new(python())
+            .args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target"])
+            .arg(&site)
+            .arg(wheel()));
+        assert!(output.status.success(), "installing the wheel failed:\n{}", text(&output));
+        site
+    })
+}
 
 #[test]
-fn the_python_package_works_through_ctypes() {
+fn the_wheel_is_a_platform_wheel_holding_its_libraries() {
+    let name = wheel().file_name().unwrap().to_string_lossy().into_owned();
+    assert!(name.starts_with("tidepool-") && (name.ends_with("_x86_64.whl") || name.ends_with("_aarch64.whl")), "{name}");
+    assert!(!name.contains("-none-any"), "a platform wheel, not a pure one: {name}");
+    let listing = run(Command::new(python()).args(["-m", "zipfile", "-l"]).arg(wheel()));
+    let listing = text(&listing);
+    for part in ["tidepool/libtidepool.", "tidepool/libtidepool_torch.", "tidepool/_stacks."] {
+        assert!(listing.contains(part), "{part} missing from the wheel:\n{listing}");
+    }
+}
+
+#[test]
+fn the_wheel_installs_into_a_fresh_venv_without_rust_and_reads_statistics() {
+    let venv = scratch().join("fresh-venv");
+    let _ = std::fs::remove_dir_all(&venv);
+    let output = run(Command::new(python()).args(["-m", "venv"]).arg(&venv));
+    assert!(output.status.success(), "python -m venv failed:\n{}", text(&output));
+    let venv_python = venv.join("bin/python");
+    let output = run(Command::new(&venv_python)
+        .args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-index"])
+        .arg(wheel()));
+    assert!(output.status.success(), "pip install of the wheel failed:\n{}", text(&output));
+    // No cargo, no TIDEPOOL_LIBRARY, no PYTHONPATH: what a user of the wheel has.
+    let script = r#"
+import ctypes, shutil
+assert shutil.which("cargo") is None, "cargo is on PATH"
+import tidepool
+from tidepool import _native
+assert "site-packages" in tidepool.library_path(), tidepool.library_path()
+ptr = _native.lib().tidepool_malloc(3 << 20, 0, None)
+assert ptr
+assert tidepool.memory_allocated() >= 3 << 20, tidepool.memory_allocated()
+assert tidepool.memory_stats()["allocation.all.current"] == 1
+_native.lib().tidepool_free(ptr, 3 << 20, 0, None)
+print("fresh venv ok", tidepool.memory_stats()["allocated_bytes.all.peak"])
+"#;
+    let output = run(Command::new(&venv_python)
+        .args(["-c", script])
+        .current_dir(&venv)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("HOME", &venv)
+        .env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:256"));
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("fresh venv ok 3146240"), "{}", text(&output));
+}
+
+#[test]
+fn building_without_cargo_says_what_to_install() {
+    let python = python();
+    if !has_module(&python, "setuptools_rust") {
+        assert!(!in_ci(), "TIDEPOOL_TEST_PYTHON must have setuptools-rust under CI");
+        eprintln!("setuptools-rust not installed for {}: skipped", python.display());
+        return;
+    }
+    let home = scratch().join("no-cargo-home");
+    std::fs::create_dir_all(&home).unwrap();
+    let output = run(Command::new(&python)
+        .args(["-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w"])
+        .arg(scratch().join("no-cargo-wheel"))
+        .arg(root().join("ffi/python"))
+        .env("PATH", "/usr/bin:/bin")
+        .env("HOME", &home));
+    assert!(!output.status.success(), "built without cargo?\n{}", text(&output));
+    assert!(text(&output).contains("building tidepool needs Rust's cargo"), "{}", text(&output));
+    assert!(text(&output).contains("rustup"), "{}", text(&output));
+}
+
+#[test]
+fn the_python_package_tests_pass_over_the_installed_package() {
     python_tests("backend:host,host_capacity_mb:1024");
 }
 
 #[test]
-fn the_python_package_works_with_expandable_segments() {
-    // memory_stats' keys, summaries and snapshots (is_expandable segments in
-    // torch's memory_viz, where torch is installed) hold in that mode too.
+fn the_python_package_tests_pass_with_expandable_segments() {
+    // memory_stats' keys, summaries and snapshots (is_expandable segments
+    // in torch's memory_viz) hold in that mode too.
     python_tests("backend:host,host_capacity_mb:1024,expandable:true");
 }
 
 fn python_tests(conf: &str) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let lib = common::cdylib();
-    let Ok(output) = Command::new("python3")
+    let python = python();
+    let have_torch = has_module(&python, "torch");
+    assert!(have_torch || !in_ci(), "CI=true: {} has no torch (.ci/run installs it)", python.display());
+    if !have_torch {
+        eprintln!("torch not installed for {}: its tests are skipped (set TIDEPOOL_TEST_PYTHON)", python.display());
+    }
+    let output = run(Command::new(&python)
         .args(["-m", "unittest", "discover", "-v", "-s"])
-        .arg(root.join("ffi/python/tests"))
-        .env("TIDEPOOL_LIBRARY", &lib)
+        .arg(root().join("ffi/python/tests"))
+        .env("PYTHONPATH", installed_site())
+        .env_remove("TIDEPOOL_LIBRARY")
         .env("TIDEPOOL_CONF", conf)
-        .output()
-    else {
-        eprintln!("python3 not installed: skipped");
-        return;
-    };
-    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        .env("TIDEPOOL_REQUIRE_TORCH", if in_ci() { "1" } else { "0" }));
+    let text = text(&output);
     assert!(output.status.success(), "python tests failed with {conf}:\n{text}");
     assert!(text.contains("\nOK"), "{text}");
 }

@@ -5,7 +5,6 @@ import sys
 import tempfile
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 try:
     import torch  # noqa: F401

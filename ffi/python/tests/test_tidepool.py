@@ -1,11 +1,9 @@
-"""The Python package over the real library (ctypes), without torch but
-for InstallIntoTorch (skipped where torch is not installed).
+"""The Python package over the real library (ctypes), without torch.
 
-Run with TIDEPOOL_LIBRARY pointing at a built libtidepool.so and
-TIDEPOOL_CONF selecting the host backend (tests/python.rs does both).
+Run over the installed package (tests/python.rs installs the wheel pip
+builds) with TIDEPOOL_CONF selecting the host backend with 1 GiB.
 """
 import ctypes
-import importlib.util
 import io
 import os
 import pickle
@@ -15,10 +13,8 @@ import tempfile
 import types
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import tidepool  # noqa: E402
-from tidepool import _native  # noqa: E402
+import tidepool
+from tidepool import _native
 
 MIB = 1 << 20
 
@@ -150,6 +146,191 @@ class Snapshots(unittest.TestCase):
                 tidepool.load_snapshot(path)
 
 
+class ResetStats(unittest.TestCase):
+    def test_reset_peak_makes_every_peak_the_current_value(self):
+        ptr = malloc(64 * MIB)
+        free(ptr, 64 * MIB)
+        self.assertGreater(tidepool.max_memory_allocated(), tidepool.memory_allocated())
+        tidepool.reset_peak_memory_stats()
+        stats = tidepool.memory_stats()
+        self.assertEqual(tidepool.max_memory_allocated(), tidepool.memory_allocated())
+        for gauge in _native.GAUGES:
+            for pool in _native.POOLS:
+                self.assertEqual(stats[f"{gauge}.{pool}.peak"], stats[f"{gauge}.{pool}.current"], (gauge, pool))
+
+    def test_reset_accumulated_zeroes_totals_and_keeps_current_values(self):
+        keep = malloc(2 * MIB)
+        ptr = malloc(5 * MIB)
+        free(ptr, 5 * MIB)
+        self.assertIsNone(malloc(1 << 40), "an out of memory to count")
+        before = tidepool.memory_stats()
+        self.assertGreater(before["num_ooms"], 0)
+        tidepool.reset_accumulated_memory_stats()
+        after = tidepool.memory_stats()
+        self.assertEqual(after["allocated_bytes.all.current"], before["allocated_bytes.all.current"])
+        self.assertEqual(after["allocated_bytes.all.freed"], 0)
+        self.assertEqual(after["allocated_bytes.all.allocated"], 0)
+        self.assertEqual(after["num_ooms"], 0)
+        free(keep, 2 * MIB)
+        self.assertEqual(tidepool.memory_stats()["allocated_bytes.all.freed"], 2 * MIB)
+
+    def test_a_bad_device_is_an_error(self):
+        with self.assertRaisesRegex(tidepool.TidepoolError, "device"):
+            tidepool.reset_peak_memory_stats(7)
+        with self.assertRaisesRegex(tidepool.TidepoolError, "device"):
+            tidepool.reset_accumulated_memory_stats(-5)
+
+
+class OutOfMemoryObservers(unittest.TestCase):
+    def test_an_observer_hears_each_out_of_memory_with_its_figures(self):
+        heard = []
+        tidepool.attach_oom_observer(lambda *args: heard.append(args))
+        keep = malloc(8 * MIB)
+        allocated = tidepool.memory_allocated()
+        self.assertIsNone(malloc(4 << 30))
+        self.assertEqual(len(heard), 1, heard)
+        device, requested, device_allocated, device_free = heard[0]
+        self.assertEqual((device, requested, device_allocated), (0, 4 << 30, allocated))
+        self.assertGreater(device_free, 0)
+        self.assertLessEqual(device_free, 1024 * MIB)
+        self.assertTrue(malloc(MIB), "a smaller request is served after it")
+        self.assertEqual(len(heard), 1, "no call without an out of memory")
+        free(keep, 8 * MIB)
+
+    def test_an_observer_that_raises_is_logged_and_the_error_still_comes(self):
+        tidepool.attach_oom_observer(lambda *args: 1 / 0)
+        with self.assertLogs("tidepool", level="ERROR") as logged:
+            self.assertIsNone(malloc(8 << 30))
+        self.assertIn("ZeroDivisionError", "\n".join(logged.output))
+        self.assertIn("out of memory", _native.last_error())
+
+    def test_a_non_callable_observer_is_refused_at_attach(self):
+        with self.assertRaisesRegex(TypeError, "callable"):
+            tidepool.attach_oom_observer("not a function")
+
+
+class OutOfMemorySnapshot(unittest.TestCase):
+    """TIDEPOOL_CONF=oom_snapshot:PATH, in a process of its own (the first
+    out of memory of the process writes it)."""
+
+    def run_script(self, conf, script):
+        env = dict(os.environ, TIDEPOOL_CONF=f"backend:host,host_capacity_mb:64,{conf}")
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+    def test_the_first_out_of_memory_writes_a_snapshot_with_the_timeline(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "oom.pickle")
+            done = self.run_script(f"oom_snapshot:{path}", (
+                "import tidepool\n"
+                "from tidepool import _native\n"
+                "tidepool.record_memory_history()\n"
+                "keep = _native.lib().tidepool_malloc(3 << 20, 0, None)\n"
+                "assert not _native.lib().tidepool_malloc(1 << 30, 0, None)\n"
+                "print('done')\n"
+            ))
+            self.assertEqual(done.returncode, 0, done.stderr)
+            snap = tidepool.load_snapshot(path)
+            sizes = [b["size"] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+            self.assertIn(3 << 20, sizes)
+            actions = [e["action"] for e in snap["device_traces"][0]]
+            self.assertIn("alloc", actions)
+            self.assertEqual(actions[-1], "oom")
+
+    def test_an_unwritable_path_warns_and_loses_nothing_else(self):
+        done = self.run_script("oom_snapshot:/nonexistent-dir/oom.pickle", (
+            "from tidepool import _native\n"
+            "lib = _native.lib()\n"
+            "assert not lib.tidepool_malloc(1 << 30, 0, None)\n"
+            "assert 'out of memory' in _native.last_error(), _native.last_error()\n"
+            "ptr = lib.tidepool_malloc(1 << 20, 0, None)\n"
+            "assert ptr\n"
+            "lib.tidepool_free(ptr, 1 << 20, 0, None)\n"
+            "print('kept working')\n"
+        ))
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("kept working", done.stdout)
+        self.assertIn("/nonexistent-dir/oom.pickle", done.stderr)
+
+
+class HistoryOptions(unittest.TestCase):
+    def test_bad_options_get_pytorchs_errors(self):
+        with self.assertRaisesRegex(RuntimeError, "expected state to be 'state', 'all', or None"):
+            tidepool.record_memory_history("sometimes")
+        with self.assertRaisesRegex(RuntimeError, "expected context to be"):
+            tidepool.record_memory_history(context="everything")
+        with self.assertRaisesRegex(RuntimeError, "expected stacks to be 'python', or 'all'"):
+            tidepool.record_memory_history(stacks="cpp")
+        with self.assertRaises(TypeError):
+            tidepool.record_memory_history(enabled="all", colour="blue")
+
+
+def torch_alloc(entry, size):
+    """An allocation as PyTorch makes it (the entry point it calls)."""
+    return entry.tidepool_torch_malloc(size, 0, None)
+
+
+class PythonFrames(unittest.TestCase):
+    """record_memory_history(stacks="python"): the Python frames of each
+    allocation PyTorch makes, in the snapshot."""
+
+    def entry(self, holding_gil):
+        # PyDLL keeps the GIL during the call, as PyTorch does when Python
+        # code allocates; CDLL lets it go, as a thread without it would.
+        loader = ctypes.PyDLL if holding_gil else ctypes.CDLL
+        entry = loader(_native.torch_library_path())
+        entry.tidepool_torch_malloc.restype = ctypes.c_void_p
+        entry.tidepool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        _native.torch_lib()  # bound to the loaded libtidepool.so
+        return entry
+
+    def frames_of(self, ptr):
+        snap = tidepool.snapshot()
+        block = next(b for s in snap["segments"] for b in s["blocks"] if b["address"] == ptr)
+        alloc = [e for e in snap["device_traces"][0] if e["action"] == "alloc" and e["addr"] == ptr]
+        return block["frames"], (alloc[-1]["frames"] if alloc else None)
+
+    def test_each_allocation_carries_its_python_frames(self):
+        entry = self.entry(holding_gil=True)
+        tidepool.record_memory_history(stacks="python", max_entries=1000)
+        try:
+            ptr = torch_alloc(entry, 5 * MIB + 3)
+            block_frames, alloc_frames = self.frames_of(ptr)
+        finally:
+            tidepool.record_memory_history(None)
+        free(ptr, 5 * MIB + 3)
+        self.assertEqual(block_frames, alloc_frames)
+        names = [f["name"] for f in block_frames]
+        self.assertEqual(names[:2], ["torch_alloc", "test_each_allocation_carries_its_python_frames"], names)
+        self.assertTrue(block_frames[0]["filename"].endswith("test_tidepool.py"))
+        self.assertIsInstance(block_frames[0]["line"], int)
+        self.assertGreater(block_frames[0]["line"], 0)
+        self.assertEqual(set(block_frames[0]), {"filename", "line", "name"})
+
+    def test_no_frames_when_off_or_without_the_gil(self):
+        entry = self.entry(holding_gil=True)
+        ptr = torch_alloc(entry, 2 * MIB)
+        self.assertEqual(self.frames_of(ptr)[0], [], "recording is off")
+        free(ptr, 2 * MIB)
+        tidepool.record_memory_history(stacks="python")
+        try:
+            ptr = torch_alloc(self.entry(holding_gil=False), 2 * MIB)
+            self.assertEqual(self.frames_of(ptr)[0], [], "a thread without the GIL")
+        finally:
+            tidepool.record_memory_history(None)
+        free(ptr, 2 * MIB)
+
+    def test_a_reused_address_does_not_keep_old_frames(self):
+        entry = self.entry(holding_gil=True)
+        tidepool.record_memory_history(stacks="python")
+        ptr = torch_alloc(entry, 3 * MIB)
+        free(ptr, 3 * MIB)
+        tidepool.record_memory_history(None)
+        again = torch_alloc(entry, 3 * MIB)
+        self.assertEqual(again, ptr, "the cached block is reused")
+        self.assertEqual(self.frames_of(again)[0], [])
+        free(again, 3 * MIB)
+
+
 class FakeTorch:
     """Stands in for torch's allocator-switching API (torch itself cannot
     run here): records what install() hands PyTorch."""
@@ -171,6 +352,7 @@ class FakeTorch:
                 return self.raw
 
         self.module = types.ModuleType("torch")
+        self.module._C = types.SimpleNamespace(_cuda_getAllocator=lambda: "pytorch's own")
         self.module.cuda = types.SimpleNamespace(
             is_initialized=lambda: initialized,
             memory=types.SimpleNamespace(
@@ -196,7 +378,9 @@ class Install(unittest.TestCase):
         fake = FakeTorch()
         sys.modules["torch"] = fake.module
         tidepool.install(allow_host=True)
-        self.assertEqual(fake.calls[0], ("CUDAPluggableAllocator", (tidepool.library_path(), "tidepool_malloc", "tidepool_free")))
+        # PyTorch calls the C++ entry points that raise on out of memory.
+        expected = (_native.torch_library_path(), "tidepool_torch_malloc", "tidepool_torch_free")
+        self.assertEqual(fake.calls[0], ("CUDAPluggableAllocator", expected))
         hooks = dict(call for call in fake.calls[1:-1])
         self.assertEqual(hooks, {
             "set_init_fn": _native.function_address("tidepool_init"),
@@ -222,38 +406,6 @@ class Install(unittest.TestCase):
         with self.assertRaisesRegex(tidepool.TidepoolError, "CUDA kernels cannot use"):
             tidepool.install(conf="backend:host")
         self.assertEqual(fake.calls, [], "nothing was handed to PyTorch")
-
-
-@unittest.skipUnless(importlib.util.find_spec("torch"), "torch not installed")
-class InstallIntoTorch(unittest.TestCase):
-    """install() with the real torch: its CUDAPluggableAllocator loads the
-    library, takes every hook under the name install() uses, becomes the
-    allocator, and calls the graph-pool hooks as tidepool reads them (no GPU
-    needed: CUDA is not initialised by any of it)."""
-
-    def test_torch_takes_the_library_and_every_hook(self):
-        # torch's own entry points to its graph-pool hooks (what CUDA graph
-        # capture and use_mem_pool call) reach tidepool with the pool's id
-        # intact: the C++ call and tidepool's C signature agree.
-        script = (
-            "import torch, tidepool\n"
-            "from tidepool import _native\n"
-            "tidepool.install(allow_host=True)\n"
-            "assert torch._C._cuda_getAllocator() is tidepool._plug.allocator(), 'not the current allocator'\n"
-            "torch._C._cuda_beginAllocateToPool(0, (9, 4))\n"
-            "ptr = _native.lib().tidepool_malloc(1 << 20, 0, None)\n"
-            "torch._C._cuda_endAllocateToPool(0, (9, 4))\n"
-            "pools = {tuple(s['segment_pool_id']) for s in tidepool.snapshot()['segments'] if any(b['address'] == ptr for b in s['blocks'])}\n"
-            "assert pools == {(9, 4)}, pools\n"
-            "_native.lib().tidepool_free(ptr, 1 << 20, 0, None)\n"
-            "torch._C._cuda_releasePool(0, (9, 4))\n"
-            "assert not torch.cuda.is_initialized()\n"
-            "print('installed')\n"
-        )
-        env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
-        done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True, timeout=300)
-        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
-        self.assertIn("installed", done.stdout)
 
 
 if __name__ == "__main__":

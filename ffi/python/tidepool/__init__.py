@@ -1,24 +1,38 @@
 """tidepool: a CUDA caching allocator that gives memory back, for PyTorch.
 
-install() makes PyTorch allocate through tidepool; memory_stats() and the
-functions beside it answer what torch.cuda's memory functions answer, which
-PyTorch cannot with a pluggable allocator.
+install() makes PyTorch allocate through tidepool: an out-of-memory raises
+at the call that allocated, and torch.cuda's memory functions
+(memory_stats, max_memory_allocated, memory_summary, _snapshot,
+_record_memory_history, ...) answer from tidepool. The functions of this
+module answer the same without torch.
 """
+import ctypes
+import logging
 import os
 import pickle
+import sys
 import tempfile
+import threading
 
-from . import _native
+from . import _native, _torch
 from ._native import GAUGES, POOLS, FIELDS, TidepoolError, library_path
+
+_log = logging.getLogger("tidepool")
 
 __all__ = [
     "install",
+    "uninstall",
     "mempool",
     "memory_stats",
+    "memory_stats_as_nested_dict",
     "memory_allocated",
     "max_memory_allocated",
     "memory_reserved",
     "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_max_memory_allocated",
+    "reset_accumulated_memory_stats",
+    "attach_oom_observer",
     "memory_summary",
     "empty_cache",
     "snapshot",
@@ -35,7 +49,12 @@ def _pluggable(torch):
     """One CUDAPluggableAllocator over the library with every hook set."""
     global _plug
     if _plug is None:
-        plug = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "tidepool_malloc", "tidepool_free")
+        # PyTorch calls the C++ entry points, which raise on out of memory
+        # (tidepool_malloc's NULL would become a tensor at address 0).
+        _native.torch_lib()
+        plug = torch.cuda.memory.CUDAPluggableAllocator(
+            _native.torch_library_path(), "tidepool_torch_malloc", "tidepool_torch_free"
+        )
         raw = plug.allocator()
         raw.set_init_fn(_native.function_address("tidepool_init"))
         raw.set_reset_fn(_native.function_address("tidepool_empty_cache"))
@@ -66,6 +85,10 @@ def install(conf=None, allow_host=False):
     """Makes tidepool PyTorch's CUDA allocator. Call it first thing: PyTorch
     can only switch allocators before CUDA is initialised.
 
+    Afterwards an allocation tidepool cannot serve raises RuntimeError("CUDA
+    out of memory. ...") where it was made, and torch.cuda's memory
+    functions answer from tidepool (see _torch.py for which, and how).
+
     conf: a TIDEPOOL_CONF string ("max_split_size_mb:256,..."); it sets the
     environment variable the library reads when it starts.
     allow_host: let the `host` backend (host memory standing in for a GPU)
@@ -88,6 +111,17 @@ def install(conf=None, allow_host=False):
     if conf is not None:
         os.environ["TIDEPOOL_CONF"] = conf
     torch.cuda.memory.change_current_allocator(_pluggable(torch))
+    _torch.redirect(torch, sys.modules[__name__])
+
+
+def uninstall():
+    """Gives torch.cuda's memory functions back to PyTorch. tidepool stays
+    PyTorch's allocator: PyTorch offers no handle on its own allocator to
+    switch back to (torch._C._cuda_getAllocator() is None for it), and no
+    switch at all once CUDA has started."""
+    import torch
+
+    _torch.restore(torch)
 
 
 def mempool():
@@ -121,37 +155,75 @@ def _device(device):
     return int(device)
 
 
-def memory_stats(device=None):
-    """A dict with torch.cuda.memory_stats' keys and meanings
-    ("allocated_bytes.all.current", "num_ooms", ...) plus tidepool's own
-    under "tidepool.*"."""
+def memory_stats_as_nested_dict(device=None):
+    """torch.cuda.memory_stats_as_nested_dict's answer from tidepool: each
+    gauge as {"all"|"small_pool"|"large_pool": {"current", "peak",
+    "allocated", "freed"}}, PyTorch's event counters, and tidepool's own
+    figures under "tidepool"."""
     s = _native.get_stats(_device(device))
     out = {}
     for gauge_name, gauge in zip(GAUGES, s.gauges):
-        for pool in POOLS:
-            stat = getattr(gauge, pool)
-            for field in FIELDS:
-                out[f"{gauge_name}.{pool}.{field}"] = getattr(stat, field)
+        out[gauge_name] = {pool: {field: getattr(getattr(gauge, pool), field) for field in FIELDS} for pool in POOLS}
+    # tidepool never splits "oversize" blocks apart from others, nor rejects
+    # requests ahead of the driver, nor synchronizes every stream.
+    out["oversize_allocations"] = dict.fromkeys(FIELDS, 0)
+    out["oversize_segments"] = dict.fromkeys(FIELDS, 0)
     out["num_alloc_retries"] = s.num_alloc_retries
     out["num_ooms"] = s.num_ooms
+    out["num_oom_rejections"] = 0
     out["num_device_alloc"] = s.num_device_allocs
     out["num_device_free"] = s.num_device_frees
-    out["num_sync_all_streams"] = 0  # tidepool never synchronizes every stream
+    out["num_sync_all_streams"] = 0
     cached = s.cached_free_bytes
-    out["tidepool.cached_free_bytes"] = cached
-    out["tidepool.largest_free_block_bytes"] = s.largest_free_block_bytes
-    out["tidepool.external_fragmentation"] = (1.0 - s.largest_free_block_bytes / cached) if cached else 0.0
-    out["tidepool.num_allocs"] = s.num_allocs
-    out["tidepool.num_frees"] = s.num_frees
-    out["tidepool.num_invalid_frees"] = s.num_invalid_frees
-    out["tidepool.num_size_mismatches"] = s.num_size_mismatches
-    out["tidepool.reserved_limit_bytes"] = s.reserved_limit_bytes
-    for reason in _native.RELEASE_REASONS:
-        out[f"tidepool.released_bytes.{reason}"] = getattr(s, f"released_{reason}_bytes")
-    out["tidepool.num_reclaims"] = s.num_reclaims
+    own = {
+        "cached_free_bytes": cached,
+        "largest_free_block_bytes": s.largest_free_block_bytes,
+        "external_fragmentation": (1.0 - s.largest_free_block_bytes / cached) if cached else 0.0,
+        "num_allocs": s.num_allocs,
+        "num_frees": s.num_frees,
+        "num_invalid_frees": s.num_invalid_frees,
+        "num_size_mismatches": s.num_size_mismatches,
+        "reserved_limit_bytes": s.reserved_limit_bytes,
+        "released_bytes": {reason: getattr(s, f"released_{reason}_bytes") for reason in _native.RELEASE_REASONS},
+        "num_reclaims": s.num_reclaims,
+    }
     for key in ("num_coop_requests", "num_coop_satisfied", "num_coop_served", "num_pages_mapped", "num_pages_unmapped"):
-        out[f"tidepool.{key}"] = getattr(s, key)
-    return dict(sorted(out.items()))
+        own[key] = getattr(s, key)
+    out["tidepool"] = own
+    return out
+
+
+def _flatten(prefix, value, into):
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else key, inner, into)
+    else:
+        into[prefix] = value
+
+
+def memory_stats(device=None):
+    """A dict with torch.cuda.memory_stats' keys and meanings
+    ("allocated_bytes.all.current", "num_ooms", ...), sorted as PyTorch
+    sorts them, plus tidepool's own under "tidepool.*"."""
+    flat = {}
+    _flatten("", memory_stats_as_nested_dict(device), flat)
+    return dict(sorted(flat.items()))
+
+
+def reset_peak_memory_stats(device=None):
+    """Sets every peak of `device` to its current value (torch.cuda.reset_peak_memory_stats)."""
+    _native.check(_native.lib().tidepool_reset_peak_stats(_device(device)))
+
+
+def reset_max_memory_allocated(device=None):
+    """torch.cuda.reset_max_memory_allocated: resets every peak, as PyTorch does."""
+    reset_peak_memory_stats(device)
+
+
+def reset_accumulated_memory_stats(device=None):
+    """Zeroes the accumulated figures of `device` ("allocated", "freed",
+    num_ooms, ...) (torch.cuda.reset_accumulated_memory_stats)."""
+    _native.check(_native.lib().tidepool_reset_accumulated_stats(_device(device)))
 
 
 def memory_allocated(device=None):
@@ -223,17 +295,104 @@ def memory_summary(device=None):
     return "\n".join(lines)
 
 
-def record_memory_history(enabled=True, max_entries=100_000):
-    """Keeps the last max_entries allocation and segment events of every
-    device (torch.cuda.memory._record_memory_history's counterpart): then
-    snapshot() and dump_snapshot() carry them as device_traces, and
-    pytorch.org/memory_viz draws the memory timeline. enabled=False (or
-    None) stops and forgets them."""
-    entries = max_entries if enabled else 0
-    if entries is None or entries < 0:
+def record_memory_history(enabled="all", context="all", stacks="all", max_entries=100_000, clear_history=False):
+    """Records allocation history and the Python frames of allocations, as
+    torch.cuda.memory._record_memory_history does (same arguments, same
+    errors): snapshot() and dump_snapshot() then carry the events as
+    device_traces (pytorch.org/memory_viz's timeline) and each allocation's
+    frames (memory_viz shows who allocated what).
+
+    enabled: "all" keeps the last max_entries events and frames; "state"
+    frames of live allocations only; None stops and forgets the events
+    (True and False stand for "all" and None). context: None records no
+    frames. stacks: "python" or "all" (tidepool records Python frames in
+    both: file, line and function of each frame of a thread holding the
+    GIL, for allocations PyTorch makes through install()).
+    """
+    if isinstance(enabled, bool):
+        enabled = "all" if enabled else None
+    _torch.check_history_options(enabled, context, stacks)
+    if max_entries is None or max_entries < 0:
         raise TidepoolError(f"max_entries must be a non-negative number, not {max_entries!r}")
-    if _native.lib().tidepool_record_history(entries) != _native.OK:
-        raise TidepoolError(_native.last_error())
+    lib = _native.lib()
+    if clear_history:
+        _native.check(lib.tidepool_record_history(0))
+    _native.check(lib.tidepool_record_history(min(max_entries, sys.maxsize) if enabled == "all" else 0))
+    _record_frames(enabled is not None and context is not None)
+
+
+def _record_frames(on):
+    """Starts or stops capturing Python frames at each PyTorch allocation."""
+    if not on:
+        if _native.torch_library_present():
+            _native.torch_lib().tidepool_torch_set_context_source(None)
+        return
+    try:
+        from . import _stacks
+    except ImportError as err:
+        raise TidepoolError(
+            f"recording Python frames needs the tidepool package built by pip (pip install ./ffi/python): {err}"
+        ) from None
+    _stacks.bind(_native.function_address("tidepool_register_context"))
+    _native.torch_lib().tidepool_torch_set_context_source(_stacks.source_address())
+
+
+def _torch_record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                                 clear_history=False, *_rest):
+    """torch._C._cuda_record_memory_history, redirected (the options after
+    clear_history concern PyTorch's own allocators)."""
+    record_memory_history(enabled, context, stacks, max_entries, clear_history)
+
+
+def _torch_record_memory_history_legacy(*args, **kwargs):
+    """torch._C._cuda_record_memory_history_legacy (enabled as a bool), redirected."""
+    enabled, context, stacks, max_entries = _torch.legacy_history_options(*args, **kwargs)
+    record_memory_history(enabled, context, stacks, max_entries)
+
+
+def _torch_memory_snapshot(arg=None):
+    """torch._C._cuda_memorySnapshot, redirected: arg is None, a pool id, or
+    (id0, id1, include_traces); pool (0, 0) means every pool."""
+    snap = snapshot()
+    pool, include_traces = None, True
+    if isinstance(arg, (tuple, list)):
+        pool = tuple(arg[:2])
+        if len(arg) > 2:
+            include_traces = bool(arg[2])
+    if pool and pool != (0, 0):
+        snap["segments"] = [s for s in snap["segments"] if tuple(s["segment_pool_id"]) == pool]
+    if not include_traces:
+        snap["device_traces"] = [[] for _ in snap["device_traces"]]
+    return snap
+
+
+_observers = []
+_observers_lock = threading.Lock()
+_c_observer = None
+
+
+def attach_oom_observer(observer):
+    """Calls observer(device, bytes requested, device bytes allocated,
+    device bytes free) at each out-of-memory, before the error is raised
+    (torch._C._cuda_attach_out_of_memory_observer's signature). An observer
+    that raises is logged; the out-of-memory error is raised all the same."""
+    if not callable(observer):
+        raise TypeError(f"an out-of-memory observer must be callable, not {type(observer).__name__}")
+    global _c_observer
+    with _observers_lock:
+        if _c_observer is None:
+            callback = _native.OOM_OBSERVER(_notify_observers)
+            _native.check(_native.lib().tidepool_attach_oom_observer(callback, None))
+            _c_observer = callback  # kept alive: the library calls it
+        _observers.append(observer)
+
+
+def _notify_observers(device, requested, allocated, free, _user):
+    for observer in list(_observers):
+        try:
+            observer(device, requested, allocated, free)
+        except Exception:
+            _log.exception("an out-of-memory observer raised; the out-of-memory error is raised all the same")
 
 
 def dump_snapshot(path):

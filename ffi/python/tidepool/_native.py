@@ -81,25 +81,52 @@ class Stats(ctypes.Structure):
     ]
 
 
+# void (*)(int device, size_t requested, size_t device_allocated, size_t device_free, void* user)
+OOM_OBSERVER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p)
+
+
 class TidepoolError(RuntimeError):
     """A call into libtidepool failed; the message is the library's."""
 
 
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def _packaged(stem):
+    """The library `stem` the package was built with (setuptools may name it
+    stem.so or stem.cpython-*.so), or None."""
+    for candidate in sorted(PACKAGE_DIR.glob(f"{stem}.*so")):
+        return candidate
+    return None
+
+
 def library_path():
-    """Where libtidepool.so is: $TIDEPOOL_LIBRARY, next to this package, or
-    the release build of a source checkout."""
+    """Where libtidepool.so is: $TIDEPOOL_LIBRARY, the one built into this
+    package, or the release build of a source checkout."""
     explicit = os.environ.get("TIDEPOOL_LIBRARY")
     if explicit:
         if not os.path.exists(explicit):
             raise TidepoolError(f"TIDEPOOL_LIBRARY={explicit} does not exist")
         return explicit
-    here = pathlib.Path(__file__).resolve().parent
-    for candidate in (here / "libtidepool.so", here.parents[2] / "target" / "release" / "libtidepool.so"):
-        if candidate.exists():
+    for candidate in (_packaged("libtidepool"), PACKAGE_DIR.parents[2] / "target" / "release" / "libtidepool.so"):
+        if candidate is not None and candidate.exists():
             return str(candidate)
     raise TidepoolError(
-        "libtidepool.so not found: copy it next to the tidepool package or set TIDEPOOL_LIBRARY"
+        "libtidepool.so not found: install the package with pip (pip install ./ffi/python builds it), "
+        "or set TIDEPOOL_LIBRARY to a libtidepool.so built with cargo build --release"
     )
+
+
+def torch_library_path():
+    """Where libtidepool_torch.so (the entry points PyTorch calls) is: built
+    into this package."""
+    found = _packaged("libtidepool_torch")
+    if found is None:
+        raise TidepoolError(
+            "libtidepool_torch.so not found: this tidepool package was not built by pip; "
+            "install it with pip install ./ffi/python, which builds the entry points PyTorch calls"
+        )
+    return str(found)
 
 
 _lib = None
@@ -122,6 +149,14 @@ def lib():
             "tidepool_dump_snapshot": (ctypes.c_int, [ctypes.c_char_p]),
             "tidepool_record_history": (ctypes.c_int, [ctypes.c_size_t]),
             "tidepool_last_error": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
+            "tidepool_reset_peak_stats": (ctypes.c_int, [ctypes.c_int]),
+            "tidepool_reset_accumulated_stats": (ctypes.c_int, [ctypes.c_int]),
+            "tidepool_attach_oom_observer": (ctypes.c_int, [OOM_OBSERVER, ctypes.c_void_p]),
+            "tidepool_malloc_with_context": (
+                ctypes.c_void_p,
+                [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64],
+            ),
+            "tidepool_register_context": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(handle, name)
@@ -146,6 +181,37 @@ def get_stats(device):
     if rc != OK:
         raise TidepoolError(last_error())
     return stats
+
+
+def check(rc):
+    """Raises the library's last error unless rc is OK."""
+    if rc != OK:
+        raise TidepoolError(last_error())
+
+
+_torch_lib = None
+
+
+def torch_library_present():
+    """Whether libtidepool_torch.so is loaded or can be."""
+    return _torch_lib is not None or _packaged("libtidepool_torch") is not None
+
+
+def torch_lib():
+    """libtidepool_torch.so, bound to the loaded libtidepool.so (see
+    csrc/torch_alloc.cpp): PyTorch's alloc and free go through it."""
+    global _torch_lib
+    if _torch_lib is None:
+        handle = ctypes.CDLL(torch_library_path())
+        handle.tidepool_torch_bind.restype = ctypes.c_int
+        handle.tidepool_torch_bind.argtypes = [ctypes.c_void_p] * 4
+        handle.tidepool_torch_set_context_source.restype = None
+        handle.tidepool_torch_set_context_source.argtypes = [ctypes.c_void_p]
+        names = ("tidepool_malloc", "tidepool_malloc_with_context", "tidepool_free", "tidepool_last_error")
+        if handle.tidepool_torch_bind(*(function_address(name) for name in names)) != 0:
+            raise TidepoolError("binding libtidepool_torch.so to libtidepool.so failed")
+        _torch_lib = handle
+    return _torch_lib
 
 
 def function_address(name):
