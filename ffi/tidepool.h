@@ -95,9 +95,42 @@ typedef struct tidepool_stats {
 } tidepool_stats;
 
 /* size bytes on device for stream. NULL when out of memory (after the cache
- * was released and the request retried; the report goes to stderr), on bad
- * input (see tidepool_last_error), or for size 0. */
+ * was released and the request retried; the report goes to stderr and to
+ * tidepool_last_error, the OOM observers are called), on bad input (see
+ * tidepool_last_error), or for size 0. */
 void* tidepool_malloc(size_t size, int device, void* stream);
+
+/* One stack frame of an allocation context. */
+typedef struct tidepool_frame {
+    const char* filename;
+    const char* name;
+    int64_t line;
+} tidepool_frame;
+
+/* Registers the frames (innermost first, as PyTorch lists them) of context
+ * id `context` (non-zero); a later registration of the same id replaces it.
+ * Strings are copied. Snapshots show a block's frames, and those of its
+ * events in device_traces, from its context. Returns TIDEPOOL_OK or
+ * TIDEPOOL_ERR_INVALID_ARGUMENT (context 0, frames NULL with count > 0, a
+ * string not UTF-8 or NULL). */
+int tidepool_register_context(uint64_t context, const tidepool_frame* frames, size_t count);
+
+/* tidepool_malloc, remembering `context` (0: none) for the block and for its
+ * alloc event in the history. */
+void* tidepool_malloc_with_context(size_t size, int device, void* stream, uint64_t context);
+
+/* Called at each out-of-memory of tidepool_malloc(_with_context), after the
+ * cache was released and the request retried, just before NULL is returned:
+ * on the failing thread, with no tidepool lock held. device_allocated is
+ * tidepool's allocated bytes on device now, device_free the device's free
+ * memory as the driver reports it (0 if unknown). An observer may call
+ * tidepool; the last error still holds the report afterwards. */
+typedef void (*tidepool_oom_observer)(int device, size_t requested, size_t device_allocated, size_t device_free, void* user);
+
+/* Adds observer (with user) after those attached before, for the whole
+ * process. Returns TIDEPOOL_OK, or TIDEPOOL_ERR_INVALID_ARGUMENT for a NULL
+ * observer or when 64 are already attached. */
+int tidepool_attach_oom_observer(tidepool_oom_observer observer, void* user);
 
 /* Frees ptr (NULL: nothing). A pointer tidepool does not hold is refused
  * and counted; a size that differs from the allocation's is counted and the
@@ -138,6 +171,17 @@ void* tidepool_base_alloc(void* ptr, size_t* size);
 
 /* Fills *out for device; returns TIDEPOOL_OK or a TIDEPOOL_ERR_* code. */
 int tidepool_get_stats(int device, tidepool_stats* out);
+
+/* Resets the peaks of device (-1: every device) to the current values
+ * (torch.cuda.reset_peak_memory_stats). Returns TIDEPOOL_OK,
+ * TIDEPOOL_ERR_INVALID_DEVICE or TIDEPOOL_ERR_INTERNAL. */
+int tidepool_reset_peak_stats(int device);
+
+/* Zeroes what device (-1: every device) accumulated: every gauge's allocated
+ * and freed sums and the event counters (num_allocs, num_alloc_retries,
+ * num_ooms, num_device_allocs, ...); current values and peaks stay
+ * (torch.cuda.reset_accumulated_memory_stats). Returns as above. */
+int tidepool_reset_accumulated_stats(int device);
 
 /* Writes a PyTorch-schema snapshot pickle of every device to path. */
 int tidepool_dump_snapshot(const char* path);

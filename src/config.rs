@@ -65,6 +65,9 @@ pub struct Config {
     /// Keep this many of each device's last events for snapshots'
     /// `device_traces` from the start (0: off; see `heap/history.rs`).
     pub history_entries: usize,
+    /// Write a snapshot here at the process's first out-of-memory of the
+    /// C ABI's malloc (None: never).
+    pub oom_snapshot: Option<std::path::PathBuf>,
 }
 
 impl Config {
@@ -107,6 +110,7 @@ impl Default for Config {
             lend_across_streams: true,
             expandable: false,
             history_entries: 0,
+            oom_snapshot: None,
         }
     }
 }
@@ -307,6 +311,16 @@ pub static OPTIONS: &[OptionSpec] = &[
             Ok(())
         },
         show: |c| c.history_entries.to_string(),
+    },
+    OptionSpec {
+        key: "oom_snapshot",
+        default: "none",
+        help: "at the process's first out-of-memory (C ABI), write a PyTorch-schema snapshot (pickle, with device_traces when history is on) to this path (none: off)",
+        apply: |c, v| {
+            c.oom_snapshot = if v.trim() == "none" { None } else { Some(v.trim().into()) };
+            Ok(())
+        },
+        show: |c| c.oom_snapshot.as_ref().map_or("none".into(), |p| p.display().to_string()),
     },
     OptionSpec {
         key: "registry_dir",
@@ -603,5 +617,13 @@ mod tests {
         let shown: Vec<_> = OPTIONS.iter().map(|o| (o.key, (o.show)(&c))).collect();
         assert!(shown.contains(&("max_split_size_mb", "64".to_string())));
         assert!(shown.contains(&("host_capacity_mb", "1024".to_string())));
+    }
+
+    #[test]
+    fn oom_snapshot_names_a_path_or_none() {
+        let (c, warnings) = Config::parse("oom_snapshot:/tmp/at-oom.pickle");
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(c.oom_snapshot.as_deref(), Some(std::path::Path::new("/tmp/at-oom.pickle")));
+        assert_eq!(Config::parse("oom_snapshot:none").0.oom_snapshot, None);
     }
 }

@@ -1,5 +1,6 @@
 //! The C ABI: the exports PyTorch's `CUDAPluggableAllocator` loads, plus
-//! statistics, snapshots and the last error. `ffi/tidepool.h` declares them
+//! statistics, snapshots, allocation contexts, out-of-memory observers and
+//! the last error. `ffi/tidepool.h` declares them
 //! (a test checks the header against this file).
 //!
 //! Every export runs inside `boundary!`: a panic becomes NULL or an error
@@ -20,9 +21,11 @@ use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::Once;
 
+use parking_lot::Mutex;
+
 use crate::reclaim::policy::Reason;
 use crate::stats::{Stat, StatByPool, Stats};
-use crate::{AllocError, Allocator, DevicePtr, PrivatePoolId, Stream};
+use crate::{AllocError, Allocator, DevicePtr, Frame, OomReport, PrivatePoolId, Stream};
 
 /// Success.
 pub const TIDEPOOL_OK: c_int = 0;
@@ -102,6 +105,19 @@ pub struct tidepool_stats {
     pub num_pages_mapped: u64,
     pub num_pages_unmapped: u64,
 }
+
+/// One stack frame of an allocation context (`tidepool_register_context`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct tidepool_frame {
+    pub filename: *const c_char,
+    pub name: *const c_char,
+    pub line: i64,
+}
+
+/// Called at an out-of-memory of `tidepool_malloc` (`tidepool_attach_oom_observer`).
+pub type tidepool_oom_observer =
+    Option<unsafe extern "C" fn(device: c_int, requested: usize, device_allocated: usize, device_free: usize, user: *mut c_void)>;
 
 thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
@@ -224,23 +240,152 @@ static LOGGED_INVALID_FREE: AtomicBool = AtomicBool::new(false);
 static LOGGED_SIZE_MISMATCH: AtomicBool = AtomicBool::new(false);
 
 /// `size` bytes on `device` for `stream`; NULL when out of memory (after
-/// releasing the cache and retrying; the report goes to stderr) or on bad
-/// input (see `tidepool_last_error`). 0 bytes give NULL without error.
+/// releasing the cache and retrying; the report goes to stderr, the OOM
+/// observers are called) or on bad input (see `tidepool_last_error`).
+/// 0 bytes give NULL without error.
 #[no_mangle]
 pub extern "C" fn tidepool_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    boundary!(null_mut(), {
-        let result = allocator().and_then(|a| a.allocate(device_index(device)?, size, Stream(stream as u64)));
-        match result {
-            Ok(ptr) => ptr.0 as *mut c_void,
-            Err(err) => {
-                if let AllocError::OutOfMemory(_) = err {
-                    eprintln!("{err}");
-                }
-                set_last_error(err.to_string());
-                null_mut()
+    boundary!(null_mut(), malloc(size, device, stream, 0))
+}
+
+/// `tidepool_malloc`, remembering `context` (0: none) for the block and
+/// for its `alloc` event in the history (see `tidepool_register_context`).
+#[no_mangle]
+pub extern "C" fn tidepool_malloc_with_context(size: usize, device: c_int, stream: *mut c_void, context: u64) -> *mut c_void {
+    boundary!(null_mut(), malloc(size, device, stream, context))
+}
+
+#[inline(always)]
+fn malloc(size: usize, device: c_int, stream: *mut c_void, context: u64) -> *mut c_void {
+    let result = allocator().and_then(|a| {
+        let (device, stream) = (device_index(device)?, Stream(stream as u64));
+        if context == 0 {
+            a.allocate(device, size, stream)
+        } else {
+            a.allocate_with_context(device, size, stream, context)
+        }
+    });
+    match result {
+        Ok(ptr) => ptr.0 as *mut c_void,
+        Err(err) => {
+            malloc_failed(err);
+            null_mut()
+        }
+    }
+}
+
+/// Sets the last error of a failed malloc; after an out-of-memory, also
+/// prints the report and runs what follows one (`after_oom`).
+#[cold]
+fn malloc_failed(err: AllocError) {
+    set_last_error(err.to_string());
+    if let (AllocError::OutOfMemory(report), Ok(allocator)) = (&err, allocator()) {
+        eprintln!("{err}");
+        after_oom(allocator, report);
+    }
+}
+
+/// The most OOM observers a process may attach.
+const MAX_OOM_OBSERVERS: usize = 64;
+
+/// The process's OOM observers with their `user` pointers, in attach order.
+type Observer = (unsafe extern "C" fn(c_int, usize, usize, usize, *mut c_void), usize);
+static OOM_OBSERVERS: Mutex<Vec<Observer>> = Mutex::new(Vec::new());
+
+/// Set once the `oom_snapshot` was tried: only the first out-of-memory writes it.
+static OOM_SNAPSHOT_TRIED: AtomicBool = AtomicBool::new(false);
+
+/// What follows an out-of-memory of malloc, on the failing thread with no
+/// tidepool lock held: each observer in attach order, then, at the
+/// process's first one, the `oom_snapshot`. The last error (the report)
+/// is what it was before, whatever they did.
+fn after_oom(allocator: &Allocator, report: &OomReport) {
+    let saved = LAST_ERROR.with(|e| e.borrow().clone());
+    // A copy: an observer may attach another (it is called from the next OOM on).
+    let observers = OOM_OBSERVERS.lock().clone();
+    if !observers.is_empty() {
+        let stats = allocator.stats(report.device);
+        let allocated = stats.map_or(report.allocated, |s| s.allocated_bytes.all.current) as usize;
+        let (device, requested, free) = (report.device as c_int, report.requested as usize, report.device_free.unwrap_or(0) as usize);
+        for (observer, user) in observers {
+            // SAFETY: `observer` is a non-null function pointer attached by the
+            // caller, who vouches for its signature and for `user`.
+            let _ = catch_unwind(|| unsafe { observer(device, requested, allocated, free, user as *mut c_void) });
+        }
+    }
+    if let Some(path) = &allocator.config().oom_snapshot {
+        if !OOM_SNAPSHOT_TRIED.swap(true, Ordering::AcqRel) {
+            if let Err(err) = crate::snapshot::write_snapshot(allocator, path) {
+                eprintln!("tidepool: warning: oom_snapshot: cannot write {}: {err}", path.display());
             }
         }
-    })
+    }
+    set_last_error(saved);
+}
+
+/// Calls `observer(device, requested, device_allocated, device_free, user)`
+/// at each out-of-memory of `tidepool_malloc`, after the observers attached
+/// before it. Returns TIDEPOOL_OK, or TIDEPOOL_ERR_INVALID_ARGUMENT (NULL
+/// observer, or 64 observers already attached).
+#[no_mangle]
+pub extern "C" fn tidepool_attach_oom_observer(observer: tidepool_oom_observer, user: *mut c_void) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(attach_oom_observer(observer, user)))
+}
+
+fn attach_oom_observer(observer: tidepool_oom_observer, user: *mut c_void) -> Result<(), Failure> {
+    const WHO: &str = "tidepool: tidepool_attach_oom_observer";
+    let Some(observer) = observer else {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: observer is NULL")));
+    };
+    let mut observers = OOM_OBSERVERS.lock();
+    if observers.len() >= MAX_OOM_OBSERVERS {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: {MAX_OOM_OBSERVERS} observers already attached")));
+    }
+    observers.push((observer, user as usize));
+    Ok(())
+}
+
+/// Registers the frames (innermost first) of the context `context`
+/// (non-zero), replacing any registered before; the strings are copied.
+/// Returns TIDEPOOL_OK, TIDEPOOL_ERR_INVALID_ARGUMENT (context 0, NULL
+/// `frames` with `count` > 0, a string NULL or not UTF-8) or TIDEPOOL_ERR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn tidepool_register_context(context: u64, frames: *const tidepool_frame, count: usize) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(register_context(context, frames, count)))
+}
+
+fn register_context(context: u64, frames: *const tidepool_frame, count: usize) -> Result<(), Failure> {
+    const WHO: &str = "tidepool: tidepool_register_context";
+    let invalid = |what: String| (TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: {what}"));
+    if context == 0 {
+        return Err(invalid("context 0 means none".into()));
+    }
+    let frames: &[tidepool_frame] = if count == 0 {
+        &[]
+    } else if frames.is_null() {
+        return Err(invalid(format!("frames is NULL with count {count}")));
+    } else if count > isize::MAX as usize / std::mem::size_of::<tidepool_frame>() {
+        return Err(invalid(format!("count {count} is too large")));
+    } else {
+        // SAFETY: `frames` is non-null and, per the contract, points to
+        // `count` initialized frames, a size that fits in isize.
+        unsafe { std::slice::from_raw_parts(frames, count) }
+    };
+    let text = |ptr: *const c_char, index: usize, field: &str| -> Result<String, Failure> {
+        if ptr.is_null() {
+            return Err(invalid(format!("frame {index}: {field} is NULL")));
+        }
+        // SAFETY: `ptr` is non-null and, per the contract, a NUL-terminated string.
+        let text = unsafe { CStr::from_ptr(ptr) }.to_str();
+        text.map(str::to_owned).map_err(|_| invalid(format!("frame {index}: {field} is not UTF-8")))
+    };
+    let frames = frames
+        .iter()
+        .enumerate()
+        .map(|(i, f)| Ok(Frame { filename: text(f.filename, i, "filename")?, name: text(f.name, i, "name")?, line: f.line }))
+        .collect::<Result<Vec<_>, Failure>>()?;
+    let allocator = allocator_or_internal()?;
+    allocator.register_context(context, frames).map_err(|err| (TIDEPOOL_ERR_INVALID_ARGUMENT, err.to_string()))
 }
 
 /// Frees `ptr` (NULL: nothing). A pointer tidepool does not hold is
@@ -501,6 +646,43 @@ fn get_stats(device: c_int, out: *mut tidepool_stats) -> Result<(), Failure> {
     // SAFETY: the caller vouches for `caller_size` writable bytes at
     // `out`; we copy n <= caller_size bytes from a local value.
     unsafe { std::ptr::copy_nonoverlapping(&filled as *const tidepool_stats as *const u8, out as *mut u8, n) };
+    Ok(())
+}
+
+/// Resets the peaks of `device` (-1: every device) to the current values
+/// (`torch.cuda.reset_peak_memory_stats`). Returns TIDEPOOL_OK,
+/// TIDEPOOL_ERR_INVALID_DEVICE or TIDEPOOL_ERR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn tidepool_reset_peak_stats(device: c_int) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(reset_stats(device, Allocator::reset_peak_stats)))
+}
+
+/// Zeroes what `device` (-1: every device) accumulated: each gauge's
+/// allocated and freed sums and the event counters
+/// (`torch.cuda.reset_accumulated_memory_stats`). Returns TIDEPOOL_OK,
+/// TIDEPOOL_ERR_INVALID_DEVICE or TIDEPOOL_ERR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn tidepool_reset_accumulated_stats(device: c_int) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(reset_stats(device, Allocator::reset_accumulated_stats)))
+}
+
+/// Applies `reset` to `device`, or to every device for -1.
+fn reset_stats(device: c_int, reset: fn(&Allocator, usize) -> Result<(), AllocError>) -> Result<(), Failure> {
+    let allocator = allocator_or_internal()?;
+    let failure = |err: AllocError| match err {
+        AllocError::InvalidDevice { .. } => (TIDEPOOL_ERR_INVALID_DEVICE, err.to_string()),
+        other => (TIDEPOOL_ERR_INTERNAL, other.to_string()),
+    };
+    let devices = match device {
+        -1 => 0..allocator.device_count(),
+        _ => {
+            let device = device_index(device).map_err(failure)?;
+            device..device + 1
+        }
+    };
+    for device in devices {
+        reset(allocator, device).map_err(failure)?;
+    }
     Ok(())
 }
 

@@ -6,6 +6,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use tidepool::pickle::{NodeId, PickleDoc};
+
 /// Compiles the C test to `name` (one name per test: tests run in parallel).
 fn build_c_test(name: &str) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -59,6 +61,36 @@ fn the_c_abi_works_from_c_and_refuses_bad_input() {
     assert!(text.contains(" passed, 0 failed"), "{text}");
     // Bad input is logged once, then only counted.
     assert_eq!(text.matches("(further ones are only counted)").count(), 2, "{text}");
+    check_context_frames(&program.with_extension("pickle"));
+}
+
+/// The snapshot ffi_test wrote shows the frames of context 42 on the block
+/// of 54321 bytes allocated with it and on its `alloc` event, and none on
+/// the block of 12345 bytes allocated without one.
+fn check_context_frames(snapshot: &Path) {
+    let doc = PickleDoc::parse(std::fs::File::open(snapshot).unwrap()).unwrap();
+    let field = |node: NodeId, key: &str| doc.get(node, key).unwrap();
+    let frames = |node: NodeId| -> Vec<(String, String, i128)> {
+        let text = |f, key| doc.str(field(f, key)).unwrap().to_string();
+        doc.items(field(node, "frames"))
+            .unwrap()
+            .iter()
+            .map(|&f| (text(f, "filename"), text(f, "name"), doc.int(field(f, "line")).unwrap()))
+            .collect()
+    };
+    let expected = vec![("model.py".to_string(), "forward".to_string(), 42), ("train.py".to_string(), "main".to_string(), 7)];
+    let segments = doc.items(field(doc.root(), "segments")).unwrap();
+    let blocks: Vec<NodeId> = segments.iter().flat_map(|&s| doc.items(field(s, "blocks")).unwrap().to_vec()).collect();
+    let block = |requested: i128| *blocks.iter().find(|&&b| doc.int(field(b, "requested_size")) == Some(requested)).unwrap();
+    assert_eq!(frames(block(54321)), expected);
+    assert_eq!(frames(block(12345)), []);
+    let trace = doc.items(doc.items(field(doc.root(), "device_traces")).unwrap()[0]).unwrap();
+    let allocs: Vec<_> = trace
+        .iter()
+        .filter(|&&e| doc.str(field(e, "action")) == Some("alloc") && doc.int(field(e, "size")) == Some(54321))
+        .map(|&e| frames(e))
+        .collect();
+    assert_eq!(allocs, [expected.clone(), expected], "both allocations with context 42 carry its frames");
 }
 
 #[test]

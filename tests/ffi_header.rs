@@ -21,6 +21,7 @@ fn c_type(rust: &str) -> String {
         "f64" => "double".into(),
         "u64" => "uint64_t".into(),
         "u32" => "uint32_t".into(),
+        "i64" => "int64_t".into(),
         "" | "()" => "void".into(),
         _ => {
             if let Some(inner) = rust.strip_prefix("*mut ") {
@@ -46,7 +47,8 @@ fn squash(s: &str) -> String {
 fn header_functions(header: &str) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for line in header.lines().map(str::trim) {
-        let Some(open) = line.find("tidepool_").filter(|_| line.ends_with(");") && !line.starts_with("/*")) else { continue };
+        let prototype = line.ends_with(");") && !line.starts_with("/*") && !line.starts_with("typedef");
+        let Some(open) = line.find("tidepool_").filter(|_| prototype) else { continue };
         let (ret, rest) = line.split_at(open);
         let (name, params) = rest.split_once('(').unwrap();
         let params = params.trim_end_matches(");");
@@ -162,20 +164,51 @@ fn rust_constants(source: &str) -> BTreeMap<String, String> {
 fn the_header_declares_exactly_the_rust_exports() {
     let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
     let declared = header_functions(&header);
-    assert_eq!(declared.len(), 14, "{declared:#?}");
+    assert_eq!(declared.len(), 19, "{declared:#?}");
     assert_eq!(declared, rust_functions(&source));
     assert_eq!(declared["tidepool_malloc"], "void*(size_t, int, void*)");
     // PyTorch calls these as void(int, MempoolId_t, std::function<...>):
     // the pair by value in two registers, the std::function by address.
     assert_eq!(declared["tidepool_begin_allocate_to_pool"], "void(int, uint64_t, uint64_t, void*)");
     assert_eq!(declared["tidepool_dump_snapshot"], "int(const char*)");
+    assert_eq!(declared["tidepool_malloc_with_context"], "void*(size_t, int, void*, uint64_t)");
+    assert_eq!(declared["tidepool_register_context"], "int(uint64_t, const tidepool_frame*, size_t)");
+    assert_eq!(declared["tidepool_attach_oom_observer"], "int(tidepool_oom_observer, void*)");
+}
+
+/// The parameter types of the function-pointer typedef `name` in the header
+/// and of the Rust type alias of the same name.
+fn callback_types(header: &str, source: &str, name: &str) -> (String, String) {
+    let c_line = header.lines().find(|l| l.starts_with("typedef") && l.contains(&format!("(*{name})"))).unwrap();
+    let c_params = c_line.rsplit_once(")(").unwrap().1.trim_end_matches(");");
+    let c_types: Vec<String> = c_params
+        .split(',')
+        .map(|p| {
+            let p = p.trim();
+            let cut = p.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |i| i + 1);
+            squash(&p[..cut])
+        })
+        .collect();
+    let rust = source.split(&format!("pub type {name} =")).nth(1).unwrap();
+    let rust_params = rust.split_once("fn(").unwrap().1.split_once(")>").unwrap().0;
+    let rust_types: Vec<String> = rust_params.split(',').map(|p| c_type(p.split_once(':').unwrap().1)).collect();
+    (c_types.join(", "), rust_types.join(", "))
+}
+
+#[test]
+fn the_oom_observer_typedef_matches_the_rust_type() {
+    let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
+    let (c, rust) = callback_types(&header, &source, "tidepool_oom_observer");
+    assert_eq!(c, "int, size_t, size_t, size_t, void*");
+    assert_eq!(c, rust);
+    assert!(header.contains("typedef void (*tidepool_oom_observer)("), "the observer returns void");
 }
 
 #[test]
 fn the_header_structs_match_the_rust_structs_field_by_field() {
     let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
     let declared = header_structs(&header);
-    assert_eq!(declared.keys().collect::<Vec<_>>(), ["tidepool_stat", "tidepool_stat_by_pool", "tidepool_stats"]);
+    assert_eq!(declared.keys().collect::<Vec<_>>(), ["tidepool_frame", "tidepool_stat", "tidepool_stat_by_pool", "tidepool_stats"]);
     assert_eq!(declared, rust_structs(&source));
 }
 

@@ -1,6 +1,7 @@
 /* The C ABI exercised from C, on the host backend: normal use, every bad
- * input the ABI handles, 16 threads at once, and fork. Run by
- * tests/ffi_c.rs; prints "ffi_test: N passed, 0 failed" and exits 0. */
+ * input the ABI handles, 16 threads at once, fork, resetting statistics,
+ * OOM observers and allocation contexts. Run by tests/ffi_c.rs; prints
+ * "ffi_test: N passed, 0 failed" and exits 0. */
 #include "tidepool.h"
 
 #include <pthread.h>
@@ -162,9 +163,122 @@ static void private_pools(void) {
     CHECK(strstr(last_error(), "-1") != NULL, "negative device: %s", last_error());
 }
 
+/* PyTorch's reset_peak_memory_stats and reset_accumulated_memory_stats;
+ * -1 means every device. */
+static void reset_stats(void) {
+    void* keep = tidepool_malloc(4096, 0, NULL);
+    void* big = tidepool_malloc(30 * MIB, 0, NULL);
+    tidepool_free(big, 30 * MIB, 0, NULL);
+    tidepool_stats before = stats_of(0);
+    CHECK(before.peak_allocated_bytes > before.allocated_bytes, "a peak above the current value");
+    CHECK(before.num_ooms > 0 && before.num_allocs > 0 && before.num_invalid_frees > 0, "counted before the reset");
+    CHECK(tidepool_reset_peak_stats(0) == TIDEPOOL_OK, "reset_peak_stats: %s", last_error());
+    tidepool_stats s = stats_of(0);
+    CHECK(s.peak_allocated_bytes == s.allocated_bytes && s.peak_reserved_bytes == s.reserved_bytes &&
+              s.peak_requested_bytes == s.requested_bytes && s.gauges[4].all.peak == s.gauges[4].all.current,
+          "peaks are the current values: %llu, %llu", (unsigned long long)s.peak_allocated_bytes,
+          (unsigned long long)s.allocated_bytes);
+    CHECK(s.num_allocs == before.num_allocs, "resetting peaks keeps the counters");
+    CHECK(tidepool_reset_accumulated_stats(-1) == TIDEPOOL_OK, "reset_accumulated_stats(-1): %s", last_error());
+    s = stats_of(0);
+    CHECK(s.num_ooms == 0 && s.num_allocs == 0 && s.num_frees == 0 && s.num_device_allocs == 0 &&
+              s.num_device_frees == 0 && s.num_alloc_retries == 0 && s.num_invalid_frees == 0,
+          "counters zeroed: ooms %llu allocs %llu", (unsigned long long)s.num_ooms, (unsigned long long)s.num_allocs);
+    CHECK(s.gauges[4].all.allocated == 0 && s.gauges[4].all.freed == 0, "allocated and freed sums zeroed");
+    CHECK(s.allocated_bytes == before.allocated_bytes && s.reserved_bytes == before.reserved_bytes, "current values stay");
+    CHECK(tidepool_reset_peak_stats(-1) == TIDEPOOL_OK, "reset_peak_stats(-1): %s", last_error());
+    CHECK(tidepool_reset_peak_stats(7) == TIDEPOOL_ERR_INVALID_DEVICE && strstr(last_error(), "no device 7"),
+          "reset_peak_stats(7): %s", last_error());
+    CHECK(tidepool_reset_peak_stats(-2) == TIDEPOOL_ERR_INVALID_DEVICE, "reset_peak_stats(-2)");
+    CHECK(tidepool_reset_accumulated_stats(7) == TIDEPOOL_ERR_INVALID_DEVICE, "reset_accumulated_stats(7)");
+    CHECK(tidepool_reset_accumulated_stats(-2) == TIDEPOOL_ERR_INVALID_DEVICE, "reset_accumulated_stats(-2)");
+    tidepool_free(keep, 4096, 0, NULL);
+}
+
+/* What an observer saw. */
+struct oom_seen {
+    int calls;
+    int device;
+    size_t requested, allocated, free;
+    int saw_report; /* the last error held the OOM report during the call */
+};
+static struct oom_seen first_seen, second_seen;
+
+static void second_observer(int device, size_t requested, size_t device_allocated, size_t device_free, void* user) {
+    (void)device, (void)requested, (void)device_allocated, (void)device_free;
+    ((struct oom_seen*)user)->calls++;
+}
+
+static void first_observer(int device, size_t requested, size_t device_allocated, size_t device_free, void* user) {
+    struct oom_seen* seen = user;
+    seen->calls++;
+    seen->device = device;
+    seen->requested = requested;
+    seen->allocated = device_allocated;
+    seen->free = device_free;
+    seen->saw_report = strstr(last_error(), "out of memory") != NULL;
+    /* An observer may call tidepool, which sets the last error... */
+    tidepool_stats small;
+    memset(&small, 0, sizeof small);
+    small.size = 16;
+    tidepool_get_stats(0, &small);
+    /* ...and attach another observer, called from the next OOM on. */
+    if (seen->calls == 1) tidepool_attach_oom_observer(second_observer, &second_seen);
+}
+
+static void oom_observers(void) {
+    CHECK(tidepool_attach_oom_observer(NULL, NULL) == TIDEPOOL_ERR_INVALID_ARGUMENT && strstr(last_error(), "NULL"),
+          "NULL observer: %s", last_error());
+    CHECK(tidepool_attach_oom_observer(first_observer, &first_seen) == TIDEPOOL_OK, "attach: %s", last_error());
+    void* live = tidepool_malloc(5 * MIB, 0, NULL);
+    CHECK(live != NULL, "malloc(5 MiB): %s", last_error());
+    CHECK(tidepool_malloc(8192 * MIB, 0, NULL) == NULL, "8 GiB on a 4 GiB device");
+    CHECK(strstr(last_error(), "out of memory") != NULL, "the report stays the last error: %s", last_error());
+    tidepool_stats s = stats_of(0);
+    CHECK(first_seen.calls == 1 && second_seen.calls == 0, "observers ran %d and %d times", first_seen.calls, second_seen.calls);
+    CHECK(first_seen.saw_report, "the observer could read the report");
+    CHECK(first_seen.device == 0 && first_seen.requested == 8192 * MIB, "device %d requested %zu", first_seen.device,
+          first_seen.requested);
+    CHECK(first_seen.allocated == s.allocated_bytes && s.allocated_bytes >= 5 * MIB, "allocated %zu, stats %llu",
+          first_seen.allocated, (unsigned long long)s.allocated_bytes);
+    const char* conf = getenv("TIDEPOOL_CONF");
+    if (conf && strstr(conf, "backend:host")) {
+        /* The host device's free memory: its capacity less what tidepool holds. */
+        CHECK(first_seen.free == 4096 * MIB - s.reserved_bytes, "device free %zu, reserved %llu", first_seen.free,
+              (unsigned long long)s.reserved_bytes);
+    } else {
+        CHECK(first_seen.free > 0 && first_seen.free <= 4096 * MIB, "device free %zu", first_seen.free);
+    }
+    CHECK(tidepool_malloc(8192 * MIB, 0, NULL) == NULL, "8 GiB again");
+    CHECK(first_seen.calls == 2 && second_seen.calls == 1, "the observer attached by an observer runs from the next OOM");
+    CHECK(tidepool_malloc(SIZE_MAX, 0, NULL) == NULL && first_seen.calls == 2, "too large is not out of memory");
+    int attached = 2;
+    while (attached < 100 && tidepool_attach_oom_observer(second_observer, &second_seen) == TIDEPOOL_OK) attached++;
+    CHECK(attached == 64 && strstr(last_error(), "64"), "at most 64 observers: %d, %s", attached, last_error());
+    tidepool_free(live, 5 * MIB, 0, NULL);
+}
+
 static void snapshot(const char* path) {
     CHECK(tidepool_record_history(1000) == TIDEPOOL_OK, "record_history: %s", last_error());
     void* live = tidepool_malloc(12345, 0, (void*)5);
+    /* Allocation contexts: the snapshot shows the frames (tests/ffi_c.rs reads them). */
+    tidepool_frame frames[2] = {{"model.py", "forward", 42}, {"train.py", "main", 7}};
+    CHECK(tidepool_register_context(42, frames, 2) == TIDEPOOL_OK, "register_context: %s", last_error());
+    void* framed = tidepool_malloc_with_context(54321, 0, (void*)5, 42);
+    CHECK(framed != NULL, "malloc_with_context: %s", last_error());
+    void* framed_twice = tidepool_malloc_with_context(54321, 0, (void*)5, 42);
+    tidepool_free(framed_twice, 54321, 0, (void*)5);
+    CHECK(tidepool_malloc_with_context(0, 0, NULL, 42) == NULL, "size 0 gives NULL with a context too");
+    CHECK(tidepool_register_context(0, frames, 2) == TIDEPOOL_ERR_INVALID_ARGUMENT && strstr(last_error(), "context 0"),
+          "context 0: %s", last_error());
+    CHECK(tidepool_register_context(43, NULL, 1) == TIDEPOOL_ERR_INVALID_ARGUMENT, "NULL frames");
+    tidepool_frame unnamed[1] = {{"x.py", NULL, 1}};
+    CHECK(tidepool_register_context(43, unnamed, 1) == TIDEPOOL_ERR_INVALID_ARGUMENT && strstr(last_error(), "name is NULL"),
+          "NULL name: %s", last_error());
+    tidepool_frame latin1[1] = {{"caf\xe9.py", "f", 1}};
+    CHECK(tidepool_register_context(43, latin1, 1) == TIDEPOOL_ERR_INVALID_ARGUMENT && strstr(last_error(), "not UTF-8"),
+          "not UTF-8: %s", last_error());
+    CHECK(tidepool_register_context(44, NULL, 0) == TIDEPOOL_OK, "no frames: %s", last_error());
     CHECK(tidepool_dump_snapshot(path) == TIDEPOOL_OK, "dump_snapshot: %s", last_error());
     CHECK(tidepool_dump_snapshot(NULL) == TIDEPOOL_ERR_INVALID_ARGUMENT, "NULL path");
     CHECK(tidepool_dump_snapshot("/nonexistent-dir/x.pickle") == TIDEPOOL_ERR_IO, "unwritable path");
@@ -261,6 +375,8 @@ int main(int argc, char** argv) {
     private_pools();
     sixteen_threads(iterations);
     after_fork();
+    reset_stats();
+    oom_observers();
     snapshot(argv[1]);
     printf("ffi_test: %d passed, 0 failed\n", passed);
     return 0;
