@@ -44,8 +44,13 @@ TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" timeout 120 "$OUT/tidepool_check"
 check_expandable_rc=${PIPESTATUS[0]}
 
 echo "== PyTorch end to end"
+# The C++ entry points PyTorch calls and the frame capture, built in place
+# (pip builds them into the package where cargo is at hand).
+c++ -std=c++17 -O2 -shared -fPIC ffi/python/csrc/torch_alloc.cpp -o ffi/python/tidepool/libtidepool_torch.so || exit 1
+c++ -std=c++17 -O2 -shared -fPIC "-I$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+  ffi/python/csrc/stacks.cpp -o "ffi/python/tidepool/_stacks$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || exit 1
 for a in native native-expandable tidepool tidepool-expandable; do
-  timeout 150 python3 cuda/check/torch_e2e.py --allocator $a --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$a.json"
+  timeout 240 python3 cuda/check/torch_e2e.py --allocator $a --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$a.json"
 done
 
 echo
@@ -71,6 +76,9 @@ if "native" in runs and "tidepool" in runs:
     for name, r in runs.items():
         print(f"peak reserved {name:18s} {r['peak_reserved_bytes'] / 2**30:7.3f} GiB")
     print(f"tidepool stats sane: {t.get('stats_sane')}, snapshot in memory_viz: {t.get('snapshot_loads_in_memory_viz')}")
+    for key in ["oom_raises", "oom_observer_calls", "continues_after_oom", "batch_search_found", "peak_api_ok",
+                "memory_stats_keys", "frames_name_this_file", "api_error"]:
+        print(f"{key:22s} " + ", ".join(f"{name} {r.get(key)}" for name, r in runs.items()))
     print("CUDA graph replay intact: " + ", ".join(f"{name} {r.get('graph_ok')}" for name, r in runs.items()))
     if "tidepool-expandable" in runs:
         e = runs["tidepool-expandable"]

@@ -7,6 +7,14 @@ replays into the blocks it freed during capture; an allocator that hands
 them out again corrupts them). Run once per allocator in fresh processes
 (`--allocator native|native-expandable|tidepool|tidepool-expandable`);
 prints one JSON line.
+
+Then, for every allocator alike (tidepool must behave as PyTorch's own):
+an allocation larger than the GPU raises "CUDA out of memory." where it is
+made, an out-of-memory observer hears it, and training goes on; an
+accelerate-style batch-size search finds a batch that fits;
+max_memory_allocated and reset_peak_memory_stats behave; a snapshot
+recorded with Python frames opens in memory_viz's segment and trace plots
+and names this file in its frames.
 """
 import argparse
 import json
@@ -99,11 +107,87 @@ def graph_check():
     return ok
 
 
+def is_oom(error):
+    """accelerate's test (find_executable_batch_size): the message PyTorch's
+    allocator raises, or its OutOfMemoryError."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "CUDA out of memory." in str(error)
+    )
+
+
+def train_step(batch, n=256):
+    ids = torch.randint(0, config.vocab_size, (batch, n), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def api_check():
+    """What training loops rely on, the same for every allocator."""
+    out = {}
+    heard = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *a: heard.append(a))
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        out["oom_raises"] = "no exception"
+    except Exception as e:  # noqa: BLE001
+        out["oom_raises"] = is_oom(e)
+        out["oom_exception"] = f"{type(e).__name__}: {str(e)[:160]}"
+    out["oom_observer_calls"] = len(heard)
+    out["continues_after_oom"] = bool(torch.isfinite(torch.tensor(train_step(8))))
+
+    # accelerate's find_executable_batch_size, as it searches: halve on OOM.
+    batch, found = 1 << 14, None
+    while batch >= 1 and found is None:
+        try:
+            train_step(batch, n=1024)
+            found = batch
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            batch //= 2
+            torch.cuda.empty_cache()
+    out["batch_search_found"] = found
+
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    peak_reset = torch.cuda.max_memory_allocated() == base
+    x = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    grew = torch.cuda.max_memory_allocated() >= base + (256 << 20)
+    del x
+    out["peak_api_ok"] = peak_reset and grew and torch.cuda.memory_allocated() == base
+    out["memory_stats_keys"] = len(torch.cuda.memory_stats())
+
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)
+    train_step(8)
+    path = (args.snapshot or "/tmp/e2e.pickle") + ".frames"
+    torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    import pickle
+    import torch.cuda._memory_viz as viz
+
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    viz.segment_plot(snap)
+    viz.trace_plot(snap)
+    frames = [f for s in snap["segments"] for b in s["blocks"] for f in b.get("frames", [])]
+    out["frames_name_this_file"] = any(f["filename"].endswith("torch_e2e.py") for f in frames)
+    return out
+
+
 result = {"allocator": args.allocator, "losses": losses, "median_step_s": sorted(times[5:])[len(times[5:]) // 2]}
 try:
     result["graph_ok"] = graph_check()
 except Exception as e:  # reported, not fatal: the rest of the run still counts
     result["graph_ok"] = f"error: {type(e).__name__}: {e}"[:300]
+try:
+    result.update(api_check())
+except Exception as e:  # noqa: BLE001
+    result["api_error"] = f"{type(e).__name__}: {e}"[:300]
 if args.allocator.startswith("tidepool"):
     stats = tidepool.memory_stats()
     if pages_at_warm_up is not None:
@@ -111,7 +195,7 @@ if args.allocator.startswith("tidepool"):
         result["pages_unmapped_after_warm_up"] = stats["tidepool.num_pages_unmapped"] - pages_at_warm_up[1]
     result["peak_reserved_bytes"] = stats["reserved_bytes.all.peak"]
     result["peak_allocated_bytes"] = stats["allocated_bytes.all.peak"]
-    result["stats_sane"] = stats["allocated_bytes.all.peak"] <= stats["reserved_bytes.all.peak"] and stats["num_ooms"] == 0
+    result["stats_sane"] = stats["allocated_bytes.all.peak"] <= stats["reserved_bytes.all.peak"] and stats["num_ooms"] >= 1
     if args.snapshot:
         tidepool.dump_snapshot(args.snapshot)
         import torch.cuda._memory_viz as viz

@@ -3,13 +3,16 @@
 //
 // `capture` runs inside every allocation PyTorch makes while frames are
 // recorded (libtidepool_torch.so calls it through the address
-// `source_address()` returns). On a thread holding the GIL it walks the
-// Python frames, innermost first, as (code object, instruction offset)
-// pairs, and interns the sequence: a sequence seen before costs one hash
-// lookup and gives its context id at once; a new one is turned into
-// (filename, line, function) frames once and registered with tidepool
-// (tidepool_register_context), which writes them into snapshots. A thread
-// without the GIL gets context 0 (no frames).
+// `source_address()` returns). On a Python thread it holds the GIL (taking
+// it back if the thread let it go: PyTorch's operators release the GIL
+// before they allocate, and PyTorch's own stack recording takes it back the
+// same way), walks the Python frames, innermost first, as (code object,
+// instruction offset) pairs, and interns the sequence: a sequence seen
+// before costs one hash lookup and gives its context id at once; a new one
+// is turned into (filename, line, function) frames once and registered with
+// tidepool (tidepool_register_context), which writes them into snapshots.
+// A thread Python does not know (autograd's device threads, which run the
+// backward pass) gets context 0: it has no Python frames.
 //
 // Interned code objects are kept alive, so an address in a key never
 // names another code object later. Everything here runs with the GIL held,
@@ -104,11 +107,9 @@ void release_frames() {
     frames.clear();
 }
 
-// The calling thread's context id; 0 without the GIL, a Python frame, or room.
-uint64_t capture() {
-    if (register_context == nullptr || !Py_IsInitialized() || !PyGILState_Check()) {
-        return 0;
-    }
+// The context id of the calling thread's frames (the GIL held); 0 when
+// there are none or no room is left.
+uint64_t capture_holding_gil() {
     PyFrameObject* frame = PyEval_GetFrame();  // borrowed
     if (frame == nullptr) {
         return 0;
@@ -148,6 +149,31 @@ uint64_t capture() {
         }
     }
     release_frames();
+    return id;
+}
+
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+}
+
+// The calling thread's context id; 0 off a Python thread.
+uint64_t capture() {
+    if (register_context == nullptr || !Py_IsInitialized() || finalizing()) {
+        return 0;
+    }
+    if (PyGILState_Check()) {
+        return capture_holding_gil();
+    }
+    if (PyGILState_GetThisThreadState() == nullptr) {
+        return 0;  // not a Python thread: no frames, and no thread state to make
+    }
+    PyGILState_STATE state = PyGILState_Ensure();
+    uint64_t id = capture_holding_gil();
+    PyGILState_Release(state);
     return id;
 }
 
