@@ -122,7 +122,7 @@ print("fresh venv ok", tidepool.memory_stats()["allocated_bytes.all.peak"])
         .env("HOME", &venv)
         .env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:256"));
     assert!(output.status.success(), "{}", text(&output));
-    assert!(text(&output).contains("fresh venv ok 3146240"), "{}", text(&output));
+    assert!(text(&output).contains("fresh venv ok 3145728"), "{}", text(&output));
 }
 
 #[test]
