@@ -45,6 +45,14 @@ static void* call(const std::function<void*(size_t, int, cudaStream_t)>& alloc, 
     }
 }
 
+static int observed_ooms = 0;
+static size_t observed_request = 0;
+
+static void observer(int, size_t requested, size_t, size_t, void*) {
+    observed_ooms++;
+    observed_request = requested;
+}
+
 static bool starts_with(const std::string& text, const char* prefix) {
     return text.compare(0, std::strlen(prefix), prefix) == 0;
 }
@@ -67,8 +75,11 @@ int main() {
     void* small = call(alloc, 1 << 20, 0, &message);
     check(small != nullptr && message.empty(), "1 MiB is served");
 
-    // Out of memory: an exception with PyTorch's prefix and tidepool's report, never NULL.
+    // Out of memory: the observers hear it, then an exception with PyTorch's
+    // prefix and tidepool's report, never NULL.
+    check(tidepool_attach_oom_observer(observer, nullptr) == TIDEPOOL_OK, "attach an observer");
     void* huge = call(alloc, (size_t)1 << 30, 0, &message);
+    check(observed_ooms == 1 && observed_request == (size_t)1 << 30, "the observer heard the out of memory once");
     check(huge == nullptr, "1 GiB on a 64 MiB device is not served");
     check(starts_with(message, "CUDA out of memory. "), "the message starts as PyTorch's does");
     check(message.find("tried to allocate 1.00 GiB") != std::string::npos, "the message carries tidepool's report");
