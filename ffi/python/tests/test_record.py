@@ -1,7 +1,6 @@
 """The meta-device recorder (needs torch; skipped without it)."""
 import csv
 import os
-import sys
 import tempfile
 import unittest
 

@@ -6,7 +6,6 @@ at the call that allocated, and torch.cuda's memory functions
 _record_memory_history, ...) answer from tidepool. The functions of this
 module answer the same without torch.
 """
-import ctypes
 import logging
 import os
 import pickle
