@@ -10,23 +10,8 @@ use tidepool::pickle::{NodeId, PickleDoc};
 
 /// Compiles the C test to `name` (one name per test: tests run in parallel).
 fn build_c_test(name: &str) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let lib = common::cdylib().parent().unwrap().to_path_buf();
-    let status = Command::new("cc")
-        .args(["-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread"])
-        .arg("-I")
-        .arg(root.join("ffi"))
-        .arg(root.join("tests/c/ffi_test.c"))
-        .arg("-L")
-        .arg(&lib)
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
-        .args(["-ltidepool", "-o"])
-        .arg(&out)
-        .status()
-        .expect("a C compiler (cc) is needed for the C ABI test");
-    assert!(status.success(), "compiling tests/c/ffi_test.c failed");
-    out
+    let flags = ["-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread"];
+    common::build_against_cdylib("cc", &flags, &["tests/c/ffi_test.c"], name)
 }
 
 fn run(program: &Path, wrapper: &[&str], iterations: &str) -> (bool, String) {

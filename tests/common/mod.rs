@@ -119,6 +119,29 @@ pub fn cdylib() -> std::path::PathBuf {
     profile_dir.join("libtidepool.so")
 }
 
+/// Compiles `sources` (paths from the crate root) with `compiler` and
+/// `flags` against this build's cdylib and ffi/tidepool.h, into the test
+/// scratch directory as `name` (one name per test: tests run in parallel).
+pub fn build_against_cdylib(compiler: &str, flags: &[&str], sources: &[&str], name: &str) -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let lib = cdylib().parent().unwrap().to_path_buf();
+    let status = std::process::Command::new(compiler)
+        .args(flags)
+        .arg("-I")
+        .arg(root.join("ffi"))
+        .args(sources.iter().map(|source| root.join(source)))
+        .arg("-L")
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .args(["-ltidepool", "-o"])
+        .arg(&out)
+        .status()
+        .unwrap_or_else(|err| panic!("the compiler {compiler} is needed to build {sources:?}: {err}"));
+    assert!(status.success(), "compiling {sources:?} failed");
+    out
+}
+
 /// Builds cuda/simgpu (the stand-in libcuda.so) into a directory of its
 /// own and returns that directory, for LD_LIBRARY_PATH.
 pub fn simgpu_dir() -> std::path::PathBuf {
