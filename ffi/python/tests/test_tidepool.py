@@ -333,6 +333,27 @@ class PythonFrames(unittest.TestCase):
         free(again, 3 * MIB)
 
 
+class LibraryChoice(unittest.TestCase):
+    def run_script(self, library):
+        script = "import tidepool; print(tidepool.library_path()); print(tidepool.memory_allocated())"
+        env = dict(os.environ, TIDEPOOL_LIBRARY=library)
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+    def test_tidepool_library_overrides_the_packaged_library(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = os.path.join(tmp, "libtidepool.so")
+            with open(_native.library_path(), "rb") as src, open(copy, "wb") as dst:
+                dst.write(src.read())
+            done = self.run_script(copy)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            self.assertEqual(done.stdout.split()[0], copy)
+
+    def test_a_missing_tidepool_library_is_a_clear_error(self):
+        done = self.run_script("/nonexistent/libtidepool.so")
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("TIDEPOOL_LIBRARY=/nonexistent/libtidepool.so does not exist", done.stderr)
+
+
 class FakeTorch:
     """Stands in for torch's allocator-switching API (torch itself cannot
     run here): records what install() hands PyTorch."""
