@@ -305,8 +305,9 @@ def record_memory_history(enabled="all", context="all", stacks="all", max_entrie
     frames of live allocations only; None stops and forgets the events
     (True and False stand for "all" and None). context: None records no
     frames. stacks: "python" or "all" (tidepool records Python frames in
-    both: file, line and function of each frame of a thread holding the
-    GIL, for allocations PyTorch makes through install()).
+    both: file, line and function of each frame, for allocations PyTorch
+    makes through install() on a Python thread; autograd's backward threads
+    have none).
     """
     if isinstance(enabled, bool):
         enabled = "all" if enabled else None
@@ -396,9 +397,7 @@ def _notify_observers(device, requested, allocated, free, _user):
 
 def dump_snapshot(path):
     """Writes a snapshot pickle in PyTorch's schema to path (pytorch.org/memory_viz opens it)."""
-    rc = _native.lib().tidepool_dump_snapshot(os.fsencode(path))
-    if rc != _native.OK:
-        raise TidepoolError(_native.last_error())
+    _native.check(_native.lib().tidepool_dump_snapshot(os.fsencode(path)))
 
 
 class _PlainData(pickle.Unpickler):

@@ -177,9 +177,7 @@ def last_error():
 def get_stats(device):
     stats = Stats()
     stats.size = ctypes.sizeof(Stats)
-    rc = lib().tidepool_get_stats(device, ctypes.byref(stats))
-    if rc != OK:
-        raise TidepoolError(last_error())
+    check(lib().tidepool_get_stats(device, ctypes.byref(stats)))
     return stats
 
 
