@@ -197,6 +197,25 @@ fn process_config() -> crate::Config {
     config
 }
 
+/// The process-wide allocator: the one the C ABI (and so PyTorch, through
+/// `CUDAPluggableAllocator`) uses, made from `TIDEPOOL_CONF` by whichever
+/// of the Rust API and the C ABI asks first, and never freed. Rust code
+/// that allocates from it shares the cache, the statistics and the
+/// registry slot of the C callers in the process: one cache per process.
+///
+/// Errors: the allocator could not be made (`TIDEPOOL_CONF` names a
+/// backend that cannot start); the next call tries again. In a fork child
+/// it is a fresh allocator, not the parent's (the parent's refuses every
+/// call with `AllocError::Forked`, buffers of it included).
+///
+/// One copy of tidepool per process: the statics live in the library
+/// that holds this code, so a Rust extension shares the cache with the C
+/// ABI that library exports (point `TIDEPOOL_LIBRARY` or
+/// `CUDAPluggableAllocator` at it), not with a second copy loaded apart.
+pub fn global() -> Result<&'static Allocator, AllocError> {
+    allocator()
+}
+
 /// The process-wide allocator, made on first use.
 fn allocator() -> Result<&'static Allocator, AllocError> {
     let current = ALLOCATOR.load(Ordering::Acquire);

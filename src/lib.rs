@@ -16,6 +16,7 @@
 //! ```
 
 pub mod backend;
+pub mod buffer;
 pub mod config;
 pub mod error;
 #[allow(non_camel_case_types)]
@@ -29,14 +30,20 @@ pub mod snapshot;
 pub mod stats;
 pub mod trace;
 
+/// cudarc interop: tidepool buffers as cudarc device memory (feature `cudarc`).
+#[cfg(feature = "cudarc")]
+pub mod cudarc_interop;
+
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use backend::host::HostBackend;
 use backend::Backend;
+pub use buffer::{Buffer, Plain};
 pub use config::{BackendKind, Config, ConfigError};
 pub use error::{AllocError, InvalidFree, OomReport};
+pub use ffi::global;
 pub use frames::Frame;
 use heap::DeviceHeap;
 pub use heap::history::{HistoryAction, HistoryEntry};

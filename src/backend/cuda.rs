@@ -413,6 +413,28 @@ impl Backend for CudaBackend {
         check(unsafe { sys::cuStreamSynchronize(stream.0 as sys::CUstream) }, "cuStreamSynchronize")
     }
 
+    fn copy_to_device(&self, device: usize, dst: u64, src: &[u8], stream: Stream) -> Result<(), BackendError> {
+        self.enter(device, "cuMemcpyHtoDAsync_v2")?;
+        let s = stream.0 as sys::CUstream;
+        // SAFETY: per the trait's contract, [dst, dst + src.len()) is in a
+        // live block of this device; `src` stays borrowed until the stream
+        // has run the copy (synchronized below).
+        check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), s) }, "cuMemcpyHtoDAsync_v2")?;
+        // SAFETY: `stream` is the caller's stream on this device.
+        check(unsafe { sys::cuStreamSynchronize(s) }, "cuStreamSynchronize")
+    }
+
+    fn copy_to_host(&self, device: usize, src: u64, dst: &mut [u8], stream: Stream) -> Result<(), BackendError> {
+        self.enter(device, "cuMemcpyDtoHAsync_v2")?;
+        let s = stream.0 as sys::CUstream;
+        // SAFETY: per the trait's contract, [src, src + dst.len()) is in a
+        // live block of this device; `dst` stays borrowed until the stream
+        // has run the copy (synchronized below).
+        check(unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), s) }, "cuMemcpyDtoHAsync_v2")?;
+        // SAFETY: `stream` is the caller's stream on this device.
+        check(unsafe { sys::cuStreamSynchronize(s) }, "cuStreamSynchronize")
+    }
+
     fn record_event(&self, device: usize, stream: Stream) -> Result<Option<u64>, BackendError> {
         self.enter(device, "cuEventRecord")?;
         let reused = self.devices[device].events.lock().pop();

@@ -373,6 +373,23 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    fn copy_to_device(&self, device: usize, dst: u64, src: &[u8], _stream: Stream) -> Result<(), BackendError> {
+        self.device(device, "copy_to_device")?;
+        // SAFETY: per the trait's contract, [dst, dst + src.len()) lies in a
+        // live block, that is in a read-write mapping of this backend that no
+        // Rust reference points into; `src` is host memory, so no overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn copy_to_host(&self, device: usize, src: u64, dst: &mut [u8], _stream: Stream) -> Result<(), BackendError> {
+        self.device(device, "copy_to_host")?;
+        // SAFETY: per the trait's contract, [src, src + dst.len()) lies in a
+        // live block, a readable mapping of this backend, distinct from `dst`.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
     fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError> {
         let dev = self.device(device, "mem_info")?;
         let used = match &self.shared {

@@ -111,6 +111,21 @@ pub trait Backend: Send + Sync {
         Err(vm_unsupported("vm_unmap"))
     }
 
+    /// Copies `src` from the host to `dst` on `device`, in the order of
+    /// `stream` (after the work queued on it), and returns once the copy is
+    /// done. `[dst, dst + src.len())` lies inside a live block (the caller,
+    /// `Buffer`, checks).
+    fn copy_to_device(&self, _device: usize, _dst: u64, _src: &[u8], _stream: Stream) -> Result<(), BackendError> {
+        Err(BackendError::Driver { call: "copy_to_device", code: 801, message: "this backend cannot copy".into() })
+    }
+
+    /// Copies `dst.len()` bytes at `src` on `device` to the host, in the
+    /// order of `stream`, and returns once the copy is done.
+    /// `[src, src + dst.len())` lies inside a live block (the caller checks).
+    fn copy_to_host(&self, _device: usize, _src: u64, _dst: &mut [u8], _stream: Stream) -> Result<(), BackendError> {
+        Err(BackendError::Driver { call: "copy_to_host", code: 801, message: "this backend cannot copy".into() })
+    }
+
     /// Returns a completed event to the pool.
     fn recycle_event(&self, _device: usize, _event: u64) {}
 
