@@ -25,6 +25,13 @@
  *     reserved address, cuMemSetAccess makes it read-write, cuMemUnmap puts
  *     the reservation back, and cuMemRelease frees the memory once its last
  *     mapping is gone, as the driver does; 2 MiB granularity;
+ *   - what cudarc needs besides: device attributes (all 0), copies
+ *     between host and device (cuMemcpyHtoDAsync/DtoHAsync/DtoDAsync,
+ *     cuMemsetD8Async) queued in stream order, the host ones returning
+ *     once done (pageable memory), and modules whose PTX is not compiled:
+ *     cuModuleGetFunction knows the kernels simgpu runs on the host
+ *     (`tidepool_layer`: out[i] = in[i] * w + b), and cuLaunchKernel queues
+ *     them on the stream with their arguments copied at launch;
  *   - latency (SIMGPU_LATENCY_US) and fault injection: SIMGPU_FAIL_EVERY=N
  *     (every Nth cuMemAlloc or cuMemCreate reports out of memory), SIMGPU_FAIL_FREE_EVERY=N
  *     (every Nth cuMemFree fails and frees nothing), SIMGPU_FAIL_EVENTS=1
@@ -57,6 +64,7 @@ enum {
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_NOT_READY = 600,
 };
@@ -301,6 +309,7 @@ CUresult cuGetErrorName(CUresult error, const char **name) {
     case CUDA_ERROR_INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; break;
     case CUDA_ERROR_INVALID_CONTEXT: *name = "CUDA_ERROR_INVALID_CONTEXT"; break;
     case CUDA_ERROR_INVALID_HANDLE: *name = "CUDA_ERROR_INVALID_HANDLE"; break;
+    case CUDA_ERROR_NOT_FOUND: *name = "CUDA_ERROR_NOT_FOUND"; break;
     case CUDA_ERROR_NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
     default: *name = "CUDA_ERROR_UNKNOWN"; break;
     }
@@ -313,12 +322,14 @@ CUresult cuGetErrorString(CUresult error, const char **text) {
 
 /* ---- streams and events ------------------------------------------------ */
 
-enum op_kind { OP_SLEEP, OP_FILL, OP_CHECK, OP_EVENT, OP_WAIT, OP_OWNER, OP_FREE };
+enum op_kind { OP_SLEEP, OP_FILL, OP_CHECK, OP_EVENT, OP_WAIT, OP_OWNER, OP_FREE, OP_COPY, OP_LAYER };
 
 struct op {
     enum op_kind kind;
     uintptr_t ptr;
+    uintptr_t src; /* OP_COPY: from where; OP_LAYER: the input */
     size_t len;
+    float w, b;    /* OP_LAYER's weight and bias */
     unsigned char byte;
     uint64_t tag;
     long micros;
@@ -377,6 +388,13 @@ static void run(struct op *op) {
             for (size_t i = 0; i < op->len; i++)
                 if (p[i] != op->byte) { __atomic_add_fetch(&check_failures, 1, __ATOMIC_SEQ_CST); break; }
         }
+        break;
+    }
+    case OP_COPY: memmove((void *)op->ptr, (const void *)op->src, op->len); break;
+    case OP_LAYER: {
+        const float *in = (const float *)op->src;
+        float *out = (float *)op->ptr;
+        for (size_t i = 0; i < op->len; i++) out[i] = (float)((double)in[i] * op->w + op->b);
         break;
     }
     case OP_EVENT: event_complete(op->event, (long)op->tag); break;
@@ -485,6 +503,11 @@ static void synchronize_all(void) {
     }
 }
 
+CUresult cuCtxSynchronize(void) {
+    synchronize_all();
+    return CUDA_SUCCESS;
+}
+
 CUresult cuStreamDestroy_v2(CUstream s) {
     if (!s || !known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
     cuStreamSynchronize(s);
@@ -553,6 +576,91 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
     long generation = e->recorded;
     pthread_mutex_unlock(&e->mu);
     return enqueue(s, (struct op){.kind = OP_WAIT, .event = e, .tag = (uint64_t)generation});
+}
+
+/* ---- copies, attributes, modules and kernels (what cudarc calls) -------- */
+
+CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
+    (void)attribute;
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    if (device < 0 || device >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    *value = 0;
+    return CUDA_SUCCESS;
+}
+
+/* Queues a copy on s; `wait`: returns once it ran (host memory that may be
+ * pageable, as the driver does for it). */
+static CUresult queue_copy(CUstream s, uintptr_t dst, uintptr_t src, size_t len, int wait) {
+    if (len == 0) return CUDA_SUCCESS;
+    if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = enqueue(s, (struct op){.kind = OP_COPY, .ptr = dst, .src = src, .len = len});
+    if (rc != CUDA_SUCCESS || !wait) return rc;
+    return cuStreamSynchronize(s);
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t len, CUstream s) {
+    return queue_copy(s, (uintptr_t)dst, (uintptr_t)src, len, 1);
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t len, CUstream s) {
+    return queue_copy(s, (uintptr_t)dst, (uintptr_t)src, len, 1);
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t len, CUstream s) {
+    return queue_copy(s, (uintptr_t)dst, (uintptr_t)src, len, 0);
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char byte, size_t len, CUstream s) {
+    if (len == 0) return CUDA_SUCCESS;
+    return enqueue(s, (struct op){.kind = OP_FILL, .ptr = (uintptr_t)dst, .len = len, .byte = byte});
+}
+
+typedef struct simgpu_module *CUmodule;
+typedef const struct simgpu_kernel *CUfunction;
+struct simgpu_module { int loaded; };
+struct simgpu_kernel { const char *name; };
+
+/* The kernels simgpu runs, whatever PTX a module was loaded from. */
+static const struct simgpu_kernel known_kernels[] = {{"tidepool_layer"}};
+
+CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+    if (!module || !image) return CUDA_ERROR_INVALID_VALUE;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    struct simgpu_module *m = calloc(1, sizeof *m);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    m->loaded = 1;
+    *module = m;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleUnload(CUmodule module) {
+    if (!module) return CUDA_ERROR_INVALID_HANDLE;
+    free(module);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const char *name) {
+    if (!function || !module || !name) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof known_kernels / sizeof known_kernels[0]; i++)
+        if (strcmp(known_kernels[i].name, name) == 0) { *function = &known_kernels[i]; return CUDA_SUCCESS; }
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+/* tidepool_layer(const float *in, float *out, float w, float b, unsigned n):
+ * thread i of the grid computes out[i] = in[i] * w + b when i < n. The
+ * arguments are read at launch, as the driver does. */
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shared, CUstream s, void **params, void **extra) {
+    (void)shared;
+    (void)extra;
+    if (f != &known_kernels[0] || !params) return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr in = *(CUdeviceptr *)params[0], out = *(CUdeviceptr *)params[1];
+    float w = *(float *)params[2], b = *(float *)params[3];
+    unsigned n = *(unsigned *)params[4];
+    size_t threads = (size_t)gx * gy * gz * bx * by * bz;
+    size_t len = n < threads ? n : threads;
+    if (len && (!in || !out)) return CUDA_ERROR_INVALID_VALUE;
+    return enqueue(s, (struct op){.kind = OP_LAYER, .ptr = (uintptr_t)out, .src = (uintptr_t)in, .len = len, .w = w, .b = b});
 }
 
 /* ---- virtual memory management (expandable segments) -------------------- */
