@@ -83,7 +83,10 @@ pub struct OomReport {
     /// Reserved but free: cache that could not serve the request.
     pub cached_free: u64,
     pub largest_free_block: u64,
-    /// `1 - largest_free_block / cached_free`.
+    /// Of `cached_free`, the bytes inside partly used segments: they can
+    /// neither go back to the driver nor serve a request larger than their hole.
+    pub inactive_split: u64,
+    /// `inactive_split / reserved` ([`crate::Stats::fragmentation`]).
     pub fragmentation: f64,
     /// The device's free and total bytes, when the backend could tell.
     pub device_free: Option<u64>,
@@ -118,7 +121,8 @@ impl fmt::Display for OomReport {
         write!(
             f,
             "tidepool: out of memory on device {}: tried to allocate {}; {} allocated, {} reserved, \
-             of which {} cached free (largest free block {}, fragmentation {:.0} %)",
+             of which {} cached free (largest free block {}; fragmentation {:.0} %: {} free inside \
+             partly used segments)",
             self.device,
             human_bytes(self.requested),
             human_bytes(self.allocated),
@@ -126,6 +130,7 @@ impl fmt::Display for OomReport {
             human_bytes(self.cached_free),
             human_bytes(self.largest_free_block),
             self.fragmentation * 100.0,
+            human_bytes(self.inactive_split),
         )?;
         if let (Some(free), Some(total)) = (self.device_free, self.device_total) {
             write!(f, "; the device has {} free of {}", human_bytes(free), human_bytes(total))?;
@@ -191,7 +196,8 @@ mod tests {
             reserved: 13 << 30,
             cached_free: 3 << 30,
             largest_free_block: 1 << 30,
-            fragmentation: 2.0 / 3.0,
+            inactive_split: 2 << 30,
+            fragmentation: 2.0 / 13.0,
             device_free: Some(0),
             device_total: Some(16 << 30),
             reserved_limit: Some(14 << 30),
@@ -200,7 +206,7 @@ mod tests {
         };
         let text = AllocError::OutOfMemory(Box::new(report.clone())).to_string();
         for needle in ["device 1", "2.00 GiB", "10.00 GiB allocated", "13.00 GiB reserved", "3.00 GiB cached free",
-            "largest free block 1.00 GiB", "67 %", "expandable:true", "max_split_size_mb", "batch size", "of 16.00 GiB",
+            "largest free block 1.00 GiB", "fragmentation 15 %: 2.00 GiB free inside partly used segments", "expandable:true", "max_split_size_mb", "batch size", "of 16.00 GiB",
             "at most 14.00 GiB"]
         {
             assert!(text.contains(needle), "{needle:?} missing from {text}");

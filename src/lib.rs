@@ -19,6 +19,7 @@ pub mod backend;
 pub mod buffer;
 pub mod config;
 pub mod error;
+pub mod exporter;
 #[allow(non_camel_case_types)]
 pub mod ffi;
 pub mod frames;

@@ -11,6 +11,17 @@ use crate::heap::Released;
 use crate::reclaim::policy::Reason;
 use crate::size_class::PoolKind;
 
+/// `inactive_split / reserved`, in [0, 1]; 0 when nothing is reserved
+/// (the definition of [`Stats::fragmentation`], for figures that come
+/// from elsewhere: the registry, a replay's peaks).
+pub fn fragmentation(inactive_split: u64, reserved: u64) -> f64 {
+    if reserved == 0 {
+        0.0
+    } else {
+        (inactive_split as f64 / reserved as f64).min(1.0)
+    }
+}
+
 /// One gauge as reported: its value now, its highest value, and its total
 /// ups and downs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -377,15 +388,17 @@ impl Stats {
         self.events.released[reason as usize]
     }
 
-    /// External fragmentation of the cache: `1 - largest free block / free
-    /// bytes`; 0 when nothing is cached. Near 1, the cache is many small
-    /// holes and a large request needs a new segment despite free memory.
-    pub fn external_fragmentation(&self) -> f64 {
-        if self.cached_free_bytes == 0 {
-            0.0
-        } else {
-            1.0 - self.largest_free_block_bytes as f64 / self.cached_free_bytes as f64
-        }
+    /// Fragmentation: the share of reserved bytes that are free but stuck
+    /// inside partly used segments (`inactive_split_bytes / reserved_bytes`,
+    /// now); 0 when nothing is reserved. This is memory that can neither go
+    /// back to the driver (its segment holds live blocks) nor serve a request
+    /// larger than its hole: what `expandable:true` or `max_split_size_mb`
+    /// act on. Whole free segments do not count: they are releasable at once
+    /// (`empty_cache`, the reclaimer, a request from another process). The
+    /// one meaning of "fragmentation" in tidepool: statistics, the OOM
+    /// report, `tidepool top`, replay and the exporter.
+    pub fn fragmentation(&self) -> f64 {
+        fragmentation(self.inactive_split_bytes.all.current, self.reserved_bytes.all.current)
     }
 
     /// The nine gauges under PyTorch's names, in PyTorch's order.
@@ -509,14 +522,17 @@ mod tests {
     }
 
     #[test]
-    fn fragmentation_is_zero_without_cache_and_grows_with_holes() {
+    fn fragmentation_is_the_share_of_reserved_stuck_in_partly_used_segments() {
         let mut s = Stats::default();
-        assert_eq!(s.external_fragmentation(), 0.0);
-        s.cached_free_bytes = 100;
-        s.largest_free_block_bytes = 100;
-        assert_eq!(s.external_fragmentation(), 0.0);
-        s.largest_free_block_bytes = 25;
-        assert_eq!(s.external_fragmentation(), 0.75);
+        assert_eq!(s.fragmentation(), 0.0, "nothing reserved");
+        s.reserved_bytes.all.current = 100;
+        s.cached_free_bytes = 90;
+        s.largest_free_block_bytes = 10;
+        assert_eq!(s.fragmentation(), 0.0, "free memory in whole segments is releasable: not fragmentation");
+        s.inactive_split_bytes.all.current = 25;
+        assert_eq!(s.fragmentation(), 0.25);
+        assert_eq!(fragmentation(7, 0), 0.0);
+        assert_eq!(fragmentation(u64::MAX, 1), 1.0, "a corrupt figure stays a ratio");
     }
 
     #[test]

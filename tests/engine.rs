@@ -67,7 +67,7 @@ fn freeing_merges_neighbours_until_the_segment_is_whole_and_releasable() {
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.inactive_split.all.current, 0);
     assert_eq!(s.largest_free_block_bytes, 2 * MIB);
-    assert_eq!(s.external_fragmentation(), 0.0);
+    assert_eq!(s.fragmentation(), 0.0, "a whole free segment is releasable, not fragmented");
     let released = alloc.empty_cache();
     assert_eq!((released.segments, released.bytes), (1, 2 * MIB));
     assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
@@ -84,8 +84,29 @@ fn holes_in_partly_used_segments_show_as_inactive_split_and_fragmentation() {
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.inactive_split_bytes.all.current, 4 * 256 * KIB);
     assert_eq!(s.largest_free_block_bytes, 256 * KIB);
-    assert!((s.external_fragmentation() - 0.75).abs() < 1e-9, "{}", s.external_fragmentation());
+    assert_eq!(s.reserved_bytes.all.current, 2 * MIB);
+    assert!((s.fragmentation() - 0.5).abs() < 1e-9, "{}", s.fragmentation());
     alloc.validate().unwrap();
+}
+
+/// The case the old definition (1 - largest free block / cached free) got
+/// wrong: an idle process whose cache is whole free segments of several
+/// sizes read as 90 % fragmented, though every byte of it can go back at once.
+#[test]
+fn an_idle_process_holding_only_whole_free_segments_is_not_fragmented() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let sizes = [2 * MIB, 12 * MIB, 22 * MIB, 40 * MIB];
+    let blocks: Vec<_> = sizes.iter().map(|&size| alloc.allocate(0, size as usize, S0).unwrap()).collect();
+    for b in blocks {
+        alloc.free(0, b).unwrap();
+    }
+    let s = alloc.stats(0).unwrap();
+    assert!(s.cached_free_bytes > 2 * s.largest_free_block_bytes, "the cache is several segments");
+    assert_eq!(s.inactive_split_bytes.all.current, 0);
+    assert_eq!(s.fragmentation(), 0.0);
+    // And every cached byte goes back at once.
+    alloc.empty_cache();
+    assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.current, 0);
 }
 
 #[test]

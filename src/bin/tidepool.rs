@@ -1,5 +1,9 @@
-//! The `tidepool` command line: replay and plan allocation traces, and show
-//! the configuration.
+//! The `tidepool` command line: replay and plan allocation traces, watch
+//! the processes of this machine (`top`) or serve their figures to
+//! Prometheus (`exporter`), and show the configuration.
+
+#[path = "tidepool/serve.rs"]
+mod serve;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -41,6 +45,15 @@ usage:
   tidepool top [--once] [--json]
       the tidepool processes sharing devices on this machine, refreshed every second
       (--once: one table; --json: one JSON object)
+  tidepool exporter [--listen ADDR:PORT] [--registry-dir DIR]... [--textfile PATH [--interval SECS] [--once]]
+                    [--timeout SECS] [--max-connections N]
+      serves the figures of every tidepool process on this machine at http://ADDR:PORT/metrics
+      (Prometheus text, or OpenMetrics when the scraper asks for it), read afresh at each
+      scrape; default 127.0.0.1:9464. --textfile writes the same text to PATH every --interval
+      seconds (default 15) for node_exporter's textfile collector, atomically (with --once:
+      once, then exits); with --textfile and no --listen there is no server. --timeout
+      (default 10) bounds the wait for a request; --max-connections (default 64) the
+      connections served at once
   tidepool config            the options of TIDEPOOL_CONF, their defaults and current values
   tidepool --version         the version
   tidepool help              this text
@@ -54,6 +67,7 @@ fn main() -> ExitCode {
         Some("replay") => run_replay(&args[1..]),
         Some("plan") => run_plan(&args[1..]),
         Some("top") => run_top(&args[1..]),
+        Some("exporter") => run_exporter(&args[1..]),
         Some("config") => {
             print_config();
             Ok(())
@@ -363,26 +377,38 @@ fn run_top(args: &[String]) -> Result<(), String> {
 fn top_table(dir: &Path) -> String {
     let mut out = format!("tidepool processes ({})\n", dir.display());
     out += &format!(
-        "{:<28} {:>8} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
-        "device", "pid", "dev", "allocated", "reserved", "cached free", "frag", "idle decay", "headroom", "oom", "for others", "requesting"
+        "{:<28} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+        "device",
+        "pid",
+        "comm",
+        "dev",
+        "allocated",
+        "reserved",
+        "cached free",
+        "frag",
+        "idle decay",
+        "headroom",
+        "oom",
+        "for others",
+        "requesting"
     );
-    let registries = registry::scan(dir);
-    if registries.iter().all(|(_, entries)| entries.is_empty()) {
+    let found = registry::scan(dir);
+    if found.registries.iter().all(|r| r.entries.is_empty()) {
         out += "(none)\n";
     }
-    for (path, entries) in registries {
-        let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        for e in entries {
-            let released = |r: Reason| human_bytes(e.released[r as usize]);
+    for r in &found.registries {
+        for e in &r.entries {
+            let released = |reason: Reason| human_bytes(e.released[reason as usize]);
             out += &format!(
-                "{:<28} {:>8} {:>4} {:>11} {:>11} {:>11} {:>5.1}% {:>11} {:>11} {:>11} {:>11} {:>11}\n",
-                key,
+                "{:<28} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>5.1}% {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+                r.key,
                 e.pid,
+                e.comm(),
                 e.device,
                 human_bytes(e.allocated),
                 human_bytes(e.reserved),
                 human_bytes(e.cached_free),
-                e.fragmentation_milli.min(1000) as f64 / 10.0,
+                100.0 * e.fragmentation(),
                 released(Reason::IdleDecay),
                 released(Reason::Headroom),
                 released(Reason::OutOfMemory),
@@ -391,34 +417,155 @@ fn top_table(dir: &Path) -> String {
             );
         }
     }
+    for (path, error) in &found.errors {
+        out += &format!("skipped {}: {}\n", path.display(), error.name());
+    }
     out
 }
 
 fn top_json(dir: &Path) -> String {
+    let found = registry::scan(dir);
     let mut processes = Vec::new();
-    for (path, entries) in registry::scan(dir) {
-        let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        for e in entries {
+    for r in &found.registries {
+        for e in &r.entries {
             let released: Vec<String> = Reason::ALL.iter().map(|&r| format!("\"{}\":{}", r.name(), e.released[r as usize])).collect();
             processes.push(format!(
-                "{{\"device_key\":{},\"pid\":{},\"device\":{},\"heartbeat_ms\":{},\"allocated_bytes\":{},\
-                 \"reserved_bytes\":{},\"cached_free_bytes\":{},\"fragmentation\":{:.3},\"released_bytes\":{{{}}},\
-                 \"requests_served\":{},\"request_bytes\":{}}}",
-                json_string(&key),
+                "{{\"device_key\":{},\"pid\":{},\"comm\":{},\"device\":{},\"heartbeat_ms\":{},\"allocated_bytes\":{},\
+                 \"reserved_bytes\":{},\"cached_free_bytes\":{},\"inactive_split_bytes\":{},\"largest_free_block_bytes\":{},\
+                 \"fragmentation\":{:.3},\"released_bytes\":{{{}}},\"requests_served\":{},\"requests_posted\":{},\"ooms\":{},\
+                 \"request_bytes\":{},\"device_total_bytes\":{},\"device_free_bytes\":{}}}",
+                json_string(&r.key),
                 e.pid,
+                json_string(&e.comm()),
                 e.device,
                 e.heartbeat_ms,
                 e.allocated,
                 e.reserved,
                 e.cached_free,
-                e.fragmentation_milli.min(1000) as f64 / 1000.0,
+                e.inactive_split,
+                e.largest_free_block,
+                e.fragmentation(),
                 released.join(","),
                 e.requests_served,
-                e.request_bytes
+                e.requests_posted,
+                e.ooms,
+                e.request_bytes,
+                e.device_total,
+                e.device_free
             ));
         }
     }
-    format!("{{\"registry_dir\":{},\"processes\":[{}]}}", json_string(&dir.display().to_string()), processes.join(","))
+    let skipped: Vec<String> = found
+        .errors
+        .iter()
+        .map(|(path, error)| format!("{{\"file\":{},\"reason\":\"{}\"}}", json_string(&path.display().to_string()), error.name()))
+        .collect();
+    format!(
+        "{{\"registry_dir\":{},\"processes\":[{}],\"skipped\":[{}]}}",
+        json_string(&dir.display().to_string()),
+        processes.join(","),
+        skipped.join(",")
+    )
+}
+
+fn run_exporter(args: &[String]) -> Result<(), String> {
+    let mut listen: Option<String> = None;
+    let mut dirs = Vec::new();
+    let mut textfile: Option<PathBuf> = None;
+    let (mut interval, mut timeout, mut max_connections, mut once) = (15.0f64, 10.0f64, 64usize, false);
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("exporter: {name} needs a value"));
+        let seconds = |name: &str, text: String| {
+            text.parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s > 0.0 && *s <= 86_400.0)
+                .ok_or_else(|| format!("exporter: {name}: expected seconds, got {text:?}"))
+        };
+        match arg.as_str() {
+            "--listen" => listen = Some(value("--listen")?),
+            "--registry-dir" => dirs.push(PathBuf::from(value("--registry-dir")?)),
+            "--textfile" => textfile = Some(PathBuf::from(value("--textfile")?)),
+            "--interval" => interval = seconds("--interval", value("--interval")?)?,
+            "--timeout" => timeout = seconds("--timeout", value("--timeout")?)?,
+            "--max-connections" => {
+                let text = value("--max-connections")?;
+                max_connections = text
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=4096).contains(n))
+                    .ok_or_else(|| format!("exporter: --max-connections: expected 1 to 4096, got {text:?}"))?;
+            }
+            "--once" => once = true,
+            other => return Err(format!("exporter: unknown option {other}\n\n{USAGE}")),
+        }
+    }
+    if once && textfile.is_none() {
+        return Err("exporter: --once writes the textfile once: give --textfile".into());
+    }
+    if dirs.is_empty() {
+        dirs.push(Config::from_env().registry_dir.unwrap_or_else(registry::default_dir));
+    }
+    let exporter = std::sync::Arc::new(tidepool::exporter::Exporter::new(dirs, tidepool::exporter::hostname()));
+    let serving = listen.is_some() || textfile.is_none();
+    let listener = if serving {
+        let listen = listen.unwrap_or_else(|| "127.0.0.1:9464".into());
+        let addr: std::net::SocketAddr = listen.parse().map_err(|_| format!("exporter: --listen: expected ADDR:PORT, got {listen:?}"))?;
+        let listener = std::net::TcpListener::bind(addr).map_err(|e| format!("exporter: cannot listen on {addr}: {e}"))?;
+        let bound = listener.local_addr().map_err(|e| e.to_string())?;
+        if !bound.ip().is_loopback() {
+            eprintln!("tidepool exporter: warning: serving on {bound}, beyond this machine: whoever reaches it sees process names and memory figures");
+        }
+        // The bound address (a port 0 becomes the one the kernel chose), for scripts and tests.
+        out!("tidepool exporter: listening on {bound}, metrics at http://{bound}/metrics");
+        Some(listener)
+    } else {
+        None
+    };
+    let dirs: Vec<String> = exporter.dirs().iter().map(|d| d.display().to_string()).collect();
+    eprintln!("tidepool exporter: reading the registries in {}", dirs.join(", "));
+    if let Some(path) = textfile {
+        if once {
+            return write_textfile(&exporter, &path).map_err(|e| format!("exporter: --textfile {}: {e}", path.display()));
+        }
+        let interval = std::time::Duration::from_secs_f64(interval);
+        let exporter = exporter.clone();
+        let writer = move || loop {
+            if let Err(err) = write_textfile(&exporter, &path) {
+                eprintln!("tidepool exporter: --textfile {}: {err}", path.display());
+            }
+            std::thread::sleep(interval);
+        };
+        match listener {
+            None => writer(),
+            Some(_) => {
+                std::thread::Builder::new().name("tidepool-textfile".into()).spawn(writer).map_err(|e| format!("exporter: {e}"))?;
+            }
+        }
+    }
+    let options = serve::ServeOptions { timeout: std::time::Duration::from_secs_f64(timeout), max_connections };
+    serve::serve(exporter, listener.expect("serving"), options)
+}
+
+/// Writes a scrape in the text format to `path`: to a hidden temporary file
+/// in the same directory first, then renamed over `path`, so a reader
+/// (node_exporter's textfile collector reads `*.prom`) never sees half a file.
+fn write_textfile(exporter: &tidepool::exporter::Exporter, path: &Path) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let text = exporter.scrape(tidepool::exporter::exposition::Format::Text);
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| std::io::Error::other("no file name"))?.to_string_lossy();
+    let temporary = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let result = (|| {
+        let mut file = std::fs::File::create(&temporary)?;
+        file.write_all(text.as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&temporary, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    result
 }
 
 fn print_config() {

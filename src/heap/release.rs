@@ -130,13 +130,19 @@ impl DeviceHeap {
         let mut released = self.apply(&policy);
         if self.registry.is_some() {
             let stats = self.stats();
+            let info = self.backend.mem_info(self.device).ok();
             let entry = Entry {
                 device: self.device as u32,
                 reserved: stats.reserved_bytes.all.current,
                 allocated: stats.allocated_bytes.all.current,
                 cached_free: stats.cached_free_bytes,
-                fragmentation_milli: (stats.external_fragmentation() * 1000.0) as u64,
+                inactive_split: stats.inactive_split_bytes.all.current,
+                largest_free_block: stats.largest_free_block_bytes,
                 requests_served: stats.events.num_coop_served,
+                requests_posted: stats.events.num_coop_requests,
+                ooms: stats.events.num_ooms,
+                device_total: info.map_or(0, |i| i.total),
+                device_free: info.map_or(0, |i| i.free),
                 released: Reason::ALL.map(|r| stats.released(r).bytes),
                 ..Entry::default()
             };

@@ -1,87 +1,187 @@
-//! The registry that lets tidepool processes on one device help each other.
+//! The registry that lets tidepool processes on one device help each other
+//! and be watched (`tidepool top`, `tidepool exporter`).
 //!
 //! One small file per device (named by a key all processes agree on, such
 //! as a GPU's UUID) in a directory only this user can read (mode 0700/0600).
 //! Each process owns a slot and, at every reclaimer pass, publishes its pid,
-//! a heartbeat and its figures, and reads the others' slots. A process about
-//! to fail posts the bytes it needs; the others' reclaimers see the request
-//! within one interval and give back their idle cached segments.
+//! name, a heartbeat and its figures, and reads the others' slots. A process
+//! about to fail posts the bytes it needs; the others' reclaimers see the
+//! request within one interval and give back their idle cached segments.
 //!
 //! The file is untrusted input: every read is bounds-checked, the header is
-//! versioned, a lock that is not granted within `LOCK_WAIT` is given up. The
-//! worst a corrupt or hostile file can do is make a process release cache
-//! it holds: never free live memory, crash or hang.
+//! versioned, each slot carries a checksum, a lock that is not granted
+//! within `LOCK_WAIT` is given up. The worst a corrupt or hostile file can
+//! do is make a process release cache it holds: never free live memory,
+//! crash or hang. Readers that only watch (`scan`) skip and name what they
+//! cannot use.
+//!
+//! Layout, version 2 (little endian): a 16-byte header (`TIDEPOOL`,
+//! version u32, slot count u32), then `SLOTS` slots of `SLOT` bytes: pid
+//! u32, device u32, the `U64_FIELDS` u64 figures of `Entry` in its order,
+//! the process name (16 bytes, NUL padded), 8 spare bytes (zero), and the
+//! FNV-1a checksum of everything before it. A slot whose pid is 0 is free.
+//! Version 1 (112-byte slots without name, checksum or the newer figures)
+//! is refused while one of its processes lives and rewritten once none does.
 #![forbid(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
-use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const MAGIC: &[u8; 8] = b"TIDEPOOL";
-const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 pub const SLOTS: usize = 64;
 const HEADER: u64 = 16;
-const SLOT: u64 = 112;
+const SLOT: u64 = 192;
+/// The bytes of a whole registry file.
+pub const FILE_BYTES: u64 = HEADER + SLOT * SLOTS as u64;
+/// The u64 figures of a slot, after pid and device.
+const U64_FIELDS: usize = 19;
+const COMM_AT: usize = 8 + 8 * U64_FIELDS;
+const CHECKSUM_AT: usize = SLOT as usize - 8;
+/// Version 1's slot size, to tell whether an old file is still in use.
+const V1_SLOT: u64 = 112;
 /// How long to wait for the registry's lock before giving up this time.
 const LOCK_WAIT: Duration = Duration::from_millis(50);
+/// Files `scan` reads in one directory at most (the rest are counted).
+pub const MAX_FILES: usize = 256;
 
 /// One process's entry, as published.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Entry {
     pub pid: u32,
+    /// The device's index in that process (its `CUDA_VISIBLE_DEVICES` order).
     pub device: u32,
     /// Milliseconds since the Unix epoch at the last publication.
     pub heartbeat_ms: u64,
     pub reserved: u64,
     pub allocated: u64,
     pub cached_free: u64,
-    /// Fragmentation in thousandths.
-    pub fragmentation_milli: u64,
+    /// Of `cached_free`, the bytes inside partly used segments
+    /// (`inactive_split_bytes`): fragmentation is this over `reserved`.
+    pub inactive_split: u64,
+    pub largest_free_block: u64,
     /// Bytes this process needs and could not get (0: none).
     pub request_bytes: u64,
     /// Requests of other processes this one answered by releasing cache.
     pub requests_served: u64,
+    /// Requests for memory this process posted to the others.
+    pub requests_posted: u64,
+    /// Requests that failed for lack of memory.
+    pub ooms: u64,
+    /// The device's total and free bytes at the last publication (0: unknown).
+    pub device_total: u64,
+    pub device_free: u64,
+    /// Bytes of paused tags (given back, addresses kept); 0 until tags can pause.
+    pub paused: u64,
     /// Bytes given back to the driver, by `Reason` (index).
     pub released: [u64; 6],
+    /// The process's name (`/proc/PID/comm`), NUL padded.
+    pub comm: [u8; 16],
+}
+
+/// FNV-1a, 64 bits: the slot checksum.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 impl Entry {
-    fn encode(&self) -> [u8; SLOT as usize] {
-        let mut out = [0u8; SLOT as usize];
-        out[0..4].copy_from_slice(&self.pid.to_le_bytes());
-        out[4..8].copy_from_slice(&self.device.to_le_bytes());
-        let fields = [
+    fn figures(&self) -> [u64; U64_FIELDS] {
+        let r = &self.released;
+        [
             self.heartbeat_ms,
             self.reserved,
             self.allocated,
             self.cached_free,
-            self.fragmentation_milli,
+            self.inactive_split,
+            self.largest_free_block,
             self.request_bytes,
             self.requests_served,
-        ];
-        for (i, value) in fields.iter().chain(self.released.iter()).enumerate() {
+            self.requests_posted,
+            self.ooms,
+            self.device_total,
+            self.device_free,
+            self.paused,
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            r[4],
+            r[5],
+        ]
+    }
+
+    fn encode(&self) -> [u8; SLOT as usize] {
+        let mut out = [0u8; SLOT as usize];
+        out[0..4].copy_from_slice(&self.pid.to_le_bytes());
+        out[4..8].copy_from_slice(&self.device.to_le_bytes());
+        for (i, value) in self.figures().iter().enumerate() {
             out[8 + 8 * i..16 + 8 * i].copy_from_slice(&value.to_le_bytes());
         }
+        out[COMM_AT..COMM_AT + 16].copy_from_slice(&self.comm);
+        let sum = fnv1a(&out[..CHECKSUM_AT]);
+        out[CHECKSUM_AT..].copy_from_slice(&sum.to_le_bytes());
         out
     }
 
-    fn decode(raw: &[u8; SLOT as usize]) -> Entry {
-        let u64_at = |i: usize| u64::from_le_bytes(raw[8 + 8 * i..16 + 8 * i].try_into().expect("8 bytes"));
-        Entry {
-            pid: u32::from_le_bytes(raw[0..4].try_into().expect("4 bytes")),
-            device: u32::from_le_bytes(raw[4..8].try_into().expect("4 bytes")),
-            heartbeat_ms: u64_at(0),
-            reserved: u64_at(1),
-            allocated: u64_at(2),
-            cached_free: u64_at(3),
-            fragmentation_milli: u64_at(4),
-            request_bytes: u64_at(5),
-            requests_served: u64_at(6),
-            released: std::array::from_fn(|i| u64_at(7 + i)),
+    /// The entry of a slot; `None` when its checksum does not match (a
+    /// free slot, all zero, decodes to the default entry).
+    fn decode(raw: &[u8]) -> Option<Entry> {
+        let raw: &[u8; SLOT as usize] = raw.try_into().ok()?;
+        let u32_at = |at: usize| u32::from_le_bytes(raw[at..at + 4].try_into().expect("4 bytes"));
+        let u64_at = |at: usize| u64::from_le_bytes(raw[at..at + 8].try_into().expect("8 bytes"));
+        let pid = u32_at(0);
+        if pid == 0 {
+            return Some(Entry::default());
         }
+        if u64_at(CHECKSUM_AT) != fnv1a(&raw[..CHECKSUM_AT]) {
+            return None;
+        }
+        let f: [u64; U64_FIELDS] = std::array::from_fn(|i| u64_at(8 + 8 * i));
+        Some(Entry {
+            pid,
+            device: u32_at(4),
+            heartbeat_ms: f[0],
+            reserved: f[1],
+            allocated: f[2],
+            cached_free: f[3],
+            inactive_split: f[4],
+            largest_free_block: f[5],
+            request_bytes: f[6],
+            requests_served: f[7],
+            requests_posted: f[8],
+            ooms: f[9],
+            device_total: f[10],
+            device_free: f[11],
+            paused: f[12],
+            released: [f[13], f[14], f[15], f[16], f[17], f[18]],
+            comm: raw[COMM_AT..COMM_AT + 16].try_into().expect("16 bytes"),
+        })
     }
+
+    /// The process name as text (invalid UTF-8 replaced).
+    pub fn comm(&self) -> String {
+        let end = self.comm.iter().position(|&b| b == 0).unwrap_or(self.comm.len());
+        String::from_utf8_lossy(&self.comm[..end]).into_owned()
+    }
+
+    /// `inactive_split / reserved` ([`crate::Stats::fragmentation`]).
+    pub fn fragmentation(&self) -> f64 {
+        crate::stats::fragmentation(self.inactive_split, self.reserved)
+    }
+}
+
+/// This process's name, as `/proc/self/comm` gives it (at most 15 bytes).
+fn own_comm() -> [u8; 16] {
+    let mut comm = [0u8; 16];
+    if let Ok(text) = std::fs::read("/proc/self/comm") {
+        let text = text.strip_suffix(b"\n").unwrap_or(&text);
+        let n = text.len().min(15);
+        comm[..n].copy_from_slice(&text[..n]);
+    }
+    comm
 }
 
 /// Why the registry could not be used (cooperation is then off for it).
@@ -122,6 +222,7 @@ pub struct Registry {
     path: PathBuf,
     slot: usize,
     pid: u32,
+    comm: [u8; 16],
 }
 
 impl Registry {
@@ -136,19 +237,24 @@ impl Registry {
             .create(true)
             .truncate(false)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| fail("cannot open", e))?;
-        let mut registry = Registry { file, path, slot: 0, pid: std::process::id() };
+        if !file.metadata().map_err(|e| fail("cannot stat", e))?.file_type().is_file() {
+            return Err(RegistryError(format!("{} is not a regular file", path.display())));
+        }
+        let comm = own_comm();
+        let mut registry = Registry { file, path, slot: 0, pid: std::process::id(), comm };
         registry.with_lock(|r| {
             r.check_or_init_header()?;
             let slot = (0..SLOTS)
-                .find(|&i| {
-                    let e = r.read_slot(i);
-                    e.pid == 0 || !alive(e.pid)
+                .find(|&i| match r.read_slot(i) {
+                    Some(e) => e.pid == 0 || !alive(e.pid),
+                    None => true, // a corrupt slot is nobody's
                 })
                 .ok_or_else(|| RegistryError("registry full: 64 processes on one device".into()))?;
             r.slot = slot;
-            r.write_slot(slot, &Entry { pid: r.pid, heartbeat_ms: now_ms(), ..Entry::default() })
+            r.write_slot(slot, &Entry { pid: r.pid, heartbeat_ms: now_ms(), comm: r.comm, ..Entry::default() })
         })?;
         Ok(registry)
     }
@@ -159,93 +265,94 @@ impl Registry {
 
     /// Runs `f` under the registry's exclusive lock, waiting at most LOCK_WAIT.
     fn with_lock<T>(&mut self, f: impl FnOnce(&mut Registry) -> Result<T, RegistryError>) -> Result<T, RegistryError> {
-        let start = Instant::now();
-        loop {
-            match self.file.try_lock() {
-                Ok(()) => break,
-                Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < LOCK_WAIT => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
-                Err(std::fs::TryLockError::WouldBlock) => {
-                    return Err(RegistryError("registry locked by another process for too long".into()))
-                }
-                Err(std::fs::TryLockError::Error(e)) => return Err(RegistryError(format!("registry lock: {e}"))),
-            }
+        if !lock_within(&self.file, LOCK_WAIT, false) {
+            return Err(RegistryError("registry locked by another process for too long".into()));
         }
         let result = f(self);
         let _ = self.file.unlock();
         result
     }
 
+    fn write_header(&mut self) -> Result<(), RegistryError> {
+        let mut fresh = [0u8; FILE_BYTES as usize];
+        fresh[0..8].copy_from_slice(MAGIC);
+        fresh[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        fresh[12..16].copy_from_slice(&(SLOTS as u32).to_le_bytes());
+        self.file.write_all_at(&fresh, 0).map_err(|e| RegistryError(format!("registry write: {e}")))?;
+        self.file.set_len(FILE_BYTES).map_err(|e| RegistryError(format!("registry size: {e}")))
+    }
+
     fn check_or_init_header(&mut self) -> Result<(), RegistryError> {
         let mut header = [0u8; HEADER as usize];
         match self.file.read_exact_at(&mut header, 0) {
-            Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
-                let mut fresh = [0u8; HEADER as usize];
-                fresh[0..8].copy_from_slice(MAGIC);
-                fresh[8..12].copy_from_slice(&VERSION.to_le_bytes());
-                fresh[12..16].copy_from_slice(&(SLOTS as u32).to_le_bytes());
-                self.file.write_all_at(&fresh, 0).map_err(|e| RegistryError(format!("registry write: {e}")))?;
-                self.file.set_len(HEADER + SLOT * SLOTS as u64).map_err(|e| RegistryError(format!("registry size: {e}")))
-            }
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => self.write_header(),
             Err(e) => Err(RegistryError(format!("registry read: {e}"))),
             Ok(()) => {
                 let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
                 let slots = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes"));
-                if &header[0..8] != MAGIC || version != VERSION || slots as usize != SLOTS {
-                    return Err(RegistryError(format!(
-                        "{} is not a version {VERSION} tidepool registry (found version {version}, {slots} slots)",
-                        self.path.display()
-                    )));
+                if &header[0..8] == MAGIC && version == VERSION && slots as usize == SLOTS {
+                    return Ok(());
                 }
-                Ok(())
+                if &header[0..8] == MAGIC && version == 1 && !self.v1_in_use() {
+                    // Left by an earlier release whose processes are gone: take it over.
+                    return self.write_header();
+                }
+                Err(RegistryError(format!(
+                    "{} is not a version {VERSION} tidepool registry (found version {version}, {slots} slots)",
+                    self.path.display()
+                )))
             }
         }
     }
 
-    /// A slot, or an empty entry if the file is short or unreadable.
-    fn read_slot(&self, slot: usize) -> Entry {
+    /// Whether a live process holds a slot of this version 1 file.
+    fn v1_in_use(&self) -> bool {
+        (0..SLOTS as u64).any(|slot| {
+            let mut pid = [0u8; 4];
+            self.file.read_exact_at(&mut pid, HEADER + V1_SLOT * slot).is_ok() && alive(u32::from_le_bytes(pid))
+        })
+    }
+
+    /// A slot: `None` when its checksum is wrong, a free entry when the file
+    /// is short or unreadable.
+    fn read_slot(&self, slot: usize) -> Option<Entry> {
         let mut raw = [0u8; SLOT as usize];
         match self.file.read_exact_at(&mut raw, HEADER + SLOT * slot as u64) {
             Ok(()) => Entry::decode(&raw),
-            Err(_) => Entry::default(),
+            Err(_) => Some(Entry::default()),
         }
     }
 
     fn write_slot(&self, slot: usize, entry: &Entry) -> Result<(), RegistryError> {
-        self.file
-            .write_all_at(&entry.encode(), HEADER + SLOT * slot as u64)
-            .map_err(|e| RegistryError(format!("registry write: {e}")))
+        let raw = if entry.pid == 0 { [0u8; SLOT as usize] } else { entry.encode() };
+        self.file.write_all_at(&raw, HEADER + SLOT * slot as u64).map_err(|e| RegistryError(format!("registry write: {e}")))
     }
 
     /// Publishes this process's figures (its request and service counts
-    /// are kept from the slot), clears dead processes' slots, and returns
-    /// the bytes other live processes are asking for.
+    /// are kept from the slot), clears dead processes' and corrupt slots,
+    /// and returns the bytes other live processes are asking for.
     pub fn publish(&mut self, mut mine: Entry) -> Result<u64, RegistryError> {
         self.with_lock(|r| {
             r.check_or_init_header()?;
-            let previous = r.read_slot(r.slot);
-            if previous.pid != r.pid {
-                // Our slot was taken over (a hostile or confused writer): claim it again.
-                mine.request_bytes = 0;
-            } else {
-                mine.request_bytes = previous.request_bytes;
-                mine.requests_served = mine.requests_served.max(previous.requests_served);
+            match r.read_slot(r.slot) {
+                Some(previous) if previous.pid == r.pid => {
+                    mine.request_bytes = previous.request_bytes;
+                    mine.requests_served = mine.requests_served.max(previous.requests_served);
+                }
+                // Our slot was taken over or damaged (a hostile or confused writer): claim it again.
+                _ => mine.request_bytes = 0,
             }
             mine.pid = r.pid;
+            mine.comm = r.comm;
             mine.heartbeat_ms = now_ms();
             r.write_slot(r.slot, &mine)?;
             let mut asked = 0u64;
             for slot in (0..SLOTS).filter(|&s| s != r.slot) {
-                let other = r.read_slot(slot);
-                if other.pid == 0 {
-                    continue;
+                match r.read_slot(slot) {
+                    Some(other) if other.pid == 0 => {}
+                    Some(other) if alive(other.pid) => asked = asked.saturating_add(other.request_bytes),
+                    _ => r.write_slot(slot, &Entry::default())?,
                 }
-                if !alive(other.pid) {
-                    r.write_slot(slot, &Entry::default())?;
-                    continue;
-                }
-                asked = asked.saturating_add(other.request_bytes);
             }
             Ok(asked)
         })
@@ -254,16 +361,17 @@ impl Registry {
     /// Posts (or, with 0, withdraws) this process's request for memory.
     pub fn request(&mut self, bytes: u64) -> Result<(), RegistryError> {
         self.with_lock(|r| {
-            let mut mine = r.read_slot(r.slot);
+            let mut mine = r.read_slot(r.slot).filter(|e| e.pid == r.pid).unwrap_or_default();
             mine.pid = r.pid;
+            mine.comm = r.comm;
             mine.request_bytes = bytes;
             r.write_slot(r.slot, &mine)
         })
     }
 
-    /// Every live entry (for `tidepool top`).
+    /// Every live entry (for tests; tools use `scan`).
     pub fn entries(&mut self) -> Result<Vec<Entry>, RegistryError> {
-        self.with_lock(|r| Ok((0..SLOTS).map(|s| r.read_slot(s)).filter(|e| alive(e.pid)).collect()))
+        self.with_lock(|r| Ok((0..SLOTS).filter_map(|s| r.read_slot(s)).filter(|e| alive(e.pid)).collect()))
     }
 }
 
@@ -274,7 +382,7 @@ impl Drop for Registry {
             return; // a fork child: the slot is the parent's
         }
         let _ = self.with_lock(|r| {
-            if r.read_slot(r.slot).pid == pid {
+            if r.read_slot(r.slot).is_some_and(|e| e.pid == pid) {
                 r.write_slot(r.slot, &Entry::default())?;
             }
             Ok(())
@@ -282,33 +390,172 @@ impl Drop for Registry {
     }
 }
 
-/// Reads the live entries of every registry in `dir` without joining:
-/// (registry file, entries).
-pub fn scan(dir: &Path) -> Vec<(PathBuf, Vec<Entry>)> {
-    let Ok(listing) = std::fs::read_dir(dir) else { return Vec::new() };
-    let mut out = Vec::new();
-    for item in listing.flatten() {
-        let path = item.path();
-        if path.extension().is_none_or(|e| e != "registry") {
-            continue;
+/// Takes `file`'s lock (shared or exclusive), trying for at most `wait`.
+fn lock_within(file: &File, wait: Duration, shared: bool) -> bool {
+    let start = Instant::now();
+    loop {
+        let attempt = if shared { file.try_lock_shared() } else { file.try_lock() };
+        match attempt {
+            Ok(()) => return true,
+            Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < wait => std::thread::sleep(Duration::from_millis(1)),
+            Err(_) => return false,
         }
-        let Ok(file) = File::open(&path) else { continue };
-        let mut header = [0u8; HEADER as usize];
-        if file.read_exact_at(&mut header, 0).is_err() || &header[0..8] != MAGIC {
-            continue;
-        }
-        let entries = (0..SLOTS)
-            .filter_map(|slot| {
-                let mut raw = [0u8; SLOT as usize];
-                file.read_exact_at(&mut raw, HEADER + SLOT * slot as u64).ok()?;
-                let entry = Entry::decode(&raw);
-                alive(entry.pid).then_some(entry)
-            })
-            .collect();
-        out.push((path, entries));
     }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
+}
+
+/// Why `scan` skipped a registry file or a slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ScanError {
+    /// Not a regular file, or it could not be opened or read.
+    Unreadable,
+    /// Shorter than a whole registry.
+    Truncated,
+    /// Not a tidepool registry, or of another version or slot count.
+    Version,
+    /// A slot whose checksum does not match.
+    Corrupt,
+    /// Locked by a writer for longer than the lock wait.
+    Locked,
+    /// Past `MAX_FILES` in one directory.
+    TooMany,
+}
+
+impl ScanError {
+    pub const ALL: [ScanError; 6] =
+        [ScanError::Unreadable, ScanError::Truncated, ScanError::Version, ScanError::Corrupt, ScanError::Locked, ScanError::TooMany];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ScanError::Unreadable => "unreadable",
+            ScanError::Truncated => "truncated",
+            ScanError::Version => "version",
+            ScanError::Corrupt => "corrupt",
+            ScanError::Locked => "locked",
+            ScanError::TooMany => "too_many",
+        }
+    }
+}
+
+/// One device's registry as `scan` read it.
+#[derive(Clone, Debug)]
+pub struct DeviceRegistry {
+    pub path: PathBuf,
+    /// The device's key: the file name without `.registry`.
+    pub key: String,
+    /// The entries of live processes.
+    pub entries: Vec<Entry>,
+}
+
+/// What `scan` found in a directory.
+#[derive(Clone, Debug, Default)]
+pub struct Scan {
+    /// Registries by path.
+    pub registries: Vec<DeviceRegistry>,
+    /// What was skipped, and why (a file, or one slot of it).
+    pub errors: Vec<(PathBuf, ScanError)>,
+}
+
+/// Reads the live entries of every registry in `dir` without joining,
+/// each file in one read under a shared lock; files and slots that cannot
+/// be used are skipped and named in `errors`. A missing directory is an
+/// empty scan (no process has made it yet).
+pub fn scan(dir: &Path) -> Scan {
+    let mut out = Scan::default();
+    let Ok(listing) = std::fs::read_dir(dir) else { return out };
+    let mut paths: Vec<PathBuf> =
+        listing.flatten().map(|item| item.path()).filter(|path| path.extension().is_some_and(|e| e == "registry")).collect();
+    paths.sort();
+    for (index, path) in paths.into_iter().enumerate() {
+        if index >= MAX_FILES {
+            out.errors.push((path, ScanError::TooMany));
+            continue;
+        }
+        match read_registry(&path) {
+            Ok((entries, corrupt)) => {
+                out.errors.extend(std::iter::repeat_n((path.clone(), ScanError::Corrupt), corrupt));
+                let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+                out.registries.push(DeviceRegistry { path, key, entries });
+            }
+            Err(error) => out.errors.push((path, error)),
+        }
+    }
     out
+}
+
+/// The live entries of one registry file and the count of corrupt slots.
+fn read_registry(path: &Path) -> Result<(Vec<Entry>, usize), ScanError> {
+    // Never follow a link nor wait on a FIFO someone named *.registry.
+    let file =
+        OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path).map_err(|_| ScanError::Unreadable)?;
+    let meta = file.metadata().map_err(|_| ScanError::Unreadable)?;
+    if !meta.file_type().is_file() || meta.file_type().is_fifo() {
+        return Err(ScanError::Unreadable);
+    }
+    if !lock_within(&file, LOCK_WAIT, true) {
+        return Err(ScanError::Locked);
+    }
+    let mut raw = vec![0u8; FILE_BYTES as usize];
+    let read = read_all_at(&file, &mut raw);
+    let _ = file.unlock();
+    let read = read.map_err(|_| ScanError::Unreadable)?;
+    if read == 0 {
+        return Ok((Vec::new(), 0)); // just created: its first process is writing the header
+    }
+    if read < MAGIC.len() {
+        return Err(ScanError::Truncated);
+    }
+    if &raw[0..8] != MAGIC {
+        return Err(ScanError::Version);
+    }
+    if read < HEADER as usize {
+        return Err(ScanError::Truncated);
+    }
+    let version = u32::from_le_bytes(raw[8..12].try_into().expect("4 bytes"));
+    let slots = u32::from_le_bytes(raw[12..16].try_into().expect("4 bytes"));
+    if version != VERSION || slots as usize != SLOTS {
+        return Err(ScanError::Version);
+    }
+    if read < FILE_BYTES as usize {
+        return Err(ScanError::Truncated);
+    }
+    let mut corrupt = 0;
+    let mut entries = Vec::new();
+    for slot in raw[HEADER as usize..].chunks_exact(SLOT as usize) {
+        match Entry::decode(slot) {
+            Some(entry) if alive(entry.pid) => entries.push(entry),
+            Some(_) => {}
+            None => corrupt += 1,
+        }
+    }
+    Ok((entries, corrupt))
+}
+
+/// Writes a whole registry file holding `entries` in its first slots
+/// (at most `SLOTS`), replacing `path`: what the readers (`scan`, top, the
+/// exporter) are tested and measured against, without a process per entry.
+pub fn write_file(path: &Path, entries: &[Entry]) -> std::io::Result<()> {
+    let mut raw = vec![0u8; FILE_BYTES as usize];
+    raw[0..8].copy_from_slice(MAGIC);
+    raw[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    raw[12..16].copy_from_slice(&(SLOTS as u32).to_le_bytes());
+    for (slot, entry) in raw[HEADER as usize..].chunks_exact_mut(SLOT as usize).zip(entries) {
+        slot.copy_from_slice(&entry.encode());
+    }
+    std::fs::write(path, raw)
+}
+
+/// Reads into `buf` from offset 0 until it is full or the file ends; the bytes read.
+fn read_all_at(file: &File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
 }
 
 #[cfg(test)]
@@ -323,6 +570,8 @@ mod tests {
 
     #[test]
     fn entries_round_trip_through_their_encoding() {
+        let mut comm = [0u8; 16];
+        comm[..6].copy_from_slice(b"python");
         let e = Entry {
             pid: 7,
             device: 1,
@@ -330,12 +579,28 @@ mod tests {
             reserved: 3,
             allocated: 4,
             cached_free: 5,
-            fragmentation_milli: 6,
+            inactive_split: 6,
+            largest_free_block: 16,
             request_bytes: 8,
             requests_served: 9,
+            requests_posted: 17,
+            ooms: 18,
+            device_total: 19,
+            device_free: 20,
+            paused: 21,
             released: [10, 11, 12, 13, 14, 15],
+            comm,
         };
-        assert_eq!(Entry::decode(&e.encode()), e);
+        assert_eq!(Entry::decode(&e.encode()), Some(e));
+        assert_eq!(e.comm(), "python");
+        assert_eq!(Entry::decode(&[0u8; SLOT as usize]), Some(Entry::default()), "a free slot");
+        // Any flipped byte of a used slot is caught by the checksum.
+        for at in 0..SLOT as usize {
+            let mut raw = e.encode();
+            raw[at] ^= 0x40;
+            let decoded = Entry::decode(&raw);
+            assert!(decoded.is_none() || decoded.is_some_and(|d| d.pid == 0), "byte {at}");
+        }
     }
 
     #[test]
@@ -363,7 +628,7 @@ mod tests {
         let ghost = Entry { pid: u32::MAX - 1, request_bytes: 1 << 30, ..Entry::default() };
         a.write_slot(5, &ghost).unwrap();
         assert_eq!(a.publish(Entry::default()).unwrap(), 0, "a dead process's request is ignored");
-        assert_eq!(a.read_slot(5), Entry::default(), "and its slot cleared");
+        assert_eq!(a.read_slot(5), Some(Entry::default()), "and its slot cleared");
         drop(a);
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -410,7 +675,86 @@ mod tests {
         // A truncated file reads as empty slots, not a crash.
         a.file.set_len(HEADER + 3).unwrap();
         assert!(a.publish(Entry::default()).is_ok());
-        assert!(scan(&dir).iter().all(|(_, entries)| entries.len() <= SLOTS));
+        assert!(scan(&dir).registries.iter().all(|r| r.entries.len() <= SLOTS));
+        drop(a);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn scan_reads_live_entries_and_names_every_file_it_skips() {
+        let dir = dir("scan");
+        let mut a = Registry::join(&dir, "good").unwrap();
+        a.publish(Entry { allocated: 5, reserved: 10, inactive_split: 2, ..Entry::default() }).unwrap();
+        // A slot of ours with a damaged checksum is skipped and counted.
+        let mut raw = Entry { pid: std::process::id(), reserved: 1, ..Entry::default() }.encode();
+        raw[20] ^= 1;
+        a.file.write_all_at(&raw, HEADER + SLOT * 9).unwrap();
+        std::fs::write(dir.join("junk.registry"), b"not a registry at all, just some text").unwrap();
+        std::fs::write(dir.join("short.registry"), &a_header(VERSION)[..5]).unwrap();
+        let mut truncated = a_header(VERSION);
+        truncated.resize(HEADER as usize + 100, 0);
+        std::fs::write(dir.join("truncated.registry"), truncated).unwrap();
+        std::fs::write(dir.join("v1.registry"), a_header(1)).unwrap();
+        std::fs::write(dir.join("v3.registry"), a_header(3)).unwrap();
+        std::fs::write(dir.join("empty.registry"), b"").unwrap();
+        std::fs::write(dir.join("not-a-registry.txt"), b"ignored").unwrap();
+        std::os::unix::fs::symlink(a.path(), dir.join("link.registry")).unwrap();
+        let fifo = dir.join("fifo.registry");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let start = Instant::now();
+        let found = scan(&dir);
+        assert!(start.elapsed() < Duration::from_secs(1), "a FIFO does not block the scan");
+        let mut errors: Vec<(String, ScanError)> =
+            found.errors.iter().map(|(p, e)| (p.file_name().unwrap().to_string_lossy().into_owned(), *e)).collect();
+        errors.sort();
+        assert_eq!(
+            errors,
+            [
+                ("fifo.registry".to_string(), ScanError::Unreadable),
+                ("good.registry".to_string(), ScanError::Corrupt),
+                ("junk.registry".to_string(), ScanError::Version),
+                ("link.registry".to_string(), ScanError::Unreadable),
+                ("short.registry".to_string(), ScanError::Truncated),
+                ("truncated.registry".to_string(), ScanError::Truncated),
+                ("v1.registry".to_string(), ScanError::Version),
+                ("v3.registry".to_string(), ScanError::Version),
+            ]
+        );
+        let keys: Vec<&str> = found.registries.iter().map(|r| r.key.as_str()).collect();
+        assert_eq!(keys, ["empty", "good"]);
+        let good = &found.registries[1].entries;
+        assert_eq!(good.len(), 1);
+        assert_eq!((good[0].pid, good[0].allocated, good[0].reserved), (std::process::id(), 5, 10));
+        assert_eq!(good[0].fragmentation(), 0.2);
+        assert!(!good[0].comm().is_empty(), "the process's name is published");
+        drop(a);
+        assert!(scan(&dir).registries.iter().all(|r| r.entries.is_empty()), "a process that left is gone");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn a_header(version: u32) -> Vec<u8> {
+        let mut header = Vec::from(&MAGIC[..]);
+        header.extend_from_slice(&version.to_le_bytes());
+        header.extend_from_slice(&(SLOTS as u32).to_le_bytes());
+        header
+    }
+
+    #[test]
+    fn a_version_1_file_is_taken_over_once_its_processes_are_gone() {
+        let dir = dir("v1");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut v1 = a_header(1);
+        v1.resize((HEADER + V1_SLOT * SLOTS as u64) as usize, 0);
+        // A live process (this one) in slot 3: refused.
+        v1[(HEADER + V1_SLOT * 3) as usize..][..4].copy_from_slice(&std::process::id().to_le_bytes());
+        std::fs::write(dir.join("dev.registry"), &v1).unwrap();
+        assert!(Registry::join(&dir, "dev").unwrap_err().0.contains("not a version 2"));
+        // Only dead processes: rewritten as version 2.
+        v1[(HEADER + V1_SLOT * 3) as usize..][..4].copy_from_slice(&(u32::MAX - 1).to_le_bytes());
+        std::fs::write(dir.join("dev.registry"), &v1).unwrap();
+        let a = Registry::join(&dir, "dev").unwrap();
+        assert_eq!(std::fs::metadata(a.path()).unwrap().len(), FILE_BYTES);
+        assert_eq!(scan(&dir).registries[0].entries.len(), 1);
         drop(a);
         let _ = std::fs::remove_dir_all(&dir);
     }

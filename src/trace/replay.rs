@@ -103,13 +103,10 @@ impl ReplayReport {
         }
     }
 
-    /// Peak fragmentation as a share of peak reserved.
+    /// Fragmentation at the peaks: peak inactive split bytes over peak
+    /// reserved ([`crate::Stats::fragmentation`]'s definition, on peaks).
     pub fn fragmentation(&self) -> f64 {
-        if self.peak_reserved_bytes == 0 {
-            0.0
-        } else {
-            self.peak_inactive_split_bytes as f64 / self.peak_reserved_bytes as f64
-        }
+        crate::stats::fragmentation(self.peak_inactive_split_bytes, self.peak_reserved_bytes)
     }
 
     pub fn events_per_second(&self) -> f64 {
