@@ -9,7 +9,9 @@
 //! client that connects and sends nothing is dropped then), headers larger
 //! than 16 KiB are refused, and a connection lives at most
 //! `MAX_AGE_TIMEOUTS` timeouts: then it closes after its current response,
-//! or at once if that takes one more timeout.
+//! or at once if that takes one more timeout. Scrapes (file reads) run on
+//! at most two threads at once, the rest queue: memory stays flat however
+//! many clients scrape together.
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -42,7 +44,7 @@ pub fn serve(exporter: Arc<Exporter>, listener: TcpListener, options: ServeOptio
     listener.set_nonblocking(true).map_err(|e| format!("listener: {e}"))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        .max_blocking_threads(options.max_connections.max(1))
+        .max_blocking_threads(2)
         .thread_name("tidepool-exporter")
         .enable_all()
         .build()
