@@ -365,6 +365,12 @@ fn prometheus_scrapes_every_process_on_a_shared_simgpu_device_and_sees_an_exited
     assert_eq!(server.values(&query), [b_allocated as f64], "process B is still there");
     exporter.assert_running();
 
+    // Every query of the guide's alert rules and of its dashboard is valid
+    // PromQL over these series.
+    for query in guide_queries() {
+        server.query(&query);
+    }
+
     drop(b); // killed, not exited: its slot stays, but its pid is gone
     let start = Instant::now();
     while sample(&metrics(addr), "tidepool_allocated_bytes", &[]).is_some() {
@@ -622,5 +628,125 @@ fn a_thousand_scrapes_from_32_concurrent_clients_leave_memory_flat_and_every_res
     eprintln!("1000 scrapes from 32 clients in {elapsed:?}; exporter RSS {before} KiB before, {after} KiB after");
     assert!(after <= before + 2048, "memory grew from {before} KiB to {after} KiB over 1000 scrapes");
     exporter.assert_running();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The fenced block that follows `<!-- name -->` in docs/monitoring.md.
+fn guide_block(name: &str) -> String {
+    let guide = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/monitoring.md")).unwrap();
+    let after = guide.split_once(&format!("<!-- {name} -->")).unwrap_or_else(|| panic!("no {name} in the guide")).1;
+    let body = after.split_once("```yaml\n").unwrap().1;
+    body.split_once("```").unwrap().0.to_string()
+}
+
+/// Every PromQL expression of the guide's alert rules and of the Grafana
+/// dashboard, with the dashboard's variables set to match everything.
+fn guide_queries() -> Vec<String> {
+    let mut queries = Vec::new();
+    let rules = guide_block("tidepool-rules.yml");
+    let mut lines = rules.lines().peekable();
+    while let Some(line) = lines.next() {
+        if line.trim() == "expr: |" {
+            let mut expr = String::new();
+            while lines.peek().is_some_and(|l| l.starts_with("          ")) {
+                expr += lines.next().unwrap().trim();
+                expr += " ";
+            }
+            queries.push(expr);
+        }
+    }
+    assert_eq!(queries.len(), 2, "both alert rules");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/monitoring/tidepool-dashboard.json");
+    let dashboard: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let panels = dashboard["panels"].as_array().unwrap();
+    for panel in panels {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            queries.push(expr.replace("$hostname", ".*").replace("$device", ".*").replace("$__rate_interval", "1m"));
+        }
+    }
+    assert!(panels.len() >= 6 && queries.len() > 12);
+    let titles: Vec<&str> = panels.iter().map(|p| p["title"].as_str().unwrap()).collect();
+    for needed in ["Reserved vs allocated", "Fragmentation", "by reason"] {
+        assert!(titles.iter().any(|t| t.contains(needed)), "the dashboard shows {needed}: {titles:?}");
+    }
+    queries
+}
+
+#[test]
+fn the_guides_scrape_config_and_alert_rules_pass_promtool_and_the_alerts_fire_when_they_should() {
+    let Some(promtool) = tool("promtool") else { return };
+    let dir = scratch("rules");
+    std::fs::write(dir.join("prometheus.yml"), guide_block("prometheus.yml")).unwrap();
+    std::fs::write(dir.join("tidepool-rules.yml"), guide_block("tidepool-rules.yml")).unwrap();
+    let labels = |device: &str, pid: u32, comm: &str| {
+        format!("{{hostname=\"n1\",device=\"{device}\",device_index=\"0\",pid=\"{pid}\",comm=\"{comm}\"}}")
+    };
+    let gib4 = 4u64 << 30;
+    let series = |name: &str, labels: &str, values: &str| format!("      - series: '{name}{labels}'\n        values: '{values}'\n");
+    let mut input = String::new();
+    // Device A: "train" (pid 1) runs out of memory from minute 2; "idle" (pid 2) holds 4 GiB of whole free segments.
+    input += &series("tidepool_ooms_total", &labels("GPU-a", 1, "train"), "0 0 1 2 2 2 2 2 2 2 2");
+    input += &series("tidepool_cached_free_bytes", &labels("GPU-a", 1, "train"), "0x10");
+    input += &series("tidepool_inactive_split_bytes", &labels("GPU-a", 1, "train"), "0x10");
+    input += &series("tidepool_ooms_total", &labels("GPU-a", 2, "idle"), "0x10");
+    input += &series("tidepool_cached_free_bytes", &labels("GPU-a", 2, "idle"), &format!("{gib4}x10"));
+    input += &series("tidepool_inactive_split_bytes", &labels("GPU-a", 2, "idle"), "0x10");
+    // Device B: the same cache, nobody short of memory: no alert.
+    input += &series("tidepool_ooms_total", &labels("GPU-b", 3, "idle"), "0x10");
+    input += &series("tidepool_cached_free_bytes", &labels("GPU-b", 3, "idle"), &format!("{gib4}x10"));
+    input += &series("tidepool_inactive_split_bytes", &labels("GPU-b", 3, "idle"), "0x10");
+    // Device C: "frag" (pid 5) is half fragments and asks the others at minute 2;
+    // "calm" (pid 6) is as fragmented but never waits: no alert.
+    for (pid, comm, asks) in [(5, "frag", "0 0 1 1 1 1 1 1 1 1 1"), (6, "calm", "0x10")] {
+        input += &series("tidepool_fragmentation_ratio", &labels("GPU-c", pid, comm), "0.5x10");
+        input += &series("tidepool_memory_request_bytes", &labels("GPU-c", pid, comm), "0x10");
+        input += &series("tidepool_cooperation_requests_total", &labels("GPU-c", pid, comm), asks);
+    }
+    let expect = |alert: &str, at: &str, fires: Option<(&str, u32, &str, String)>| {
+        let mut text = format!("      - eval_time: {at}\n        alertname: {alert}\n        exp_alerts:");
+        match fires {
+            None => text += " []\n",
+            Some((device, pid, comm, summary)) => {
+                let description = if alert.contains("Fragmented") {
+                    "Set TIDEPOOL_CONF=expandable:true (free pages inside holes go back) or max_split_size_mb for this job."
+                } else {
+                    "Keep cooperative:true (the default) and the registry directory shared by both jobs, or lower release_after_ms for the holder."
+                };
+                text += &format!(
+                    "\n          - exp_labels: {{severity: warning, hostname: n1, device: {device}, device_index: \"0\", pid: \"{pid}\", comm: {comm}}}\n\
+                     \x20           exp_annotations:\n              summary: \"{summary}\"\n              description: \"{description}\"\n"
+                );
+            }
+        }
+        text
+    };
+    let idle_alert = "TidepoolIdleCacheWhileAnotherOOMs";
+    let frag_alert = "TidepoolFragmentedWhileWaiting";
+    let mut tests = String::new();
+    tests += &expect(idle_alert, "1m", None);
+    let idle_summary = "idle (2) on n1 holds 4GiB of cache while another process on the device runs out of memory".to_string();
+    tests += &expect(idle_alert, "5m", Some(("GPU-a", 2, "idle", idle_summary)));
+    tests += &expect(frag_alert, "3m", None); // asking, but not yet for 2 minutes
+    let frag_summary = "frag (5) on n1 waits for memory while 50% of its memory is fragments".to_string();
+    tests += &expect(frag_alert, "5m", Some(("GPU-c", 5, "frag", frag_summary)));
+    let unit = format!(
+        "rule_files:\n  - tidepool-rules.yml\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n{input}    alert_rule_test:\n{tests}"
+    );
+    std::fs::write(dir.join("tidepool-rules.test.yml"), &unit).unwrap();
+    for args in [
+        &["check", "config", "prometheus.yml"][..],
+        &["check", "rules", "tidepool-rules.yml"],
+        &["test", "rules", "tidepool-rules.test.yml"],
+    ] {
+        let out = Command::new(&promtool).args(args).current_dir(&dir).output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {}:\n{}{}\n{unit}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
