@@ -208,6 +208,11 @@ fn top_lists_the_processes_of_the_registry() {
     assert!(json.contains(&me), "{json}");
     assert!(json.contains(&format!("\"allocated_bytes\":{}", 5 * MIB)), "{json}");
     assert!(json.contains("\"released_bytes\":{\"idle_decay\":0"), "{json}");
+    // A 5 MiB block in a 20 MiB segment: the 15 MiB tail is free inside a
+    // partly used segment (fragmentation 0.75), and the process is named.
+    assert!(json.contains(&format!("\"inactive_split_bytes\":{},\"largest_free_block_bytes\":{}", 15 * MIB, 15 * MIB)), "{json}");
+    assert!(json.contains("\"fragmentation\":0.750") && json.contains("\"comm\":\"cooperation-"), "{json}");
+    assert!(json.contains("\"skipped\":[]"), "{json}");
     let table = top(&["--once"]);
     assert!(table.contains(&std::process::id().to_string()) && table.contains("5.00 MiB"), "{table}");
     alloc.free(0, p).unwrap();

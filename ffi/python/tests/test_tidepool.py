@@ -67,6 +67,30 @@ class MemoryStats(unittest.TestCase):
         self.assertEqual(tidepool.memory_reserved(), tidepool.memory_stats()["reserved_bytes.all.current"])
         self.assertLess(tidepool.memory_reserved(), 30 * MIB)
 
+    def test_fragmentation_counts_holes_in_partly_used_segments_not_whole_free_segments(self):
+        tidepool.empty_cache()
+        base = tidepool.memory_stats()
+        self.assertEqual(base["reserved_bytes.all.current"], 0, "nothing cached before")
+        # Whole free segments (or, with expandable segments, a whole free
+        # range): releasable at once, not fragmentation.
+        for size in (12 * MIB, 22 * MIB):
+            free(malloc(size), size)
+        whole = tidepool.memory_stats()
+        self.assertGreaterEqual(whole["tidepool.cached_free_bytes"], 22 * MIB)
+        self.assertEqual(whole["tidepool.fragmentation"], 0.0)
+        tidepool.empty_cache()
+        # Every other 256 KiB block of a 2 MiB segment freed: half of it is holes.
+        blocks = [malloc(256 << 10) for _ in range(8)]
+        for ptr in blocks[::2]:
+            free(ptr, 256 << 10)
+        holes = tidepool.memory_stats()
+        self.assertAlmostEqual(holes["tidepool.fragmentation"], 0.5)
+        self.assertEqual(holes["tidepool.external_fragmentation"], holes["tidepool.fragmentation"], "the earlier name")
+        self.assertIn("Fragmentation: 50 %", tidepool.memory_summary())
+        for ptr in blocks[1::2]:
+            free(ptr, 256 << 10)
+        tidepool.empty_cache()
+
     def test_bad_input_is_counted_and_explained(self):
         before = tidepool.memory_stats()["tidepool.num_invalid_frees"]
         free(0x1000, 64)

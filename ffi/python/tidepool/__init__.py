@@ -173,11 +173,17 @@ def memory_stats_as_nested_dict(device=None):
     out["num_device_alloc"] = s.num_device_allocs
     out["num_device_free"] = s.num_device_frees
     out["num_sync_all_streams"] = 0
-    cached = s.cached_free_bytes
+    # Fragmentation: free bytes stuck inside partly used segments (neither
+    # releasable nor usable by a larger request) over reserved bytes, as
+    # tidepool's statistics, OOM report, top and exporter define it.
+    # "external_fragmentation" is the earlier name of the same figure.
+    reserved = out["reserved_bytes"]["all"]["current"]
+    fragmentation = min(1.0, out["inactive_split_bytes"]["all"]["current"] / reserved) if reserved else 0.0
     own = {
-        "cached_free_bytes": cached,
+        "cached_free_bytes": s.cached_free_bytes,
         "largest_free_block_bytes": s.largest_free_block_bytes,
-        "external_fragmentation": (1.0 - s.largest_free_block_bytes / cached) if cached else 0.0,
+        "fragmentation": fragmentation,
+        "external_fragmentation": fragmentation,
         "num_allocs": s.num_allocs,
         "num_frees": s.num_frees,
         "num_invalid_frees": s.num_invalid_frees,
@@ -284,7 +290,7 @@ def memory_summary(device=None):
     lines.append(
         f"Largest free block: {_human(stats['tidepool.largest_free_block_bytes'])}   "
         f"Cached free: {_human(stats['tidepool.cached_free_bytes'])}   "
-        f"Fragmentation: {100 * stats['tidepool.external_fragmentation']:.0f} %"
+        f"Fragmentation: {100 * stats['tidepool.fragmentation']:.0f} %"
     )
     lines.append(
         f"Device allocs: {stats['num_device_alloc']}   Device frees: {stats['num_device_free']}   "
