@@ -24,8 +24,11 @@ use exposition::{Format, Kind, Labels, Writer};
 use crate::reclaim::policy::Reason;
 use crate::reclaim::registry::{self, Entry, Scan, ScanError};
 
+/// A family of one sample per process: name, help, and the figure.
+type Figure = (&'static str, &'static str, fn(&Entry) -> u64);
+
 /// The gauges of one process on one device, in bytes.
-const BYTE_GAUGES: [(&str, &str, fn(&Entry) -> u64); 6] = [
+const BYTE_GAUGES: [Figure; 6] = [
     ("tidepool_allocated_bytes", "Bytes in live allocations of the process on the device.", |e| e.allocated),
     ("tidepool_reserved_bytes", "Bytes the process holds from the driver on the device (allocated plus cached).", |e| e.reserved),
     ("tidepool_cached_free_bytes", "Bytes reserved but not in use: the process's cache.", |e| e.cached_free),
@@ -41,7 +44,7 @@ const BYTE_GAUGES: [(&str, &str, fn(&Entry) -> u64); 6] = [
 ];
 
 /// The counters of one process on one device.
-const COUNTERS: [(&str, &str, fn(&Entry) -> u64); 3] = [
+const COUNTERS: [Figure; 3] = [
     ("tidepool_cooperation_requests", "Requests for memory the process posted to the other processes on the device.", |e| {
         e.requests_posted
     }),
