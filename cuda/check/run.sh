@@ -3,7 +3,9 @@
 # and transformers, but no cargo: build elsewhere first
 #   cargo build --release --lib && cargo test --release --test backends --no-run
 #   cp target/release/deps/backends-<hash> target/release/backends-test
-# (carry target/release/libtidepool.so and target/release/backends-test),
+#   cargo build --release --features cudarc --example rust_runtime
+# (carry target/release/libtidepool.so, target/release/backends-test and
+# target/release/examples/rust_runtime),
 # then run this from the repository root. Prints a short table last.
 # Record what it prints in docs/gpu-results.md with the date, GPU and driver.
 set -uo pipefail
@@ -43,6 +45,19 @@ echo "-- with expandable segments (kernels write into pages tidepool mapped)"
 TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" timeout 120 "$OUT/tidepool_check" 5000 | tee "$OUT/check-expandable.txt"
 check_expandable_rc=${PIPESTATUS[0]}
 
+echo "== Rust runtime: Buffer<T> through cudarc, a PTX kernel per layer, results against the host"
+RUNTIME=target/release/examples/rust_runtime
+if [ -x "$RUNTIME" ]; then
+  timeout 120 "$RUNTIME" 48 8 2>&1 | tee "$OUT/rust-runtime.txt"
+  runtime_rc=${PIPESTATUS[0]}
+  echo "-- with expandable segments"
+  TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" timeout 120 "$RUNTIME" 48 8 2>&1 | tee "$OUT/rust-runtime-expandable.txt"
+  runtime_expandable_rc=${PIPESTATUS[0]}
+else
+  echo "$RUNTIME missing: build it with --features cudarc; skipped" | tee "$OUT/rust-runtime.txt"
+  runtime_rc=missing runtime_expandable_rc=missing
+fi
+
 echo "== PyTorch end to end"
 # The C++ entry points PyTorch calls and the frame capture, built in place
 # (pip builds them into the package where cargo is at hand).
@@ -55,14 +70,19 @@ done
 
 echo
 echo "== summary"
-python3 - "$OUT" "$check_rc" "$check_expandable_rc" <<'PY'
+python3 - "$OUT" "$check_rc" "$check_expandable_rc" "$runtime_rc" "$runtime_expandable_rc" <<'PY'
 import json, sys, pathlib
 out, check_rc, check_expandable_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+runtime_rcs = sys.argv[4:6]
 print("gpu:", (out / "gpu.txt").read_text().strip())
 for name in ["conformance", "conformance-expandable"]:
     print(f"{name} on the driver:", "ok" if "cuda conformance: ok" in (out / f"{name}.txt").read_text() else "not ok")
 print("patterns/latency check:", "ok" if check_rc == 0 else f"FAILED ({check_rc})")
 print("patterns check, expandable segments:", "ok" if check_expandable_rc == 0 else f"FAILED ({check_expandable_rc})")
+for name, rc in zip(["rust-runtime", "rust-runtime-expandable"], runtime_rcs):
+    text = (out / f"{name}.txt").read_text() if (out / f"{name}.txt").exists() else ""
+    verdict = "ok" if rc == "0" and "equal to the host's" in text else ("skipped" if rc == "missing" else f"FAILED ({rc})")
+    print(f"{name} (cudarc, PTX kernel, results vs host): {verdict}")
 runs = {}
 for name in ["native", "native-expandable", "tidepool", "tidepool-expandable"]:
     try:

@@ -31,7 +31,8 @@
  *     once done (pageable memory), and modules whose PTX is not compiled:
  *     cuModuleGetFunction knows the kernels simgpu runs on the host
  *     (`tidepool_layer`: out[i] = in[i] * w + b), and cuLaunchKernel queues
- *     them on the stream with their arguments copied at launch;
+ *     them on the stream with their arguments copied at launch; an event
+ *     may be destroyed while streams still wait on it (cudarc's join);
  *   - latency (SIMGPU_LATENCY_US) and fault injection: SIMGPU_FAIL_EVERY=N
  *     (every Nth cuMemAlloc or cuMemCreate reports out of memory), SIMGPU_FAIL_FREE_EVERY=N
  *     (every Nth cuMemFree fails and frees nothing), SIMGPU_FAIL_EVENTS=1
@@ -352,7 +353,21 @@ struct simgpu_event {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     long recorded, completed;
+    /* Queued waits on the event, and whether it was destroyed: as in the
+     * driver, an event may be destroyed while streams still wait on it;
+     * its memory goes when the last of them has run. */
+    long waiters;
+    int destroyed;
 };
+
+/* One queued wait on e is over (or was never queued); frees a destroyed
+ * event when it was the last. */
+static void event_unwait(CUevent e) {
+    pthread_mutex_lock(&e->mu);
+    int gone = --e->waiters == 0 && e->destroyed;
+    pthread_mutex_unlock(&e->mu);
+    if (gone) free(e);
+}
 
 static struct simgpu_stream *streams;
 static long check_failures;
@@ -409,6 +424,7 @@ static void run(struct op *op) {
         pthread_mutex_lock(&e->mu);
         while (e->completed < (long)op->tag) pthread_cond_wait(&e->cv, &e->mu);
         pthread_mutex_unlock(&e->mu);
+        event_unwait(e);
         break;
     }
     }
@@ -565,7 +581,11 @@ CUresult cuEventSynchronize(CUevent e) {
 CUresult cuEventDestroy_v2(CUevent e) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     cuEventSynchronize(e);
-    free(e);
+    pthread_mutex_lock(&e->mu);
+    e->destroyed = 1;
+    int gone = e->waiters == 0;
+    pthread_mutex_unlock(&e->mu);
+    if (gone) free(e);
     return CUDA_SUCCESS;
 }
 
@@ -574,8 +594,11 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&e->mu);
     long generation = e->recorded;
+    e->waiters++;
     pthread_mutex_unlock(&e->mu);
-    return enqueue(s, (struct op){.kind = OP_WAIT, .event = e, .tag = (uint64_t)generation});
+    CUresult rc = enqueue(s, (struct op){.kind = OP_WAIT, .event = e, .tag = (uint64_t)generation});
+    if (rc != CUDA_SUCCESS) event_unwait(e);
+    return rc;
 }
 
 /* ---- copies, attributes, modules and kernels (what cudarc calls) -------- */
