@@ -37,6 +37,18 @@ use crate::{AllocError, Allocator, DevicePtr, Stream};
 /// `stream`; freed on that stream when dropped. Made by
 /// [`Allocator::alloc_buffer`]. Not `Copy` or `Clone` (it owns its block);
 /// `Send`, so it may be dropped on another thread.
+///
+/// ```
+/// use tidepool::{Allocator, Config, Stream};
+///
+/// let alloc = Allocator::new(Config::builder().host(1, 1 << 30).build().unwrap()).unwrap();
+/// let mut x = alloc.alloc_buffer::<f32>(0, 1024, Stream::DEFAULT).unwrap();
+/// x.copy_from_host(&vec![1.5; 1024]).unwrap();
+/// assert_eq!(x.to_vec().unwrap()[1023], 1.5);
+/// assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.current, 4096);
+/// drop(x); // back to the cache, on its stream
+/// assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.current, 0);
+/// ```
 pub struct Buffer<'a, T> {
     alloc: &'a Allocator,
     ptr: DevicePtr,

@@ -367,3 +367,24 @@ fn global_is_the_allocator_the_c_abi_uses_whoever_comes_first() {
         assert!(text.contains("global: ok"), "{name}:\n{text}");
     }
 }
+
+/// Runs examples/rust_runtime with this build's features: over the host
+/// backend without `cudarc`, over simgpu (cudarc copies, the PTX kernel
+/// run by simgpu on the host) with it.
+#[test]
+fn the_rust_runtime_example_computes_what_the_host_does() {
+    let mut command = Command::new(env!("CARGO"));
+    command.args(["run", "--quiet", "--example", "rust_runtime", "--manifest-path", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")]);
+    let expected = if cfg!(feature = "cudarc") {
+        command.args(["--features", "cudarc"]).env("LD_LIBRARY_PATH", simgpu_dir()).env("TIDEPOOL_CONF", "backend:cuda");
+        "on backend cuda"
+    } else {
+        command.env("TIDEPOOL_CONF", "backend:host");
+        "on backend host"
+    };
+    let out = command.args(["--", "12", "4"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "rust_runtime failed:\n{text}");
+    assert!(text.contains(expected) && text.contains("equal to the host's"), "{text}");
+    assert!(text.contains("now 0 B allocated"), "{text}");
+}
