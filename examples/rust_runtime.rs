@@ -24,7 +24,7 @@ const HIDDEN: usize = 256;
 /// Layer `l`'s weight and bias: powers of two and small integers, so that
 /// device and host agree to the bit (no rounding).
 fn layer_params(l: usize) -> (f32, f32) {
-    (if l % 2 == 0 { 2.0 } else { 0.5 }, (l % 3) as f32)
+    (if l.is_multiple_of(2) { 2.0 } else { 0.5 }, (l % 3) as f32)
 }
 
 /// The sequence length of `step`: from 16 to 512 tokens, varying.
