@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use tidepool::trace::plan::smallest_capacity;
-use tidepool::trace::replay::{replay, Policy, ReplayOptions};
+use tidepool::trace::replay::{replay, replay_per_device, Policy, ReplayOptions};
 use tidepool::trace::{self, Trace};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -76,9 +76,44 @@ fn plan_finds_the_published_smallest_device() {
     let gib = plan.min_capacity as f64 / GIB;
     assert!((gib / 30.383 - 1.0).abs() <= 0.01, "{gib:.3} GiB");
     assert!(plan.min_capacity >= trace.peak_requested());
-    // One step less does not fit.
-    let smaller = ReplayOptions { capacity: plan.min_capacity - (64 << 20), ..options(Policy::Pytorch) };
+    // One step less does not fit; the step is a quarter percent of the peak.
+    assert_eq!(plan.step, (trace.peak_requested() / 400).next_multiple_of(1 << 20));
+    let smaller = ReplayOptions { capacity: plan.min_capacity - plan.step, ..options(Policy::Pytorch) };
     assert!(replay(&trace, &smaller).unwrap().ooms > 0);
+}
+
+#[test]
+fn a_trace_of_several_gpus_gets_each_cards_figures_not_their_sum() {
+    let Some(path) = shared("pytorch-snapshots/constructorsun_two_gpus.pickle") else {
+        return;
+    };
+    let trace = trace::load(&path).unwrap();
+    let peaks = trace.peak_requested_per_device();
+    assert_eq!(trace.peak_requested(), *peaks.iter().max().unwrap(), "one card's peak, never a sum");
+    let reports = replay_per_device(&trace, &options(Policy::Expandable)).unwrap();
+    assert!(reports.len() >= 2);
+    for report in &reports {
+        let device = report.device as usize;
+        assert_eq!(report.peak_requested_bytes, peaks[device]);
+        // PyTorch recorded each card: the replay of that card lands near it.
+        let recorded = trace.pytorch_peak_reserved_per_device[device] as f64;
+        let ratio = report.peak_reserved_bytes as f64 / recorded;
+        assert!((0.95..=1.06).contains(&ratio), "device {device}: {} against recorded {recorded}", report.peak_reserved_bytes);
+    }
+    let largest = reports.iter().map(|r| r.peak_requested_bytes).max().unwrap() as f64;
+    assert!((largest / GIB - 78.29).abs() < 0.01, "{}", largest / GIB);
+}
+
+#[test]
+fn driver_calls_count_three_per_page_mapped_and_one_per_segment() {
+    // One 64 MiB block on a fresh heap: one segment, or 32 pages in one run.
+    let mut trace = Trace::new("one", trace::Format::RmmCsv);
+    let id = trace.alloc(64 << 20, 0, 0);
+    trace.free(id);
+    let plain = replay(&trace, &options(Policy::Tidepool)).unwrap();
+    assert_eq!(plain.driver_calls, 1);
+    let expandable = replay(&trace, &options(Policy::Expandable)).unwrap();
+    assert_eq!(expandable.driver_calls, 2 * 32 + 1, "cuMemCreate and cuMemMap per page, cuMemSetAccess per run");
 }
 
 fn small_trace() -> Trace {
@@ -204,6 +239,8 @@ fn replay_json_has_one_object_per_policy_with_the_documented_keys() {
         "\"reserved_over_requested\"",
         "\"device_allocs\"",
         "\"device_frees\"",
+        "\"device\":0",
+        "\"driver_calls\"",
         "\"ooms\":0",
         "\"events_per_second\"",
         "\"pytorch_recorded_peak_reserved_bytes\":null",
@@ -230,9 +267,13 @@ fn plan_answers_in_plain_words_and_in_json() {
         "\"tidepool\":{\"min_capacity_bytes\"",
         "\"pytorch\":{\"min_capacity_bytes\"",
         "\"expandable\":{\"min_capacity_bytes\"",
+        "\"step_bytes\":2097152",
+        "\"devices\":[{\"device\":0",
     ] {
         assert!(stdout.contains(key), "{key} missing from {stdout}");
     }
+    let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--step", "4MiB"]);
+    assert!(ok && stdout.contains("(to 4 MiB)"), "{stdout}");
 }
 
 #[test]

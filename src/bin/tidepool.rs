@@ -13,7 +13,7 @@ use tidepool::config::OPTIONS;
 use tidepool::error::human_bytes;
 use tidepool::reclaim::policy::Reason;
 use tidepool::reclaim::registry;
-use tidepool::trace::plan::{card_advice, smallest_capacity};
+use tidepool::trace::plan::{card_advice, smallest_capacity_per_device, Plan};
 use tidepool::trace::replay::{replay_with_progress, Policy, ReplayOptions, ReplayReport};
 use tidepool::trace::{self, Trace};
 use tidepool::Config;
@@ -39,9 +39,11 @@ usage:
       peak requested, allocated and reserved memory, driver calls, OOMs and fragmentation;
       --capacity limits each device (default: unlimited); --policy picks from pytorch (the
       model of PyTorch's allocator), tidepool and expandable (tidepool with expandable:true),
-      comma-separated; all three by default
-  tidepool plan FILE [--conf KEY:VAL,...] [--json]
-      the smallest device the trace fits, with PyTorch's allocator and with tidepool
+      comma-separated; all three by default; a trace of several GPUs gets figures per device
+  tidepool plan FILE [--conf KEY:VAL,...] [--step SIZE] [--json]
+      the smallest device the trace fits, with PyTorch's allocator and with tidepool, found
+      to --step (default: the larger of 2 MiB and 0.25 % of the peak of live memory); a
+      trace of several GPUs gets one answer per device
   tidepool top [--once] [--json]
       the tidepool processes sharing devices on this machine, refreshed every second
       (--once: one table; --json: one JSON object)
@@ -99,11 +101,20 @@ struct Options {
     policies: Vec<Policy>,
     json: bool,
     plot: Option<PathBuf>,
+    /// plan's bisection step (None: its default for the trace).
+    step: Option<u64>,
 }
 
 fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
-    let mut options =
-        Options { files: Vec::new(), capacity: 1 << 50, conf: String::new(), policies: Policy::ALL.to_vec(), json: false, plot: None };
+    let mut options = Options {
+        files: Vec::new(),
+        capacity: 1 << 50,
+        conf: String::new(),
+        policies: Policy::ALL.to_vec(),
+        json: false,
+        plot: None,
+        step: None,
+    };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value"));
@@ -118,6 +129,7 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
             }
             "--json" => options.json = true,
             "--plot" => options.plot = Some(PathBuf::from(value("--plot")?)),
+            "--step" => options.step = Some(parse_size(&value("--step")?)?),
             file => options.files.push(PathBuf::from(file)),
         }
     }
@@ -190,38 +202,57 @@ fn run_replay(args: &[String]) -> Result<(), String> {
             eprint!("tidepool: reading {} ...\r", file.display());
         }
         let trace = load(file)?;
-        let mut reports = Vec::new();
-        for &policy in &options.policies {
-            let samples = if options.plot.is_some() { 2000 } else { 0 };
-            let replay_options = ReplayOptions { capacity: options.capacity, policy, conf: options.conf.clone(), samples, record_to: None };
-            let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-            let bar = |done: usize, total: usize| {
-                if progress {
-                    let filled = 30 * done / total.max(1);
-                    eprint!(
-                        "{name} ({}) [{}{}] {:3}%\r",
-                        policy.name(),
-                        "#".repeat(filled),
-                        " ".repeat(30 - filled),
-                        100 * done / total.max(1)
-                    );
-                }
-            };
-            reports.push(replay_with_progress(&trace, &replay_options, bar)?);
+        // Each device on its own: a card's figures, never sums over cards.
+        let devices = if trace.devices <= 1 { vec![0] } else { trace.used_devices() };
+        let parts: Vec<Trace> =
+            if trace.devices <= 1 { vec![trace.clone()] } else { devices.iter().map(|&d| trace.on_device(d)).collect() };
+        let mut by_device: Vec<Vec<ReplayReport>> = Vec::new();
+        for (&device, part) in devices.iter().zip(&parts) {
+            let mut reports = Vec::new();
+            for &policy in &options.policies {
+                let samples = if options.plot.is_some() { 2000 } else { 0 };
+                let replay_options =
+                    ReplayOptions { capacity: options.capacity, policy, conf: options.conf.clone(), samples, record_to: None };
+                let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let bar = |done: usize, total: usize| {
+                    if progress {
+                        let filled = 30 * done / total.max(1);
+                        eprint!(
+                            "{name} ({}) [{}{}] {:3}%\r",
+                            policy.name(),
+                            "#".repeat(filled),
+                            " ".repeat(30 - filled),
+                            100 * done / total.max(1)
+                        );
+                    }
+                };
+                let mut report = replay_with_progress(part, &replay_options, bar)?;
+                report.device = device as u32;
+                reports.push(report);
+            }
+            by_device.push(reports);
         }
         if progress {
             eprint!("{:80}\r", "");
         }
-        if options.json {
-            for report in &reports {
-                out!("{}", report_json(report));
+        for (part, reports) in parts.iter().zip(&by_device) {
+            if options.json {
+                for report in reports {
+                    out!("{}", report_json(report));
+                }
+            } else {
+                let device = (trace.devices > 1).then_some(reports[0].device);
+                print_report(part, reports, device);
             }
-        } else {
-            print_report(&trace, &reports);
         }
         if let Some(path) = &options.plot {
-            let title = format!("{} ({})", file.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(), trace.format.name());
-            tidepool::trace::plot::write_svg(path, &title, &reports.iter().collect::<Vec<_>>())?;
+            // The device with the most live memory: the card that decides.
+            let largest = (0..parts.len()).max_by_key(|&i| parts[i].peak_requested()).unwrap_or(0);
+            let mut title = format!("{} ({})", file.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(), trace.format.name());
+            if trace.devices > 1 {
+                title += &format!(", device {}", devices[largest]);
+            }
+            tidepool::trace::plot::write_svg(path, &title, &by_device[largest].iter().collect::<Vec<_>>())?;
             if !options.json {
                 out!("plot written to {}", path.display());
             }
@@ -230,10 +261,11 @@ fn run_replay(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-fn print_report(trace: &Trace, reports: &[ReplayReport]) {
+fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
     out!(
-        "{} ({}): {} events, {} allocations, peak requested {}",
+        "{}{} ({}): {} events, {} allocations, peak requested {}",
         trace.source,
+        device.map_or(String::new(), |d| format!(", device {d}")),
         trace.format.name(),
         trace.events.len(),
         trace.allocs,
@@ -267,6 +299,7 @@ fn print_report(trace: &Trace, reports: &[ReplayReport]) {
     );
     row("device allocs", &|r| r.device_allocs.to_string(), None);
     row("device frees", &|r| r.device_frees.to_string(), None);
+    row("driver calls", &|r| r.driver_calls.to_string(), None);
     row("OOMs", &|r| r.ooms.to_string(), None);
     row("fragmentation (peak)", &|r| format!("{:.1} %", 100.0 * r.fragmentation()), None);
     row("replay speed", &|r| format!("{:.1} M ev/s", r.events_per_second() / 1e6), None);
@@ -289,12 +322,13 @@ fn json_string(s: &str) -> String {
 fn report_json(r: &ReplayReport) -> String {
     let recorded = r.pytorch_recorded_peak_reserved_bytes.map_or("null".to_string(), |v| v.to_string());
     format!(
-        "{{\"file\":{},\"policy\":\"{}\",\"capacity_bytes\":{},\"events\":{},\"allocs\":{},\"peak_requested_bytes\":{},\
+        "{{\"file\":{},\"device\":{},\"policy\":\"{}\",\"capacity_bytes\":{},\"events\":{},\"allocs\":{},\"peak_requested_bytes\":{},\
          \"peak_allocated_bytes\":{},\"peak_reserved_bytes\":{},\"reserved_over_requested\":{:.6},\"device_allocs\":{},\
-         \"device_frees\":{},\"ooms\":{},\"peak_inactive_split_bytes\":{},\"fragmentation\":{:.6},\
+         \"device_frees\":{},\"driver_calls\":{},\"ooms\":{},\"peak_inactive_split_bytes\":{},\"fragmentation\":{:.6},\
          \"events_per_second\":{:.0},\
          \"pytorch_recorded_peak_reserved_bytes\":{}}}",
         json_string(&r.file),
+        r.device,
         r.policy.name(),
         r.capacity,
         r.events,
@@ -305,6 +339,7 @@ fn report_json(r: &ReplayReport) -> String {
         r.reserved_over_requested(),
         r.device_allocs,
         r.device_frees,
+        r.driver_calls,
         r.ooms,
         r.peak_inactive_split_bytes,
         r.fragmentation(),
@@ -314,35 +349,67 @@ fn report_json(r: &ReplayReport) -> String {
 }
 
 fn run_plan(args: &[String]) -> Result<(), String> {
-    let options = parse_options(args, &["--conf", "--json"])?;
+    let options = parse_options(args, &["--conf", "--json", "--step"])?;
     if options.files.len() != 1 {
         return Err("plan takes one trace file".into());
     }
     let file = &options.files[0];
     let trace = load(file)?;
-    let [pytorch, tidepool, expandable] = Policy::ALL.map(|policy| smallest_capacity(&trace, policy, &options.conf));
+    let [pytorch, tidepool, expandable] =
+        Policy::ALL.map(|policy| smallest_capacity_per_device(&trace, policy, &options.conf, options.step));
     let (pytorch, tidepool, expandable) = (pytorch?, tidepool?, expandable?);
-    let peak = trace.peak_requested();
+    let peaks: Vec<u64> = {
+        let all = trace.peak_requested_per_device();
+        pytorch.iter().map(|p| all.get(p.device as usize).copied().unwrap_or(0)).collect()
+    };
+    // The card: the largest device's need.
+    let need = |plans: &[Plan]| plans.iter().map(|p| p.min_capacity).max().unwrap_or(0);
+    let step = pytorch.iter().map(|p| p.step).max().unwrap_or(0);
     if options.json {
+        let devices: Vec<String> = (0..pytorch.len())
+            .map(|d| {
+                format!(
+                    "{{\"device\":{},\"peak_requested_bytes\":{},\"step_bytes\":{},\"pytorch\":{{\"min_capacity_bytes\":{}}},\"tidepool\":{{\"min_capacity_bytes\":{}}},\"expandable\":{{\"min_capacity_bytes\":{}}}}}",
+                    pytorch[d].device,
+                    peaks[d],
+                    pytorch[d].step,
+                    pytorch[d].min_capacity,
+                    tidepool[d].min_capacity,
+                    expandable[d].min_capacity
+                )
+            })
+            .collect();
         out!(
-            "{{\"file\":{},\"peak_requested_bytes\":{},\"pytorch\":{{\"min_capacity_bytes\":{}}},\"tidepool\":{{\"min_capacity_bytes\":{}}},\"expandable\":{{\"min_capacity_bytes\":{}}}}}",
+            "{{\"file\":{},\"peak_requested_bytes\":{},\"step_bytes\":{},\"pytorch\":{{\"min_capacity_bytes\":{}}},\"tidepool\":{{\"min_capacity_bytes\":{}}},\"expandable\":{{\"min_capacity_bytes\":{}}},\"devices\":[{}]}}",
             json_string(&trace.source),
-            peak,
-            pytorch.min_capacity,
-            tidepool.min_capacity,
-            expandable.min_capacity
+            trace.peak_requested(),
+            step,
+            need(&pytorch),
+            need(&tidepool),
+            need(&expandable),
+            devices.join(",")
         );
     } else {
         let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
-        out!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), gib(peak));
-        out!(
-            "needs {} with PyTorch's allocator, {} with tidepool, {} with tidepool expandable:true",
-            gib(pytorch.min_capacity),
-            gib(tidepool.min_capacity),
-            gib(expandable.min_capacity),
-        );
-        let best = tidepool.min_capacity.min(expandable.min_capacity);
-        out!("tidepool: {}. PyTorch's allocator: {}.", card_advice(best), card_advice(pytorch.min_capacity));
+        let mib = |b: u64| format!("{:.0} MiB", b as f64 / (1u64 << 20) as f64);
+        out!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), gib(trace.peak_requested()));
+        for d in 0..pytorch.len() {
+            let prefix = if trace.devices > 1 {
+                format!("device {}: peak of live memory {}; ", pytorch[d].device, gib(peaks[d]))
+            } else {
+                String::new()
+            };
+            out!(
+                "{prefix}needs {} with PyTorch's allocator, {} with tidepool, {} with tidepool expandable:true (to {})",
+                gib(pytorch[d].min_capacity),
+                gib(tidepool[d].min_capacity),
+                gib(expandable[d].min_capacity),
+                mib(pytorch[d].step),
+            );
+        }
+        let best = need(&tidepool).min(need(&expandable));
+        let each = if trace.devices > 1 { "each card " } else { "" };
+        out!("tidepool: {each}{}. PyTorch's allocator: {each}{}.", card_advice(best), card_advice(need(&pytorch)));
     }
     Ok(())
 }

@@ -71,8 +71,11 @@ pub struct Trace {
     pub allocs: u32,
     /// Devices referenced (1 + the highest device index).
     pub devices: u32,
-    /// PyTorch's own peak reserved bytes, when the file records segments.
+    /// PyTorch's own peak reserved bytes, when the file records segments:
+    /// of its largest device.
     pub pytorch_peak_reserved: Option<u64>,
+    /// The same per device (index = device), when the file records segments.
+    pub pytorch_peak_reserved_per_device: Vec<u64>,
     /// PyTorch's allocator settings as recorded (snapshots only), in
     /// TIDEPOOL_CONF syntax: what the PyTorch model replays with.
     pub pytorch_conf: String,
@@ -89,6 +92,7 @@ impl Trace {
             allocs: 0,
             devices: 1,
             pytorch_peak_reserved: None,
+            pytorch_peak_reserved_per_device: Vec::new(),
             pytorch_conf: String::new(),
             warnings: Warnings::default(),
         }
@@ -107,21 +111,76 @@ impl Trace {
         self.events.push(Event::Free { id });
     }
 
-    /// The highest sum of live requested bytes over the trace.
+    /// The highest sum of live requested bytes on one device: of the
+    /// device where it is highest (one card's figure, never a sum over cards).
     pub fn peak_requested(&self) -> u64 {
-        let mut sizes = vec![0u64; self.allocs as usize];
-        let (mut live, mut peak) = (0u64, 0u64);
+        self.peak_requested_per_device().into_iter().max().unwrap_or(0)
+    }
+
+    /// The highest sum of live requested bytes on each device (index = device).
+    pub fn peak_requested_per_device(&self) -> Vec<u64> {
+        let mut sizes = vec![(0u64, 0u32); self.allocs as usize];
+        let devices = self.devices.max(1) as usize;
+        let (mut live, mut peak) = (vec![0u64; devices], vec![0u64; devices]);
         for event in &self.events {
             match *event {
-                Event::Alloc { id, size, .. } => {
-                    sizes[id as usize] = size;
-                    live += size;
-                    peak = peak.max(live);
+                Event::Alloc { id, size, device, .. } => {
+                    sizes[id as usize] = (size, device);
+                    let d = device as usize;
+                    live[d] += size;
+                    peak[d] = peak[d].max(live[d]);
                 }
-                Event::Free { id } => live -= std::mem::take(&mut sizes[id as usize]),
+                Event::Free { id } => {
+                    let (size, device) = std::mem::take(&mut sizes[id as usize]);
+                    live[device as usize] -= size;
+                }
             }
         }
         peak
+    }
+
+    /// The devices with at least one allocation, in order (device 0 for an
+    /// empty trace): those that get figures of their own.
+    pub fn used_devices(&self) -> Vec<u32> {
+        let mut used = vec![false; self.devices.max(1) as usize];
+        for event in &self.events {
+            if let Event::Alloc { device, .. } = *event {
+                used[device as usize] = true;
+            }
+        }
+        let devices: Vec<u32> = (0..used.len() as u32).filter(|&d| used[d as usize]).collect();
+        if devices.is_empty() {
+            vec![0]
+        } else {
+            devices
+        }
+    }
+
+    /// The part of the trace on `device`, as a one-device trace (device 0),
+    /// with PyTorch's recorded peak of that device. Devices share nothing in
+    /// an allocator, so replaying each alone gives each card's figures.
+    pub fn on_device(&self, device: u32) -> Trace {
+        let mut part = Trace::new(self.source.clone(), self.format);
+        part.pytorch_conf = self.pytorch_conf.clone();
+        part.warnings = self.warnings.clone();
+        part.pytorch_peak_reserved = self.pytorch_peak_reserved_per_device.get(device as usize).copied();
+        if self.devices <= 1 {
+            part.pytorch_peak_reserved = self.pytorch_peak_reserved;
+        }
+        part.pytorch_peak_reserved_per_device = part.pytorch_peak_reserved.into_iter().collect();
+        let mut ids = vec![u32::MAX; self.allocs as usize];
+        for event in &self.events {
+            match *event {
+                Event::Alloc { id, size, stream, device: d } if d == device => ids[id as usize] = part.alloc(size, stream, 0),
+                Event::Alloc { .. } => {}
+                Event::Free { id } => {
+                    if ids[id as usize] != u32::MAX {
+                        part.free(ids[id as usize]);
+                    }
+                }
+            }
+        }
+        part
     }
 }
 

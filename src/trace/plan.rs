@@ -1,40 +1,74 @@
 //! The smallest device a trace fits: bisection over the capacity, in steps
-//! of 64 MiB (or any other), replaying until the trace runs to the end
-//! without an OOM.
+//! (by default the larger of 2 MiB and 0.25 % of the peak of live bytes,
+//! or any other), replaying until the trace runs to the end without an
+//! OOM; each device of a trace on its own.
 #![forbid(unsafe_code)]
 
 use super::replay::{replay, Policy, ReplayOptions};
 use super::Trace;
 
-/// The step of the search.
-pub const STEP: u64 = 64 << 20;
+/// The step of the search when none is given: the larger of 2 MiB and
+/// 0.25 % of the peak of live bytes, rounded up to whole MiB, so that the
+/// answer is within a quarter of a percent whatever the trace's size.
+pub fn default_step(peak_requested: u64) -> u64 {
+    const MIB: u64 = 1 << 20;
+    (peak_requested / 400).max(2 * MIB).next_multiple_of(MIB)
+}
 
 /// What `smallest_capacity` found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
     pub policy: Policy,
+    /// The device these figures are of (0 for a one-device trace).
+    pub device: u32,
     /// The least multiple of the step at which the trace runs without an OOM.
     pub min_capacity: u64,
+    /// The step of the search: `min_capacity - step` does not fit.
+    pub step: u64,
     /// Replays it took.
     pub replays: u32,
 }
 
 /// Bisection between the peak of live bytes (nothing fits in less) and a
-/// capacity that passes (found by doubling from the unconstrained peak).
+/// capacity that passes (the unconstrained peak reserved), in the default
+/// step. For a trace on several devices: the capacity every device fits.
 pub fn smallest_capacity(trace: &Trace, policy: Policy, conf: &str) -> Result<Plan, String> {
-    smallest_capacity_in_steps(trace, policy, conf, STEP)
+    smallest_capacity_in_steps(trace, policy, conf, default_step(trace.peak_requested()))
+}
+
+/// The smallest capacity of each device of `trace`, each replayed on its
+/// own, in `step` (None: the default step of each device's peak);
+/// devices that allocate nothing are left out.
+pub fn smallest_capacity_per_device(trace: &Trace, policy: Policy, conf: &str, step: Option<u64>) -> Result<Vec<Plan>, String> {
+    if trace.devices <= 1 {
+        let step = step.unwrap_or_else(|| default_step(trace.peak_requested()));
+        return Ok(vec![smallest_capacity_in_steps(trace, policy, conf, step)?]);
+    }
+    let mut plans = Vec::new();
+    for device in trace.used_devices() {
+        let part = trace.on_device(device);
+        let step = step.unwrap_or_else(|| default_step(part.peak_requested()));
+        let mut plan = smallest_capacity_in_steps(&part, policy, conf, step)?;
+        plan.device = device;
+        plans.push(plan);
+    }
+    Ok(plans)
 }
 
 /// `smallest_capacity` to the nearest multiple of `step` bytes.
 pub fn smallest_capacity_in_steps(trace: &Trace, policy: Policy, conf: &str, step: u64) -> Result<Plan, String> {
-    let mut replays = 0;
+    // Unconstrained, the replay never holds more than its peak reserved: a
+    // device of that size fits it (tried first, doubling if ever not).
+    let options = ReplayOptions { capacity: 1 << 50, policy, conf: conf.to_string(), samples: 0, record_to: None };
+    let unconstrained = replay(trace, &options)?.peak_reserved_bytes;
+    let mut replays = 1;
     let mut fits = |capacity: u64| -> Result<bool, String> {
         replays += 1;
         let options = ReplayOptions { capacity, policy, conf: conf.to_string(), samples: 0, record_to: None };
         Ok(replay(trace, &options)?.ooms == 0)
     };
     let floor = trace.peak_requested() / step * step;
-    let mut hi = floor + step;
+    let mut hi = unconstrained.next_multiple_of(step).max(floor + step);
     while !fits(hi)? {
         hi = hi.checked_mul(2).filter(|&h| h < 1 << 50).ok_or("the trace does not fit even in 1 PiB")?;
     }
@@ -51,7 +85,7 @@ pub fn smallest_capacity_in_steps(trace: &Trace, policy: Policy, conf: &str, ste
     if lo > 0 && lo != hi && fits(lo)? {
         hi = lo;
     }
-    Ok(Plan { policy, min_capacity: hi, replays })
+    Ok(Plan { policy, device: 0, min_capacity: hi, step, replays })
 }
 
 /// Common GPU memory sizes, in GiB, for the plain answer.
@@ -95,6 +129,31 @@ mod tests {
         let c = trace.alloc(300 << 20, 0, 0);
         trace.free(c);
         let plan = smallest_capacity(&trace, Policy::Tidepool, "").unwrap();
-        assert_eq!(plan.min_capacity, 320 << 20);
+        assert_eq!(plan.min_capacity, 300 << 20);
+        assert_eq!(plan.step, 2 << 20);
+    }
+
+    #[test]
+    fn the_default_step_is_2_mib_or_a_quarter_percent_of_the_peak() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(default_step(100 * MIB), 2 * MIB);
+        assert_eq!(default_step(800 * MIB), 2 * MIB);
+        assert_eq!(default_step(4000 * MIB), 10 * MIB);
+        assert_eq!(default_step(51 << 30), 131 * MIB);
+    }
+
+    #[test]
+    fn each_device_of_a_trace_is_planned_on_its_own() {
+        // Device 0 holds 100 MiB while device 1 holds 300 MiB: each card's
+        // need, not their sum.
+        let mut trace = Trace::new("t", crate::trace::Format::TorchSnapshot);
+        let a = trace.alloc(100 << 20, 0, 0);
+        let b = trace.alloc(300 << 20, 0, 1);
+        trace.free(a);
+        trace.free(b);
+        assert_eq!(trace.peak_requested_per_device(), [100 << 20, 300 << 20]);
+        let plans = smallest_capacity_per_device(&trace, Policy::Pytorch, "", None).unwrap();
+        let found: Vec<_> = plans.iter().map(|p| (p.device, p.min_capacity)).collect();
+        assert_eq!(found, [(0, 100 << 20), (1, 300 << 20)]);
     }
 }

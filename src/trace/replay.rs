@@ -76,6 +76,8 @@ pub struct Sample {
 pub struct ReplayReport {
     pub file: String,
     pub policy: Policy,
+    /// The device these figures are of (0 for a one-device trace).
+    pub device: u32,
     pub capacity: u64,
     pub events: u64,
     pub allocs: u64,
@@ -84,6 +86,13 @@ pub struct ReplayReport {
     pub peak_reserved_bytes: u64,
     pub device_allocs: u64,
     pub device_frees: u64,
+    /// The driver calls that change what memory is held, as the `cuda`
+    /// backend makes them: one per segment allocated or freed
+    /// (`cuMemAlloc`, `cuMemFree`), and with expandable segments two per
+    /// page mapped (`cuMemCreate`, `cuMemMap`) plus one per run
+    /// (`cuMemSetAccess`) and two per page unmapped (`cuMemUnmap`,
+    /// `cuMemRelease`). Failed attempts count.
+    pub driver_calls: u64,
     /// Allocations that failed for lack of memory (0: the trace fits).
     pub ooms: u64,
     /// The most bytes ever free inside partly used segments (PyTorch's
@@ -139,7 +148,35 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
     builder.host(trace.devices as usize, options.capacity).build()
 }
 
-/// Replays `trace` once. Fails only on a bad `conf`, or if the allocator
+/// Replays each device of `trace` on its own: one report per device, in
+/// device order (one for a one-device trace; devices that allocate
+/// nothing are left out). A device's figures are one
+/// card's, never sums over cards.
+pub fn replay_per_device(trace: &Trace, options: &ReplayOptions) -> Result<Vec<ReplayReport>, String> {
+    replay_per_device_with_progress(trace, options, |_, _| {})
+}
+
+/// `replay_per_device`, calling `progress(done, total)` about a hundred
+/// times per device.
+pub fn replay_per_device_with_progress(
+    trace: &Trace,
+    options: &ReplayOptions,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Vec<ReplayReport>, String> {
+    if trace.devices <= 1 {
+        return Ok(vec![replay_with_progress(trace, options, progress)?]);
+    }
+    let mut reports = Vec::new();
+    for device in trace.used_devices() {
+        let mut report = replay_with_progress(&trace.on_device(device), options, &mut progress)?;
+        report.device = device;
+        reports.push(report);
+    }
+    Ok(reports)
+}
+
+/// Replays `trace` once, all devices together (figures summed over
+/// devices: see `replay_per_device` for each card's). Fails only on a bad `conf`, or if the allocator
 /// reports something other than lack of memory.
 pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, String> {
     replay_with_progress(trace, options, |_, _| {})
@@ -154,7 +191,7 @@ pub fn replay_with_progress(
     let config = policy_config(trace, options).map_err(|e| format!("--conf: {e}"))?;
     let devices = trace.devices as usize;
     let backend = std::sync::Arc::new(HostBackend::new(devices, options.capacity));
-    let alloc = Allocator::with_backend(config, backend);
+    let alloc = Allocator::with_backend(config, backend.clone());
 
     let mut ptrs = vec![(0u64, 0u32); trace.allocs as usize];
     let every = if options.samples == 0 { u64::MAX } else { (trace.events.len() as u64 / options.samples as u64).max(1) };
@@ -195,6 +232,7 @@ pub fn replay_with_progress(
     let mut report = ReplayReport {
         file: trace.source.clone(),
         policy: options.policy,
+        device: 0,
         capacity: options.capacity,
         events: trace.events.len() as u64,
         allocs: trace.allocs as u64,
@@ -203,6 +241,7 @@ pub fn replay_with_progress(
         peak_reserved_bytes: 0,
         device_allocs: 0,
         device_frees: 0,
+        driver_calls: 0,
         ooms,
         peak_inactive_split_bytes: 0,
         seconds,
@@ -216,8 +255,11 @@ pub fn replay_with_progress(
         report.peak_reserved_bytes += s.reserved_bytes.all.peak;
         report.device_allocs += s.events.num_device_alloc;
         report.device_frees += s.events.num_device_free;
+        report.driver_calls += 2 * (s.events.num_pages_mapped + s.events.num_pages_unmapped);
         report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
     }
+    let (map_calls, _) = backend.vm_calls();
+    report.driver_calls += backend.allocate_calls() + backend.release_calls() + map_calls;
     alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
     Ok(report)
 }

@@ -90,6 +90,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
     }
 
     let mut recorded_peak = 0u64;
+    let mut recorded_peaks = vec![0u64; devices];
     let mut any_segment_info = !segments.is_empty();
     for (device, &events) in traces.iter().enumerate() {
         let events = r.list(events, "a device trace")?;
@@ -130,7 +131,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
             ids.insert(addr, trace.alloc(size, stream, device as u32));
         }
         let mut reserved = reserved_at_start.max(0) as u64;
-        recorded_peak = recorded_peak.max(reserved);
+        recorded_peaks[device] = reserved;
         for &(action, addr, size, stream) in &parsed {
             match action {
                 "alloc" => {
@@ -147,14 +148,18 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
                 "segment_alloc" | "segment_map" => {
                     any_segment_info = true;
                     reserved += size;
-                    recorded_peak = recorded_peak.max(reserved);
+                    recorded_peaks[device] = recorded_peaks[device].max(reserved);
                 }
                 "segment_free" | "segment_unmap" => reserved = reserved.saturating_sub(size),
                 _ => {}
             }
         }
+        recorded_peak = recorded_peak.max(recorded_peaks[device]);
     }
     trace.devices = trace.devices.max(devices as u32);
+    if any_segment_info {
+        trace.pytorch_peak_reserved_per_device = recorded_peaks;
+    }
     trace.pytorch_peak_reserved = any_segment_info.then_some(recorded_peak);
     Ok(trace)
 }
@@ -221,10 +226,7 @@ mod tests {
             ("stream", PyValue::int(0)),
             ("blocks", PyValue::List(blocks)),
         ]);
-        dumps(&PyValue::dict([
-            ("segments", PyValue::List(vec![segment])),
-            ("device_traces", PyValue::List(vec![PyValue::List(events)])),
-        ]))
+        dumps(&PyValue::dict([("segments", PyValue::List(vec![segment])), ("device_traces", PyValue::List(vec![PyValue::List(events)]))]))
     }
 
     #[test]
@@ -233,7 +235,12 @@ mod tests {
         // C (0x3000) was allocated and freed during the trace.
         let bytes = snapshot(
             vec![block(0x1000, 4096, 4000, "active_allocated"), block(0x2000, 2 * 1024 * 1024 - 4096, 0, "inactive")],
-            vec![event("free_requested", 0x2000, 512), event("free_completed", 0x2000, 512), event("alloc", 0x3000, 100), event("free_completed", 0x3000, 100)],
+            vec![
+                event("free_requested", 0x2000, 512),
+                event("free_completed", 0x2000, 512),
+                event("alloc", 0x3000, 100),
+                event("free_completed", 0x3000, 100),
+            ],
         );
         let trace = read(&bytes[..], "t.pickle").unwrap();
         // A and B were live before the trace began: allocated first, by address.
