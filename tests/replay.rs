@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tidepool::trace::plan::smallest_capacity;
+use tidepool::trace::plan::{smallest_capacity, smallest_capacity_per_device};
 use tidepool::trace::replay::{replay, replay_per_device, Policy, ReplayOptions};
 use tidepool::trace::{self, Trace};
 
@@ -114,6 +114,45 @@ fn driver_calls_count_three_per_page_mapped_and_one_per_segment() {
     assert_eq!(plain.driver_calls, 1);
     let expandable = replay(&trace, &options(Policy::Expandable)).unwrap();
     assert_eq!(expandable.driver_calls, 2 * 32 + 1, "cuMemCreate and cuMemMap per page, cuMemSetAccess per run");
+}
+
+/// Every trace: examples/traces, and ../shared/traces when present.
+fn all_traces() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dirs = [root.join("examples/traces"), root.join("../shared/traces/pytorch-snapshots"), root.join("../shared/traces/rmm-csv")];
+    let mut files: Vec<PathBuf> = dirs
+        .iter()
+        .filter_map(|dir| std::fs::read_dir(dir).ok())
+        .flatten()
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "csv" || e == "pickle"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn the_default_policy_never_reserves_more_than_pytorchs_model_on_any_trace_or_device() {
+    for file in all_traces() {
+        let trace = trace::load(&file).unwrap();
+        let ours = replay_per_device(&trace, &options(Policy::Tidepool)).unwrap();
+        let model = replay_per_device(&trace, &options(Policy::Pytorch)).unwrap();
+        for (ours, model) in ours.iter().zip(&model) {
+            assert!(
+                ours.peak_reserved_bytes <= model.peak_reserved_bytes,
+                "{} device {}: tidepool {} above the model's {}",
+                file.display(),
+                ours.device,
+                ours.peak_reserved_bytes,
+                model.peak_reserved_bytes
+            );
+        }
+        let ours = smallest_capacity_per_device(&trace, Policy::Tidepool, "", None).unwrap();
+        let model = smallest_capacity_per_device(&trace, Policy::Pytorch, "", None).unwrap();
+        for (ours, model) in ours.iter().zip(&model) {
+            assert!(ours.min_capacity <= model.min_capacity, "{} device {}: smallest device {ours:?} above {model:?}", file.display(), ours.device);
+        }
+    }
 }
 
 fn small_trace() -> Trace {

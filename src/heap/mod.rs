@@ -583,8 +583,8 @@ impl DeviceHeap {
         let b = &mut self.blocks[id];
         b.state = BlockState::Stashed;
         b.requested = 0;
-        let pool = b.pool;
-        if !self.stash_enabled {
+        let (pool, kind) = (b.pool, b.kind);
+        if !self.stash_enabled || (kind == PoolKind::Large && !self.stash_is_best_fit(id)) {
             self.merge_and_bin(id);
             return;
         }
@@ -593,6 +593,24 @@ impl DeviceHeap {
             self.merge_and_bin(previous);
         }
         // The stash path ends here: merging is for the next operation.
+    }
+
+    /// Whether the freed block `id`, taken back by a request of its size,
+    /// is where best fit over the merged bins would put that request: no
+    /// free block before it (merging would move the request's address
+    /// down), and no free block in its pool but the one after it (another
+    /// would fit as well or better). Then the stash only saves work;
+    /// otherwise it would change where blocks land, and the large pool
+    /// (where a misplaced block costs whole segments) merges at once.
+    #[inline(always)]
+    fn stash_is_best_fit(&self, id: BlockId) -> bool {
+        let b = &self.blocks[id];
+        let (prev, next) = (b.prev, b.next);
+        let free_blocks = self.pools[b.pool as usize].free_blocks;
+        if free_blocks > 1 || (prev != NIL && self.blocks[prev].state == BlockState::Binned) {
+            return false;
+        }
+        free_blocks == (next != NIL && self.blocks[next].state == BlockState::Binned) as usize
     }
 
     /// Merges the stashed block of `pool`, if any, into the bins.
