@@ -24,6 +24,11 @@ pub enum AllocError {
     Forked { parent: u32 },
     /// The backend failed for a reason other than lack of memory.
     Backend(BackendError),
+    /// A tag in the wrong state for the call (paused, not paused, unknown),
+    /// or a pause refused now; the message names the tag.
+    Tag(String),
+    /// Host memory for an offload could not be had; nothing was released.
+    HostOutOfMemory { bytes: u64 },
 }
 
 /// What was wrong with a freed pointer.
@@ -63,6 +68,12 @@ impl fmt::Display for AllocError {
                  a forked child creates an allocator of its own (the C ABI does so by itself)"
             ),
             AllocError::Backend(err) => write!(f, "tidepool: {err}"),
+            AllocError::Tag(msg) => write!(f, "tidepool: {msg}"),
+            AllocError::HostOutOfMemory { bytes } => write!(
+                f,
+                "tidepool: cannot offload: {} of host memory could not be had; the tag was not paused and nothing was released",
+                human_bytes(*bytes)
+            ),
         }
     }
 }

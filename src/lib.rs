@@ -29,6 +29,7 @@ pub mod reclaim;
 pub mod size_class;
 pub mod snapshot;
 pub mod stats;
+pub mod tag;
 pub mod trace;
 
 /// cudarc interop: tidepool buffers as cudarc device memory (feature `cudarc`).
@@ -49,7 +50,9 @@ pub use frames::Frame;
 use heap::DeviceHeap;
 pub use heap::history::{HistoryAction, HistoryEntry};
 pub use heap::private::PrivatePoolId;
+pub use heap::tags::TagStats;
 pub use heap::{BlockSnapshot, Released, SegmentSnapshot};
+pub use tag::TagId;
 pub use stats::{Events, Stat, StatByPool, Stats};
 
 /// An opaque stream handle (a `CUstream`); 0 is the default stream.
@@ -279,6 +282,9 @@ impl Allocator {
     #[inline(always)]
     pub fn allocate(&self, device: usize, size: usize, stream: Stream) -> Result<DevicePtr, AllocError> {
         let heap = self.stream_heap(device, stream)?;
+        if tag::current() != TagId::DEFAULT {
+            return self.allocate_tagged(heap, device, size, stream, 0);
+        }
         let result = heap.lock().allocate(size as u64, stream);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
@@ -291,6 +297,9 @@ impl Allocator {
     /// for it (`register_context`). Plain `allocate` does not pay for this.
     pub fn allocate_with_context(&self, device: usize, size: usize, stream: Stream, context: u64) -> Result<DevicePtr, AllocError> {
         let heap = self.stream_heap(device, stream)?;
+        if tag::current() != TagId::DEFAULT {
+            return self.allocate_tagged(heap, device, size, stream, context);
+        }
         let result = heap.lock().allocate_with_context(size as u64, stream, context);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
@@ -307,6 +316,18 @@ impl Allocator {
     /// The frames registered for `context` (none for 0 or an unknown one).
     pub fn context_frames(&self, context: u64) -> Arc<[Frame]> {
         self.contexts.frames(context)
+    }
+
+    /// A request made under the thread's tag (not "default"): from the
+    /// tag's own pools (`heap/tags.rs`).
+    #[cold]
+    #[inline(never)]
+    fn allocate_tagged(&self, heap: &Mutex<DeviceHeap>, device: usize, size: usize, stream: Stream, context: u64) -> Result<DevicePtr, AllocError> {
+        let result = heap.lock().allocate_tagged(size as u64, stream, tag::current(), context);
+        match result {
+            Ok(addr) => Ok(DevicePtr(addr)),
+            Err(err) => self.allocate_after(err, heap, device, size, stream, context),
+        }
     }
 
     /// After a failed request: with stream shards, the other shards may
@@ -329,7 +350,7 @@ impl Allocator {
             other.lock().release_free_segments(reclaim::policy::Reason::OutOfMemory, |_, _| true);
         }
         let mut heap = heap.lock();
-        let retried = heap.allocate_with_context(size as u64, stream, context).map(DevicePtr);
+        let retried = heap.allocate_tagged(size as u64, stream, tag::current(), context).map(DevicePtr);
         if retried.is_ok() {
             heap.retract_oom();
         }
@@ -523,6 +544,90 @@ impl Allocator {
         }
         self.flush_trace();
         recorder.finish()
+    }
+
+    /// The heaps of `device`, or of every device when None.
+    fn heaps_of(&self, device: Option<usize>) -> Result<&[Mutex<DeviceHeap>], AllocError> {
+        match device {
+            Some(device) => self.device_heaps(device),
+            None => self.heaps(),
+        }
+    }
+
+    /// The id of a tag some thread of this process has used.
+    fn known_tag(name: &str) -> Result<TagId, AllocError> {
+        tag::check_name(name)?;
+        tag::lookup(name).ok_or_else(|| AllocError::Tag(format!("tag {name:?} is unknown: no thread of this process ever set it")))
+    }
+
+    /// Pauses `tag` on `device` (None: every device): waits for the work
+    /// queued on the streams that used its blocks, then gives every page of
+    /// its memory, live and cached, back to the device. Addresses stay
+    /// reserved, so pointers keep their values. With `offload`, the
+    /// contents of live blocks are first copied to host memory (pinned on
+    /// CUDA) and come back at `resume`; without, they are lost. Returns the
+    /// device bytes given back.
+    ///
+    /// Errors change nothing: an unknown tag, "default", a tag already
+    /// paused on one of the devices, an open private pool (a CUDA graph
+    /// capture may be underway), host memory that cannot be had for the
+    /// offload. Allocating under a paused tag is an error until `resume`;
+    /// freeing a paused block is allowed.
+    pub fn pause(&self, tag: &str, device: Option<usize>, offload: bool) -> Result<u64, AllocError> {
+        let id = Self::known_tag(tag)?;
+        let heaps = self.heaps_of(device)?;
+        for heap in heaps {
+            heap.lock().check_pausable(id)?;
+        }
+        let mut given_back = 0;
+        for (done, heap) in heaps.iter().enumerate() {
+            match heap.lock().pause_tag(id, offload) {
+                Ok(bytes) => given_back += bytes,
+                Err(err) => {
+                    // All or nothing: the heaps paused so far resume.
+                    for earlier in &heaps[..done] {
+                        let _ = earlier.lock().resume_tag(id);
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Ok(given_back)
+    }
+
+    /// Resumes `tag` on `device` (None: every device where it is paused):
+    /// maps its pages again at the same addresses and copies the offloaded
+    /// contents back; returns the device bytes mapped, once the memory is
+    /// usable. When the device cannot give the memory back, the cache of
+    /// the device is released and the other processes are asked; failing
+    /// that, the error leaves the tag paused with nothing mapped and its
+    /// saved contents intact. Resuming a tag that is not paused is an error.
+    pub fn resume(&self, tag: &str, device: Option<usize>) -> Result<u64, AllocError> {
+        let id = Self::known_tag(tag)?;
+        let heaps = self.heaps_of(device)?;
+        if !heaps.iter().any(|h| h.lock().tag_paused(id)) {
+            return Err(AllocError::Tag(format!("tag {tag:?} is not paused")));
+        }
+        let mut mapped = 0;
+        for heap in heaps {
+            let mut heap = heap.lock();
+            if heap.tag_paused(id) {
+                mapped += heap.resume_tag(id)?;
+            }
+        }
+        Ok(mapped)
+    }
+
+    /// What `tag` holds on `device`: live blocks, reserved memory, and
+    /// while paused, the memory given back and the host bytes holding its
+    /// contents.
+    pub fn tag_stats(&self, tag: &str, device: usize) -> Result<TagStats, AllocError> {
+        let id = Self::known_tag(tag)?;
+        let mut total = TagStats::default();
+        for heap in self.device_heaps(device)? {
+            total += heap.lock().tag_stats(id);
+        }
+        Ok(total)
     }
 
     /// Runs `f` with the (first) heap of `device` locked (tests and tools).

@@ -302,6 +302,8 @@ impl Counters {
             events: self.events,
             cached_free_bytes: 0,
             largest_free_block_bytes: 0,
+            paused_bytes: 0,
+            offloaded_bytes: 0,
         }
     }
 }
@@ -338,6 +340,10 @@ pub struct Stats {
     pub cached_free_bytes: u64,
     /// The largest free block in any pool.
     pub largest_free_block_bytes: u64,
+    /// Device memory given back by paused tags (their addresses stay reserved).
+    pub paused_bytes: u64,
+    /// Host memory holding paused tags' contents (pauses with offload).
+    pub offloaded_bytes: u64,
 }
 
 impl Stats {
@@ -365,6 +371,8 @@ impl Stats {
             total.num_frees += part.num_frees;
             total.cached_free_bytes += part.cached_free_bytes;
             total.largest_free_block_bytes = total.largest_free_block_bytes.max(part.largest_free_block_bytes);
+            total.paused_bytes += part.paused_bytes;
+            total.offloaded_bytes += part.offloaded_bytes;
         }
         total
     }

@@ -14,6 +14,10 @@
 //! `cuMemMap` and opened with `cuMemSetAccess`, so that any page can go back
 //! alone (`cuMemUnmap` + `cuMemRelease`): the driver unmaps only whole mappings.
 //!
+//! Offload memory (a paused tag's contents) is pinned host memory from
+//! `cuMemHostAlloc`, freed with `cuMemFreeHost`, so the copies of a pause
+//! and a resume run at the bus's speed.
+//!
 //! Each device works in its primary context, made current on the calling
 //! thread when it is not (PyTorch's threads have it already; a plain Rust
 //! program's do not). Every driver result is mapped in `check`: out of
@@ -27,7 +31,7 @@ use parking_lot::Mutex;
 
 use cudarc::driver::sys;
 
-use super::{Backend, BackendError, MemInfo};
+use super::{Backend, BackendError, HostMemory, MemInfo};
 use crate::Stream;
 
 /// One device: its ordinal, primary context, identity and (cuda_async) pool.
@@ -435,6 +439,20 @@ impl Backend for CudaBackend {
         check(unsafe { sys::cuStreamSynchronize(s) }, "cuStreamSynchronize")
     }
 
+    fn host_memory(&self, len: u64) -> Result<Box<dyn HostMemory>, BackendError> {
+        self.enter(0, "cuMemHostAlloc")?;
+        let bytes = usize::try_from(len).map_err(|_| BackendError::OutOfMemory)?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: a context is current; the driver writes the address of
+        // `bytes` bytes of pinned host memory, portable: pinned for every
+        // device's context (CU_MEMHOSTALLOC_PORTABLE).
+        check(unsafe { sys::cuMemHostAlloc(&mut ptr, bytes, 1) }, "cuMemHostAlloc")?;
+        if ptr.is_null() {
+            return Err(BackendError::OutOfMemory);
+        }
+        Ok(Box::new(PinnedHost { addr: ptr as usize, len: bytes, context: self.devices[0].context }))
+    }
+
     fn record_event(&self, device: usize, stream: Stream) -> Result<Option<u64>, BackendError> {
         self.enter(device, "cuEventRecord")?;
         let reused = self.devices[device].events.lock().pop();
@@ -486,6 +504,38 @@ impl Backend for CudaBackend {
             return Some(format!("cuda-ordinal-{}", d.ordinal));
         }
         Some(format!("cuda-{}", d.uuid.iter().map(|b| format!("{b:02x}")).collect::<String>()))
+    }
+}
+
+/// Pinned host memory from `cuMemHostAlloc`, freed in the context that
+/// allocated it.
+struct PinnedHost {
+    addr: usize,
+    len: usize,
+    context: usize,
+}
+
+impl HostMemory for PinnedHost {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: [addr, addr + len) is pinned host memory this value owns
+        // until drop; the borrow of self keeps it alive.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        // SAFETY: `context` is a primary context retained for the process's
+        // life; `addr` came from cuMemHostAlloc in it and is freed once.
+        unsafe {
+            sys::cuCtxSetCurrent(self.context as sys::CUcontext);
+            sys::cuMemFreeHost(self.addr as *mut std::ffi::c_void);
+        }
     }
 }
 

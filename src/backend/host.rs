@@ -19,7 +19,11 @@
 //!
 //! Test hooks (`faults()`) fail the Nth call, fail every call, or add
 //! latency. The allocate hooks also hit `vm_map` (both take memory), the
-//! release hooks `vm_unmap`.
+//! release hooks `vm_unmap`; `fail_host_memory` refuses host memory
+//! (`host_memory`, a paused tag's offload).
+//!
+//! `HostBuffer` is the host memory every backend without pinned memory
+//! hands out for offloads: an anonymous mapping, zero pages until written.
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -27,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::{Backend, BackendError, MemInfo};
+use super::{Backend, BackendError, HostMemory, MemInfo};
 use crate::Stream;
 
 /// How an injected failure presents itself.
@@ -53,6 +57,8 @@ pub struct Faults {
     as_driver_error: AtomicBool,
     /// Added to every allocate and release call, in nanoseconds.
     latency_ns: AtomicU64,
+    /// Refuse host memory (`host_memory`).
+    host_memory_always: AtomicBool,
 }
 
 impl Faults {
@@ -71,6 +77,10 @@ impl Faults {
     /// What injected failures look like.
     pub fn set_kind(&self, kind: FaultKind) {
         self.as_driver_error.store(kind == FaultKind::DriverError, Ordering::SeqCst);
+    }
+    /// Refuses host memory (`host_memory`) while `on`.
+    pub fn fail_host_memory(&self, on: bool) {
+        self.host_memory_always.store(on, Ordering::SeqCst);
     }
     /// Latency added to every allocate and release.
     pub fn set_latency(&self, latency: Duration) {
@@ -390,6 +400,13 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    fn host_memory(&self, len: u64) -> Result<Box<dyn HostMemory>, BackendError> {
+        if self.faults.host_memory_always.load(Ordering::SeqCst) {
+            return Err(BackendError::OutOfMemory);
+        }
+        HostBuffer::new(len).map(|b| Box::new(b) as Box<dyn HostMemory>)
+    }
+
     fn mem_info(&self, device: usize) -> Result<MemInfo, BackendError> {
         let dev = self.device(device, "mem_info")?;
         let used = match &self.shared {
@@ -427,6 +444,44 @@ unsafe fn map_anonymous(fixed: Option<u64>, len: usize, prot: libc::c_int) -> Op
     // replaces only what the caller vouches for.
     let addr = unsafe { libc::mmap(at, len, prot, flags, -1, 0) };
     (addr != libc::MAP_FAILED).then_some(addr as u64)
+}
+
+/// Host memory from an anonymous private mapping (zero pages until
+/// written), unmapped when dropped.
+pub struct HostBuffer {
+    addr: u64,
+    len: usize,
+}
+
+impl HostBuffer {
+    /// `len` bytes (`len > 0`); `OutOfMemory` when the kernel refuses.
+    pub fn new(len: u64) -> Result<HostBuffer, BackendError> {
+        let len = usize::try_from(len).ok().filter(|&l| l > 0).ok_or(BackendError::OutOfMemory)?;
+        // SAFETY: a new mapping where the kernel chooses replaces nothing.
+        let addr = unsafe { map_anonymous(None, len, libc::PROT_READ | libc::PROT_WRITE) }.ok_or(BackendError::OutOfMemory)?;
+        Ok(HostBuffer { addr, len })
+    }
+}
+
+impl HostMemory for HostBuffer {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: [addr, addr + len) is a read-write mapping this buffer owns
+        // until drop; the borrow of self keeps it alive and unaliased by &mut.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made in `new`, is unmapped once, and no
+        // slice into it outlives the borrow of self that made it.
+        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+    }
 }
 
 /// The last OS error as a backend error of `call`.

@@ -41,6 +41,13 @@ impl fmt::Display for BackendError {
     }
 }
 
+/// Host memory holding device contents while their pages are given back
+/// (a paused tag's offload); freed when dropped.
+pub trait HostMemory: Send {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
 /// A source of device memory segments. Implementations are thread-safe: the
 /// engine calls them from any thread, under the lock of one device's heap.
 pub trait Backend: Send + Sync {
@@ -124,6 +131,14 @@ pub trait Backend: Send + Sync {
     /// `[src, src + dst.len())` lies inside a live block (the caller checks).
     fn copy_to_host(&self, _device: usize, _src: u64, _dst: &mut [u8], _stream: Stream) -> Result<(), BackendError> {
         Err(BackendError::Driver { call: "copy_to_host", code: 801, message: "this backend cannot copy".into() })
+    }
+
+    /// `len` bytes of host memory (`len > 0`) to copy device contents into
+    /// and back from with `copy_to_host` and `copy_to_device`. Out of host
+    /// memory is `OutOfMemory`, and nothing is held. The default is
+    /// ordinary anonymous memory, committed as it is written.
+    fn host_memory(&self, len: u64) -> Result<Box<dyn HostMemory>, BackendError> {
+        host::HostBuffer::new(len).map(|b| Box::new(b) as Box<dyn HostMemory>)
     }
 
     /// Returns a completed event to the pool.

@@ -78,10 +78,10 @@ impl DeviceHeap {
     /// merges back with its neighbours like any free block, while left
     /// inside the allocation it would be held for the allocation's life.
     #[inline]
-    pub(super) fn should_split(&self, kind: PoolKind, block: u64, rounded: u64) -> bool {
-        match self.expandable_vm(kind) {
+    pub(super) fn should_split(&self, pool: u32, block: u64, rounded: u64) -> bool {
+        match self.pool_vm(pool) {
             Some(_) => block - rounded >= self.rules.min_block,
-            None => self.rules.should_split(kind, block, rounded),
+            None => self.rules.should_split(self.pools[pool as usize].kind, block, rounded),
         }
     }
 
@@ -111,21 +111,20 @@ impl DeviceHeap {
     /// mapped that was not before. Nothing to do outside expandable segments.
     pub(super) fn map_block(&mut self, id: BlockId, rounded: u64) -> Result<(), BackendError> {
         let b = &self.blocks[id];
-        let (addr, size, segment_id, kind) = (b.addr, b.size, b.segment as usize, b.kind);
-        if self.expandable_vm(kind).is_none() {
+        let (addr, size, segment_id, kind, pool) = (b.addr, b.size, b.segment as usize, b.kind, b.pool);
+        if self.pool_vm(pool).is_none() {
             return Ok(());
         }
         let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
             return Ok(());
         };
-        let used = if self.should_split(kind, size, rounded) { rounded } else { size };
+        let used = if self.should_split(pool, size, rounded) { rounded } else { size };
         let (first, count) = pages.touched(addr - base, addr - base + used);
         let runs = pages.runs(first, count, false);
         if runs.is_empty() {
             return Ok(());
         }
         let page = pages.page_size();
-        let pool = self.blocks[id].pool;
         self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum(), pool);
         let mut failed = None;
         for (done, &(p, n)) in runs.iter().enumerate() {

@@ -22,7 +22,9 @@
 //! back (caps, the reclaimer's pass, cooperation with other processes) and
 //! `streams.rs` keeps blocks safe across streams (pending frees waiting for
 //! events, lending a block to another stream when the device is full);
-//! `private.rs` routes allocations to private pools (CUDA graphs, MemPools).
+//! `private.rs` routes allocations to private pools (CUDA graphs, MemPools);
+//! `tags.rs` serves tagged allocations from each tag's own pools and pauses
+//! and resumes a tag's memory.
 //!
 //! Invariants, checked by `validate()`:
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
@@ -51,6 +53,7 @@ pub mod pool;
 pub mod private;
 mod release;
 mod streams;
+pub mod tags;
 mod validate;
 
 use std::collections::{BTreeMap, HashMap};
@@ -125,6 +128,11 @@ pub struct SegmentSnapshot {
     pub expandable: bool,
     /// The private pool (graph pool, `MemPool`) it belongs to, if any.
     pub private: Option<PrivatePoolId>,
+    /// The tag of its blocks (`crate::tag`).
+    pub tag: crate::tag::TagId,
+    /// Its tag is paused: the segment is a run of pages that resume maps
+    /// again, holding no device memory now.
+    pub paused: bool,
     pub blocks: Vec<BlockSnapshot>,
 }
 
@@ -212,6 +220,8 @@ pub struct DeviceHeap {
     with_contexts: bool,
     /// The context of the allocation under way, for its `alloc` event.
     allocating_context: u64,
+    /// The pools of tags other than "default", and paused tags (`tags.rs`).
+    tags: tags::TagPools,
 }
 
 impl DeviceHeap {
@@ -247,6 +257,7 @@ impl DeviceHeap {
             contexts: HashMap::new(),
             with_contexts: false,
             allocating_context: 0,
+            tags: tags::TagPools::default(),
         }
     }
 
@@ -380,7 +391,7 @@ impl DeviceHeap {
     fn allocate_from_bins(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
         self.process_pending(false);
         self.flush_stash(pool);
-        if self.growth_need(rounded).is_none() {
+        if self.growth_need(pool, rounded).is_none() {
             return Err(AllocError::TooLarge { size });
         }
         let block = match self.take_block(pool, rounded) {
@@ -400,7 +411,8 @@ impl DeviceHeap {
     /// fit, else one from new memory. In an expandable segment the pages
     /// under the block's allocated part are mapped first.
     fn take_block(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
-        let block = match self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules) {
+        let rules = if self.pools[pool as usize].tag != 0 { &self.tags.rules } else { &self.rules };
+        let block = match self.pools[pool as usize].best_fit(&self.blocks, rounded, rules) {
             Some(id) => {
                 self.remove_free(id);
                 id
@@ -444,8 +456,8 @@ impl DeviceHeap {
     /// Memory a request of `rounded` bytes makes the heap take from the
     /// device: a segment, or (expandable) the pages it covers at most.
     /// None when that does not fit in 64 bits.
-    fn growth_need(&self, rounded: u64) -> Option<u64> {
-        match self.expandable_vm(self.rules.kind(rounded)) {
+    fn growth_need(&self, pool: u32, rounded: u64) -> Option<u64> {
+        match self.pool_vm(pool) {
             Some(vm) => rounded.checked_next_multiple_of(vm.page),
             None => self.rules.segment_size(rounded),
         }
@@ -455,13 +467,13 @@ impl DeviceHeap {
     /// `rounded`; its one block is returned unlinked from any bin.
     fn grow(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
         let stream = self.pools[pool as usize].stream;
-        let (base, size, pages) = match self.expandable_vm(self.pools[pool as usize].kind) {
+        let (base, size, pages) = match self.pool_vm(pool) {
             Some(vm) => {
                 let (base, size) = self.reserve_range(vm, rounded)?;
                 (base, size, Some(PageMap::new(size, vm.page)))
             }
             None => {
-                let size = self.growth_need(rounded).ok_or(BackendError::OutOfMemory)?;
+                let size = self.growth_need(pool, rounded).ok_or(BackendError::OutOfMemory)?;
                 self.recycle_before_growth(size, pool);
                 (self.new_segment(size, stream)?, size, None)
             }
@@ -495,7 +507,7 @@ impl DeviceHeap {
             (b.addr, b.size, b.pool, b.segment)
         };
         let kind = self.pools[pool as usize].kind;
-        if self.should_split(kind, size, rounded) {
+        if self.should_split(pool, size, rounded) {
             let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool, kind);
             let next = self.blocks[id].next;
             self.blocks[rest].prev = id;
@@ -669,7 +681,7 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size, whole, segment) = (b.pool, b.size, !b.is_split(), b.segment);
         let (split, counted) = self.inactive_split_bytes_of(id);
-        if self.expandable_vm(self.blocks[id].kind).is_some() {
+        if self.pool_vm(self.blocks[id].pool).is_some() {
             self.blocks[id].idle_since_ms = self.clock.now_ms();
         }
         let pool = &mut self.pools[pool as usize];
@@ -713,7 +725,7 @@ impl DeviceHeap {
         if !b.is_split() {
             return (false, 0);
         }
-        if self.expandable_vm(b.kind).is_none() {
+        if self.pool_vm(b.pool).is_none() {
             return (true, b.size);
         }
         match self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) {
@@ -753,12 +765,16 @@ impl DeviceHeap {
 
     /// Every segment with its blocks in address order, for snapshots. An
     /// expandable segment shows as one segment per run of mapped pages
-    /// (as PyTorch shows its own), its blocks cut to the run.
+    /// (as PyTorch shows its own), its blocks cut to the run; a paused
+    /// tag's range, as the runs resume maps again, marked paused.
     pub fn snapshot(&mut self) -> Vec<SegmentSnapshot> {
         self.flush_stashes();
+        let paused = self.paused_ranges();
         let mut out = Vec::new();
         for segment in self.segments.iter().flatten() {
+            let saved = paused.get(&segment.base);
             let runs = match &segment.pages {
+                Some(_) if saved.is_some() => saved.into_iter().flatten().map(|&(a, n)| (a - segment.base, a - segment.base + n)).collect(),
                 Some(pages) => {
                     let page = pages.page_size();
                     pages.runs(0, pages.end_bytes() / page, true).into_iter().map(|(p, n)| (p * page, (p + n) * page)).collect()
@@ -791,6 +807,8 @@ impl DeviceHeap {
                     kind: pool.kind,
                     expandable: segment.pages.is_some(),
                     private: pool.private,
+                    tag: crate::tag::TagId(pool.tag),
+                    paused: saved.is_some(),
                     blocks,
                 });
             }
@@ -821,10 +839,12 @@ impl DeviceHeap {
         self.process_pending(false);
         self.flush_stashes();
         let mut stats = self.stats.report();
+        let (paused, offloaded, unmapped_active) = self.paused_totals();
+        (stats.paused_bytes, stats.offloaded_bytes) = (paused, offloaded);
         // With the stashes merged, every reserved byte not active (allocated,
-        // or freed but pending) is cached.
-        stats.cached_free_bytes = stats.reserved_bytes.all.current - stats.active_bytes.all.current;
-        let classic = self.pools.iter().filter(|p| self.expandable_vm(p.kind).is_none()).map(|p| p.largest(&self.blocks));
+        // or freed but pending) is cached; paused tags' blocks hold none.
+        stats.cached_free_bytes = stats.reserved_bytes.all.current - (stats.active_bytes.all.current - unmapped_active);
+        let classic = (0..self.pools.len() as u32).filter(|&p| self.pool_vm(p).is_none()).map(|p| self.pools[p as usize].largest(&self.blocks));
         stats.largest_free_block_bytes = classic.max().unwrap_or(0).max(self.largest_mapped_free_run());
         stats
     }

@@ -25,6 +25,8 @@ pub struct Pool {
     pub kind: PoolKind,
     /// The private pool (graph pool, `MemPool`) this pool belongs to, if any.
     pub private: Option<PrivatePoolId>,
+    /// The tag of its blocks (`crate::tag::TagId`; 0: "default").
+    pub tag: u32,
     pub heads: Box<[BlockId]>,
     pub rows_nonempty: u64,
     pub bins_nonempty: [u32; ROWS as usize],
@@ -41,6 +43,7 @@ impl Pool {
             stream,
             kind,
             private,
+            tag: 0,
             heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
             rows_nonempty: 0,
             bins_nonempty: [0; ROWS as usize],

@@ -114,9 +114,10 @@ impl DeviceHeap {
     }
 
     /// Whether the free memory of `pool` must stay in it (a private pool
-    /// while private pools are held).
+    /// while private pools are held; a paused tag's, whose ranges stay
+    /// reserved: `tags.rs`).
     pub(super) fn keeps_memory(&self, pool: u32) -> bool {
-        self.pools[pool as usize].private.is_some() && self.private.any_held()
+        (self.pools[pool as usize].private.is_some() && self.private.any_held()) || self.pool_paused(pool)
     }
 
     /// Whether memory may leave the heap's caches now, and events be queried.

@@ -24,7 +24,7 @@ impl DeviceHeap {
     /// free enough or `oom_wait` passes.
     #[cold]
     pub(super) fn ask_others(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
-        let need = self.growth_need(rounded).unwrap_or(u64::MAX);
+        let need = self.growth_need(pool, rounded).unwrap_or(u64::MAX);
         let over_budget =
             self.device_reserved.load(Ordering::SeqCst).saturating_add(need) > self.reserved_limit.min(self.policy.max_reserved);
         if self.oom_wait.is_zero() || over_budget {

@@ -19,15 +19,19 @@ impl DeviceHeap {
     /// stream's pool only once the requester's work on it is done.
     /// Private pools neither lend nor borrow, and nothing is lent while one
     /// is open (the wait would join a capture to other streams' work).
+    /// Tagged pools neither lend nor borrow either: a page holds the blocks
+    /// of one tag, so that pausing a tag touches no other tag's memory.
     #[cold]
     pub(super) fn borrow_from_other_streams(&mut self, pool: u32, rounded: u64, stream: Stream) -> Option<BlockId> {
-        if !self.lend_across_streams || !self.may_release() || self.pools[pool as usize].private.is_some() {
+        let p = &self.pools[pool as usize];
+        if !self.lend_across_streams || !self.may_release() || p.private.is_some() || p.tag != 0 {
             return None;
         }
         let kind = self.pools[pool as usize].kind;
         self.flush_stashes();
         let best = (0..self.pools.len() as u32)
             .filter(|&p| p != pool && self.pools[p as usize].kind == kind && self.pools[p as usize].private.is_none())
+            .filter(|&p| self.pools[p as usize].tag == 0)
             .filter_map(|p| self.pools[p as usize].best_fit(&self.blocks, rounded, &self.rules))
             .min_by_key(|&id| self.blocks[id].size)?;
         let owner = self.pools[self.blocks[best].pool as usize].stream;

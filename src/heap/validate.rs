@@ -1,6 +1,7 @@
 //! `DeviceHeap::validate`: recomputes everything the heap keeps
 //! incrementally and checks it against the invariants listed in `heap/mod.rs`
-//! (and, for expandable segments, in `heap/expandable.rs`).
+//! (and, for expandable segments, in `heap/expandable.rs`; for tags, in
+//! `heap/tags.rs`).
 #![forbid(unsafe_code)]
 
 use std::collections::HashSet;
@@ -111,7 +112,7 @@ impl DeviceHeap {
                 );
                 ensure!(b.state != BlockState::Detached, "block {cur} is detached outside an operation");
                 ensure!(b.state != BlockState::Stashed || stashed.contains(&cur), "block {cur} is marked stashed but no pool stashes it");
-                if b.state != BlockState::Binned {
+                if b.state != BlockState::Binned && !self.pool_paused(segment.pool) {
                     ensure!(held(b.addr, b.size) == b.size, "block {cur} at {:#x} is in use but not all its pages are mapped", b.addr);
                 }
                 if b.is_active() {
@@ -225,6 +226,7 @@ impl DeviceHeap {
         check_gauge("requested_bytes", &s.requested_bytes, sums.requested_bytes)?;
         check_gauge("pending", &s.pending, sums.pending)?;
         check_gauge("pending_bytes", &s.pending_bytes, sums.pending_bytes)?;
+        self.check_tags()?;
         Ok(())
     }
 }

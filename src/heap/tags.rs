@@ -1,0 +1,757 @@
+//! Tags in the heap: each tag's own pools, and pausing and resuming a tag
+//! (giving its memory back to the device with every address kept, and
+//! taking it again).
+//!
+//! An allocation made under a tag other than "default" (`crate::tag`) comes
+//! from the pools of (stream, tag, kind). They grow in reserved virtual
+//! ranges, page by page, as expandable segments do, whatever the
+//! `expandable` option says: only a reserved range keeps its addresses while
+//! its memory is gone. They neither lend blocks to other streams nor
+//! borrow, so a page never holds blocks of two tags. Untagged allocations
+//! never come here: the allocator tests the thread's tag once and goes on.
+//!
+//! Pausing a tag (`pause_tag`) waits for the work queued on the streams
+//! that used its blocks, then unmaps every mapped page of its ranges, live
+//! or cached, so the device's free memory grows by the tag's reserved
+//! bytes. With offload it first copies the pages under live blocks to host
+//! memory from the backend, one copy per run of such pages; without, their
+//! contents are lost. Resuming (`resume_tag`) maps those pages again at the
+//! same addresses (all or nothing: when the device cannot give them, the
+//! heap releases its other cache, then asks the other processes, then
+//! fails with nothing mapped and the tag still paused) and copies the saved
+//! bytes back.
+//!
+//! Defined behaviours: allocating under a paused tag is an error naming the
+//! tag; freeing a paused block is allowed (nothing is mapped, and saved
+//! pages no live block touches any more are dropped at the next look at
+//! the tag or the statistics, or at resume); pausing a paused tag, an
+//! unknown one, or while a private pool is open (a CUDA graph capture may
+//! be underway), and resuming one that is not paused, are errors that
+//! change nothing; an offload that cannot get host memory fails whole,
+//! with nothing released. A paused tag's ranges stay reserved: the release
+//! policies leave them alone (`keeps_memory`).
+//!
+//! Invariants (checked by `validate()` through `check_tags`):
+//! - every tagged pool is filed under its (stream, tag) and kind, and in
+//!   its tag's list; no untagged pool is;
+//! - in a paused tag, every page touched by an active block is mapped or
+//!   lies in a saved run of its range; saved runs lie in ranges of the
+//!   tag, on unmapped pages, and hold host memory of their size exactly
+//!   when the pause offloaded;
+//! - `paused_bytes` and `offloaded_bytes` of a tag are what its pause gave
+//!   back and the host bytes its saved runs hold.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::block::{BlockId, BlockState, NIL};
+use super::expandable::Vm;
+use super::history::HistoryAction;
+use super::pool::Pool;
+use super::DeviceHeap;
+use crate::backend::{BackendError, HostMemory};
+use crate::error::AllocError;
+use crate::reclaim::policy::Reason;
+use crate::size_class::{PoolKind, SizeRules};
+use crate::tag::{name_of, TagId};
+use crate::Stream;
+
+/// The address space a tag's small pool reserves at a time (its large
+/// pool reserves as much as the device holds, as expandable segments do).
+const SMALL_RANGE: u64 = 1 << 30;
+
+/// The most address space one large range reserves.
+const MAX_RANGE: u64 = 1 << 40;
+
+/// What one tag holds on one heap.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TagStats {
+    /// Live blocks of the tag (count).
+    pub allocations: u64,
+    /// Bytes of the tag's live blocks (rounded sizes).
+    pub allocated_bytes: u64,
+    /// Device memory the tag's ranges hold now (mapped pages).
+    pub reserved_bytes: u64,
+    /// Device memory the pause gave back (0 unless paused).
+    pub paused_bytes: u64,
+    /// Host bytes holding the tag's contents while paused with offload.
+    pub offloaded_bytes: u64,
+    /// Whether the tag is paused.
+    pub paused: bool,
+}
+
+impl std::ops::AddAssign for TagStats {
+    fn add_assign(&mut self, other: TagStats) {
+        self.allocations += other.allocations;
+        self.allocated_bytes += other.allocated_bytes;
+        self.reserved_bytes += other.reserved_bytes;
+        self.paused_bytes += other.paused_bytes;
+        self.offloaded_bytes += other.offloaded_bytes;
+        self.paused |= other.paused;
+    }
+}
+
+/// Pages of one range under live blocks at the pause, and their contents
+/// when offloaded: what resume maps and fills again.
+struct SavedRun {
+    /// The range's base address.
+    base: u64,
+    first_page: u64,
+    pages: u64,
+    data: Option<Box<dyn HostMemory>>,
+}
+
+/// A paused tag.
+struct Paused {
+    offload: bool,
+    /// Device bytes the pause unmapped.
+    given_back: u64,
+    runs: Vec<SavedRun>,
+}
+
+#[derive(Default)]
+struct TagState {
+    pools: Vec<u32>,
+    paused: Option<Paused>,
+}
+
+/// The tags of one heap: their pools and which are paused.
+#[derive(Default)]
+pub(super) struct TagPools {
+    by_key: HashMap<(Stream, u32), [u32; 2]>,
+    tags: HashMap<u32, TagState>,
+    /// The heap's rules with splitting unbounded (a range is one huge free block).
+    pub(super) rules: SizeRules,
+    /// The backend's page size and a large range's size, once a tag needed them.
+    vm: Option<Vm>,
+}
+
+impl TagPools {
+    fn is_paused(&self, tag: u32) -> bool {
+        self.tags.get(&tag).is_some_and(|t| t.paused.is_some())
+    }
+
+    fn pools_of(&self, tag: u32) -> Vec<u32> {
+        self.tags.get(&tag).map(|t| t.pools.clone()).unwrap_or_default()
+    }
+}
+
+fn tag_error(tag: u32, what: &str) -> AllocError {
+    AllocError::Tag(format!("tag {:?} {what}", &*name_of(TagId(tag))))
+}
+
+impl DeviceHeap {
+    /// The page and range size pools of `pool` grow by, or None when it
+    /// grows by whole segments: expandable segments' for untagged large
+    /// pools, the tags' own for every tagged pool.
+    #[inline]
+    pub(super) fn pool_vm(&self, pool: u32) -> Option<Vm> {
+        let p = &self.pools[pool as usize];
+        if p.tag == 0 {
+            return self.expandable_vm(p.kind);
+        }
+        let vm = self.tags.vm?;
+        Some(match p.kind {
+            PoolKind::Small => Vm { page: vm.page, range: SMALL_RANGE.max(vm.page).next_multiple_of(vm.page) },
+            PoolKind::Large => vm,
+        })
+    }
+
+    /// Whether the pool belongs to a paused tag.
+    pub(super) fn pool_paused(&self, pool: u32) -> bool {
+        let tag = self.pools[pool as usize].tag;
+        tag != 0 && self.tags.is_paused(tag)
+    }
+
+    /// The pool of (stream, tag, kind), created on first use.
+    fn tag_pool_id(&mut self, stream: Stream, tag: u32, kind: PoolKind) -> Result<u32, AllocError> {
+        if let Some(ids) = self.tags.by_key.get(&(stream, tag)) {
+            return Ok(ids[kind as usize]);
+        }
+        if self.tags.vm.is_none() {
+            let page = self.backend.vm_page_size(self.device).filter(|p| p.is_power_of_two()).ok_or_else(|| {
+                AllocError::InvalidArgument(format!(
+                    "tags need virtual memory (reserved ranges mapped page by page); the {} backend has none",
+                    self.backend.name()
+                ))
+            })?;
+            let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
+            self.tags.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
+            self.tags.rules = SizeRules { max_split_size: u64::MAX, ..self.rules.clone() };
+        }
+        let first = self.pools.len() as u32;
+        for kind in [PoolKind::Small, PoolKind::Large] {
+            let mut pool = Pool::new(stream, kind, None);
+            pool.tag = tag;
+            self.pools.push(pool);
+        }
+        self.tags.by_key.insert((stream, tag), [first, first + 1]);
+        self.tags.tags.entry(tag).or_default().pools.extend([first, first + 1]);
+        Ok(first + kind as u32)
+    }
+
+    /// Serves a request of `size` bytes on `stream` tagged `tag` (non-zero),
+    /// remembering `context` (0: none) as `allocate_with_context` does.
+    /// While a private pool is open the private pool serves it, tag or not
+    /// (a graph's memory stays with the graph).
+    pub fn allocate_tagged(&mut self, size: u64, stream: Stream, tag: TagId, context: u64) -> Result<u64, AllocError> {
+        if self.private.any_open() || tag == TagId::DEFAULT {
+            return self.allocate_with_context(size, stream, context);
+        }
+        if size == 0 {
+            return Ok(0);
+        }
+        if self.tags.is_paused(tag.0) {
+            return Err(tag_error(tag.0, "is paused: resume it before allocating under it"));
+        }
+        let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
+        let pool = self.tag_pool_id(stream, tag.0, self.rules.kind(rounded))?;
+        if context != 0 {
+            self.with_contexts = true;
+            self.observed = true;
+            self.allocating_context = context;
+        }
+        let stashed = self.pools[pool as usize].stash;
+        let result = if stashed != NIL && self.blocks[stashed].size == rounded {
+            self.pools[pool as usize].stash = NIL;
+            self.blocks[stashed].state = BlockState::Detached;
+            Ok(self.hand_out(stashed, size))
+        } else {
+            self.allocate_from_bins(pool, rounded, size, stream)
+        };
+        self.allocating_context = 0;
+        if let (Ok(addr @ 1..), 1..) = (&result, context) {
+            let addr = *addr;
+            self.contexts.insert(addr, context);
+        }
+        result
+    }
+
+    /// Whether `tag` could be paused now: it is not paused and no private
+    /// pool is open (a capture may be underway: unmapping is forbidden).
+    pub fn check_pausable(&self, tag: TagId) -> Result<(), AllocError> {
+        if tag == TagId::DEFAULT {
+            return Err(tag_error(0, "cannot be paused: pause a tag of your own (tidepool.region)"));
+        }
+        if !self.may_release() {
+            return Err(tag_error(tag.0, "cannot be paused while a private pool is open (a CUDA graph capture may be underway)"));
+        }
+        if self.tags.is_paused(tag.0) {
+            return Err(tag_error(tag.0, "is already paused"));
+        }
+        Ok(())
+    }
+
+    /// Whether `tag` is paused here.
+    pub fn tag_paused(&self, tag: TagId) -> bool {
+        self.tags.is_paused(tag.0)
+    }
+
+    /// The ranges of the tag's pools, in address order.
+    fn tag_segments(&self, pools: &[u32]) -> Vec<u32> {
+        self.segment_by_base.values().copied().filter(|&id| self.segments[id as usize].as_ref().is_some_and(|s| pools.contains(&s.pool))).collect()
+    }
+
+    /// The runs of mapped pages touched by the active blocks of range
+    /// `segment_id`, as saved runs without data.
+    fn live_runs(&self, segment_id: u32) -> Vec<SavedRun> {
+        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return Vec::new() };
+        let Some(pages) = segment.pages.as_ref() else { return Vec::new() };
+        let mut touched: Vec<(u64, u64)> = Vec::new();
+        let mut cur = segment.first_block;
+        while cur != NIL {
+            let b = &self.blocks[cur];
+            if b.is_active() {
+                let (first, count) = pages.touched(b.addr - segment.base, b.addr - segment.base + b.size);
+                match touched.last_mut() {
+                    Some((f, n)) if *f + *n >= first => *n = (*n).max(first + count - *f),
+                    _ => touched.push((first, count)),
+                }
+            }
+            cur = b.next;
+        }
+        let mut runs = Vec::new();
+        for (first, count) in touched {
+            for (p, n) in pages.runs(first, count, true) {
+                runs.push(SavedRun { base: segment.base, first_page: p, pages: n, data: None });
+            }
+        }
+        runs
+    }
+
+    /// Takes the free blocks of the ranges out of their bins (uncounted)
+    /// before their pages change, so `rebin` counts them as the pages are.
+    fn unbin(&mut self, segments: &[u32]) -> Vec<BlockId> {
+        let mut free = Vec::new();
+        for &id in segments {
+            let Some(segment) = self.segments[id as usize].as_ref() else { continue };
+            let mut cur = segment.first_block;
+            while cur != NIL {
+                if self.blocks[cur].state == BlockState::Binned {
+                    free.push(cur);
+                }
+                cur = self.blocks[cur].next;
+            }
+        }
+        for &id in &free {
+            self.remove_free(id);
+        }
+        free
+    }
+
+    fn rebin(&mut self, free: Vec<BlockId>) {
+        for id in free {
+            self.insert_free(id);
+        }
+    }
+
+    /// Gives back every page of `tag`'s ranges, saving the contents of those
+    /// under live blocks to host memory first when `offload`. Returns the
+    /// device bytes given back. See the top of this file for the rules.
+    pub fn pause_tag(&mut self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
+        self.check_pausable(tag)?;
+        let pools = self.tags.pools_of(tag.0);
+        for &pool in &pools {
+            self.flush_stash(pool);
+        }
+        let segments = self.tag_segments(&pools);
+        // The work queued on every stream that used the tag's blocks.
+        let mut streams: Vec<Stream> = pools.iter().map(|&p| self.pools[p as usize].stream).collect();
+        for &id in &segments {
+            let mut cur = self.segments[id as usize].as_ref().map_or(NIL, |s| s.first_block);
+            while cur != NIL {
+                if let Some(recorded) = self.recorded_streams.get(&self.blocks[cur].addr) {
+                    streams.extend_from_slice(recorded);
+                }
+                cur = self.blocks[cur].next;
+            }
+        }
+        streams.sort();
+        streams.dedup();
+        for stream in streams {
+            self.backend.synchronize_stream(self.device, stream).map_err(AllocError::Backend)?;
+        }
+        self.process_pending(true);
+
+        let mut runs: Vec<SavedRun> = segments.iter().flat_map(|&id| self.live_runs(id)).collect();
+        let page = self.tags.vm.map_or(1, |vm| vm.page);
+        if offload {
+            let total: u64 = runs.iter().map(|r| r.pages * page).sum();
+            for run in &mut runs {
+                let bytes = run.pages * page;
+                let mut memory = self.backend.host_memory(bytes).map_err(|err| match err {
+                    BackendError::OutOfMemory => AllocError::HostOutOfMemory { bytes: total },
+                    other => AllocError::Backend(other),
+                })?;
+                let addr = run.base + run.first_page * page;
+                self.backend.copy_to_host(self.device, addr, memory.bytes_mut(), Stream::DEFAULT).map_err(AllocError::Backend)?;
+                run.data = Some(memory);
+            }
+        }
+
+        // Nothing has changed yet; from here the pages go.
+        let free = self.unbin(&segments);
+        let mut given_back = 0;
+        for &id in &segments {
+            let segment = self.segments[id as usize].as_ref().expect("a range of the tag");
+            let (base, kind, stream) = (segment.base, self.pools[segment.pool as usize].kind, self.pools[segment.pool as usize].stream);
+            let pages = segment.pages.as_ref().expect("tagged pools grow in ranges");
+            let mapped = pages.runs(0, pages.end_bytes() / page, true);
+            for (p, n) in mapped {
+                if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
+                    continue; // stays mapped and counted, contents in place
+                }
+                let pages = self.segments[id as usize].as_mut().and_then(|s| s.pages.as_mut()).expect("checked above");
+                pages.set_unmapped(p, n);
+                self.note(HistoryAction::SegmentUnmap, base + p * page, n * page, stream);
+                self.stats.reserved_bytes.decrease(kind, n * page);
+                self.device_reserved.fetch_sub(n * page, Ordering::SeqCst);
+                self.stats.events.num_pages_unmapped += n;
+                self.stats.events.num_device_free += 1;
+                given_back += n * page;
+            }
+        }
+        self.rebin(free);
+        // A run the backend would not unmap keeps its contents on the device.
+        runs.retain(|r| self.segment_pages(r.base).is_some_and(|pages| !pages.is_mapped(r.first_page)));
+        self.tags.tags.entry(tag.0).or_default().paused = Some(Paused { offload, given_back, runs });
+        Ok(given_back)
+    }
+
+    fn segment_pages(&self, base: u64) -> Option<&super::pages::PageMap> {
+        let id = *self.segment_by_base.get(&base)?;
+        self.segments[id as usize].as_ref()?.pages.as_ref()
+    }
+
+    /// Drops the saved pages of paused tags that no active block touches
+    /// any more (their blocks were freed while paused): a run no live block
+    /// touches goes, and one partly touched is cut to the touched pages
+    /// (their bytes copied to smaller host memory; kept whole when none can
+    /// be had).
+    fn drop_unneeded_runs(&mut self) {
+        let paused: Vec<u32> = self.tags.tags.iter().filter(|(_, t)| t.paused.is_some()).map(|(&tag, _)| tag).collect();
+        let page = self.tags.vm.map_or(1, |vm| vm.page);
+        for tag in paused {
+            let pools = self.tags.pools_of(tag);
+            for &pool in &pools {
+                self.flush_stash(pool);
+            }
+            // Pages live blocks touch, per range: sorted, merged page intervals.
+            let mut needed: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
+            for run in self.tag_segments(&pools).iter().flat_map(|&id| self.live_runs_any(id)) {
+                let list = needed.entry(run.base).or_default();
+                match list.last_mut() {
+                    Some((_, end)) if *end >= run.first_page => *end = (*end).max(run.first_page + run.pages),
+                    _ => list.push((run.first_page, run.first_page + run.pages)),
+                }
+            }
+            let state = self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused");
+            let old = std::mem::take(&mut state.runs);
+            let mut kept = Vec::with_capacity(old.len());
+            for run in old {
+                let (first, end) = (run.first_page, run.first_page + run.pages);
+                let parts: Vec<(u64, u64)> = needed
+                    .get(&run.base)
+                    .into_iter()
+                    .flatten()
+                    .map(|&(s, e)| (s.max(first), e.min(end)))
+                    .filter(|&(s, e)| s < e)
+                    .collect();
+                if parts.is_empty() {
+                    continue;
+                }
+                if parts == [(first, end)] {
+                    kept.push(run);
+                    continue;
+                }
+                let Some(data) = &run.data else {
+                    kept.extend(parts.iter().map(|&(s, e)| SavedRun { base: run.base, first_page: s, pages: e - s, data: None }));
+                    continue;
+                };
+                let mut pieces = Vec::new();
+                for &(s, e) in &parts {
+                    let Ok(mut memory) = self.backend.host_memory((e - s) * page) else { break };
+                    let from = ((s - first) * page) as usize;
+                    memory.bytes_mut().copy_from_slice(&data.bytes()[from..from + ((e - s) * page) as usize]);
+                    pieces.push(SavedRun { base: run.base, first_page: s, pages: e - s, data: Some(memory) });
+                }
+                if pieces.len() == parts.len() {
+                    kept.extend(pieces);
+                } else {
+                    kept.push(run);
+                }
+            }
+            self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused").runs = kept;
+        }
+    }
+
+    /// The runs of pages touched by the active blocks of range
+    /// `segment_id`, mapped or not.
+    fn live_runs_any(&self, segment_id: u32) -> Vec<SavedRun> {
+        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return Vec::new() };
+        let Some(pages) = segment.pages.as_ref() else { return Vec::new() };
+        let mut runs = Vec::new();
+        let mut cur = segment.first_block;
+        while cur != NIL {
+            let b = &self.blocks[cur];
+            if b.is_active() {
+                let (first_page, count) = pages.touched(b.addr - segment.base, b.addr - segment.base + b.size);
+                runs.push(SavedRun { base: segment.base, first_page, pages: count, data: None });
+            }
+            cur = b.next;
+        }
+        runs
+    }
+
+    /// Maps the saved runs' pages again, all or nothing; commits them to the
+    /// page maps and the counts only when every run is mapped.
+    fn map_saved(&mut self, runs: &[(u64, u64, u64)], page: u64) -> Result<(), BackendError> {
+        let mut done = Vec::new();
+        let mut failed = None;
+        for &(base, first, count) in runs {
+            let (addr, bytes) = (base + first * page, count * page);
+            let mapped = self.claim_reserved(bytes).and_then(|()| {
+                let result = self.backend.vm_map(self.device, addr, bytes);
+                if result.is_err() {
+                    self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
+                }
+                result
+            });
+            match mapped {
+                Ok(()) => done.push((addr, bytes)),
+                Err(err) => {
+                    failed = Some(err);
+                    break;
+                }
+            }
+        }
+        if let Some(err) = failed {
+            for (addr, bytes) in done {
+                if self.backend.vm_unmap(self.device, addr, bytes).is_ok() {
+                    self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
+                }
+            }
+            return Err(err);
+        }
+        for &(base, first, count) in runs {
+            let id = self.segment_by_base[&base];
+            let segment = self.segments[id as usize].as_mut().expect("a range of the tag");
+            segment.pages.as_mut().expect("a range").set_mapped(first, count);
+            let (kind, stream) = (self.pools[segment.pool as usize].kind, self.pools[segment.pool as usize].stream);
+            self.note(HistoryAction::SegmentMap, base + first * page, count * page, stream);
+            self.stats.reserved_bytes.increase(kind, count * page);
+            self.stats.events.num_pages_mapped += count;
+            self.stats.events.num_device_alloc += 1;
+        }
+        Ok(())
+    }
+
+    /// Unmaps runs `map_saved` mapped (a resume that could not finish).
+    fn unmap_saved(&mut self, runs: &[(u64, u64, u64)], page: u64) {
+        for &(base, first, count) in runs {
+            if self.backend.vm_unmap(self.device, base + first * page, count * page).is_err() {
+                continue;
+            }
+            let id = self.segment_by_base[&base];
+            let segment = self.segments[id as usize].as_mut().expect("a range of the tag");
+            segment.pages.as_mut().expect("a range").set_unmapped(first, count);
+            let kind = self.pools[segment.pool as usize].kind;
+            self.stats.reserved_bytes.decrease(kind, count * page);
+            self.device_reserved.fetch_sub(count * page, Ordering::SeqCst);
+            self.stats.events.num_pages_unmapped += count;
+            self.stats.events.num_device_free += 1;
+        }
+    }
+
+    /// Maps `tag`'s saved pages again at their addresses and copies their
+    /// contents back (offload). When the device has no room: this heap's
+    /// other cache goes, then the other processes are asked; failing that,
+    /// nothing stays mapped and the tag stays paused, its saved bytes
+    /// intact. Returns the device bytes mapped.
+    pub fn resume_tag(&mut self, tag: TagId) -> Result<u64, AllocError> {
+        if !self.tags.is_paused(tag.0) {
+            return Err(tag_error(tag.0, "is not paused"));
+        }
+        self.drop_unneeded_runs();
+        let page = self.tags.vm.map_or(1, |vm| vm.page);
+        let pools = self.tags.pools_of(tag.0);
+        let segments = self.tag_segments(&pools);
+        let state = self.tags.tags.get(&tag.0).and_then(|t| t.paused.as_ref()).expect("paused");
+        let runs: Vec<(u64, u64, u64)> = state.runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect();
+        let need: u64 = runs.iter().map(|r| r.2 * page).sum();
+
+        let free = self.unbin(&segments);
+        let mut mapped = self.map_saved(&runs, page);
+        if mapped == Err(BackendError::OutOfMemory) {
+            self.rebin(free.clone());
+            self.release_free_segments(Reason::OutOfMemory, |_, _| true);
+            self.stats.events.num_alloc_retries += 1;
+            for &id in &free {
+                self.remove_free(id);
+            }
+            mapped = self.map_saved(&runs, page);
+        }
+        if mapped == Err(BackendError::OutOfMemory) {
+            mapped = self.map_saved_with_others(&runs, page, need);
+        }
+        if let Err(err) = mapped {
+            self.rebin(free);
+            return Err(match err {
+                BackendError::OutOfMemory => {
+                    self.stats.events.num_ooms += 1;
+                    AllocError::OutOfMemory(Box::new(self.oom_report(need)))
+                }
+                other => AllocError::Backend(other),
+            });
+        }
+        // Every page is back; now the contents.
+        let state = self.tags.tags.get(&tag.0).and_then(|t| t.paused.as_ref()).expect("paused");
+        let mut copied = Ok(());
+        for run in &state.runs {
+            if let Some(data) = &run.data {
+                copied = self.backend.copy_to_device(self.device, run.base + run.first_page * page, data.bytes(), Stream::DEFAULT);
+                if copied.is_err() {
+                    break;
+                }
+            }
+        }
+        if let Err(err) = copied {
+            self.unmap_saved(&runs, page);
+            self.rebin(free);
+            return Err(AllocError::Backend(err));
+        }
+        self.rebin(free);
+        self.tags.tags.get_mut(&tag.0).expect("paused").paused = None;
+        Ok(need)
+    }
+
+    /// The last try of a resume: ask the other processes on the device for
+    /// `need` bytes and map again until they give them or `oom_wait` passes.
+    fn map_saved_with_others(&mut self, runs: &[(u64, u64, u64)], page: u64, need: u64) -> Result<(), BackendError> {
+        if self.oom_wait.is_zero() || self.registry.as_mut().is_none_or(|r| r.request(need).is_err()) {
+            return Err(BackendError::OutOfMemory);
+        }
+        self.stats.events.num_coop_requests += 1;
+        let start = Instant::now();
+        let result = loop {
+            std::thread::sleep(Duration::from_millis(5));
+            match self.map_saved(runs, page) {
+                Ok(()) => {
+                    self.stats.events.num_coop_satisfied += 1;
+                    self.stats.events.coop_last_wait_ms = start.elapsed().as_millis() as u64;
+                    break Ok(());
+                }
+                Err(BackendError::OutOfMemory) if start.elapsed() < self.oom_wait => continue,
+                Err(err) => break Err(err),
+            }
+        };
+        if let Some(registry) = self.registry.as_mut() {
+            let _ = registry.request(0);
+        }
+        result
+    }
+
+    /// What `tag` holds on this heap.
+    pub fn tag_stats(&mut self, tag: TagId) -> TagStats {
+        self.drop_unneeded_runs();
+        let pools = self.tags.pools_of(tag.0);
+        for &pool in &pools {
+            self.flush_stash(pool);
+        }
+        let mut stats = TagStats::default();
+        for id in self.tag_segments(&pools) {
+            let segment = self.segments[id as usize].as_ref().expect("listed");
+            stats.reserved_bytes += segment.pages.as_ref().map_or(segment.size, |p| p.mapped_bytes());
+            let mut cur = segment.first_block;
+            while cur != NIL {
+                let b = &self.blocks[cur];
+                if b.is_allocated() {
+                    stats.allocations += 1;
+                    stats.allocated_bytes += b.size;
+                }
+                cur = b.next;
+            }
+        }
+        if let Some(paused) = self.tags.tags.get(&tag.0).and_then(|t| t.paused.as_ref()) {
+            stats.paused = true;
+            stats.paused_bytes = paused.given_back;
+            stats.offloaded_bytes = paused.runs.iter().filter_map(|r| r.data.as_ref()).map(|d| d.bytes().len() as u64).sum();
+        }
+        stats
+    }
+
+    /// Device bytes given back by paused tags, host bytes holding their
+    /// contents (`Stats::paused_bytes`, `offloaded_bytes`), and the bytes
+    /// of their active blocks on unmapped pages (active, but holding no
+    /// device memory).
+    pub(super) fn paused_totals(&mut self) -> (u64, u64, u64) {
+        if !self.tags.tags.values().any(|t| t.paused.is_some()) {
+            return (0, 0, 0);
+        }
+        self.drop_unneeded_runs();
+        let (mut given, mut held, mut unmapped) = (0, 0, 0);
+        for (&tag, state) in &self.tags.tags {
+            let Some(paused) = &state.paused else { continue };
+            given += paused.given_back;
+            held += paused.runs.iter().filter_map(|r| r.data.as_ref()).map(|d| d.bytes().len() as u64).sum::<u64>();
+            for id in self.tag_segments(&self.tags.pools_of(tag)) {
+                let segment = self.segments[id as usize].as_ref().expect("listed");
+                let Some(pages) = segment.pages.as_ref() else { continue };
+                let mut cur = segment.first_block;
+                while cur != NIL {
+                    let b = &self.blocks[cur];
+                    if b.is_active() {
+                        let offset = b.addr - segment.base;
+                        unmapped += b.size - pages.mapped_bytes_within(offset, offset + b.size);
+                    }
+                    cur = b.next;
+                }
+            }
+        }
+        (given, held, unmapped)
+    }
+
+    /// The paused state of the ranges, for snapshots: the base of every
+    /// range of a paused tag, with its saved runs as (address, bytes).
+    pub(super) fn paused_ranges(&self) -> HashMap<u64, Vec<(u64, u64)>> {
+        let page = self.tags.vm.map_or(1, |vm| vm.page);
+        let mut out: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
+        for (tag, state) in &self.tags.tags {
+            let Some(paused) = &state.paused else { continue };
+            for id in self.tag_segments(&self.tags.pools_of(*tag)) {
+                let base = self.segments[id as usize].as_ref().expect("listed").base;
+                out.entry(base).or_default();
+            }
+            for run in &paused.runs {
+                out.entry(run.base).or_default().push((run.base + run.first_page * page, run.pages * page));
+            }
+        }
+        for runs in out.values_mut() {
+            runs.sort_unstable();
+        }
+        out
+    }
+
+    /// Checks the invariants of tags listed at the top of this file.
+    pub(super) fn check_tags(&self) -> Result<(), String> {
+        for (&(stream, tag), ids) in &self.tags.by_key {
+            for (kind, &id) in [PoolKind::Small, PoolKind::Large].into_iter().zip(ids) {
+                let pool = &self.pools[id as usize];
+                if pool.stream != stream || pool.tag != tag || pool.kind != kind || pool.private.is_some() {
+                    return Err(format!("pool {id} is filed under tag {tag} of another stream, kind or private pool"));
+                }
+                if !self.tags.tags.get(&tag).is_some_and(|t| t.pools.contains(&id)) {
+                    return Err(format!("pool {id} of tag {tag} is missing from its tag's list"));
+                }
+            }
+        }
+        let listed: usize = self.tags.tags.values().map(|t| t.pools.len()).sum();
+        let tagged = self.pools.iter().filter(|p| p.tag != 0).count();
+        if listed != tagged || listed != 2 * self.tags.by_key.len() {
+            return Err(format!("{tagged} tagged pools, {listed} in tags' lists, {} filed", 2 * self.tags.by_key.len()));
+        }
+        let page = self.tags.vm.map_or(1, |vm| vm.page);
+        for (&tag, state) in &self.tags.tags {
+            let Some(paused) = &state.paused else { continue };
+            for run in &paused.runs {
+                let pages = self.segment_pages(run.base).ok_or_else(|| format!("tag {tag}: a saved run names no range at {:#x}", run.base))?;
+                let owner = self.segment_by_base[&run.base];
+                let pool = self.segments[owner as usize].as_ref().expect("indexed").pool;
+                if self.pools[pool as usize].tag != tag {
+                    return Err(format!("tag {tag}: a saved run lies in a range of another tag"));
+                }
+                if (run.first_page..run.first_page + run.pages).any(|p| pages.is_mapped(p)) {
+                    return Err(format!("tag {tag}: a saved run at {:#x} covers mapped pages", run.base + run.first_page * page));
+                }
+                match &run.data {
+                    Some(data) if !paused.offload || data.bytes().len() as u64 != run.pages * page => {
+                        return Err(format!("tag {tag}: a saved run holds {} host bytes for {} pages", data.bytes().len(), run.pages))
+                    }
+                    None if paused.offload => return Err(format!("tag {tag}: an offloaded run holds no host memory")),
+                    _ => {}
+                }
+            }
+            for id in self.tag_segments(&state.pools) {
+                let segment = self.segments[id as usize].as_ref().expect("listed");
+                let pages = segment.pages.as_ref().ok_or_else(|| format!("tag {tag}: segment {id} is not a range"))?;
+                let mut cur = segment.first_block;
+                while cur != NIL {
+                    let b = &self.blocks[cur];
+                    if b.is_active() {
+                        let (first, count) = pages.touched(b.addr - segment.base, b.addr - segment.base + b.size);
+                        for p in first..first + count {
+                            let saved = paused.runs.iter().any(|r| r.base == segment.base && (r.first_page..r.first_page + r.pages).contains(&p));
+                            if !pages.is_mapped(p) && !saved {
+                                return Err(format!("tag {tag}: page {p} of the live block at {:#x} is neither mapped nor saved", b.addr));
+                            }
+                        }
+                    }
+                    cur = b.next;
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,185 @@
+//! Tags: the names allocations carry, and the calling thread's current tag.
+//!
+//! Every allocation carries a tag, "default" unless the thread set another
+//! (`region`, or `tidepool_set_tag` in C). A tag's memory can be paused
+//! (given back to the device, addresses kept) and resumed: see
+//! `heap/tags.rs`. Names are interned once per process as small numbers
+//! (`TagId`), so the heap compares integers and the thread's current tag is
+//! one thread-local integer: 0, the default, costs the allocation path one
+//! test.
+//!
+//! Invariants:
+//! - id 0 is "default"; id n names the n-th name interned, for the life of
+//!   the process (names are never forgotten, so an id never changes meaning);
+//! - a name is 1 to `MAX_TAG_LEN` bytes of UTF-8 with no NUL.
+#![forbid(unsafe_code)]
+
+use std::cell::Cell;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::error::AllocError;
+
+/// The longest tag name, in bytes (the C ABI's limit: 63 plus the NUL).
+pub const MAX_TAG_LEN: usize = 63;
+
+/// The tag of allocations made outside any region.
+pub const DEFAULT_TAG: &str = "default";
+
+/// An interned tag name; `TagId::DEFAULT` is "default".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TagId(pub u32);
+
+impl TagId {
+    pub const DEFAULT: TagId = TagId(0);
+}
+
+/// Every name interned so far, by id (the first, "default", is added on
+/// first use).
+static NAMES: Mutex<Vec<Arc<str>>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// The calling thread's tag for its next allocations.
+    static CURRENT: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Checks that `name` can be a tag: 1 to 63 bytes, no NUL.
+pub fn check_name(name: &str) -> Result<(), AllocError> {
+    if name.is_empty() {
+        return Err(AllocError::InvalidArgument("a tag cannot be empty (use \"default\", or NULL in C)".into()));
+    }
+    if name.len() > MAX_TAG_LEN {
+        return Err(AllocError::InvalidArgument(format!(
+            "tag {:?}... is {} bytes long; a tag has at most {MAX_TAG_LEN}",
+            name.chars().take(16).collect::<String>(),
+            name.len()
+        )));
+    }
+    if name.contains('\0') {
+        return Err(AllocError::InvalidArgument(format!("tag {name:?} contains a NUL byte")));
+    }
+    Ok(())
+}
+
+fn with_names<R>(f: impl FnOnce(&mut Vec<Arc<str>>) -> R) -> R {
+    let mut names = NAMES.lock();
+    if names.is_empty() {
+        names.push(Arc::from(DEFAULT_TAG));
+    }
+    f(&mut names)
+}
+
+/// The id of `name`, interning it if it is new.
+pub fn intern(name: &str) -> Result<TagId, AllocError> {
+    check_name(name)?;
+    Ok(with_names(|names| match names.iter().position(|n| &**n == name) {
+        Some(id) => TagId(id as u32),
+        None => {
+            names.push(Arc::from(name));
+            TagId(names.len() as u32 - 1)
+        }
+    }))
+}
+
+/// The id of `name` if some thread of this process ever used it.
+pub fn lookup(name: &str) -> Option<TagId> {
+    with_names(|names| names.iter().position(|n| &**n == name).map(|id| TagId(id as u32)))
+}
+
+/// The name of `id` ("?" for an id never handed out).
+pub fn name_of(id: TagId) -> Arc<str> {
+    with_names(|names| names.get(id.0 as usize).cloned().unwrap_or_else(|| Arc::from("?")))
+}
+
+/// The calling thread's current tag.
+#[inline(always)]
+pub fn current() -> TagId {
+    TagId(CURRENT.with(Cell::get))
+}
+
+/// Makes `id` the calling thread's tag; returns the one it replaces.
+pub fn set_current(id: TagId) -> TagId {
+    TagId(CURRENT.with(|c| c.replace(id.0)))
+}
+
+/// Sets the calling thread's tag by name (`None`: "default"); returns the
+/// tag it replaces. A bad name changes nothing.
+pub fn set_current_name(name: Option<&str>) -> Result<TagId, AllocError> {
+    let id = match name {
+        None => TagId::DEFAULT,
+        Some(name) => intern(name)?,
+    };
+    Ok(set_current(id))
+}
+
+/// The thread's tag set for as long as this lives (`region`); dropping it
+/// puts back the tag that was current before. Regions nest. Not `Send`:
+/// the tag belongs to the thread that set it.
+#[must_use = "the tag is the thread's only while the region lives"]
+pub struct Region {
+    previous: TagId,
+    _thread: PhantomData<*const ()>,
+}
+
+/// Makes `name` the calling thread's tag until the returned region drops.
+///
+/// ```
+/// let alloc = tidepool::Allocator::new(tidepool::Config::builder().host(1, 1 << 30).build().unwrap()).unwrap();
+/// {
+///     let _kv = tidepool::tag::region("kv_cache").unwrap();
+///     let p = alloc.allocate(0, 4096, tidepool::Stream::DEFAULT).unwrap(); // tagged "kv_cache"
+///     alloc.free(0, p).unwrap();
+/// }
+/// assert_eq!(&*tidepool::tag::name_of(tidepool::tag::current()), "default");
+/// ```
+pub fn region(name: &str) -> Result<Region, AllocError> {
+    let previous = set_current_name(Some(name))?;
+    Ok(Region { previous, _thread: PhantomData })
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        set_current(self.previous);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_intern_to_stable_ids_and_default_is_zero() {
+        assert_eq!(intern(DEFAULT_TAG).unwrap(), TagId::DEFAULT);
+        let a = intern("tag-test-a").unwrap();
+        assert_ne!(a, TagId::DEFAULT);
+        assert_eq!(intern("tag-test-a").unwrap(), a);
+        assert_eq!(lookup("tag-test-a"), Some(a));
+        assert_eq!(&*name_of(a), "tag-test-a");
+        assert_eq!(lookup("tag-test-never-used"), None);
+    }
+
+    #[test]
+    fn bad_names_are_refused_and_change_nothing() {
+        let long = "x".repeat(MAX_TAG_LEN + 1);
+        for bad in ["", long.as_str(), "a\0b"] {
+            assert!(matches!(set_current_name(Some(bad)), Err(AllocError::InvalidArgument(_))), "{bad:?}");
+            assert_eq!(current(), TagId::DEFAULT);
+        }
+        assert!(intern(&"y".repeat(MAX_TAG_LEN)).is_ok(), "63 bytes is allowed");
+    }
+
+    #[test]
+    fn regions_nest_and_restore() {
+        let outer = region("tag-test-outer").unwrap();
+        let outer_id = current();
+        {
+            let _inner = region("tag-test-inner").unwrap();
+            assert_eq!(&*name_of(current()), "tag-test-inner");
+        }
+        assert_eq!(current(), outer_id);
+        drop(outer);
+        assert_eq!(current(), TagId::DEFAULT);
+    }
+}
