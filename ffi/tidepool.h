@@ -26,8 +26,13 @@ extern "C" {
 #define TIDEPOOL_ERR_INVALID_DEVICE 2   /* no such device */
 #define TIDEPOOL_ERR_INTERNAL 3         /* allocator not created, or internal error */
 #define TIDEPOOL_ERR_IO 4               /* a file could not be written */
+#define TIDEPOOL_ERR_TAG_STATE 5        /* tag unknown, paused, not paused; or pause refused now */
+#define TIDEPOOL_ERR_OUT_OF_MEMORY 6    /* device or host memory could not be had */
 
-#define TIDEPOOL_STATS_VERSION 3
+#define TIDEPOOL_PAUSE_OFFLOAD 1 /* tidepool_pause: keep the contents in host memory */
+
+#define TIDEPOOL_STATS_VERSION 4
+#define TIDEPOOL_TAG_STATS_VERSION 1
 
 /* One gauge, as torch.cuda.memory_stats reports it. */
 typedef struct tidepool_stat {
@@ -92,7 +97,24 @@ typedef struct tidepool_stats {
     /* Version 3: pages of expandable segments mapped and unmapped. */
     uint64_t num_pages_mapped;
     uint64_t num_pages_unmapped;
+    /* Version 4: device memory given back by paused tags, and host memory
+     * holding their contents (tidepool_pause). */
+    uint64_t paused_bytes;
+    uint64_t offloaded_bytes;
 } tidepool_stats;
+
+/* What one tag holds on one device (tidepool_get_tag_stats). Versioned as
+ * tidepool_stats: set size = sizeof(tidepool_tag_stats) before the call. */
+typedef struct tidepool_tag_stats {
+    uint32_t size;
+    uint32_t version;
+    uint64_t allocated_bytes; /* live blocks of the tag */
+    uint64_t reserved_bytes;  /* device memory its pages hold now */
+    uint64_t paused_bytes;    /* device memory the pause gave back (0 unless paused) */
+    uint64_t offloaded_bytes; /* host memory holding its contents while paused */
+    uint64_t num_allocations; /* live blocks (count) */
+    uint64_t paused;          /* 1 while paused */
+} tidepool_tag_stats;
 
 /* size bytes on device for stream. NULL when out of memory (after the cache
  * was released and the request retried; the report goes to stderr and to
@@ -189,6 +211,41 @@ int tidepool_dump_snapshot(const char* path);
 /* Copies this thread's last error into buf (NUL-terminated, cut to len - 1
  * bytes); returns its full length (0: none). buf may be NULL to ask the length. */
 size_t tidepool_last_error(char* buf, size_t len);
+
+/* Tags, for sleep and wake: every allocation carries the calling thread's
+ * tag ("default" unless set). A tag's memory comes from pages of its own, so
+ * it can be paused (every page given back to the device, addresses kept
+ * reserved: pointers and CUDA graphs stay valid) and resumed (the pages
+ * mapped again at the same addresses). Errors change nothing. */
+
+/* Sets the calling thread's tag for its later allocations (NULL:
+ * "default"). Returns TIDEPOOL_OK or TIDEPOOL_ERR_INVALID_ARGUMENT (empty,
+ * longer than 63 bytes, not UTF-8). */
+int tidepool_set_tag(const char* tag);
+
+/* Waits for the work queued on the streams that used tag's blocks, then
+ * gives every page of tag on device (-1: every device) back. flags:
+ * TIDEPOOL_PAUSE_OFFLOAD copies the live blocks' contents to pinned host
+ * memory first (one copy per run of pages) and restores them at resume; 0
+ * discards them. Allocating under a paused tag fails (the error names it);
+ * freeing a paused block is allowed. Returns TIDEPOOL_OK, or
+ * TIDEPOOL_ERR_INVALID_ARGUMENT, TIDEPOOL_ERR_INVALID_DEVICE,
+ * TIDEPOOL_ERR_TAG_STATE (unknown tag, "default", already paused, a CUDA
+ * graph capture or private pool open), TIDEPOOL_ERR_OUT_OF_MEMORY (no host
+ * memory for the offload: nothing was released). */
+int tidepool_pause(const char* tag, int device, int flags);
+
+/* Maps tag's pages on device (-1: every device where it is paused) again at
+ * the same addresses, copies offloaded contents back, and returns once the
+ * memory is usable. When the device is full, tidepool releases its other
+ * cache, then asks the other processes; failing that it returns
+ * TIDEPOOL_ERR_OUT_OF_MEMORY with nothing mapped, the tag still paused and
+ * its saved contents intact. TIDEPOOL_ERR_TAG_STATE: unknown or not paused. */
+int tidepool_resume(const char* tag, int device);
+
+/* Fills *out with what tag holds on device; returns TIDEPOOL_OK or a
+ * TIDEPOOL_ERR_* code (TIDEPOOL_ERR_TAG_STATE: a tag no thread ever set). */
+int tidepool_get_tag_stats(const char* tag, int device, tidepool_tag_stats* out);
 
 #ifdef __cplusplus
 }

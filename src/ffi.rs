@@ -37,9 +37,19 @@ pub const TIDEPOOL_ERR_INVALID_DEVICE: c_int = 2;
 pub const TIDEPOOL_ERR_INTERNAL: c_int = 3;
 /// A file could not be written.
 pub const TIDEPOOL_ERR_IO: c_int = 4;
+/// A tag in the wrong state (unknown, paused, not paused), or a pause
+/// refused now (a private pool is open); nothing changed.
+pub const TIDEPOOL_ERR_TAG_STATE: c_int = 5;
+/// Device or host memory could not be had (a resume, an offload); nothing changed.
+pub const TIDEPOOL_ERR_OUT_OF_MEMORY: c_int = 6;
+
+/// `tidepool_pause` flag: keep the contents of live blocks in host memory.
+pub const TIDEPOOL_PAUSE_OFFLOAD: c_int = 1;
 
 /// Version of `tidepool_stats` this library fills.
-pub const TIDEPOOL_STATS_VERSION: u32 = 3;
+pub const TIDEPOOL_STATS_VERSION: u32 = 4;
+/// Version of `tidepool_tag_stats` this library fills.
+pub const TIDEPOOL_TAG_STATS_VERSION: u32 = 1;
 
 /// One gauge (`torch.cuda.memory_stats` fields).
 #[repr(C)]
@@ -104,6 +114,25 @@ pub struct tidepool_stats {
     /// Version 3: pages of expandable segments mapped and unmapped.
     pub num_pages_mapped: u64,
     pub num_pages_unmapped: u64,
+    /// Version 4: device memory given back by paused tags, and host memory
+    /// holding their contents.
+    pub paused_bytes: u64,
+    pub offloaded_bytes: u64,
+}
+
+/// What one tag holds on a device (`tidepool_get_tag_stats`); versioned as
+/// `tidepool_stats`: `size` first, set by the caller.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct tidepool_tag_stats {
+    pub size: u32,
+    pub version: u32,
+    pub allocated_bytes: u64,
+    pub reserved_bytes: u64,
+    pub paused_bytes: u64,
+    pub offloaded_bytes: u64,
+    pub num_allocations: u64,
+    pub paused: u64,
 }
 
 /// One stack frame of an allocation context (`tidepool_register_context`).
@@ -608,6 +637,8 @@ fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
         num_coop_served: s.events.num_coop_served,
         num_pages_mapped: s.events.num_pages_mapped,
         num_pages_unmapped: s.events.num_pages_unmapped,
+        paused_bytes: s.paused_bytes,
+        offloaded_bytes: s.offloaded_bytes,
     }
 }
 
@@ -747,4 +778,145 @@ pub extern "C" fn tidepool_last_error(buf: *mut c_char, len: usize) -> usize {
             message.len()
         })
     })
+}
+
+/// The tag `tag` (NULL: "default") as a string, or the failure of `who`.
+fn tag_arg(tag: *const c_char, who: &str) -> Result<Option<String>, Failure> {
+    if tag.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: `tag` is non-null and, per the contract, a NUL-terminated string.
+    let text = unsafe { CStr::from_ptr(tag) }
+        .to_str()
+        .map_err(|_| (TIDEPOOL_ERR_INVALID_ARGUMENT, format!("tidepool: {who}: the tag is not UTF-8")))?;
+    crate::tag::check_name(text).map_err(|err| (TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{who}: {err}")))?;
+    Ok(Some(text.to_string()))
+}
+
+/// The tag a pause, resume or tag-statistics call names: NULL is "default".
+fn named_tag(tag: *const c_char, who: &str) -> Result<String, Failure> {
+    Ok(tag_arg(tag, who)?.unwrap_or_else(|| crate::tag::DEFAULT_TAG.to_string()))
+}
+
+/// `device` as the tag calls take it: -1 is every device.
+fn tag_device(device: c_int) -> Result<Option<usize>, Failure> {
+    match device {
+        -1 => Ok(None),
+        _ => device_index(device).map(Some).map_err(|err| (TIDEPOOL_ERR_INVALID_DEVICE, err.to_string())),
+    }
+}
+
+/// The return code of a failed tag call.
+fn tag_failure(err: AllocError) -> Failure {
+    let code = match &err {
+        AllocError::InvalidArgument(_) => TIDEPOOL_ERR_INVALID_ARGUMENT,
+        AllocError::InvalidDevice { .. } => TIDEPOOL_ERR_INVALID_DEVICE,
+        AllocError::Tag(_) => TIDEPOOL_ERR_TAG_STATE,
+        AllocError::OutOfMemory(_) | AllocError::HostOutOfMemory { .. } => TIDEPOOL_ERR_OUT_OF_MEMORY,
+        _ => TIDEPOOL_ERR_INTERNAL,
+    };
+    (code, err.to_string())
+}
+
+/// Sets the calling thread's tag for its later allocations (NULL:
+/// "default"). Returns TIDEPOOL_OK, or TIDEPOOL_ERR_INVALID_ARGUMENT (a
+/// tag empty, longer than 63 bytes, or not UTF-8), the tag unchanged.
+#[no_mangle]
+pub extern "C" fn tidepool_set_tag(tag: *const c_char) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(set_tag(tag)))
+}
+
+fn set_tag(tag: *const c_char) -> Result<(), Failure> {
+    let name = tag_arg(tag, "tidepool_set_tag")?;
+    crate::tag::set_current_name(name.as_deref()).map_err(tag_failure)?;
+    Ok(())
+}
+
+/// Pauses `tag` on `device` (-1: every device): waits for the work queued
+/// on the streams that used its blocks, then gives every page of it back
+/// to the device, addresses kept. `flags`: TIDEPOOL_PAUSE_OFFLOAD keeps
+/// the contents in host memory until `tidepool_resume`; 0 discards them.
+/// Returns TIDEPOOL_OK, or (nothing changed) TIDEPOOL_ERR_INVALID_ARGUMENT
+/// (bad tag, unknown flags), TIDEPOOL_ERR_INVALID_DEVICE,
+/// TIDEPOOL_ERR_TAG_STATE (unknown tag, "default", already paused, a
+/// private pool open), TIDEPOOL_ERR_OUT_OF_MEMORY (no host memory for the
+/// offload), TIDEPOOL_ERR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn tidepool_pause(tag: *const c_char, device: c_int, flags: c_int) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(pause(tag, device, flags)))
+}
+
+fn pause(tag: *const c_char, device: c_int, flags: c_int) -> Result<(), Failure> {
+    let name = named_tag(tag, "tidepool_pause")?;
+    if flags & !TIDEPOOL_PAUSE_OFFLOAD != 0 {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("tidepool: tidepool_pause: unknown flags {flags:#x}")));
+    }
+    let device = tag_device(device)?;
+    allocator_or_internal()?.pause(&name, device, flags & TIDEPOOL_PAUSE_OFFLOAD != 0).map_err(tag_failure)?;
+    Ok(())
+}
+
+/// Resumes `tag` on `device` (-1: every device where it is paused): maps
+/// its pages again at the same addresses and copies offloaded contents
+/// back; returns once the memory is usable. Returns TIDEPOOL_OK, or
+/// TIDEPOOL_ERR_INVALID_ARGUMENT, TIDEPOOL_ERR_INVALID_DEVICE,
+/// TIDEPOOL_ERR_TAG_STATE (unknown tag, not paused),
+/// TIDEPOOL_ERR_OUT_OF_MEMORY (the device could not give the memory back
+/// even after the cache was released and other processes were asked: the
+/// tag stays paused, nothing mapped, its saved contents intact),
+/// TIDEPOOL_ERR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn tidepool_resume(tag: *const c_char, device: c_int) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(resume(tag, device)))
+}
+
+fn resume(tag: *const c_char, device: c_int) -> Result<(), Failure> {
+    let name = named_tag(tag, "tidepool_resume")?;
+    let device = tag_device(device)?;
+    allocator_or_internal()?.resume(&name, device).map_err(tag_failure)?;
+    Ok(())
+}
+
+/// Fills `*out` with what `tag` holds on `device`. Set `out->size =
+/// sizeof(tidepool_tag_stats)` first (as for `tidepool_get_stats`).
+/// Returns TIDEPOOL_OK, or TIDEPOOL_ERR_INVALID_ARGUMENT (NULL `out`,
+/// `out->size` too small, bad tag), TIDEPOOL_ERR_INVALID_DEVICE,
+/// TIDEPOOL_ERR_TAG_STATE (unknown tag), TIDEPOOL_ERR_INTERNAL.
+#[no_mangle]
+pub extern "C" fn tidepool_get_tag_stats(tag: *const c_char, device: c_int, out: *mut tidepool_tag_stats) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, return_code(get_tag_stats(tag, device, out)))
+}
+
+/// The smallest `size` `tidepool_get_tag_stats` accepts: version 1's.
+const TAG_STATS_V1_SIZE: usize = 56;
+const _: () = assert!(std::mem::size_of::<tidepool_tag_stats>() >= TAG_STATS_V1_SIZE);
+
+fn get_tag_stats(tag: *const c_char, device: c_int, out: *mut tidepool_tag_stats) -> Result<(), Failure> {
+    const WHO: &str = "tidepool: tidepool_get_tag_stats";
+    if out.is_null() {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: out is NULL")));
+    }
+    // SAFETY: `out` is non-null and points to at least a `size` field (u32).
+    let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
+    if caller_size < TAG_STATS_V1_SIZE {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: out->size is {caller_size}, at least {TAG_STATS_V1_SIZE} needed")));
+    }
+    let name = named_tag(tag, "tidepool_get_tag_stats")?;
+    let device = device_index(device).map_err(|err| (TIDEPOOL_ERR_INVALID_DEVICE, err.to_string()))?;
+    let s = allocator_or_internal()?.tag_stats(&name, device).map_err(tag_failure)?;
+    let n = caller_size.min(std::mem::size_of::<tidepool_tag_stats>());
+    let filled = tidepool_tag_stats {
+        size: n as u32,
+        version: TIDEPOOL_TAG_STATS_VERSION,
+        allocated_bytes: s.allocated_bytes,
+        reserved_bytes: s.reserved_bytes,
+        paused_bytes: s.paused_bytes,
+        offloaded_bytes: s.offloaded_bytes,
+        num_allocations: s.allocations,
+        paused: s.paused as u64,
+    };
+    // SAFETY: the caller vouches for `caller_size` writable bytes at
+    // `out`; we copy n <= caller_size bytes from a local value.
+    unsafe { std::ptr::copy_nonoverlapping(&filled as *const tidepool_tag_stats as *const u8, out as *mut u8, n) };
+    Ok(())
 }

@@ -164,7 +164,7 @@ fn rust_constants(source: &str) -> BTreeMap<String, String> {
 fn the_header_declares_exactly_the_rust_exports() {
     let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
     let declared = header_functions(&header);
-    assert_eq!(declared.len(), 19, "{declared:#?}");
+    assert_eq!(declared.len(), 23, "{declared:#?}");
     assert_eq!(declared, rust_functions(&source));
     assert_eq!(declared["tidepool_malloc"], "void*(size_t, int, void*)");
     // PyTorch calls these as void(int, MempoolId_t, std::function<...>):
@@ -174,6 +174,11 @@ fn the_header_declares_exactly_the_rust_exports() {
     assert_eq!(declared["tidepool_malloc_with_context"], "void*(size_t, int, void*, uint64_t)");
     assert_eq!(declared["tidepool_register_context"], "int(uint64_t, const tidepool_frame*, size_t)");
     assert_eq!(declared["tidepool_attach_oom_observer"], "int(tidepool_oom_observer, void*)");
+    // The tag calls, named as other runtimes bind them.
+    assert_eq!(declared["tidepool_set_tag"], "int(const char*)");
+    assert_eq!(declared["tidepool_pause"], "int(const char*, int, int)");
+    assert_eq!(declared["tidepool_resume"], "int(const char*, int)");
+    assert_eq!(declared["tidepool_get_tag_stats"], "int(const char*, int, tidepool_tag_stats*)");
 }
 
 /// The parameter types of the function-pointer typedef `name` in the header
@@ -208,7 +213,10 @@ fn the_oom_observer_typedef_matches_the_rust_type() {
 fn the_header_structs_match_the_rust_structs_field_by_field() {
     let (header, source) = (read("ffi/tidepool.h"), read("src/ffi.rs"));
     let declared = header_structs(&header);
-    assert_eq!(declared.keys().collect::<Vec<_>>(), ["tidepool_frame", "tidepool_stat", "tidepool_stat_by_pool", "tidepool_stats"]);
+    assert_eq!(
+        declared.keys().collect::<Vec<_>>(),
+        ["tidepool_frame", "tidepool_stat", "tidepool_stat_by_pool", "tidepool_stats", "tidepool_tag_stats"]
+    );
     assert_eq!(declared, rust_structs(&source));
 }
 

@@ -36,7 +36,12 @@
  *   - latency (SIMGPU_LATENCY_US) and fault injection: SIMGPU_FAIL_EVERY=N
  *     (every Nth cuMemAlloc or cuMemCreate reports out of memory), SIMGPU_FAIL_FREE_EVERY=N
  *     (every Nth cuMemFree fails and frees nothing), SIMGPU_FAIL_EVENTS=1
- *     (cuEventRecord fails).
+ *     (cuEventRecord fails), SIMGPU_FAIL_HOST_ALLOC=1 (cuMemHostAlloc
+ *     reports out of memory);
+ *   - pinned host memory (cuMemHostAlloc/cuMemFreeHost: anonymous memory,
+ *     counted for tests by simgpu_host_allocs) and the synchronous copies
+ *     cuMemcpyHtoD/DtoH, which wait for every stream first as the legacy
+ *     default stream does (a paused tag's offload and restore).
  * Build: cc -shared -fPIC -O2 -pthread simgpu.c -o libcuda.so
  */
 #define _GNU_SOURCE
@@ -88,7 +93,7 @@ static size_t *used = local_used;
 static struct simgpu_ctx contexts[MAX_DEVICES];
 static __thread CUcontext current;
 static struct alloc_rec allocs[MAX_ALLOCS];
-static long fail_every, alloc_calls, fail_free_every, free_calls, fail_events;
+static long fail_every, alloc_calls, fail_free_every, free_calls, fail_events, fail_host_alloc;
 static long latency_us;
 
 /* Ownership of ranges, named by the tests, for the use-after-free detector. */
@@ -123,6 +128,8 @@ CUresult cuInit(unsigned int flags) {
         fail_free_every = ff ? atol(ff) : 0;
         const char *fe = getenv("SIMGPU_FAIL_EVENTS");
         fail_events = fe ? atol(fe) : 0;
+        const char *fh = getenv("SIMGPU_FAIL_HOST_ALLOC");
+        fail_host_alloc = fh ? atol(fh) : 0;
         const char *l = getenv("SIMGPU_LATENCY_US");
         latency_us = l ? atol(l) : 0;
         for (int i = 0; i < MAX_DEVICES; i++) contexts[i].device = i;
@@ -636,6 +643,62 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t len, CUst
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char byte, size_t len, CUstream s) {
     if (len == 0) return CUDA_SUCCESS;
     return enqueue(s, (struct op){.kind = OP_FILL, .ptr = (uintptr_t)dst, .len = len, .byte = byte});
+}
+
+/* Synchronous copies: the legacy default stream waits for every stream. */
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t len) {
+    if (len == 0) return CUDA_SUCCESS;
+    if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
+    synchronize_all();
+    memcpy((void *)(uintptr_t)dst, src, len);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t len) {
+    if (len == 0) return CUDA_SUCCESS;
+    if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
+    synchronize_all();
+    memcpy(dst, (const void *)(uintptr_t)src, len);
+    return CUDA_SUCCESS;
+}
+
+/* Pinned host memory: anonymous pages behind a header holding the size. */
+#define HOST_HEADER 4096
+static long host_alloc_calls, host_allocs_live;
+
+CUresult cuMemHostAlloc(void **pp, size_t bytes, unsigned int flags) {
+    (void)flags;
+    if (!pp || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    if (fail_host_alloc) return CUDA_ERROR_OUT_OF_MEMORY;
+    void *base = mmap(NULL, bytes + HOST_HEADER, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    *(size_t *)base = bytes;
+    pthread_mutex_lock(&lock);
+    host_alloc_calls++;
+    host_allocs_live++;
+    pthread_mutex_unlock(&lock);
+    *pp = (char *)base + HOST_HEADER;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFreeHost(void *p) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    char *base = (char *)p - HOST_HEADER;
+    munmap(base, *(size_t *)base + HOST_HEADER);
+    pthread_mutex_lock(&lock);
+    host_allocs_live--;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+/* Test entry point: cuMemHostAlloc calls so far; *live: not yet freed. */
+long simgpu_host_allocs(long *live) {
+    pthread_mutex_lock(&lock);
+    long calls = host_alloc_calls;
+    if (live) *live = host_allocs_live;
+    pthread_mutex_unlock(&lock);
+    return calls;
 }
 
 typedef struct simgpu_module *CUmodule;

@@ -66,7 +66,7 @@ static void basic_use(void) {
     tidepool_stats v1;
     memset(&v1, 0xEE, sizeof v1);
     v1.size = 1040;
-    CHECK(tidepool_get_stats(0, &v1) == TIDEPOOL_OK && v1.size == 1040 && v1.version == 3, "v1 caller");
+    CHECK(tidepool_get_stats(0, &v1) == TIDEPOOL_OK && v1.size == 1040 && v1.version == TIDEPOOL_STATS_VERSION, "v1 caller");
     CHECK(v1.num_reclaims == 0xEEEEEEEEEEEEEEEEull, "nothing written past the caller's size");
 }
 
