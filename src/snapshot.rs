@@ -48,6 +48,10 @@ pub fn pytorch_snapshot(alloc: &Allocator) -> PyValue {
                 ("segment_type", PyValue::str(if segment.kind == PoolKind::Small { "small" } else { "large" })),
                 ("segment_pool_id", PyValue::Tuple(vec![PyValue::int(pool_id.0), PyValue::int(pool_id.1)])),
                 ("is_expandable", PyValue::Bool(segment.expandable)),
+                // tidepool's own: the segment's tag, and whether it is paused
+                // (pages given back; the blocks keep their addresses).
+                ("tag", PyValue::str(&*crate::tag::name_of(segment.tag))),
+                ("paused", PyValue::Bool(segment.paused)),
                 ("frames", PyValue::List(vec![])),
                 ("blocks", PyValue::List(blocks)),
             ]));

@@ -15,6 +15,7 @@ import threading
 
 from . import _native, _torch
 from ._native import GAUGES, POOLS, FIELDS, TidepoolError, library_path
+from .tags import region, pause, resume, tag_stats
 
 _log = logging.getLogger("tidepool")
 
@@ -38,6 +39,10 @@ __all__ = [
     "dump_snapshot",
     "record_memory_history",
     "library_path",
+    "region",
+    "pause",
+    "resume",
+    "tag_stats",
     "TidepoolError",
 ]
 
@@ -194,6 +199,9 @@ def memory_stats_as_nested_dict(device=None):
     }
     for key in ("num_coop_requests", "num_coop_satisfied", "num_coop_served", "num_pages_mapped", "num_pages_unmapped"):
         own[key] = getattr(s, key)
+    # Paused tags (tidepool.pause): GPU memory given back, host memory holding their contents.
+    own["paused_bytes"] = s.paused_bytes
+    own["offloaded_bytes"] = s.offloaded_bytes
     out["tidepool"] = own
     return out
 

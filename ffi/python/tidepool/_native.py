@@ -25,7 +25,11 @@ ERR_INVALID_ARGUMENT = 1
 ERR_INVALID_DEVICE = 2
 ERR_INTERNAL = 3
 ERR_IO = 4
-STATS_VERSION = 3
+ERR_TAG_STATE = 5
+ERR_OUT_OF_MEMORY = 6
+PAUSE_OFFLOAD = 1
+STATS_VERSION = 4
+TAG_STATS_VERSION = 1
 
 
 class Stat(ctypes.Structure):
@@ -77,7 +81,16 @@ class Stats(ctypes.Structure):
             "num_coop_served",
             "num_pages_mapped",
             "num_pages_unmapped",
+            "paused_bytes",
+            "offloaded_bytes",
         )
+    ]
+
+
+class TagStats(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)] + [
+        (name, ctypes.c_uint64)
+        for name in ("allocated_bytes", "reserved_bytes", "paused_bytes", "offloaded_bytes", "num_allocations", "paused")
     ]
 
 
@@ -157,6 +170,10 @@ def lib():
                 [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64],
             ),
             "tidepool_register_context": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]),
+            "tidepool_set_tag": (ctypes.c_int, [ctypes.c_char_p]),
+            "tidepool_pause": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]),
+            "tidepool_resume": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
+            "tidepool_get_tag_stats": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(TagStats)]),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(handle, name)
@@ -178,6 +195,13 @@ def get_stats(device):
     stats = Stats()
     stats.size = ctypes.sizeof(Stats)
     check(lib().tidepool_get_stats(device, ctypes.byref(stats)))
+    return stats
+
+
+def get_tag_stats(tag, device):
+    stats = TagStats()
+    stats.size = ctypes.sizeof(TagStats)
+    check(lib().tidepool_get_tag_stats(tag, device, ctypes.byref(stats)))
     return stats
 
 
