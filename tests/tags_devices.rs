@@ -1,0 +1,219 @@
+//! Pause and resume across processes and on the cuda backend over simgpu:
+//! a second process allocates the memory a paused tag gave back, and the
+//! first resumes once the second frees it (cooperation asks for it); a
+//! pause waits for the work queued on the tag's streams before it copies
+//! (pinned host memory from cuMemHostAlloc, all of it freed at resume);
+//! a discarding pause of 1,000 blocks makes one driver call per run of
+//! pages, not per block.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use common::{check, fill, host_allocator, MIB};
+use tidepool::backend::Backend;
+use tidepool::tag::region;
+use tidepool::{AllocError, Allocator, Config, DevicePtr, Stream};
+
+const S: Stream = Stream::DEFAULT;
+
+fn allocator(conf: &str) -> Allocator {
+    Allocator::new(Config::builder().conf(conf).unwrap().build().unwrap()).unwrap()
+}
+
+fn wait_for(path: &Path, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if path.exists() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+fn spawn(name: &str, env: &[(&str, String)]) -> Child {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command.args(["--exact", name, "--test-threads=1", "--nocapture"]).stdout(std::process::Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.spawn().unwrap()
+}
+
+/// Process B: runs only when spawned by the test below. Takes 700 MiB of
+/// the 1 GiB device (there only because A's tag is paused), holds it until
+/// A has tried to resume, then frees it into its cache.
+#[test]
+fn process_b_takes_the_paused_memory() {
+    let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_TAGS_CONF"), std::env::var("TIDEPOOL_TEST_TAGS_DIR")) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let alloc = allocator(&conf);
+    let p = alloc.allocate(0, (700 * MIB) as usize, S).expect("the paused tag's memory is free for another process");
+    std::fs::write(dir.join("b-holds"), b"").unwrap();
+    assert!(wait_for(&dir.join("a-tried"), Duration::from_secs(30)));
+    alloc.free(0, p).unwrap(); // cached: B's reclaimer gives it back when A asks
+    std::fs::write(dir.join("b-freed"), b"").unwrap();
+    assert!(wait_for(&dir.join("done"), Duration::from_secs(30)));
+    println!("b: served {}", alloc.stats(0).unwrap().events.num_coop_served);
+}
+
+#[test]
+fn a_second_process_uses_the_memory_of_a_paused_tag_and_the_first_resumes_once_it_is_freed() {
+    let dir = std::env::temp_dir().join(format!("tidepool-tags-coop-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = format!(
+        "backend:host,host_shared:{},registry_dir:{},host_capacity_mb:1024,release_after_ms:off,headroom_mb:0,\
+         reclaim_interval_ms:20,cooperative:true,oom_wait_ms:1000",
+        dir.join("capacity").display(),
+        dir.join("registry").display()
+    );
+    let alloc = allocator(&conf);
+    let blocks: Vec<(DevicePtr, u64)> = {
+        let _r = region("i13-coop").unwrap();
+        [200, 200, 200].iter().map(|&m| (alloc.allocate(0, (m * MIB) as usize, S).unwrap(), m * MIB)).collect()
+    };
+    for (i, &(p, size)) in blocks.iter().enumerate() {
+        fill(p, size, i as u64);
+    }
+    let free_before = alloc.backend().mem_info(0).unwrap().free;
+    let reserved = alloc.tag_stats("i13-coop", 0).unwrap().reserved_bytes;
+    alloc.pause("i13-coop", Some(0), true).unwrap();
+    assert_eq!(alloc.backend().mem_info(0).unwrap().free, free_before + reserved, "every process sees the memory free");
+
+    let env = [("TIDEPOOL_TEST_TAGS_CONF", conf.clone()), ("TIDEPOOL_TEST_TAGS_DIR", dir.display().to_string())];
+    let b = spawn("process_b_takes_the_paused_memory", &env);
+    assert!(wait_for(&dir.join("b-holds"), Duration::from_secs(30)), "process B did not get the memory");
+    // B's memory is live: asking B gives nothing, and the resume fails whole.
+    let err = alloc.resume("i13-coop", Some(0)).unwrap_err();
+    assert!(matches!(err, AllocError::OutOfMemory(_)), "{err}");
+    assert!(alloc.tag_stats("i13-coop", 0).unwrap().paused, "still paused");
+    alloc.validate().unwrap();
+    std::fs::write(dir.join("a-tried"), b"").unwrap();
+    assert!(wait_for(&dir.join("b-freed"), Duration::from_secs(30)));
+    // B now only caches it: A's request makes B's reclaimer give it back.
+    alloc.resume("i13-coop", Some(0)).unwrap();
+    for (i, &(p, size)) in blocks.iter().enumerate() {
+        assert_eq!(check(p, size, i as u64), Ok(()), "block {i} restored");
+    }
+    assert!(alloc.stats(0).unwrap().events.num_coop_satisfied >= 1);
+    std::fs::write(dir.join("done"), b"").unwrap();
+    let out = b.wait_with_output().unwrap();
+    assert!(out.status.success(), "process B failed: {out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("b: served 1"), "{}", String::from_utf8_lossy(&out.stdout));
+    for (p, _) in blocks {
+        alloc.free(0, p).unwrap();
+    }
+    alloc.validate().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_discarding_pause_makes_one_call_per_run_of_pages_not_per_block() {
+    let (alloc, backend) = host_allocator(1, 4 << 30, "");
+    let blocks: Vec<DevicePtr> = {
+        let _r = region("i13-calls").unwrap();
+        (0..1000).map(|i| alloc.allocate(0, if i % 2 == 0 { 100 << 10 } else { 2 << 20 }, S).unwrap()).collect()
+    };
+    let (maps, unmaps) = backend.vm_calls();
+    alloc.pause("i13-calls", None, false).unwrap();
+    let (maps_paused, unmaps_paused) = backend.vm_calls();
+    assert_eq!(maps_paused, maps);
+    assert!(unmaps_paused - unmaps <= 2, "one unmap per range's run of pages: {}", unmaps_paused - unmaps);
+    alloc.resume("i13-calls", None).unwrap();
+    let (maps_resumed, _) = backend.vm_calls();
+    assert!(maps_resumed - maps <= 2, "one map per run of pages: {}", maps_resumed - maps);
+    for p in blocks {
+        alloc.free(0, p).unwrap();
+    }
+    alloc.validate().unwrap();
+}
+
+/// simgpu's calls this test needs, looked up in the loaded driver.
+struct Simgpu {
+    stream_create: unsafe extern "C" fn(*mut u64, u32) -> i32,
+    enqueue_sleep: unsafe extern "C" fn(u64, i64) -> i32,
+    enqueue_fill: unsafe extern "C" fn(u64, u64, usize, u8, u64) -> i32,
+    host_allocs: unsafe extern "C" fn(*mut i64) -> i64,
+}
+
+impl Simgpu {
+    fn load() -> Simgpu {
+        // SAFETY: opens the libcuda.so this process already loaded (simgpu,
+        // through LD_LIBRARY_PATH) and reads symbols whose C signatures are
+        // the ones declared in cuda/simgpu/simgpu.c.
+        unsafe {
+            let handle = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW);
+            assert!(!handle.is_null(), "simgpu not loaded");
+            let sym = |name: &std::ffi::CStr| {
+                let p = libc::dlsym(handle, name.as_ptr());
+                assert!(!p.is_null(), "{name:?} missing: not simgpu");
+                p
+            };
+            Simgpu {
+                stream_create: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamCreate")),
+                enqueue_sleep: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_sleep")),
+                enqueue_fill: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_fill")),
+                host_allocs: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_host_allocs")),
+            }
+        }
+    }
+}
+
+/// The child side over simgpu: a fill queued behind a sleep on the block's
+/// stream must land before the pause copies the block out.
+#[test]
+fn child_pause_waits_for_the_streams_work() {
+    if std::env::var_os("TIDEPOOL_TEST_TAGS_CHILD").is_none() {
+        return;
+    }
+    let alloc = allocator("backend:cuda,release_after_ms:off,headroom_mb:0");
+    let sim = Simgpu::load();
+    let mut stream = 0u64;
+    // SAFETY: simgpu writes a new stream handle into a local.
+    assert_eq!(unsafe { (sim.stream_create)(&mut stream, 0) }, 0);
+    let size = 4 * MIB as usize;
+    let p = {
+        let _r = region("i13-stream").unwrap();
+        alloc.allocate(0, size, Stream(stream)).unwrap()
+    };
+    // SAFETY: plain calls into simgpu on a live block of `size` bytes.
+    unsafe {
+        assert_eq!((sim.enqueue_sleep)(stream, 200_000), 0);
+        assert_eq!((sim.enqueue_fill)(stream, p.0, size, 0x77, 0), 0);
+    }
+    alloc.pause("i13-stream", Some(0), true).unwrap();
+    let mut live = 0i64;
+    // SAFETY: simgpu writes one count into a local.
+    let calls = unsafe { (sim.host_allocs)(&mut live) };
+    assert!(calls >= 1 && live >= 1, "the offload is pinned host memory: {calls} calls, {live} live");
+    alloc.resume("i13-stream", Some(0)).unwrap();
+    // SAFETY: as above.
+    unsafe { (sim.host_allocs)(&mut live) };
+    assert_eq!(live, 0, "the pinned memory goes at resume");
+    let mut back = vec![0u8; size];
+    alloc.backend().copy_to_host(0, p.0, &mut back, Stream(stream)).unwrap();
+    assert!(back.iter().all(|&b| b == 0x77), "the queued fill ran before the copy");
+    alloc.free_on_stream(0, p, Stream(stream)).unwrap();
+    alloc.validate().unwrap();
+    println!("child: stream work waited for");
+}
+
+#[test]
+fn a_pause_waits_for_the_work_queued_on_the_tags_streams_over_simgpu() {
+    let dir = common::simgpu_dir();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_pause_waits_for_the_streams_work", "--test-threads=1", "--nocapture"])
+        .env("TIDEPOOL_TEST_TAGS_CHILD", "1")
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("SIMGPU_CAPACITY", "256M")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("child: stream work waited for"), "{text}");
+}
