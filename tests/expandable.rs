@@ -243,16 +243,19 @@ fn traces() -> Vec<PathBuf> {
     files
 }
 
-/// Shared traces whose tight targets are still open work ("Fragmentation,
-/// round two"), with why; on them only "never above PyTorch's model" is
-/// asserted, and they are left out of the geometric mean. Named one by
-/// one so that any other trace, shared or held out, meets every target.
-const OPEN_TARGETS: [(&str, &str); 1] =
-    [("niu_fwdbwd_200_bf16mixed.pickle", "under 1 GiB live in bf16 autocast: 1.09x peak reserved, 1.03x smallest device")];
+/// Shared traces whose smallest-device target is still open work, with
+/// why; on them that figure is only held to "never above PyTorch's model"
+/// (every other target holds). Named one by one so that any other trace,
+/// shared or held out, meets every target.
+const OPEN_SMALLEST_DEVICE: [(&str, &str); 1] = [(
+    "niu_fwdbwd_200_bf16mixed.pickle",
+    "931.9 MiB live in bf16 autocast needs 960 MiB (peak + 28 MiB): free pieces share pages with live large blocks, \
+     and partly used small segments",
+)];
 
-fn open_target(file: &Path) -> Option<&'static str> {
+fn open_smallest_device(file: &Path) -> Option<&'static str> {
     let name = file.file_name()?.to_str()?;
-    OPEN_TARGETS.iter().find(|(open, _)| *open == name).map(|(_, why)| *why)
+    OPEN_SMALLEST_DEVICE.iter().find(|(open, _)| *open == name).map(|(_, why)| *why)
 }
 
 /// Each device of each trace, on its own: the targets are one card's.
@@ -280,39 +283,39 @@ fn peak_ratio(trace: &tidepool::trace::Trace, policy: Policy) -> f64 {
 }
 
 #[test]
-fn with_plentiful_memory_expandable_reserves_less_than_pytorch_on_every_trace() {
+fn with_plentiful_memory_expandable_reserves_less_than_pytorch_and_within_5_percent_of_peak_live_on_every_trace() {
     let (mut log_sum, mut counted) = (0.0, 0);
-    for (name, file, trace) in device_traces() {
+    for (name, _, trace) in device_traces() {
         let (ours, pytorch) = (peak_ratio(&trace, Policy::Expandable), peak_ratio(&trace, Policy::Pytorch));
         eprintln!("{name}: peak reserved / peak live: expandable {ours:.4}, pytorch model {pytorch:.4}");
         assert!(ours <= pytorch, "{name}: {ours:.4} above PyTorch's {pytorch:.4}");
-        if let Some(why) = open_target(&file) {
-            eprintln!("  target open: {why}");
-            continue;
-        }
-        assert!(ours <= 1.06, "{name}: {ours:.4} > 1.06");
+        assert!(ours <= 1.05, "{name}: {ours:.4} > 1.05");
         log_sum += ours.ln();
         counted += 1;
     }
     let geomean = (log_sum / counted as f64).exp();
-    assert!(geomean <= 1.02, "geometric mean {geomean:.4} > 1.02");
+    eprintln!("geometric mean of peak reserved / peak live: {geomean:.4} over {counted} traces and devices");
+    assert!(geomean <= 1.015, "geometric mean {geomean:.4} > 1.015");
 }
 
 #[test]
-fn the_smallest_device_that_fits_is_within_1_5_percent_of_peak_live_on_every_trace() {
+fn the_smallest_device_that_fits_is_within_1_5_percent_or_16_mib_of_peak_live_on_every_trace() {
     // To 4 MiB rather than plan's 64 MiB: 64 MiB is an eighth of the smallest trace.
     const STEP: u64 = 4 * MIB;
+    const GIB: f64 = (1u64 << 30) as f64;
     for (name, file, trace) in device_traces() {
         let peak = trace.peak_requested() as f64;
         let ours = smallest_capacity_in_steps(&trace, Policy::Expandable, "", STEP).unwrap().min_capacity;
         let pytorch = smallest_capacity_in_steps(&trace, Policy::Pytorch, "", STEP).unwrap().min_capacity;
         eprintln!("{name}: smallest device / peak live: expandable {:.4}, pytorch model {:.4}", ours as f64 / peak, pytorch as f64 / peak);
         assert!(ours <= pytorch, "{name}: needs {ours}, PyTorch's model {pytorch}");
-        if let Some(why) = open_target(&file) {
+        if let Some(why) = open_smallest_device(&file) {
             eprintln!("  target open: {why}");
             continue;
         }
-        assert!(ours as f64 <= 1.015 * peak + STEP as f64, "{name}: needs {ours}, peak live {peak}");
+        // Under 1 GiB live a ratio is loose: there the margin is 16 MiB.
+        let target = if peak < GIB { peak + 16.0 * MIB as f64 } else { 1.015 * peak + STEP as f64 };
+        assert!(ours as f64 <= target, "{name}: needs {ours}, peak live {peak}, target {target}");
     }
 }
 
@@ -378,5 +381,85 @@ fn a_pool_that_grows_past_the_peak_takes_the_free_pages_of_another_pools_holes()
     for p in small.into_iter().chain([left, right]) {
         a.free(0, p).unwrap();
     }
+    a.validate().unwrap();
+}
+
+#[test]
+fn growing_past_the_high_water_mark_takes_the_pages_of_the_pools_own_older_holes_first() {
+    let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
+    // [A 4][B 12][C 4]: B's pages go back, its address space stays free.
+    let _a = alloc(&a, 4 * MIB);
+    let b = alloc(&a, 12 * MIB);
+    let _c = alloc(&a, 4 * MIB);
+    a.free(0, b).unwrap();
+    a.empty_cache();
+    // [A][B unmapped][C][D 16][E 14]: the high-water mark is 38 MiB; D's
+    // pages stay cached when it is freed.
+    let d = alloc(&a, 16 * MIB);
+    let _e = alloc(&a, 14 * MIB);
+    a.free(0, d).unwrap();
+    a.stats(0).unwrap(); // merges the stash: D is a hole in its bin
+    assert_eq!(reserved(&a), 38 * MIB);
+    // 12 MiB: best fit is B, whose 6 pages must be mapped; D's 8 idle
+    // pages go back first instead of the heap growing to 50 MiB.
+    let again = alloc(&a, 12 * MIB);
+    assert_eq!(again, b);
+    let stats = a.stats(0).unwrap();
+    assert_eq!(stats.reserved_bytes.all.peak, 38 * MIB, "the peak did not rise");
+    assert_eq!(stats.reserved_bytes.all.current, 34 * MIB, "D's 8 pages went back, B's 6 came");
+    assert_eq!(stats.events.num_pages_unmapped, 6 + 8);
+    a.validate().unwrap();
+}
+
+#[test]
+fn growing_past_the_high_water_mark_releases_whole_free_small_segments_first() {
+    let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
+    let large = alloc(&a, 4 * MIB);
+    let small: Vec<_> = (0..20).map(|_| alloc(&a, MIB)).collect();
+    assert_eq!(a.stats(0).unwrap().segment.small_pool.current, 10);
+    for p in small {
+        a.free(0, p).unwrap();
+    }
+    // Ten whole free 2 MiB segments cached; the large pool needs 20 MiB.
+    let grown = alloc(&a, 20 * MIB);
+    let stats = a.stats(0).unwrap();
+    assert_eq!(stats.segment.small_pool.current, 0, "the small pool's free segments went back");
+    assert_eq!(stats.reserved_bytes.all.peak, 24 * MIB, "the peak did not rise");
+    assert_eq!(stats.reserved_bytes.all.current, 24 * MIB);
+    for p in [large, grown] {
+        a.free(0, p).unwrap();
+    }
+    a.validate().unwrap();
+}
+
+#[test]
+fn pages_move_at_most_the_high_water_mark_then_the_heap_holds_its_memory_and_makes_no_driver_call() {
+    let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
+    // [4][H1 16][4][H2 18][20], H1's pages given back and H2's cached:
+    // requests of 16 and 18 MiB in turn fit only their own hole, and the
+    // high-water mark holds one hole but not both, so each request would
+    // take the other hole's pages, for ever.
+    let _l = alloc(&a, 4 * MIB);
+    let h1 = alloc(&a, 16 * MIB);
+    let _m = alloc(&a, 4 * MIB);
+    a.free(0, h1).unwrap();
+    a.empty_cache();
+    let h2 = alloc(&a, 18 * MIB);
+    let _r = alloc(&a, 20 * MIB);
+    a.free(0, h2).unwrap();
+    let high_water = 46 * MIB;
+    let mut calls = Vec::new();
+    for step in 0..20 {
+        let p = alloc(&a, if step % 2 == 0 { 16 * MIB } else { 18 * MIB });
+        a.free(0, p).unwrap();
+        let e = a.stats(0).unwrap().events;
+        calls.push(e.num_device_alloc + e.num_device_free);
+    }
+    let stats = a.stats(0).unwrap();
+    let moved = (stats.events.num_pages_unmapped - 8) * 2 * MIB; // less empty_cache's 8
+    assert!(moved > 0, "pages moved while the budget lasted");
+    assert!(moved <= high_water + 18 * MIB, "moved {moved}: at most the high-water mark (and one hole)");
+    assert_eq!(stats.reserved_bytes.all.current, 62 * MIB, "then both holes stay mapped");
+    assert_eq!(calls[10..].iter().min(), calls[10..].iter().max(), "and the loop makes no driver call: {calls:?}");
     a.validate().unwrap();
 }

@@ -53,6 +53,9 @@ pub struct Block {
     /// When the block last went into a bin (reclaimer clock; kept for
     /// blocks of expandable segments, whose free pages the policies release).
     pub idle_since_ms: u64,
+    /// When the block last went into a bin, in the heap's count of frees
+    /// (kept in heaps with expandable segments; see `Recycling`).
+    pub freed_at: u64,
 }
 
 impl Block {
@@ -104,6 +107,7 @@ impl BlockArena {
             link_next: NIL,
             state: BlockState::Detached,
             idle_since_ms: 0,
+            freed_at: 0,
         };
         self.in_use += 1;
         if self.unused != NIL {

@@ -38,6 +38,22 @@ pub(super) struct Vm {
     pub range: u64,
 }
 
+/// What `recycle_before_growth` knows over the heap's life.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Recycling {
+    /// The most bytes the heap has held reserved (as of its last growth;
+    /// `reset_peak_stats` does not lower it).
+    pub high_water: u64,
+    /// Bytes given back so that the heap would not grow past `high_water`.
+    /// Moving starts only while this is below `high_water`: a workload
+    /// whose layout drifts from step to step pays a bounded number of
+    /// driver calls, once, and then holds its memory as it is.
+    pub moved: u64,
+    /// Frees so far (counted in heaps with expandable segments): the clock
+    /// that orders free blocks by age, the same in a live run and a replay.
+    pub frees: u64,
+}
+
 /// The most address space one range reserves (a request larger than this
 /// gets a range of its own size).
 const MAX_RANGE: u64 = 1 << 40;
@@ -125,7 +141,7 @@ impl DeviceHeap {
             return Ok(());
         }
         let page = pages.page_size();
-        self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum(), pool);
+        self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum());
         let mut failed = None;
         for (done, &(p, n)) in runs.iter().enumerate() {
             let bytes = n * page;
@@ -245,27 +261,50 @@ impl DeviceHeap {
         holes
     }
 
-    /// Before the heap takes `bytes` more from the device past its peak, the
-    /// free pages inside holes of other pools' ranges go first, oldest hole
-    /// first: memory another pool cached and is not using moves to where it
-    /// is needed instead of the peak rising (the small pool growing while the
-    /// large pool sits on the free pages of a finished step, say). Pages of
-    /// the requesting pool are left alone: its own holes are where its next
-    /// requests land.
-    pub(super) fn recycle_before_growth(&mut self, bytes: u64, pool: u32) {
+    /// Before the heap takes `bytes` more from the device past its
+    /// high-water mark, memory it caches and does not use goes back first,
+    /// so that it moves to where it is needed instead of the peak rising:
+    /// the free pages inside holes of every pool's ranges (the block about
+    /// to be mapped is not binned, so it is never among them) and the small
+    /// pools' segments that are one whole free block, longest free first.
+    /// Below the high-water mark nothing moves, and over the heap's life it
+    /// moves at most as many bytes as its high-water mark (`Recycling`).
+    pub(super) fn recycle_before_growth(&mut self, bytes: u64) {
         if self.vm.is_none() || !self.may_release() {
             return;
         }
         let reserved = &self.stats.reserved_bytes;
-        let Some(mut want) = (reserved.total() + bytes).checked_sub(reserved.peak_total()).filter(|&w| w > 0) else { return };
-        self.flush_stashes(); // a stashed block is a hole too
-        let mut holes = Vec::new();
-        for segment in self.segments.iter().flatten().filter(|s| s.pool != pool) {
-            self.free_blocks_with_pages(segment, |_| true, &mut holes);
+        let recycling = &mut self.recycling;
+        recycling.high_water = recycling.high_water.max(reserved.peak_total());
+        let past_peak = (reserved.total() + bytes).saturating_sub(recycling.high_water);
+        let mut want = past_peak.min(recycling.high_water.saturating_sub(recycling.moved));
+        if want == 0 {
+            return;
         }
-        holes.sort_by_key(|&(id, _)| self.blocks[id].idle_since_ms);
-        for (hole, _) in holes {
-            want = want.saturating_sub(self.release_hole(hole));
+        self.flush_stashes(); // a stashed block is a hole too
+        // (freed at, the hole's block, or the whole segment's id)
+        let mut candidates: Vec<(u64, Result<BlockId, u32>)> = Vec::new();
+        let mut holes = Vec::new();
+        for (id, segment) in self.segments.iter().enumerate() {
+            let Some(segment) = segment.as_ref() else { continue };
+            if segment.pages.is_some() {
+                self.free_blocks_with_pages(segment, |_| true, &mut holes);
+                continue;
+            }
+            let b = &self.blocks[segment.first_block];
+            if b.state == BlockState::Binned && b.next == NIL && !self.keeps_memory(segment.pool) {
+                candidates.push((b.freed_at, Err(id as u32)));
+            }
+        }
+        candidates.extend(holes.iter().map(|&(id, _)| (self.blocks[id].freed_at, Ok(id))));
+        candidates.sort_by_key(|&(freed_at, _)| freed_at);
+        for (_, candidate) in candidates {
+            let got = match candidate {
+                Ok(hole) => self.release_hole(hole),
+                Err(segment) => self.release_whole_segment(segment).bytes,
+            };
+            self.recycling.moved += got;
+            want = want.saturating_sub(got);
             if want == 0 {
                 break;
             }

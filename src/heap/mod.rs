@@ -222,6 +222,7 @@ pub struct DeviceHeap {
     allocating_context: u64,
     /// The pools of tags other than "default", and paused tags (`tags.rs`).
     tags: tags::TagPools,
+    recycling: expandable::Recycling,
 }
 
 impl DeviceHeap {
@@ -258,6 +259,7 @@ impl DeviceHeap {
             with_contexts: false,
             allocating_context: 0,
             tags: tags::TagPools::default(),
+            recycling: expandable::Recycling::default(),
         }
     }
 
@@ -474,7 +476,7 @@ impl DeviceHeap {
             }
             None => {
                 let size = self.growth_need(pool, rounded).ok_or(BackendError::OutOfMemory)?;
-                self.recycle_before_growth(size, pool);
+                self.recycle_before_growth(size);
                 (self.new_segment(size, stream)?, size, None)
             }
         };
@@ -683,6 +685,10 @@ impl DeviceHeap {
         let (split, counted) = self.inactive_split_bytes_of(id);
         if self.pool_vm(self.blocks[id].pool).is_some() {
             self.blocks[id].idle_since_ms = self.clock.now_ms();
+        }
+        if self.vm.is_some() {
+            self.recycling.frees += 1;
+            self.blocks[id].freed_at = self.recycling.frees;
         }
         let pool = &mut self.pools[pool as usize];
         pool.insert(&mut self.blocks, id, size);

@@ -256,20 +256,29 @@ impl DeviceHeap {
             if block.is_active() || block.next != NIL || !select(segment_id, segment) {
                 continue;
             }
-            let (base, size, pool) = (segment.base, segment.size, segment.pool);
-            if self.backend.release(self.device, base, size, self.pools[pool as usize].stream).is_err() {
-                continue;
-            }
-            let kind = self.pools[pool as usize].kind;
-            self.forget_segment(segment_id);
-            self.note(HistoryAction::SegmentFree, base, size, self.pools[pool as usize].stream);
-            self.stats.reserved_bytes.decrease(kind, size);
-            self.device_reserved.fetch_sub(size, Ordering::SeqCst);
-            self.stats.events.num_device_free += 1;
-            released.segments += 1;
-            released.bytes += size;
+            released += self.release_whole_segment(segment_id);
         }
         released
+    }
+
+    /// Gives the segment `segment_id` (not expandable, one whole free
+    /// block) back to the backend. Nothing when the backend refuses: the
+    /// segment stays cached, whole and consistent.
+    pub(super) fn release_whole_segment(&mut self, segment_id: u32) -> Released {
+        let Some(segment) = &self.segments[segment_id as usize] else {
+            return Released::default();
+        };
+        let (base, size, pool) = (segment.base, segment.size, segment.pool);
+        if self.backend.release(self.device, base, size, self.pools[pool as usize].stream).is_err() {
+            return Released::default();
+        }
+        let kind = self.pools[pool as usize].kind;
+        self.forget_segment(segment_id);
+        self.note(HistoryAction::SegmentFree, base, size, self.pools[pool as usize].stream);
+        self.stats.reserved_bytes.decrease(kind, size);
+        self.device_reserved.fetch_sub(size, Ordering::SeqCst);
+        self.stats.events.num_device_free += 1;
+        Released { segments: 1, bytes: size }
     }
 
     /// Drops the records of the segment `segment_id`, one whole free block
