@@ -45,6 +45,12 @@ echo "-- with expandable segments (kernels write into pages tidepool mapped)"
 TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" timeout 120 "$OUT/tidepool_check" 5000 | tee "$OUT/check-expandable.txt"
 check_expandable_rc=${PIPESTATUS[0]}
 
+echo "== tags: a CUDA graph across pause and resume, offload bandwidth, pause/resume latency"
+nvcc -O2 -I ffi cuda/check/tags_check.cu -L target/release -ltidepool -lcuda \
+  -Xlinker -rpath -Xlinker "$PWD/target/release" -o "$OUT/tags_check" || exit 1
+timeout 480 "$OUT/tags_check" 4 | tee "$OUT/tags.txt"
+tags_rc=${PIPESTATUS[0]}
+
 echo "== Rust runtime: Buffer<T> through cudarc, a PTX kernel per layer, results against the host"
 RUNTIME=target/release/examples/rust_runtime
 if [ -x "$RUNTIME" ]; then
@@ -70,15 +76,21 @@ done
 
 echo
 echo "== summary"
-python3 - "$OUT" "$check_rc" "$check_expandable_rc" "$runtime_rc" "$runtime_expandable_rc" <<'PY'
+python3 - "$OUT" "$check_rc" "$check_expandable_rc" "$runtime_rc" "$runtime_expandable_rc" "$tags_rc" <<'PY'
 import json, sys, pathlib
 out, check_rc, check_expandable_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 runtime_rcs = sys.argv[4:6]
+tags_rc = sys.argv[6]
 print("gpu:", (out / "gpu.txt").read_text().strip())
 for name in ["conformance", "conformance-expandable"]:
     print(f"{name} on the driver:", "ok" if "cuda conformance: ok" in (out / f"{name}.txt").read_text() else "not ok")
 print("patterns/latency check:", "ok" if check_rc == 0 else f"FAILED ({check_rc})")
 print("patterns check, expandable segments:", "ok" if check_expandable_rc == 0 else f"FAILED ({check_expandable_rc})")
+tags_text = (out / "tags.txt").read_text() if (out / "tags.txt").exists() else ""
+print("tags (graph across pause, bandwidth, latency):", "ok" if tags_rc == "0" and "tags check: ok" in tags_text else f"FAILED ({tags_rc})")
+for line in tags_text.splitlines():
+    if line.startswith(("graph across pause", "bandwidth", "latency")):
+        print("  " + line)
 for name, rc in zip(["rust-runtime", "rust-runtime-expandable"], runtime_rcs):
     text = (out / f"{name}.txt").read_text() if (out / f"{name}.txt").exists() else ""
     verdict = "ok" if rc == "0" and "equal to the host's" in text else ("skipped" if rc == "missing" else f"FAILED ({rc})")
