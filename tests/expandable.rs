@@ -433,7 +433,7 @@ fn growing_past_the_high_water_mark_releases_whole_free_small_segments_first() {
 }
 
 #[test]
-fn pages_move_at_most_the_high_water_mark_then_the_heap_holds_its_memory_and_makes_no_driver_call() {
+fn pages_move_at_most_twice_the_high_water_mark_then_the_heap_holds_its_memory_and_makes_no_driver_call() {
     let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
     // [4][H1 16][4][H2 18][20], H1's pages given back and H2's cached:
     // requests of 16 and 18 MiB in turn fit only their own hole, and the
@@ -458,7 +458,7 @@ fn pages_move_at_most_the_high_water_mark_then_the_heap_holds_its_memory_and_mak
     let stats = a.stats(0).unwrap();
     let moved = (stats.events.num_pages_unmapped - 8) * 2 * MIB; // less empty_cache's 8
     assert!(moved > 0, "pages moved while the budget lasted");
-    assert!(moved <= high_water + 18 * MIB, "moved {moved}: at most the high-water mark (and one hole)");
+    assert!(moved <= 2 * high_water + 18 * MIB, "moved {moved}: at most twice the high-water mark (and one hole)");
     assert_eq!(stats.reserved_bytes.all.current, 62 * MIB, "then both holes stay mapped");
     assert_eq!(calls[10..].iter().min(), calls[10..].iter().max(), "and the loop makes no driver call: {calls:?}");
     a.validate().unwrap();

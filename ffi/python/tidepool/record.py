@@ -176,15 +176,65 @@ def _kv_generate(batch, layers=12, width=1024, prompt=128):
     return model, step
 
 
+def _hf_generate(batch, layers=12, width=768, heads=12, vocab=50257, new_tokens=40, prompts=(96, 160, 64, 128)):
+    # GPT-2 small decoding as Hugging Face's `generate` runs it (greedy, its
+    # DynamicCache); a step is one call to `generate`. The prompts of a
+    # batch have different lengths, left-padded to the longest (a step's
+    # entry of `prompts`). The prompt runs whole, then each new token is
+    # appended to every layer's key and value caches with torch.cat (each
+    # cache a new, larger tensor, the old one freed), the ids and attention
+    # mask grow the same way, logits are computed for the last position
+    # only, and the caches are freed when the call returns.
+    head_dim = width // heads
+    def block():
+        return torch.nn.ModuleDict(dict(ln_1=torch.nn.LayerNorm(width), c_attn=torch.nn.Linear(width, 3 * width),
+                                        c_proj=torch.nn.Linear(width, width), ln_2=torch.nn.LayerNorm(width),
+                                        c_fc=torch.nn.Linear(width, 4 * width), mlp_proj=torch.nn.Linear(4 * width, width)))
+    model = torch.nn.ModuleDict(dict(wte=torch.nn.Embedding(vocab, width), wpe=torch.nn.Embedding(1024, width),
+                                     h=torch.nn.ModuleList(block() for _ in range(layers)), ln_f=torch.nn.LayerNorm(width)))
+
+    def heads_first(x):
+        return x.view(batch, x.shape[1], heads, head_dim).transpose(1, 2)
+
+    def forward(ids, positions, mask, cache):
+        h = model["wte"](ids) + model["wpe"](positions)
+        for n, b in enumerate(model["h"]):
+            q, k, v = (heads_first(x) for x in b["c_attn"](b["ln_1"](h)).split(width, dim=-1))
+            cache[n] = (k, v) if cache[n] is None else (torch.cat([cache[n][0], k], -2), torch.cat([cache[n][1], v], -2))
+            a = torch.nn.functional.scaled_dot_product_attention(q, *cache[n], attn_mask=mask)
+            h = h + b["c_proj"](a.transpose(1, 2).reshape(batch, ids.shape[1], width))
+            h = h + b["mlp_proj"](torch.nn.functional.gelu(b["c_fc"](b["ln_2"](h)), approximate="tanh"))
+        return model["ln_f"](h[:, -1:]) @ model["wte"].weight.T  # the tied head, last position only
+
+    def step(i):
+        prompt = prompts[i % len(prompts)]
+        ids = torch.zeros(batch, prompt, dtype=torch.long, device="meta")
+        attention = torch.ones(batch, prompt, dtype=torch.long, device="meta")
+        cache = [None] * layers
+        tokens, positions = ids, torch.arange(prompt, device="meta").expand(batch, prompt)
+        for _ in range(new_tokens):
+            # sdpa's 4-D mask: causal, and the padding the 2-D mask marks.
+            mask = torch.zeros(batch, 1, tokens.shape[1], ids.shape[1], device="meta")
+            logits = forward(tokens, positions, mask, cache)
+            tokens = logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, tokens], -1)
+            attention = torch.cat([attention, attention.new_ones(batch, 1)], -1)
+            positions = torch.full((batch, 1), ids.shape[1] - 1, device="meta")
+            del logits, mask
+    return model, step
+
+
 WORKLOADS = {
     "mlp": _mlp,
     "cnn": _cnn,
     "transformer-varlen": _transformer_varlen,
     "encoder-finetune-varlen": _encoder_finetune_varlen,
     "kv-generate": _kv_generate,
+    "hf-generate": _hf_generate,
 }
-# Workloads that only run forward (a step is one generated token).
-GENERATION = {"kv-generate"}
+# Workloads that only run forward (kv-generate: a step is one generated
+# token; hf-generate: one call to `generate`).
+GENERATION = {"kv-generate", "hf-generate"}
 
 
 def record_training(workload, path, steps=4, batch=16, inference=False):
