@@ -7,7 +7,9 @@
 //! The Python used is `TIDEPOOL_TEST_PYTHON` (`.ci/run` makes a venv with a
 //! pinned torch and setuptools-rust), else `python3`. Without torch the
 //! torch tests are skipped with a message, except under `CI=true`, where a
-//! missing torch fails.
+//! missing torch fails. The planner's tests (test_plan.py) run once, in a
+//! test of their own, with this build's `tidepool` command; they need
+//! transformers and peft too (.ci/run installs them).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -158,6 +160,24 @@ fn the_python_package_tests_pass_with_expandable_segments() {
     python_tests("backend:host,host_capacity_mb:1024,expandable:true");
 }
 
+#[test]
+fn the_planner_records_and_plans_real_models() {
+    // tidepool.plan over real transformers and peft models on tiny
+    // configurations, planned by this build's tidepool command (once: the
+    // allocator's configuration does not matter to it).
+    let python = python();
+    let output = run(Command::new(&python)
+        .args(["-m", "unittest", "discover", "-v", "-p", "test_plan.py", "-s"])
+        .arg(root().join("ffi/python/tests"))
+        .env("PYTHONPATH", installed_site())
+        .env("TIDEPOOL_BIN", env!("CARGO_BIN_EXE_tidepool"))
+        .env_remove("TIDEPOOL_SKIP_PLAN")
+        .env("TIDEPOOL_REQUIRE_TORCH", if in_ci() { "1" } else { "0" }));
+    let text = text(&output);
+    assert!(output.status.success(), "planner tests failed:\n{text}");
+    assert!(text.contains("\nOK"), "{text}");
+}
+
 fn python_tests(conf: &str) {
     let python = python();
     let have_torch = has_module(&python, "torch");
@@ -171,6 +191,7 @@ fn python_tests(conf: &str) {
         .env("PYTHONPATH", installed_site())
         .env_remove("TIDEPOOL_LIBRARY")
         .env("TIDEPOOL_CONF", conf)
+        .env("TIDEPOOL_SKIP_PLAN", "1") // the_planner_records_and_plans_real_models runs them
         .env("TIDEPOOL_REQUIRE_TORCH", if in_ci() { "1" } else { "0" }));
     let text = text(&output);
     assert!(output.status.success(), "python tests failed with {conf}:\n{text}");

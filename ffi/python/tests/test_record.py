@@ -29,7 +29,7 @@ class Record(unittest.TestCase):
         self.assertEqual(sum(r["Action"] == "allocate" for r in rows), allocs)
         live = {}
         for r in rows:
-            self.assertEqual(set(r), {"Thread", "Time", "Action", "Pointer", "Size", "Stream"})
+            self.assertEqual(set(r), {"Thread", "Time", "Action", "Pointer", "Size", "Stream", "Operator"})
             if r["Action"] == "allocate":
                 self.assertNotIn(r["Pointer"], live, "a pointer reused while live")
                 live[r["Pointer"]] = int(r["Size"])
@@ -50,12 +50,9 @@ class Record(unittest.TestCase):
     def test_inference_frees_every_activation(self):
         allocs, rows = self.rows("mlp", steps=2, batch=8, inference=True)
         frees = sum(r["Action"] == "free" for r in rows)
-        params = 6  # three weights and three biases stay live
-        self.assertEqual(allocs - frees, params)
+        params = 6  # three weights and three biases stay live, and the matmuls' cuBLAS workspace
+        self.assertEqual(allocs - frees, params + 1)
 
-
-if __name__ == "__main__":
-    unittest.main()
 
 
 @unittest.skipUnless(HAVE_TORCH, "torch not installed")
@@ -78,3 +75,154 @@ class MemoryViz(unittest.TestCase):
         for draw in (viz.segment_plot, viz.trace_plot):
             html = draw(snapshot)
             self.assertIn("<html", html.lower())
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch not installed")
+class RecorderMechanisms(unittest.TestCase):
+    """What the Recorder does so that a meta-device trace is what CUDA allocates."""
+
+    def record(self, body, **kwargs):
+        from tidepool.record import Recorder
+
+        with Recorder(None, cublas_workspace=0, **kwargs) as rec:
+            body(rec)
+        return rec
+
+    def test_a_storage_is_freed_when_its_last_tensor_dies_before_the_next_allocation(self):
+        def body(rec):
+            a = torch.empty(100, device="meta")
+            view = a[10:]
+            del a
+            torch.empty(7, device="meta")  # the view still holds the storage
+            del view
+            torch.empty(300, device="meta")
+        rec = self.record(body)
+        actions = [(e[1], e[3]) for e in rec.events]
+        self.assertEqual(actions, [("allocate", 400), ("allocate", 28), ("free", 28), ("free", 400),
+                                   ("allocate", 1200), ("free", 1200)])
+
+    def test_tensors_autograd_saves_are_freed_when_the_graph_goes(self):
+        def body(rec):
+            w = torch.randn(64, 64, device="meta", requires_grad=True)
+            rec.track(w)
+            y = (torch.randn(8, 64, device="meta") @ w).relu()  # relu saves its output in C++
+            loss = y.sum()
+            del y
+            rec.mark("forward")
+            loss.backward()
+            del loss
+            rec.mark("backward")
+        rec = self.record(body)
+        (_, forward), (_, backward) = rec.marks
+        live = lambda upto: sum(e[3] if e[1] == "allocate" else -e[3] for e in rec.events[:upto])  # noqa: E731
+        self.assertGreaterEqual(live(forward), 64 * 64 * 4 + 8 * 64 * 4)  # the relu output, held by autograd
+        self.assertEqual(live(backward), 2 * 64 * 64 * 4)  # the weight and its gradient, nothing else
+
+    def test_cpu_tensors_are_not_device_memory(self):
+        rec = self.record(lambda rec: (torch.ones(1000), torch.ones(10, device="meta")))
+        self.assertEqual([e[3] for e in rec.events if e[1] == "allocate"], [40])
+
+    def test_a_sparse_embedding_records_without_failing(self):
+        def body(rec):
+            embed = torch.nn.Embedding(1000, 16, sparse=True, device="meta")
+            opt = torch.optim.SGD(embed.parameters(), lr=0.1)
+            rec.track(embed, opt)
+            embed(torch.zeros(4, 8, dtype=torch.long, device="meta")).sum().backward()
+            self.assertTrue(embed.weight.grad.is_sparse)
+            rec.label(embed.weight.grad, "gradients")  # its indices and values (none on meta: nnz is data)
+            opt.step()
+        rec = self.record(body)
+        self.assertEqual(rec.events[0][3], 1000 * 16 * 4)
+
+    def test_each_allocation_names_its_operator(self):
+        rec = self.record(lambda rec: torch.randn(8, 8, device="meta") @ torch.randn(8, 8, device="meta"))
+        self.assertEqual([e[4] for e in rec.events if e[1] == "allocate"],
+                         ["aten.randn.default", "aten.randn.default", "aten.mm.default"])
+
+    def test_a_recording_started_mid_run_begins_with_what_is_live(self):
+        def body(rec):
+            keep = torch.empty(50, device="meta")
+            gone = torch.empty(70, device="meta")
+            del gone
+            rec.start()
+            torch.empty(5, device="meta")
+            del keep
+        rec = self.record(body, start=False)
+        self.assertEqual([(e[1], e[3], e[4]) for e in rec.events],
+                         [("allocate", 200, "pre-existing"), ("allocate", 20, "aten.empty.memory_format"),
+                          ("free", 20, ""), ("free", 200, "")])
+
+    def test_one_cublas_workspace_per_thread_that_runs_a_matmul(self):
+        from tidepool.record import Recorder
+
+        w = torch.randn(32, 32, device="meta", requires_grad=True)
+        with Recorder(None) as rec:
+            for _ in range(3):
+                (torch.randn(4, 32, device="meta") @ w).sum().backward()
+        spaces = [e[3] for e in rec.events if e[4] == "cublas_workspace"]
+        self.assertEqual(spaces, [8_519_680, 8_519_680], "the calling thread's and autograd's backward thread's")
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        try:
+            with Recorder(None) as rec:
+                torch.randn(4, 4, device="meta") @ torch.randn(4, 4, device="meta")
+        finally:
+            del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+        self.assertEqual([e[3] for e in rec.events if e[4] == "cublas_workspace"], [32 << 20])
+
+    def test_gather_and_index_backward_allocate_as_without_a_dispatch_mode(self):
+        def body(rec):
+            x = torch.randn(64, 1024, device="meta", requires_grad=True)
+            rec.track(x)
+            index = torch.zeros(64, 1024, dtype=torch.long, device="meta")
+            y = x.gather(1, index).sum() + x[torch.zeros(16, dtype=torch.long, device="meta")].sum()
+            rec.mark("forward")
+            y.backward()
+        rec = self.record(body)
+        _, forward = rec.marks[0]
+        size = 64 * 1024 * 4
+        backward = [e[4] for e in rec.events[forward:] if e[1] == "allocate" and e[3] == size]
+        # As without a mode: zeros, then scatter_add_ (gather) and index_put_ (index) into them in place.
+        self.assertEqual(backward.count("aten.new_zeros.default"), 2, backward)
+        self.assertNotIn("aten.scatter_add.default", backward)
+        self.assertNotIn("aten.index_put.default", backward)
+
+    def test_optimizers_take_the_foreach_path_as_on_cuda(self):
+        def body(rec):
+            model = torch.nn.Linear(64, 64, device="meta")
+            opt = torch.optim.AdamW(model.parameters())
+            rec.track(model, opt)
+            model(torch.randn(4, 64, device="meta")).sum().backward()
+            opt.step()
+        rec = self.record(body)
+        self.assertTrue(any("_foreach_" in e[4] for e in rec.events), "no foreach operator recorded")
+        optimizer = sum(1 for c in rec.labels.values() if c == "optimizer")
+        self.assertEqual(optimizer, 4, "exp_avg and exp_avg_sq of the weight and the bias (steps are on the CPU)")
+
+    def test_a_value_read_from_a_meta_tensor_takes_the_ordinary_branch(self):
+        seen = []
+        rec = self.record(lambda rec: seen.append((bool(torch.ones(3, device="meta").all()),
+                                                   torch.ones(3, device="meta").sum().item())))
+        self.assertEqual(seen, [(True, 1.0)])
+        self.assertTrue(rec.events)
+
+    def test_the_breakdown_at_the_peak_sums_to_the_peak(self):
+        def body(rec):
+            model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+            model.to("meta")
+            opt = torch.optim.AdamW(model.parameters())
+            rec.track(model, opt)
+            for _ in range(2):
+                model(torch.randn(32, 256, device="meta")).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        rec = self.record(body)
+        peak, _ = rec.peak()
+        parts = rec.breakdown_at_peak()
+        self.assertEqual(sum(parts.values()), peak)
+        weights = (256 * 1024 * 2 + 1024 + 256) * 4
+        self.assertEqual(parts["weights"], weights)
+        self.assertEqual(parts["optimizer"], 2 * weights)
+
+
+if __name__ == "__main__":
+    unittest.main()

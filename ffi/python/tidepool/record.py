@@ -2,9 +2,9 @@
 
 The model runs on the meta device (shapes and dtypes, no data) under a
 TorchDispatchMode: every storage an operator creates is an allocation of
-its size, and the death of its last reference, seen through a C++-level
-weak reference to the storage, is its free. The trace is written as RMM's
-logging CSV, which `tidepool replay` and `tidepool plan` read.
+its size, and the death of its last reference is its free. The trace is
+written as RMM's logging CSV with one more column, `Operator` (the aten
+operator that allocated), which `tidepool replay` and `tidepool plan` read.
 
     python -m tidepool.record mlp --steps 3 --out mlp.csv
     python -m tidepool.record transformer-varlen --out varlen.csv
@@ -13,89 +13,373 @@ or, for a model of your own:
 
     from tidepool.record import Recorder
     with Recorder("trace.csv") as rec:
-        rec.track_module(model)          # parameters and buffers already created
+        rec.track(model, optimizer)      # tensors that exist already
         for _ in range(steps):
             step()                       # forward, backward, optimizer step on "meta"
+
+What the recorder does so that the trace is what CUDA would allocate:
+- frees are seen when they happen, without scanning every live storage:
+  a weak reference on each tensor object says when to look at its storage;
+- only tensors on the recorded devices count (`devices`, meta and cuda by
+  default): CPU tensors such as the optimizer's step counters are not
+  device memory;
+- a cuBLAS workspace is allocated for each thread that runs a matmul (the
+  calling thread, and autograd's device thread for backward), as PyTorch's
+  cuBLAS handle pool does on CUDA;
+- optimizers built with `foreach=None` take the foreach path, as on CUDA;
+- backward formulas that take another path under a dispatch mode
+  (`gather`'s and `index`'s: zeros, then an out-of-place scatter_add or
+  index_put) are run in place, as they run without one;
+- a Python value read from a meta tensor (`.item()`, `if t.all():`) is
+  True, 1 or 1.0: the data is not there, and code that branches on it
+  takes the branch of ordinary inputs (no padding, no packed sequences);
+- tensors can be labelled (weights, gradients, optimizer state) so that
+  the peak can be broken down by category (`Recorder.breakdown_at_peak`).
+
+Recording can start after a warm-up: `Recorder(path, start=False)` tracks
+every tensor but writes nothing until `start()`, which writes the tensors
+then live as allocations (as a real snapshot's live set at its start).
 
 torch is needed for this module only.
 """
 import argparse
+import contextlib
+import os
 import time
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-HEADER = "Thread,Time,Action,Pointer,Size,Stream\n"
+HEADER = "Thread,Time,Action,Pointer,Size,Stream,Operator\n"
+
+# Categories of an allocation, for the breakdown of a peak.
+WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS = "weights", "gradients", "optimizer", "activations"
+CATEGORIES = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS)
+
+# The cuBLAS workspace PyTorch allocates per (thread, stream) through its
+# caching allocator: CUBLAS_WORKSPACE_CONFIG's default, ":4096:2:16:8"
+# (two 4 MiB chunks and eight 16 KiB ones) in current torch.
+DEFAULT_CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+
+# Operators that call cuBLAS on CUDA (and so need the thread's workspace).
+_MATMULS = {
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "addr", "_addmm_activation",
+    "_scaled_mm", "_int_mm", "linear", "matmul",
+}
+
+# Out-of-place operators that a backward formula under a dispatch mode runs
+# on a fresh zeros tensor where it would otherwise run their in-place form.
+_IN_PLACE_FORM = {"scatter_add", "index_put", "index_add", "scatter", "index_copy", "masked_scatter", "index_fill"}
+_ZEROS = {"new_zeros", "zeros_like", "zeros"}
+_ITEM = torch.ops.aten._local_scalar_dense.default
+
+
+def cublas_workspace_bytes():
+    """The workspace one thread's cuBLAS handle takes: CUBLAS_WORKSPACE_CONFIG
+    (":SIZE_KIB:COUNT" pairs) when set, else PyTorch's default."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    parts = [p for p in config.split(":") if p]
+    if len(parts) >= 2 and len(parts) % 2 == 0 and all(p.isdigit() for p in parts):
+        return sum(int(size) * 1024 * int(count) for size, count in zip(parts[::2], parts[1::2]))
+    return DEFAULT_CUBLAS_WORKSPACE
+
+
+class _Live:
+    """One live storage: where it is in the trace, and who holds it."""
+
+    __slots__ = ("pointer", "size", "ref", "objects")
+
+    def __init__(self, pointer, size, ref):
+        self.pointer, self.size, self.ref, self.objects = pointer, size, ref, 0
 
 
 class Recorder(TorchDispatchMode):
-    """A dispatch mode that writes every storage's birth and death as RMM CSV rows."""
+    """A dispatch mode that writes every device storage's birth and death.
 
-    def __init__(self, path):
+    path: the CSV to write at exit (None: keep the events in memory only).
+    devices: the device types whose tensors are device memory.
+    cublas_workspace: bytes per matmul thread (None: cublas_workspace_bytes();
+        0: none).
+    cuda_optimizers: optimizers choose foreach as they do on CUDA.
+    start: record from entry (False: track, and write from start()).
+    """
+
+    def __init__(self, path=None, *, devices=("meta", "cuda"), cublas_workspace=None, cuda_optimizers=True,
+                 start=True):
         super().__init__()
         self.path = path
-        self.out = None
-        self.live = {}  # storage key -> (pointer, size, weak reference)
+        self.devices = frozenset(devices)
+        self.workspace_size = cublas_workspace_bytes() if cublas_workspace is None else int(cublas_workspace)
+        self.cuda_optimizers = cuda_optimizers
+        self.recording = start
+        self.events = []  # (time_us, action, pointer, size, operator)
+        self.marks = []  # (label, index into events)
+        self.labels = {}  # pointer -> category (unlabelled: activations and temporaries)
+        self.live = {}  # storage key -> _Live
+        self.objects = {}  # id(tensor) -> (weak reference, storage key)
+        self.suspects = set()  # storage keys whose tensor objects all died: look at them next
+        self.workspaces = {}  # thread name -> pointer
         self.next_pointer = 0x1000
-        self.start = time.perf_counter()
+        self.start_time = time.perf_counter()
         self.allocs = 0
+        self._zeros = None  # weak reference to the last zeros tensor a backward made
+        self._patches = contextlib.ExitStack()
+        self._op = "untracked"
 
-    # -- output ------------------------------------------------------------
-    def _row(self, action, pointer, size):
-        micros = int((time.perf_counter() - self.start) * 1e6)
-        secs = micros // 1_000_000
-        self.out.write(
-            f"1,{secs // 3600:02}:{secs // 60 % 60:02}:{secs % 60:02}.{micros % 1_000_000:06},"
-            f"{action},{pointer:#x},{size},0\n"
-        )
+    # -- events ------------------------------------------------------------
+    def _event(self, action, pointer, size, operator):
+        if self.recording:
+            self.events.append((int((time.perf_counter() - self.start_time) * 1e6), action, pointer, size, operator))
+            if action == "allocate":
+                self.allocs += 1
+
+    def _new_pointer(self, size):
+        pointer = self.next_pointer
+        self.next_pointer += (size + 0xFFF) // 0x1000 * 0x1000 + 0x1000
+        return pointer
 
     # -- storages ----------------------------------------------------------
-    def _track(self, tensor):
+    def _storages(self, tensor):
+        """The device storages a tensor holds (a sparse one: its parts)."""
+        if tensor.device.type not in self.devices:
+            return ()
+        layout = tensor.layout
+        if layout == torch.strided:
+            return (tensor,)
+        if layout == torch.sparse_coo:
+            return (tensor._indices(), tensor._values())
+        if layout in (torch.sparse_csr, torch.sparse_bsr):
+            return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+        if layout in (torch.sparse_csc, torch.sparse_bsc):
+            return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+        return ()
+
+    def _track(self, tensor, operator, category=None):
+        """Counts a tensor object; its storage is an allocation if new."""
         if not isinstance(tensor, torch.Tensor):
             return
+        for part in self._storages(tensor):
+            self._track_dense(part, operator, category)
+
+    def _track_dense(self, tensor, operator, category):
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key in self.live or storage.nbytes() == 0:
+        entry = self.live.get(key)
+        if entry is not None and entry.ref.expired():
+            self._free(key)  # a dead storage whose address was taken again
+            entry = None
+        if entry is None:
+            size = storage.nbytes()
+            if size == 0:
+                return
+            entry = _Live(self._new_pointer(size), size, StorageWeakRef(storage))
+            self.live[key] = entry
+            self._event("allocate", entry.pointer, size, operator)
+        if category is not None:
+            self.labels[entry.pointer] = category
+        tid = id(tensor)
+        known = self.objects.get(tid)
+        if known is not None and known[0]() is tensor:
             return
-        pointer = self.next_pointer
-        self.next_pointer += 0x1000
-        self.live[key] = (pointer, storage.nbytes(), StorageWeakRef(storage))
-        self.allocs += 1
-        self._row("allocate", pointer, storage.nbytes())
+        self.objects[tid] = (weakref.ref(tensor, self._object_died(tid, key)), key)
+        entry.objects += 1
+        self.suspects.discard(key)
+
+    def _object_died(self, tid, key):
+        def died(_ref):
+            known = self.objects.get(tid)
+            if known is not None and known[0] is _ref:
+                del self.objects[tid]
+            entry = self.live.get(key)
+            if entry is not None:
+                entry.objects -= 1
+                if entry.objects <= 0:
+                    # Freed when the storage is: at the next look, unless
+                    # C++ (autograd's saved tensors, a view) still holds it.
+                    self.suspects.add(key)
+        return died
+
+    def _free(self, key):
+        entry = self.live.pop(key)
+        self.suspects.discard(key)
+        self._event("free", entry.pointer, entry.size, "")
 
     def _collect(self):
-        """Frees every storage whose last reference died since the last look."""
-        dead = [key for key, (_, _, ref) in self.live.items() if ref.expired()]
-        for key in dead:
-            pointer, size, _ = self.live.pop(key)
-            self._row("free", pointer, size)
+        """Frees the storages whose last reference died since the last look."""
+        if self.suspects:
+            live = self.live
+            dead = [key for key in self.suspects if key not in live or live[key].ref.expired()]
+            for key in dead:
+                if key in live:
+                    self._free(key)
+                else:
+                    self.suspects.discard(key)
+
+    # -- what users call ---------------------------------------------------
+    def track(self, *things, category=None):
+        """Counts tensors that exist already: tensors, modules (parameters
+        as weights, buffers), optimizers (their state), and lists, tuples
+        and dicts of these. Optimizers are also watched: after each step,
+        gradients and states are labelled as such."""
+        for thing in things:
+            if isinstance(thing, torch.nn.Module):
+                for p in thing.parameters():
+                    self._track(p, "pre-existing", category or WEIGHTS)
+                    if p.grad is not None:
+                        self._track(p.grad, "pre-existing", GRADIENTS)
+                for b in thing.buffers():
+                    self._track(b, "pre-existing", category or WEIGHTS)
+            elif isinstance(thing, torch.optim.Optimizer):
+                self._label_optimizer(thing)
+                thing.register_step_post_hook(lambda opt, *_: self._label_optimizer(opt))
+            elif isinstance(thing, dict):
+                self.track(*thing.values(), category=category)
+            elif isinstance(thing, (list, tuple)):
+                self.track(*thing, category=category)
+            elif isinstance(thing, torch.Tensor):
+                self._track(thing, "pre-existing", category)
 
     def track_module(self, module):
         """Counts the parameters and buffers a module already holds as allocations."""
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            self._track(tensor)
+        self.track(module)
+
+    def _label_optimizer(self, optimizer):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._track(p.grad, "pre-existing", GRADIENTS)
+        for state in optimizer.state.values():
+            for value in state.values():
+                self._track(value, "pre-existing", OPTIMIZER)
+
+    def label(self, tensor, category):
+        """Says what a tensor is (one of CATEGORIES) for the breakdown."""
+        if category not in CATEGORIES:
+            raise ValueError(f"category must be one of {', '.join(CATEGORIES)}, not {category!r}")
+        self._track(tensor, "pre-existing", category)
+
+    def start(self):
+        """Starts writing: every storage live now is written as allocated."""
+        self._collect()
+        if self.recording:
+            return
+        self.recording = True
+        for entry in self.live.values():
+            self._event("allocate", entry.pointer, entry.size, "pre-existing")
+        for thread, pointer in self.workspaces.items():
+            self._event("allocate", pointer, self.workspace_size, "cublas_workspace")
+
+    def mark(self, label):
+        """Marks this point of the recording (a step's end, say)."""
+        self._collect()
+        self.marks.append((label, len(self.events)))
+
+    # -- the mode ----------------------------------------------------------
+    def _workspace(self):
+        # Backward runs on autograd's device thread on CUDA, whose cuBLAS
+        # handle has a workspace of its own.
+        thread = "backward" if torch._C._current_graph_task_id() != -1 else "main"
+        if thread not in self.workspaces:
+            pointer = self._new_pointer(self.workspace_size)
+            self.workspaces[thread] = pointer
+            self._event("allocate", pointer, self.workspace_size, "cublas_workspace")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._collect()
-        result = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is _ITEM and args[0].device.type == "meta":
+            # Data the meta device does not have: code that branches on it
+            # (`if mask.all():`) takes the branch of ordinary inputs.
+            return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
+        name = func._overloadpacket.__name__
+        if self.workspace_size and name in _MATMULS:
+            self._workspace()
+        zeros = self._zeros() if self._zeros is not None else None
+        if zeros is not None and name in _IN_PLACE_FORM and args and args[0] is zeros:
+            # The formula's own path: the in-place form on the fresh zeros.
+            self._zeros = None
+            inplace = getattr(torch.ops.aten, name + "_")
+            getattr(inplace, func._overloadname)(*args, **kwargs)
+            return args[0]
+        result = func(*args, **kwargs)
+        operator = str(func)
         for item in tree_flatten(result)[0]:
-            self._track(item)
+            if isinstance(item, torch.Tensor):
+                self._track(item, operator)
+        if name in _ZEROS and isinstance(result, torch.Tensor) and torch._C._current_graph_task_id() != -1:
+            self._zeros = weakref.ref(result)
+        else:
+            self._zeros = None
         return result
 
     def __enter__(self):
-        self.out = open(self.path, "w")
-        self.out.write(HEADER)
+        if self.cuda_optimizers:
+            import torch.optim.optimizer as optimizer_module
+
+            cuda_like = lambda: ["cuda", "meta"]  # noqa: E731
+            original = optimizer_module._get_foreach_kernels_supported_devices
+            optimizer_module._get_foreach_kernels_supported_devices = cuda_like
+            self._patches.callback(setattr, optimizer_module, "_get_foreach_kernels_supported_devices", original)
         return super().__enter__()
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
+        self._patches.close()
         self._collect()
         # Whatever is still live (weights, optimizer state) stays live: the
         # trace ends with it allocated, as the process would.
-        self.out.close()
+        if self.path is not None:
+            self.write(self.path)
         return result
+
+    # -- results -----------------------------------------------------------
+    def write(self, path):
+        """Writes the events as RMM CSV (with the Operator column)."""
+        with open(path, "w") as out:
+            out.write(HEADER)
+            for micros, action, pointer, size, operator in self.events:
+                secs = micros // 1_000_000
+                out.write(
+                    f"1,{secs // 3600:02}:{secs // 60 % 60:02}:{secs % 60:02}.{micros % 1_000_000:06},"
+                    f"{action},{pointer:#x},{size},0,{operator}\n"
+                )
+
+    def peak(self):
+        """(peak live bytes, index of the event that reached it)."""
+        live = peak = at = 0
+        for i, (_, action, _, size, _) in enumerate(self.events):
+            live += size if action == "allocate" else -size
+            if live > peak:
+                peak, at = live, i
+        return peak, at
+
+    def breakdown_at_peak(self):
+        """Bytes live at the peak, by category (they sum to the peak)."""
+        _, at = self.peak()
+        live = {}
+        for _, action, pointer, size, _ in self.events[: at + 1]:
+            if action == "allocate":
+                live[pointer] = size
+            else:
+                live.pop(pointer, None)
+        sums = dict.fromkeys(CATEGORIES, 0)
+        for pointer, size in live.items():
+            sums[self.labels.get(pointer, ACTIVATIONS)] += size
+        return sums
+
+    def timeline(self, points=400):
+        """Live bytes by category over the recording: [(event index, {category: bytes})]."""
+        step = max(1, len(self.events) // points)
+        sums = dict.fromkeys(CATEGORIES, 0)
+        out = []
+        for i, (_, action, pointer, size, _) in enumerate(self.events):
+            sums[self.labels.get(pointer, ACTIVATIONS)] += size if action == "allocate" else -size
+            if i % step == 0 or i == len(self.events) - 1:
+                out.append((i, dict(sums)))
+        return out
 
 
 # -- example workloads -----------------------------------------------------
@@ -242,9 +526,11 @@ def record_training(workload, path, steps=4, batch=16, inference=False):
     inference = inference or workload in GENERATION
     with torch.device("meta"):
         model, step = WORKLOADS[workload](batch)
-    optimizer = None if inference else torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    optimizer = None if inference else torch.optim.AdamW(model.parameters(), lr=1e-4)
     with Recorder(path) as rec:
-        rec.track_module(model)
+        rec.track(model)
+        if optimizer is not None:
+            rec.track(optimizer)
         for i in range(steps):
             if inference:
                 with torch.no_grad():
@@ -255,6 +541,7 @@ def record_training(workload, path, steps=4, batch=16, inference=False):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 del loss
+            rec.mark(f"step {i + 1}")
     return rec.allocs
 
 
@@ -267,7 +554,7 @@ def main(argv=None):
     parser.add_argument("--inference", action="store_true", help="forward passes only, no gradients (always for kv-generate)")
     args = parser.parse_args(argv)
     allocs = record_training(args.workload, args.out, args.steps, args.batch, args.inference)
-    print(f"{args.out}: {allocs} allocations")
+    print(f"{args.out}: {allocs} allocations (torch {torch.__version__})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,147 @@
+"""Models for the planner's tests, as `module:plan_models:FACTORY` factories.
+
+`lm(...)` is the GPT-style language model of the real snapshots in
+../shared/traces/pytorch-snapshots (their README: pre-norm RMSNorm, rotary
+position embeddings, SwiGLU feed-forward, untied output layer, vocabulary
+10,000), written from that description: attention by hand (scores, a
+causal mask, softmax, weighted sum), RMSNorm computed in float32.
+"""
+import math
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight).to(dtype)
+
+
+class Rope(nn.Module):
+    def __init__(self, d_head, context, theta=10000.0):
+        super().__init__()
+        freqs = 1.0 / theta ** (torch.arange(0, d_head, 2).float() / d_head)
+        angles = torch.outer(torch.arange(context).float(), freqs)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x):
+        seq = x.size(-2)
+        cos, sin = self.cos[:seq], self.sin[:seq]
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, d_ff, heads, rope):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+        self.w1, self.w3 = nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.rope = rope
+
+    def attention(self, x):
+        b, s, d = x.shape
+        split = lambda t: t.view(b, s, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        q, k = self.rope(q), self.rope(k)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, -1) @ v
+        return self.o(out.transpose(1, 2).reshape(b, s, d))
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        h = self.norm2(x)
+        return x + self.w2(nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class LM(nn.Module):
+    def __init__(self, d_model, d_ff, layers, heads, vocab=10_000, context=512):
+        super().__init__()
+        rope = Rope(d_model // heads, context)
+        self.embed = nn.Embedding(vocab, d_model)
+        self.layers = nn.ModuleList(Block(d_model, d_ff, heads, rope) for _ in range(layers))
+        self.norm = RMSNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def tiny_lm():
+    return LM(d_model=128, d_ff=512, layers=2, heads=4, vocab=512, context=512)
+
+
+# The real snapshots' configurations (README of pytorch-snapshots).
+def kk_xl():
+    return LM(2560, 10240, 32, 32, context=512)
+
+
+def wed_medium():
+    return LM(1024, 4096, 24, 16, context=512)
+
+
+def niu_small():
+    return LM(512, 1344, 4, 16, context=256)
+
+
+class Bincount(nn.Module):
+    """Runs an operator with no meta kernel (bincount) when the batch is 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids):
+        if ids.size(0) == 2:
+            torch.bincount(ids.flatten())
+        return self.head(self.embed(ids))
+
+
+def bincount():
+    return Bincount()
+
+
+def raises():
+    raise ValueError("this factory fails on purpose")
+
+
+def image_workload():
+    """A Workload that is not token ids to logits: a small CNN on images."""
+    from tidepool.workload import Workload
+
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(16, 10))
+    return Workload(model, lambda batch, seq: (torch.randn(batch, 3, seq, seq, device="meta"),),
+                    loss=lambda out, inputs: out.float().pow(2).mean())
+
+
+class EmbeddingOnly(nn.Module):
+    """No linear layer: nothing for LoRA to wrap."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 64)
+
+    def forward(self, ids):
+        return self.embed(ids)
+
+
+def embedding_only():
+    return EmbeddingOnly()

@@ -1,0 +1,278 @@
+"""python -m tidepool.plan over real transformers and peft models on tiny
+configurations, with the real tidepool command (TIDEPOOL_BIN, which
+tests/python.rs sets to the one cargo built).
+
+Skipped without torch, transformers, peft or the tidepool command, except
+when TIDEPOOL_REQUIRE_TORCH=1 (CI), where their absence fails.
+"""
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NEEDED = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]
+BINARY = os.environ.get("TIDEPOOL_BIN") or shutil.which("tidepool")
+REQUIRED = os.environ.get("TIDEPOOL_REQUIRE_TORCH") == "1"
+if os.environ.get("TIDEPOOL_SKIP_PLAN") == "1":
+    # tests/python.rs runs this file in a test of its own, once.
+    NEEDED, REQUIRED = ["its own run (TIDEPOOL_SKIP_PLAN=1)"], False
+if REQUIRED and (NEEDED or not BINARY):
+    raise RuntimeError(f"TIDEPOOL_REQUIRE_TORCH=1 but missing: {NEEDED or 'the tidepool command (TIDEPOOL_BIN)'}")
+SKIP = f"needs {', '.join(NEEDED)}" if NEEDED else ("needs the tidepool command (TIDEPOOL_BIN)" if not BINARY else "")
+
+# A llama small enough to record in a fraction of a second, large enough
+# that its activations (not its vocabulary) make the peak.
+LLAMA = ["hf:llama", "--set", "hidden_size=256", "--set", "intermediate_size=1024", "--set", "num_hidden_layers=2",
+         "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4", "--set", "vocab_size=512",
+         "--seq", "256"]
+
+
+def plan(*args, env=None, prelude=None):
+    """Runs the planner; returns (status, stdout, stderr). In this process
+    (torch imported once) unless env or prelude ask for a process of its own."""
+    if env is None and prelude is None:
+        from tidepool.plan import main
+
+        os.environ["TIDEPOOL_BIN"] = BINARY or ""
+        if HERE not in sys.path:
+            sys.path.insert(0, HERE)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+                status = 0
+            except SystemExit as exit:
+                status = exit.code
+        return status, out.getvalue(), err.getvalue()
+    environment = dict(os.environ, TIDEPOOL_BIN=BINARY or "", **(env or {}))
+    environment["PYTHONPATH"] = os.pathsep.join([HERE, environment.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "tidepool.plan", *args]
+    if prelude:
+        command = [sys.executable, "-c", prelude + "\nimport runpy, sys\nsys.argv = ['tidepool.plan'] + "
+                   + repr(list(args)) + "\nrunpy.run_module('tidepool.plan', run_name='__main__')"]
+    done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    return done.returncode, done.stdout, done.stderr
+
+
+def rows(stdout):
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@unittest.skipIf(SKIP, SKIP)
+class Sweep(unittest.TestCase):
+    """One sweep of 8 variants, shared by the tests that read it."""
+
+    @classmethod
+    def setUpClass(cls):
+        status, out, err = plan(*LLAMA, "--json", "--sweep", "batch=1,2", "--sweep", "checkpointing=false,true",
+                                "--sweep", "precision=fp32,bf16-mixed")
+        assert status == 0, err
+        cls.rows = rows(out)
+        cls.stderr = err
+
+    def find(self, **want):
+        found = [r for r in self.rows if all(r["variant"][k] == v for k, v in want.items())]
+        self.assertEqual(len(found), 1, want)
+        return found[0]
+
+    def test_every_variant_has_exactly_the_documented_fields(self):
+        self.assertEqual(len(self.rows), 8)
+        for r in self.rows:
+            self.assertEqual(set(r), {"variant", "peak_live_bytes", "breakdown", "pytorch_min_capacity_bytes",
+                                      "tidepool_min_capacity_bytes", "fits", "trace"})
+            self.assertEqual(set(r["breakdown"]), {"weights_bytes", "gradients_bytes", "optimizer_bytes",
+                                                   "activations_bytes"})
+            self.assertIn("torch", r["variant"])
+            self.assertIsNone(r["trace"], "traces are not kept without --keep-traces")
+
+    def test_the_breakdown_sums_to_the_peak(self):
+        for r in self.rows:
+            self.assertEqual(sum(r["breakdown"].values()), r["peak_live_bytes"], r["variant"])
+
+    def test_weights_and_optimizer_state_are_the_model_and_two_adamw_moments(self):
+        r = self.find(batch=1, checkpointing=False, precision="fp32")
+        params = 512 * 256 * 2 + 2 * (4 * 256 * 256 + 3 * 256 * 1024 + 2 * 256) + 256
+        rotary = 2 * 32 * 4  # buffers are weights too: the rotary embedding's inverse frequencies
+        self.assertEqual(r["breakdown"]["weights_bytes"], 4 * params + rotary)
+        self.assertEqual(r["breakdown"]["optimizer_bytes"], 2 * 4 * params)
+
+    def test_the_peak_grows_with_the_batch(self):
+        for ckpt in (False, True):
+            for precision in ("fp32", "bf16-mixed"):
+                one = self.find(batch=1, checkpointing=ckpt, precision=precision)
+                two = self.find(batch=2, checkpointing=ckpt, precision=precision)
+                self.assertGreater(two["peak_live_bytes"], one["peak_live_bytes"])
+                self.assertGreater(two["breakdown"]["activations_bytes"], one["breakdown"]["activations_bytes"])
+
+    def test_checkpointing_lowers_activations(self):
+        for precision in ("fp32", "bf16-mixed"):
+            plain = self.find(batch=2, checkpointing=False, precision=precision)
+            ckpt = self.find(batch=2, checkpointing=True, precision=precision)
+            self.assertLess(ckpt["breakdown"]["activations_bytes"], plain["breakdown"]["activations_bytes"])
+
+    def test_bf16_mixed_precision_lowers_activations(self):
+        fp32 = self.find(batch=2, checkpointing=False, precision="fp32")
+        mixed = self.find(batch=2, checkpointing=False, precision="bf16-mixed")
+        self.assertLess(mixed["breakdown"]["activations_bytes"], fp32["breakdown"]["activations_bytes"])
+
+    def test_the_smallest_devices_hold_the_peak_and_fits_follows_tidepools(self):
+        for r in self.rows:
+            self.assertGreaterEqual(r["pytorch_min_capacity_bytes"], r["peak_live_bytes"])
+            self.assertGreaterEqual(r["tidepool_min_capacity_bytes"], r["peak_live_bytes"])
+            self.assertEqual(r["fits"], [16, 24, 40, 48, 80, 96, 141])
+
+    def test_a_progress_bar_runs_across_the_variants(self):
+        self.assertIn("8/8", self.stderr)
+        self.assertIn("1/8", self.stderr)
+
+
+@unittest.skipIf(SKIP, SKIP)
+class Plan(unittest.TestCase):
+    def test_the_table_names_the_largest_batch_per_card(self):
+        status, out, err = plan(*LLAMA, "--sweep", "batch=1,2,4", "--cards", "0.06,0.1,24")
+        self.assertEqual(status, 0, err)
+        self.assertIn("peak live", out)
+        self.assertIn("torch 2.", out)
+        line = [x for x in out.splitlines() if x.startswith("largest batch")]
+        self.assertEqual(len(line), 1, out)
+        self.assertIn("24 GB: 4", line[0])
+        self.assertIn("0.06 GB: none", line[0])
+
+    def test_generate_grows_with_new_tokens(self):
+        status, out, err = plan(*LLAMA, "--task", "generate", "--json", "--steps", "1", "--seq", "8", "--sweep",
+                                "new-tokens=2,64")
+        self.assertEqual(status, 0, err)
+        short, long = rows(out)
+        self.assertGreater(long["peak_live_bytes"], short["peak_live_bytes"])
+        # The KV cache: 2 layers x (keys, values) x 4 heads x 64 x fp32 per token: 62 more tokens, less
+        # what the shorter run's peak (at the prompt) holds besides its cache.
+        self.assertGreaterEqual(long["peak_live_bytes"] - short["peak_live_bytes"], 40 * 2 * 2 * 256 * 4)
+        self.assertEqual(long["breakdown"]["gradients_bytes"], 0)
+
+    def test_a_module_factory_works_and_keeps_its_traces(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            status, out, err = plan("module:plan_models:tiny_lm", "--seq", "256", "--json", "--keep-traces", tmp,
+                                    "--sweep", "batch=1,4")
+            self.assertEqual(status, 0, err)
+            for r in rows(out):
+                self.assertTrue(os.path.exists(r["trace"]), r["trace"])
+                with open(r["trace"]) as f:
+                    self.assertTrue(f.readline().startswith("Thread,Time,Action,Pointer,Size,Stream,Operator"))
+                    self.assertIn("aten.", f.read())
+            one, two = rows(out)
+            self.assertGreater(two["peak_live_bytes"], one["peak_live_bytes"])
+
+    def test_a_workload_object_works(self):
+        status, out, err = plan("module:plan_models:image_workload", "--seq", "32", "--batch", "4", "--json")
+        self.assertEqual(status, 0, err)
+        (r,) = rows(out)
+        self.assertGreater(r["breakdown"]["activations_bytes"], 4 * 16 * 32 * 32 * 4)
+
+    def test_accumulation_keeps_the_memory_of_a_micro_batch_and_the_gradients(self):
+        status, out, err = plan(*LLAMA, "--json", "--sweep", "batch=1,4", "--sweep", "accumulation=1,4")
+        self.assertEqual(status, 0, err)
+        one, one_acc, four, four_acc = rows(out)
+        self.assertEqual((one_acc["variant"]["batch"], one_acc["variant"]["accumulation"]), (1, 4))
+        # Four micro-batches of 1 cost far less than a batch of 4 ...
+        self.assertLess(one_acc["peak_live_bytes"], 0.8 * four["peak_live_bytes"])
+        # ... and no more than a batch of 1 with its gradients kept across micro-batches.
+        weights = one["breakdown"]["weights_bytes"]
+        self.assertLessEqual(one_acc["peak_live_bytes"], one["peak_live_bytes"] + weights)
+        self.assertGreaterEqual(one_acc["peak_live_bytes"], one["peak_live_bytes"])
+
+    def test_lora_trains_adapters_only(self):
+        status, out, err = plan(*LLAMA, "--json", "--sweep", "lora-rank=0,8")
+        self.assertEqual(status, 0, err)
+        full, lora = rows(out)
+        self.assertLess(lora["breakdown"]["optimizer_bytes"], full["breakdown"]["optimizer_bytes"] / 20)
+        self.assertGreater(lora["breakdown"]["weights_bytes"], full["breakdown"]["weights_bytes"])
+
+    def test_a_variant_without_a_meta_kernel_is_reported_and_the_others_go_on(self):
+        status, out, err = plan("module:plan_models:bincount", "--seq", "8", "--json", "--sweep", "batch=1,2,3")
+        self.assertEqual(status, 1, err)
+        one, two, three = rows(out)
+        self.assertIn("bincount", two["error"])
+        self.assertIn("peak_live_bytes", one)
+        self.assertIn("peak_live_bytes", three)
+
+    def test_nothing_touches_the_network(self):
+        prelude = textwrap.dedent("""
+            import sys
+            def guard(event, args):
+                if event.startswith("socket.") and event not in ("socket.__new__", "socket.bind"):
+                    raise RuntimeError(f"network access attempted: {event} {args}")
+            sys.addaudithook(guard)
+        """)
+        status, out, err = plan("hf:gpt2", "--set", "n_layer=1", "--set", "n_embd=64", "--set", "n_head=2",
+                                "--seq", "32", "--json", "--steps", "1", prelude=prelude,
+                                env={"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"})
+        self.assertEqual(status, 0, err)
+        self.assertNotIn("network access attempted", err)
+        self.assertEqual(len(rows(out)), 1)
+
+
+@unittest.skipIf(SKIP, SKIP)
+class BadInput(unittest.TestCase):
+    def fails(self, *args, status=2):
+        code, out, err = plan(*args)
+        self.assertEqual(code, status, out + err)
+        self.assertNotIn("Traceback", err) if status == 2 and "raises" not in str(args) else None
+        return err
+
+    def test_an_unknown_architecture_is_named(self):
+        err = self.fails("hf:gpt3000")
+        self.assertIn("unknown architecture 'gpt3000'", err)
+
+    def test_a_malformed_config_names_the_file_or_the_field(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            broken = os.path.join(tmp, "config.json")
+            with open(broken, "w") as f:
+                f.write("{not json")
+            self.assertIn(f"{broken}: not valid JSON", self.fails(broken))
+            with open(broken, "w") as f:
+                json.dump({"hidden_size": 8}, f)
+            self.assertIn('no "model_type" field', self.fails(broken))
+            with open(broken, "w") as f:
+                json.dump({"model_type": "llama-9"}, f)
+            self.assertIn('field "model_type"', self.fails(broken))
+        self.assertIn("no such file", self.fails("/nonexistent/config.json"))
+
+    def test_an_unknown_config_field_is_named(self):
+        self.assertIn("has no field 'hiden_size'", self.fails("hf:llama", "--set", "hiden_size=8"))
+
+    def test_a_factory_that_raises_shows_its_traceback(self):
+        code, out, err = plan("module:plan_models:raises")
+        self.assertEqual(code, 2)
+        self.assertIn("Traceback", err)
+        self.assertIn("this factory fails on purpose", err)
+
+    def test_a_missing_module_or_factory_is_named(self):
+        self.assertIn("no module named 'no_such_models'", self.fails("module:no_such_models:f"))
+        self.assertIn("has no callable 'nope'", self.fails("module:plan_models:nope"))
+        self.assertIn("expected module:pkg.mod:factory", self.fails("module:plan_models"))
+
+    def test_options_the_task_does_not_support_are_refused(self):
+        self.assertIn("--lora-rank trains adapters", self.fails(*LLAMA, "--task", "forward", "--lora-rank", "4"))
+        self.assertIn("needs a causal language model", self.fails("hf:vit", "--task", "generate"))
+        self.assertIn("--new-tokens is for --task generate", self.fails(*LLAMA, "--new-tokens", "4"))
+        self.assertIn("no linear layers peft can wrap",
+                      self.fails("module:plan_models:embedding_only", "--lora-rank", "4"))
+
+    def test_bad_sweeps_and_numbers_are_named(self):
+        self.assertIn("--sweep colour: not a sweepable option", self.fails(*LLAMA, "--sweep", "colour=red"))
+        self.assertIn("--sweep batch", self.fails(*LLAMA, "--sweep", "batch=1,two"))
+        self.assertIn("--sweep precision", self.fails(*LLAMA, "--sweep", "precision=fp8"))
+        self.assertIn("--batch", self.fails(*LLAMA, "--batch", "0"))
+        self.assertIn("--cards", self.fails(*LLAMA, "--cards", "big"))
+
+
+if __name__ == "__main__":
+    unittest.main()

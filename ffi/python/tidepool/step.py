@@ -1,0 +1,207 @@
+"""One variant's recorded run for `tidepool.plan`: the model set up as the
+options say (precision, adapters, checkpointing, sharding), then the steps
+of its task (train, forward, generate) under the Recorder."""
+import contextlib
+
+import torch
+
+from . import workload as wl
+from .attention import cuda_attention
+from .autocast import cuda_autocast
+from .record import Recorder
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "sgd", "adafactor")
+TASKS = ("train", "forward", "generate")
+
+
+class MissingMetaKernel(Exception):
+    """An operator the meta device cannot run."""
+
+
+def _low_dtype(precision):
+    return torch.bfloat16 if precision.startswith("bf16") else torch.float16
+
+
+def _checkpoint_layers(work, modes):
+    """Checkpoints each repeated block (the model's own switch for transformers).
+
+    The recomputation runs in backward, where autograd's engine does not
+    carry TorchFunctionModes: `modes` (CUDA's attention and autocast rules)
+    are entered again around it, as checkpoint enters torch.autocast again.
+    """
+    model = work.model
+
+    def context_fn():
+        return contextlib.nullcontext(), modes()
+
+    if work.hf:
+        kwargs = {"use_reentrant": False, "context_fn": context_fn}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    layers = work.layers
+    if layers is None:
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        if not lists:
+            raise wl.PlanError("--checkpointing: the model has no nn.ModuleList of blocks; give Workload(layers=...)")
+        layers = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    from torch.utils.checkpoint import checkpoint
+
+    for block in layers:
+        forward = block.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+        block.forward = checkpointed
+
+
+def _lora(work, rank):
+    try:
+        import peft
+    except ImportError as err:
+        raise wl.PlanError(f"--lora-rank needs peft ({err}); pip install peft") from None
+    targets = [name for name, m in work.model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))
+               or type(m).__name__ == "Conv1D"]
+    if not targets:
+        raise wl.PlanError(f"--lora-rank: {type(work.model).__name__} has no linear layers peft can wrap")
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear" if work.hf else
+                             sorted({n.split(".")[-1] for n in targets}))
+    try:
+        with torch.device("meta"):
+            work.model = peft.get_peft_model(work.model, config)
+    except (ValueError, TypeError) as err:
+        raise wl.PlanError(f"--lora-rank: peft cannot wrap {type(work.model).__name__}: {err}") from None
+
+
+def _optimizer(name, params):
+    params = [p for p in params if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    return torch.optim.Adafactor(params, lr=1e-2)
+
+
+def _call(work, inputs, **extra):
+    try:
+        return work.call(inputs, **extra)
+    except NotImplementedError as err:
+        raise MissingMetaKernel(_op_of(err)) from None
+
+
+def _op_of(err):
+    text = str(err)
+    for word in text.replace("'", " ").replace('"', " ").split():
+        if word.startswith("aten::") or word.startswith("aten."):
+            return word.rstrip(".,:")
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+class _NoMetaKernel(Recorder):
+    """The Recorder that names the operator a meta kernel is missing for."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except NotImplementedError as err:
+            raise MissingMetaKernel(f"{func} ({str(err).splitlines()[0] if str(err) else 'no meta kernel'})") from None
+
+
+def record(spec, overrides, options, path):
+    """Builds and records one variant; returns the Recorder (events in memory)."""
+    task = options["task"]
+    work = wl.build(spec, overrides, task)
+    if options["lora_rank"]:
+        if task != "train":
+            raise wl.PlanError("--lora-rank trains adapters: use it with --task train")
+        _lora(work, options["lora_rank"])
+    precision = options["precision"]
+    mixed = precision.endswith("-mixed")
+
+    @contextlib.contextmanager
+    def cuda_rules():
+        """CUDA's attention kernels, and autocast's rules for mixed precision."""
+        with cuda_attention(), cuda_autocast(_low_dtype(precision), enabled=mixed):
+            yield
+
+    if options["checkpointing"]:
+        if task != "train":
+            raise wl.PlanError("--checkpointing saves activations for backward: use it with --task train")
+        _checkpoint_layers(work, cuda_rules)
+    if options["new_tokens"] and task != "generate":
+        raise wl.PlanError("--new-tokens is for --task generate")
+    if precision in ("bf16", "fp16"):
+        work.model.to(_low_dtype(precision))
+    model = work.model
+    model.train(task == "train")
+    seq = options["seq"] or work.default_seq
+    batch = options["batch"]
+    rec = _NoMetaKernel(path)
+    with rec:
+        rec.track(model)
+        if task == "train":
+            _train(rec, work, model, options, batch, seq, cuda_rules)
+        elif task == "forward":
+            for k in range(options["steps"]):
+                with torch.inference_mode(), cuda_rules():
+                    _call(work, work.inputs(batch, seq))
+                rec.mark(f"step {k + 1}")
+        else:
+            _generate(rec, work, options, batch, seq, cuda_rules)
+    return rec
+
+
+def _train(rec, work, model, options, batch, seq, autocast):
+    optimizer = _optimizer(options["optimizer"], model.parameters())
+    rec.track(optimizer)
+    accumulation = options["accumulation"]
+    scaler = options["precision"] == "fp16-mixed"
+    for k in range(options["steps"]):
+        for _ in range(accumulation):
+            inputs = work.inputs(batch, seq)
+            with autocast():
+                output = _call(work, inputs)
+                loss = work.loss(output, inputs)
+                del output
+                if accumulation > 1:
+                    loss = loss / accumulation
+                if scaler:  # GradScaler's scaled loss
+                    loss = loss * 65536.0
+                loss.backward()
+            del loss, inputs
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        rec.mark(f"step {k + 1}")
+
+
+def _generate(rec, work, options, batch, seq, autocast):
+    new_tokens = options["new_tokens"] or 32
+    model = work.model
+    for k in range(options["steps"]):
+        with torch.inference_mode(), autocast():
+            ids = torch.randint(0, work.vocab or 2, (batch, seq), device="meta")
+            if work.hf:
+                import inspect
+
+                params = inspect.signature(model.forward).parameters
+                extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+                cache_name = "cache" if "cache" in params else "past_key_values"
+                out = _call(work, dict(input_ids=ids, use_cache=True, **extra))
+                cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+                for _ in range(new_tokens - 1):
+                    nxt = out.logits[:, -1:].argmax(-1)
+                    del out
+                    out = _call(work, dict(input_ids=nxt, use_cache=True, **{cache_name: cache}))
+                del out, cache
+            else:
+                # A plain module has no cache: each token runs the whole sequence again.
+                for _ in range(new_tokens):
+                    logits = _call(work, (ids, ids))
+                    logits = logits if isinstance(logits, torch.Tensor) else logits[0]
+                    ids = torch.cat([ids, logits[:, -1:].argmax(-1)], 1)
+                    del logits
+        rec.mark(f"step {k + 1}")
