@@ -2,7 +2,8 @@
 //! a second process allocates the memory a paused tag gave back, and the
 //! first resumes once the second frees it (cooperation asks for it); a
 //! pause waits for the work queued on the tag's streams before it copies
-//! (pinned host memory from cuMemHostAlloc, all of it freed at resume);
+//! (pinned host memory from cuMemHostAlloc, all of it freed at resume),
+//! and is refused while that stream is being captured into a CUDA graph;
 //! a discarding pause of 1,000 blocks makes one driver call per run of
 //! pages, not per block.
 
@@ -140,6 +141,7 @@ struct Simgpu {
     enqueue_sleep: unsafe extern "C" fn(u64, i64) -> i32,
     enqueue_fill: unsafe extern "C" fn(u64, u64, usize, u8, u64) -> i32,
     host_allocs: unsafe extern "C" fn(*mut i64) -> i64,
+    set_capturing: unsafe extern "C" fn(u64, i32) -> i32,
 }
 
 impl Simgpu {
@@ -160,6 +162,7 @@ impl Simgpu {
                 enqueue_sleep: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_sleep")),
                 enqueue_fill: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_fill")),
                 host_allocs: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_host_allocs")),
+                set_capturing: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_set_capturing")),
             }
         }
     }
@@ -182,6 +185,15 @@ fn child_pause_waits_for_the_streams_work() {
         let _r = region("i13-stream").unwrap();
         alloc.allocate(0, size, Stream(stream)).unwrap()
     };
+    // A capture on the tag's stream (no private pool open: a raw CUDA graph
+    // capture) refuses the pause, and nothing changes.
+    // SAFETY: simgpu marks the stream it made as capturing.
+    assert_eq!(unsafe { (sim.set_capturing)(stream, 1) }, 0);
+    let err = alloc.pause("i13-stream", Some(0), true).unwrap_err();
+    assert!(matches!(&err, AllocError::Tag(m) if m.contains("captured into a CUDA graph")), "{err}");
+    assert!(!alloc.tag_stats("i13-stream", 0).unwrap().paused);
+    // SAFETY: as above, the capture ends.
+    assert_eq!(unsafe { (sim.set_capturing)(stream, 0) }, 0);
     // SAFETY: plain calls into simgpu on a live block of `size` bytes.
     unsafe {
         assert_eq!((sim.enqueue_sleep)(stream, 200_000), 0);

@@ -439,6 +439,16 @@ impl Backend for CudaBackend {
         check(unsafe { sys::cuStreamSynchronize(s) }, "cuStreamSynchronize")
     }
 
+    fn stream_capturing(&self, device: usize, stream: Stream) -> bool {
+        if !self.capture_status || self.enter(device, "cuStreamIsCapturing").is_err() {
+            return false;
+        }
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `stream` is a stream the caller allocated on; the driver writes a local.
+        let rc = unsafe { sys::cuStreamIsCapturing(stream.0 as sys::CUstream, &mut status) };
+        rc == sys::CUresult::CUDA_SUCCESS && status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    }
+
     fn host_memory(&self, len: u64) -> Result<Box<dyn HostMemory>, BackendError> {
         self.enter(0, "cuMemHostAlloc")?;
         let bytes = usize::try_from(len).map_err(|_| BackendError::OutOfMemory)?;

@@ -141,6 +141,13 @@ pub trait Backend: Send + Sync {
         host::HostBuffer::new(len).map(|b| Box::new(b) as Box<dyn HostMemory>)
     }
 
+    /// Whether work queued on `stream` is being captured into a CUDA graph
+    /// now (a pause must not synchronize or unmap under it). Backends
+    /// without graphs say no.
+    fn stream_capturing(&self, _device: usize, _stream: Stream) -> bool {
+        false
+    }
+
     /// Returns a completed event to the pool.
     fn recycle_event(&self, _device: usize, _event: u64) {}
 

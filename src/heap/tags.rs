@@ -330,6 +330,9 @@ impl DeviceHeap {
         }
         streams.sort();
         streams.dedup();
+        if let Some(s) = streams.iter().find(|&&s| self.backend.stream_capturing(self.device, s)) {
+            return Err(tag_error(tag.0, &format!("cannot be paused while stream {:#x}, which used it, is being captured into a CUDA graph", s.0)));
+        }
         for stream in streams {
             self.backend.synchronize_stream(self.device, stream).map_err(AllocError::Backend)?;
         }
