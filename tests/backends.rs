@@ -14,6 +14,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{conformance, host_allocator, simgpu_dir};
+use tidepool::trace::replay::{replay, Policy, ReplayOptions};
+use tidepool::trace::Event;
 use tidepool::{Allocator, Config};
 
 const CAPACITY: u64 = 256 << 20;
@@ -122,6 +124,44 @@ fn the_host_backend_conforms_with_expandable_segments() {
     conformance::run(&make, CAPACITY, [tidepool::Stream(1), tidepool::Stream(2)]);
 }
 
+/// The child side: a trace played on the `cuda` backend over simgpu makes
+/// exactly the driver calls that `tidepool replay` reports for it.
+#[test]
+fn child_replay_driver_calls() {
+    if !in_child() {
+        return;
+    }
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/traces/transformer-varlen-train.csv");
+    let trace = tidepool::trace::load(&file).unwrap();
+    let expandable = std::env::var("TIDEPOOL_TEST_CONF").is_ok_and(|c| c.contains("expandable:true"));
+    let policy = if expandable { Policy::Expandable } else { Policy::Tidepool };
+    let options = ReplayOptions { capacity: 1 << 40, policy, conf: String::new(), samples: 0, record_to: None };
+    let replayed = replay(&trace, &options).unwrap().driver_calls;
+
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    // SAFETY: a simgpu entry point with no arguments.
+    let before = unsafe { (sim.memory_calls)() };
+    let mut ptrs = vec![0u64; trace.allocs as usize];
+    for event in &trace.events {
+        match *event {
+            Event::Alloc { id, size, .. } => ptrs[id as usize] = alloc.allocate(0, size as usize, tidepool::Stream::DEFAULT).unwrap().0,
+            Event::Free { id } => alloc.free(0, tidepool::DevicePtr(ptrs[id as usize])).unwrap(),
+        }
+    }
+    // SAFETY: as above.
+    let live = unsafe { (sim.memory_calls)() } - before;
+    println!("driver calls: live {live}, replay {replayed}");
+    assert_eq!(live as u64, replayed);
+}
+
+#[test]
+fn replay_counts_the_driver_calls_the_cuda_backend_makes() {
+    for conf in ["", "expandable:true"] {
+        child_prints("child_replay_driver_calls", "8G", &[("TIDEPOOL_TEST_CONF", conf)], "driver calls: live");
+    }
+}
+
 /// The child side: pages of a free hole go back only after the work its
 /// stream queued on them has run (else simgpu's worker faults on them).
 #[test]
@@ -202,6 +242,7 @@ struct Simgpu {
     relaxed_allocs: unsafe extern "C" fn(*mut i32) -> i64,
     set_capturing: unsafe extern "C" fn(u64, i32) -> i32,
     owner_overflows: unsafe extern "C" fn() -> i64,
+    memory_calls: unsafe extern "C" fn() -> i64,
 }
 
 impl Simgpu {
@@ -236,6 +277,7 @@ impl Simgpu {
                 stream_wait_event: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamWaitEvent")),
                 violations: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_violations")),
                 event_queries: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_event_queries")),
+                memory_calls: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_memory_calls")),
                 relaxed_allocs: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_relaxed_allocs")),
                 set_capturing: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_set_capturing")),
                 owner_overflows: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_owner_overflows")),

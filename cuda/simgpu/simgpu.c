@@ -240,7 +240,14 @@ static int claim(int device, size_t bytes) {
 static __thread int capture_mode;
 static long relaxed_allocs;
 
+/* Calls that take or give back device memory (cuMemAlloc, cuMemFree,
+ * cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease), as
+ * `tidepool replay` counts its driver calls. */
+static long memory_calls;
+#define COUNT_MEMORY_CALL() __atomic_fetch_add(&memory_calls, 1, __ATOMIC_RELAXED)
+
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
+    COUNT_MEMORY_CALL();
     if (capture_mode == 2) __atomic_fetch_add(&relaxed_allocs, 1, __ATOMIC_RELAXED);
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     if (!current) return CUDA_ERROR_INVALID_CONTEXT;
@@ -285,6 +292,7 @@ static void release_now(CUdeviceptr dptr, int *found) {
 }
 
 CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    COUNT_MEMORY_CALL();
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     delay();
     synchronize_all(); /* like the driver: cuMemFree waits for the device */
@@ -841,6 +849,7 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 }
 
 CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const void *prop, unsigned long long flags) {
+    COUNT_MEMORY_CALL();
     (void)flags;
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     const struct mem_prop *p = prop;
@@ -867,6 +876,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const vo
 }
 
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    COUNT_MEMORY_CALL();
     pthread_mutex_lock(&lock);
     long h = (long)handle;
     if (h < 1 || h > MAX_HANDLES || !handles[h - 1].size || handles[h - 1].released) {
@@ -880,6 +890,7 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 }
 
 CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle, unsigned long long flags) {
+    COUNT_MEMORY_CALL();
     (void)flags;
     uintptr_t addr = (uintptr_t)ptr;
     pthread_mutex_lock(&lock);
@@ -919,6 +930,7 @@ static int fully_mapped(uintptr_t addr, size_t size) {
 }
 
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t count) {
+    COUNT_MEMORY_CALL();
     if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&lock);
     int ok = fully_mapped((uintptr_t)ptr, size) && mprotect((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) == 0;
@@ -927,6 +939,7 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t c
 }
 
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    COUNT_MEMORY_CALL();
     uintptr_t addr = (uintptr_t)ptr;
     pthread_mutex_lock(&lock);
     vm_unmap_calls++;
@@ -947,6 +960,9 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     pthread_mutex_unlock(&lock);
     return CUDA_SUCCESS;
 }
+
+/* Test entry point: calls that took or gave back device memory so far. */
+long simgpu_memory_calls(void) { return __atomic_load_n(&memory_calls, __ATOMIC_RELAXED); }
 
 /* Test entry point: cuMemMap and cuMemUnmap calls so far. */
 void simgpu_vm_calls(long *maps, long *unmaps) {
