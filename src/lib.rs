@@ -601,7 +601,8 @@ impl Allocator {
     /// usable. When the device cannot give the memory back, the cache of
     /// the device is released and the other processes are asked; failing
     /// that, the error leaves the tag paused with nothing mapped and its
-    /// saved contents intact. Resuming a tag that is not paused is an error.
+    /// saved contents intact (on that device: devices resumed before it
+    /// stay resumed). Resuming a tag that is not paused is an error.
     pub fn resume(&self, tag: &str, device: Option<usize>) -> Result<u64, AllocError> {
         let id = Self::known_tag(tag)?;
         let heaps = self.heaps_of(device)?;
