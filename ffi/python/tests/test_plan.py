@@ -102,7 +102,8 @@ class Sweep(unittest.TestCase):
         params = 512 * 256 * 2 + 2 * (4 * 256 * 256 + 3 * 256 * 1024 + 2 * 256) + 256
         rotary = 2 * 32 * 4  # buffers are weights too: the rotary embedding's inverse frequencies
         self.assertEqual(r["breakdown"]["weights_bytes"], 4 * params + rotary)
-        self.assertEqual(r["breakdown"]["optimizer_bytes"], 2 * 4 * params)
+        # The two moments, and the temporaries of AdamW's foreach step when the peak is in it.
+        self.assertGreaterEqual(r["breakdown"]["optimizer_bytes"], 2 * 4 * params)
 
     def test_the_peak_grows_with_the_batch(self):
         for ckpt in (False, True):

@@ -33,8 +33,10 @@ What the recorder does so that the trace is what CUDA would allocate:
 - a Python value read from a meta tensor (`.item()`, `if t.all():`) is
   True, 1 or 1.0: the data is not there, and code that branches on it
   takes the branch of ordinary inputs (no padding, no packed sequences);
-- tensors can be labelled (weights, gradients, optimizer state) so that
-  the peak can be broken down by category (`Recorder.breakdown_at_peak`).
+- tensors can be labelled (weights, gradients, optimizer) so that the
+  peak can be broken down by category (`Recorder.breakdown_at_peak`); a
+  tracked optimizer's states and the temporaries of its step count as
+  optimizer, everything else unlabelled as activations and temporaries.
 
 Recording can start after a warm-up: `Recorder(path, start=False)` tracks
 every tensor but writes nothing until `start()`, which writes the tensors
@@ -127,7 +129,7 @@ class Recorder(TorchDispatchMode):
         self.allocs = 0
         self._zeros = None  # weak reference to the last zeros tensor a backward made
         self._patches = contextlib.ExitStack()
-        self._op = "untracked"
+        self._phase = None  # OPTIMIZER while a tracked optimizer steps
 
     # -- events ------------------------------------------------------------
     def _event(self, action, pointer, size, operator):
@@ -178,6 +180,8 @@ class Recorder(TorchDispatchMode):
             entry = _Live(self._new_pointer(size), size, StorageWeakRef(storage))
             self.live[key] = entry
             self._event("allocate", entry.pointer, size, operator)
+            if category is None and self._phase is not None:
+                category = self._phase  # the optimizer step's temporaries
         if category is not None:
             self.labels[entry.pointer] = category
         tid = id(tensor)
@@ -234,7 +238,8 @@ class Recorder(TorchDispatchMode):
                     self._track(b, "pre-existing", category or WEIGHTS)
             elif isinstance(thing, torch.optim.Optimizer):
                 self._label_optimizer(thing)
-                thing.register_step_post_hook(lambda opt, *_: self._label_optimizer(opt))
+                thing.register_step_pre_hook(lambda opt, *_: setattr(self, "_phase", OPTIMIZER))
+                thing.register_step_post_hook(self._optimizer_stepped)
             elif isinstance(thing, dict):
                 self.track(*thing.values(), category=category)
             elif isinstance(thing, (list, tuple)):
@@ -245,6 +250,10 @@ class Recorder(TorchDispatchMode):
     def track_module(self, module):
         """Counts the parameters and buffers a module already holds as allocations."""
         self.track(module)
+
+    def _optimizer_stepped(self, optimizer, *_):
+        self._phase = None
+        self._label_optimizer(optimizer)
 
     def _label_optimizer(self, optimizer):
         for group in optimizer.param_groups:
@@ -358,7 +367,10 @@ class Recorder(TorchDispatchMode):
 
     def breakdown_at_peak(self):
         """Bytes live at the peak, by category (they sum to the peak)."""
-        _, at = self.peak()
+        return self.breakdown_at(self.peak()[1])
+
+    def breakdown_at(self, at):
+        """Bytes live just after event `at`, by category."""
         live = {}
         for _, action, pointer, size, _ in self.events[: at + 1]:
             if action == "allocate":
