@@ -229,3 +229,43 @@ fn a_pause_waits_for_the_work_queued_on_the_tags_streams_over_simgpu() {
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success() && text.contains("child: stream work waited for"), "{text}");
 }
+
+#[test]
+fn top_shows_the_memory_a_paused_tag_gave_back() {
+    let dir = std::env::temp_dir().join(format!("tidepool-tags-top-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = format!(
+        "backend:host,host_shared:{},registry_dir:{},host_capacity_mb:256,release_after_ms:off,headroom_mb:0,\
+         reclaim_interval_ms:20,cooperative:true",
+        dir.join("capacity").display(),
+        dir.join("registry").display()
+    );
+    let alloc = allocator(&conf);
+    let p = {
+        let _r = region("i13-top").unwrap();
+        alloc.allocate(0, (8 * MIB) as usize, S).unwrap()
+    };
+    let top = |args: &[&str]| {
+        std::thread::sleep(Duration::from_millis(200)); // a reclaimer pass publishes
+        let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+            .arg("top")
+            .args(args)
+            .env("TIDEPOOL_CONF", format!("registry_dir:{}", dir.join("registry").display()))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(top(&["--once", "--json"]).contains("\"paused_bytes\":0"));
+    alloc.pause("i13-top", None, false).unwrap();
+    let json = top(&["--once", "--json"]);
+    assert!(json.contains(&format!("\"reserved_bytes\":0,")) && json.contains(&format!("\"paused_bytes\":{}", 8 * MIB)), "{json}");
+    let table = top(&["--once"]);
+    assert!(table.lines().next().is_some() && table.contains("paused") && table.trim_end().ends_with("8.00 MiB"), "{table}");
+    alloc.resume("i13-top", None).unwrap();
+    assert!(top(&["--once", "--json"]).contains("\"paused_bytes\":0"));
+    alloc.free(0, p).unwrap();
+    drop(alloc);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -444,7 +444,7 @@ fn run_top(args: &[String]) -> Result<(), String> {
 fn top_table(dir: &Path) -> String {
     let mut out = format!("tidepool processes ({})\n", dir.display());
     out += &format!(
-        "{:<28} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+        "{:<28} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
         "device",
         "pid",
         "comm",
@@ -457,7 +457,8 @@ fn top_table(dir: &Path) -> String {
         "headroom",
         "oom",
         "for others",
-        "requesting"
+        "requesting",
+        "paused"
     );
     let found = registry::scan(dir);
     if found.registries.iter().all(|r| r.entries.is_empty()) {
@@ -467,7 +468,7 @@ fn top_table(dir: &Path) -> String {
         for e in &r.entries {
             let released = |reason: Reason| human_bytes(e.released[reason as usize]);
             out += &format!(
-                "{:<28} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>5.1}% {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+                "{:<28} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>5.1}% {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
                 r.key,
                 e.pid,
                 e.comm(),
@@ -481,6 +482,7 @@ fn top_table(dir: &Path) -> String {
                 released(Reason::OutOfMemory),
                 released(Reason::Cooperation),
                 if e.request_bytes > 0 { human_bytes(e.request_bytes) } else { "-".into() },
+                if e.paused > 0 { human_bytes(e.paused) } else { "-".into() },
             );
         }
     }
@@ -500,7 +502,7 @@ fn top_json(dir: &Path) -> String {
                 "{{\"device_key\":{},\"pid\":{},\"comm\":{},\"device\":{},\"heartbeat_ms\":{},\"allocated_bytes\":{},\
                  \"reserved_bytes\":{},\"cached_free_bytes\":{},\"inactive_split_bytes\":{},\"largest_free_block_bytes\":{},\
                  \"fragmentation\":{:.3},\"released_bytes\":{{{}}},\"requests_served\":{},\"requests_posted\":{},\"ooms\":{},\
-                 \"request_bytes\":{},\"device_total_bytes\":{},\"device_free_bytes\":{}}}",
+                 \"request_bytes\":{},\"device_total_bytes\":{},\"device_free_bytes\":{},\"paused_bytes\":{}}}",
                 json_string(&r.key),
                 e.pid,
                 json_string(&e.comm()),
@@ -518,7 +520,8 @@ fn top_json(dir: &Path) -> String {
                 e.ooms,
                 e.request_bytes,
                 e.device_total,
-                e.device_free
+                e.device_free,
+                e.paused
             ));
         }
     }

@@ -143,6 +143,7 @@ impl DeviceHeap {
                 ooms: stats.events.num_ooms,
                 device_total: info.map_or(0, |i| i.total),
                 device_free: info.map_or(0, |i| i.free),
+                paused: stats.paused_bytes,
                 released: Reason::ALL.map(|r| stats.released(r).bytes),
                 ..Entry::default()
             };

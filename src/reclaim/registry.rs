@@ -74,7 +74,7 @@ pub struct Entry {
     /// The device's total and free bytes at the last publication (0: unknown).
     pub device_total: u64,
     pub device_free: u64,
-    /// Bytes of paused tags (given back, addresses kept); 0 until tags can pause.
+    /// Bytes of paused tags (given back, addresses kept: not in `reserved`).
     pub paused: u64,
     /// Bytes given back to the driver, by `Reason` (index).
     pub released: [u64; 6],
