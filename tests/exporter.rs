@@ -402,6 +402,7 @@ fn busy_registry(dir: &Path, n: usize) -> Vec<Guard> {
                 largest_free_block: 60 * MIB,
                 device_total: 80 << 30,
                 device_free: 1 << 30,
+                paused: 7 * MIB,
                 released: [1, 2, 3, 4, 5, 6],
                 comm,
                 ..Entry::default()
@@ -426,6 +427,7 @@ fn the_exporter_output_passes_promtool_and_escapes_label_values() {
     assert!((fragmentation - 10.0 / 300.0).abs() < 1e-9, "inactive split over reserved: {fragmentation}");
     assert_eq!(sample(&text, "tidepool_inactive_split_bytes", &second), Some((10 * MIB) as f64));
     assert_eq!(sample(&text, "tidepool_largest_free_block_bytes", &second), Some((60 * MIB) as f64));
+    assert_eq!(sample(&text, "tidepool_paused_bytes", &second), Some((7 * MIB) as f64));
     assert_eq!(sample(&text, "tidepool_released_bytes_total", &[second[0], ("reason", "cooperation")]), Some(6.0));
     promtool_check(&promtool, &text).unwrap_or_else(|problems| panic!("promtool check metrics:\n{problems}\n{text}"));
 

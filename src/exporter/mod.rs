@@ -28,7 +28,7 @@ use crate::reclaim::registry::{self, Entry, Scan, ScanError};
 type Figure = (&'static str, &'static str, fn(&Entry) -> u64);
 
 /// The gauges of one process on one device, in bytes.
-const BYTE_GAUGES: [Figure; 6] = [
+const BYTE_GAUGES: [Figure; 7] = [
     ("tidepool_allocated_bytes", "Bytes in live allocations of the process on the device.", |e| e.allocated),
     ("tidepool_reserved_bytes", "Bytes the process holds from the driver on the device (allocated plus cached).", |e| e.reserved),
     ("tidepool_cached_free_bytes", "Bytes reserved but not in use: the process's cache.", |e| e.cached_free),
@@ -41,6 +41,7 @@ const BYTE_GAUGES: [Figure; 6] = [
     ("tidepool_memory_request_bytes", "Bytes the process is waiting for from the other processes on the device (0: none).", |e| {
         e.request_bytes
     }),
+    ("tidepool_paused_bytes", "Device memory the process's paused tags gave back (addresses kept; not in reserved).", |e| e.paused),
 ];
 
 /// The counters of one process on one device.
