@@ -1,6 +1,6 @@
 //! Builds tests/c/tags_test.c against the cdylib and runs it on the host
 //! backend and on the cuda backend over simgpu (pinned host memory from
-//! cuMemHostAlloc, copies through the driver).
+//! cuMemHostAlloc, copies through the driver), and under valgrind memcheck.
 
 mod common;
 
@@ -69,4 +69,22 @@ int main(void) {
     assert!(ok, "{text}");
     assert!(text.contains("rc=6 same=1 discard=1"), "{text}");
     assert!(text.contains("nothing was released"), "{text}");
+}
+
+#[test]
+fn the_tag_calls_are_clean_under_valgrind_memcheck() {
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        eprintln!("valgrind not installed: skipped");
+        return;
+    }
+    let program = build("tags_test_valgrind");
+    let output = Command::new("valgrind")
+        .args(["--error-exitcode=99", "--leak-check=no", "-q"])
+        .arg(&program)
+        .env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:1024")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success() && text.contains(" passed, 0 failed"), "tags_test under valgrind failed:\n{text}");
+    assert!(!text.contains("Invalid read") && !text.contains("Invalid write"), "{text}");
 }
