@@ -163,6 +163,8 @@ def _train(rec, work, model, options, batch, seq, autocast):
     for k in range(options["steps"]):
         for _ in range(accumulation):
             inputs = work.inputs(batch, seq)
+            # Forward and loss under autocast, backward outside it (PyTorch's
+            # AMP recipe): autocast's weight casts go when the region exits.
             with autocast():
                 output = _call(work, inputs)
                 loss = work.loss(output, inputs)
@@ -171,7 +173,7 @@ def _train(rec, work, model, options, batch, seq, autocast):
                     loss = loss / accumulation
                 if scaler:  # GradScaler's scaled loss
                     loss = loss * 65536.0
-                loss.backward()
+            loss.backward()
             del loss, inputs
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
