@@ -354,3 +354,89 @@ fn with_stream_shards_every_shard_pauses_and_resumes() {
     }
     alloc.validate().unwrap();
 }
+
+/// Random allocations and frees under three tags and untagged, with pauses
+/// (offload or discard), resumes and frees of paused blocks between them:
+/// every invariant holds after every step, offloaded contents come back,
+/// and the device's free memory always matches what the heap holds.
+#[test]
+fn random_steps_across_tags_keep_every_invariant_and_every_offloaded_byte() {
+    let (alloc, backend) = host_allocator(1, 2 << 30, "");
+    let tags = ["i13-rand-a", "i13-rand-b", "i13-rand-c"];
+    for tag in tags {
+        tidepool::tag::intern(tag).unwrap(); // known before its first allocation
+    }
+    let mut rng = common::Rng(0x5EED_1313);
+    // (ptr, size, pattern, tag index or 3 for untagged)
+    let mut live: Vec<(DevicePtr, u64, u64, usize)> = Vec::new();
+    let mut paused = [None::<bool>; 3]; // Some(offload) while paused
+    for step in 0..1000u64 {
+        let t = rng.below(4) as usize;
+        match rng.below(10) {
+            0..=4 => {
+                let size = match rng.below(4) {
+                    0 => 512 + rng.below(8192),
+                    1 => 64 << 10,
+                    2 => (1 + rng.below(3)) << 20,
+                    _ => (2 + rng.below(20)) << 20,
+                };
+                let result = if t < 3 {
+                    let _r = region(tags[t]).unwrap();
+                    alloc.allocate(0, size as usize, S)
+                } else {
+                    alloc.allocate(0, size as usize, S)
+                };
+                match (result, t < 3 && paused[t].is_some()) {
+                    (Ok(p), false) => {
+                        fill(p, size, step);
+                        live.push((p, size, step, t));
+                    }
+                    (Err(AllocError::Tag(_)), true) => {}
+                    (other, was_paused) => panic!("step {step}: allocation under {t} (paused {was_paused}) gave {other:?}"),
+                }
+            }
+            5..=6 if !live.is_empty() => {
+                let (p, ..) = live.swap_remove(rng.below(live.len() as u64) as usize);
+                alloc.free(0, p).unwrap(); // paused or not
+            }
+            7 if t < 3 => match paused[t] {
+                None => {
+                    let offload = rng.below(2) == 0;
+                    alloc.pause(tags[t], Some(0), offload).unwrap();
+                    paused[t] = Some(offload);
+                }
+                Some(_) => {
+                    alloc.resume(tags[t], Some(0)).unwrap();
+                    let offload = paused[t].take().unwrap();
+                    for &(p, size, pattern, owner) in &live {
+                        if owner == t {
+                            if offload {
+                                assert_eq!(check(p, size, pattern), Ok(()), "step {step}: {} block restored", tags[t]);
+                            } else {
+                                fill(p, size, pattern); // discarded: the test writes it again
+                            }
+                        }
+                    }
+                }
+            },
+            _ => {}
+        }
+        alloc.validate().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let s = alloc.stats(0).unwrap();
+        assert_eq!(backend.mem_info(0).unwrap().free, (2 << 30) - s.reserved_bytes.all.current, "step {step}");
+        for &(p, size, pattern, owner) in &live {
+            if owner == 3 || paused[owner].is_none() {
+                assert_eq!(check(p, size, pattern), Ok(()), "step {step}: a block not paused was touched");
+            }
+        }
+    }
+    for (t, state) in paused.iter().enumerate() {
+        if state.is_some() {
+            alloc.resume(tags[t], Some(0)).unwrap();
+        }
+    }
+    for (p, ..) in live {
+        alloc.free(0, p).unwrap();
+    }
+    alloc.validate().unwrap();
+}
