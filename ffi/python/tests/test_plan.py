@@ -174,6 +174,21 @@ class Plan(unittest.TestCase):
             one, two = rows(out)
             self.assertGreater(two["peak_live_bytes"], one["peak_live_bytes"])
 
+    def test_the_plot_draws_every_variant_by_category_and_its_smallest_devices(self):
+        import xml.etree.ElementTree as ElementTree
+
+        with tempfile.TemporaryDirectory() as tmp:
+            svg = os.path.join(tmp, "plan.svg")
+            status, out, err = plan(*LLAMA, "--sweep", "batch=1,2", "--steps", "1", "--plot", svg)
+            self.assertEqual(status, 0, err)
+            self.assertIn(f"plot written to {svg}", out)
+            root = ElementTree.parse(svg).getroot()
+        texts = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+        for word in ("batch=1", "batch=2", "weights", "gradients", "optimizer", "activations", "tidepool needs"):
+            self.assertIn(word, texts)
+        polygons = list(root.iter("{http://www.w3.org/2000/svg}polygon"))
+        self.assertEqual(len(polygons), 2 * 4, "four categories per variant")
+
     def test_a_workload_object_works(self):
         status, out, err = plan("module:plan_models:image_workload", "--seq", "32", "--batch", "4", "--json")
         self.assertEqual(status, 0, err)
