@@ -174,6 +174,27 @@ class Plan(unittest.TestCase):
             one, two = rows(out)
             self.assertGreater(two["peak_live_bytes"], one["peak_live_bytes"])
 
+    def test_a_snapshot_written_by_the_recorder_replays_to_the_same_peak(self):
+        sys.path.insert(0, HERE)
+        import plan_models
+        import torch
+
+        from tidepool.record import Recorder
+
+        with torch.device("meta"):
+            model = plan_models.tiny_lm()
+        with Recorder(None) as rec:
+            rec.track(model)
+            ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+            model(ids).float().logsumexp(-1).mean().backward()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "snap.pickle")
+            rec.write_snapshot(path)
+            done = subprocess.run([BINARY, "replay", path, "--policy", "pytorch", "--json"], capture_output=True,
+                                  text=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(json.loads(done.stdout.splitlines()[0])["peak_requested_bytes"], rec.peak()[0])
+
     def test_the_plot_draws_every_variant_by_category_and_its_smallest_devices(self):
         import xml.etree.ElementTree as ElementTree
 

@@ -139,6 +139,26 @@ class RecorderMechanisms(unittest.TestCase):
         self.assertEqual([e[4] for e in rec.events if e[1] == "allocate"],
                          ["aten.randn.default", "aten.randn.default", "aten.mm.default"])
 
+    def test_the_recording_as_a_memory_snapshot_names_each_operator_for_memory_viz(self):
+        import torch.cuda._memory_viz as viz
+
+        kept = []
+
+        def body(rec):
+            w = torch.randn(64, 64, device="meta", requires_grad=True)
+            rec.track(w)
+            (torch.randn(8, 64, device="meta") @ w).relu().sum().backward()
+            kept.append(w)
+        rec = self.record(body)
+        snap = rec.snapshot()
+        allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+        self.assertIn("aten.mm.default", [e["frames"][0]["name"] for e in allocs])
+        self.assertEqual(len(allocs), rec.allocs)
+        live_at_end = sum(b["requested_size"] for seg in snap["segments"] for b in seg["blocks"])
+        self.assertEqual(live_at_end, 2 * 64 * 64 * 4, "the weight and its gradient")
+        html = viz.trace_plot(snap)
+        self.assertIn("aten.mm.default", html)
+
     def test_a_recording_started_mid_run_begins_with_what_is_live(self):
         def body(rec):
             keep = torch.empty(50, device="meta")

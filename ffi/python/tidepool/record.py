@@ -38,6 +38,10 @@ What the recorder does so that the trace is what CUDA would allocate:
   tracked optimizer's states and the temporaries of its step count as
   optimizer, everything else unlabelled as activations and temporaries.
 
+`Recorder.write_snapshot(path)` writes the same recording as a PyTorch
+memory snapshot (each allocation's frame names its operator) for
+`tidepool replay` and pytorch.org/memory_viz.
+
 Recording can start after a warm-up: `Recorder(path, start=False)` tracks
 every tensor but writes nothing until `start()`, which writes the tensors
 then live as allocations (as a real snapshot's live set at its start).
@@ -355,6 +359,38 @@ class Recorder(TorchDispatchMode):
                     f"1,{secs // 3600:02}:{secs // 60 % 60:02}:{secs % 60:02}.{micros % 1_000_000:06},"
                     f"{action},{pointer:#x},{size},0,{operator}\n"
                 )
+
+    def snapshot(self):
+        """The recording as a PyTorch memory snapshot (the dict
+        `torch.cuda.memory._snapshot()` returns): each allocation's frame
+        names its operator; what is live at the end sits in segments of
+        its own. `tidepool replay` and pytorch.org/memory_viz read it."""
+        trace, live = [], {}
+        for micros, action, pointer, size, operator in self.events:
+            frames = [{"name": operator or "free", "filename": "tidepool.record", "line": 0}]
+            if action == "allocate":
+                live[pointer] = size
+                trace.append({"action": "alloc", "addr": pointer, "size": size, "stream": 0, "time_us": micros,
+                              "frames": frames})
+            else:
+                live.pop(pointer, None)
+                for kind in ("free_requested", "free_completed"):
+                    trace.append({"action": kind, "addr": pointer, "size": size, "stream": 0, "time_us": micros,
+                                  "frames": []})
+        segments = [{"device": 0, "address": pointer, "total_size": (size + 511) // 512 * 512, "stream": 0,
+                     "segment_type": "large" if size > (1 << 20) else "small", "allocated_size": size,
+                     "active_size": size, "requested_size": size,
+                     "blocks": [{"address": pointer, "size": (size + 511) // 512 * 512, "requested_size": size,
+                                 "state": "active_allocated"}]}
+                    for pointer, size in sorted(live.items())]
+        return {"segments": segments, "device_traces": [trace]}
+
+    def write_snapshot(self, path):
+        """Writes snapshot() as a pickle, as torch.cuda.memory._dump_snapshot does."""
+        import pickle
+
+        with open(path, "wb") as f:
+            pickle.dump(self.snapshot(), f)
 
     def peak(self):
         """(peak live bytes, index of the event that reached it)."""
