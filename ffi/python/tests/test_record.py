@@ -156,8 +156,12 @@ class RecorderMechanisms(unittest.TestCase):
         self.assertEqual(len(allocs), rec.allocs)
         live_at_end = sum(b["requested_size"] for seg in snap["segments"] for b in seg["blocks"])
         self.assertEqual(live_at_end, 2 * 64 * 64 * 4, "the weight and its gradient")
-        html = viz.trace_plot(snap)
-        self.assertIn("aten.mm.default", html)
+        html = viz.trace_plot(snap)  # the page embeds the snapshot, base64-encoded
+        import base64
+        import re
+
+        embedded = base64.b64decode(re.search(r'"base64": "([^"]+)"', html).group(1))
+        self.assertIn(b"aten.mm.default", embedded)
 
     def test_a_recording_started_mid_run_begins_with_what_is_live(self):
         def body(rec):
