@@ -105,6 +105,27 @@ fn a_trace_of_several_gpus_gets_each_cards_figures_not_their_sum() {
 }
 
 #[test]
+fn replay_json_puts_the_largest_card_on_top_and_every_card_in_devices() {
+    let Some(path) = shared("pytorch-snapshots/constructorsun_two_gpus.pickle") else {
+        return;
+    };
+    let (ok, stdout, stderr) = tidepool_cli(&["replay", path.to_str().unwrap(), "--json", "--policy", "pytorch,expandable"]);
+    assert!(ok, "{stderr}");
+    let objects: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(objects.len(), 2, "one object per policy: {stdout}");
+    for object in &objects {
+        let devices = object["devices"].as_array().unwrap();
+        assert_eq!(devices.iter().map(|d| d["device"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
+        let largest = devices.iter().max_by_key(|d| d["peak_reserved_bytes"].as_u64().unwrap()).unwrap();
+        for key in ["device", "peak_requested_bytes", "peak_reserved_bytes", "driver_calls", "pytorch_recorded_peak_reserved_bytes"] {
+            assert_eq!(object[key], largest[key], "{key}: the top level is the largest card's");
+        }
+        // Each card against what PyTorch recorded for it, not a sum.
+        assert!(devices.iter().all(|d| d["pytorch_recorded_peak_reserved_bytes"].as_u64().unwrap() < 90 << 30));
+    }
+}
+
+#[test]
 fn driver_calls_count_three_per_page_mapped_and_one_per_segment() {
     // One 64 MiB block on a fresh heap: one segment, or 32 pages in one run.
     let mut trace = Trace::new("one", trace::Format::RmmCsv);
@@ -248,7 +269,9 @@ fn tidepool_cli(args: &[&str]) -> (bool, String, String) {
 }
 
 fn write_small_csv() -> PathBuf {
-    let path = tmp("small_cli.csv");
+    // A file per call: the tests that use it run at once.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let path = tmp(&format!("small_cli_{}.csv", CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
     let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
     for i in 1..=50u64 {
         text += &format!("1,00:00:00.{i:06},allocate,{:#x},{},0\n", i << 20, i * 100_000);

@@ -235,12 +235,13 @@ fn run_replay(args: &[String]) -> Result<(), String> {
         if progress {
             eprint!("{:80}\r", "");
         }
-        for (part, reports) in parts.iter().zip(&by_device) {
-            if options.json {
-                for report in reports {
-                    out!("{}", report_json(report));
-                }
-            } else {
+        if options.json {
+            for policy in 0..options.policies.len() {
+                let reports: Vec<&ReplayReport> = by_device.iter().map(|reports| &reports[policy]).collect();
+                out!("{}", policy_json(&reports));
+            }
+        } else {
+            for (part, reports) in parts.iter().zip(&by_device) {
                 let device = (trace.devices > 1).then_some(reports[0].device);
                 print_report(part, reports, device);
             }
@@ -319,33 +320,38 @@ fn json_string(s: &str) -> String {
     out
 }
 
-fn report_json(r: &ReplayReport) -> String {
-    let recorded = r.pytorch_recorded_peak_reserved_bytes.map_or("null".to_string(), |v| v.to_string());
-    format!(
-        "{{\"file\":{},\"device\":{},\"policy\":\"{}\",\"capacity_bytes\":{},\"events\":{},\"allocs\":{},\"peak_requested_bytes\":{},\
-         \"peak_allocated_bytes\":{},\"peak_reserved_bytes\":{},\"reserved_over_requested\":{:.6},\"device_allocs\":{},\
-         \"device_frees\":{},\"driver_calls\":{},\"ooms\":{},\"peak_inactive_split_bytes\":{},\"fragmentation\":{:.6},\
-         \"events_per_second\":{:.0},\
-         \"pytorch_recorded_peak_reserved_bytes\":{}}}",
-        json_string(&r.file),
-        r.device,
-        r.policy.name(),
-        r.capacity,
-        r.events,
-        r.allocs,
-        r.peak_requested_bytes,
-        r.peak_allocated_bytes,
-        r.peak_reserved_bytes,
-        r.reserved_over_requested(),
-        r.device_allocs,
-        r.device_frees,
-        r.driver_calls,
-        r.ooms,
-        r.peak_inactive_split_bytes,
-        r.fragmentation(),
-        r.events_per_second(),
-        recorded
-    )
+/// One device's figures under one policy, as JSON.
+fn report_json(r: &ReplayReport) -> serde_json::Value {
+    serde_json::json!({
+        "device": r.device,
+        "capacity_bytes": r.capacity,
+        "events": r.events,
+        "allocs": r.allocs,
+        "peak_requested_bytes": r.peak_requested_bytes,
+        "peak_allocated_bytes": r.peak_allocated_bytes,
+        "peak_reserved_bytes": r.peak_reserved_bytes,
+        "reserved_over_requested": (r.reserved_over_requested() * 1e6).round() / 1e6,
+        "device_allocs": r.device_allocs,
+        "device_frees": r.device_frees,
+        "driver_calls": r.driver_calls,
+        "ooms": r.ooms,
+        "peak_inactive_split_bytes": r.peak_inactive_split_bytes,
+        "fragmentation": (r.fragmentation() * 1e6).round() / 1e6,
+        "events_per_second": r.events_per_second().round() as u64,
+        "pytorch_recorded_peak_reserved_bytes": r.pytorch_recorded_peak_reserved_bytes,
+    })
+}
+
+/// One trace under one policy, as one JSON line: the figures of the
+/// device with the largest peak reserved (what a card must hold) at the
+/// top, and every device's in `devices`.
+fn policy_json(reports: &[&ReplayReport]) -> String {
+    let largest = reports.iter().max_by_key(|r| (r.peak_reserved_bytes, std::cmp::Reverse(r.device))).expect("a device");
+    let mut object = serde_json::json!({"file": largest.file, "policy": largest.policy.name()});
+    let top = report_json(largest);
+    object.as_object_mut().expect("an object").extend(top.as_object().expect("an object").clone());
+    object["devices"] = reports.iter().map(|r| report_json(r)).collect();
+    object.to_string()
 }
 
 fn run_plan(args: &[String]) -> Result<(), String> {
