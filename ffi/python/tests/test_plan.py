@@ -259,6 +259,66 @@ class Plan(unittest.TestCase):
         self.assertEqual(len(rows(out)), 1)
 
 
+SNAPSHOTS = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "shared", "traces", "pytorch-snapshots"))
+
+
+def snapshot_peak(name):
+    """Peak of live requested bytes of a real snapshot: the live set at its
+    start rebuilt backwards from its final segments, then its events."""
+    import pickle
+
+    class PlainData(pickle.Unpickler):
+        def find_class(self, module, name):
+            raise pickle.UnpicklingError(f"{module}.{name} refused: plain data only")
+
+    with open(os.path.join(SNAPSHOTS, name), "rb") as f:
+        snap = PlainData(f).load()
+    events = snap["device_traces"][0]
+    live = {b["address"]: b["requested_size"] for seg in snap["segments"] for b in seg["blocks"]
+            if b["state"] != "inactive"}
+    for e in reversed(events):
+        if e["action"] == "alloc":
+            live.pop(e["addr"], None)
+        elif e["action"] == "free_completed":
+            live[e["addr"]] = e["size"]
+    current = peak = sum(live.values())
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            current += e["size"]
+            peak = max(peak, current)
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            current -= live.pop(e["addr"])
+    return peak
+
+
+@unittest.skipIf(SKIP, SKIP)
+@unittest.skipUnless(os.path.isdir(SNAPSHOTS), f"no real snapshots at {SNAPSHOTS}")
+class RealSnapshots(unittest.TestCase):
+    """The recorded peak against what PyTorch allocated on a GPU for the same
+    model and step (the configurations of ../shared/traces/pytorch-snapshots/
+    README.md, as module: factories in plan_models.py)."""
+
+    def recorded_peak(self, factory, **options):
+        from tidepool import step
+
+        if HERE not in sys.path:
+            sys.path.insert(0, HERE)
+        base = dict(task="train", batch=1, seq=None, precision="fp32", checkpointing=False, accumulation=1,
+                    optimizer="adamw", steps=1, lora_rank=0, new_tokens=0)
+        return step.record(f"module:plan_models:{factory}", {}, dict(base, **options), None).peak()[0]
+
+    def test_medium_inference_in_fp32(self):
+        real = snapshot_peak("wed_medium_128_inference.pickle")
+        ours = self.recorded_peak("wed_medium", task="forward", batch=4, seq=128)
+        self.assertAlmostEqual(ours / real, 1.0, delta=0.01, msg=f"recorded {ours}, PyTorch {real}")
+
+    def test_xl_full_step_with_bf16_autocast_and_foreach_adamw(self):
+        real = snapshot_peak("lin_xl_ctx512_fullstep_bf16.pickle")
+        ours = self.recorded_peak("kk_xl", batch=4, seq=512, precision="bf16-mixed", steps=2)
+        self.assertAlmostEqual(ours / real, 1.0, delta=0.01, msg=f"recorded {ours}, PyTorch {real}")
+
+
 @unittest.skipIf(SKIP, SKIP)
 class BadInput(unittest.TestCase):
     def fails(self, *args, status=2):
