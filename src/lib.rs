@@ -202,13 +202,19 @@ impl Allocator {
         if device >= self.devices || self.forked() {
             return Err(self.unusable(device));
         }
+        Ok(self.shard_heap(device, stream))
+    }
+
+    /// The heap serving `stream` on `device`, a device known to exist.
+    #[inline(always)]
+    fn shard_heap(&self, device: usize, stream: Stream) -> &Mutex<DeviceHeap> {
         let shard = if self.shards == 1 {
             0
         } else {
             let mixed = stream.0 ^ (stream.0 >> 7) ^ (stream.0 >> 17);
             (mixed % self.shards as u64) as usize
         };
-        Ok(&self.heaps[device * self.shards + shard])
+        &self.heaps[device * self.shards + shard]
     }
 
     /// Runs `f` on the heap of `device` holding the block `ptr`, locked
@@ -281,10 +287,12 @@ impl Allocator {
     /// [`DevicePtr::NULL`] and no error.
     #[inline(always)]
     pub fn allocate(&self, device: usize, size: usize, stream: Stream) -> Result<DevicePtr, AllocError> {
-        let heap = self.stream_heap(device, stream)?;
-        if tag::current() != TagId::DEFAULT {
-            return self.allocate_tagged(heap, device, size, stream, 0);
+        // One test for a bad device, a fork and a tagged thread: a thread
+        // with a tag biases the device out of range (`tag::device_bias`).
+        if device.wrapping_add(tag::device_bias()) >= self.devices || self.forked() {
+            return self.allocate_cold(device, size, stream, 0);
         }
+        let heap = self.shard_heap(device, stream);
         let result = heap.lock().allocate(size as u64, stream);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
@@ -296,10 +304,10 @@ impl Allocator {
     /// `alloc` event in the history: snapshots show the frames registered
     /// for it (`register_context`). Plain `allocate` does not pay for this.
     pub fn allocate_with_context(&self, device: usize, size: usize, stream: Stream, context: u64) -> Result<DevicePtr, AllocError> {
-        let heap = self.stream_heap(device, stream)?;
         if tag::current() != TagId::DEFAULT {
-            return self.allocate_tagged(heap, device, size, stream, context);
+            return self.allocate_cold(device, size, stream, context);
         }
+        let heap = self.stream_heap(device, stream)?;
         let result = heap.lock().allocate_with_context(size as u64, stream, context);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
@@ -322,7 +330,8 @@ impl Allocator {
     /// tag's own pools (`heap/tags.rs`).
     #[cold]
     #[inline(never)]
-    fn allocate_tagged(&self, heap: &Mutex<DeviceHeap>, device: usize, size: usize, stream: Stream, context: u64) -> Result<DevicePtr, AllocError> {
+    fn allocate_cold(&self, device: usize, size: usize, stream: Stream, context: u64) -> Result<DevicePtr, AllocError> {
+        let heap = self.stream_heap(device, stream)?;
         let result = heap.lock().allocate_tagged(size as u64, stream, tag::current(), context);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),

@@ -164,6 +164,7 @@ fn bad_calls_are_errors_that_change_nothing() {
         let err = alloc.allocate(0, 4096, S).unwrap_err();
         assert!(matches!(&err, AllocError::Tag(m) if m.contains("\"i13-bad\" is paused")), "{err}");
         assert_eq!(alloc.allocate(0, 0, S).unwrap(), DevicePtr::NULL, "0 bytes still need no memory");
+        assert!(matches!(alloc.allocate(3, 4096, S), Err(AllocError::InvalidDevice { .. })), "a bad device is still named");
     }
     assert_eq!(alloc.tag_stats("i13-bad", 0).unwrap(), paused);
     alloc.validate().unwrap();

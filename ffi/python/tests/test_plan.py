@@ -210,6 +210,25 @@ class Plan(unittest.TestCase):
         polygons = list(root.iter("{http://www.w3.org/2000/svg}polygon"))
         self.assertEqual(len(polygons), 2 * 4, "four categories per variant")
 
+    def test_masked_lm_seq2seq_and_vision_architectures_plan_too(self):
+        tiny = {
+            "hf:bert": ["hidden_size=64", "num_hidden_layers=2", "num_attention_heads=2", "intermediate_size=128"],
+            "hf:t5": ["d_model=64", "num_layers=2", "num_heads=2", "d_ff=128", "d_kv=32"],
+            "hf:bart": ["d_model=64", "encoder_layers=1", "decoder_layers=1", "encoder_attention_heads=2",
+                        "decoder_attention_heads=2", "encoder_ffn_dim=128", "decoder_ffn_dim=128"],
+            "hf:vit": ["hidden_size=64", "num_hidden_layers=2", "num_attention_heads=2", "intermediate_size=128",
+                       "image_size=32", "patch_size=8"],
+        }
+        for model, sets in tiny.items():
+            args = [model, "--json", "--steps", "1", "--seq", "32", "--sweep", "task=train,forward"]
+            for item in sets:
+                args += ["--set", item]
+            status, out, err = plan(*args)
+            self.assertEqual(status, 0, f"{model}: {out} {err}")
+            train, forward = rows(out)
+            self.assertGreater(train["breakdown"]["gradients_bytes"] + train["breakdown"]["optimizer_bytes"], 0)
+            self.assertLess(forward["peak_live_bytes"], train["peak_live_bytes"], model)
+
     def test_a_workload_object_works(self):
         status, out, err = plan("module:plan_models:image_workload", "--seq", "32", "--batch", "4", "--json")
         self.assertEqual(status, 0, err)

@@ -81,6 +81,8 @@ _MATMULS = {
 _IN_PLACE_FORM = {"scatter_add", "index_put", "index_add", "scatter", "index_copy", "masked_scatter", "index_fill"}
 _ZEROS = {"new_zeros", "zeros_like", "zeros"}
 _ITEM = torch.ops.aten._local_scalar_dense.default
+# Operators that read data and return a Python value.
+_DATA = {_ITEM, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 
 
 def cublas_workspace_bytes():
@@ -303,7 +305,9 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._collect()
         kwargs = kwargs or {}
-        if func is _ITEM and args[0].device.type == "meta":
+        if func in _DATA and args[0].device.type == "meta":
+            if func is not _ITEM:
+                return True  # is_nonzero, equal
             # Data the meta device does not have: code that branches on it
             # (`if mask.all():`) takes the branch of ordinary inputs.
             return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0

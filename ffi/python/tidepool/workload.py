@@ -189,11 +189,14 @@ def _task_kind(config, task):
         return "masked-lm"
     if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return "causal-lm"
+    if model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return "seq2seq-lm"
     if model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         return "image-classification"
     if model_type in auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
         return "sequence-classification"
-    raise PlanError(f"{model_type}: no causal LM, masked LM, image or sequence classification head in transformers")
+    raise PlanError(f"{model_type}: no causal LM, masked LM, sequence-to-sequence LM, image or sequence classification "
+                    "head in transformers")
 
 
 def build(spec, overrides, task):
@@ -205,9 +208,14 @@ def build(spec, overrides, task):
     config = hf_config(spec, overrides)
     transformers = _transformers()
     kind = _task_kind(config, task)
+    if kind == "seq2seq-lm" and getattr(config, "decoder_start_token_id", None) is None:
+        # Default configurations leave it to the generation config; training
+        # shifts the labels right by it (the pad token, by T5's convention).
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     auto = {
         "causal-lm": transformers.AutoModelForCausalLM,
         "masked-lm": transformers.AutoModelForMaskedLM,
+        "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
         "image-classification": transformers.AutoModelForImageClassification,
         "sequence-classification": transformers.AutoModelForSequenceClassification,
     }[kind]
