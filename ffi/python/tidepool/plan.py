@@ -367,8 +367,8 @@ def _report(args, results, cards, sweeps):
     widths = [max([len(head[i])] + [len(row[i]) for row in rows if len(row) == len(head)]) for i in range(len(head))]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     for row in rows:
-        if len(row) != len(head):
-            print("  ".join(c.rjust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+        if len(row) != len(head):  # a failed variant: its options, then what went wrong
+            print("  ".join(c.rjust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
         else:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     print("needs: the smallest device the step fits (PyTorch's caching allocator; tidepool with expandable "

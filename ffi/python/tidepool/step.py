@@ -108,7 +108,7 @@ class _NoMetaKernel(Recorder):
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except NotImplementedError as err:
-            raise MissingMetaKernel(f"{func} ({str(err).splitlines()[0] if str(err) else 'no meta kernel'})") from None
+            raise MissingMetaKernel(str(func)) from None
 
 
 def record(spec, overrides, options, path):
