@@ -229,6 +229,16 @@ class Plan(unittest.TestCase):
             self.assertGreater(train["breakdown"]["gradients_bytes"] + train["breakdown"]["optimizer_bytes"], 0)
             self.assertLess(forward["peak_live_bytes"], train["peak_live_bytes"], model)
 
+    def test_ddp_keeps_a_whole_replica_per_rank_and_adds_gradient_buckets(self):
+        status, out, err = plan(*LLAMA, "--json", "--batch", "2", "--sweep", "ddp=0,2")
+        self.assertEqual(status, 0, err)
+        alone, ddp = rows(out)
+        self.assertEqual(ddp["variant"]["ddp"], 2)
+        weights = alone["breakdown"]["weights_bytes"]
+        self.assertEqual(ddp["breakdown"]["weights_bytes"], weights, "every rank holds every weight")
+        self.assertGreaterEqual(ddp["breakdown"]["gradients_bytes"], weights - 256, "the buckets hold every gradient")
+        self.assertGreater(ddp["peak_live_bytes"], alone["peak_live_bytes"])
+
     def test_a_workload_object_works(self):
         status, out, err = plan("module:plan_models:image_workload", "--seq", "32", "--batch", "4", "--json")
         self.assertEqual(status, 0, err)
@@ -382,6 +392,7 @@ class BadInput(unittest.TestCase):
         self.assertIn("--lora-rank trains adapters", self.fails(*LLAMA, "--task", "forward", "--lora-rank", "4"))
         self.assertIn("needs a causal language model", self.fails("hf:vit", "--task", "generate"))
         self.assertIn("--new-tokens is for --task generate", self.fails(*LLAMA, "--new-tokens", "4"))
+        self.assertIn("--ddp replicates a training step", self.fails(*LLAMA, "--task", "forward", "--ddp", "2"))
         self.assertIn("no linear layers peft can wrap",
                       self.fails("module:plan_models:embedding_only", "--lora-rank", "4"))
 

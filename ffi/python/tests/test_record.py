@@ -230,6 +230,11 @@ class RecorderMechanisms(unittest.TestCase):
         self.assertEqual(seen, [(True, 1.0)])
         self.assertTrue(rec.events)
 
+    def test_a_copy_to_the_cpu_is_an_uninitialised_cpu_tensor(self):
+        seen = []
+        self.record(lambda rec: seen.append(torch.ones(3, 4, device="meta", dtype=torch.float16).cpu()))
+        self.assertEqual((seen[0].device.type, tuple(seen[0].shape), seen[0].dtype), ("cpu", (3, 4), torch.float16))
+
     def test_the_breakdown_at_the_peak_sums_to_the_peak(self):
         def body(rec):
             model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))

@@ -32,7 +32,8 @@ What the recorder does so that the trace is what CUDA would allocate:
   index_put) are run in place, as they run without one;
 - a Python value read from a meta tensor (`.item()`, `if t.all():`) is
   True, 1 or 1.0: the data is not there, and code that branches on it
-  takes the branch of ordinary inputs (no padding, no packed sequences);
+  takes the branch of ordinary inputs (no padding, no packed sequences),
+  and a copy to the CPU (`.cpu()`) is an uninitialised CPU tensor;
 - tensors can be labelled (weights, gradients, optimizer) so that the
   peak can be broken down by category (`Recorder.breakdown_at_peak`); a
   tracked optimizer's states and the temporaries of its step count as
@@ -81,6 +82,7 @@ _MATMULS = {
 _IN_PLACE_FORM = {"scatter_add", "index_put", "index_add", "scatter", "index_copy", "masked_scatter", "index_fill"}
 _ZEROS = {"new_zeros", "zeros_like", "zeros"}
 _ITEM = torch.ops.aten._local_scalar_dense.default
+_TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 # Operators that read data and return a Python value.
 _DATA = {_ITEM, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 
@@ -311,6 +313,12 @@ class Recorder(TorchDispatchMode):
             # Data the meta device does not have: code that branches on it
             # (`if mask.all():`) takes the branch of ordinary inputs.
             return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
+        if func is _TO_COPY and args[0].device.type == "meta" and str(kwargs.get("device", "meta")) == "cpu":
+            # Data never leaves the meta device: a copy to the CPU is an
+            # uninitialised CPU tensor of the same shape.
+            return torch.empty(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device="cpu")
+        if func is _COPY and args[0].device.type == "cpu" and args[1].device.type == "meta":
+            return args[0]
         name = func._overloadpacket.__name__
         if self.workspace_size and name in _MATMULS:
             self._workspace()

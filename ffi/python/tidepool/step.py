@@ -140,9 +140,15 @@ def record(spec, overrides, options, path):
     model.train(task == "train")
     seq = options["seq"] or work.default_seq
     batch = options["batch"]
+    if options.get("ddp") and task != "train":
+        raise wl.PlanError("--ddp replicates a training step over ranks: use it with --task train")
     rec = _NoMetaKernel(path)
     with rec:
         rec.track(model)
+        if options.get("ddp"):
+            from . import ddp
+
+            work.model = ddp.wrap(model, options["ddp"], rec)
         if task == "train":
             _train(rec, work, model, options, batch, seq, cuda_rules)
         elif task == "forward":

@@ -1,0 +1,48 @@
+"""Data parallelism for `tidepool.plan --ddp N`: the model wrapped in
+PyTorch's DistributedDataParallel over N ranks of PyTorch's fake process
+group, recorded for one rank in this process. What a rank holds is a
+whole replica (weights, gradients, optimizer state) plus DDP's gradient
+buckets, the flat tensors gradients are copied into and all-reduced in;
+the fake group's collectives move no data, so the all-reduce is done in
+place on the bucket (as NCCL's is), divided by N as DDP's default hook
+does."""
+import torch
+import torch.distributed as dist
+
+
+def _fake_group(world_size):
+    """Rank 0 of a fake process group of world_size ranks (made anew when the size changes)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        if dist.get_world_size() == world_size and dist.get_backend() == "fake":
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def wrap(model, world_size, rec):
+    """The model as DistributedDataParallel sees it on rank 0; its buckets
+    are labelled as gradients in the recording."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    _fake_group(world_size)
+    # The check that every rank has the same parameters compares data the
+    # meta device does not have; one process is every rank here.
+    check = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    finally:
+        ddp_module._verify_param_shape_across_processes = check
+
+    def allreduce_in_place(_state, bucket):
+        buffer = bucket.buffer()
+        rec.label(buffer, "gradients")
+        buffer.div_(world_size)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    wrapped.register_comm_hook(None, allreduce_in_place)
+    return wrapped
