@@ -387,18 +387,7 @@ fn a_pool_that_grows_past_the_peak_takes_the_free_pages_of_another_pools_holes()
 #[test]
 fn growing_past_the_high_water_mark_takes_the_pages_of_the_pools_own_older_holes_first() {
     let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
-    // [A 4][B 12][C 4]: B's pages go back, its address space stays free.
-    let _a = alloc(&a, 4 * MIB);
-    let b = alloc(&a, 12 * MIB);
-    let _c = alloc(&a, 4 * MIB);
-    a.free(0, b).unwrap();
-    a.empty_cache();
-    // [A][B unmapped][C][D 16][E 14]: the high-water mark is 38 MiB; D's
-    // pages stay cached when it is freed.
-    let d = alloc(&a, 16 * MIB);
-    let _e = alloc(&a, 14 * MIB);
-    a.free(0, d).unwrap();
-    a.stats(0).unwrap(); // merges the stash: D is a hole in its bin
+    let b = a_hole_with_pages_and_a_hole_without(&a);
     assert_eq!(reserved(&a), 38 * MIB);
     // 12 MiB: best fit is B, whose 6 pages must be mapped; D's 8 idle
     // pages go back first instead of the heap growing to 50 MiB.
@@ -408,6 +397,53 @@ fn growing_past_the_high_water_mark_takes_the_pages_of_the_pools_own_older_holes
     assert_eq!(stats.reserved_bytes.all.peak, 38 * MIB, "the peak did not rise");
     assert_eq!(stats.reserved_bytes.all.current, 34 * MIB, "D's 8 pages went back, B's 6 came");
     assert_eq!(stats.events.num_pages_unmapped, 6 + 8);
+    a.validate().unwrap();
+}
+
+/// [A 4][B 12 unmapped][C 4][D 16 mapped, free][E 14]: the high-water mark
+/// is 38 MiB, and a 12 MiB request lands on B.
+fn a_hole_with_pages_and_a_hole_without(a: &Allocator) -> DevicePtr {
+    let _a = alloc(a, 4 * MIB);
+    let b = alloc(a, 12 * MIB);
+    let _c = alloc(a, 4 * MIB);
+    a.free(0, b).unwrap();
+    a.empty_cache();
+    let d = alloc(a, 16 * MIB);
+    let _e = alloc(a, 14 * MIB);
+    a.free(0, d).unwrap();
+    a.stats(0).unwrap(); // merges the stash: D is a hole in its bin
+    b
+}
+
+#[test]
+fn a_hole_s_memory_moves_to_the_new_pages_with_one_map_and_one_unmap_per_page() {
+    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let b = a_hole_with_pages_and_a_hole_without(&a);
+    let free_before = backend.mem_info(0).unwrap().free;
+    let again = alloc(&a, 12 * MIB);
+    assert_eq!(again, b);
+    // B's 6 pages take the memory of 6 of D's 8; the other 2 go back.
+    let (calls, bytes) = backend.vm_moves();
+    assert_eq!((calls, bytes), (1, 12 * MIB), "one move of 6 pages");
+    assert_eq!(backend.mem_info(0).unwrap().free, free_before + 4 * MIB);
+    fill(again, 12 * MIB, 7);
+    assert_eq!(check(again, 12 * MIB, 7), Ok(()), "the moved pages are usable");
+    assert_eq!(reserved(&a), 34 * MIB);
+    a.validate().unwrap();
+}
+
+#[test]
+fn when_the_backend_cannot_move_the_hole_gives_its_pages_back_and_new_ones_are_mapped() {
+    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let b = a_hole_with_pages_and_a_hole_without(&a);
+    backend.faults().set_kind(FaultKind::DriverError);
+    backend.faults().fail_nth_allocate(1); // the move
+    let again = alloc(&a, 12 * MIB);
+    assert_eq!(again, b);
+    assert_eq!(backend.vm_moves(), (1, 0), "the move was tried and failed");
+    fill(again, 12 * MIB, 3);
+    assert_eq!(reserved(&a), 34 * MIB, "the same memory as with the move");
+    assert_eq!(backend.mem_info(0).unwrap().free, (1 << 30) - 34 * MIB, "nothing leaked in the driver");
     a.validate().unwrap();
 }
 

@@ -404,6 +404,59 @@ impl Backend for CudaBackend {
         result
     }
 
+    fn vm_move(&self, device: usize, from: u64, to: u64, len: u64) -> Result<(), BackendError> {
+        self.enter(device, "cuMemMap")?;
+        let d = &self.devices[device];
+        let page = d.vm_page;
+        let prop = page_properties(d.ordinal);
+        let _relaxed = RelaxedCapture::new(self);
+        // Each page's memory is mapped at `to` as well, then unmapped from
+        // `from`: a failure before the last step leaves `from` as it was.
+        let mut mapped = Vec::new();
+        let mut result = Ok(());
+        for offset in (0..len).step_by(page as usize) {
+            let Some(handle) = d.vm_handles.lock().get(&(from + offset)).copied() else {
+                result = Err(BackendError::Driver {
+                    call: "cuMemMap",
+                    code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i64,
+                    message: format!("no page mapped at {:#x}", from + offset),
+                });
+                break;
+            };
+            // SAFETY: `to + offset` is an unmapped page of a range reserved by
+            // vm_reserve; `handle` is a live page of this device's memory.
+            result = check(unsafe { sys::cuMemMap(to + offset, page as usize, 0, handle, 0) }, "cuMemMap");
+            if result.is_err() {
+                break;
+            }
+            mapped.push(to + offset);
+        }
+        if result.is_ok() {
+            let access = sys::CUmemAccessDesc { location: prop.location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+            // SAFETY: [to, to + len) is mapped just above; one access descriptor.
+            result = check(unsafe { sys::cuMemSetAccess(to, len as usize, &access, 1) }, "cuMemSetAccess");
+        }
+        if let Err(err) = result {
+            for at in mapped {
+                // SAFETY: `at` was mapped above by this call; its handle stays
+                // mapped at its old page, so nothing is released.
+                unsafe { sys::cuMemUnmap(at, page as usize) };
+            }
+            return Err(err);
+        }
+        let mut handles = d.vm_handles.lock();
+        for offset in (0..len).step_by(page as usize) {
+            // SAFETY: `from + offset` is a page this backend mapped, which the
+            // engine moves only once no work uses it; its memory stays
+            // mapped at `to + offset`, so the handle is not released.
+            unsafe { sys::cuMemUnmap(from + offset, page as usize) };
+            if let Some(handle) = handles.remove(&(from + offset)) {
+                handles.insert(to + offset, handle);
+            }
+        }
+        Ok(())
+    }
+
     fn vm_unmap(&self, device: usize, addr: u64, len: u64) -> Result<(), BackendError> {
         self.enter(device, "cuMemUnmap")?;
         let page = self.devices[device].vm_page;

@@ -162,6 +162,8 @@ pub struct HostBackend {
     release_calls: AtomicU64,
     vm_map_calls: AtomicU64,
     vm_unmap_calls: AtomicU64,
+    vm_move_calls: AtomicU64,
+    vm_moved_bytes: AtomicU64,
 }
 
 /// The host's stand-in for the driver's mapping granularity.
@@ -178,6 +180,8 @@ impl HostBackend {
             release_calls: AtomicU64::new(0),
             vm_map_calls: AtomicU64::new(0),
             vm_unmap_calls: AtomicU64::new(0),
+            vm_move_calls: AtomicU64::new(0),
+            vm_moved_bytes: AtomicU64::new(0),
         }
     }
 
@@ -204,6 +208,11 @@ impl HostBackend {
     /// `vm_map` and `vm_unmap` calls so far.
     pub fn vm_calls(&self) -> (u64, u64) {
         (self.vm_map_calls.load(Ordering::Relaxed), self.vm_unmap_calls.load(Ordering::Relaxed))
+    }
+
+    /// `vm_move` calls so far, and the bytes they moved.
+    pub fn vm_moves(&self) -> (u64, u64) {
+        (self.vm_move_calls.load(Ordering::Relaxed), self.vm_moved_bytes.load(Ordering::Relaxed))
     }
 
     fn device(&self, device: usize, call: &'static str) -> Result<&HostDevice, BackendError> {
@@ -380,6 +389,33 @@ impl Backend for HostBackend {
             return Err(os_error(CALL));
         }
         self.unclaim(device, len, true);
+        Ok(())
+    }
+
+    fn vm_move(&self, device: usize, from: u64, to: u64, len: u64) -> Result<(), BackendError> {
+        const CALL: &str = "mmap(MAP_FIXED)";
+        self.vm_move_calls.fetch_add(1, Ordering::Relaxed);
+        self.faults.delay();
+        self.device(device, CALL)?;
+        if Faults::countdown_hits(&self.faults.allocate_countdown) || self.faults.allocate_always.load(Ordering::SeqCst) {
+            return Err(self.faults.injected(CALL));
+        }
+        // The device's count does not change: the memory only moves.
+        // SAFETY: [to, to + len) lies in a range this backend reserved and
+        // holds no mapping (the engine's page map says so); MAP_FIXED
+        // replaces the inaccessible placeholder there and nothing else.
+        if unsafe { map_anonymous(Some(to), len as usize, libc::PROT_READ | libc::PROT_WRITE) }.is_none() {
+            return Err(BackendError::OutOfMemory);
+        }
+        // SAFETY: [from, from + len) holds pages mapped by this backend that
+        // no block uses; a placeholder replaces them and the range stays
+        // reserved.
+        if unsafe { map_anonymous(Some(from), len as usize, libc::PROT_NONE) }.is_none() {
+            // SAFETY: `to` was mapped just above and nothing uses it yet.
+            let _ = unsafe { map_anonymous(Some(to), len as usize, libc::PROT_NONE) };
+            return Err(os_error(CALL));
+        }
+        self.vm_moved_bytes.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }
 

@@ -118,6 +118,18 @@ pub trait Backend: Send + Sync {
         Err(vm_unsupported("vm_unmap"))
     }
 
+    /// Moves the physical memory of the mapped pages `[from, from + len)`
+    /// (whose last use on the device has completed) to the unmapped pages
+    /// `[to, to + len)` of a reserved range: afterwards `from` is unmapped
+    /// and `to` mapped, readable and writable by the device; contents are
+    /// not kept. The memory stays allocated throughout, so a move needs no
+    /// free memory. On failure nothing has changed. By default, `vm_unmap`
+    /// then `vm_map`.
+    fn vm_move(&self, device: usize, from: u64, to: u64, len: u64) -> Result<(), BackendError> {
+        self.vm_unmap(device, from, len)?;
+        self.vm_map(device, to, len)
+    }
+
     /// Copies `src` from the host to `dst` on `device`, in the order of
     /// `stream` (after the work queued on it), and returns once the copy is
     /// done. `[dst, dst + src.len())` lies inside a live block (the caller,

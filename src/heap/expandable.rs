@@ -38,30 +38,6 @@ pub(super) struct Vm {
     pub range: u64,
 }
 
-/// How many times its high-water mark a heap moves over its life. Decoding
-/// (caches grown by `torch.cat`, every one replaced as it grows) needs
-/// about one for its first call to `generate` and a little more; GPT-2
-/// small decoding reserved 1.049x its peak of live bytes with one and
-/// 1.008x with two, after which it moved nothing more.
-const MOVES_PER_HIGH_WATER: u64 = 2;
-
-/// What `recycle_before_growth` knows over the heap's life.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Recycling {
-    /// The most bytes the heap has held reserved (as of its last growth;
-    /// `reset_peak_stats` does not lower it).
-    pub high_water: u64,
-    /// Bytes given back so that the heap would not grow past `high_water`.
-    /// Moving starts only while this is below `MOVES_PER_HIGH_WATER` times
-    /// `high_water`: a workload whose layout drifts from step to step pays
-    /// a bounded number of driver calls, once, and then holds its memory
-    /// as it is.
-    pub moved: u64,
-    /// Frees so far (counted in heaps with expandable segments): the clock
-    /// that orders free blocks by age, the same in a live run and a replay.
-    pub frees: u64,
-}
-
 /// The most address space one range reserves (a request larger than this
 /// gets a range of its own size).
 const MAX_RANGE: u64 = 1 << 40;
@@ -149,29 +125,41 @@ impl DeviceHeap {
             return Ok(());
         }
         let page = pages.page_size();
-        self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum());
+        let mut donors = self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum());
+        // Each run's pages come from the donors first (their memory moves
+        // here), then from the device. `mapped`: the runs done so far.
+        let mut mapped: Vec<(u64, u64)> = Vec::new();
         let mut failed = None;
-        for (done, &(p, n)) in runs.iter().enumerate() {
-            let bytes = n * page;
-            let mapped = self.claim_reserved(bytes).and_then(|()| {
-                let result = self.backend.vm_map(self.device, base + p * page, bytes);
-                if result.is_err() {
-                    self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
+        'runs: for &(p, n) in &runs {
+            let mut at = p;
+            while at < p + n {
+                if let Some(k) = self.move_donor_pages(&mut donors, base + at * page, p + n - at) {
+                    mapped.push((at, k));
+                    at += k;
+                    continue;
                 }
-                result
-            });
-            if let Err(err) = mapped {
-                failed = Some((done, err));
-                break;
+                let bytes = (p + n - at) * page;
+                let result = self.claim_reserved(bytes).and_then(|()| {
+                    let result = self.backend.vm_map(self.device, base + at * page, bytes);
+                    if result.is_err() {
+                        self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
+                    }
+                    result
+                });
+                if let Err(err) = result {
+                    failed = Some(err);
+                    break 'runs;
+                }
+                mapped.push((at, p + n - at));
+                at = p + n;
             }
         }
-        let mut keep = runs.as_slice();
-        if let Some((done, err)) = failed {
+        self.unmap_donors(donors);
+        if let Some(err) = failed {
             // Undo the runs mapped so far; one the backend will not unmap
             // stays mapped (and counted), inside what is still a free block.
-            keep = &runs[..done];
             let mut stuck = Vec::new();
-            for &(p, n) in keep {
+            for (p, n) in mapped {
                 if self.backend.vm_unmap(self.device, base + p * page, n * page).is_ok() {
                     self.device_reserved.fetch_sub(n * page, Ordering::SeqCst);
                 } else {
@@ -181,7 +169,7 @@ impl DeviceHeap {
             self.commit_mapped(segment_id, kind, &stuck);
             return Err(err);
         }
-        self.commit_mapped(segment_id, kind, keep);
+        self.commit_mapped(segment_id, kind, &mapped);
         Ok(())
     }
 
@@ -236,7 +224,7 @@ impl DeviceHeap {
     /// that `select` picks and that have mapped pages lying entirely inside
     /// them, each with those pages' bytes (what unmapping it would give back).
     /// None while private pools keep their memory, in theirs.
-    fn free_blocks_with_pages(&self, segment: &Segment, select: impl Fn(&Block) -> bool, out: &mut Vec<(BlockId, u64)>) {
+    pub(super) fn free_blocks_with_pages(&self, segment: &Segment, select: impl Fn(&Block) -> bool, out: &mut Vec<(BlockId, u64)>) {
         let Some(pages) = segment.pages.as_ref() else { return };
         if self.keeps_memory(segment.pool) {
             return;
@@ -269,56 +257,6 @@ impl DeviceHeap {
         holes
     }
 
-    /// Before the heap takes `bytes` more from the device past its
-    /// high-water mark, memory it caches and does not use goes back first,
-    /// so that it moves to where it is needed instead of the peak rising:
-    /// the free pages inside holes of every pool's ranges (the block about
-    /// to be mapped is not binned, so it is never among them) and the small
-    /// pools' segments that are one whole free block, longest free first.
-    /// Below the high-water mark nothing moves, and over the heap's life it
-    /// moves at most twice its high-water mark (`Recycling`).
-    pub(super) fn recycle_before_growth(&mut self, bytes: u64) {
-        if self.vm.is_none() || !self.may_release() {
-            return;
-        }
-        let reserved = &self.stats.reserved_bytes;
-        let recycling = &mut self.recycling;
-        recycling.high_water = recycling.high_water.max(reserved.peak_total());
-        let past_peak = (reserved.total() + bytes).saturating_sub(recycling.high_water);
-        let mut want = past_peak.min((MOVES_PER_HIGH_WATER * recycling.high_water).saturating_sub(recycling.moved));
-        if want == 0 {
-            return;
-        }
-        self.flush_stashes(); // a stashed block is a hole too
-        // (freed at, the hole's block, or the whole segment's id)
-        let mut candidates: Vec<(u64, Result<BlockId, u32>)> = Vec::new();
-        let mut holes = Vec::new();
-        for (id, segment) in self.segments.iter().enumerate() {
-            let Some(segment) = segment.as_ref() else { continue };
-            if segment.pages.is_some() {
-                self.free_blocks_with_pages(segment, |_| true, &mut holes);
-                continue;
-            }
-            let b = &self.blocks[segment.first_block];
-            if b.state == BlockState::Binned && b.next == NIL && !self.keeps_memory(segment.pool) {
-                candidates.push((b.freed_at, Err(id as u32)));
-            }
-        }
-        candidates.extend(holes.iter().map(|&(id, _)| (self.blocks[id].freed_at, Ok(id))));
-        candidates.sort_by_key(|&(freed_at, _)| freed_at);
-        for (_, candidate) in candidates {
-            let got = match candidate {
-                Ok(hole) => self.release_hole(hole),
-                Err(segment) => self.release_whole_segment(segment).bytes,
-            };
-            self.recycling.moved += got;
-            want = want.saturating_sub(got);
-            if want == 0 {
-                break;
-            }
-        }
-    }
-
     /// Unmaps the free pages inside the free block `id` of an expandable
     /// segment once its stream's queued work has run. Returns the bytes.
     pub(super) fn release_hole(&mut self, id: BlockId) -> u64 {
@@ -333,31 +271,53 @@ impl DeviceHeap {
     /// Unmaps the mapped pages lying entirely inside the binned free block
     /// `id` (whose stream has no work left on them). Returns the bytes unmapped.
     fn unmap_inside(&mut self, id: BlockId) -> u64 {
+        self.mapped_runs_inside(id).into_iter().map(|(segment, p, n)| self.unmap_run(segment, p, n)).sum()
+    }
+
+    /// The runs of mapped pages lying entirely inside the free block `id`
+    /// of an expandable segment, as (segment, first page, pages). Only
+    /// pages inside the block: its edge pages (its inactive-split bytes)
+    /// are shared with its neighbours.
+    pub(super) fn mapped_runs_inside(&self, id: BlockId) -> Vec<(u32, u64, u64)> {
         let b = &self.blocks[id];
-        let (addr, size, segment_id, kind) = (b.addr, b.size, b.segment as usize, b.kind);
-        let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
+        let Some((base, pages)) = self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
+            return Vec::new();
+        };
+        let (first, count) = pages.inside(b.addr - base, b.addr - base + b.size);
+        pages.runs(first, count, true).into_iter().map(|(p, n)| (b.segment, p, n)).collect()
+    }
+
+    /// Unmaps the `n` mapped pages from page `p` of the expandable segment
+    /// `segment_id` (no work left on them) and frees their memory. Returns
+    /// the bytes unmapped: none when the backend refuses (they stay mapped
+    /// and counted).
+    pub(super) fn unmap_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
+        let Some((base, page)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size()))) else {
             return 0;
         };
-        let page = pages.page_size();
-        let (first, count) = pages.inside(addr - base, addr - base + size);
-        let mut bytes = 0;
-        for (p, n) in pages.runs(first, count, true) {
-            if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
-                continue;
-            }
-            let segment = self.segments[segment_id].as_mut().expect("checked above");
-            let stream = self.pools[segment.pool as usize].stream;
-            segment.pages.as_mut().expect("checked above").set_unmapped(p, n);
-            self.note(HistoryAction::SegmentUnmap, base + p * page, n * page, stream);
-            bytes += n * page;
-            self.stats.events.num_pages_unmapped += n;
-            self.stats.events.num_device_free += 1;
+        if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
+            return 0;
         }
-        // Only pages inside the block go: its inactive-split bytes (its edge
-        // pages) stay as they were.
-        self.stats.reserved_bytes.decrease(kind, bytes);
-        self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
-        bytes
+        self.forget_mapped_run(segment_id, p, n);
+        self.device_reserved.fetch_sub(n * page, Ordering::SeqCst);
+        n * page
+    }
+
+    /// Marks the `n` pages from page `p` of the expandable segment
+    /// `segment_id` unmapped (their memory now elsewhere, or given back)
+    /// and counts them; the device's count of reserved bytes is the
+    /// caller's.
+    pub(super) fn forget_mapped_run(&mut self, segment_id: u32, p: u64, n: u64) {
+        let segment = self.segments[segment_id as usize].as_mut().expect("an expandable segment");
+        let (base, pool) = (segment.base, segment.pool);
+        let pages = segment.pages.as_mut().expect("an expandable segment");
+        let page = pages.page_size();
+        pages.set_unmapped(p, n);
+        let (stream, kind) = (self.pools[pool as usize].stream, self.pools[pool as usize].kind);
+        self.note(HistoryAction::SegmentUnmap, base + p * page, n * page, stream);
+        self.stats.reserved_bytes.decrease(kind, n * page);
+        self.stats.events.num_pages_unmapped += n;
+        self.stats.events.num_device_free += 1;
     }
 
     /// Gives back the expandable range `segment_id` if it is one free block

@@ -51,6 +51,7 @@ pub mod history;
 pub mod pages;
 pub mod pool;
 pub mod private;
+mod recycle;
 mod release;
 mod streams;
 pub mod tags;
@@ -222,7 +223,7 @@ pub struct DeviceHeap {
     allocating_context: u64,
     /// The pools of tags other than "default", and paused tags (`tags.rs`).
     tags: tags::TagPools,
-    recycling: expandable::Recycling,
+    recycling: recycle::Recycling,
 }
 
 impl DeviceHeap {
@@ -259,7 +260,7 @@ impl DeviceHeap {
             with_contexts: false,
             allocating_context: 0,
             tags: tags::TagPools::default(),
-            recycling: expandable::Recycling::default(),
+            recycling: recycle::Recycling::default(),
         }
     }
 
@@ -476,7 +477,8 @@ impl DeviceHeap {
             }
             None => {
                 let size = self.growth_need(pool, rounded).ok_or(BackendError::OutOfMemory)?;
-                self.recycle_before_growth(size);
+                let donors = self.recycle_before_growth(size);
+                self.unmap_donors(donors); // a segment is new memory: nothing moves into it
                 (self.new_segment(size, stream)?, size, None)
             }
         };

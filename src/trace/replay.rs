@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use super::{Event, Trace};
 use crate::backend::host::HostBackend;
+use crate::backend::Backend;
 use crate::{AllocError, Allocator, Config, ConfigError, DevicePtr, Stream};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,7 +92,9 @@ pub struct ReplayReport {
     /// (`cuMemAlloc`, `cuMemFree`), and with expandable segments two per
     /// page mapped (`cuMemCreate`, `cuMemMap`) plus one per run
     /// (`cuMemSetAccess`) and two per page unmapped (`cuMemUnmap`,
-    /// `cuMemRelease`). Failed attempts count.
+    /// `cuMemRelease`); a page whose memory moves to another page costs
+    /// two (`cuMemMap`, `cuMemUnmap`), plus one per run moved
+    /// (`cuMemSetAccess`). Failed attempts count.
     pub driver_calls: u64,
     /// Allocations that failed for lack of memory (0: the trace fits).
     pub ooms: u64,
@@ -260,6 +263,10 @@ pub fn replay_with_progress(
     }
     let (map_calls, _) = backend.vm_calls();
     report.driver_calls += backend.allocate_calls() + backend.release_calls() + map_calls;
+    // A moved page counts as mapped and as unmapped: four calls above, two made.
+    let (move_calls, moved_bytes) = backend.vm_moves();
+    let moved_pages = moved_bytes / backend.vm_page_size(0).unwrap_or(u64::MAX);
+    report.driver_calls = report.driver_calls + move_calls - 2 * moved_pages;
     alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
     Ok(report)
 }

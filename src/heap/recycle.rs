@@ -1,0 +1,145 @@
+//! Moving cached memory to where it is needed before the heap grows (heaps
+//! with expandable segments): when a heap is about to take memory from the
+//! device past its high-water mark, the memory it caches and does not use
+//! goes first, longest free first: the free pages inside holes of every
+//! pool's ranges, and the small pools' segments that are one whole free
+//! block. Pages of holes become donors: the physical memory under them is
+//! moved (`Backend::vm_move`: one unmap and one map per page, where giving
+//! it back and taking new memory would be four driver calls) to the pages
+//! the growth needs; donors left over are unmapped.
+//!
+//! Invariants:
+//! - below the high-water mark nothing moves, so a loop that has met its
+//!   largest step makes no driver call here;
+//! - over a heap's life, moving starts only while `Recycling::moved` is
+//!   below `MOVES_PER_HIGH_WATER` times the high-water mark: a workload
+//!   whose layout drifts from step to step pays a bounded number of driver
+//!   calls, once, and then holds its memory as it is.
+#![forbid(unsafe_code)]
+
+use super::block::{BlockId, BlockState, NIL};
+use super::DeviceHeap;
+
+/// How many times its high-water mark a heap moves over its life. Decoding
+/// (caches grown by `torch.cat`, every one replaced as it grows) needs
+/// about one for its first call to `generate` and a little more; GPT-2
+/// small decoding reserved 1.049x its peak of live bytes with one and
+/// 1.008x with two, after which it moved nothing more.
+const MOVES_PER_HIGH_WATER: u64 = 2;
+
+/// What the heap knows of its moves over its life.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Recycling {
+    /// The most bytes the heap has held reserved (as of its last growth;
+    /// `reset_peak_stats` does not lower it).
+    pub high_water: u64,
+    /// Bytes taken from cached memory so that the heap would not grow past
+    /// `high_water`.
+    pub moved: u64,
+    /// Frees so far (counted in heaps with expandable segments): the clock
+    /// that orders free blocks by age, the same in a live run and a replay.
+    pub frees: u64,
+}
+
+/// Mapped pages of a hole whose stream has no work left on them, about to
+/// move or be unmapped: `pages` pages from page `first` of the expandable
+/// segment `segment`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Donor {
+    segment: u32,
+    first: u64,
+    pages: u64,
+}
+
+impl DeviceHeap {
+    /// Before the heap takes `bytes` more from the device: when that would
+    /// take it past its high-water mark, releases whole free small segments
+    /// and returns the mapped pages of holes (as donors, ready to move) until
+    /// enough is found, longest free first, within the heap's budget of
+    /// moves. The block about to be mapped is not binned, so it is never
+    /// among the holes. The caller moves or unmaps every donor.
+    pub(super) fn recycle_before_growth(&mut self, bytes: u64) -> Vec<Donor> {
+        let mut donors = Vec::new();
+        if self.vm.is_none() || !self.may_release() {
+            return donors;
+        }
+        let reserved = &self.stats.reserved_bytes;
+        let recycling = &mut self.recycling;
+        recycling.high_water = recycling.high_water.max(reserved.peak_total());
+        let past_peak = (reserved.total() + bytes).saturating_sub(recycling.high_water);
+        let mut want = past_peak.min((MOVES_PER_HIGH_WATER * recycling.high_water).saturating_sub(recycling.moved));
+        if want == 0 {
+            return donors;
+        }
+        self.flush_stashes(); // a stashed block is a hole too
+        // (freed at, the hole's block, or the whole segment's id)
+        let mut candidates: Vec<(u64, Result<BlockId, u32>)> = Vec::new();
+        let mut holes = Vec::new();
+        for (id, segment) in self.segments.iter().enumerate() {
+            let Some(segment) = segment.as_ref() else { continue };
+            if segment.pages.is_some() {
+                self.free_blocks_with_pages(segment, |_| true, &mut holes);
+                continue;
+            }
+            let b = &self.blocks[segment.first_block];
+            if b.state == BlockState::Binned && b.next == NIL && !self.keeps_memory(segment.pool) {
+                candidates.push((b.freed_at, Err(id as u32)));
+            }
+        }
+        candidates.extend(holes.iter().map(|&(id, _)| (self.blocks[id].freed_at, Ok(id))));
+        candidates.sort_by_key(|&(freed_at, _)| freed_at);
+        for (_, candidate) in candidates {
+            let got = match candidate {
+                Ok(hole) => {
+                    let stream = self.pools[self.blocks[hole].pool as usize].stream;
+                    if self.backend.synchronize_stream(self.device, stream).is_err() {
+                        self.stats.events.num_stream_sync_errors += 1;
+                        continue;
+                    }
+                    let runs = self.mapped_runs_inside(hole);
+                    let page = self.vm.map_or(0, |vm| vm.page);
+                    donors.extend(runs.iter().map(|&(segment, first, pages)| Donor { segment, first, pages }));
+                    runs.iter().map(|&(_, _, n)| n * page).sum()
+                }
+                Err(segment) => self.release_whole_segment(segment).bytes,
+            };
+            self.recycling.moved += got;
+            want = want.saturating_sub(got);
+            if want == 0 {
+                break;
+            }
+        }
+        donors
+    }
+
+    /// Moves the memory of up to `max_pages` donor pages to the unmapped
+    /// pages at `to` (one run of a reserved range). Returns the pages moved,
+    /// or None when there is no donor left or the backend cannot move
+    /// (every donor is unmapped then, so that the caller maps new memory
+    /// in their place).
+    pub(super) fn move_donor_pages(&mut self, donors: &mut Vec<Donor>, to: u64, max_pages: u64) -> Option<u64> {
+        let donor = donors.last_mut()?;
+        let k = donor.pages.min(max_pages);
+        let (base, page) = self.segments[donor.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))?;
+        if self.backend.vm_move(self.device, base + donor.first * page, to, k * page).is_err() {
+            self.unmap_donors(std::mem::take(donors));
+            return None;
+        }
+        // The memory stays on the device: only where it is mapped changed.
+        let (segment, first) = (donor.segment, donor.first);
+        donor.first += k;
+        donor.pages -= k;
+        if donor.pages == 0 {
+            donors.pop();
+        }
+        self.forget_mapped_run(segment, first, k);
+        Some(k)
+    }
+
+    /// Unmaps donors that no growth needed, giving their memory back.
+    pub(super) fn unmap_donors(&mut self, donors: Vec<Donor>) {
+        for donor in donors {
+            self.unmap_run(donor.segment, donor.first, donor.pages);
+        }
+    }
+}
