@@ -47,6 +47,22 @@ class Record(unittest.TestCase):
         for tokens in (128, 129, 130):  # the prompt, then one more token per step
             self.assertGreaterEqual(sizes.count(2 * tokens * 1024 * 4), 24, f"12 layers' caches of {tokens} tokens")
 
+    def test_hf_generate_grows_caches_one_token_at_a_time_and_frees_them_after_each_call(self):
+        allocs, rows = self.rows("hf-generate", steps=1, batch=2)
+        sizes = [int(r["Size"]) for r in rows if r["Action"] == "allocate"]
+        per_token = 2 * 12 * 64 * 4  # batch x heads x head size x fp32: one token of one layer's keys
+        for tokens in (97, 98, 135):  # the 96-token prompt, then one more token per step
+            self.assertGreaterEqual(sizes.count(tokens * per_token), 24, f"12 layers' keys and values of {tokens} tokens")
+        live = {}
+        for r in rows:
+            if r["Action"] == "allocate":
+                live[r["Pointer"]] = r["Operator"]
+            else:
+                live.pop(r["Pointer"])
+        # After the call only what existed before it is live (the weights) and
+        # the cuBLAS workspace: the caches, ids and masks are all freed.
+        self.assertEqual(sum(op != "pre-existing" for op in live.values()), 1, live)
+
     def test_inference_frees_every_activation(self):
         allocs, rows = self.rows("mlp", steps=2, batch=8, inference=True)
         frees = sum(r["Action"] == "free" for r in rows)
