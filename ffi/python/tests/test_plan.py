@@ -239,6 +239,26 @@ class Plan(unittest.TestCase):
         self.assertGreaterEqual(ddp["breakdown"]["gradients_bytes"], weights - 256, "the buckets hold every gradient")
         self.assertGreater(ddp["peak_live_bytes"], alone["peak_live_bytes"])
 
+    def test_fsdp_over_n_ranks_divides_weights_gradients_and_optimizer_state_by_about_n(self):
+        from tidepool import step
+
+        sets = {k: int(v) for k, v in (item.split("=") for item in LLAMA[2:13:2])}
+        base = dict(task="train", batch=2, seq=256, precision="fp32", checkpointing=False, accumulation=1,
+                    optimizer="adamw", steps=2, lora_rank=0, new_tokens=0, ddp=0)
+        most = {}
+        for n in (0, 4):
+            rec = step.record("hf:llama", sets, dict(base, fsdp=n), None)
+            series = [parts for _, parts in rec.timeline(points=10_000)]
+            most[n] = {c: max(p[c] for p in series) for c in ("weights", "gradients", "optimizer")}
+        for category in ("weights", "gradients", "optimizer"):
+            ratio = most[0][category] / most[4][category]
+            self.assertAlmostEqual(ratio, 4, delta=0.4, msg=f"{category}: {most[0][category]} over {most[4][category]}")
+        status, out, err = plan(*LLAMA, "--json", "--batch", "2", "--sweep", "fsdp=0,4")
+        self.assertEqual(status, 0, err)
+        alone, sharded = rows(out)
+        self.assertEqual(sharded["variant"]["fsdp"], 4)
+        self.assertLess(sharded["breakdown"]["weights_bytes"], alone["breakdown"]["weights_bytes"] / 3.5)
+
     def test_a_workload_object_works(self):
         status, out, err = plan("module:plan_models:image_workload", "--seq", "32", "--batch", "4", "--json")
         self.assertEqual(status, 0, err)
@@ -393,6 +413,7 @@ class BadInput(unittest.TestCase):
         self.assertIn("needs a causal language model", self.fails("hf:vit", "--task", "generate"))
         self.assertIn("--new-tokens is for --task generate", self.fails(*LLAMA, "--new-tokens", "4"))
         self.assertIn("--ddp replicates a training step", self.fails(*LLAMA, "--task", "forward", "--ddp", "2"))
+        self.assertIn("--ddp and --fsdp: choose one", self.fails(*LLAMA, "--ddp", "2", "--fsdp", "2"))
         self.assertIn("no linear layers peft can wrap",
                       self.fails("module:plan_models:embedding_only", "--lora-rank", "4"))
 

@@ -154,6 +154,12 @@ class Recorder(TorchDispatchMode):
     # -- storages ----------------------------------------------------------
     def _storages(self, tensor):
         """The device storages a tensor holds (a sparse one: its parts)."""
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+            # A wrapper subclass (DTensor, say) holds no storage of its own:
+            # its inner tensors do (a DTensor's shard on this rank).
+            names, _ = tensor.__tensor_flatten__()
+            inner = [getattr(tensor, name, None) for name in names]
+            return tuple(part for t in inner if isinstance(t, torch.Tensor) for part in self._storages(t))
         if tensor.device.type not in self.devices:
             return ()
         layout = tensor.layout

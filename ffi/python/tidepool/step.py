@@ -142,8 +142,16 @@ def record(spec, overrides, options, path):
     batch = options["batch"]
     if options.get("ddp") and task != "train":
         raise wl.PlanError("--ddp replicates a training step over ranks: use it with --task train")
+    if options.get("ddp") and options.get("fsdp"):
+        raise wl.PlanError("--ddp and --fsdp: choose one")
     rec = _NoMetaKernel(path)
-    with rec:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(rec)
+        if options.get("fsdp"):
+            from . import fsdp
+
+            stack.enter_context(fsdp.sharding(options["fsdp"]))
+            fsdp.shard(model, options["fsdp"], work.layers)
         rec.track(model)
         if options.get("ddp"):
             from . import ddp

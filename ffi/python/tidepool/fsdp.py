@@ -1,0 +1,112 @@
+"""Sharded data parallelism for `tidepool.plan --fsdp N`: FSDP2's
+`fully_shard` on every repeated block and on the root, over N ranks of
+PyTorch's fake process group, recorded for rank 0 in this process. A rank
+holds 1/N of the weights, gradients and optimizer state, and a block's
+whole weights while it runs (the all-gathered copy, freed after the
+block's forward and backward); the fake group's collectives move no data.
+
+FSDP wants a GPU where the meta device has none: its check that no
+parameter is still on meta is lifted while recording, and its mesh on
+"meta" gets a device handle whose streams and events do nothing (the
+recording is in program order, as one stream would run it)."""
+import contextlib
+import types
+
+import torch
+import torch.distributed as dist
+
+
+class _Stream:
+    stream_id, device_index, device_type = 0, 0, 0
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return _Event()
+
+    def synchronize(self):
+        pass
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_STREAM = _Stream()
+_HANDLE = types.SimpleNamespace(
+    current_device=lambda: 0, device_count=lambda: 1, set_device=lambda device: None, is_available=lambda: True,
+    Stream=_Stream, Event=_Event, current_stream=lambda device=None: _STREAM,
+    default_stream=lambda device=None: _STREAM, stream=lambda stream: contextlib.nullcontext(),
+    synchronize=lambda device=None: None)
+
+
+def _fake_group(world_size):
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        if dist.get_world_size() == world_size and dist.get_backend() == "fake":
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def blocks(model, layers=None):
+    """The repeated blocks to shard: the given ones, else the largest nn.ModuleList."""
+    if layers is not None:
+        return list(layers)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+@contextlib.contextmanager
+def sharding(world_size):
+    """While recording a model sharded over world_size fake ranks."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    _fake_group(world_size)
+    check = group_module.FSDPParamGroup._validate_no_meta_params
+    group_module.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    had = getattr(torch, "meta", None)
+    torch.meta = _HANDLE  # FSDP looks the device handle up as torch.<device type>, at shard and first run
+    try:
+        yield
+    finally:
+        group_module.FSDPParamGroup._validate_no_meta_params = check
+        if had is None:
+            del torch.meta
+        else:
+            torch.meta = had
+
+
+def shard(model, world_size, layers=None):
+    """fully_shard on each block, then on the root (inside sharding())."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("meta", (world_size,))
+    for block in blocks(model, layers):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
