@@ -122,12 +122,17 @@ pub trait Backend: Send + Sync {
     /// (whose last use on the device has completed) to the unmapped pages
     /// `[to, to + len)` of a reserved range: afterwards `from` is unmapped
     /// and `to` mapped, readable and writable by the device; contents are
-    /// not kept. The memory stays allocated throughout, so a move needs no
-    /// free memory. On failure nothing has changed. By default, `vm_unmap`
-    /// then `vm_map`.
+    /// not kept. On failure nothing has changed. The backends here move the
+    /// memory itself, so a move needs no free memory; by default, `vm_map`
+    /// of new memory then `vm_unmap`, which needs `len` bytes free for a
+    /// moment.
     fn vm_move(&self, device: usize, from: u64, to: u64, len: u64) -> Result<(), BackendError> {
-        self.vm_unmap(device, from, len)?;
-        self.vm_map(device, to, len)
+        self.vm_map(device, to, len)?;
+        if let Err(err) = self.vm_unmap(device, from, len) {
+            let _ = self.vm_unmap(device, to, len);
+            return Err(err);
+        }
+        Ok(())
     }
 
     /// Copies `src` from the host to `dst` on `device`, in the order of
