@@ -579,8 +579,8 @@ impl Allocator {
     ///
     /// Errors change nothing: an unknown tag, "default", a tag already
     /// paused on one of the devices, an open private pool (a CUDA graph
-    /// capture may be underway), host memory that cannot be had for the
-    /// offload. Allocating under a paused tag is an error until `resume`;
+    /// capture may be underway) or a stream of the tag being captured,
+    /// host memory that cannot be had for the offload. Allocating under a paused tag is an error until `resume`;
     /// freeing a paused block is allowed.
     pub fn pause(&self, tag: &str, device: Option<usize>, offload: bool) -> Result<u64, AllocError> {
         let id = Self::known_tag(tag)?;

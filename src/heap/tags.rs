@@ -25,9 +25,9 @@
 //! tag; freeing a paused block is allowed (nothing is mapped, and saved
 //! pages no live block touches any more are dropped at the next look at
 //! the tag or the statistics, or at resume); pausing a paused tag, an
-//! unknown one, or while a private pool is open (a CUDA graph capture may
-//! be underway), and resuming one that is not paused, are errors that
-//! change nothing; an offload that cannot get host memory fails whole,
+//! unknown one, while a private pool is open (a CUDA graph capture may be
+//! underway) or while a stream that used the tag is being captured, and
+//! resuming one that is not paused, are errors that change nothing; an offload that cannot get host memory fails whole,
 //! with nothing released. A paused tag's ranges stay reserved: the release
 //! policies leave them alone (`keeps_memory`).
 //!
