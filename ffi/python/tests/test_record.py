@@ -246,6 +246,19 @@ class RecorderMechanisms(unittest.TestCase):
         self.assertEqual(seen, [(True, 1.0)])
         self.assertTrue(rec.events)
 
+    def test_a_storage_resized_in_place_is_a_free_and_an_allocation(self):
+        kept = []
+
+        def body(rec):
+            t = torch.empty(100, device="meta")
+            t.untyped_storage().resize_(0)  # as FSDP frees an all-gathered weight, the tensor kept
+            rec.mark("freed")
+            t.untyped_storage().resize_(400)
+            kept.append(t)
+        rec = self.record(body)
+        self.assertEqual([(e[1], e[3]) for e in rec.events], [("allocate", 400), ("free", 400), ("allocate", 400)])
+        self.assertEqual(rec.marks[0][1], 2)
+
     def test_a_copy_to_the_cpu_is_an_uninitialised_cpu_tensor(self):
         seen = []
         self.record(lambda rec: seen.append(torch.ones(3, 4, device="meta", dtype=torch.float16).cpu()))

@@ -3,7 +3,9 @@
 PyTorch's fake process group, recorded for rank 0 in this process. A rank
 holds 1/N of the weights, gradients and optimizer state, and a block's
 whole weights while it runs (the all-gathered copy, freed after the
-block's forward and backward); the fake group's collectives move no data.
+block's forward and backward, counted as weights) and, in its backward,
+its whole gradients until they are reduce-scattered (counted as
+gradients); the fake group's collectives move no data.
 
 FSDP wants a GPU where the meta device has none: its check that no
 parameter is still on meta is lifted while recording, and its mesh on
@@ -81,19 +83,35 @@ def blocks(model, layers=None):
 
 
 @contextlib.contextmanager
-def sharding(world_size):
-    """While recording a model sharded over world_size fake ranks."""
+def sharding(world_size, rec):
+    """While recording a model sharded over world_size fake ranks: what
+    FSDP all-gathers counts as weights, what it reduce-scatters from as
+    gradients."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 
     _fake_group(world_size)
-    check = group_module.FSDPParamGroup._validate_no_meta_params
-    group_module.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    group = group_module.FSDPParamGroup
+    check = group._validate_no_meta_params
+    group._validate_no_meta_params = lambda self: None
+    methods = {name: getattr(group, name) for name in ("unshard", "wait_for_unshard", "post_backward")}
+
+    def labelled(method, category):
+        def run(*args, **kwargs):
+            with rec.labelling(category):
+                return method(*args, **kwargs)
+        return run
+
+    group.unshard = labelled(methods["unshard"], "weights")
+    group.wait_for_unshard = labelled(methods["wait_for_unshard"], "weights")
+    group.post_backward = labelled(methods["post_backward"], "gradients")
     had = getattr(torch, "meta", None)
     torch.meta = _HANDLE  # FSDP looks the device handle up as torch.<device type>, at shard and first run
     try:
         yield
     finally:
-        group_module.FSDPParamGroup._validate_no_meta_params = check
+        group._validate_no_meta_params = check
+        for name, method in methods.items():
+            setattr(group, name, method)
         if had is None:
             del torch.meta
         else:

@@ -23,6 +23,8 @@ What the recorder does so that the trace is what CUDA would allocate:
 - only tensors on the recorded devices count (`devices`, meta and cuda by
   default): CPU tensors such as the optimizer's step counters are not
   device memory;
+- a storage resized in place (`untyped_storage().resize_()`, as FSDP
+  frees and refills its all-gathered weights) is a free and an allocation;
 - a cuBLAS workspace is allocated for each thread that runs a matmul (the
   calling thread, and autograd's device thread for backward), as PyTorch's
   cuBLAS handle pool does on CUDA;
@@ -284,6 +286,17 @@ class Recorder(TorchDispatchMode):
             raise ValueError(f"category must be one of {', '.join(CATEGORIES)}, not {category!r}")
         self._track(tensor, "pre-existing", category)
 
+    @contextlib.contextmanager
+    def labelling(self, category):
+        """Counts what is allocated inside the block as `category`."""
+        if category not in CATEGORIES:
+            raise ValueError(f"category must be one of {', '.join(CATEGORIES)}, not {category!r}")
+        outer, self._phase = self._phase, category
+        try:
+            yield
+        finally:
+            self._phase = outer
+
     def start(self):
         """Starts writing: every storage live now is written as allocated."""
         self._collect()
@@ -354,7 +367,46 @@ class Recorder(TorchDispatchMode):
             original = optimizer_module._get_foreach_kernels_supported_devices
             optimizer_module._get_foreach_kernels_supported_devices = cuda_like
             self._patches.callback(setattr, optimizer_module, "_get_foreach_kernels_supported_devices", original)
+        # A storage resized in place (FSDP frees and refills its all-gather
+        # buffers this way) is a free and an allocation: the call reaches no
+        # operator, so the recorder hears it from the method itself.
+        resize = torch.UntypedStorage.resize_
+        recorder = self
+
+        def resize_(storage, size):
+            result = resize(storage, size)
+            recorder._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        self._patches.callback(setattr, torch.UntypedStorage, "resize_", resize)
         return super().__enter__()
+
+    def _resized(self, storage):
+        if storage.device.type not in self.devices:
+            return
+        key = storage._cdata
+        entry = self.live.get(key)
+        size = storage.nbytes()
+        if entry is not None and entry.size == size:
+            return
+        category = None
+        if entry is not None:
+            category = self.labels.get(entry.pointer)
+            self.live.pop(key)
+            self._event("free", entry.pointer, entry.size, "")
+        if size == 0:
+            self.suspects.discard(key)
+            return
+        fresh = _Live(self._new_pointer(size), size, StorageWeakRef(storage))
+        fresh.objects = entry.objects if entry is not None else 0
+        self.live[key] = fresh
+        self._event("allocate", fresh.pointer, size, "resize_")
+        category = category or self._phase
+        if category is not None:
+            self.labels[fresh.pointer] = category
+        if fresh.objects <= 0:
+            self.suspects.add(key)  # no tensor object of ours holds it: look at it each time
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)

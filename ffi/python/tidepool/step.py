@@ -150,7 +150,7 @@ def record(spec, overrides, options, path):
         if options.get("fsdp"):
             from . import fsdp
 
-            stack.enter_context(fsdp.sharding(options["fsdp"]))
+            stack.enter_context(fsdp.sharding(options["fsdp"], rec))
             fsdp.shard(model, options["fsdp"], work.layers)
         rec.track(model)
         if options.get("ddp"):
@@ -189,6 +189,7 @@ def _train(rec, work, model, options, batch, seq, autocast):
                     loss = loss * 65536.0
             loss.backward()
             del loss, inputs
+        rec.mark(f"step {k + 1}: optimizer")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         rec.mark(f"step {k + 1}")
