@@ -14,7 +14,6 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::{check, fill, host_allocator, MIB};
-use tidepool::backend::Backend;
 use tidepool::tag::region;
 use tidepool::{AllocError, Allocator, Config, DevicePtr, Stream};
 
@@ -158,11 +157,17 @@ impl Simgpu {
                 p
             };
             Simgpu {
-                stream_create: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamCreate")),
-                enqueue_sleep: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_sleep")),
-                enqueue_fill: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_fill")),
-                host_allocs: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_host_allocs")),
-                set_capturing: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_set_capturing")),
+                stream_create: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*mut u64, u32) -> i32>(sym(c"cuStreamCreate")),
+                enqueue_sleep: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64, i64) -> i32>(sym(
+                    c"simgpu_enqueue_sleep",
+                )),
+                enqueue_fill: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64, u64, usize, u8, u64) -> i32>(sym(
+                    c"simgpu_enqueue_fill",
+                )),
+                host_allocs: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*mut i64) -> i64>(sym(c"simgpu_host_allocs")),
+                set_capturing: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64, i32) -> i32>(sym(
+                    c"simgpu_set_capturing",
+                )),
             }
         }
     }
@@ -260,7 +265,7 @@ fn top_shows_the_memory_a_paused_tag_gave_back() {
     assert!(top(&["--once", "--json"]).contains("\"paused_bytes\":0"));
     alloc.pause("i13-top", None, false).unwrap();
     let json = top(&["--once", "--json"]);
-    assert!(json.contains(&format!("\"reserved_bytes\":0,")) && json.contains(&format!("\"paused_bytes\":{}", 8 * MIB)), "{json}");
+    assert!(json.contains("\"reserved_bytes\":0,") && json.contains(&format!("\"paused_bytes\":{}", 8 * MIB)), "{json}");
     let table = top(&["--once"]);
     assert!(table.lines().next().is_some() && table.contains("paused") && table.trim_end().ends_with("8.00 MiB"), "{table}");
     alloc.resume("i13-top", None).unwrap();

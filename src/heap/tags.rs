@@ -251,7 +251,11 @@ impl DeviceHeap {
 
     /// The ranges of the tag's pools, in address order.
     fn tag_segments(&self, pools: &[u32]) -> Vec<u32> {
-        self.segment_by_base.values().copied().filter(|&id| self.segments[id as usize].as_ref().is_some_and(|s| pools.contains(&s.pool))).collect()
+        self.segment_by_base
+            .values()
+            .copied()
+            .filter(|&id| self.segments[id as usize].as_ref().is_some_and(|s| pools.contains(&s.pool)))
+            .collect()
     }
 
     /// The runs of mapped pages touched by the active blocks of range
@@ -331,7 +335,10 @@ impl DeviceHeap {
         streams.sort();
         streams.dedup();
         if let Some(s) = streams.iter().find(|&&s| self.backend.stream_capturing(self.device, s)) {
-            return Err(tag_error(tag.0, &format!("cannot be paused while stream {:#x}, which used it, is being captured into a CUDA graph", s.0)));
+            return Err(tag_error(
+                tag.0,
+                &format!("cannot be paused while stream {:#x}, which used it, is being captured into a CUDA graph", s.0),
+            ));
         }
         for stream in streams {
             self.backend.synchronize_stream(self.device, stream).map_err(AllocError::Backend)?;
@@ -415,13 +422,8 @@ impl DeviceHeap {
             let mut kept = Vec::with_capacity(old.len());
             for run in old {
                 let (first, end) = (run.first_page, run.first_page + run.pages);
-                let parts: Vec<(u64, u64)> = needed
-                    .get(&run.base)
-                    .into_iter()
-                    .flatten()
-                    .map(|&(s, e)| (s.max(first), e.min(end)))
-                    .filter(|&(s, e)| s < e)
-                    .collect();
+                let parts: Vec<(u64, u64)> =
+                    needed.get(&run.base).into_iter().flatten().map(|&(s, e)| (s.max(first), e.min(end))).filter(|&(s, e)| s < e).collect();
                 if parts.is_empty() {
                     continue;
                 }
@@ -719,7 +721,8 @@ impl DeviceHeap {
         for (&tag, state) in &self.tags.tags {
             let Some(paused) = &state.paused else { continue };
             for run in &paused.runs {
-                let pages = self.segment_pages(run.base).ok_or_else(|| format!("tag {tag}: a saved run names no range at {:#x}", run.base))?;
+                let pages =
+                    self.segment_pages(run.base).ok_or_else(|| format!("tag {tag}: a saved run names no range at {:#x}", run.base))?;
                 let owner = self.segment_by_base[&run.base];
                 let pool = self.segments[owner as usize].as_ref().expect("indexed").pool;
                 if self.pools[pool as usize].tag != tag {
@@ -745,7 +748,8 @@ impl DeviceHeap {
                     if b.is_active() {
                         let (first, count) = pages.touched(b.addr - segment.base, b.addr - segment.base + b.size);
                         for p in first..first + count {
-                            let saved = paused.runs.iter().any(|r| r.base == segment.base && (r.first_page..r.first_page + r.pages).contains(&p));
+                            let saved =
+                                paused.runs.iter().any(|r| r.base == segment.base && (r.first_page..r.first_page + r.pages).contains(&p));
                             if !pages.is_mapped(p) && !saved {
                                 return Err(format!("tag {tag}: page {p} of the live block at {:#x} is neither mapped nor saved", b.addr));
                             }
