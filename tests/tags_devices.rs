@@ -274,3 +274,34 @@ fn top_shows_the_memory_a_paused_tag_gave_back() {
     drop(alloc);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The child side: `cuda_async` maps no pages, so a tagged allocation is a
+/// clear error (and nothing is allocated), while untagged ones go on.
+#[test]
+fn child_tags_need_virtual_memory() {
+    if std::env::var_os("TIDEPOOL_TEST_TAGS_CHILD").is_none() {
+        return;
+    }
+    let alloc = allocator("backend:cuda_async,release_after_ms:off,headroom_mb:0");
+    let err = {
+        let _r = region("i13-async").unwrap();
+        alloc.allocate(0, 4096, S).unwrap_err()
+    };
+    assert!(matches!(&err, AllocError::InvalidArgument(m) if m.contains("virtual memory")), "{err}");
+    assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.current, 0);
+    let p = alloc.allocate(0, 4096, S).unwrap();
+    alloc.free(0, p).unwrap();
+    println!("child: tags refused on cuda_async");
+}
+
+#[test]
+fn tags_on_the_cuda_async_backend_are_a_clear_error() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_tags_need_virtual_memory", "--test-threads=1", "--nocapture"])
+        .env("TIDEPOOL_TEST_TAGS_CHILD", "1")
+        .env("LD_LIBRARY_PATH", common::simgpu_dir())
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("child: tags refused on cuda_async"), "{text}");
+}
