@@ -204,7 +204,10 @@ fn child_pause_waits_for_the_streams_work() {
         assert_eq!((sim.enqueue_sleep)(stream, 200_000), 0);
         assert_eq!((sim.enqueue_fill)(stream, p.0, size, 0x77, 0), 0);
     }
+    let reserved = alloc.tag_stats("i13-stream", 0).unwrap().reserved_bytes;
+    let free_before = alloc.backend().mem_info(0).unwrap().free;
     alloc.pause("i13-stream", Some(0), true).unwrap();
+    assert_eq!(alloc.backend().mem_info(0).unwrap().free, free_before + reserved, "cuMemGetInfo sees the tag's memory free");
     let mut live = 0i64;
     // SAFETY: simgpu writes one count into a local.
     let calls = unsafe { (sim.host_allocs)(&mut live) };
