@@ -190,7 +190,7 @@ class RecorderMechanisms(unittest.TestCase):
         rec = self.record(body, start=False)
         self.assertEqual([(e[1], e[3], e[4]) for e in rec.events],
                          [("allocate", 200, "pre-existing"), ("allocate", 20, "aten.empty.memory_format"),
-                          ("free", 20, ""), ("free", 200, "")])
+                          ("free", 200, ""), ("free", 20, "")])  # freed together: in allocation order
 
     def test_one_cublas_workspace_per_thread_that_runs_a_matmul(self):
         from tidepool.record import Recorder

@@ -231,12 +231,13 @@ class Recorder(TorchDispatchMode):
         """Frees the storages whose last reference died since the last look."""
         if self.suspects:
             live = self.live
-            dead = [key for key in self.suspects if key not in live or live[key].ref.expired()]
-            for key in dead:
-                if key in live:
-                    self._free(key)
-                else:
-                    self.suspects.discard(key)
+            gone = [key for key in self.suspects if key not in live]
+            self.suspects.difference_update(gone)
+            # In the order they were allocated, so that a trace does not
+            # depend on where Python put the storages.
+            dead = sorted((live[key].pointer, key) for key in self.suspects if live[key].ref.expired())
+            for _, key in dead:
+                self._free(key)
 
     # -- what users call ---------------------------------------------------
     def track(self, *things, category=None):
