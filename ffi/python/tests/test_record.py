@@ -114,7 +114,8 @@ class RecorderMechanisms(unittest.TestCase):
             torch.empty(300, device="meta")
         rec = self.record(body)
         actions = [(e[1], e[3]) for e in rec.events]
-        self.assertEqual(actions, [("allocate", 400), ("allocate", 28), ("free", 28), ("free", 400),
+        # The view kept the 400 bytes past the 28-byte temporary; both die before the next allocation.
+        self.assertEqual(actions, [("allocate", 400), ("allocate", 28), ("free", 400), ("free", 28),
                                    ("allocate", 1200), ("free", 1200)])
 
     def test_tensors_autograd_saves_are_freed_when_the_graph_goes(self):
