@@ -134,6 +134,14 @@ class Tags(unittest.TestCase):
         free(ptr, 4 * MIB)
 
 
+try:
+    import numpy  # noqa: F401  (the RL example computes with it)
+    HAVE_NUMPY = True
+except ImportError:
+    HAVE_NUMPY = False
+
+
+@unittest.skipUnless(HAVE_NUMPY, "numpy not installed")
 class Example(unittest.TestCase):
     def test_the_rl_loop_example_runs_and_its_losses_match_a_run_without_pausing(self):
         example = os.path.join(os.path.dirname(__file__), "..", "examples", "rl_loop.py")
