@@ -86,7 +86,7 @@ fn the_wheel_is_a_platform_wheel_holding_its_libraries() {
     assert!(!name.contains("-none-any"), "a platform wheel, not a pure one: {name}");
     let listing = run(Command::new(python()).args(["-m", "zipfile", "-l"]).arg(wheel()));
     let listing = text(&listing);
-    for part in ["tidepool/libtidepool.", "tidepool/libtidepool_torch.", "tidepool/_stacks."] {
+    for part in ["tidepool/libtidepool.", "tidepool/libtidepool_torch.", "tidepool/_stacks.", ".data/scripts/tidepool"] {
         assert!(listing.contains(part), "{part} missing from the wheel:\n{listing}");
     }
 }
@@ -114,6 +114,13 @@ assert ptr
 assert tidepool.memory_allocated() >= 3 << 20, tidepool.memory_allocated()
 assert tidepool.memory_stats()["allocation.all.current"] == 1
 _native.lib().tidepool_free(ptr, 3 << 20, 0, None)
+# The tidepool command came with the wheel, and the planner finds it
+# without an activated environment.
+import subprocess, sys, os
+from tidepool.plan import find_tidepool
+command = find_tidepool()
+assert command.startswith(os.path.dirname(sys.executable)), command
+assert subprocess.run([command, "--version"], capture_output=True, text=True).stdout.startswith("tidepool ")
 print("fresh venv ok", tidepool.memory_stats()["allocated_bytes.all.peak"])
 "#;
     let output = run(Command::new(&venv_python)

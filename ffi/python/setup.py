@@ -1,12 +1,14 @@
 """Builds the tidepool Python package from a checkout of the tidepool crate.
 
-Three shared libraries go into the package beside its Python modules:
+Three shared libraries go into the package beside its Python modules, and
+the `tidepool` command into the environment's bin directory:
 - libtidepool.so, the allocator, built by cargo from ../../Cargo.toml
   (setuptools-rust, as a plain cdylib: Python loads it with ctypes);
 - libtidepool_torch.so, the C++ entry points PyTorch calls, which turn an
   out-of-memory into a C++ exception PyTorch raises in Python;
 - _stacks, a small extension module that captures Python frames for
-  record_memory_history(stacks="python").
+  record_memory_history(stacks="python");
+- the tidepool command (replay, plan, top, exporter), a cargo binary.
 """
 import os
 import pathlib
@@ -39,7 +41,7 @@ def require_cargo():
 
 
 def rust_extensions():
-    from setuptools_rust import Binding, RustExtension
+    from setuptools_rust import Binding, RustBin, RustExtension
 
     return [
         RustExtension(
@@ -47,7 +49,10 @@ def rust_extensions():
             path=str(CRATE),
             binding=Binding.NoBinding,
             args=["--locked"],
-        )
+        ),
+        # The tidepool command (replay, plan, top, exporter), installed into
+        # the environment's bin directory: `python -m tidepool.plan` runs it.
+        RustBin("tidepool", path=str(CRATE), args=["--locked"]),
     ]
 
 

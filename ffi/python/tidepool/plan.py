@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 
@@ -193,7 +194,10 @@ def variants(base, overrides, sweeps):
 
 def find_tidepool(explicit=None):
     """The tidepool command that replays and plans traces."""
-    candidates = [explicit, os.environ.get("TIDEPOOL_BIN"), shutil.which("tidepool")]
+    # The wheel installs it into the environment's bin directory, which is
+    # on PATH only in an activated environment.
+    installed = os.path.join(sysconfig.get_path("scripts"), "tidepool")
+    candidates = [explicit, os.environ.get("TIDEPOOL_BIN"), shutil.which("tidepool"), installed]
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.normpath(os.path.join(here, "..", "..", ".."))
     candidates += [os.path.join(root, "target", kind, "tidepool") for kind in ("release", "debug")]
