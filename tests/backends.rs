@@ -776,3 +776,67 @@ fn the_real_gpu_variant_of_the_suite_runs_over_simgpu() {
     let env = [("TIDEPOOL_TEST_DEVICE_MEMORY", "1"), ("TIDEPOOL_TEST_BACKEND", "cuda")];
     child_prints("child_cuda_conformance", "4G", &env, "cuda conformance: ok");
 }
+
+/// The child side: holds 600 MiB of the device (TIDEPOOL_TEST_CONF may
+/// make it expandable), says so, and waits to be killed.
+#[test]
+fn child_holds_device_memory() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("");
+    let _held = alloc.allocate(0, 600 << 20, tidepool::Stream::DEFAULT).unwrap();
+    println!("holding");
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// The child side: prints the device's free and total bytes, then takes
+/// 1000 MiB of it.
+#[test]
+fn child_reports_device_memory() {
+    if !in_child() {
+        return;
+    }
+    let alloc = cuda_allocator("");
+    let info = alloc.backend().mem_info(0).unwrap();
+    println!("free {} total {}", info.free >> 20, info.total >> 20);
+    let big = alloc.allocate(0, 1000 << 20, tidepool::Stream::DEFAULT);
+    println!("1000 MiB: {}", if big.is_ok() { "ok" } else { "out of memory" });
+}
+
+#[test]
+fn simgpu_gives_back_the_memory_of_a_killed_process() {
+    let dir = std::env::temp_dir().join(format!("tidepool-simgpu-kill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let lib = simgpu_dir();
+    let shared = dir.join("simgpu-used");
+    let env = [("SIMGPU_SHARED", shared.to_str().unwrap()), ("SIMGPU_CAPACITY", "1024M"), ("LD_LIBRARY_PATH", lib.to_str().unwrap())];
+    let report = || {
+        let (ok, text) = child("child_reports_device_memory", &env);
+        assert!(ok, "{text}");
+        text
+    };
+    for conf in ["", "expandable:true"] {
+        use std::io::BufRead;
+        let mut holder = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_holds_device_memory", "--test-threads=1", "--nocapture"])
+            .env("TIDEPOOL_TEST_CHILD", "1")
+            .env("TIDEPOOL_TEST_CONF", conf)
+            .envs(env)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let said = std::io::BufReader::new(holder.stdout.take().unwrap()).lines().map_while(Result::ok).find(|l| l.contains("holding"));
+        assert!(said.is_some(), "the holder did not start ({conf:?})");
+        // While it lives, its memory is in use for every process.
+        let text = report();
+        assert!(text.contains("free 424 total 1024") && text.contains("1000 MiB: out of memory"), "{conf:?}: {text}");
+        holder.kill().unwrap(); // SIGKILL: no exit handler runs
+        holder.wait().unwrap();
+        // Gone: the whole capacity is back, as a driver gives it back.
+        let text = report();
+        assert!(text.contains("free 1024 total 1024") && text.contains("1000 MiB: ok"), "{conf:?}: {text}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

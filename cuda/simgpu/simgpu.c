@@ -6,7 +6,9 @@
  *     (default 1 GiB; suffixes K, M, G), primary contexts, UUIDs;
  *   - SIMGPU_SHARED=<file>: the bytes in use are counted in that file, shared
  *     by every process naming it, so cuMemGetInfo sees them all and one
- *     capacity is shared, as processes share a GPU;
+ *     capacity is shared, as processes share a GPU; each process counts in
+ *     a slot of its own, and the memory of a process that exited or was
+ *     killed comes back as the driver gives it back;
  *   - cuMemAlloc/cuMemFree/cuMemGetInfo with real OOM at the capacity;
  *   - asynchronous streams: a worker thread per stream runs queued work in
  *     order; events complete when their stream reaches them; cuMemFree
@@ -45,7 +47,10 @@
  * Build: cc -shared -fPIC -O2 -pthread simgpu.c -o libcuda.so
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <pthread.h>
 #include <sys/mman.h>
 #include <stdint.h>
@@ -87,9 +92,24 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialized;
 static int device_count = 1;
 static size_t capacity = (size_t)1 << 30;
+/* Bytes in use per device, without SIMGPU_SHARED. */
 static size_t local_used[MAX_DEVICES];
-/* Bytes in use per device: this process's, or a map of SIMGPU_SHARED. */
-static size_t *used = local_used;
+
+/* With SIMGPU_SHARED: the file, mapped. One slot per process: its pid and
+ * its bytes per device. A device's use is the sum over the slots of live
+ * processes; a slot whose process is gone (exited, killed, a zombie) is
+ * cleared when capacity is claimed or queried, and taken by the next
+ * process to join. Claims are serialized across processes by flock on the
+ * file, which the kernel drops if its holder dies; within a process by
+ * `lock`. A process changes only its own slot's counts (atomically). */
+#define SHARED_MAGIC 0x3230757067696d73ULL /* "simgpu02" */
+#define SHARED_SLOTS 128
+struct shared_slot { int32_t pid; int32_t spare; size_t used[MAX_DEVICES]; };
+struct shared_file { uint64_t magic; uint64_t spare; struct shared_slot slots[SHARED_SLOTS]; };
+static struct shared_file *shared;
+static int shared_fd = -1;
+static int my_slot = -1;
+static pid_t my_pid;
 static struct simgpu_ctx contexts[MAX_DEVICES];
 static __thread CUcontext current;
 static struct alloc_rec allocs[MAX_ALLOCS];
@@ -115,6 +135,107 @@ static size_t parse_size(const char *text, size_t fallback) {
     return v > 0 ? (size_t)v : fallback;
 }
 
+/* Whether `pid` runs: a zombie has exited, and its memory is gone. */
+static int process_alive(pid_t pid) {
+    if (pid <= 0) return 0;
+    if (kill(pid, 0) != 0 && errno != EPERM) return 0;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 1;
+    char buf[512];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *end = strrchr(buf, ')'); /* the name may hold spaces and parentheses */
+    return !(end && end[1] == ' ' && end[2] == 'Z');
+}
+
+/* Maps the shared file (made, or remade from another layout, if needed).
+ * Without it, this process counts alone. */
+static void open_shared(const char *path) {
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    void *map = MAP_FAILED;
+    if (flock(fd, LOCK_EX) == 0) {
+        if (ftruncate(fd, sizeof *shared) == 0)
+            map = mmap(NULL, sizeof *shared, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (map != MAP_FAILED) {
+            struct shared_file *file = map;
+            if (file->magic != SHARED_MAGIC) {
+                memset(file, 0, sizeof *file);
+                file->magic = SHARED_MAGIC;
+            }
+        }
+        flock(fd, LOCK_UN);
+    }
+    if (map == MAP_FAILED) {
+        close(fd);
+        return;
+    }
+    shared = map;
+    shared_fd = fd;
+}
+
+/* The bytes in use on `device` by live processes; clears the slots of the
+ * dead. `lock` and the file's flock held. */
+static size_t shared_in_use(int device) {
+    size_t total = 0;
+    for (int i = 0; i < SHARED_SLOTS; i++) {
+        struct shared_slot *s = &shared->slots[i];
+        pid_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
+        if (pid == 0) continue;
+        if (!(i == my_slot && pid == my_pid && pid == getpid()) && !process_alive(pid)) {
+            memset(s->used, 0, sizeof s->used);
+            __atomic_store_n(&s->pid, 0, __ATOMIC_SEQ_CST);
+            continue;
+        }
+        total += __atomic_load_n(&s->used[device], __ATOMIC_SEQ_CST);
+    }
+    return total;
+}
+
+/* This process's slot, taken if it has none yet (or is a fork child of the
+ * process that took it): a free one, dead slots being cleared by
+ * shared_in_use first. NULL when every slot is taken. Both locks held. */
+static struct shared_slot *own_slot(void) {
+    pid_t pid = getpid();
+    if (my_slot >= 0 && my_pid == pid) return &shared->slots[my_slot];
+    for (int i = 0; i < SHARED_SLOTS; i++) {
+        struct shared_slot *s = &shared->slots[i];
+        if (s->pid != 0) continue;
+        memset(s->used, 0, sizeof s->used);
+        __atomic_store_n(&s->pid, pid, __ATOMIC_SEQ_CST);
+        my_slot = i;
+        my_pid = pid;
+        return s;
+    }
+    fprintf(stderr, "simgpu: SIMGPU_SHARED: all %d slots are taken by live processes\n", SHARED_SLOTS);
+    return NULL;
+}
+
+/* The bytes in use on `device` (every process's with SIMGPU_SHARED). Lock held. */
+static size_t in_use(int device) {
+    if (!shared) return __atomic_load_n(&local_used[device], __ATOMIC_SEQ_CST);
+    flock(shared_fd, LOCK_EX);
+    size_t total = shared_in_use(device);
+    flock(shared_fd, LOCK_UN);
+    return total;
+}
+
+/* Gives back `bytes` of `device` claimed by this process. */
+static void unclaim(int device, size_t bytes) {
+    if (!shared) {
+        __atomic_sub_fetch(&local_used[device], bytes, __ATOMIC_SEQ_CST);
+        return;
+    }
+    if (my_slot < 0 || my_pid != getpid()) return; /* a fork child: the parent's memory */
+    size_t *count = &shared->slots[my_slot].used[device];
+    size_t seen = __atomic_load_n(count, __ATOMIC_SEQ_CST);
+    while (!__atomic_compare_exchange_n(count, &seen, seen > bytes ? seen - bytes : 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    }
+}
+
 CUresult cuInit(unsigned int flags) {
     (void)flags;
     pthread_mutex_lock(&lock);
@@ -133,15 +254,8 @@ CUresult cuInit(unsigned int flags) {
         const char *l = getenv("SIMGPU_LATENCY_US");
         latency_us = l ? atol(l) : 0;
         for (int i = 0; i < MAX_DEVICES; i++) contexts[i].device = i;
-        const char *shared = getenv("SIMGPU_SHARED");
-        if (shared && *shared) {
-            int fd = open(shared, O_RDWR | O_CREAT, 0600);
-            if (fd >= 0 && ftruncate(fd, sizeof local_used) == 0) {
-                void *map = mmap(NULL, sizeof local_used, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-                if (map != MAP_FAILED) used = map;
-            }
-            if (fd >= 0) close(fd);
-        }
+        const char *path = getenv("SIMGPU_SHARED");
+        if (path && *path) open_shared(path);
         initialized = 1;
     }
     pthread_mutex_unlock(&lock);
@@ -228,11 +342,17 @@ static void release_now(CUdeviceptr dptr, int *found);
 static int claim(int device, size_t bytes) {
     alloc_calls++;
     if (fail_every > 0 && alloc_calls % fail_every == 0) return 0;
-    size_t seen = __atomic_load_n(&used[device], __ATOMIC_SEQ_CST);
-    for (;;) {
-        if (seen + bytes > capacity) return 0;
-        if (__atomic_compare_exchange_n(&used[device], &seen, seen + bytes, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return 1;
+    if (!shared) {
+        if (__atomic_load_n(&local_used[device], __ATOMIC_SEQ_CST) + bytes > capacity) return 0;
+        __atomic_add_fetch(&local_used[device], bytes, __ATOMIC_SEQ_CST);
+        return 1;
     }
+    flock(shared_fd, LOCK_EX);
+    struct shared_slot *mine = own_slot();
+    int granted = mine && shared_in_use(device) + bytes <= capacity;
+    if (granted) __atomic_add_fetch(&mine->used[device], bytes, __ATOMIC_SEQ_CST);
+    flock(shared_fd, LOCK_UN);
+    return granted;
 }
 
 /* Stream capture modes: this thread's (0 global, the default; 2 relaxed),
@@ -260,13 +380,13 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     for (int i = 0; i < MAX_ALLOCS && !refuse; i++)
         if (allocs[i].base == 0) { slot = i; break; }
     if (refuse || slot < 0) {
-        if (!refuse) __atomic_sub_fetch(&used[device], bytes, __ATOMIC_SEQ_CST);
+        if (!refuse) unclaim(device, bytes);
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     void *mem = NULL;
     if (posix_memalign(&mem, 4096, bytes) != 0) {
-        __atomic_sub_fetch(&used[device], bytes, __ATOMIC_SEQ_CST);
+        unclaim(device, bytes);
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -281,7 +401,7 @@ static void release_now(CUdeviceptr dptr, int *found) {
     *found = 0;
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (allocs[i].base == (uintptr_t)dptr && dptr != 0) {
-            __atomic_sub_fetch(&used[allocs[i].device], allocs[i].size, __ATOMIC_SEQ_CST);
+            unclaim(allocs[i].device, allocs[i].size);
             free((void *)allocs[i].base);
             allocs[i] = (struct alloc_rec){0, 0, 0};
             *found = 1;
@@ -309,8 +429,8 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&lock);
     *total = capacity;
-    size_t in_use = __atomic_load_n(&used[current->device], __ATOMIC_SEQ_CST);
-    *free_bytes = in_use < capacity ? capacity - in_use : 0;
+    size_t taken = in_use(current->device);
+    *free_bytes = taken < capacity ? capacity - taken : 0;
     pthread_mutex_unlock(&lock);
     return CUDA_SUCCESS;
 }
@@ -796,7 +916,7 @@ static int overlaps_mapping(uintptr_t addr, size_t size) {
 static void drop_handle_if_done(long h) {
     struct handle_rec *rec = &handles[h - 1];
     if (!rec->released || rec->mappings > 0) return;
-    __atomic_sub_fetch(&used[rec->device], rec->size, __ATOMIC_SEQ_CST);
+    unclaim(rec->device, rec->size);
     close(rec->fd);
     *rec = (struct handle_rec){0, 0, 0, 0, 0};
 }
@@ -865,7 +985,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const vo
     int fd = (refuse || slot < 0) ? -1 : memfd_create("simgpu", MFD_CLOEXEC);
     if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
         if (fd >= 0) close(fd);
-        if (!refuse) __atomic_sub_fetch(&used[device], size, __ATOMIC_SEQ_CST);
+        if (!refuse) unclaim(device, size);
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
