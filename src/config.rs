@@ -49,7 +49,8 @@ pub struct Config {
     pub reclaim_interval_ms: u64,
     /// Processes sharing a device help each other (the registry).
     pub cooperative: bool,
-    /// How long a request waits for other processes to free memory before OOM.
+    /// The longest a request waits for the other processes' answer before
+    /// OOM (only when one shows cache to give back; less once all answered).
     pub oom_wait_ms: u64,
     /// Where the registries live (None: `reclaim::registry::default_dir()`).
     pub registry_dir: Option<std::path::PathBuf>,
@@ -292,7 +293,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     OptionSpec {
         key: "oom_wait_ms",
         default: "2000",
-        help: "how long a request that other processes could help waits for them before out of memory",
+        help: "the longest a request waits for the other processes' answer before out of memory (only when one of them shows cache it could give back; it stops as soon as all have answered)",
         apply: |c, v| match number(v)? {
             ms @ 0..=600_000 => {
                 c.oom_wait_ms = ms;

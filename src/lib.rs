@@ -18,6 +18,7 @@
 pub mod backend;
 pub mod buffer;
 pub mod config;
+mod cooperation;
 pub mod error;
 pub mod exporter;
 #[allow(non_camel_case_types)]
@@ -341,7 +342,9 @@ impl Allocator {
 
     /// After a failed request: with stream shards, the other shards may
     /// cache what this one could not get; they release their whole free
-    /// segments and the request is tried once more.
+    /// segments and the request is tried once more. Then, if other
+    /// processes on the device hold memory they could give back, they are
+    /// asked, with no heap locked while they answer (`cooperation.rs`).
     #[cold]
     fn allocate_after(
         &self,
@@ -352,18 +355,25 @@ impl Allocator {
         stream: Stream,
         context: u64,
     ) -> Result<DevicePtr, AllocError> {
-        if !matches!(err, AllocError::OutOfMemory(_)) || self.shards == 1 {
+        if !matches!(err, AllocError::OutOfMemory(_)) {
             return Err(err);
         }
-        for other in self.device_heaps(device)?.iter().filter(|h| !std::ptr::eq(*h, heap)) {
-            other.lock().release_free_segments(reclaim::policy::Reason::OutOfMemory, |_, _| true);
+        let tag = tag::current();
+        let retry = || heap.lock().retry_allocate(size as u64, stream, tag, context).map(DevicePtr);
+        let mut err = err;
+        if self.shards > 1 {
+            for other in self.device_heaps(device)?.iter().filter(|h| !std::ptr::eq(*h, heap)) {
+                other.lock().release_free_segments(reclaim::policy::Reason::OutOfMemory, |_, _| true);
+            }
+            match retry() {
+                Err(again @ AllocError::OutOfMemory(_)) => err = again,
+                other => return other,
+            }
         }
-        let mut heap = heap.lock();
-        let retried = heap.allocate_tagged(size as u64, stream, tag::current(), context).map(DevicePtr);
-        if retried.is_ok() {
-            heap.retract_oom();
-        }
-        retried
+        let Some(need) = heap.lock().take_oom_need() else {
+            return Err(err);
+        };
+        cooperation::ask_and_retry(&self.device_heaps(device)?[0], need, retry).unwrap_or(Err(err))
     }
 
     /// Frees a pointer returned by `allocate` on `device`. Freeing NULL does nothing.
@@ -619,11 +629,24 @@ impl Allocator {
             return Err(AllocError::Tag(format!("tag {tag:?} is not paused")));
         }
         let mut mapped = 0;
-        for heap in heaps {
-            let mut heap = heap.lock();
-            if heap.tag_paused(id) {
-                mapped += heap.resume_tag(id)?;
-            }
+        for (index, heap) in heaps.iter().enumerate() {
+            let (result, need) = {
+                let mut heap = heap.lock();
+                if !heap.tag_paused(id) {
+                    continue;
+                }
+                let result = heap.resume_tag(id);
+                (result, heap.take_oom_need())
+            };
+            mapped += match (result, need) {
+                (Err(err @ AllocError::OutOfMemory(_)), Some(need)) => {
+                    // The device's first heap holds its registry slot.
+                    let device = device.unwrap_or(index / self.shards);
+                    let registry_heap = &self.device_heaps(device)?[0];
+                    cooperation::ask_and_retry(registry_heap, need, || heap.lock().retry_resume_tag(id)).unwrap_or(Err(err))?
+                }
+                (result, _) => result?,
+            };
         }
         Ok(mapped)
     }

@@ -4,6 +4,10 @@
 //! request; without it B fails. Both outcomes are asserted. With expandable
 //! segments, A's idle cache is a hole between two live blocks, and what A
 //! gives back is the hole's pages.
+//!
+//! While a request waits for the other processes no heap is locked: another
+//! thread's free returns at once and serves the waiting request. With no
+//! other process holding cache an out-of-memory is reported at once.
 
 mod common;
 
@@ -54,6 +58,10 @@ fn process_a_holds_idle_cache() {
     let block = alloc.allocate(0, (600 * MIB) as usize, Stream::DEFAULT).unwrap();
     let right = pins.then(|| alloc.allocate(0, (8 * MIB) as usize, Stream::DEFAULT).unwrap());
     alloc.free(0, block).unwrap();
+    // Asked only once the registry shows the cache: after one reclaimer pass.
+    if conf.contains("cooperative:true") {
+        assert!(published(&conf, |e| e.cached_free > 0), "the cache was never published");
+    }
     std::fs::write(dir.join("ready"), b"").unwrap();
     assert!(wait_for(&dir.join("done"), Duration::from_secs(20)));
     let served = alloc.stats(0).unwrap().events.num_coop_served;
@@ -62,6 +70,214 @@ fn process_a_holds_idle_cache() {
         alloc.free(0, pin).unwrap();
     }
     alloc.validate().unwrap();
+}
+
+/// Waits (at most 10 s) until this process's registry entry satisfies
+/// `ready` (its reclaimer publishes once per interval).
+fn published(conf: &str, ready: impl Fn(&tidepool::reclaim::registry::Entry) -> bool) -> bool {
+    let dir = conf.split(',').find_map(|kv| kv.strip_prefix("registry_dir:")).map(PathBuf::from).expect("registry_dir in conf");
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        let scan = tidepool::reclaim::registry::scan(&dir);
+        let mine = scan.registries.iter().flat_map(|r| &r.entries).find(|e| e.pid == std::process::id());
+        if mine.is_some_and(&ready) {
+            return true;
+        }
+        if start.elapsed() > Duration::from_secs(9) {
+            eprintln!("{mine:?} {:?}", scan.errors);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+/// A helper process for the tests below: holds `TIDEPOOL_TEST_COOP_HOLD`
+/// MiB live and, with `TIDEPOOL_TEST_COOP_SPLIT`, a 2 MiB block alone in a
+/// 20 MiB segment (18 MiB of cache it cannot give back), publishes, and
+/// waits for `done`. Runs only when spawned.
+#[test]
+fn process_h_holds_memory() {
+    let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_COOP_CONF"), std::env::var("TIDEPOOL_TEST_COOP_DIR")) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let alloc = allocator(&conf);
+    let hold: usize = std::env::var("TIDEPOOL_TEST_COOP_HOLD").unwrap().parse().unwrap();
+    let live = alloc.allocate(0, hold * MIB as usize, Stream::DEFAULT).unwrap();
+    let split = std::env::var_os("TIDEPOOL_TEST_COOP_SPLIT").map(|_| alloc.allocate(0, (2 * MIB) as usize, Stream::DEFAULT).unwrap());
+    let cached = if split.is_some() { 18 * MIB } else { 0 };
+    assert!(published(&conf, |e| e.allocated > 0 && e.cached_free == cached), "the figures were never published");
+    std::fs::write(dir.join("ready"), b"").unwrap();
+    if let Ok(ask) = std::env::var("TIDEPOOL_TEST_COOP_ASK") {
+        // Asks for `ask` MiB once told to go; writes how it ended and when.
+        assert!(wait_for(&dir.join("go"), Duration::from_secs(30)));
+        let start = Instant::now();
+        let result = alloc.allocate(0, ask.parse::<usize>().unwrap() * MIB as usize, Stream::DEFAULT);
+        let ended = if result.is_ok() { "ok" } else { "oom" };
+        std::fs::write(dir.join("asked"), format!("{ended} {}", start.elapsed().as_millis())).unwrap();
+    }
+    assert!(wait_for(&dir.join("done"), Duration::from_secs(30)));
+    let served = alloc.stats(0).unwrap().events.num_coop_served;
+    std::fs::write(dir.join("served"), served.to_string()).unwrap();
+    alloc.free(0, live).unwrap();
+    if let Some(p) = split {
+        alloc.free(0, p).unwrap();
+    }
+}
+
+/// Sends SIG`name` to `child` (kill(1): the tests hold no unsafe code).
+fn signal(child: &Child, name: &str) {
+    let status = Command::new("kill").arg(format!("-{name}")).arg(child.id().to_string()).status().expect("kill(1) is needed");
+    assert!(status.success(), "kill -{name} failed");
+}
+
+/// Continues a stopped child when dropped, a failed assertion included.
+struct Stopped<'a>(&'a Child);
+
+impl Drop for Stopped<'_> {
+    fn drop(&mut self) {
+        // No assertion here: this may run while a failed one unwinds.
+        let _ = Command::new("kill").arg("-CONT").arg(self.0.id().to_string()).status();
+    }
+}
+
+fn fresh_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tidepool-coop-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Starts `process_h_holds_memory` and waits until it has published.
+fn spawn_h(dir: &Path, conf: &str, hold_mib: u64, split: bool) -> Child {
+    spawn_h_with(dir, conf, hold_mib, split, vec![])
+}
+
+fn spawn_h_with(dir: &Path, conf: &str, hold_mib: u64, split: bool, mut env: Vec<(&str, String)>) -> Child {
+    env.push(("TIDEPOOL_TEST_COOP_HOLD", hold_mib.to_string()));
+    if split {
+        env.push(("TIDEPOOL_TEST_COOP_SPLIT", "1".to_string()));
+    }
+    let h = spawn("process_h_holds_memory", dir, conf, &env);
+    assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process H did not start");
+    h
+}
+
+/// Ends `process_h_holds_memory`; the requests it answered by giving memory back.
+fn finish_h(dir: &Path, h: Child) -> u64 {
+    std::fs::write(dir.join("done"), b"").unwrap();
+    assert!(h.wait_with_output().unwrap().status.success(), "process H failed");
+    std::fs::read_to_string(dir.join("served")).unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_free_while_a_request_waits_for_others_returns_at_once_and_serves_it() {
+    let dir = fresh_dir("unlocked");
+    // H shows cache (none of it can go back) and, stopped, never answers:
+    // B would wait for it the whole 6 s.
+    let conf_b = format!("{},oom_wait_ms:6000", conf(&dir, true));
+    let h = spawn_h(&dir, &conf(&dir, true), 0, true);
+    signal(&h, "STOP");
+    let stopped = Stopped(&h);
+    let b = allocator(&conf_b);
+    let oom_wait = Duration::from_millis(6000);
+    let held = b.allocate(0, (600 * MIB) as usize, Stream::DEFAULT).unwrap();
+    let (waited, result, free_took) = std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let start = Instant::now();
+            let result = b.allocate(0, (600 * MIB) as usize, Stream::DEFAULT);
+            (start.elapsed(), result)
+        });
+        // Once the waiter has asked (reading the stats locks every heap of
+        // the device: it returns while the request waits)...
+        let start = Instant::now();
+        while b.stats(0).unwrap().events.num_coop_requests == 0 {
+            assert!(start.elapsed() < Duration::from_secs(10), "the request was never posted");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(start.elapsed() < oom_wait / 2, "the stats waited {:?} for the heap lock", start.elapsed());
+        std::thread::sleep(Duration::from_millis(20));
+        // ...another thread's free on the same device does not wait for it.
+        let start = Instant::now();
+        b.free(0, held).unwrap();
+        let free_took = start.elapsed();
+        let (waited, result) = waiter.join().unwrap();
+        (waited, result, free_took)
+    });
+    eprintln!("free while a request waits: {free_took:?}; the request waited {waited:?}");
+    // Generous for a loaded machine; the old wait under the lock took oom_wait.
+    assert!(free_took < Duration::from_millis(100), "the free took {free_took:?}");
+    let ptr = result.expect("the waiting request is served by the free");
+    assert_eq!(ptr, held, "from the block just freed");
+    assert!(waited < oom_wait / 2, "waited {waited:?}");
+    let stats = b.stats(0).unwrap();
+    assert_eq!((stats.events.num_coop_requests, stats.events.num_coop_satisfied, stats.events.num_ooms), (1, 1, 0));
+    b.free(0, ptr).unwrap();
+    b.validate().unwrap();
+    drop(stopped);
+    assert_eq!(finish_h(&dir, h), 0, "H gave nothing back");
+    drop(b);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_processes_asking_each_other_are_both_answered_within_an_interval() {
+    let dir = fresh_dir("mutual");
+    // Each holds 300 MiB live and 18 MiB of cache it cannot give back (so
+    // each asks the other), then both ask for 500 MiB of the 384 MiB free.
+    // Each one's reclaimer answers the other while its own request waits:
+    // both OOMs come within a few 20 ms intervals, not after the 6 s wait.
+    let conf = format!("{},oom_wait_ms:6000", conf(&dir, true));
+    let oom_wait = Duration::from_millis(6000);
+    let h = spawn_h_with(&dir, &conf, 300, true, vec![("TIDEPOOL_TEST_COOP_ASK", "500".into())]);
+    let p = allocator(&conf);
+    let live = p.allocate(0, (300 * MIB) as usize, Stream::DEFAULT).unwrap();
+    let split = p.allocate(0, (2 * MIB) as usize, Stream::DEFAULT).unwrap();
+    assert!(published(&conf, |e| e.cached_free == 18 * MIB), "P's cache was never published");
+    std::fs::write(dir.join("go"), b"").unwrap();
+    let start = Instant::now();
+    let result = p.allocate(0, (500 * MIB) as usize, Stream::DEFAULT);
+    let waited = start.elapsed();
+    assert!(wait_for(&dir.join("asked"), Duration::from_secs(20)), "H never finished asking");
+    let asked = std::fs::read_to_string(dir.join("asked")).unwrap();
+    eprintln!("both asking: P's OOM after {waited:?}; H's: {asked} ms");
+    assert!(matches!(result, Err(AllocError::OutOfMemory(_))), "{result:?}");
+    assert!(waited < oom_wait / 2, "P waited {waited:?}");
+    let (ended, h_ms) = asked.split_once(' ').unwrap();
+    assert_eq!(ended, "oom");
+    assert!(h_ms.parse::<u64>().unwrap() < (oom_wait / 2).as_millis() as u64, "H waited {h_ms} ms");
+    let stats = p.stats(0).unwrap();
+    assert_eq!((stats.events.num_coop_requests, stats.events.num_coop_satisfied, stats.events.num_ooms), (1, 0, 1));
+    p.free(0, live).unwrap();
+    p.free(0, split).unwrap();
+    assert_eq!(finish_h(&dir, h), 0);
+    drop(p);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn with_no_other_process_holding_cache_an_oom_is_reported_at_once() {
+    let dir = fresh_dir("nobody");
+    // H holds 100 MiB live and no cache; B fills the rest of the device.
+    let conf = format!("{},oom_wait_ms:2000", conf(&dir, true));
+    let h = spawn_h(&dir, &conf, 100, false);
+    let b = allocator(&conf);
+    let full = b.allocate(0, (900 * MIB) as usize, Stream::DEFAULT).unwrap();
+    let start = Instant::now();
+    for _ in 0..64 {
+        let result = b.allocate(0, (100 * MIB) as usize, Stream::DEFAULT);
+        assert!(matches!(result, Err(AllocError::OutOfMemory(_))), "{result:?}");
+    }
+    let took = start.elapsed();
+    eprintln!("64 out-of-memory requests with no one to help: {took:?}");
+    // Asking would wait up to 64 x 2 s; reported at once, it takes milliseconds.
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    let stats = b.stats(0).unwrap();
+    assert_eq!((stats.events.num_ooms, stats.events.num_coop_requests), (64, 0));
+    b.free(0, full).unwrap();
+    assert_eq!(finish_h(&dir, h), 0);
+    drop(b);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn spawn_a(dir: &Path, conf: &str) -> Child {

@@ -57,6 +57,19 @@ fn process_b_takes_the_paused_memory() {
     std::fs::write(dir.join("b-holds"), b"").unwrap();
     assert!(wait_for(&dir.join("a-tried"), Duration::from_secs(30)));
     alloc.free(0, p).unwrap(); // cached: B's reclaimer gives it back when A asks
+
+    // A asks only once the registry shows B's cache (B's next reclaimer pass).
+    let registry = dir.join("registry");
+    let start = Instant::now();
+    while !tidepool::reclaim::registry::scan(&registry)
+        .registries
+        .iter()
+        .flat_map(|r| &r.entries)
+        .any(|e| e.pid == std::process::id() && e.cached_free > 0)
+    {
+        assert!(start.elapsed() < Duration::from_secs(10), "B's cache was never published");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     std::fs::write(dir.join("b-freed"), b"").unwrap();
     assert!(wait_for(&dir.join("done"), Duration::from_secs(30)));
     println!("b: served {}", alloc.stats(0).unwrap().events.num_coop_served);

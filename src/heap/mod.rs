@@ -199,6 +199,11 @@ pub struct DeviceHeap {
     registry: Option<Registry>,
     /// How long a request other processes could help waits for them.
     oom_wait: Duration,
+    /// What the last out-of-memory needs from the other processes (0: they cannot help).
+    oom_need: u64,
+    /// A failed request is being retried (`retry_allocate`): its failures
+    /// are not counted or recorded again.
+    retrying: bool,
     /// Whether frees go through the stash (see the top of this file).
     stash_enabled: bool,
     /// Whether a full device may lend one stream's cached blocks to another.
@@ -249,6 +254,8 @@ impl DeviceHeap {
             clock: Clock::new(),
             registry: None,
             oom_wait: Duration::ZERO,
+            oom_need: 0,
+            retrying: false,
             stash_enabled: true,
             lend_across_streams: true,
             vm: None,
@@ -438,17 +445,18 @@ impl DeviceHeap {
             return Ok(block);
         }
         self.release_free_segments(Reason::OutOfMemory, |_, _| true);
-        self.stats.events.num_alloc_retries += 1;
-        let retried = match self.take_block(pool, rounded) {
-            Err(BackendError::OutOfMemory) => self.ask_others(pool, rounded),
-            other => other,
-        };
-        match retried {
+        if !self.retrying {
+            self.stats.events.num_alloc_retries += 1;
+        }
+        match self.take_block(pool, rounded) {
             Ok(block) => Ok(block),
             Err(BackendError::OutOfMemory) => {
-                self.stats.events.num_ooms += 1;
-                if self.observed {
-                    self.record(Action::AllocateFailure, 0, size, stream);
+                self.oom_need = self.need_from_others(pool, rounded);
+                if !self.retrying {
+                    self.stats.events.num_ooms += 1;
+                    if self.observed {
+                        self.record(Action::AllocateFailure, 0, size, stream);
+                    }
                 }
                 Err(AllocError::OutOfMemory(Box::new(self.oom_report(size))))
             }
@@ -834,6 +842,35 @@ impl DeviceHeap {
     /// after all, with memory other heaps of the device gave back.
     pub fn retract_oom(&mut self) {
         self.stats.events.num_ooms = self.stats.events.num_ooms.saturating_sub(1);
+    }
+
+    /// Tries again a request that failed as out of memory (after the other
+    /// shards or processes gave memory back): a new failure is not counted
+    /// or recorded again, and a success retracts the first failure's count.
+    #[cold]
+    pub fn retry_allocate(&mut self, size: u64, stream: Stream, tag: crate::tag::TagId, context: u64) -> Result<u64, AllocError> {
+        self.retrying = true;
+        let result = self.allocate_tagged(size, stream, tag, context);
+        self.retrying = false;
+        self.oom_need = 0; // the caller is already asking
+        if result.is_ok() {
+            self.retract_oom();
+        }
+        result
+    }
+
+    /// `resume_tag` tried again after the other processes were asked: a
+    /// new failure is not counted again, a success retracts the first.
+    #[cold]
+    pub fn retry_resume_tag(&mut self, tag: crate::tag::TagId) -> Result<u64, AllocError> {
+        self.retrying = true;
+        let result = self.resume_tag(tag);
+        self.retrying = false;
+        self.oom_need = 0; // the caller is already asking
+        if result.is_ok() {
+            self.retract_oom();
+        }
+        result
     }
 
     /// Counts a free whose stated size differed from the block's.

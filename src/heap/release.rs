@@ -7,53 +7,77 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::block::{BlockId, NIL};
+use super::block::NIL;
 use super::history::HistoryAction;
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
-use crate::reclaim::registry::{Entry, Registry};
+use crate::reclaim::registry::{Asked, Entry, Registry};
 use crate::reclaim::Clock;
 use crate::Stream;
 
 impl DeviceHeap {
-    /// The last resort before an OOM: ask the other processes on the device
-    /// for the memory a block of `rounded` bytes needs and retry until they
-    /// free enough or `oom_wait` passes.
+    /// The memory the other processes would have to give back for a
+    /// request of `rounded` bytes in `pool` that found no room: 0 when
+    /// they cannot help (past the reserve cap, or cooperation off here).
     #[cold]
-    pub(super) fn ask_others(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
+    pub(super) fn need_from_others(&self, pool: u32, rounded: u64) -> u64 {
         let need = self.growth_need(pool, rounded).unwrap_or(u64::MAX);
-        let over_budget =
-            self.device_reserved.load(Ordering::SeqCst).saturating_add(need) > self.reserved_limit.min(self.policy.max_reserved);
-        if self.oom_wait.is_zero() || over_budget {
-            return Err(BackendError::OutOfMemory);
+        let limit = self.reserved_limit.min(self.policy.max_reserved);
+        if self.device_reserved.load(Ordering::SeqCst).saturating_add(need) > limit {
+            return 0;
         }
-        let Some(registry) = self.registry.as_mut() else {
-            return Err(BackendError::OutOfMemory);
-        };
-        if registry.request(need).is_err() {
-            return Err(BackendError::OutOfMemory);
+        need
+    }
+
+    /// What the last out-of-memory of this heap needs from the other
+    /// processes (taken: asked once), when they could help at all. The
+    /// device layer asks them through the heap holding the registry, with
+    /// no heap locked while it waits (`cooperation.rs`).
+    pub fn take_oom_need(&mut self) -> Option<u64> {
+        let need = std::mem::take(&mut self.oom_need);
+        (need > 0).then_some(need)
+    }
+
+    /// Posts a request for `need` bytes to the other processes on the
+    /// device, if one of them shows memory it could give back; `None`
+    /// (nothing posted, the OOM stands) when cooperation is off or no one
+    /// can help.
+    #[cold]
+    pub fn ask_others(&mut self, need: u64) -> Option<Asked> {
+        if self.oom_wait.is_zero() {
+            return None;
         }
+        let asked = self.registry.as_mut()?.ask(need).ok()??;
         self.stats.events.num_coop_requests += 1;
-        let start = Instant::now();
-        let result = loop {
-            std::thread::sleep(Duration::from_millis(5));
-            match self.take_block(pool, rounded) {
-                Ok(block) => {
-                    self.stats.events.num_coop_satisfied += 1;
-                    self.stats.events.coop_last_wait_ms = start.elapsed().as_millis() as u64;
-                    break Ok(block);
-                }
-                Err(BackendError::OutOfMemory) if start.elapsed() < self.oom_wait => continue,
-                Err(err) => break Err(err),
-            }
-        };
+        Some(asked)
+    }
+
+    /// Whether every process asked has answered (or is gone): waiting
+    /// longer is then for nothing. A registry that cannot be read counts
+    /// as answered.
+    #[cold]
+    pub fn others_answered(&mut self, asked: &Asked) -> bool {
+        self.registry.as_mut().is_none_or(|r| r.answered(asked).unwrap_or(true))
+    }
+
+    /// Withdraws the request; `served`: the wait that got the memory.
+    #[cold]
+    pub fn end_asking(&mut self, served: Option<Duration>) {
+        if let Some(waited) = served {
+            self.stats.events.num_coop_satisfied += 1;
+            self.stats.events.coop_last_wait_ms = waited.as_millis() as u64;
+        }
         if let Some(registry) = self.registry.as_mut() {
             let _ = registry.request(0);
         }
-        result
+    }
+
+    /// The longest a request may wait for the other processes.
+    pub fn oom_wait(&self) -> Duration {
+        self.oom_wait
     }
 
     /// Joins the processes sharing this device: publishes at every
@@ -154,6 +178,10 @@ impl DeviceHeap {
                     self.stats.events.num_coop_served += 1;
                 }
                 released += answer;
+                // The askers stop waiting once every helper has answered.
+                if let Some(registry) = self.registry.as_mut() {
+                    let _ = registry.mark_answered();
+                }
             }
         }
         released

@@ -44,7 +44,6 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
 use super::block::{BlockId, BlockState, NIL};
 use super::expandable::Vm;
@@ -552,20 +551,23 @@ impl DeviceHeap {
         if mapped == Err(BackendError::OutOfMemory) {
             self.rebin(free.clone());
             self.release_free_segments(Reason::OutOfMemory, |_, _| true);
-            self.stats.events.num_alloc_retries += 1;
+            if !self.retrying {
+                self.stats.events.num_alloc_retries += 1;
+            }
             for &id in &free {
                 self.remove_free(id);
             }
             mapped = self.map_saved(&runs, page);
         }
-        if mapped == Err(BackendError::OutOfMemory) {
-            mapped = self.map_saved_with_others(&runs, page, need);
-        }
         if let Err(err) = mapped {
             self.rebin(free);
             return Err(match err {
                 BackendError::OutOfMemory => {
-                    self.stats.events.num_ooms += 1;
+                    // The device layer may ask the other processes and retry.
+                    self.oom_need = need;
+                    if !self.retrying {
+                        self.stats.events.num_ooms += 1;
+                    }
                     AllocError::OutOfMemory(Box::new(self.oom_report(need)))
                 }
                 other => AllocError::Backend(other),
@@ -590,32 +592,6 @@ impl DeviceHeap {
         self.rebin(free);
         self.tags.tags.get_mut(&tag.0).expect("paused").paused = None;
         Ok(need)
-    }
-
-    /// The last try of a resume: ask the other processes on the device for
-    /// `need` bytes and map again until they give them or `oom_wait` passes.
-    fn map_saved_with_others(&mut self, runs: &[(u64, u64, u64)], page: u64, need: u64) -> Result<(), BackendError> {
-        if self.oom_wait.is_zero() || self.registry.as_mut().is_none_or(|r| r.request(need).is_err()) {
-            return Err(BackendError::OutOfMemory);
-        }
-        self.stats.events.num_coop_requests += 1;
-        let start = Instant::now();
-        let result = loop {
-            std::thread::sleep(Duration::from_millis(5));
-            match self.map_saved(runs, page) {
-                Ok(()) => {
-                    self.stats.events.num_coop_satisfied += 1;
-                    self.stats.events.coop_last_wait_ms = start.elapsed().as_millis() as u64;
-                    break Ok(());
-                }
-                Err(BackendError::OutOfMemory) if start.elapsed() < self.oom_wait => continue,
-                Err(err) => break Err(err),
-            }
-        };
-        if let Some(registry) = self.registry.as_mut() {
-            let _ = registry.request(0);
-        }
-        result
     }
 
     /// What `tag` holds on this heap.

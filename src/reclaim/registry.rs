@@ -5,8 +5,11 @@
 //! as a GPU's UUID) in a directory only this user can read (mode 0700/0600).
 //! Each process owns a slot and, at every reclaimer pass, publishes its pid,
 //! name, a heartbeat and its figures, and reads the others' slots. A process
-//! about to fail posts the bytes it needs; the others' reclaimers see the
-//! request within one interval and give back their idle cached segments.
+//! about to fail posts the bytes it needs, but only when another live slot
+//! shows memory it could give back (`Registry::ask`); the others'
+//! reclaimers see the request within one interval, give back their idle
+//! cached segments and stamp their slot as answered, so the asking process
+//! knows when waiting longer is for nothing (`Registry::answered`).
 //!
 //! The file is untrusted input: every read is bounds-checked, the header is
 //! versioned, each slot carries a checksum, a lock that is not granted
@@ -18,8 +21,9 @@
 //! Layout, version 2 (little endian): a 16-byte header (`TIDEPOOL`,
 //! version u32, slot count u32), then `SLOTS` slots of `SLOT` bytes: pid
 //! u32, device u32, the `U64_FIELDS` u64 figures of `Entry` in its order,
-//! the process name (16 bytes, NUL padded), 8 spare bytes (zero), and the
-//! FNV-1a checksum of everything before it. A slot whose pid is 0 is free.
+//! the process name (16 bytes, NUL padded), `answered_ms` u64 (once the
+//! spare bytes: 0 from writers that predate it), and the FNV-1a checksum of
+//! everything before it. A slot whose pid is 0 is free.
 //! Version 1 (112-byte slots without name, checksum or the newer figures)
 //! is refused while one of its processes lives and rewritten once none does.
 #![forbid(unsafe_code)]
@@ -40,6 +44,7 @@ pub const FILE_BYTES: u64 = HEADER + SLOT * SLOTS as u64;
 /// The u64 figures of a slot, after pid and device.
 const U64_FIELDS: usize = 19;
 const COMM_AT: usize = 8 + 8 * U64_FIELDS;
+const ANSWERED_AT: usize = COMM_AT + 16;
 const CHECKSUM_AT: usize = SLOT as usize - 8;
 /// Version 1's slot size, to tell whether an old file is still in use.
 const V1_SLOT: u64 = 112;
@@ -80,6 +85,9 @@ pub struct Entry {
     pub released: [u64; 6],
     /// The process's name (`/proc/PID/comm`), NUL padded.
     pub comm: [u8; 16],
+    /// The heartbeat of the last publication that saw another process's
+    /// request, stamped once the cache was given back (0: never).
+    pub answered_ms: u64,
 }
 
 /// FNV-1a, 64 bits: the slot checksum.
@@ -121,6 +129,7 @@ impl Entry {
             out[8 + 8 * i..16 + 8 * i].copy_from_slice(&value.to_le_bytes());
         }
         out[COMM_AT..COMM_AT + 16].copy_from_slice(&self.comm);
+        out[ANSWERED_AT..ANSWERED_AT + 8].copy_from_slice(&self.answered_ms.to_le_bytes());
         let sum = fnv1a(&out[..CHECKSUM_AT]);
         out[CHECKSUM_AT..].copy_from_slice(&sum.to_le_bytes());
         out
@@ -158,6 +167,7 @@ impl Entry {
             paused: f[12],
             released: [f[13], f[14], f[15], f[16], f[17], f[18]],
             comm: raw[COMM_AT..COMM_AT + 16].try_into().expect("16 bytes"),
+            answered_ms: u64_at(ANSWERED_AT),
         })
     }
 
@@ -223,6 +233,17 @@ pub struct Registry {
     slot: usize,
     pid: u32,
     comm: [u8; 16],
+    /// The heartbeat of the last publication that saw a request (0: none
+    /// since the last `mark_answered`).
+    saw_request_ms: u64,
+}
+
+/// A request posted by `Registry::ask`: when, and which slots could help.
+#[derive(Clone, Debug)]
+pub struct Asked {
+    pub posted_ms: u64,
+    /// (slot, pid) of each live process that showed memory to give back.
+    pub helpers: Vec<(usize, u32)>,
 }
 
 impl Registry {
@@ -244,7 +265,7 @@ impl Registry {
             return Err(RegistryError(format!("{} is not a regular file", path.display())));
         }
         let comm = own_comm();
-        let mut registry = Registry { file, path, slot: 0, pid: std::process::id(), comm };
+        let mut registry = Registry { file, path, slot: 0, pid: std::process::id(), comm, saw_request_ms: 0 };
         registry.with_lock(|r| {
             r.check_or_init_header()?;
             let slot = (0..SLOTS)
@@ -338,6 +359,7 @@ impl Registry {
                 Some(previous) if previous.pid == r.pid => {
                     mine.request_bytes = previous.request_bytes;
                     mine.requests_served = mine.requests_served.max(previous.requests_served);
+                    mine.answered_ms = previous.answered_ms;
                 }
                 // Our slot was taken over or damaged (a hostile or confused writer): claim it again.
                 _ => mine.request_bytes = 0,
@@ -354,7 +376,62 @@ impl Registry {
                     _ => r.write_slot(slot, &Entry::default())?,
                 }
             }
+            if asked > 0 {
+                r.saw_request_ms = mine.heartbeat_ms;
+            }
             Ok(asked)
+        })
+    }
+
+    /// Stamps this slot as having answered the requests the last
+    /// publication saw (call once the cache is given back). Nothing when
+    /// that publication saw none.
+    pub fn mark_answered(&mut self) -> Result<(), RegistryError> {
+        let seen = std::mem::take(&mut self.saw_request_ms);
+        if seen == 0 {
+            return Ok(());
+        }
+        self.with_lock(|r| match r.read_slot(r.slot) {
+            Some(mut mine) if mine.pid == r.pid => {
+                mine.answered_ms = mine.answered_ms.max(seen);
+                r.write_slot(r.slot, &mine)
+            }
+            _ => Ok(()),
+        })
+    }
+
+    /// Posts a request for `bytes`, if any other live slot shows memory it
+    /// could give back (cached free bytes: whole free segments, or free
+    /// pages of holes); `None`, and nothing posted, when no one can help.
+    pub fn ask(&mut self, bytes: u64) -> Result<Option<Asked>, RegistryError> {
+        self.with_lock(|r| {
+            let helpers: Vec<(usize, u32)> = (0..SLOTS)
+                .filter(|&s| s != r.slot)
+                .filter_map(|s| r.read_slot(s).map(|e| (s, e)))
+                .filter(|(_, e)| e.pid != 0 && e.cached_free > 0 && alive(e.pid))
+                .map(|(s, e)| (s, e.pid))
+                .collect();
+            if helpers.is_empty() {
+                return Ok(None);
+            }
+            let mut mine = r.read_slot(r.slot).filter(|e| e.pid == r.pid).unwrap_or_default();
+            mine.pid = r.pid;
+            mine.comm = r.comm;
+            mine.request_bytes = bytes;
+            r.write_slot(r.slot, &mine)?;
+            // After the write: a publication stamped later has seen the request.
+            Ok(Some(Asked { posted_ms: now_ms(), helpers }))
+        })
+    }
+
+    /// Whether every helper of `asked` has answered it (a publication
+    /// after the request, its cache given back since) or is gone.
+    pub fn answered(&mut self, asked: &Asked) -> Result<bool, RegistryError> {
+        self.with_lock(|r| {
+            Ok(asked.helpers.iter().all(|&(slot, pid)| match r.read_slot(slot) {
+                Some(e) if e.pid == pid => e.answered_ms > asked.posted_ms || !alive(pid),
+                _ => true, // the slot was left or taken over: that process is gone
+            }))
         })
     }
 
@@ -590,6 +667,7 @@ mod tests {
             paused: 21,
             released: [10, 11, 12, 13, 14, 15],
             comm,
+            answered_ms: 22,
         };
         assert_eq!(Entry::decode(&e.encode()), Some(e));
         assert_eq!(e.comm(), "python");
@@ -617,6 +695,33 @@ mod tests {
         let mode = std::fs::metadata(a.path()).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
         drop((a, b));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_request_is_posted_only_when_someone_can_help_and_answered_once() {
+        let dir = dir("ask");
+        let mut a = Registry::join(&dir, "dev").unwrap();
+        let mut b = Registry::join(&dir, "dev").unwrap();
+        b.publish(Entry { allocated: 5, ..Entry::default() }).unwrap();
+        assert!(a.ask(100).unwrap().is_none(), "b holds no cache: nothing posted");
+        assert_eq!(b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap(), 0);
+        let asked = a.ask(100).unwrap().expect("b shows cache");
+        assert_eq!(asked.helpers, [(b.slot, std::process::id())]);
+        assert!(!a.answered(&asked).unwrap(), "b has not seen it yet");
+        std::thread::sleep(Duration::from_millis(3));
+        assert_eq!(b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap(), 100);
+        assert!(!a.answered(&asked).unwrap(), "seen, not yet given back");
+        b.mark_answered().unwrap();
+        assert!(a.answered(&asked).unwrap());
+        // The stamp survives later publications; a helper that leaves has answered too.
+        b.publish(Entry::default()).unwrap();
+        assert!(a.answered(&asked).unwrap());
+        let asked_again = Asked { posted_ms: u64::MAX - 1, ..asked };
+        assert!(!a.answered(&asked_again).unwrap());
+        drop(b);
+        assert!(a.answered(&asked_again).unwrap());
+        drop(a);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
