@@ -227,7 +227,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
                     }
                 };
                 let mut report = replay_with_progress(part, &replay_options, bar)?;
-                report.device = device as u32;
+                report.device = device;
                 reports.push(report);
             }
             by_device.push(reports);
