@@ -144,26 +144,86 @@ fn scaled(value: &str, unit: u64) -> Result<u64, String> {
     number(value)?.checked_mul(unit).ok_or_else(|| format!("{value} is too large"))
 }
 
+// Row constructors: each option's row in one line, by the shape of its value.
+
+/// `true` or `false`.
+macro_rules! flag {
+    ($key:literal, $default:literal, $help:literal, $($field:ident).+) => {
+        OptionSpec {
+            key: $key,
+            default: $default,
+            help: $help,
+            apply: |c, v| Ok(c.$($field).+ = boolean(v)?),
+            show: |c| c.$($field).+.to_string(),
+        }
+    };
+}
+
+/// An integer within a range, stored as `$ty`.
+macro_rules! bounded {
+    ($key:literal, $default:literal, $help:literal, $($field:ident).+: $ty:ty, $lo:literal..=$hi:literal) => {
+        OptionSpec {
+            key: $key,
+            default: $default,
+            help: $help,
+            apply: |c, v| match number(v)? {
+                n @ $lo..=$hi => Ok(c.$($field).+ = n as $ty),
+                n => Err(format!("must be between {} and {}, got {n}", $lo, $hi)),
+            },
+            show: |c| c.$($field).+.to_string(),
+        }
+    };
+}
+
+/// A size written in units of `$unit` bytes (KiB, MiB) and stored in bytes.
+macro_rules! size {
+    ($key:literal, $default:literal, $help:literal, $($field:ident).+, $unit:expr) => {
+        OptionSpec {
+            key: $key,
+            default: $default,
+            help: $help,
+            apply: |c, v| Ok(c.$($field).+ = scaled(v, $unit)?),
+            show: |c| (c.$($field).+ / $unit).to_string(),
+        }
+    };
+}
+
+/// A value or the word `$none` for none: `$parse` reads the value, `$show`
+/// writes it.
+macro_rules! optional {
+    ($key:literal, $default:literal, $help:literal, $($field:ident).+ or $none:literal, $parse:expr, $show:expr) => {
+        OptionSpec {
+            key: $key,
+            default: $default,
+            help: $help,
+            apply: |c, v| Ok(c.$($field).+ = if v.trim() == $none { None } else { Some($parse(v)?) }),
+            show: |c| c.$($field).+.as_ref().map_or($none.into(), $show),
+        }
+    };
+}
+
+fn path(value: &str) -> Result<std::path::PathBuf, String> {
+    Ok(value.trim().into())
+}
+
+fn show_path(path: &impl AsRef<std::path::Path>) -> String {
+    path.as_ref().display().to_string()
+}
+
 /// The options table. README's configuration section lists the same rows.
 pub static OPTIONS: &[OptionSpec] = &[
     OptionSpec {
         key: "backend",
         default: "cuda",
         help: "where segments come from: cuda (cuMemAlloc), cuda_async (cuMemAllocAsync pools), host (host memory standing in for a GPU)",
-        apply: |c, v| match v.trim() {
-            "host" => {
-                c.backend = BackendKind::Host;
-                Ok(())
-            }
-            "cuda" => {
-                c.backend = BackendKind::Cuda;
-                Ok(())
-            }
-            "cuda_async" => {
-                c.backend = BackendKind::CudaAsync;
-                Ok(())
-            }
-            other => Err(format!("unknown backend {other:?}; known: host, cuda, cuda_async")),
+        apply: |c, v| {
+            c.backend = match v.trim() {
+                "host" => BackendKind::Host,
+                "cuda" => BackendKind::Cuda,
+                "cuda_async" => BackendKind::CudaAsync,
+                other => return Err(format!("unknown backend {other:?}; known: host, cuda, cuda_async")),
+            };
+            Ok(())
         },
         show: |c| match c.backend {
             BackendKind::Host => "host".into(),
@@ -171,178 +231,22 @@ pub static OPTIONS: &[OptionSpec] = &[
             BackendKind::CudaAsync => "cuda_async".into(),
         },
     },
-    OptionSpec {
-        key: "host_devices",
-        default: "1",
-        help: "number of devices the host backend simulates",
-        apply: |c, v| match number(v)? {
-            n @ 1..=64 => {
-                c.host_devices = n as usize;
-                Ok(())
-            }
-            n => Err(format!("must be between 1 and 64, got {n}")),
-        },
-        show: |c| c.host_devices.to_string(),
-    },
-    OptionSpec {
-        key: "host_capacity_mb",
-        default: "16384",
-        help: "memory of each simulated device, in MiB (address space only: untouched memory costs nothing)",
-        apply: |c, v| {
-            c.host_capacity = scaled(v, MIB)?;
-            Ok(())
-        },
-        show: |c| (c.host_capacity / MIB).to_string(),
-    },
-    OptionSpec {
-        key: "stream_shards",
-        default: "1",
-        help: "heaps per device, streams spread over them: threads on different streams stop contending (1 to 64; above 1, peaks are summed over heaps)",
-        apply: |c, v| match number(v)? {
-            n @ 1..=64 => {
-                c.stream_shards = n as usize;
-                Ok(())
-            }
-            n => Err(format!("must be between 1 and 64, got {n}")),
-        },
-        show: |c| c.stream_shards.to_string(),
-    },
-    OptionSpec {
-        key: "lend_across_streams",
-        default: "true",
-        help: "when the device is full, serve a stream from blocks cached for another (after a device-side wait on that stream)",
-        apply: |c, v| {
-            c.lend_across_streams = boolean(v)?;
-            Ok(())
-        },
-        show: |c| c.lend_across_streams.to_string(),
-    },
-    OptionSpec {
-        key: "expandable",
-        default: "false",
-        help: "grow each pool inside one reserved range of address space, mapping pages as blocks need them and unmapping pages inside free blocks when memory is released (cuda and host backends)",
-        apply: |c, v| {
-            c.expandable = boolean(v)?;
-            Ok(())
-        },
-        show: |c| c.expandable.to_string(),
-    },
-    OptionSpec {
-        key: "stash",
-        default: "true",
-        help: "keep each pool's last freed block unmerged until the next request, which takes it back if it is the same size",
-        apply: |c, v| {
-            c.stash = boolean(v)?;
-            Ok(())
-        },
-        show: |c| c.stash.to_string(),
-    },
-    OptionSpec {
-        key: "release_after_ms",
-        default: "10000",
-        help: "a whole free segment idle this long goes back to the driver; reuse restarts the wait (off: never)",
-        apply: |c, v| {
-            c.release_after_ms = if v.trim() == "off" { None } else { Some(number(v)?) };
-            Ok(())
-        },
-        show: |c| c.release_after_ms.map_or("off".into(), |v| v.to_string()),
-    },
-    OptionSpec {
-        key: "headroom_mb",
-        default: "256",
-        help: "while the device (every process counted) has less free memory than this, idle cache goes back, longest idle first (0: off)",
-        apply: |c, v| {
-            c.headroom = scaled(v, MIB)?;
-            Ok(())
-        },
-        show: |c| (c.headroom / MIB).to_string(),
-    },
-    OptionSpec {
-        key: "max_reserved_mb",
-        default: "unlimited",
-        help: "reserve at most this much per device: cache goes first, and only live memory beyond it fails",
-        apply: |c, v| {
-            c.max_reserved = if v.trim() == "unlimited" { None } else { Some(scaled(v, MIB)?) };
-            Ok(())
-        },
-        show: |c| c.max_reserved.map_or("unlimited".into(), |v| (v / MIB).to_string()),
-    },
-    OptionSpec {
-        key: "reclaim_interval_ms",
-        default: "100",
-        help: "how often the background reclaimer wakes (10 to 60000)",
-        apply: |c, v| match number(v)? {
-            ms @ 10..=60_000 => {
-                c.reclaim_interval_ms = ms;
-                Ok(())
-            }
-            ms => Err(format!("must be between 10 and 60000, got {ms}")),
-        },
-        show: |c| c.reclaim_interval_ms.to_string(),
-    },
-    OptionSpec {
-        key: "cooperative",
-        default: "true",
-        help: "processes on one device help each other: one about to fail asks, the others give back idle cache",
-        apply: |c, v| {
-            c.cooperative = boolean(v)?;
-            Ok(())
-        },
-        show: |c| c.cooperative.to_string(),
-    },
-    OptionSpec {
-        key: "oom_wait_ms",
-        default: "2000",
-        help: "the longest a request waits for the other processes' answer before out of memory (only when one of them shows cache it could give back; it stops as soon as all have answered)",
-        apply: |c, v| match number(v)? {
-            ms @ 0..=600_000 => {
-                c.oom_wait_ms = ms;
-                Ok(())
-            }
-            ms => Err(format!("must be at most 600000, got {ms}")),
-        },
-        show: |c| c.oom_wait_ms.to_string(),
-    },
-    OptionSpec {
-        key: "history_entries",
-        default: "0",
-        help: "keep each device's last this many allocation and segment events, written into snapshots as device_traces (memory_viz's timeline) (0: off)",
-        apply: |c, v| {
-            c.history_entries = usize::try_from(number(v)?).map_err(|_| "too large".to_string())?;
-            Ok(())
-        },
-        show: |c| c.history_entries.to_string(),
-    },
-    OptionSpec {
-        key: "oom_snapshot",
-        default: "none",
-        help: "at the process's first out-of-memory (C ABI), write a PyTorch-schema snapshot (pickle, with device_traces when history is on) to this path (none: off)",
-        apply: |c, v| {
-            c.oom_snapshot = if v.trim() == "none" { None } else { Some(v.trim().into()) };
-            Ok(())
-        },
-        show: |c| c.oom_snapshot.as_ref().map_or("none".into(), |p| p.display().to_string()),
-    },
-    OptionSpec {
-        key: "registry_dir",
-        default: "auto",
-        help: "directory of the registries of processes sharing a device (auto: $XDG_RUNTIME_DIR/tidepool or /tmp/tidepool-<uid>)",
-        apply: |c, v| {
-            c.registry_dir = if v.trim() == "auto" { None } else { Some(v.trim().into()) };
-            Ok(())
-        },
-        show: |c| c.registry_dir.as_ref().map_or("auto".into(), |p| p.display().to_string()),
-    },
-    OptionSpec {
-        key: "host_shared",
-        default: "none",
-        help: "host backend: a file whose name makes processes share one capacity, as on one GPU",
-        apply: |c, v| {
-            c.host_shared = if v.trim() == "none" { None } else { Some(v.trim().into()) };
-            Ok(())
-        },
-        show: |c| c.host_shared.as_ref().map_or("none".into(), |p| p.display().to_string()),
-    },
+    bounded!("host_devices", "1", "number of devices the host backend simulates", host_devices: usize, 1..=64),
+    size!("host_capacity_mb", "16384", "memory of each simulated device, in MiB (address space only: untouched memory costs nothing)", host_capacity, MIB),
+    bounded!("stream_shards", "1", "heaps per device, streams spread over them: threads on different streams stop contending (1 to 64; above 1, peaks are summed over heaps)", stream_shards: usize, 1..=64),
+    flag!("lend_across_streams", "true", "when the device is full, serve a stream from blocks cached for another (after a device-side wait on that stream)", lend_across_streams),
+    flag!("expandable", "false", "grow each pool inside one reserved range of address space, mapping pages as blocks need them and unmapping pages inside free blocks when memory is released (cuda and host backends)", expandable),
+    flag!("stash", "true", "keep each pool's last freed block unmerged until the next request, which takes it back if it is the same size", stash),
+    optional!("release_after_ms", "10000", "a whole free segment idle this long goes back to the driver; reuse restarts the wait (off: never)", release_after_ms or "off", number, |ms| ms.to_string()),
+    size!("headroom_mb", "256", "while the device (every process counted) has less free memory than this, idle cache goes back, longest idle first (0: off)", headroom, MIB),
+    optional!("max_reserved_mb", "unlimited", "reserve at most this much per device: cache goes first, and only live memory beyond it fails", max_reserved or "unlimited", |v| scaled(v, MIB), |bytes| (bytes / MIB).to_string()),
+    bounded!("reclaim_interval_ms", "100", "how often the background reclaimer wakes (10 to 60000)", reclaim_interval_ms: u64, 10..=60_000),
+    flag!("cooperative", "true", "processes on one device help each other: one about to fail asks, the others give back idle cache", cooperative),
+    bounded!("oom_wait_ms", "2000", "the longest a request waits for the other processes' answer before out of memory (only when one of them shows cache it could give back; it stops as soon as all have answered)", oom_wait_ms: u64, 0..=600_000),
+    bounded!("history_entries", "0", "keep each device's last this many allocation and segment events, written into snapshots as device_traces (memory_viz's timeline) (0: off)", history_entries: usize, 0..=1_000_000_000),
+    optional!("oom_snapshot", "none", "at the process's first out-of-memory (C ABI), write a PyTorch-schema snapshot (pickle, with device_traces when history is on) to this path (none: off)", oom_snapshot or "none", path, show_path),
+    optional!("registry_dir", "auto", "directory of the registries of processes sharing a device (auto: $XDG_RUNTIME_DIR/tidepool or /tmp/tidepool-<uid>)", registry_dir or "auto", path, show_path),
+    optional!("host_shared", "none", "host backend: a file whose name makes processes share one capacity, as on one GPU", host_shared or "none", path, show_path),
     OptionSpec {
         key: "max_split_size_mb",
         default: "unlimited",
@@ -378,66 +282,12 @@ pub static OPTIONS: &[OptionSpec] = &[
         },
         show: |c| c.rules.roundup_power2_divisions.to_string(),
     },
-    OptionSpec {
-        key: "min_block_bytes",
-        default: "512",
-        help: "granularity of every block (a power of two, at least 256)",
-        apply: |c, v| {
-            c.rules.min_block = number(v)?;
-            Ok(())
-        },
-        show: |c| c.rules.min_block.to_string(),
-    },
-    OptionSpec {
-        key: "small_size_kb",
-        default: "1024",
-        help: "requests up to this size (KiB) are served from the small pool",
-        apply: |c, v| {
-            c.rules.small_size = scaled(v, 1024)?;
-            Ok(())
-        },
-        show: |c| (c.rules.small_size / 1024).to_string(),
-    },
-    OptionSpec {
-        key: "small_segment_mb",
-        default: "2",
-        help: "segment size (MiB) that grows the small pool",
-        apply: |c, v| {
-            c.rules.small_segment = scaled(v, MIB)?;
-            Ok(())
-        },
-        show: |c| (c.rules.small_segment / MIB).to_string(),
-    },
-    OptionSpec {
-        key: "min_large_alloc_mb",
-        default: "10",
-        help: "large requests below this size (MiB) share large_segment_mb segments; larger ones get their own",
-        apply: |c, v| {
-            c.rules.min_large_alloc = scaled(v, MIB)?;
-            Ok(())
-        },
-        show: |c| (c.rules.min_large_alloc / MIB).to_string(),
-    },
-    OptionSpec {
-        key: "large_segment_mb",
-        default: "20",
-        help: "segment size (MiB) for large requests below min_large_alloc_mb",
-        apply: |c, v| {
-            c.rules.large_segment = scaled(v, MIB)?;
-            Ok(())
-        },
-        show: |c| (c.rules.large_segment / MIB).to_string(),
-    },
-    OptionSpec {
-        key: "large_round_mb",
-        default: "2",
-        help: "a request of min_large_alloc_mb or more gets a segment rounded up to this (MiB)",
-        apply: |c, v| {
-            c.rules.large_round = scaled(v, MIB)?;
-            Ok(())
-        },
-        show: |c| (c.rules.large_round / MIB).to_string(),
-    },
+    size!("min_block_bytes", "512", "granularity of every block (a power of two, at least 256)", rules.min_block, 1),
+    size!("small_size_kb", "1024", "requests up to this size (KiB) are served from the small pool", rules.small_size, 1024),
+    size!("small_segment_mb", "2", "segment size (MiB) that grows the small pool", rules.small_segment, MIB),
+    size!("min_large_alloc_mb", "10", "large requests below this size (MiB) share large_segment_mb segments; larger ones get their own", rules.min_large_alloc, MIB),
+    size!("large_segment_mb", "20", "segment size (MiB) for large requests below min_large_alloc_mb", rules.large_segment, MIB),
+    size!("large_round_mb", "2", "a request of min_large_alloc_mb or more gets a segment rounded up to this (MiB)", rules.large_round, MIB),
 ];
 
 /// A rejected option, from the strict builder.
