@@ -9,7 +9,9 @@
  * unwinds into the caller: on failure it returns NULL or an error code and
  * sets a per-thread last error (tidepool_last_error).
  *
- * tests/ffi_header.rs checks this file against src/ffi.rs.
+ * tests/ffi_header.rs checks this file against src/ffi.rs, and the event
+ * counters and gauges of tidepool_stats against the library's one list of
+ * them (Events::COUNTERS, Stats::GAUGES in src/stats.rs).
  */
 #ifndef TIDEPOOL_H
 #define TIDEPOOL_H
@@ -31,7 +33,7 @@ extern "C" {
 
 #define TIDEPOOL_PAUSE_OFFLOAD 1 /* tidepool_pause: keep the contents in host memory */
 
-#define TIDEPOOL_STATS_VERSION 4
+#define TIDEPOOL_STATS_VERSION 5
 #define TIDEPOOL_TAG_STATS_VERSION 1
 
 /* One gauge, as torch.cuda.memory_stats reports it. */
@@ -101,6 +103,14 @@ typedef struct tidepool_stats {
      * holding their contents (tidepool_pause). */
     uint64_t paused_bytes;
     uint64_t offloaded_bytes;
+    /* Version 5: milliseconds the last satisfied cooperation request waited
+     * (a last value: reset_accumulated keeps it), streams of
+     * tidepool_record_stream the driver failed to synchronize at free, and
+     * requests served, with the device full, by a block cached for another
+     * stream. */
+    uint64_t coop_last_wait_ms;
+    uint64_t num_stream_sync_errors;
+    uint64_t num_cross_stream_reuses;
 } tidepool_stats;
 
 /* What one tag holds on one device (tidepool_get_tag_stats). Versioned as
@@ -201,8 +211,9 @@ int tidepool_reset_peak_stats(int device);
 
 /* Zeroes what device (-1: every device) accumulated: every gauge's allocated
  * and freed sums and the event counters (num_allocs, num_alloc_retries,
- * num_ooms, num_device_allocs, ...); current values and peaks stay
- * (torch.cuda.reset_accumulated_memory_stats). Returns as above. */
+ * num_ooms, num_device_allocs, ...); current values, peaks and last values
+ * (coop_last_wait_ms) stay (torch.cuda.reset_accumulated_memory_stats).
+ * Returns as above. */
 int tidepool_reset_accumulated_stats(int device);
 
 /* Writes a PyTorch-schema snapshot pickle of every device to path. */

@@ -24,7 +24,7 @@ use std::sync::Once;
 use parking_lot::Mutex;
 
 use crate::reclaim::policy::Reason;
-use crate::stats::{Stat, StatByPool, Stats};
+use crate::stats::{for_each_counter, Events, Stat, StatByPool, Stats};
 use crate::{AllocError, Allocator, DevicePtr, Frame, OomReport, PrivatePoolId, Stream};
 
 /// Success.
@@ -47,7 +47,7 @@ pub const TIDEPOOL_ERR_OUT_OF_MEMORY: c_int = 6;
 pub const TIDEPOOL_PAUSE_OFFLOAD: c_int = 1;
 
 /// Version of `tidepool_stats` this library fills.
-pub const TIDEPOOL_STATS_VERSION: u32 = 4;
+pub const TIDEPOOL_STATS_VERSION: u32 = 5;
 /// Version of `tidepool_tag_stats` this library fills.
 pub const TIDEPOOL_TAG_STATS_VERSION: u32 = 1;
 
@@ -118,6 +118,12 @@ pub struct tidepool_stats {
     /// holding their contents.
     pub paused_bytes: u64,
     pub offloaded_bytes: u64,
+    /// Version 5: the last cooperation wait, failed stream synchronizations
+    /// at free, blocks reused across streams (every counter of
+    /// `Events::COUNTERS` is now here).
+    pub coop_last_wait_ms: u64,
+    pub num_stream_sync_errors: u64,
+    pub num_cross_stream_reuses: u64,
 }
 
 /// What one tag holds on a device (`tidepool_get_tag_stats`); versioned as
@@ -617,12 +623,6 @@ fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
         cached_free_bytes: s.cached_free_bytes,
         num_allocs: s.num_allocs,
         num_frees: s.num_frees,
-        num_device_allocs: s.events.num_device_alloc,
-        num_device_frees: s.events.num_device_free,
-        num_alloc_retries: s.events.num_alloc_retries,
-        num_ooms: s.events.num_ooms,
-        num_invalid_frees: s.events.num_invalid_frees,
-        num_size_mismatches: s.events.num_size_mismatches,
         reserved_limit_bytes: reserved_limit.unwrap_or(0),
         gauges,
         released_idle_decay_bytes: s.released(Reason::IdleDecay).bytes,
@@ -630,17 +630,28 @@ fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
         released_headroom_bytes: s.released(Reason::Headroom).bytes,
         released_out_of_memory_bytes: s.released(Reason::OutOfMemory).bytes,
         released_empty_cache_bytes: s.released(Reason::EmptyCache).bytes,
-        num_reclaims: s.events.num_reclaims,
         released_cooperation_bytes: s.released(Reason::Cooperation).bytes,
-        num_coop_requests: s.events.num_coop_requests,
-        num_coop_satisfied: s.events.num_coop_satisfied,
-        num_coop_served: s.events.num_coop_served,
-        num_pages_mapped: s.events.num_pages_mapped,
-        num_pages_unmapped: s.events.num_pages_unmapped,
         paused_bytes: s.paused_bytes,
         offloaded_bytes: s.offloaded_bytes,
+        ..fill_counters(&s.events)
     }
 }
+
+/// `tidepool_stats` with every event counter filled from the one list
+/// (`for_each_counter` in src/stats.rs): a counter with no field in the
+/// struct does not compile. (`c_stats` fills the rest; the test
+/// `every_field_of_tidepool_stats_is_filled` sees that no field is left.)
+macro_rules! c_counters {
+    ($( $(#[doc = $doc:literal])* $field:ident : $how:ident, $key:literal, $c_field:ident; )*) => {
+        fn fill_counters(events: &Events) -> tidepool_stats {
+            tidepool_stats { $( $c_field: events.$field, )* ..tidepool_stats::default() }
+        }
+    };
+}
+for_each_counter!(c_counters);
+
+// `tidepool_stats.gauges` holds `Stats::GAUGES` in order; their number is ABI.
+const _: () = assert!(Stats::GAUGES.len() == 9);
 
 /// The size of version 1 of `tidepool_stats`: the smallest `size` accepted.
 /// Later versions append fields, so this stays as it is.
@@ -919,4 +930,56 @@ fn get_tag_stats(tag: *const c_char, device: c_int, out: *mut tidepool_tag_stats
     // `out`; we copy n <= caller_size bytes from a local value.
     unsafe { std::ptr::copy_nonoverlapping(&filled as *const tidepool_tag_stats as *const u8, out as *mut u8, n) };
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Released;
+
+    /// A `Stats` whose every figure, gauge and counter is non-zero and
+    /// distinct.
+    fn every_figure_set() -> Stats {
+        let mut s = Stats::default();
+        let mut next = 0u64;
+        let mut value = || {
+            next += 1;
+            next
+        };
+        for (_, gauge) in s.gauges_mut() {
+            for stat in [&mut gauge.all, &mut gauge.small_pool, &mut gauge.large_pool] {
+                *stat = Stat { current: value(), peak: value(), allocated: value(), freed: value() };
+            }
+        }
+        macro_rules! set_counters {
+            ($( $(#[doc = $doc:literal])* $field:ident : $how:ident, $key:literal, $c_field:ident; )*) => {
+                $( s.events.$field = value(); )*
+            };
+        }
+        for_each_counter!(set_counters);
+        for released in &mut s.events.released {
+            *released = Released { segments: value(), bytes: value() };
+        }
+        (s.num_allocs, s.num_frees, s.cached_free_bytes, s.largest_free_block_bytes) = (value(), value(), value(), value());
+        (s.paused_bytes, s.offloaded_bytes) = (value(), value());
+        s
+    }
+
+    #[test]
+    fn every_field_of_tidepool_stats_is_filled() {
+        let s = every_figure_set();
+        let filled = c_stats(&s, Some(u64::MAX));
+        assert_eq!((filled.size as usize, filled.version), (std::mem::size_of::<tidepool_stats>(), TIDEPOOL_STATS_VERSION));
+        // After `size` and `version`, the struct is u64 words only.
+        const WORDS: usize = (std::mem::size_of::<tidepool_stats>() - 8) / 8;
+        // SAFETY: tidepool_stats is repr(C): two u32, then u64 fields and
+        // arrays of structs of u64, with no padding.
+        let words: [u64; WORDS] = unsafe { std::ptr::read_unaligned((&filled as *const tidepool_stats as *const u8).add(8) as *const _) };
+        for (index, word) in words.iter().enumerate() {
+            assert_ne!(*word, 0, "word {index} of tidepool_stats (byte {}) is not filled by c_stats", 8 + 8 * index);
+        }
+        for (counter, value) in Events::COUNTERS.iter().zip(s.events.values()) {
+            assert!(words.contains(&value), "{} is not in tidepool_stats", counter.field);
+        }
+    }
 }

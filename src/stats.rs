@@ -127,68 +127,117 @@ impl Gauge {
     }
 }
 
-/// Events a heap counts as they happen: driver calls, failures, releases,
-/// cooperation. Kept whole in `Counters` and reported whole in `Stats`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Events {
-    pub num_device_alloc: u64,
-    pub num_device_free: u64,
-    /// Times a failed growth released cache and tried again.
-    pub num_alloc_retries: u64,
-    /// Requests that failed for lack of memory.
-    pub num_ooms: u64,
-    /// Frees of pointers that were not live allocations (foreign, double,
-    /// interior): refused and counted.
-    pub num_invalid_frees: u64,
-    /// Frees whose stated size differed from the allocation's (the recorded
-    /// size is used).
-    pub num_size_mismatches: u64,
-
-    /// Segments and bytes given back to the driver, by why (index with
-    /// `Reason as usize`; see `released()`).
-    pub released: [Released; 6],
-    /// Passes of the reclaimer over this device.
-    pub num_reclaims: u64,
-    /// Requests for memory posted to the other processes on the device.
-    pub num_coop_requests: u64,
-    /// Of those, the ones that got the memory before `oom_wait_ms`.
-    pub num_coop_satisfied: u64,
-    /// Other processes' requests this one answered by releasing cache.
-    pub num_coop_served: u64,
-    /// Milliseconds the last satisfied request waited for the memory.
-    pub coop_last_wait_ms: u64,
-    /// Streams of `record_stream` the driver failed to synchronize at free.
-    pub num_stream_sync_errors: u64,
-    /// Requests served, when the device was full, by a block cached for another stream.
-    pub num_cross_stream_reuses: u64,
-    /// Pages of expandable segments mapped and unmapped (`expandable:true`).
-    pub num_pages_mapped: u64,
-    pub num_pages_unmapped: u64,
-}
-
-impl Events {
-    /// Sums `other` into these (the last wait: the longer of the two).
-    fn add(&mut self, other: &Events) {
-        for (into, from) in self.released.iter_mut().zip(other.released) {
-            *into += from;
+/// The one list of event counters, passed to `$callback`: each counter's
+/// doc, its field in [`Events`], how two heaps' values combine (`sum`, or
+/// `last` for a last value: the larger is kept, and resetting the
+/// accumulated counts keeps it), its key in [`Stats::to_pytorch_keys`] and
+/// Python's `tidepool.memory_stats` (PyTorch's own name, or `tidepool.*`),
+/// and its field in the C struct `tidepool_stats`. The struct, its sum, its
+/// reset, the keys and the C fill (src/ffi.rs) are generated from it;
+/// tests/ffi_header.rs checks ffi/tidepool.h and the Python package
+/// against [`Events::COUNTERS`]. A new counter goes here, at the end of
+/// `tidepool_stats` (a version bump), in the header, and in
+/// ffi/python/tidepool/_native.py (`Stats` and `COUNTERS`).
+macro_rules! for_each_counter {
+    ($callback:ident) => {
+        $callback! {
+            /// Driver allocations (segments, or runs of expandable pages).
+            num_device_alloc: sum, "num_device_alloc", num_device_allocs;
+            /// Driver frees.
+            num_device_free: sum, "num_device_free", num_device_frees;
+            /// Times a failed growth released cache and tried again.
+            num_alloc_retries: sum, "num_alloc_retries", num_alloc_retries;
+            /// Requests that failed for lack of memory.
+            num_ooms: sum, "num_ooms", num_ooms;
+            /// Frees of pointers that were not live allocations (foreign, double,
+            /// interior): refused and counted.
+            num_invalid_frees: sum, "tidepool.num_invalid_frees", num_invalid_frees;
+            /// Frees whose stated size differed from the allocation's (the recorded
+            /// size is used).
+            num_size_mismatches: sum, "tidepool.num_size_mismatches", num_size_mismatches;
+            /// Passes of the reclaimer over this device.
+            num_reclaims: sum, "tidepool.num_reclaims", num_reclaims;
+            /// Requests for memory posted to the other processes on the device.
+            num_coop_requests: sum, "tidepool.num_coop_requests", num_coop_requests;
+            /// Of those, the ones that got the memory before `oom_wait_ms`.
+            num_coop_satisfied: sum, "tidepool.num_coop_satisfied", num_coop_satisfied;
+            /// Other processes' requests this one answered by releasing cache.
+            num_coop_served: sum, "tidepool.num_coop_served", num_coop_served;
+            /// Milliseconds the last satisfied request waited for the memory.
+            coop_last_wait_ms: last, "tidepool.coop_last_wait_ms", coop_last_wait_ms;
+            /// Streams of `record_stream` the driver failed to synchronize at free.
+            num_stream_sync_errors: sum, "tidepool.num_stream_sync_errors", num_stream_sync_errors;
+            /// Requests served, when the device was full, by a block cached for another stream.
+            num_cross_stream_reuses: sum, "tidepool.num_cross_stream_reuses", num_cross_stream_reuses;
+            /// Pages of expandable segments mapped (`expandable:true`).
+            num_pages_mapped: sum, "tidepool.num_pages_mapped", num_pages_mapped;
+            /// Pages of expandable segments unmapped.
+            num_pages_unmapped: sum, "tidepool.num_pages_unmapped", num_pages_unmapped;
         }
-        self.num_device_alloc += other.num_device_alloc;
-        self.num_device_free += other.num_device_free;
-        self.num_alloc_retries += other.num_alloc_retries;
-        self.num_ooms += other.num_ooms;
-        self.num_invalid_frees += other.num_invalid_frees;
-        self.num_size_mismatches += other.num_size_mismatches;
-        self.num_reclaims += other.num_reclaims;
-        self.num_coop_requests += other.num_coop_requests;
-        self.num_coop_satisfied += other.num_coop_satisfied;
-        self.num_coop_served += other.num_coop_served;
-        self.coop_last_wait_ms = self.coop_last_wait_ms.max(other.coop_last_wait_ms);
-        self.num_stream_sync_errors += other.num_stream_sync_errors;
-        self.num_cross_stream_reuses += other.num_cross_stream_reuses;
-        self.num_pages_mapped += other.num_pages_mapped;
-        self.num_pages_unmapped += other.num_pages_unmapped;
-    }
+    };
 }
+pub(crate) use for_each_counter;
+
+/// One event counter as each interface names it (see [`Events::COUNTERS`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counter {
+    /// The field of [`Events`].
+    pub field: &'static str,
+    /// The key in `Stats::to_pytorch_keys` and Python's `memory_stats`.
+    pub key: &'static str,
+    /// The field of the C struct `tidepool_stats`.
+    pub c_field: &'static str,
+    /// A last value rather than an accumulation: combined by `max`, kept
+    /// by `reset_accumulated`.
+    pub last: bool,
+}
+
+macro_rules! define_events {
+    ($( $(#[doc = $doc:literal])* $field:ident : $how:ident, $key:literal, $c_field:ident; )*) => {
+        /// Events a heap counts as they happen: driver calls, failures, releases,
+        /// cooperation. Kept whole in `Counters` and reported whole in `Stats`.
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct Events {
+            $( $(#[doc = $doc])* pub $field: u64, )*
+            /// Segments and bytes given back to the driver, by why (index with
+            /// `Reason as usize`; see `released()`).
+            pub released: [Released; 6],
+        }
+
+        impl Events {
+            /// Every counter, in the order of the list (`for_each_counter`).
+            pub const COUNTERS: [Counter; [$(stringify!($field)),*].len()] = [
+                $( Counter { field: stringify!($field), key: $key, c_field: stringify!($c_field), last: define_events!(@last $how) }, )*
+            ];
+
+            /// Each counter's value, in the order of [`Events::COUNTERS`].
+            pub fn values(&self) -> [u64; Self::COUNTERS.len()] {
+                [$(self.$field),*]
+            }
+
+            /// Sums `other` into these (a last value: the larger of the two).
+            fn add(&mut self, other: &Events) {
+                for (into, from) in self.released.iter_mut().zip(other.released) {
+                    *into += from;
+                }
+                $( define_events!(@add $how, self.$field, other.$field); )*
+            }
+
+            /// These with every accumulation zeroed; last values stay.
+            fn accumulations_reset(&self) -> Events {
+                Events { $( $field: define_events!(@reset $how, self.$field), )* released: Default::default() }
+            }
+        }
+    };
+    (@last sum) => { false };
+    (@last last) => { true };
+    (@add sum, $into:expr, $from:expr) => { $into += $from };
+    (@add last, $into:expr, $from:expr) => { $into = $into.max($from) };
+    (@reset sum, $value:expr) => { 0 };
+    (@reset last, $value:expr) => { $value };
+}
+
+for_each_counter!(define_events);
 
 /// Everything a heap counts, in the form it updates cheaply.
 #[derive(Clone, Debug, Default)]
@@ -279,8 +328,8 @@ impl Counters {
         for gauge in self.gauges_mut() {
             gauge.reset_accumulated();
         }
-        // `coop_last_wait_ms` is a last value, not an accumulation.
-        self.events = Events { coop_last_wait_ms: self.events.coop_last_wait_ms, ..Events::default() };
+        // Last values (`coop_last_wait_ms`) are not accumulations: they stay.
+        self.events = self.events.accumulations_reset();
     }
 
     /// The public statistics; the cache figures are the caller's to fill.
@@ -308,42 +357,69 @@ impl Counters {
     }
 }
 
-/// The statistics of one device, as `Allocator::stats` returns them.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Stats {
+/// Generates [`Stats`] from its list of gauges (PyTorch's names, in
+/// PyTorch's order), with [`Stats::GAUGES`], `gauges()` and `gauges_mut()`.
+/// tests/ffi_header.rs checks the C struct's `gauges` array, the header's
+/// list of them and Python's `GAUGES` against [`Stats::GAUGES`].
+macro_rules! define_stats {
+    ($( $(#[doc = $doc:literal])* $gauge:ident, )*) => {
+        /// The statistics of one device, as `Allocator::stats` returns them.
+        #[derive(Clone, Debug, Default, PartialEq)]
+        pub struct Stats {
+            $( $(#[doc = $doc])* pub $gauge: StatByPool, )*
+
+            pub num_allocs: u64,
+            pub num_frees: u64,
+            /// Everything counted as it happened.
+            pub events: Events,
+
+            /// Free bytes cached in all pools (reserved minus allocated).
+            pub cached_free_bytes: u64,
+            /// The largest free block in any pool.
+            pub largest_free_block_bytes: u64,
+            /// Device memory given back by paused tags (their addresses stay reserved).
+            pub paused_bytes: u64,
+            /// Host memory holding paused tags' contents (pauses with offload).
+            pub offloaded_bytes: u64,
+        }
+
+        impl Stats {
+            /// The gauges under PyTorch's names, in PyTorch's order (that of
+            /// `tidepool_stats.gauges` in C).
+            pub const GAUGES: [&'static str; [$(stringify!($gauge)),*].len()] = [$(stringify!($gauge)),*];
+
+            /// The gauges under PyTorch's names, in PyTorch's order.
+            pub fn gauges(&self) -> [(&'static str, &StatByPool); Self::GAUGES.len()] {
+                [$((stringify!($gauge), &self.$gauge)),*]
+            }
+
+            pub(crate) fn gauges_mut(&mut self) -> [(&'static str, &mut StatByPool); Self::GAUGES.len()] {
+                [$((stringify!($gauge), &mut self.$gauge)),*]
+            }
+        }
+    };
+}
+
+define_stats! {
     /// Live blocks (count).
-    pub allocation: StatByPool,
+    allocation,
     /// Segments obtained from the driver (count).
-    pub segment: StatByPool,
+    segment,
     /// Blocks in use (count); equals `allocation` until deferred frees exist.
-    pub active: StatByPool,
+    active,
     /// Free blocks inside segments that also hold other blocks (count).
-    pub inactive_split: StatByPool,
+    inactive_split,
     /// Bytes of live blocks (rounded sizes).
-    pub allocated_bytes: StatByPool,
+    allocated_bytes,
     /// Bytes obtained from the driver.
-    pub reserved_bytes: StatByPool,
+    reserved_bytes,
     /// Bytes of blocks in use.
-    pub active_bytes: StatByPool,
+    active_bytes,
     /// Bytes of free blocks inside partly used segments: memory that only
     /// a request fitting the hole can use.
-    pub inactive_split_bytes: StatByPool,
+    inactive_split_bytes,
     /// Bytes the callers asked for (before rounding).
-    pub requested_bytes: StatByPool,
-
-    pub num_allocs: u64,
-    pub num_frees: u64,
-    /// Everything counted as it happened.
-    pub events: Events,
-
-    /// Free bytes cached in all pools (reserved minus allocated).
-    pub cached_free_bytes: u64,
-    /// The largest free block in any pool.
-    pub largest_free_block_bytes: u64,
-    /// Device memory given back by paused tags (their addresses stay reserved).
-    pub paused_bytes: u64,
-    /// Host memory holding paused tags' contents (pauses with offload).
-    pub offloaded_bytes: u64,
+    requested_bytes,
 }
 
 impl Stats {
@@ -377,20 +453,6 @@ impl Stats {
         total
     }
 
-    fn gauges_mut(&mut self) -> [(&'static str, &mut StatByPool); 9] {
-        [
-            ("allocation", &mut self.allocation),
-            ("segment", &mut self.segment),
-            ("active", &mut self.active),
-            ("inactive_split", &mut self.inactive_split),
-            ("allocated_bytes", &mut self.allocated_bytes),
-            ("reserved_bytes", &mut self.reserved_bytes),
-            ("active_bytes", &mut self.active_bytes),
-            ("inactive_split_bytes", &mut self.inactive_split_bytes),
-            ("requested_bytes", &mut self.requested_bytes),
-        ]
-    }
-
     /// What was given back for `reason`.
     pub fn released(&self, reason: Reason) -> Released {
         self.events.released[reason as usize]
@@ -409,26 +471,11 @@ impl Stats {
         fragmentation(self.inactive_split_bytes.all.current, self.reserved_bytes.all.current)
     }
 
-    /// The nine gauges under PyTorch's names, in PyTorch's order.
-    pub fn gauges(&self) -> [(&'static str, &StatByPool); 9] {
-        [
-            ("allocation", &self.allocation),
-            ("segment", &self.segment),
-            ("active", &self.active),
-            ("inactive_split", &self.inactive_split),
-            ("allocated_bytes", &self.allocated_bytes),
-            ("reserved_bytes", &self.reserved_bytes),
-            ("active_bytes", &self.active_bytes),
-            ("inactive_split_bytes", &self.inactive_split_bytes),
-            ("requested_bytes", &self.requested_bytes),
-        ]
-    }
-
     /// Every figure under the key `torch.cuda.memory_stats` uses for it
     /// (`allocated_bytes.all.current`, `num_ooms`, ...); tidepool's own
     /// figures are under `tidepool.*`.
     pub fn to_pytorch_keys(&self) -> Vec<(String, u64)> {
-        let mut out = Vec::with_capacity(9 * 12 + 12);
+        let mut out = Vec::with_capacity(Self::GAUGES.len() * 12 + Events::COUNTERS.len() + 6 + 2 * Reason::ALL.len());
         for (name, gauge) in self.gauges() {
             for (pool, stat) in [("all", &gauge.all), ("small_pool", &gauge.small_pool), ("large_pool", &gauge.large_pool)] {
                 for (field, value) in [("current", stat.current), ("peak", stat.peak), ("allocated", stat.allocated), ("freed", stat.freed)]
@@ -437,24 +484,16 @@ impl Stats {
                 }
             }
         }
+        for (counter, value) in Events::COUNTERS.iter().zip(self.events.values()) {
+            out.push((counter.key.to_string(), value));
+        }
         for (key, value) in [
-            ("num_alloc_retries", self.events.num_alloc_retries),
-            ("num_ooms", self.events.num_ooms),
-            ("num_device_alloc", self.events.num_device_alloc),
-            ("num_device_free", self.events.num_device_free),
             ("tidepool.num_allocs", self.num_allocs),
             ("tidepool.num_frees", self.num_frees),
-            ("tidepool.num_invalid_frees", self.events.num_invalid_frees),
-            ("tidepool.num_size_mismatches", self.events.num_size_mismatches),
             ("tidepool.cached_free_bytes", self.cached_free_bytes),
             ("tidepool.largest_free_block_bytes", self.largest_free_block_bytes),
-            ("tidepool.num_reclaims", self.events.num_reclaims),
-            ("tidepool.num_coop_requests", self.events.num_coop_requests),
-            ("tidepool.num_coop_satisfied", self.events.num_coop_satisfied),
-            ("tidepool.num_coop_served", self.events.num_coop_served),
-            ("tidepool.coop_last_wait_ms", self.events.coop_last_wait_ms),
-            ("tidepool.num_pages_mapped", self.events.num_pages_mapped),
-            ("tidepool.num_pages_unmapped", self.events.num_pages_unmapped),
+            ("tidepool.paused_bytes", self.paused_bytes),
+            ("tidepool.offloaded_bytes", self.offloaded_bytes),
         ] {
             out.push((key.to_string(), value));
         }
@@ -554,7 +593,57 @@ mod tests {
         assert_eq!(keys["allocated_bytes.small_pool.current"], 0);
         assert_eq!(keys["inactive_split_bytes.all.freed"], 0);
         assert_eq!(keys["num_ooms"], 2);
-        assert_eq!(keys.len(), 9 * 3 * 4 + 17 + 12);
+        assert_eq!(keys.len(), 9 * 3 * 4 + 15 + 6 + 12);
+        for counter in Events::COUNTERS {
+            assert!(keys.contains_key(counter.key), "{} has no key", counter.field);
+        }
+    }
+
+    #[test]
+    fn the_counter_list_names_each_counter_once_in_every_interface() {
+        for (what, names) in [
+            ("field", Events::COUNTERS.map(|c| c.field)),
+            ("key", Events::COUNTERS.map(|c| c.key)),
+            ("C field", Events::COUNTERS.map(|c| c.c_field)),
+        ] {
+            let unique: std::collections::BTreeSet<_> = names.iter().collect();
+            assert_eq!(unique.len(), names.len(), "a {what} repeats: {names:?}");
+        }
+        // PyTorch's own counters under PyTorch's names, tidepool's under `tidepool.*`.
+        let pytorch = ["num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms"];
+        for counter in Events::COUNTERS {
+            let key = if pytorch.contains(&counter.field) { counter.field.to_string() } else { format!("tidepool.{}", counter.field) };
+            assert_eq!(counter.key, key);
+        }
+    }
+
+    /// Events whose every counter is `scale` times its place in the list (1-based).
+    fn events_scaled(scale: u64) -> Events {
+        let mut events = Events::default();
+        let mut next = 0;
+        macro_rules! set {
+            ($( $(#[doc = $doc:literal])* $field:ident : $how:ident, $key:literal, $c_field:ident; )*) => {
+                $( next += scale; events.$field = next; )*
+            };
+        }
+        for_each_counter!(set);
+        events
+    }
+
+    #[test]
+    fn combining_sums_every_counter_and_keeps_the_larger_last_value() {
+        let (a, b) = (events_scaled(1), events_scaled(10));
+        let parts = [a, b].map(|events| Stats { events, ..Stats::default() });
+        let combined = Stats::combine(&parts).events.values();
+        for (i, counter) in Events::COUNTERS.iter().enumerate() {
+            let expected = if counter.last { b.values()[i] } else { a.values()[i] + b.values()[i] };
+            assert_eq!(combined[i], expected, "{}", counter.field);
+        }
+        let mut c = Counters { events: b, ..Counters::default() };
+        c.reset_accumulated();
+        for (counter, value) in Events::COUNTERS.iter().zip(c.report().events.values()) {
+            assert_eq!(value != 0, counter.last, "{} after reset_accumulated: {value}", counter.field);
+        }
     }
 
     #[test]

@@ -239,3 +239,95 @@ fn the_library_exports_exactly_the_declared_functions() {
     let declared: Vec<String> = header_functions(&read("ffi/tidepool.h")).into_keys().collect();
     assert_eq!(exported, declared);
 }
+
+// One list of counters and gauges: the library's (`Events::COUNTERS` and
+// `Stats::GAUGES`, generated in src/stats.rs from the list that also makes
+// the Rust struct, its sum and the PyTorch-style keys) must be in the C
+// struct of the header and in the Python package, each counter under the
+// same key and field.
+
+const PYTHON: &str = "ffi/python/tidepool/_native.py";
+
+/// The quoted strings of `text`, in order.
+fn quoted(text: &str) -> Vec<String> {
+    text.split('"').skip(1).step_by(2).map(str::to_string).collect()
+}
+
+/// The lines of a top-level Python statement starting with `start`, up to
+/// the next top-level line (a `)`, or the next definition).
+fn python_block<'a>(source: &'a str, start: &str) -> &'a str {
+    let from = source.find(&format!("\n{start}")).unwrap_or_else(|| panic!("{PYTHON} has no `{start}`")) + 1;
+    let rest = &source[from..];
+    let mut end = rest.find('\n').map_or(rest.len(), |i| i + 1);
+    for line in rest[end..].split_inclusive('\n') {
+        if !line.starts_with([' ', '\n', ')', ']']) {
+            break;
+        }
+        end += line.len();
+    }
+    &rest[..end]
+}
+
+/// The field names of `tidepool_stats` in the header, in order (an array's
+/// without its length).
+fn header_stats_fields(header: &str) -> Vec<String> {
+    header_structs(header)["tidepool_stats"]
+        .iter()
+        .map(|decl| decl.rsplit(' ').next().unwrap().split('[').next().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn every_counter_is_in_the_c_struct_the_header_and_the_python_key_list() {
+    let (header, python) = (read("ffi/tidepool.h"), read(PYTHON));
+    let c_decls = &header_structs(&header)["tidepool_stats"];
+    let python_fields = quoted(python_block(&python, "class Stats("));
+    for counter in tidepool::Events::COUNTERS {
+        let decl = format!("uint64_t {}", counter.c_field);
+        assert!(c_decls.contains(&decl), "ffi/tidepool.h: tidepool_stats has no `{decl}` for {counter:?}");
+        assert!(python_fields.contains(&counter.c_field.to_string()), "{PYTHON}: Stats has no field {}", counter.c_field);
+    }
+    // (The Rust struct tidepool_stats is the header's, by the test above,
+    // and src/ffi.rs fills it from the list: a counter without a field
+    // there does not compile.)
+    let listed = quoted(python_block(&python, "COUNTERS = ("));
+    let pairs: Vec<(String, String)> = listed.chunks(2).map(|pair| (pair[0].clone(), pair[1].clone())).collect();
+    let expected: Vec<(String, String)> =
+        tidepool::Events::COUNTERS.iter().map(|c| (c.key.to_string(), c.c_field.to_string())).collect();
+    assert_eq!(pairs, expected, "{PYTHON}: COUNTERS (memory_stats key, tidepool_stats field) differ from the library's list");
+}
+
+#[test]
+fn the_python_ctypes_struct_mirrors_the_header_field_by_field() {
+    let (header, python) = (read("ffi/tidepool.h"), read(PYTHON));
+    assert_eq!(quoted(python_block(&python, "class Stats(")), header_stats_fields(&header), "{PYTHON}: Stats");
+    let version = |text: &str, prefix: &str| {
+        text.lines().find_map(|l| l.strip_prefix(prefix)).map(|v| v.trim().to_string()).unwrap()
+    };
+    assert_eq!(version(&python, "STATS_VERSION = "), version(&header, "#define TIDEPOOL_STATS_VERSION "));
+}
+
+#[test]
+fn every_gauge_and_release_reason_is_in_the_header_and_python_in_order() {
+    let (header, python) = (read("ffi/tidepool.h"), read(PYTHON));
+    let gauges: Vec<String> = tidepool::Stats::GAUGES.iter().map(|g| g.to_string()).collect();
+    let decl = format!("tidepool_stat_by_pool gauges[{}]", gauges.len());
+    assert!(header_structs(&header)["tidepool_stats"].contains(&decl), "ffi/tidepool.h: no `{decl}`");
+    // The header names them in its comment above the array.
+    let order = header.split("gauges, in this order:").nth(1).expect("the header lists the gauges' order");
+    let order: Vec<String> = order.split('.').next().unwrap().replace('*', " ").split(',').map(|g| g.trim().to_string()).collect();
+    assert_eq!(order, gauges, "ffi/tidepool.h: the gauges' order");
+    assert_eq!(quoted(python_block(&python, "GAUGES = (")), gauges, "{PYTHON}: GAUGES");
+    // Memory given back, by why: tidepool.released_bytes.<reason>.
+    let reasons: Vec<String> = tidepool::Stats::default()
+        .to_pytorch_keys()
+        .into_iter()
+        .filter_map(|(key, _)| key.strip_prefix("tidepool.released_bytes.").map(str::to_string))
+        .collect();
+    assert_eq!(reasons.len(), 6);
+    assert_eq!(quoted(python_block(&python, "RELEASE_REASONS = (")), reasons, "{PYTHON}: RELEASE_REASONS");
+    let fields = header_stats_fields(&header);
+    for reason in &reasons {
+        assert!(fields.contains(&format!("released_{reason}_bytes")), "ffi/tidepool.h: no released_{reason}_bytes");
+    }
+}

@@ -68,6 +68,16 @@ static void basic_use(void) {
     v1.size = 1040;
     CHECK(tidepool_get_stats(0, &v1) == TIDEPOOL_OK && v1.size == 1040 && v1.version == TIDEPOOL_STATS_VERSION, "v1 caller");
     CHECK(v1.num_reclaims == 0xEEEEEEEEEEEEEEEEull, "nothing written past the caller's size");
+    /* And one built against version 4 (up to offloaded_bytes) gets version 4's fields. */
+    tidepool_stats v4;
+    memset(&v4, 0xEE, sizeof v4);
+    v4.size = (uint32_t)offsetof(tidepool_stats, coop_last_wait_ms);
+    CHECK(v4.size == 1152, "version 4 is 1152 bytes, not %u", v4.size);
+    CHECK(tidepool_get_stats(0, &v4) == TIDEPOOL_OK && v4.size == 1152 && v4.version == TIDEPOOL_STATS_VERSION, "v4 caller");
+    CHECK(v4.released_empty_cache_bytes == 2 * MIB && v4.offloaded_bytes == 0, "v4 fields filled");
+    CHECK(v4.coop_last_wait_ms == 0xEEEEEEEEEEEEEEEEull && v4.num_cross_stream_reuses == 0xEEEEEEEEEEEEEEEEull,
+          "version 5's fields not written for a version 4 caller");
+    CHECK(s.num_stream_sync_errors == 0 && s.num_cross_stream_reuses == 0 && s.coop_last_wait_ms == 0, "version 5 counters");
 }
 
 static void bad_input(void) {

@@ -36,6 +36,16 @@ class MemoryStats(unittest.TestCase):
                     self.assertIn(f"{gauge}.{pool}.{field}", stats)
         for key in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams"):
             self.assertIn(key, stats)
+        # Every event counter of the library's list (tests/ffi_header.rs
+        # checks _native.COUNTERS against it), under its key.
+        # (The reclaimer may count a pass between the two reads.)
+        raw = _native.get_stats(0)
+        self.assertEqual((raw.version, raw.size), (_native.STATS_VERSION, ctypes.sizeof(_native.Stats)))
+        later = tidepool.memory_stats()
+        for key, field in _native.COUNTERS:
+            self.assertGreaterEqual(later[key], getattr(raw, field), key)
+        for key in ("tidepool.num_stream_sync_errors", "tidepool.num_cross_stream_reuses", "tidepool.coop_last_wait_ms"):
+            self.assertIn(key, stats)
         self.assertEqual(list(stats), sorted(stats), "keys sorted, as torch returns them")
 
     def test_follows_allocations_and_frees(self):

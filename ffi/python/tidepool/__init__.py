@@ -172,11 +172,7 @@ def memory_stats_as_nested_dict(device=None):
     # requests ahead of the driver, nor synchronizes every stream.
     out["oversize_allocations"] = dict.fromkeys(FIELDS, 0)
     out["oversize_segments"] = dict.fromkeys(FIELDS, 0)
-    out["num_alloc_retries"] = s.num_alloc_retries
-    out["num_ooms"] = s.num_ooms
     out["num_oom_rejections"] = 0
-    out["num_device_alloc"] = s.num_device_allocs
-    out["num_device_free"] = s.num_device_frees
     out["num_sync_all_streams"] = 0
     # Fragmentation: free bytes stuck inside partly used segments (neither
     # releasable nor usable by a larger request) over reserved bytes, as
@@ -191,14 +187,15 @@ def memory_stats_as_nested_dict(device=None):
         "external_fragmentation": fragmentation,
         "num_allocs": s.num_allocs,
         "num_frees": s.num_frees,
-        "num_invalid_frees": s.num_invalid_frees,
-        "num_size_mismatches": s.num_size_mismatches,
         "reserved_limit_bytes": s.reserved_limit_bytes,
         "released_bytes": {reason: getattr(s, f"released_{reason}_bytes") for reason in _native.RELEASE_REASONS},
-        "num_reclaims": s.num_reclaims,
     }
-    for key in ("num_coop_requests", "num_coop_satisfied", "num_coop_served", "num_pages_mapped", "num_pages_unmapped"):
-        own[key] = getattr(s, key)
+    # Every event counter, PyTorch's at the top, tidepool's under "tidepool".
+    for key, field in _native.COUNTERS:
+        if key.startswith("tidepool."):
+            own[key[len("tidepool."):]] = getattr(s, field)
+        else:
+            out[key] = getattr(s, field)
     # Paused tags (tidepool.pause): GPU memory given back, host memory holding their contents.
     own["paused_bytes"] = s.paused_bytes
     own["offloaded_bytes"] = s.offloaded_bytes

@@ -19,6 +19,27 @@ POOLS = ("all", "small_pool", "large_pool")
 # Why memory went back to the driver, as tidepool_stats names it.
 RELEASE_REASONS = ("idle_decay", "budget", "headroom", "out_of_memory", "empty_cache", "cooperation")
 FIELDS = ("current", "peak", "allocated", "freed")
+# The event counters, as src/stats.rs lists them (Events::COUNTERS): the key
+# memory_stats gives each (PyTorch's name, or tidepool.*) and its field in
+# tidepool_stats. tests/ffi_header.rs checks this list, Stats below and
+# GAUGES above against the library's.
+COUNTERS = (
+    ("num_device_alloc", "num_device_allocs"),
+    ("num_device_free", "num_device_frees"),
+    ("num_alloc_retries", "num_alloc_retries"),
+    ("num_ooms", "num_ooms"),
+    ("tidepool.num_invalid_frees", "num_invalid_frees"),
+    ("tidepool.num_size_mismatches", "num_size_mismatches"),
+    ("tidepool.num_reclaims", "num_reclaims"),
+    ("tidepool.num_coop_requests", "num_coop_requests"),
+    ("tidepool.num_coop_satisfied", "num_coop_satisfied"),
+    ("tidepool.num_coop_served", "num_coop_served"),
+    ("tidepool.coop_last_wait_ms", "coop_last_wait_ms"),
+    ("tidepool.num_stream_sync_errors", "num_stream_sync_errors"),
+    ("tidepool.num_cross_stream_reuses", "num_cross_stream_reuses"),
+    ("tidepool.num_pages_mapped", "num_pages_mapped"),
+    ("tidepool.num_pages_unmapped", "num_pages_unmapped"),
+)
 
 OK = 0
 ERR_INVALID_ARGUMENT = 1
@@ -28,7 +49,7 @@ ERR_IO = 4
 ERR_TAG_STATE = 5
 ERR_OUT_OF_MEMORY = 6
 PAUSE_OFFLOAD = 1
-STATS_VERSION = 4
+STATS_VERSION = 5
 TAG_STATS_VERSION = 1
 
 
@@ -83,6 +104,10 @@ class Stats(ctypes.Structure):
             "num_pages_unmapped",
             "paused_bytes",
             "offloaded_bytes",
+            # Version 5.
+            "coop_last_wait_ms",
+            "num_stream_sync_errors",
+            "num_cross_stream_reuses",
         )
     ]
 
