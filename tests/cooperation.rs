@@ -1,7 +1,8 @@
 //! Two processes on one device (host backend with a shared capacity file):
 //! A holds 60 % of the device as idle cache; B asks for 70 %. With
-//! cooperation B gets it within a second because A's reclaimer answers B's
-//! request; without it B fails. Both outcomes are asserted. With expandable
+//! cooperation B gets it within a few reclaimer intervals (well before its
+//! wait would end) because A's reclaimer answers B's request; without it B
+//! fails. Both outcomes are asserted. With expandable
 //! segments, A's idle cache is a hole between two live blocks, and what A
 //! gives back is the hole's pages.
 //!
@@ -19,11 +20,13 @@ use tidepool::reclaim::policy::Reason;
 use tidepool::{AllocError, Allocator, Config, Stream};
 
 const MIB: u64 = 1 << 20;
+/// conf's oom_wait_ms: a request answered well within it was answered.
+const OOM_WAIT: Duration = Duration::from_secs(5);
 
 fn conf(dir: &Path, cooperative: bool) -> String {
     format!(
         "backend:host,host_shared:{},registry_dir:{},host_capacity_mb:1024,release_after_ms:off,headroom_mb:0,\
-         reclaim_interval_ms:20,cooperative:{cooperative},oom_wait_ms:1500",
+         reclaim_interval_ms:20,cooperative:{cooperative},oom_wait_ms:5000",
         dir.join("capacity").display(),
         dir.join("registry").display()
     )
@@ -44,11 +47,12 @@ fn wait_for(path: &Path, timeout: Duration) -> bool {
     false
 }
 
-/// Process A: runs only when spawned by the test below.
+/// Process A: runs only when spawned by the tests below.
 #[test]
+#[ignore = "child process: run by scenario and scenario_on_simgpu (four tests)"]
 fn process_a_holds_idle_cache() {
     let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_COOP_CONF"), std::env::var("TIDEPOOL_TEST_COOP_DIR")) else {
-        return;
+        panic!("a child-process test: its parent test sets TIDEPOOL_TEST_COOP_CONF and TIDEPOOL_TEST_COOP_DIR");
     };
     let dir = PathBuf::from(dir);
     let alloc = allocator(&conf);
@@ -96,9 +100,10 @@ fn published(conf: &str, ready: impl Fn(&tidepool::reclaim::registry::Entry) -> 
 /// 20 MiB segment (18 MiB of cache it cannot give back), publishes, and
 /// waits for `done`. Runs only when spawned.
 #[test]
+#[ignore = "child process: run by spawn_h (three tests)"]
 fn process_h_holds_memory() {
     let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_COOP_CONF"), std::env::var("TIDEPOOL_TEST_COOP_DIR")) else {
-        return;
+        panic!("a child-process test: its parent test sets TIDEPOOL_TEST_COOP_CONF and TIDEPOOL_TEST_COOP_DIR");
     };
     let dir = PathBuf::from(dir);
     let alloc = allocator(&conf);
@@ -205,8 +210,9 @@ fn a_free_while_a_request_waits_for_others_returns_at_once_and_serves_it() {
         (waited, result, free_took)
     });
     eprintln!("free while a request waits: {free_took:?}; the request waited {waited:?}");
-    // Generous for a loaded machine; the old wait under the lock took oom_wait.
-    assert!(free_took < Duration::from_millis(100), "the free took {free_took:?}");
+    // Generous for a loaded machine; the old wait under the lock took the
+    // rest of oom_wait (6 s).
+    assert!(free_took < Duration::from_secs(1), "the free took {free_took:?}");
     let ptr = result.expect("the waiting request is served by the free");
     assert_eq!(ptr, held, "from the block just freed");
     assert!(waited < oom_wait / 2, "waited {waited:?}");
@@ -284,14 +290,10 @@ fn spawn_a(dir: &Path, conf: &str) -> Child {
     spawn("process_a_holds_idle_cache", dir, conf, &[])
 }
 
-/// Runs the test `name` of this binary as another process.
+/// Runs the (ignored) test `name` of this binary as another process.
 fn spawn(name: &str, dir: &Path, conf: &str, env: &[(&str, String)]) -> Child {
-    let mut command = Command::new(std::env::current_exe().unwrap());
-    command
-        .args(["--exact", name, "--test-threads=1", "--nocapture"])
-        .env("TIDEPOOL_TEST_COOP_CONF", conf)
-        .env("TIDEPOOL_TEST_COOP_DIR", dir)
-        .stdout(std::process::Stdio::piped());
+    let mut command = common::child_command(name);
+    command.env("TIDEPOOL_TEST_COOP_CONF", conf).env("TIDEPOOL_TEST_COOP_DIR", dir).stdout(std::process::Stdio::piped());
     for (k, v) in env {
         command.env(k, v);
     }
@@ -300,9 +302,10 @@ fn spawn(name: &str, dir: &Path, conf: &str, env: &[(&str, String)]) -> Child {
 
 /// Process B of the CUDA variant: asks for 70 % of the device.
 #[test]
+#[ignore = "child process: run by processes_on_one_simgpu_device_help_each_other"]
 fn process_b_asks_for_memory() {
     let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_COOP_CONF"), std::env::var("TIDEPOOL_TEST_COOP_DIR")) else {
-        return;
+        panic!("a child-process test: its parent test sets TIDEPOOL_TEST_COOP_CONF and TIDEPOOL_TEST_COOP_DIR");
     };
     let dir = PathBuf::from(dir);
     assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
@@ -326,7 +329,7 @@ fn scenario_on_simgpu(cooperative: bool) -> String {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let conf = format!(
-        "backend:cuda,registry_dir:{},release_after_ms:off,headroom_mb:0,reclaim_interval_ms:20,cooperative:{cooperative},oom_wait_ms:1500",
+        "backend:cuda,registry_dir:{},release_after_ms:off,headroom_mb:0,reclaim_interval_ms:20,cooperative:{cooperative},oom_wait_ms:5000",
         dir.join("registry").display()
     );
     let env = [
@@ -375,7 +378,7 @@ fn scenario(cooperative: bool, extra: &str) -> (Result<(), AllocError>, Duration
 fn a_process_about_to_fail_gets_the_idle_cache_of_another() {
     let (result, waited, served, stats) = scenario(true, "");
     assert!(result.is_ok(), "with cooperation: {result:?}");
-    assert!(waited < Duration::from_secs(1), "waited {waited:?}");
+    assert!(waited < OOM_WAIT / 2, "waited {waited:?}: the answer, not the end of the wait");
     assert_eq!((stats.events.num_coop_requests, stats.events.num_coop_satisfied), (1, 1));
     assert_eq!(served, 1, "process A answered one request");
     eprintln!("request to memory: {waited:?} (B's count: {} ms)", stats.events.coop_last_wait_ms);
@@ -393,7 +396,7 @@ fn without_cooperation_the_same_request_fails() {
 fn with_expandable_segments_a_hole_between_live_blocks_goes_to_the_other_process() {
     let (result, waited, served, stats) = scenario(true, "expandable:true");
     assert!(result.is_ok(), "with cooperation: {result:?}");
-    assert!(waited < Duration::from_secs(1), "waited {waited:?}");
+    assert!(waited < OOM_WAIT / 2, "waited {waited:?}: the answer, not the end of the wait");
     assert_eq!((stats.events.num_coop_satisfied, served), (1, 1));
     let (result, _, served, _) = scenario(false, "expandable:true");
     assert!(matches!(result, Err(AllocError::OutOfMemory(_))) && served == 0, "{result:?}");

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
@@ -47,22 +46,12 @@ DONE:
 }
 "#;
 
-fn in_child() -> bool {
-    std::env::var_os("TIDEPOOL_TEST_CHILD").is_some()
-}
-
-/// Runs the child test `name` over simgpu; asserts it passed and printed `expected`.
+/// Runs the (ignored) child test `name` over simgpu; asserts it ran, passed
+/// and printed `expected`.
 fn on_simgpu(name: &str, expected: &str) {
     let dir = common::simgpu_dir();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", name, "--test-threads=1", "--nocapture"])
-        .env("TIDEPOOL_TEST_CHILD", "1")
-        .env("LD_LIBRARY_PATH", &dir)
-        .env("SIMGPU_CAPACITY", "256M")
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains(expected), "{name}:\n{text}");
+    let (ok, text) = common::child_output(common::child_command(name).env("LD_LIBRARY_PATH", &dir).env("SIMGPU_CAPACITY", "256M"));
+    assert!(ok && text.contains(expected), "{name}:\n{text}");
 }
 
 /// The cuda backend's allocator and a cudarc context and stream on device 0.
@@ -75,10 +64,9 @@ fn setup() -> (Allocator, Arc<CudaContext>, Arc<CudaStream>) {
 }
 
 #[test]
+#[ignore = "child process: run by cudarc_copies_reach_a_buffer_and_come_back"]
 fn child_copies() {
-    if !in_child() {
-        return;
-    }
+    common::child_only();
     let (alloc, ctx, stream) = setup();
     assert_eq!(Stream::from(&stream).0, stream.cu_stream() as u64);
     let host: Vec<f32> = (0..100_000).map(|i| i as f32 * 0.25).collect();
@@ -111,10 +99,9 @@ fn cudarc_copies_reach_a_buffer_and_come_back() {
 }
 
 #[test]
+#[ignore = "child process: run by a_kernel_given_buffers_as_arguments_computes_what_the_host_does"]
 fn child_kernel() {
-    if !in_child() {
-        return;
-    }
+    common::child_only();
     let (alloc, ctx, stream) = setup();
     let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(LAYER_PTX)).unwrap();
     let layer = module.load_function("tidepool_layer").unwrap();
@@ -162,10 +149,9 @@ impl Queue {
 }
 
 #[test]
+#[ignore = "child process: run by a_copy_on_another_stream_waits_for_the_buffers_stream_and_holds_its_block"]
 fn child_other_stream() {
-    if !in_child() {
-        return;
-    }
+    common::child_only();
     let (alloc, ctx, own) = setup();
     let other = ctx.new_stream().unwrap();
     let queue = Queue::load();

@@ -236,8 +236,14 @@ impl Backend for NoVm {
 fn traces() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dirs = [root.join("examples/traces"), root.join("../shared/traces/pytorch-snapshots"), root.join("../shared/traces/rmm-csv")];
-    let mut files: Vec<PathBuf> =
-        dirs.iter().filter_map(|dir| std::fs::read_dir(dir).ok()).flatten().filter_map(|entry| entry.ok().map(|e| e.path())).collect();
+    let readable = |dir: &PathBuf| {
+        let entries = std::fs::read_dir(dir);
+        if entries.is_err() {
+            eprintln!("{} not found: its traces skipped", dir.display());
+        }
+        entries.ok()
+    };
+    let mut files: Vec<PathBuf> = dirs.iter().filter_map(readable).flatten().filter_map(|entry| entry.ok().map(|e| e.path())).collect();
     files.sort();
     assert!(files.len() >= 5, "examples/traces is missing");
     files

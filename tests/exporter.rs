@@ -25,23 +25,10 @@ use tidepool::{Allocator, Config, Stream};
 
 const MIB: u64 = 1 << 20;
 
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true")
-}
-
-/// The path of `tool` on PATH; None (with a message) where it is missing
-/// outside CI; under CI a missing tool fails the test.
+/// The path of `tool` (prometheus or promtool) on PATH; None (with a
+/// message) where it is missing outside CI; under CI a missing tool fails.
 fn tool(name: &str) -> Option<PathBuf> {
-    let found = std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
-        .map(|dir| dir.join(name))
-        .find(|path| path.is_file());
-    if found.is_none() {
-        assert!(!in_ci(), "{name} is missing: .ci/run installs Debian's prometheus package (apt-get install prometheus)");
-        eprintln!("skipped: {name} is not installed (apt-get install prometheus); under CI=true this fails");
-    }
-    found
+    common::tool(name, "Debian's prometheus package: apt-get install prometheus")
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -269,13 +256,14 @@ impl Prometheus {
 /// cache is not empty, writes what its own statistics report, and waits for
 /// its stop file.
 #[test]
+#[ignore = "child process: run by prometheus_scrapes_every_process_on_a_shared_simgpu_device_and_sees_an_exited_one_go_stale"]
 fn exporter_process_holds_memory() {
     let (Ok(conf), Ok(dir), Ok(mib)) = (
         std::env::var("TIDEPOOL_TEST_EXPORTER_CONF"),
         std::env::var("TIDEPOOL_TEST_EXPORTER_DIR"),
         std::env::var("TIDEPOOL_TEST_EXPORTER_MIB"),
     ) else {
-        return;
+        panic!("a child-process test: its parent test sets TIDEPOOL_TEST_EXPORTER_CONF, _DIR and _MIB");
     };
     let dir = PathBuf::from(dir);
     let mib: u64 = mib.parse().unwrap();
@@ -303,8 +291,7 @@ fn tidepool_process(dir: &Path, simgpu: &Path, mib: u64) -> (Guard, u64, u64) {
         "backend:cuda,registry_dir:{},release_after_ms:off,headroom_mb:0,reclaim_interval_ms:50,cooperative:true",
         dir.join("registry").display()
     );
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "exporter_process_holds_memory", "--test-threads=1", "--nocapture"])
+    let child = common::child_command("exporter_process_holds_memory")
         .env("TIDEPOOL_TEST_EXPORTER_CONF", conf)
         .env("TIDEPOOL_TEST_EXPORTER_DIR", dir)
         .env("TIDEPOOL_TEST_EXPORTER_MIB", mib.to_string())
@@ -374,7 +361,7 @@ fn prometheus_scrapes_every_process_on_a_shared_simgpu_device_and_sees_an_exited
     drop(b); // killed, not exited: its slot stays, but its pid is gone
     let start = Instant::now();
     while sample(&metrics(addr), "tidepool_allocated_bytes", &[]).is_some() {
-        assert!(start.elapsed() < Duration::from_secs(5), "a killed process's series stayed");
+        assert!(start.elapsed() < Duration::from_secs(20), "a killed process's series stayed");
         std::thread::sleep(Duration::from_millis(50));
     }
     drop((server, exporter));
@@ -554,18 +541,20 @@ fn a_client_that_connects_and_sends_nothing_is_dropped_at_the_timeout() {
 #[test]
 fn connections_past_the_bound_wait_until_one_closes() {
     let dir = scratch("bound");
-    let (_exporter, addr) = exporter(&[&dir], &["--timeout", "1", "--max-connections", "4"]);
+    // The idle clients are dropped at the 2 s timeout: a request served
+    // before that found a free slot; one served after waited for them.
+    let (_exporter, addr) = exporter(&[&dir], &["--timeout", "2", "--max-connections", "4"]);
     let idle: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
     std::thread::sleep(Duration::from_millis(100));
     let start = Instant::now();
     let response = request(addr, "GET", "/metrics", &[]).unwrap();
     let waited = start.elapsed();
     assert_eq!(response.status, 200);
-    assert!(waited >= Duration::from_millis(700), "served at once ({waited:?}): the bound of 4 did not hold");
+    assert!(waited >= Duration::from_millis(1500), "served at once ({waited:?}): the bound of 4 did not hold");
     drop(idle);
     let start = Instant::now();
     assert_eq!(request(addr, "GET", "/metrics", &[]).unwrap().status, 200);
-    assert!(start.elapsed() < Duration::from_millis(700), "with the idle clients gone it answers at once");
+    assert!(start.elapsed() < Duration::from_millis(1500), "with the idle clients gone it answers at once");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

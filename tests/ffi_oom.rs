@@ -3,9 +3,10 @@
 //! `oom_snapshot` at the first out-of-memory, written or refused, and the
 //! statistics resets over every device.
 
+mod common;
+
 use std::ffi::c_char;
 use std::path::Path;
-use std::process::Command;
 use std::ptr::null_mut;
 
 use tidepool::ffi::*;
@@ -13,20 +14,11 @@ use tidepool::pickle::PickleDoc;
 
 const MIB: usize = 1 << 20;
 
-/// Runs the test `name` of this binary in a child process with TIDEPOOL_CONF
-/// set to `conf`; returns whether it passed and what it printed.
+/// Runs the (ignored) test `name` of this binary in a child process with
+/// TIDEPOOL_CONF set to `conf`; returns whether it ran and passed and what
+/// it printed.
 fn child(name: &str, conf: &str) -> (bool, String) {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", name, "--test-threads=1", "--nocapture"])
-        .env("TIDEPOOL_TEST_CHILD", "1")
-        .env("TIDEPOOL_CONF", conf)
-        .output()
-        .unwrap();
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
-}
-
-fn in_child() -> bool {
-    std::env::var_os("TIDEPOOL_TEST_CHILD").is_some()
+    common::child_output(common::child_command(name).env("TIDEPOOL_CONF", conf))
 }
 
 fn last_error() -> String {
@@ -58,10 +50,9 @@ fn the_first_out_of_memory_writes_the_oom_snapshot_and_later_ones_do_not() {
 }
 
 #[test]
+#[ignore = "child process: run by the_first_out_of_memory_writes_the_oom_snapshot_and_later_ones_do_not"]
 fn child_writes_the_oom_snapshot() {
-    if !in_child() {
-        return;
-    }
+    common::child_only();
     let conf = std::env::var("TIDEPOOL_CONF").unwrap();
     let path = Path::new(conf.rsplit_once("oom_snapshot:").unwrap().1);
     let live = tidepool_malloc(MIB, 0, null_mut());
@@ -99,10 +90,9 @@ fn an_unwritable_oom_snapshot_is_one_warning_and_the_allocator_goes_on() {
 }
 
 #[test]
+#[ignore = "child process: run by an_unwritable_oom_snapshot_is_one_warning_and_the_allocator_goes_on"]
 fn child_cannot_write_the_oom_snapshot() {
-    if !in_child() {
-        return;
-    }
+    common::child_only();
     assert!(tidepool_malloc(1 << 30, 0, null_mut()).is_null());
     assert!(last_error().contains("out of memory"), "{}", last_error());
     let p = tidepool_malloc(MIB, 0, null_mut());
@@ -120,10 +110,9 @@ fn statistics_resets_apply_to_one_device_or_to_every_one() {
 }
 
 #[test]
+#[ignore = "child process: run by statistics_resets_apply_to_one_device_or_to_every_one"]
 fn child_resets_statistics() {
-    if !in_child() {
-        return;
-    }
+    common::child_only();
     let mut keep = vec![];
     for device in [0, 1] {
         keep.push(tidepool_malloc(4096, device, null_mut()));

@@ -11,9 +11,13 @@
 //! test of their own, with this build's `tidepool` command; they need
 //! transformers and peft too (.ci/run installs them).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
+
+use common::in_ci;
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -25,10 +29,6 @@ fn scratch() -> PathBuf {
 
 fn python() -> PathBuf {
     std::env::var_os("TIDEPOOL_TEST_PYTHON").map_or_else(|| PathBuf::from("python3"), PathBuf::from)
-}
-
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true")
 }
 
 fn text(output: &Output) -> String {

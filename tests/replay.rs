@@ -41,7 +41,7 @@ fn the_pytorch_model_lands_within_2_percent_of_pytorchs_recorded_peak_reserved()
         "wed_medium_512_training.pickle",
     ] {
         let Some(path) = shared(&format!("pytorch-snapshots/{name}")) else {
-            return;
+            continue;
         };
         let trace = trace::load(&path).unwrap();
         let recorded = trace.pytorch_peak_reserved.expect("snapshots record segments") as f64;
@@ -57,7 +57,7 @@ fn the_rmm_logs_replay_to_the_published_pytorch_policy_figures() {
     // ../shared/traces/README.md: PyTorch-policy peak reserved per log.
     for (name, gib) in [("resnet50-b64.csv", 6.438), ("gpt2-b8-s1024.csv", 29.143), ("gpt2-b8-varlen.csv", 30.383)] {
         let Some(path) = shared(&format!("rmm-csv/{name}")) else {
-            return;
+            continue;
         };
         let trace = trace::load(&path).unwrap();
         let report = replay(&trace, &options(Policy::Pytorch)).unwrap();

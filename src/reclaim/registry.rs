@@ -746,7 +746,8 @@ mod tests {
         squatter.lock().unwrap();
         let start = Instant::now();
         assert!(a.publish(Entry::default()).unwrap_err().0.contains("locked"));
-        assert!(start.elapsed() < Duration::from_millis(500));
+        // LOCK_WAIT is 50 ms; the bound leaves room for a loaded machine.
+        assert!(start.elapsed() < Duration::from_secs(2));
         squatter.unlock().unwrap();
         assert!(a.publish(Entry::default()).is_ok());
         drop(a);
@@ -808,7 +809,7 @@ mod tests {
         assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
         let start = Instant::now();
         let found = scan(&dir);
-        assert!(start.elapsed() < Duration::from_secs(1), "a FIFO does not block the scan");
+        assert!(start.elapsed() < Duration::from_secs(5), "a FIFO does not block the scan");
         let mut errors: Vec<(String, ScanError)> =
             found.errors.iter().map(|(p, e)| (p.file_name().unwrap().to_string_lossy().into_owned(), *e)).collect();
         errors.sort();

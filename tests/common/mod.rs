@@ -161,3 +161,63 @@ pub fn simgpu_dir() -> std::path::PathBuf {
     std::fs::rename(&out, dir.join("libcuda.so")).unwrap();
     dir
 }
+
+// ---- child processes -----------------------------------------------------
+//
+// A test that only makes sense in a process of its own (`child_*`,
+// `process_*`) is `#[ignore]`d, so that a plain `cargo test` counts only real
+// tests; its parent test runs it in a child process with `--ignored --exact`
+// and TIDEPOOL_TEST_CHILD set, and fails when it fails.
+
+/// The command that runs the ignored test `name` of this test binary in a
+/// child process (one thread, output not captured); the caller adds its
+/// environment and runs it (`child_output`) or spawns it.
+pub fn child_command(name: &str) -> std::process::Command {
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command.args(["--ignored", "--exact", name, "--test-threads=1", "--nocapture"]).env("TIDEPOOL_TEST_CHILD", "1");
+    command
+}
+
+/// Runs a `child_command` to its end: whether its one test ran and passed
+/// (a name that matches no test runs none, which is no pass), and what it
+/// printed.
+pub fn child_output(command: &mut std::process::Command) -> (bool, String) {
+    let out = command.output().unwrap_or_else(|err| panic!("cannot run {command:?}: {err}"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let ran = stdout.contains("test result: ok. 1 passed;");
+    (out.status.success() && ran, format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
+}
+
+/// The first line of a child test: it runs only under its parent, which
+/// sets its environment (`--include-ignored` alone would run it without).
+pub fn child_only() {
+    assert!(
+        std::env::var_os("TIDEPOOL_TEST_CHILD").is_some(),
+        "a child-process test: its parent test runs it with --ignored --exact and the environment it needs"
+    );
+}
+
+// ---- tools ---------------------------------------------------------------
+
+/// Whether this is a CI run (`CI=true`, as `.ci/run` sets): there a tool a
+/// test needs (python3 and torch, valgrind, nm, a C compiler, prometheus)
+/// must be installed, and its absence fails the test instead of skipping it.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// The path of the program `name` on PATH. Where it is missing: under
+/// `CI=true` the test fails; elsewhere None, with a message (`install` says
+/// how to get it), and the caller skips what needs it.
+pub fn tool(name: &str, install: &str) -> Option<std::path::PathBuf> {
+    let found = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
+        .map(|dir| dir.join(name))
+        .find(|path| path.is_file());
+    if found.is_none() {
+        assert!(!in_ci(), "CI=true: {name} is missing ({install}; .ci/run installs it)");
+        eprintln!("skipped: {name} is not installed ({install}); under CI=true this fails");
+    }
+    found
+}
