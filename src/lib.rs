@@ -52,9 +52,9 @@ use heap::DeviceHeap;
 pub use heap::history::{HistoryAction, HistoryEntry};
 pub use heap::private::PrivatePoolId;
 pub use heap::tags::TagStats;
-pub use heap::{BlockSnapshot, Released, SegmentSnapshot};
+pub use heap::{BlockSnapshot, SegmentSnapshot};
 pub use tag::TagId;
-pub use stats::{Events, Stat, StatByPool, Stats};
+pub use stats::{Events, Released, Stat, StatByPool, Stats};
 
 /// An opaque stream handle (a `CUstream`); 0 is the default stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -162,7 +162,18 @@ impl Allocator {
         let heaps: Arc<[Mutex<DeviceHeap>]> = heaps.into();
         let reclaimer = if config.reclaims() || cooperating {
             let interval = std::time::Duration::from_millis(config.reclaim_interval_ms);
-            match reclaim::Reclaimer::start(Arc::downgrade(&heaps), clock, interval) {
+            // Each heap applies the policy in turn, locked one at a time.
+            let weak = Arc::downgrade(&heaps);
+            let pass = move || match weak.upgrade() {
+                Some(heaps) => {
+                    heaps.iter().for_each(|heap| {
+                        heap.lock().reclaim();
+                    });
+                    true
+                }
+                None => false,
+            };
+            match reclaim::Reclaimer::start(pass, clock, interval) {
                 Ok(reclaimer) => Some(reclaimer),
                 Err(err) => {
                     eprintln!("tidepool: warning: cannot start the reclaimer thread ({err}); idle memory stays cached");

@@ -7,9 +7,22 @@
 //! `Counters` and derives `all` when asked, except its peak, which it keeps.
 #![forbid(unsafe_code)]
 
-use crate::heap::Released;
 use crate::reclaim::policy::Reason;
 use crate::size_class::PoolKind;
+
+/// What releasing cached segments gave back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    pub segments: u64,
+    pub bytes: u64,
+}
+
+impl std::ops::AddAssign for Released {
+    fn add_assign(&mut self, other: Released) {
+        self.segments += other.segments;
+        self.bytes += other.bytes;
+    }
+}
 
 /// `inactive_split / reserved`, in [0, 1]; 0 when nothing is reserved
 /// (the definition of [`Stats::fragmentation`], for figures that come

@@ -68,6 +68,7 @@ use crate::reclaim::policy::{Policy, Reason};
 use crate::reclaim::registry::Registry;
 use crate::reclaim::Clock;
 use crate::size_class::{PoolKind, SizeRules};
+pub use crate::stats::Released;
 use crate::stats::{Counters, Stats};
 use crate::trace::record::{Recorder, TraceBuffer};
 use crate::trace::rmm_csv::Action;
@@ -94,20 +95,6 @@ pub struct Segment {
     pub first_block: BlockId,
     /// When the segment last became one whole free block (reclaimer clock).
     pub idle_since_ms: u64,
-}
-
-/// What releasing cached segments gave back.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Released {
-    pub segments: u64,
-    pub bytes: u64,
-}
-
-impl std::ops::AddAssign for Released {
-    fn add_assign(&mut self, other: Released) {
-        self.segments += other.segments;
-        self.bytes += other.bytes;
-    }
 }
 
 /// The three byte counts a replay follows.

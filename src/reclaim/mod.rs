@@ -2,20 +2,20 @@
 //! background thread that applies it to every heap of an allocator.
 //!
 //! The thread only wakes every `reclaim_interval_ms`, advances the coarse
-//! clock the heaps stamp idle segments with, asks each heap to apply the
-//! policy, and sleeps. It holds the allocator weakly and stops when the
-//! allocator is dropped; a forked child never joins its parent's thread.
+//! clock the heaps stamp idle segments with, runs the pass the allocator
+//! gave it (each heap applies the policy), and sleeps. The pass holds the
+//! allocator weakly and says when it is gone, which stops the thread; a
+//! forked child never joins its parent's thread. This module does not know
+//! the heaps: layers point down.
 #![forbid(unsafe_code)]
 
 pub mod policy;
 pub mod registry;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use crate::heap::DeviceHeap;
 
 /// Milliseconds since the allocator started, advanced by the reclaimer:
 /// reading it is one relaxed load, cheap enough for the allocation path.
@@ -54,8 +54,10 @@ pub struct Reclaimer {
 }
 
 impl Reclaimer {
-    /// Starts the thread over `heaps`, waking every `interval`.
-    pub fn start(heaps: Weak<[parking_lot::Mutex<DeviceHeap>]>, clock: Arc<Clock>, interval: Duration) -> std::io::Result<Reclaimer> {
+    /// Starts the thread, waking every `interval` to run `pass`, which
+    /// returns false once there is nothing left to reclaim for (the
+    /// allocator is gone).
+    pub fn start(pass: impl Fn() -> bool + Send + 'static, clock: Arc<Clock>, interval: Duration) -> std::io::Result<Reclaimer> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let signal = stop.clone();
         let handle = std::thread::Builder::new().name("tidepool-reclaim".into()).spawn(move || {
@@ -74,11 +76,7 @@ impl Reclaimer {
                 clock.tick();
                 // The heaps are locked one at a time, with the stop flag released.
                 drop(stopped);
-                if let Some(heaps) = heaps.upgrade() {
-                    for heap in heaps.iter() {
-                        heap.lock().reclaim();
-                    }
-                } else {
+                if !pass() {
                     return;
                 }
                 stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
