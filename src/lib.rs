@@ -32,6 +32,7 @@ pub mod snapshot;
 pub mod stats;
 pub mod tag;
 pub mod trace;
+pub mod types;
 
 /// cudarc interop: tidepool buffers as cudarc device memory (feature `cudarc`).
 #[cfg(feature = "cudarc")]
@@ -56,25 +57,7 @@ pub use heap::{BlockSnapshot, SegmentSnapshot};
 pub use tag::TagId;
 pub use stats::{Events, Released, Stat, StatByPool, Stats};
 
-/// An opaque stream handle (a `CUstream`); 0 is the default stream.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Stream(pub u64);
-
-impl Stream {
-    pub const DEFAULT: Stream = Stream(0);
-}
-
-/// A device address returned by [`Allocator::allocate`]; 0 for a 0-byte request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DevicePtr(pub u64);
-
-impl DevicePtr {
-    pub const NULL: DevicePtr = DevicePtr(0);
-
-    pub fn is_null(self) -> bool {
-        self.0 == 0
-    }
-}
+pub use types::{DevicePtr, Stream};
 
 /// A caching allocator over all devices of one backend. `Send + Sync`:
 /// share it between threads by reference or in an `Arc`.

@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 use cudarc::driver::sys;
 
 use super::{Backend, BackendError, HostMemory, MemInfo};
-use crate::Stream;
+use crate::types::Stream;
 
 /// One device: its ordinal, primary context, identity and (cuda_async) pool.
 struct Device {

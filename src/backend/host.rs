@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::{Backend, BackendError, HostMemory, MemInfo};
-use crate::Stream;
+use crate::types::Stream;
 
 /// How an injected failure presents itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

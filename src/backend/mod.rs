@@ -13,7 +13,7 @@ pub mod host;
 
 use std::fmt;
 
-use crate::Stream;
+use crate::types::Stream;
 
 /// Free and total memory of one device, as the driver reports it (this sees
 /// every process on the device).

@@ -16,7 +16,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::DeviceHeap;
 use crate::trace::rmm_csv::Action;
-use crate::Stream;
+use crate::types::Stream;
 
 /// What happened, in PyTorch's words.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

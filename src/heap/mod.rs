@@ -72,7 +72,7 @@ pub use crate::stats::Released;
 use crate::stats::{Counters, Stats};
 use crate::trace::record::{Recorder, TraceBuffer};
 use crate::trace::rmm_csv::Action;
-use crate::Stream;
+use crate::types::Stream;
 use addr_map::AddrMap;
 use block::{BlockArena, BlockId, BlockState, NIL};
 use expandable::Vm;

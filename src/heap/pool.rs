@@ -16,7 +16,7 @@
 use super::block::{BlockArena, BlockId, BlockState, NIL};
 use super::private::PrivatePoolId;
 use crate::size_class::{bin_of, PoolKind, SizeRules, BIN_COUNT, MANTISSA_BITS, ROWS};
-use crate::Stream;
+use crate::types::Stream;
 
 const SUBS: usize = 1 << MANTISSA_BITS;
 

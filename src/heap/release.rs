@@ -16,7 +16,7 @@ use crate::backend::BackendError;
 use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
 use crate::reclaim::registry::{Asked, Entry, Registry};
 use crate::reclaim::Clock;
-use crate::Stream;
+use crate::types::Stream;
 
 impl DeviceHeap {
     /// The memory the other processes would have to give back for a

@@ -9,7 +9,7 @@ use super::block::{BlockId, BlockState};
 use super::history::HistoryAction;
 use super::{DeviceHeap, Freed};
 use crate::error::AllocError;
-use crate::Stream;
+use crate::types::Stream;
 
 impl DeviceHeap {
     /// When the device is full, a free block cached for another stream can

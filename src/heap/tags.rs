@@ -55,7 +55,7 @@ use crate::error::AllocError;
 use crate::reclaim::policy::Reason;
 use crate::size_class::{PoolKind, SizeRules};
 use crate::tag::{name_of, TagId};
-use crate::Stream;
+use crate::types::Stream;
 
 /// The address space a tag's small pool reserves at a time (its large
 /// pool reserves as much as the device holds, as expandable segments do).

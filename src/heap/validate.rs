@@ -238,7 +238,7 @@ mod tests {
     use super::super::DeviceHeap;
     use crate::backend::host::HostBackend;
     use crate::size_class::{PoolKind, SizeRules};
-    use crate::Stream;
+    use crate::types::Stream;
 
     fn heap_with_holes() -> (DeviceHeap, Vec<u64>) {
         let mut heap = DeviceHeap::new(0, SizeRules::default(), Arc::new(HostBackend::new(1, 1 << 30)));
