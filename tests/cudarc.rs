@@ -135,16 +135,9 @@ struct Queue {
 
 impl Queue {
     fn load() -> Queue {
-        // SAFETY: reads two symbols of the simgpu this process loaded, whose C
-        // signatures are declared in cuda/simgpu/simgpu.c.
-        unsafe {
-            let handle = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW);
-            assert!(!handle.is_null(), "simgpu not loaded");
-            let sleep = libc::dlsym(handle, c"simgpu_enqueue_sleep".as_ptr());
-            let fill = libc::dlsym(handle, c"simgpu_enqueue_fill".as_ptr());
-            assert!(!sleep.is_null() && !fill.is_null(), "not simgpu");
-            Queue { enqueue_sleep: std::mem::transmute(sleep), enqueue_fill: std::mem::transmute(fill) }
-        }
+        let (sleep, fill) = (common::simgpu_symbol(c"simgpu_enqueue_sleep"), common::simgpu_symbol(c"simgpu_enqueue_fill"));
+        // SAFETY: both are cast to their C signatures in cuda/simgpu/simgpu.c.
+        unsafe { Queue { enqueue_sleep: std::mem::transmute(sleep), enqueue_fill: std::mem::transmute(fill) } }
     }
 }
 

@@ -160,17 +160,9 @@ struct Simgpu {
 
 impl Simgpu {
     fn load() -> Simgpu {
-        // SAFETY: opens the libcuda.so this process already loaded (simgpu,
-        // through LD_LIBRARY_PATH) and reads symbols whose C signatures are
-        // the ones declared in cuda/simgpu/simgpu.c.
+        let sym = common::simgpu_symbol;
+        // SAFETY: each symbol is cast to its C signature in cuda/simgpu/simgpu.c.
         unsafe {
-            let handle = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW);
-            assert!(!handle.is_null(), "simgpu not loaded");
-            let sym = |name: &std::ffi::CStr| {
-                let p = libc::dlsym(handle, name.as_ptr());
-                assert!(!p.is_null(), "{name:?} missing: not simgpu");
-                p
-            };
             Simgpu {
                 stream_create: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*mut u64, u32) -> i32>(sym(c"cuStreamCreate")),
                 enqueue_sleep: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64, i64) -> i32>(sym(

@@ -142,6 +142,22 @@ pub fn build_against_cdylib(compiler: &str, flags: &[&str], sources: &[&str], na
     out
 }
 
+/// The address of `name` in the libcuda.so this process loaded (simgpu,
+/// found through LD_LIBRARY_PATH), for a test to cast to the C signature
+/// cuda/simgpu/simgpu.c declares. Panics when the loaded driver is not
+/// simgpu.
+pub fn simgpu_symbol(name: &std::ffi::CStr) -> *mut libc::c_void {
+    // SAFETY: dlopen of a library this process has loaded only takes a
+    // reference to it; dlsym reads an address and calls nothing.
+    unsafe {
+        let handle = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW);
+        assert!(!handle.is_null(), "simgpu not loaded");
+        let symbol = libc::dlsym(handle, name.as_ptr());
+        assert!(!symbol.is_null(), "{name:?} missing: not simgpu");
+        symbol
+    }
+}
+
 /// Builds cuda/simgpu (the stand-in libcuda.so) into a directory of its
 /// own and returns that directory, for LD_LIBRARY_PATH.
 pub fn simgpu_dir() -> std::path::PathBuf {
