@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 
-def _fake_group(world_size):
+def fake_group(world_size):
     """Rank 0 of a fake process group of world_size ranks (made anew when the size changes)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -26,7 +26,7 @@ def wrap(model, world_size, rec):
     are labelled as gradients in the recording."""
     import torch.nn.parallel.distributed as ddp_module
 
-    _fake_group(world_size)
+    fake_group(world_size)
     # The check that every rank has the same parameters compares data the
     # meta device does not have; one process is every rank here.
     check = ddp_module._verify_param_shape_across_processes

@@ -15,7 +15,8 @@ import contextlib
 import types
 
 import torch
-import torch.distributed as dist
+
+from .ddp import fake_group
 
 
 class _Stream:
@@ -62,16 +63,6 @@ _HANDLE = types.SimpleNamespace(
     synchronize=lambda device=None: None)
 
 
-def _fake_group(world_size):
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    if dist.is_initialized():
-        if dist.get_world_size() == world_size and dist.get_backend() == "fake":
-            return
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-
-
 def blocks(model, layers=None):
     """The repeated blocks to shard: the given ones, else the largest nn.ModuleList."""
     if layers is not None:
@@ -89,7 +80,7 @@ def sharding(world_size, rec):
     gradients."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 
-    _fake_group(world_size)
+    fake_group(world_size)
     group = group_module.FSDPParamGroup
     check = group._validate_no_meta_params
     group._validate_no_meta_params = lambda self: None
