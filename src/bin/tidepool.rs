@@ -347,9 +347,9 @@ fn report_json(r: &ReplayReport) -> serde_json::Value {
 /// top, and every device's in `devices`.
 fn policy_json(reports: &[&ReplayReport]) -> String {
     let largest = reports.iter().max_by_key(|r| (r.peak_reserved_bytes, std::cmp::Reverse(r.device))).expect("a device");
-    let mut object = serde_json::json!({"file": largest.file, "policy": largest.policy.name()});
-    let top = report_json(largest);
-    object.as_object_mut().expect("an object").extend(top.as_object().expect("an object").clone());
+    let mut object = report_json(largest);
+    object["file"] = largest.file.as_str().into();
+    object["policy"] = largest.policy.name().into();
     object["devices"] = reports.iter().map(|r| report_json(r)).collect();
     object.to_string()
 }

@@ -71,6 +71,7 @@ impl DeviceHeap {
         if want == 0 {
             return donors;
         }
+        let page = self.vm.map_or(0, |vm| vm.page);
         self.flush_stashes(); // a stashed block is a hole too
         // (freed at, the hole's block, or the whole segment's id)
         let mut candidates: Vec<(u64, Result<BlockId, u32>)> = Vec::new();
@@ -97,7 +98,6 @@ impl DeviceHeap {
                         continue;
                     }
                     let runs = self.mapped_runs_inside(hole);
-                    let page = self.vm.map_or(0, |vm| vm.page);
                     donors.extend(runs.iter().map(|&(segment, first, pages)| Donor { segment, first, pages }));
                     runs.iter().map(|&(_, _, n)| n * page).sum()
                 }
