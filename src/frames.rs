@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::AllocError;
+use crate::error::AllocError;
 
 /// One stack frame, as PyTorch's snapshots list it.
 #[derive(Clone, Debug, PartialEq, Eq)]
