@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use tidepool::trace::replay::{replay, Policy, ReplayOptions};
-use tidepool::trace::rmm_csv::{Action, Row, RowWriter};
+use tidepool::recording::rows::{Action, Row, RowWriter};
 use tidepool::trace::Event;
 use tidepool::{Allocator, Config, DevicePtr, Stream};
 

@@ -1,5 +1,7 @@
-//! Asking the other processes on a device for memory after an
-//! out-of-memory, with no heap locked while waiting.
+//! This process's slot among the tidepool processes sharing one GPU, and
+//! what it does with it: publishing the device's figures at every
+//! reclaimer pass, answering the others' requests for memory, and asking
+//! them after an out-of-memory, with no heap locked while waiting.
 //!
 //! The request is posted only when the registry shows another live process
 //! holding memory it could give back; the asking thread then sleeps with
@@ -13,38 +15,110 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::backend::Backend;
+use crate::config::Config;
 use crate::error::AllocError;
-use crate::heap::DeviceHeap;
+use crate::reclaim::registry::{self, Entry, Registry};
+use crate::stats::{Events, Released};
 
 /// How long the asking thread sleeps between two tries.
 const POLL: Duration = Duration::from_millis(5);
 
-/// Asks the other processes for `need` bytes through `registry_heap` (the
-/// device's heap holding its registry slot) and calls `retry` (which locks
-/// what it needs) until it succeeds, fails otherwise than by an
-/// out-of-memory, every process asked has answered, or the wait is over.
-/// `None` when no one was asked: the out-of-memory stands at once.
-#[cold]
-#[inline(never)]
-pub(crate) fn ask_and_retry<T>(
-    registry_heap: &Mutex<DeviceHeap>,
-    need: u64,
-    mut retry: impl FnMut() -> Result<T, AllocError>,
-) -> Option<Result<T, AllocError>> {
-    let (asked, wait) = {
-        let mut heap = registry_heap.lock();
-        (heap.ask_others(need)?, heap.oom_wait())
-    };
-    let start = Instant::now();
-    let result = loop {
-        std::thread::sleep(POLL);
-        // Read before the retry: an answer seen here is in what the retry finds.
-        let answered = registry_heap.lock().others_answered(&asked);
-        match retry() {
-            Err(AllocError::OutOfMemory(_)) if !answered && start.elapsed() < wait => continue,
-            other => break other,
+/// One device's registry slot and the cooperation counters it keeps
+/// (`num_coop_*`, `coop_last_wait_ms`: added to the device's statistics).
+pub(crate) struct Cooperation {
+    oom_wait: Duration,
+    state: Mutex<State>,
+}
+
+struct State {
+    registry: Registry,
+    events: Events,
+}
+
+impl Cooperation {
+    /// The slot of this process for `device`, when cooperation is on and
+    /// the device can be shared; a registry that cannot be used is reported
+    /// and cooperation stays off for the device.
+    pub fn join(config: &Config, backend: &dyn Backend, device: usize) -> Option<Cooperation> {
+        if !config.cooperative {
+            return None;
         }
-    };
-    registry_heap.lock().end_asking(result.is_ok().then(|| start.elapsed()));
-    Some(result)
+        let key = backend.shared_device_key(device)?;
+        let dir = config.registry_dir.clone().unwrap_or_else(registry::default_dir);
+        match Registry::join(&dir, &key) {
+            Ok(registry) => Some(Cooperation {
+                oom_wait: Duration::from_millis(config.oom_wait_ms),
+                state: Mutex::new(State { registry, events: Events::default() }),
+            }),
+            Err(err) => {
+                eprintln!("tidepool: warning: cooperation off for device {device}: {err}");
+                None
+            }
+        }
+    }
+
+    /// The counters kept here.
+    pub fn events(&self) -> Events {
+        self.state.lock().events
+    }
+
+    /// Zeroes the accumulated counters (the last wait stays).
+    pub fn reset_accumulated(&self) {
+        let mut state = self.state.lock();
+        state.events = state.events.accumulations_reset();
+    }
+
+    /// Publishes the device's figures; when some process asks for memory,
+    /// `give_back` releases this process's idle cache of the device and the
+    /// askers are told that this process has answered.
+    pub fn publish_and_answer(&self, entry: Entry, give_back: impl FnOnce() -> Released) -> Released {
+        let asked = self.state.lock().registry.publish(entry).unwrap_or(0);
+        if asked == 0 {
+            return Released::default();
+        }
+        let answer = give_back();
+        let mut state = self.state.lock();
+        if answer.bytes > 0 || answer.segments > 0 {
+            state.events.num_coop_served += 1;
+        }
+        let _ = state.registry.mark_answered();
+        answer
+    }
+
+    /// Asks the other processes for `need` bytes and calls `retry` (which
+    /// locks what it needs) until it succeeds, fails otherwise than by an
+    /// out-of-memory, every process asked has answered, or the wait is over.
+    /// `None` when no one was asked: the out-of-memory stands at once.
+    #[cold]
+    #[inline(never)]
+    pub fn ask_and_retry<T>(&self, need: u64, mut retry: impl FnMut() -> Result<T, AllocError>) -> Option<Result<T, AllocError>> {
+        if self.oom_wait.is_zero() {
+            return None;
+        }
+        let asked = {
+            let mut state = self.state.lock();
+            let asked = state.registry.ask(need).ok()??;
+            state.events.num_coop_requests += 1;
+            asked
+        };
+        let start = Instant::now();
+        let result = loop {
+            std::thread::sleep(POLL);
+            // Read before the retry: an answer seen here is in what the retry
+            // finds. A registry that cannot be read counts as answered.
+            let answered = self.state.lock().registry.answered(&asked).unwrap_or(true);
+            match retry() {
+                Err(AllocError::OutOfMemory(_)) if !answered && start.elapsed() < self.oom_wait => continue,
+                other => break other,
+            }
+        };
+        let mut state = self.state.lock();
+        if result.is_ok() {
+            state.events.num_coop_satisfied += 1;
+            state.events.coop_last_wait_ms = start.elapsed().as_millis() as u64;
+        }
+        let _ = state.registry.request(0);
+        Some(result)
+    }
 }

@@ -18,7 +18,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Once;
 
 use parking_lot::Mutex;
@@ -184,32 +184,11 @@ macro_rules! boundary {
 static ALLOCATOR: AtomicPtr<Allocator> = AtomicPtr::new(null_mut());
 static AT_FORK: Once = Once::new();
 static AT_EXIT: Once = Once::new();
-/// Set in a fork child: its recording, if any, goes to a file of its own.
-static FORKED: AtomicBool = AtomicBool::new(false);
-/// Forks this process has gone through, as seen from the child side.
-static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
 
 extern "C" fn on_fork_child() {
-    // Only atomic stores: a fork child may run nothing that locks.
+    // Only an atomic store: a fork child may run nothing that locks. The
+    // child makes its own allocator on first use.
     ALLOCATOR.store(null_mut(), Ordering::Release);
-    FORKED.store(true, Ordering::Release);
-    FORK_GENERATION.fetch_add(1, Ordering::AcqRel);
-}
-
-/// Starts counting forks (idempotent): every allocator checks the count so
-/// that, in a fork child, it refuses to touch heaps its parent's threads
-/// may have held locked.
-pub(crate) fn watch_forks() -> u64 {
-    AT_FORK.call_once(|| {
-        // SAFETY: registers a fork handler that only performs atomic stores.
-        unsafe { libc::pthread_atfork(None, None, Some(on_fork_child)) };
-    });
-    fork_generation()
-}
-
-#[inline]
-pub(crate) fn fork_generation() -> u64 {
-    FORK_GENERATION.load(Ordering::Relaxed)
 }
 
 extern "C" fn finish_trace_at_exit() {
@@ -224,7 +203,7 @@ extern "C" fn finish_trace_at_exit() {
 /// rather than over its parent's trace.
 fn process_config() -> crate::Config {
     let mut config = crate::Config::from_env();
-    if FORKED.load(Ordering::Acquire) {
+    if crate::backend::fork::fork_generation() > 0 {
         if let Some(path) = config.trace_path.as_mut() {
             path.as_mut_os_string().push(format!(".{}", std::process::id()));
         }
@@ -259,7 +238,11 @@ fn allocator() -> Result<&'static Allocator, AllocError> {
         // never freed, so the reference is valid for the whole process.
         return Ok(unsafe { &*current });
     }
-    watch_forks();
+    crate::backend::fork::watch_forks();
+    AT_FORK.call_once(|| {
+        // SAFETY: registers a fork handler that only performs an atomic store.
+        unsafe { libc::pthread_atfork(None, None, Some(on_fork_child)) };
+    });
     AT_EXIT.call_once(|| {
         // SAFETY: registers an exit handler that catches any panic.
         unsafe { libc::atexit(finish_trace_at_exit) };
@@ -699,7 +682,7 @@ fn get_stats(device: c_int, out: *mut tidepool_stats) -> Result<(), Failure> {
     let invalid_device = |err: AllocError| (TIDEPOOL_ERR_INVALID_DEVICE, err.to_string());
     let device = device_index(device).map_err(invalid_device)?;
     let stats = allocator.stats(device).map_err(invalid_device)?;
-    let limit = allocator.with_heap(device, |h| h.reserved_limit()).ok().flatten();
+    let limit = allocator.device(device).ok().and_then(|d| d.reserved_limit());
     let mut filled = c_stats(&stats, limit);
     // A caller built against an older, shorter struct gets its prefix.
     let n = caller_size.min(std::mem::size_of::<tidepool_stats>());

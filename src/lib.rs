@@ -1,9 +1,27 @@
 //! tidepool: a CUDA caching allocator that measures fragmentation and gives
 //! idle memory back.
 //!
-//! [`Allocator`] is the entry point: one [`heap::DeviceHeap`]
-//! per device behind its own lock, all growing through one
-//! [`backend::Backend`].
+//! [`Allocator`] is the entry point: one [`device::Device`] per GPU, each
+//! holding the [`heap::DeviceHeap`]s of its stream shards behind their own
+//! locks, all growing through one [`backend::Backend`].
+//!
+//! Layers, lowest first. A module imports only from its own layer or
+//! below, and no two modules import each other in a cycle (tests/layers.rs
+//! checks both); code that must call upward takes a closure:
+//! 1. below: `backend` (the only code that talks to a driver, and the
+//!    process's fork count), `size_class`, `reclaim` (the thread, which
+//!    runs a pass the faces hand it; `reclaim::policy`, pure;
+//!    `reclaim::registry`, the shared file), `stats`, `types`, `tag`,
+//!    `error`, `frames`, `pickle`, `recording` (trace rows written live),
+//!    `config`;
+//! 2. heap: `heap` (one `DeviceHeap` per stream shard: pools, segments,
+//!    pages, blocks, statistics, history);
+//! 3. device: `device` (one GPU's shards, routing, reserved count and cap,
+//!    figures over the shards), `cooperation` (its registry slot);
+//! 4. faces: this file (`Allocator`), `buffer`, `ffi` (the C ABI),
+//!    `snapshot` (PyTorch's snapshot format), `cudarc_interop`;
+//! 5. tools: `trace` (reading, replay, plan, plot), `exporter`, and the
+//!    `tidepool` command (src/bin), which uses the public API only.
 //!
 //! ```
 //! use tidepool::{Allocator, Config, Stream};
@@ -19,6 +37,7 @@ pub mod backend;
 pub mod buffer;
 pub mod config;
 mod cooperation;
+pub mod device;
 pub mod error;
 pub mod exporter;
 #[allow(non_camel_case_types)]
@@ -27,6 +46,7 @@ pub mod frames;
 pub mod heap;
 pub mod pickle;
 pub mod reclaim;
+pub mod recording;
 pub mod size_class;
 pub mod snapshot;
 pub mod stats;
@@ -44,12 +64,13 @@ use parking_lot::Mutex;
 
 use backend::host::HostBackend;
 use backend::Backend;
+use heap::DeviceHeap;
 pub use buffer::{Buffer, Plain};
 pub use config::{BackendKind, Config, ConfigError};
 pub use error::{AllocError, InvalidFree, OomReport};
 pub use ffi::global;
 pub use frames::Frame;
-use heap::DeviceHeap;
+use device::Device;
 pub use heap::history::{HistoryAction, HistoryEntry};
 pub use heap::private::PrivatePoolId;
 pub use heap::tags::TagStats;
@@ -64,12 +85,8 @@ pub use types::{DevicePtr, Stream};
 pub struct Allocator {
     config: Config,
     backend: Arc<dyn Backend>,
-    /// `shards` heaps per device, device by device: a stream's requests go
-    /// to the heap `device * shards + shard_of(stream)`.
-    heaps: Arc<[Mutex<DeviceHeap>]>,
-    shards: usize,
-    devices: usize,
-    recorder: Option<Arc<trace::record::Recorder>>,
+    devices: Arc<[Device]>,
+    recorder: Option<Arc<recording::Recorder>>,
     /// The background thread that gives idle memory back (None: no policy on).
     reclaimer: Option<reclaim::Reclaimer>,
     /// The process that made it, and the fork count then: a forked child
@@ -104,7 +121,7 @@ impl Allocator {
     /// to inject faults). A trace file that cannot be created is reported on
     /// stderr and the allocator runs without recording.
     pub fn with_backend(config: Config, backend: Arc<dyn Backend>) -> Allocator {
-        let recorder = config.trace_path.as_ref().and_then(|path| match trace::record::Recorder::create(path) {
+        let recorder = config.trace_path.as_ref().and_then(|path| match recording::Recorder::create(path) {
             Ok(recorder) => Some(recorder),
             Err(err) => {
                 eprintln!("tidepool: warning: TIDEPOOL_TRACE: cannot record to {}: {err}", path.display());
@@ -112,45 +129,15 @@ impl Allocator {
             }
         });
         let clock = reclaim::Clock::new();
-        let mut cooperating = false;
-        let shards = config.stream_shards.max(1);
-        let mut heaps = Vec::with_capacity(backend.device_count() * shards);
-        for device in 0..backend.device_count() {
-            let device_reserved = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            for shard in 0..shards {
-                let mut heap = DeviceHeap::new(device, config.rules.clone(), backend.clone());
-                heap.share_device_reserved(device_reserved.clone());
-                heap.set_stash(config.stash);
-                heap.set_lend_across_streams(config.lend_across_streams);
-                if let Err(err) = heap.set_expandable(config.expandable) {
-                    if shard == 0 {
-                        eprintln!("tidepool: warning: device {device}: {err}");
-                    }
-                }
-                heap.set_policy(config.policy(), clock.clone());
-                heap.record_history(Some(config.history_entries));
-                // One registry slot per device: the first shard speaks for it.
-                if shard == 0 {
-                    if let Some(registry) = join_registry(&config, backend.as_ref(), device) {
-                        heap.cooperate(registry, std::time::Duration::from_millis(config.oom_wait_ms));
-                        cooperating = true;
-                    }
-                }
-                if let Some(recorder) = &recorder {
-                    heap.record_to(recorder.clone());
-                }
-                heaps.push(Mutex::new(heap));
-            }
-        }
-        let heaps: Arc<[Mutex<DeviceHeap>]> = heaps.into();
-        let reclaimer = if config.reclaims() || cooperating {
+        let devices: Arc<[Device]> =
+            (0..backend.device_count()).map(|index| Device::new(index, &config, &backend, &clock, recorder.as_ref())).collect();
+        let reclaimer = if config.reclaims() || devices.iter().any(Device::cooperates) {
             let interval = std::time::Duration::from_millis(config.reclaim_interval_ms);
-            // Each heap applies the policy in turn, locked one at a time.
-            let weak = Arc::downgrade(&heaps);
+            let weak = Arc::downgrade(&devices);
             let pass = move || match weak.upgrade() {
-                Some(heaps) => {
-                    heaps.iter().for_each(|heap| {
-                        heap.lock().reclaim();
+                Some(devices) => {
+                    devices.iter().for_each(|device| {
+                        device.reclaim();
                     });
                     true
                 }
@@ -166,11 +153,10 @@ impl Allocator {
         } else {
             None
         };
-        let fork_generation = ffi::watch_forks();
-        let devices = backend.device_count();
+        let fork_generation = backend::fork::watch_forks();
         let pid = std::process::id();
         let contexts = frames::Contexts::default();
-        Allocator { config, backend, heaps, shards, devices, recorder, reclaimer, pid, fork_generation, contexts }
+        Allocator { config, backend, devices, recorder, reclaimer, pid, fork_generation, contexts }
     }
 
     /// Why `device` cannot be used: a fork child's, or no such device.
@@ -179,72 +165,39 @@ impl Allocator {
         if self.forked() {
             AllocError::Forked { parent: self.pid }
         } else {
-            AllocError::InvalidDevice { device: device as i64, device_count: self.devices }
+            AllocError::InvalidDevice { device: device as i64, device_count: self.devices.len() }
         }
     }
 
-    /// The heaps of `device` (its stream shards).
-    fn device_heaps(&self, device: usize) -> Result<&[Mutex<DeviceHeap>], AllocError> {
-        if device >= self.devices || self.forked() {
-            return Err(self.unusable(device));
-        }
-        Ok(&self.heaps[device * self.shards..(device + 1) * self.shards])
-    }
-
-    /// The heap serving `stream` on `device`.
+    /// Device `index`, unless there is none or this is a fork child.
     #[inline(always)]
-    fn stream_heap(&self, device: usize, stream: Stream) -> Result<&Mutex<DeviceHeap>, AllocError> {
-        if device >= self.devices || self.forked() {
-            return Err(self.unusable(device));
+    pub fn device(&self, index: usize) -> Result<&Device, AllocError> {
+        match self.devices.get(index) {
+            Some(device) if !self.forked() => Ok(device),
+            _ => Err(self.unusable(index)),
         }
-        Ok(self.shard_heap(device, stream))
     }
 
-    /// The heap serving `stream` on `device`, a device known to exist.
-    #[inline(always)]
-    fn shard_heap(&self, device: usize, stream: Stream) -> &Mutex<DeviceHeap> {
-        let shard = if self.shards == 1 {
-            0
-        } else {
-            let mixed = stream.0 ^ (stream.0 >> 7) ^ (stream.0 >> 17);
-            (mixed % self.shards as u64) as usize
-        };
-        &self.heaps[device * self.shards + shard]
+    /// Every device, unless this is a fork child.
+    fn devices(&self) -> Result<&[Device], AllocError> {
+        if self.forked() {
+            return Err(AllocError::Forked { parent: self.pid });
+        }
+        Ok(&self.devices)
     }
 
-    /// Runs `f` on the heap of `device` holding the block `ptr`, locked
-    /// once: `stream`'s heap first, then the others; if none holds it,
-    /// `stream`'s heap (which then reports the bad pointer).
-    #[inline(always)]
-    fn with_owner<R>(&self, device: usize, ptr: DevicePtr, stream: Stream, f: impl FnOnce(&mut DeviceHeap) -> R) -> Result<R, AllocError> {
-        let first = self.stream_heap(device, stream)?;
-        {
-            let mut heap = first.lock();
-            if self.shards == 1 || heap.owns(ptr.0) {
-                return Ok(f(&mut heap));
-            }
+    /// Device `device`, or every device when None.
+    fn devices_of(&self, device: Option<usize>) -> Result<&[Device], AllocError> {
+        match device {
+            Some(index) => self.device(index).map(std::slice::from_ref),
+            None => self.devices(),
         }
-        for other in self.device_heaps(device)?.iter().filter(|h| !std::ptr::eq(*h, first)) {
-            let mut heap = other.lock();
-            if heap.owns(ptr.0) {
-                return Ok(f(&mut heap));
-            }
-        }
-        Ok(f(&mut first.lock()))
     }
 
     /// Whether this process is a fork child of the one that made the allocator.
     #[inline]
     fn forked(&self) -> bool {
-        ffi::fork_generation() != self.fork_generation
-    }
-
-    /// Every heap, unless this is a fork child.
-    fn heaps(&self) -> Result<&[Mutex<DeviceHeap>], AllocError> {
-        if self.forked() {
-            return Err(AllocError::Forked { parent: self.pid });
-        }
-        Ok(&self.heaps)
+        backend::fork::fork_generation() != self.fork_generation
     }
 
     /// Whether a background reclaimer runs for this allocator.
@@ -255,9 +208,7 @@ impl Allocator {
     /// Writes out every trace row recorded so far (TIDEPOOL_TRACE), without
     /// stopping the recording.
     pub fn flush_trace(&self) {
-        for heap in self.heaps().unwrap_or(&[]) {
-            heap.lock().flush_trace();
-        }
+        self.devices().unwrap_or(&[]).iter().for_each(Device::flush_trace);
     }
 
     pub fn config(&self) -> &Config {
@@ -269,13 +220,7 @@ impl Allocator {
     }
 
     pub fn device_count(&self) -> usize {
-        self.devices
-    }
-
-    /// The first heap of `device` (the only one without stream shards).
-    #[inline]
-    fn heap(&self, device: usize) -> Result<&Mutex<DeviceHeap>, AllocError> {
-        Ok(&self.device_heaps(device)?[0])
+        self.devices.len()
     }
 
     /// `size` bytes on `device` for use on `stream`. A 0-byte request returns
@@ -284,10 +229,10 @@ impl Allocator {
     pub fn allocate(&self, device: usize, size: usize, stream: Stream) -> Result<DevicePtr, AllocError> {
         // One test for a bad device, a fork and a tagged thread: a thread
         // with a tag biases the device out of range (`tag::device_bias`).
-        if device.wrapping_add(tag::device_bias()) >= self.devices || self.forked() {
+        if device.wrapping_add(tag::device_bias()) >= self.devices.len() || self.forked() {
             return self.allocate_cold(device, size, stream, 0);
         }
-        let heap = self.shard_heap(device, stream);
+        let heap = self.devices[device].shard(stream);
         let result = heap.lock().allocate(size as u64, stream);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
@@ -302,7 +247,7 @@ impl Allocator {
         if tag::current() != TagId::DEFAULT {
             return self.allocate_cold(device, size, stream, context);
         }
-        let heap = self.stream_heap(device, stream)?;
+        let heap = self.device(device)?.shard(stream);
         let result = heap.lock().allocate_with_context(size as u64, stream, context);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
@@ -326,7 +271,7 @@ impl Allocator {
     #[cold]
     #[inline(never)]
     fn allocate_cold(&self, device: usize, size: usize, stream: Stream, context: u64) -> Result<DevicePtr, AllocError> {
-        let heap = self.stream_heap(device, stream)?;
+        let heap = self.device(device)?.shard(stream);
         let result = heap.lock().allocate_tagged(size as u64, stream, tag::current(), context);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
@@ -334,11 +279,8 @@ impl Allocator {
         }
     }
 
-    /// After a failed request: with stream shards, the other shards may
-    /// cache what this one could not get; they release their whole free
-    /// segments and the request is tried once more. Then, if other
-    /// processes on the device hold memory they could give back, they are
-    /// asked, with no heap locked while they answer (`cooperation.rs`).
+    /// After a failed request: an out-of-memory goes to the device
+    /// (`Device::after_oom`: the other shards, then the other processes).
     #[cold]
     fn allocate_after(
         &self,
@@ -354,20 +296,7 @@ impl Allocator {
         }
         let tag = tag::current();
         let retry = || heap.lock().retry_allocate(size as u64, stream, tag, context).map(DevicePtr);
-        let mut err = err;
-        if self.shards > 1 {
-            for other in self.device_heaps(device)?.iter().filter(|h| !std::ptr::eq(*h, heap)) {
-                other.lock().release_free_segments(reclaim::policy::Reason::OutOfMemory, |_, _| true);
-            }
-            match retry() {
-                Err(again @ AllocError::OutOfMemory(_)) => err = again,
-                other => return other,
-            }
-        }
-        let Some(need) = heap.lock().take_oom_need() else {
-            return Err(err);
-        };
-        cooperation::ask_and_retry(&self.device_heaps(device)?[0], need, retry).unwrap_or(Err(err))
+        self.device(device)?.after_oom(err, heap, retry)
     }
 
     /// Frees a pointer returned by `allocate` on `device`. Freeing NULL does nothing.
@@ -383,7 +312,7 @@ impl Allocator {
         if ptr.is_null() {
             return Ok(());
         }
-        self.with_owner(device, ptr, stream, |heap| heap.free(ptr.0))?.map(|_| ())
+        self.device(device)?.with_owner(ptr, stream, |heap| heap.free(ptr.0)).map(|_| ())
     }
 
     /// Frees `ptr`, checking the size the caller believes it has: a
@@ -393,20 +322,20 @@ impl Allocator {
         if ptr.is_null() {
             return Ok(0);
         }
-        self.with_owner(device, ptr, stream, |heap| {
+        self.device(device)?.with_owner(ptr, stream, |heap| {
             let freed = heap.free(ptr.0)?;
             if freed.requested != size as u64 {
                 heap.count_size_mismatch();
             }
             Ok(freed.requested)
-        })?
+        })
     }
 
     /// Releases every whole free segment of every device to the backend.
     pub fn empty_cache(&self) -> Released {
         let mut total = Released::default();
-        for heap in self.heaps().unwrap_or(&[]) {
-            total += heap.lock().release_free_segments(reclaim::policy::Reason::EmptyCache, |_, _| true);
+        for device in self.devices().unwrap_or(&[]) {
+            total += device.release_free_segments(reclaim::policy::Reason::EmptyCache);
         }
         total
     }
@@ -415,16 +344,12 @@ impl Allocator {
     /// With stream shards, each figure is the sum over the shards, so a peak
     /// is an upper bound of the device's (the shards may peak at different times).
     pub fn stats(&self, device: usize) -> Result<Stats, AllocError> {
-        let heaps = self.device_heaps(device)?;
-        let each: Vec<Stats> = heaps.iter().map(|h| h.lock().stats()).collect();
-        Ok(Stats::combine(&each))
+        Ok(self.device(device)?.stats())
     }
 
     /// Resets the peaks of `device` to the current values.
     pub fn reset_peak_stats(&self, device: usize) -> Result<(), AllocError> {
-        for heap in self.device_heaps(device)? {
-            heap.lock().reset_peak_stats();
-        }
+        self.device(device)?.reset_peak_stats();
         Ok(())
     }
 
@@ -432,15 +357,13 @@ impl Allocator {
     /// every gauge's allocated and freed sums and the event counters;
     /// current values and peaks stay.
     pub fn reset_accumulated_stats(&self, device: usize) -> Result<(), AllocError> {
-        for heap in self.device_heaps(device)? {
-            heap.lock().reset_accumulated_stats();
-        }
+        self.device(device)?.reset_accumulated_stats();
         Ok(())
     }
 
     /// The base and size of the segment holding `ptr` (PyTorch's `getBaseAllocation`).
     pub fn segment_of(&self, device: usize, ptr: DevicePtr) -> Result<Option<(DevicePtr, u64)>, AllocError> {
-        Ok(self.device_heaps(device)?.iter().find_map(|h| h.lock().segment_of(ptr.0)).map(|(base, size)| (DevicePtr(base), size)))
+        Ok(self.device(device)?.segment_of(ptr))
     }
 
     /// Limits what `device` may reserve to `fraction` of its total memory
@@ -450,12 +373,9 @@ impl Allocator {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(AllocError::InvalidArgument(format!("memory fraction must be between 0 and 1, got {fraction}")));
         }
-        let heaps = self.device_heaps(device)?;
+        let target = self.device(device)?;
         let total = self.backend.mem_info(device).map_err(AllocError::Backend)?.total;
-        let limit = (fraction < 1.0).then_some((total as f64 * fraction) as u64);
-        for heap in heaps {
-            heap.lock().set_reserved_limit(limit);
-        }
+        target.set_reserved_limit((fraction < 1.0).then_some((total as f64 * fraction) as u64));
         Ok(())
     }
 
@@ -464,86 +384,54 @@ impl Allocator {
     /// `torch.cuda.use_mem_pool`). See `heap/private.rs` for what a
     /// private pool keeps.
     pub fn begin_private(&self, device: usize, id: PrivatePoolId) -> Result<(), AllocError> {
-        self.on_device_heaps(device, |heap| {
-            heap.begin_private(id);
-            Ok(())
-        })
+        self.device(device)?.begin_private(id)
     }
 
     /// Stops routing allocations on `device` to `id` (PyTorch's `endAllocateToPool`).
     pub fn end_private(&self, device: usize, id: PrivatePoolId) -> Result<(), AllocError> {
-        self.on_device_heaps(device, |heap| heap.end_private(id))
+        self.device(device)?.on_shards(|heap| heap.end_private(id))
     }
 
     /// Drops a use of the private pool `id` on `device` (PyTorch's
     /// `releasePool`, when a graph or a `MemPool` goes).
     pub fn release_private(&self, device: usize, id: PrivatePoolId) -> Result<(), AllocError> {
-        self.on_device_heaps(device, |heap| heap.release_private(id))
-    }
-
-    /// Applies `change` to every heap of `device` (its stream shards keep
-    /// the same private pools, so the first refusal stops them all).
-    fn on_device_heaps(&self, device: usize, mut change: impl FnMut(&mut DeviceHeap) -> Result<(), String>) -> Result<(), AllocError> {
-        for heap in self.device_heaps(device)? {
-            change(&mut heap.lock()).map_err(|e| AllocError::InvalidArgument(format!("tidepool: {e}")))?;
-        }
-        Ok(())
+        self.device(device)?.on_shards(|heap| heap.release_private(id))
     }
 
     /// Notes that the live block at `ptr` is used on `stream` too (PyTorch's
     /// `record_stream`); it is not reused until that stream's work is done.
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<(), AllocError> {
-        for heap in self.heaps()? {
-            let mut heap = heap.lock();
-            if heap.live_size(ptr.0).is_some() {
-                return heap.record_stream(ptr.0, stream);
-            }
-        }
-        Err(AllocError::UnknownPointer { ptr: ptr.0 })
+        self.devices()?.iter().find_map(|device| device.record_stream(ptr, stream)).unwrap_or(Err(AllocError::UnknownPointer { ptr: ptr.0 }))
     }
 
     /// The device, base and size of the segment holding `ptr`, searching
     /// every device (PyTorch's `getBaseAllocation`).
     pub fn find_segment(&self, ptr: DevicePtr) -> Option<(usize, DevicePtr, u64)> {
-        self.heaps()
-            .ok()?
-            .iter()
-            .enumerate()
-            .find_map(|(index, heap)| heap.lock().segment_of(ptr.0).map(|(base, size)| (index / self.shards, DevicePtr(base), size)))
+        self.devices().ok()?.iter().enumerate().find_map(|(index, device)| device.segment_of(ptr).map(|(base, size)| (index, base, size)))
     }
 
-    /// Every segment of `device` with its blocks, in address order.
     /// Keeps the last `max_entries` allocation and segment events of every
     /// device from now on, for snapshots' `device_traces` (PyTorch's
     /// `_record_memory_history`); None or 0 stops and forgets them.
     pub fn record_history(&self, max_entries: Option<usize>) -> Result<(), AllocError> {
-        for heap in self.heaps()? {
-            heap.lock().record_history(max_entries);
-        }
+        self.devices()?.iter().for_each(|device| device.record_history(max_entries));
         Ok(())
     }
 
     /// The events kept for `device`, oldest first (with stream shards, the
     /// shards' events merged by time).
     pub fn history(&self, device: usize) -> Result<Vec<HistoryEntry>, AllocError> {
-        let mut entries: Vec<HistoryEntry> = self.device_heaps(device)?.iter().flat_map(|h| h.lock().history()).collect();
-        entries.sort_by_key(|e| e.time_us);
-        Ok(entries)
+        Ok(self.device(device)?.history())
     }
 
+    /// Every segment of `device` with its blocks, in address order.
     pub fn snapshot(&self, device: usize) -> Result<Vec<SegmentSnapshot>, AllocError> {
-        let mut segments: Vec<SegmentSnapshot> = self.device_heaps(device)?.iter().flat_map(|h| h.lock().snapshot()).collect();
-        segments.sort_by_key(|s| s.address);
-        Ok(segments)
+        Ok(self.device(device)?.snapshot())
     }
 
-    /// Checks every invariant of every heap; see `heap/mod.rs`.
+    /// Checks every invariant of every device; see `device.rs` and `heap/mod.rs`.
     pub fn validate(&self) -> Result<(), String> {
-        for (index, heap) in self.heaps().map_err(|e| e.to_string())?.iter().enumerate() {
-            let (device, shard) = (index / self.shards, index % self.shards);
-            heap.lock().validate().map_err(|e| format!("device {device} (shard {shard}): {e}"))?;
-        }
-        Ok(())
+        self.devices().map_err(|e| e.to_string())?.iter().try_for_each(Device::validate)
     }
 
     /// Ends the recording: every row is written and the file closed. Later
@@ -557,14 +445,6 @@ impl Allocator {
         }
         self.flush_trace();
         recorder.finish()
-    }
-
-    /// The heaps of `device`, or of every device when None.
-    fn heaps_of(&self, device: Option<usize>) -> Result<&[Mutex<DeviceHeap>], AllocError> {
-        match device {
-            Some(device) => self.device_heaps(device),
-            None => self.heaps(),
-        }
     }
 
     /// The id of a tag some thread of this process has used.
@@ -588,18 +468,16 @@ impl Allocator {
     /// freeing a paused block is allowed.
     pub fn pause(&self, tag: &str, device: Option<usize>, offload: bool) -> Result<u64, AllocError> {
         let id = Self::known_tag(tag)?;
-        let heaps = self.heaps_of(device)?;
-        for heap in heaps {
-            heap.lock().check_pausable(id)?;
-        }
+        let devices = self.devices_of(device)?;
+        devices.iter().try_for_each(|device| device.check_pausable(id))?;
         let mut given_back = 0;
-        for (done, heap) in heaps.iter().enumerate() {
-            match heap.lock().pause_tag(id, offload) {
+        for (done, device) in devices.iter().enumerate() {
+            match device.pause(id, offload) {
                 Ok(bytes) => given_back += bytes,
                 Err(err) => {
-                    // All or nothing: the heaps paused so far resume.
-                    for earlier in &heaps[..done] {
-                        let _ = earlier.lock().resume_tag(id);
+                    // All or nothing: the devices paused so far resume.
+                    for earlier in &devices[..done] {
+                        let _ = earlier.resume(id);
                     }
                     return Err(err);
                 }
@@ -618,31 +496,11 @@ impl Allocator {
     /// stay resumed). Resuming a tag that is not paused is an error.
     pub fn resume(&self, tag: &str, device: Option<usize>) -> Result<u64, AllocError> {
         let id = Self::known_tag(tag)?;
-        let heaps = self.heaps_of(device)?;
-        if !heaps.iter().any(|h| h.lock().tag_paused(id)) {
+        let devices = self.devices_of(device)?;
+        if !devices.iter().any(|device| device.tag_paused(id)) {
             return Err(AllocError::Tag(format!("tag {tag:?} is not paused")));
         }
-        let mut mapped = 0;
-        for (index, heap) in heaps.iter().enumerate() {
-            let (result, need) = {
-                let mut heap = heap.lock();
-                if !heap.tag_paused(id) {
-                    continue;
-                }
-                let result = heap.resume_tag(id);
-                (result, heap.take_oom_need())
-            };
-            mapped += match (result, need) {
-                (Err(err @ AllocError::OutOfMemory(_)), Some(need)) => {
-                    // The device's first heap holds its registry slot.
-                    let device = device.unwrap_or(index / self.shards);
-                    let registry_heap = &self.device_heaps(device)?[0];
-                    cooperation::ask_and_retry(registry_heap, need, || heap.lock().retry_resume_tag(id)).unwrap_or(Err(err))?
-                }
-                (result, _) => result?,
-            };
-        }
-        Ok(mapped)
+        devices.iter().try_fold(0, |mapped, device| Ok(mapped + device.resume(id)?))
     }
 
     /// What `tag` holds on `device`: live blocks, reserved memory, and
@@ -650,34 +508,7 @@ impl Allocator {
     /// contents.
     pub fn tag_stats(&self, tag: &str, device: usize) -> Result<TagStats, AllocError> {
         let id = Self::known_tag(tag)?;
-        let mut total = TagStats::default();
-        for heap in self.device_heaps(device)? {
-            total += heap.lock().tag_stats(id);
-        }
-        Ok(total)
-    }
-
-    /// Runs `f` with the (first) heap of `device` locked (tests and tools).
-    pub fn with_heap<R>(&self, device: usize, f: impl FnOnce(&mut DeviceHeap) -> R) -> Result<R, AllocError> {
-        Ok(f(&mut self.heap(device)?.lock()))
-    }
-}
-
-/// The registry of the processes sharing `device`, when cooperation is on
-/// and the device can be shared; a registry that cannot be used is reported
-/// and cooperation stays off for it.
-fn join_registry(config: &Config, backend: &dyn Backend, device: usize) -> Option<reclaim::registry::Registry> {
-    if !config.cooperative {
-        return None;
-    }
-    let key = backend.shared_device_key(device)?;
-    let dir = config.registry_dir.clone().unwrap_or_else(reclaim::registry::default_dir);
-    match reclaim::registry::Registry::join(&dir, &key) {
-        Ok(registry) => Some(registry),
-        Err(err) => {
-            eprintln!("tidepool: warning: cooperation off for device {device}: {err}");
-            None
-        }
+        Ok(self.device(device)?.tag_stats(id))
     }
 }
 

@@ -229,7 +229,7 @@ macro_rules! define_events {
             }
 
             /// Sums `other` into these (a last value: the larger of the two).
-            fn add(&mut self, other: &Events) {
+            pub(crate) fn add(&mut self, other: &Events) {
                 for (into, from) in self.released.iter_mut().zip(other.released) {
                     *into += from;
                 }
@@ -237,7 +237,7 @@ macro_rules! define_events {
             }
 
             /// These with every accumulation zeroed; last values stay.
-            fn accumulations_reset(&self) -> Events {
+            pub(crate) fn accumulations_reset(&self) -> Events {
                 Events { $( $field: define_events!(@reset $how, self.$field), )* released: Default::default() }
             }
         }

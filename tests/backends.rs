@@ -69,7 +69,7 @@ fn child_cuda_conformance() {
     let alloc = cuda_allocator("");
     assert_eq!(alloc.backend().name(), child_backend());
     let expandable = std::env::var("TIDEPOOL_TEST_CONF").is_ok_and(|c| c.contains("expandable:true"));
-    assert_eq!(alloc.with_heap(0, |h| h.is_expandable()).unwrap(), expandable);
+    assert_eq!(alloc.device(0).unwrap().is_expandable(), expandable);
     if std::env::var_os("TIDEPOOL_TEST_DEVICE_MEMORY").is_some() {
         // A real GPU (cuda/check/run.sh, backend `cuda`): a 1 GiB budget
         // makes it a 1 GiB device; stream handles are only pool keys for
@@ -276,7 +276,7 @@ fn child_stream_safety() {
     let ops: u64 = std::env::var("TIDEPOOL_TEST_OPS").unwrap().parse().unwrap();
     let alloc = cuda_allocator("");
     // With expandable segments, pages also go back now and then, under the queued work.
-    let releases = alloc.with_heap(0, |h| h.is_expandable()).unwrap();
+    let releases = alloc.device(0).unwrap().is_expandable();
     let sim = Simgpu::load();
     let streams: Vec<u64> = (0..4).map(|_| sim.stream()).collect();
     let events: Vec<u64> = (0..4)

@@ -49,7 +49,7 @@ fn wait_for(path: &Path, timeout: Duration) -> bool {
 
 /// Process A: runs only when spawned by the tests below.
 #[test]
-#[ignore = "child process: run by scenario and scenario_on_simgpu (four tests)"]
+#[ignore = "child process: run by scenario and scenario_on_simgpu (five tests)"]
 fn process_a_holds_idle_cache() {
     let (Ok(conf), Ok(dir)) = (std::env::var("TIDEPOOL_TEST_COOP_CONF"), std::env::var("TIDEPOOL_TEST_COOP_DIR")) else {
         panic!("a child-process test: its parent test sets TIDEPOOL_TEST_COOP_CONF and TIDEPOOL_TEST_COOP_DIR");
@@ -58,10 +58,11 @@ fn process_a_holds_idle_cache() {
     let alloc = allocator(&conf);
     // With expandable segments the cache is a hole between two live blocks.
     let pins = conf.contains("expandable:true");
-    let left = pins.then(|| alloc.allocate(0, (8 * MIB) as usize, Stream::DEFAULT).unwrap());
-    let block = alloc.allocate(0, (600 * MIB) as usize, Stream::DEFAULT).unwrap();
-    let right = pins.then(|| alloc.allocate(0, (8 * MIB) as usize, Stream::DEFAULT).unwrap());
-    alloc.free(0, block).unwrap();
+    let stream = stream_of(&conf);
+    let left = pins.then(|| alloc.allocate(0, (8 * MIB) as usize, stream).unwrap());
+    let block = alloc.allocate(0, (600 * MIB) as usize, stream).unwrap();
+    let right = pins.then(|| alloc.allocate(0, (8 * MIB) as usize, stream).unwrap());
+    alloc.free_on_stream(0, block, stream).unwrap();
     // Asked only once the registry shows the cache: after one reclaimer pass.
     if conf.contains("cooperative:true") {
         assert!(published(&conf, |e| e.cached_free > 0), "the cache was never published");
@@ -71,9 +72,19 @@ fn process_a_holds_idle_cache() {
     let served = alloc.stats(0).unwrap().events.num_coop_served;
     std::fs::write(dir.join("served"), served.to_string()).unwrap();
     for pin in [left, right].into_iter().flatten() {
-        alloc.free(0, pin).unwrap();
+        alloc.free_on_stream(0, pin, stream).unwrap();
     }
     alloc.validate().unwrap();
+}
+
+/// The stream A and B use: with stream shards, one that is not served by
+/// the device's first shard.
+fn stream_of(conf: &str) -> Stream {
+    if conf.contains("stream_shards") {
+        Stream(1)
+    } else {
+        Stream::DEFAULT
+    }
 }
 
 /// Waits (at most 10 s) until this process's registry entry satisfies
@@ -355,7 +366,7 @@ fn processes_on_one_simgpu_device_help_each_other() {
 }
 
 fn scenario(cooperative: bool, extra: &str) -> (Result<(), AllocError>, Duration, u64, tidepool::Stats) {
-    let dir = std::env::temp_dir().join(format!("tidepool-coop-{}-{cooperative}-{}", std::process::id(), extra.len()));
+    let dir = std::env::temp_dir().join(format!("tidepool-coop-{}-{cooperative}-{}", std::process::id(), extra.replace(':', "-")));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let conf = format!("{},{extra}", conf(&dir, cooperative));
@@ -363,7 +374,8 @@ fn scenario(cooperative: bool, extra: &str) -> (Result<(), AllocError>, Duration
     assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
     let b = allocator(&conf);
     let start = Instant::now();
-    let result = b.allocate(0, (700 * MIB) as usize, Stream::DEFAULT).map(|p| b.free(0, p).unwrap());
+    let stream = stream_of(&conf);
+    let result = b.allocate(0, (700 * MIB) as usize, stream).map(|p| b.free_on_stream(0, p, stream).unwrap());
     let waited = start.elapsed();
     let stats = b.stats(0).unwrap();
     std::fs::write(dir.join("done"), b"").unwrap();
@@ -382,6 +394,16 @@ fn a_process_about_to_fail_gets_the_idle_cache_of_another() {
     assert_eq!((stats.events.num_coop_requests, stats.events.num_coop_satisfied), (1, 1));
     assert_eq!(served, 1, "process A answered one request");
     eprintln!("request to memory: {waited:?} (B's count: {} ms)", stats.events.coop_last_wait_ms);
+}
+
+#[test]
+fn with_stream_shards_the_cache_of_any_shard_answers_a_request_failing_on_any_shard() {
+    // A caches on a shard other than the first, and B fails on one: the
+    // device publishes and asks for all its shards.
+    let (result, waited, served, stats) = scenario(true, "stream_shards:4");
+    assert!(result.is_ok(), "with cooperation: {result:?}");
+    assert!(waited < OOM_WAIT / 2, "waited {waited:?}: the answer, not the end of the wait");
+    assert_eq!((stats.events.num_coop_requests, stats.events.num_coop_satisfied, served), (1, 1, 1));
 }
 
 #[test]

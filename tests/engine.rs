@@ -423,9 +423,9 @@ fn record_stream_needs_a_live_block_and_is_forgotten_at_free() {
     alloc.record_stream(a, Stream(9)).unwrap();
     alloc.record_stream(a, Stream(9)).unwrap();
     alloc.record_stream(a, Stream(5)).unwrap(); // its own stream: nothing to record
-    assert_eq!(alloc.with_heap(1, |h| h.recorded_streams(a.0).to_vec()).unwrap(), vec![Stream(9)]);
+    assert_eq!(alloc.device(1).unwrap().recorded_streams(a), vec![Stream(9)]);
     alloc.free(1, a).unwrap();
-    assert!(alloc.with_heap(1, |h| h.recorded_streams(a.0).is_empty()).unwrap());
+    assert!(alloc.device(1).unwrap().recorded_streams(a).is_empty());
     assert_eq!(alloc.record_stream(a, Stream(9)), Err(AllocError::UnknownPointer { ptr: a.0 }));
     assert_eq!(alloc.record_stream(DevicePtr(0x40), Stream(9)), Err(AllocError::UnknownPointer { ptr: 0x40 }));
 }

@@ -199,7 +199,7 @@ fn a_steady_loop_maps_and_unmaps_nothing_after_its_first_step() {
 #[test]
 fn a_backend_without_virtual_memory_keeps_whole_segments() {
     let (a, _) = host_allocator(1, 1 << 30, "expandable:true");
-    assert!(a.with_heap(0, |h| h.is_expandable()).unwrap());
+    assert!(a.device(0).unwrap().is_expandable());
     // A backend without virtual memory keeps whole segments.
     let mut heap = tidepool::heap::DeviceHeap::new(0, Default::default(), std::sync::Arc::new(NoVm));
     let err = heap.set_expandable(true).unwrap_err();
@@ -334,6 +334,8 @@ fn the_release_policies_give_back_the_pages_of_holes_between_live_blocks() {
     use tidepool::reclaim::Clock;
 
     let mut heap = DeviceHeap::new(0, Default::default(), Arc::new(HostBackend::new(1, 1 << 30)));
+    let reserve = Arc::new(tidepool::heap::reserve::Reserve::default());
+    heap.share_reserve(reserve.clone());
     heap.set_expandable(true).unwrap();
     let clock = Clock::new();
     let policy = Release { release_after_ms: 1_000, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX };
@@ -361,7 +363,8 @@ fn the_release_policies_give_back_the_pages_of_holes_between_live_blocks() {
     heap.validate().unwrap();
 
     // A budget below what is reserved: the other hole goes at once.
-    heap.set_reserved_limit(Some(16 * MIB));
+    reserve.set_limit(Some(16 * MIB));
+    heap.release_over_budget();
     let stats = heap.stats();
     assert_eq!(stats.released(Reason::Budget).bytes, 8 * MIB);
     assert_eq!(stats.reserved_bytes.all.current, 12 * MIB);

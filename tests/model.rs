@@ -67,7 +67,7 @@ const CAPACITY: u64 = 160 * MIB;
 
 fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
     let (alloc, backend) = host_allocator(1, CAPACITY, conf);
-    prop_assert_eq!(alloc.with_heap(0, |h| h.is_expandable()).unwrap(), conf.contains("expandable:true"));
+    prop_assert_eq!(alloc.device(0).unwrap().is_expandable(), conf.contains("expandable:true"));
     let mut live: BTreeMap<u64, Live> = BTreeMap::new();
     let mut freed: Vec<u64> = Vec::new();
     let mut invalid_frees = 0;
@@ -81,7 +81,7 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
             Op::Alloc { stream, size } => match alloc.allocate(0, size as usize, Stream(stream)) {
                 Ok(ptr) => {
                     prop_assert!(!ptr.is_null() && ptr.0 % 512 == 0);
-                    let block = alloc.with_heap(0, |h| h.live_size(ptr.0)).unwrap().expect("returned block is live");
+                    let block = alloc.device(0).unwrap().live_size(ptr).expect("returned block is live");
                     prop_assert!(block >= size);
                     let routed = open.last().copied().unwrap_or(0);
                     for &(pool, addr, len) in &private_ranges {

@@ -49,7 +49,7 @@ fn the_memory_of_a_live_graph_is_never_released_and_goes_once_it_is() {
     assert!(kept >= 64 * MIB);
 
     alloc.empty_cache();
-    alloc.with_heap(0, |h| h.reclaim()).unwrap();
+    alloc.device(0).unwrap().reclaim();
     assert_eq!(reserved(&alloc), kept, "released memory a live graph replays into");
 
     alloc.release_private(0, GRAPH).unwrap();
@@ -65,7 +65,7 @@ fn nothing_is_released_while_a_capture_may_be_underway() {
     let cached = reserved(&alloc);
     alloc.begin_private(0, GRAPH).unwrap();
     assert_eq!(alloc.empty_cache().bytes, 0, "cudaFree during a capture invalidates it");
-    alloc.with_heap(0, |h| h.reclaim()).unwrap();
+    alloc.device(0).unwrap().reclaim();
     assert_eq!(reserved(&alloc), cached);
     alloc.end_private(0, GRAPH).unwrap();
     assert_eq!(alloc.empty_cache().bytes, cached, "once no capture is underway, eager cache goes as usual");

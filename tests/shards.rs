@@ -96,3 +96,21 @@ fn threads_on_sharded_streams_never_overlap() {
     alloc.validate().unwrap();
     assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.current, 0);
 }
+
+#[test]
+fn a_replay_with_stream_shards_counts_every_shard() {
+    use tidepool::trace::replay::{replay, Policy, ReplayOptions};
+    use tidepool::trace::{Format, Trace};
+    // Two streams, routed to different shards, each holding 30 MiB at the peak.
+    let mut trace = Trace::new("shards", Format::RmmCsv);
+    let ids: Vec<u32> = (0..6).map(|i| trace.alloc(10 * MIB, 1 + (i % 2), 0)).collect();
+    ids.into_iter().for_each(|id| trace.free(id));
+    let run = |conf: &str| {
+        let options = ReplayOptions { capacity: 1 << 30, policy: Policy::Tidepool, conf: conf.into(), samples: 0, record_to: None };
+        replay(&trace, &options).unwrap()
+    };
+    let (one, four) = (run(""), run("stream_shards:4"));
+    assert_eq!(four.peak_allocated_bytes, 60 * MIB, "both shards' blocks");
+    assert_eq!(four.peak_allocated_bytes, one.peak_allocated_bytes);
+    assert_eq!(four.peak_reserved_bytes, 60 * MIB, "a 10 MiB segment per block, on both shards");
+}

@@ -9,6 +9,7 @@
 //! the expandable segments of `heap/expandable.rs`.
 
 pub mod cuda;
+pub mod fork;
 pub mod host;
 
 use std::fmt;

@@ -23,7 +23,6 @@
 //!   request but one that fits the block.
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::Ordering;
 
 use super::block::{Block, BlockId, BlockState, NIL};
 use super::history::HistoryAction;
@@ -142,7 +141,7 @@ impl DeviceHeap {
                 let result = self.claim_reserved(bytes).and_then(|()| {
                     let result = self.backend.vm_map(self.device, base + at * page, bytes);
                     if result.is_err() {
-                        self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
+                        self.reserve.give_back(bytes);
                     }
                     result
                 });
@@ -161,7 +160,7 @@ impl DeviceHeap {
             let mut stuck = Vec::new();
             for (p, n) in mapped {
                 if self.backend.vm_unmap(self.device, base + p * page, n * page).is_ok() {
-                    self.device_reserved.fetch_sub(n * page, Ordering::SeqCst);
+                    self.reserve.give_back(n * page);
                 } else {
                     stuck.push((p, n));
                 }
@@ -299,7 +298,7 @@ impl DeviceHeap {
             return 0;
         }
         self.forget_mapped_run(segment_id, p, n);
-        self.device_reserved.fetch_sub(n * page, Ordering::SeqCst);
+        self.reserve.give_back(n * page);
         n * page
     }
 

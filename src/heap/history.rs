@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::DeviceHeap;
-use crate::trace::rmm_csv::Action;
+use crate::recording::rows::Action;
 use crate::types::Stream;
 
 /// What happened, in PyTorch's words.

@@ -19,7 +19,7 @@
 //! loops that free and reallocate the same sizes thus cost one map lookup.
 //!
 //! This file holds the allocation and free paths; `release.rs` gives memory
-//! back (caps, the reclaimer's pass, cooperation with other processes) and
+//! back (caps, the reclaimer's pass, what an OOM needs from other processes) and
 //! `streams.rs` keeps blocks safe across streams (pending frees waiting for
 //! events, lending a block to another stream when the device is full);
 //! `private.rs` routes allocations to private pools (CUDA graphs, MemPools);
@@ -53,25 +53,23 @@ pub mod pool;
 pub mod private;
 mod recycle;
 mod release;
+pub mod reserve;
 mod streams;
 pub mod tags;
 mod validate;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
 use crate::reclaim::policy::{Policy, Reason};
-use crate::reclaim::registry::Registry;
 use crate::reclaim::Clock;
 use crate::size_class::{PoolKind, SizeRules};
 pub use crate::stats::Released;
 use crate::stats::{Counters, Stats};
-use crate::trace::record::{Recorder, TraceBuffer};
-use crate::trace::rmm_csv::Action;
+use crate::recording::rows::Action;
+use crate::recording::{Recorder, TraceBuffer};
 use crate::types::Stream;
 use addr_map::AddrMap;
 use block::{BlockArena, BlockId, BlockState, NIL};
@@ -79,6 +77,7 @@ use expandable::Vm;
 use history::{History, HistoryAction};
 use pages::PageMap;
 use pool::Pool;
+use reserve::Reserve;
 use private::{PrivatePoolId, PrivatePools};
 use streams::PendingFrees;
 
@@ -173,19 +172,13 @@ pub struct DeviceHeap {
     recorded_streams: HashMap<u64, Vec<Stream>>,
     /// Freed blocks waiting for the events of the other streams that used them.
     pending: PendingFrees,
-    /// The most the device may reserve by the memory fraction (u64::MAX: no limit).
-    reserved_limit: u64,
-    /// Bytes the device holds from the driver, counted across the heaps
-    /// that share it (one per stream shard): what the caps apply to.
-    device_reserved: Arc<AtomicU64>,
+    /// The device's reserved count and memory-fraction cap, shared with
+    /// the other heaps of the device (one per stream shard).
+    reserve: Arc<Reserve>,
     /// When to give memory back; the budget also caps growth.
     policy: Policy,
     /// The reclaimer's clock, for idle stamps.
     clock: Arc<Clock>,
-    /// This process's slot among the processes sharing the device.
-    registry: Option<Registry>,
-    /// How long a request other processes could help waits for them.
-    oom_wait: Duration,
     /// What the last out-of-memory needs from the other processes (0: they cannot help).
     oom_need: u64,
     /// A failed request is being retried (`retry_allocate`): its failures
@@ -235,12 +228,9 @@ impl DeviceHeap {
             by_addr: AddrMap::default(),
             recorded_streams: HashMap::new(),
             pending: PendingFrees::default(),
-            reserved_limit: u64::MAX,
-            device_reserved: Arc::new(AtomicU64::new(0)),
+            reserve: Arc::default(),
             policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
             clock: Clock::new(),
-            registry: None,
-            oom_wait: Duration::ZERO,
             oom_need: 0,
             retrying: false,
             stash_enabled: true,
@@ -287,9 +277,9 @@ impl DeviceHeap {
         self.lend_across_streams = on;
     }
 
-    /// Shares the device's reserved count with the other heaps of the device.
-    pub fn share_device_reserved(&mut self, counter: Arc<AtomicU64>) {
-        self.device_reserved = counter;
+    /// Shares the device's reserved count and cap with the other heaps of the device.
+    pub fn share_reserve(&mut self, reserve: Arc<Reserve>) {
+        self.reserve = reserve;
     }
 
     /// Whether `ptr` is a block of this heap that a free could name

@@ -1,32 +1,29 @@
 //! Giving memory back, for one device heap: the reserve cap (budget and
 //! memory fraction), the reclaimer's pass (the release policy applied to
-//! idle segments), the release of whole free segments, and cooperation with
-//! the other processes on the device (answering their requests, asking them
-//! before an out-of-memory).
+//! idle segments), the release of whole free segments, and what an
+//! out-of-memory needs from the other processes on the device (the device
+//! layer asks them: `crate::device`).
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::block::NIL;
 use super::history::HistoryAction;
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
-use crate::reclaim::registry::{Asked, Entry, Registry};
 use crate::reclaim::Clock;
 use crate::types::Stream;
 
 impl DeviceHeap {
     /// The memory the other processes would have to give back for a
     /// request of `rounded` bytes in `pool` that found no room: 0 when
-    /// they cannot help (past the reserve cap, or cooperation off here).
+    /// they cannot help (past the reserve cap).
     #[cold]
     pub(super) fn need_from_others(&self, pool: u32, rounded: u64) -> u64 {
         let need = self.growth_need(pool, rounded).unwrap_or(u64::MAX);
-        let limit = self.reserved_limit.min(self.policy.max_reserved);
-        if self.device_reserved.load(Ordering::SeqCst).saturating_add(need) > limit {
+        let limit = self.reserve.limit().min(self.policy.max_reserved);
+        if self.reserve.bytes().saturating_add(need) > limit {
             return 0;
         }
         need
@@ -34,57 +31,11 @@ impl DeviceHeap {
 
     /// What the last out-of-memory of this heap needs from the other
     /// processes (taken: asked once), when they could help at all. The
-    /// device layer asks them through the heap holding the registry, with
-    /// no heap locked while it waits (`cooperation.rs`).
+    /// device layer asks them, with no heap locked while it waits
+    /// (`cooperation.rs`).
     pub fn take_oom_need(&mut self) -> Option<u64> {
         let need = std::mem::take(&mut self.oom_need);
         (need > 0).then_some(need)
-    }
-
-    /// Posts a request for `need` bytes to the other processes on the
-    /// device, if one of them shows memory it could give back; `None`
-    /// (nothing posted, the OOM stands) when cooperation is off or no one
-    /// can help.
-    #[cold]
-    pub fn ask_others(&mut self, need: u64) -> Option<Asked> {
-        if self.oom_wait.is_zero() {
-            return None;
-        }
-        let asked = self.registry.as_mut()?.ask(need).ok()??;
-        self.stats.events.num_coop_requests += 1;
-        Some(asked)
-    }
-
-    /// Whether every process asked has answered (or is gone): waiting
-    /// longer is then for nothing. A registry that cannot be read counts
-    /// as answered.
-    #[cold]
-    pub fn others_answered(&mut self, asked: &Asked) -> bool {
-        self.registry.as_mut().is_none_or(|r| r.answered(asked).unwrap_or(true))
-    }
-
-    /// Withdraws the request; `served`: the wait that got the memory.
-    #[cold]
-    pub fn end_asking(&mut self, served: Option<Duration>) {
-        if let Some(waited) = served {
-            self.stats.events.num_coop_satisfied += 1;
-            self.stats.events.coop_last_wait_ms = waited.as_millis() as u64;
-        }
-        if let Some(registry) = self.registry.as_mut() {
-            let _ = registry.request(0);
-        }
-    }
-
-    /// The longest a request may wait for the other processes.
-    pub fn oom_wait(&self) -> Duration {
-        self.oom_wait
-    }
-
-    /// Joins the processes sharing this device: publishes at every
-    /// reclaimer pass, answers their requests, asks them before an OOM.
-    pub fn cooperate(&mut self, registry: Registry, oom_wait: Duration) {
-        self.registry = Some(registry);
-        self.oom_wait = oom_wait;
     }
 
     /// A segment from the backend, unless it would take the heap past its
@@ -93,7 +44,7 @@ impl DeviceHeap {
         self.claim_reserved(size)?;
         let result = self.backend.allocate(self.device, size, stream);
         if result.is_err() {
-            self.device_reserved.fetch_sub(size, Ordering::SeqCst);
+            self.reserve.give_back(size);
         }
         result
     }
@@ -104,25 +55,15 @@ impl DeviceHeap {
     /// device) before the backend is asked, so two shards cannot both pass
     /// the cap.
     pub(super) fn claim_reserved(&mut self, size: u64) -> Result<(), BackendError> {
-        let limit = self.reserved_limit.min(self.policy.max_reserved);
-        let before = self.device_reserved.fetch_add(size, Ordering::SeqCst);
-        if before.checked_add(size).is_none_or(|total| total > limit) {
-            self.device_reserved.fetch_sub(size, Ordering::SeqCst);
+        if !self.reserve.claim(size, self.policy.max_reserved) {
             return Err(BackendError::OutOfMemory);
         }
         Ok(())
     }
 
-    /// Caps the bytes this heap may reserve (`None`: no cap). Cached
-    /// segments above the new cap are released at once.
-    pub fn set_reserved_limit(&mut self, limit: Option<u64>) {
-        self.reserved_limit = limit.unwrap_or(u64::MAX);
-        self.release_over_budget();
-    }
-
     /// The cap on reserved bytes: the memory fraction's or the budget's, the lower.
     pub fn reserved_limit(&self) -> Option<u64> {
-        let limit = self.reserved_limit.min(self.policy.max_reserved);
+        let limit = self.reserve.limit().min(self.policy.max_reserved);
         (limit != u64::MAX).then_some(limit)
     }
 
@@ -133,58 +74,24 @@ impl DeviceHeap {
         self.release_over_budget();
     }
 
-    /// Releases cached segments, longest idle first, while reserved is over the cap.
-    pub(super) fn release_over_budget(&mut self) {
+    /// Releases cached segments, longest idle first, while the device's
+    /// reserved count is over the cap (after the cap changed).
+    pub fn release_over_budget(&mut self) {
         let Some(limit) = self.reserved_limit() else {
             return;
         };
-        if self.device_reserved.load(Ordering::SeqCst) > limit {
+        if self.reserve.bytes() > limit {
             let policy = Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: limit };
             self.apply(&policy);
         }
     }
 
-    /// One pass of the reclaimer: releases what the policy picks, then
-    /// publishes to the other processes on the device and, if any of them
-    /// asks for memory, gives back every idle cached segment.
+    /// One pass of the reclaimer: releases what the policy picks.
     pub fn reclaim(&mut self) -> Released {
         self.stats.events.num_reclaims += 1;
         self.process_pending(false);
         let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
-        let mut released = self.apply(&policy);
-        if self.registry.is_some() {
-            let stats = self.stats();
-            let info = self.backend.mem_info(self.device).ok();
-            let entry = Entry {
-                device: self.device as u32,
-                reserved: stats.reserved_bytes.all.current,
-                allocated: stats.allocated_bytes.all.current,
-                cached_free: stats.cached_free_bytes,
-                inactive_split: stats.inactive_split_bytes.all.current,
-                largest_free_block: stats.largest_free_block_bytes,
-                requests_served: stats.events.num_coop_served,
-                requests_posted: stats.events.num_coop_requests,
-                ooms: stats.events.num_ooms,
-                device_total: info.map_or(0, |i| i.total),
-                device_free: info.map_or(0, |i| i.free),
-                paused: stats.paused_bytes,
-                released: Reason::ALL.map(|r| stats.released(r).bytes),
-                ..Entry::default()
-            };
-            let asked = self.registry.as_mut().and_then(|r| r.publish(entry).ok()).unwrap_or(0);
-            if asked > 0 {
-                let answer = self.release_free_segments(Reason::Cooperation, |_, _| true);
-                if answer.bytes > 0 || answer.segments > 0 {
-                    self.stats.events.num_coop_served += 1;
-                }
-                released += answer;
-                // The askers stop waiting once every helper has answered.
-                if let Some(registry) = self.registry.as_mut() {
-                    let _ = registry.mark_answered();
-                }
-            }
-        }
-        released
+        self.apply(&policy)
     }
 
     /// Releases what `policy` picks among the whole free segments and, in
@@ -208,7 +115,7 @@ impl DeviceHeap {
             })
             .collect();
         let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
-        let pressure = Pressure { device_free, reserved: self.device_reserved.load(Ordering::SeqCst) };
+        let pressure = Pressure { device_free, reserved: self.reserve.bytes() };
         // Candidates past the segments' ids are holes: index into `holes`.
         // Without pressure only holes past the idle deadline can go, so the
         // walk (under the heap's lock) looks at no others.
@@ -305,7 +212,7 @@ impl DeviceHeap {
         self.forget_segment(segment_id);
         self.note(HistoryAction::SegmentFree, base, size, self.pools[pool as usize].stream);
         self.stats.reserved_bytes.decrease(kind, size);
-        self.device_reserved.fetch_sub(size, Ordering::SeqCst);
+        self.reserve.give_back(size);
         self.stats.events.num_device_free += 1;
         Released { segments: 1, bytes: size }
     }

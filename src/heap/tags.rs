@@ -43,7 +43,6 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 
 use super::block::{BlockId, BlockState, NIL};
 use super::expandable::Vm;
@@ -376,7 +375,7 @@ impl DeviceHeap {
                 pages.set_unmapped(p, n);
                 self.note(HistoryAction::SegmentUnmap, base + p * page, n * page, stream);
                 self.stats.reserved_bytes.decrease(kind, n * page);
-                self.device_reserved.fetch_sub(n * page, Ordering::SeqCst);
+                self.reserve.give_back(n * page);
                 self.stats.events.num_pages_unmapped += n;
                 self.stats.events.num_device_free += 1;
                 given_back += n * page;
@@ -479,7 +478,7 @@ impl DeviceHeap {
             let mapped = self.claim_reserved(bytes).and_then(|()| {
                 let result = self.backend.vm_map(self.device, addr, bytes);
                 if result.is_err() {
-                    self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
+                    self.reserve.give_back(bytes);
                 }
                 result
             });
@@ -494,7 +493,7 @@ impl DeviceHeap {
         if let Some(err) = failed {
             for (addr, bytes) in done {
                 if self.backend.vm_unmap(self.device, addr, bytes).is_ok() {
-                    self.device_reserved.fetch_sub(bytes, Ordering::SeqCst);
+                    self.reserve.give_back(bytes);
                 }
             }
             return Err(err);
@@ -523,7 +522,7 @@ impl DeviceHeap {
             segment.pages.as_mut().expect("a range").set_unmapped(first, count);
             let kind = self.pools[segment.pool as usize].kind;
             self.stats.reserved_bytes.decrease(kind, count * page);
-            self.device_reserved.fetch_sub(count * page, Ordering::SeqCst);
+            self.reserve.give_back(count * page);
             self.stats.events.num_pages_unmapped += count;
             self.stats.events.num_device_free += 1;
         }

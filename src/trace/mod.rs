@@ -4,13 +4,12 @@
 //!
 //! Readers turn files into a `Trace`: RMM's logging CSV (`rmm_csv`) and
 //! PyTorch's memory snapshots (`torch_snapshot`). `replay` runs a trace,
-//! `plan` finds the smallest device it fits, `plot` draws it, `record`
-//! writes the trace of a live process.
+//! `plan` finds the smallest device it fits, `plot` draws it. (A live
+//! process's recording is written by `crate::recording`, below the heap.)
 #![forbid(unsafe_code)]
 
 pub mod plan;
 pub mod plot;
-pub mod record;
 pub mod replay;
 pub mod rmm_csv;
 pub mod torch_snapshot;

@@ -222,7 +222,7 @@ pub fn replay_with_progress(
         if (index as u64).is_multiple_of(every) || index + 1 == trace.events.len() {
             let mut sample = Sample { event: index as u64, requested: 0, allocated: 0, reserved: 0 };
             for device in 0..devices {
-                let t = alloc.with_heap(device, |h| h.totals()).unwrap_or_default();
+                let t = alloc.device(device).map(|d| d.totals()).unwrap_or_default();
                 sample.requested += t.requested;
                 sample.allocated += t.allocated;
                 sample.reserved += t.reserved;

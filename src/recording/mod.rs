@@ -11,6 +11,8 @@
 //! row's time is that of a recent read.
 #![forbid(unsafe_code)]
 
+pub mod rows;
+
 use std::cell::Cell;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -23,7 +25,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::rmm_csv::{Action, Row, RowWriter, HEADER};
+use rows::{Action, Row, RowWriter, HEADER};
 
 /// Rows a heap buffers before handing them to the writer (a multiple of `CLOCK_EVERY`).
 const BUFFER_ROWS: usize = 4096;

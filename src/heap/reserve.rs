@@ -1,0 +1,72 @@
+//! The device's reserved count and its cap (the memory fraction), shared by
+//! the heaps of the device's stream shards: growth claims its bytes here
+//! before the backend is asked, so two shards cannot both pass the cap.
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bytes the device holds from the driver and the most it may hold.
+#[derive(Debug)]
+pub struct Reserve {
+    bytes: AtomicU64,
+    /// u64::MAX: no limit.
+    limit: AtomicU64,
+}
+
+impl Default for Reserve {
+    fn default() -> Reserve {
+        Reserve { bytes: AtomicU64::new(0), limit: AtomicU64::new(u64::MAX) }
+    }
+}
+
+impl Reserve {
+    /// Bytes reserved on the device now.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::SeqCst)
+    }
+
+    /// The memory fraction's cap (u64::MAX: none).
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::SeqCst)
+    }
+
+    pub fn set_limit(&self, limit: Option<u64>) {
+        self.limit.store(limit.unwrap_or(u64::MAX), Ordering::SeqCst);
+    }
+
+    /// Counts `size` more bytes reserved, unless the total would pass the
+    /// limit or `cap` (the release policy's budget): then nothing changes.
+    pub fn claim(&self, size: u64, cap: u64) -> bool {
+        let limit = self.limit().min(cap);
+        let before = self.bytes.fetch_add(size, Ordering::SeqCst);
+        if before.checked_add(size).is_none_or(|total| total > limit) {
+            self.bytes.fetch_sub(size, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// Counts `size` bytes given back to the driver.
+    pub fn give_back(&self, size: u64) {
+        self.bytes.fetch_sub(size, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claims_stop_at_the_lower_of_limit_and_cap() {
+        let reserve = Reserve::default();
+        assert!(reserve.claim(60, u64::MAX));
+        reserve.set_limit(Some(100));
+        assert!(!reserve.claim(50, u64::MAX), "past the limit");
+        assert!(!reserve.claim(30, 80), "past the cap");
+        assert_eq!(reserve.bytes(), 60, "a refused claim counts nothing");
+        assert!(reserve.claim(40, u64::MAX));
+        reserve.give_back(100);
+        assert_eq!(reserve.bytes(), 0);
+        assert!(!reserve.claim(u64::MAX, u64::MAX), "an overflowing claim is refused");
+    }
+}
