@@ -31,7 +31,7 @@ use crate::backend::BackendError;
 use crate::size_class::PoolKind;
 
 /// Page size and range size of a heap's expandable segments.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Vm {
     pub page: u64,
     pub range: u64,
@@ -50,6 +50,7 @@ impl DeviceHeap {
         }
         if !on {
             self.vm = None;
+            self.refresh_pool_vms();
             return Ok(());
         }
         let page = self
@@ -62,7 +63,17 @@ impl DeviceHeap {
         // A range is one huge free block: it must split for any request.
         self.rules.max_split_size = u64::MAX;
         self.vm = Some(Vm { page, range });
+        self.refresh_pool_vms();
         Ok(())
+    }
+
+    /// Tells the default pools made so far how they grow now.
+    fn refresh_pool_vms(&mut self) {
+        for id in 0..self.pools.len() {
+            if self.pools[id].tag == 0 {
+                self.pools[id].vm = self.expandable_vm(self.pools[id].kind);
+            }
+        }
     }
 
     /// The expandable-segment parameters for pools of `kind`, or None when

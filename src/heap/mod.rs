@@ -38,6 +38,8 @@
 //!   as active, not allocated);
 //! - each pending block waits for as many queued events as it is named in,
 //!   and at least one, or for the end of a capture (`streams.rs`);
+//! - each pool grows as its tag and kind say (`Pool::vm`: pages of reserved
+//!   ranges, or whole segments);
 //! - each pool is filed under its stream and private pool, and every open
 //!   private pool is held (`private.rs`);
 //! - each kept context (`contexts`) is that of an allocated or pending
@@ -314,8 +316,11 @@ impl DeviceHeap {
             Some(ids) => *ids,
             None => {
                 let first = self.pools.len() as u32;
-                self.pools.push(Pool::new(stream, PoolKind::Small, private));
-                self.pools.push(Pool::new(stream, PoolKind::Large, private));
+                for kind in [PoolKind::Small, PoolKind::Large] {
+                    let mut pool = Pool::new(stream, kind, private);
+                    pool.vm = self.expandable_vm(kind);
+                    self.pools.push(pool);
+                }
                 let ids = [first, first + 1];
                 self.pools_by_stream.insert((stream, private), ids);
                 ids
@@ -398,17 +403,21 @@ impl DeviceHeap {
     /// fit, else one from new memory. In an expandable segment the pages
     /// under the block's allocated part are mapped first.
     fn take_block(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
-        let rules = if self.pools[pool as usize].tag != 0 { &self.tags.rules } else { &self.rules };
-        let block = match self.pools[pool as usize].best_fit(&self.blocks, rounded, rules) {
+        let p = &self.pools[pool as usize];
+        let paged = p.vm.is_some();
+        let rules = if p.tag != 0 { &self.tags.rules } else { &self.rules };
+        let block = match p.best_fit(&self.blocks, rounded, rules) {
             Some(id) => {
                 self.remove_free(id);
                 id
             }
             None => self.grow(pool, rounded)?,
         };
-        if let Err(err) = self.map_block(block, rounded) {
-            self.insert_free(block);
-            return Err(err);
+        if paged {
+            if let Err(err) = self.map_block(block, rounded) {
+                self.insert_free(block);
+                return Err(err);
+            }
         }
         Ok(block)
     }
@@ -670,14 +679,14 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size, whole, segment) = (b.pool, b.size, !b.is_split(), b.segment);
         let (split, counted) = self.inactive_split_bytes_of(id);
-        if self.pool_vm(self.blocks[id].pool).is_some() {
+        let pool = &mut self.pools[pool as usize];
+        if pool.vm.is_some() {
             self.blocks[id].idle_since_ms = self.clock.now_ms();
         }
         if self.vm.is_some() {
             self.recycling.frees += 1;
             self.blocks[id].freed_at = self.recycling.frees;
         }
-        let pool = &mut self.pools[pool as usize];
         pool.insert(&mut self.blocks, id, size);
         if split {
             self.stats.inactive_split.increase(pool.kind, 1);
@@ -712,7 +721,7 @@ impl DeviceHeap {
     /// all its bytes. In an expandable segment only the bytes of its edge
     /// pages count (the pages inside it can be unmapped), and the range's
     /// last block not at all (it grows to fit any request).
-    #[inline]
+    #[inline(always)]
     fn inactive_split_bytes_of(&self, id: BlockId) -> (bool, u64) {
         let b = &self.blocks[id];
         if !b.is_split() {

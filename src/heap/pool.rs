@@ -27,6 +27,9 @@ pub struct Pool {
     pub private: Option<PrivatePoolId>,
     /// The tag of its blocks (`crate::tag::TagId`; 0: "default").
     pub tag: u32,
+    /// Page and range size when it grows by pages of reserved ranges
+    /// (expandable segments, tags); None when by whole segments.
+    pub(super) vm: Option<super::expandable::Vm>,
     pub heads: Box<[BlockId]>,
     pub rows_nonempty: u64,
     pub bins_nonempty: [u32; ROWS as usize],
@@ -44,6 +47,7 @@ impl Pool {
             kind,
             private,
             tag: 0,
+            vm: None,
             heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
             rows_nonempty: 0,
             bins_nonempty: [0; ROWS as usize],

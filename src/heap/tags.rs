@@ -146,12 +146,14 @@ impl DeviceHeap {
     /// pools, the tags' own for every tagged pool.
     #[inline]
     pub(super) fn pool_vm(&self, pool: u32) -> Option<Vm> {
-        let p = &self.pools[pool as usize];
-        if p.tag == 0 {
-            return self.expandable_vm(p.kind);
-        }
+        self.pools[pool as usize].vm
+    }
+
+    /// The reserved ranges of a tag's pools of `kind`: the small ones
+    /// smaller (`SMALL_RANGE`).
+    pub(super) fn tag_vm(&self, kind: PoolKind) -> Option<Vm> {
         let vm = self.tags.vm?;
-        Some(match p.kind {
+        Some(match kind {
             PoolKind::Small => Vm { page: vm.page, range: SMALL_RANGE.max(vm.page).next_multiple_of(vm.page) },
             PoolKind::Large => vm,
         })
@@ -183,6 +185,7 @@ impl DeviceHeap {
         for kind in [PoolKind::Small, PoolKind::Large] {
             let mut pool = Pool::new(stream, kind, None);
             pool.tag = tag;
+            pool.vm = self.tag_vm(kind);
             self.pools.push(pool);
         }
         self.tags.by_key.insert((stream, tag), [first, first + 1]);
