@@ -24,9 +24,9 @@ use crate::heap::{DeviceHeap, SegmentSnapshot, Totals};
 use crate::reclaim::policy::Reason;
 use crate::reclaim::registry::Entry;
 use crate::reclaim::Clock;
+use crate::recording::Recorder;
 use crate::stats::{Released, Stats};
 use crate::tag::TagId;
-use crate::recording::Recorder;
 use crate::types::{DevicePtr, Stream};
 
 /// Everything tidepool keeps for one GPU.
@@ -41,7 +41,13 @@ pub struct Device {
 
 impl Device {
     /// Device `index` of `backend`, configured by `config`.
-    pub(crate) fn new(index: usize, config: &Config, backend: &Arc<dyn Backend>, clock: &Arc<Clock>, recorder: Option<&Arc<Recorder>>) -> Device {
+    pub(crate) fn new(
+        index: usize,
+        config: &Config,
+        backend: &Arc<dyn Backend>,
+        clock: &Arc<Clock>,
+        recorder: Option<&Arc<Recorder>>,
+    ) -> Device {
         let reserve = Arc::new(Reserve::default());
         let shards = (0..config.stream_shards.max(1))
             .map(|shard| {
@@ -108,7 +114,12 @@ impl Device {
     /// processes on the device hold memory they could give back, they are
     /// asked, with no heap locked while they answer (`cooperation.rs`).
     #[cold]
-    pub(crate) fn after_oom<T>(&self, err: AllocError, heap: &Mutex<DeviceHeap>, retry: impl FnMut() -> Result<T, AllocError>) -> Result<T, AllocError> {
+    pub(crate) fn after_oom<T>(
+        &self,
+        err: AllocError,
+        heap: &Mutex<DeviceHeap>,
+        retry: impl FnMut() -> Result<T, AllocError>,
+    ) -> Result<T, AllocError> {
         let mut retry = retry;
         let mut err = err;
         // Taken first: a retry clears it (the caller is asking already).

@@ -12,8 +12,19 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "below",
         &[
-            "backend", "size_class", "reclaim", "reclaim::policy", "reclaim::registry", "stats", "types", "tag", "error", "frames",
-            "pickle", "recording", "config",
+            "backend",
+            "size_class",
+            "reclaim",
+            "reclaim::policy",
+            "reclaim::registry",
+            "stats",
+            "types",
+            "tag",
+            "error",
+            "frames",
+            "pickle",
+            "recording",
+            "config",
         ],
     ),
     ("heap", &["heap"]),
@@ -23,7 +34,10 @@ const LAYERS: &[(&str, &[&str])] = &[
 ];
 
 fn layer_of(module: &str) -> usize {
-    LAYERS.iter().position(|(_, modules)| modules.contains(&module)).unwrap_or_else(|| panic!("module {module} is in no layer: add it to LAYERS and to the list in src/lib.rs"))
+    LAYERS
+        .iter()
+        .position(|(_, modules)| modules.contains(&module))
+        .unwrap_or_else(|| panic!("module {module} is in no layer: add it to LAYERS and to the list in src/lib.rs"))
 }
 
 /// The module a path under src/ belongs to: its top-level module, except
@@ -51,8 +65,13 @@ fn imports(code: &str) -> BTreeSet<String> {
                 // `crate::{...}`, `crate::Allocator`, `crate::global`: the crate root's re-exports.
                 "lib".to_string()
             } else if name == "reclaim" {
-                let child: String = rest["reclaim".len()..].trim_start_matches("::").chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
-                if matches!(child.as_str(), "policy" | "registry") { format!("reclaim::{child}") } else { "reclaim".into() }
+                let child: String =
+                    rest["reclaim".len()..].trim_start_matches("::").chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+                if matches!(child.as_str(), "policy" | "registry") {
+                    format!("reclaim::{child}")
+                } else {
+                    "reclaim".into()
+                }
             } else {
                 name
             };

@@ -561,6 +561,20 @@ pub fn scan(dir: &Path) -> Scan {
 
 /// The live entries of one registry file and the count of corrupt slots.
 fn read_registry(path: &Path) -> Result<(Vec<Entry>, usize), ScanError> {
+    let (entries, corrupt) = read_slots(path)?;
+    Ok((entries.into_iter().filter(|e| alive(e.pid)).collect(), corrupt))
+}
+
+/// The pid of every slot of the registry file at `path` that names a
+/// process, live or dead: a dead one's slot is cleared by the next live
+/// process that publishes (tests and diagnostics).
+pub fn slot_pids(path: &Path) -> Result<Vec<u32>, ScanError> {
+    Ok(read_slots(path)?.0.into_iter().map(|e| e.pid).collect())
+}
+
+/// Every occupied slot of one registry file, live or dead, and the count
+/// of corrupt slots.
+fn read_slots(path: &Path) -> Result<(Vec<Entry>, usize), ScanError> {
     // Never follow a link nor wait on a FIFO someone named *.registry.
     let file =
         OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path).map_err(|_| ScanError::Unreadable)?;
@@ -599,7 +613,7 @@ fn read_registry(path: &Path) -> Result<(Vec<Entry>, usize), ScanError> {
     let mut entries = Vec::new();
     for slot in raw[HEADER as usize..].chunks_exact(SLOT as usize) {
         match Entry::decode(slot) {
-            Some(entry) if alive(entry.pid) => entries.push(entry),
+            Some(entry) if entry.pid != 0 => entries.push(entry),
             Some(_) => {}
             None => corrupt += 1,
         }
@@ -732,8 +746,10 @@ mod tests {
         // A slot of a process that no longer exists, asking for memory.
         let ghost = Entry { pid: u32::MAX - 1, request_bytes: 1 << 30, ..Entry::default() };
         a.write_slot(5, &ghost).unwrap();
+        assert!(slot_pids(a.path()).unwrap().contains(&ghost.pid), "its slot, before");
         assert_eq!(a.publish(Entry::default()).unwrap(), 0, "a dead process's request is ignored");
         assert_eq!(a.read_slot(5), Some(Entry::default()), "and its slot cleared");
+        assert_eq!(slot_pids(a.path()).unwrap(), vec![std::process::id()], "only this process's slot is left");
         drop(a);
         let _ = std::fs::remove_dir_all(&dir);
     }
