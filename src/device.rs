@@ -109,21 +109,18 @@ impl Device {
     }
 
     /// After `heap` (a shard of this device) failed a request with `err`:
-    /// the other shards may cache what this one could not get; they release
-    /// their whole free segments and `retry` runs once more. Then, if other
-    /// processes on the device hold memory they could give back, they are
-    /// asked, with no heap locked while they answer (`cooperation.rs`).
+    /// the other shards may cache what this one could not get;
+    /// they release their whole free segments and `retry` runs once more.
+    /// Then, if other processes on the device hold memory they could give
+    /// back, they are asked, with no heap locked while they answer
+    /// (`cooperation.rs`).
     #[cold]
     pub(crate) fn after_oom<T>(
         &self,
-        err: AllocError,
+        mut err: AllocError,
         heap: &Mutex<DeviceHeap>,
-        retry: impl FnMut() -> Result<T, AllocError>,
+        mut retry: impl FnMut() -> Result<T, AllocError>,
     ) -> Result<T, AllocError> {
-        let mut retry = retry;
-        let mut err = err;
-        // Taken first: a retry clears it (the caller is asking already).
-        let need = heap.lock().take_oom_need();
         if self.shards.len() > 1 {
             for other in self.shards.iter().filter(|h| !std::ptr::eq(*h, heap)) {
                 other.lock().release_free_segments(Reason::OutOfMemory, |_, _| true);
@@ -133,7 +130,12 @@ impl Device {
                 other => return other,
             }
         }
-        let (Some(cooperation), Some(need)) = (&self.cooperation, need) else {
+        // What the other processes would have to give back, as the last failure saw it.
+        let need = match &err {
+            AllocError::OutOfMemory(report) => report.need_from_others,
+            _ => 0,
+        };
+        let Some(cooperation) = self.cooperation.as_ref().filter(|_| need > 0) else {
             return Err(err);
         };
         cooperation.ask_and_retry(need, retry).unwrap_or(Err(err))
@@ -246,7 +248,7 @@ impl Device {
         self.shards.iter().find_map(|h| h.lock().live_size(ptr.0))
     }
 
-    /// Notes that the live block at `ptr` is used on `stream` too; false
+    /// Notes that the live block at `ptr` is used on `stream` too; None
     /// when no shard holds such a block.
     pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Option<Result<(), AllocError>> {
         self.shards.iter().find_map(|heap| {
@@ -343,6 +345,18 @@ impl Device {
             };
         }
         Ok(mapped)
+    }
+
+    /// Resumes `tag` on every shard where it is paused, as far as each can:
+    /// undoing a pause that failed on another device (errors are dropped,
+    /// nobody is asked).
+    pub(crate) fn resume_where_possible(&self, tag: TagId) {
+        for heap in self.shards.iter() {
+            let mut heap = heap.lock();
+            if heap.tag_paused(tag) {
+                let _ = heap.resume_tag(tag);
+            }
+        }
     }
 
     pub(crate) fn tag_stats(&self, tag: TagId) -> TagStats {

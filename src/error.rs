@@ -110,6 +110,10 @@ pub struct OomReport {
     /// Whether a private pool was open (a CUDA graph capture may have been
     /// underway), so no cached memory could be given back.
     pub capturing: bool,
+    /// The memory other processes on the device would have to give back
+    /// for the request to succeed; 0 when that could not help (past the
+    /// reserve cap). What cooperation asks them for.
+    pub need_from_others: u64,
 }
 
 /// Bytes as a person reads them: "1.50 GiB", "512 B".
@@ -214,6 +218,7 @@ mod tests {
             reserved_limit: Some(14 << 30),
             expandable: false,
             capturing: false,
+            need_from_others: 2 << 30,
         };
         let text = AllocError::OutOfMemory(Box::new(report.clone())).to_string();
         for needle in ["device 1", "2.00 GiB", "10.00 GiB allocated", "13.00 GiB reserved", "3.00 GiB cached free",

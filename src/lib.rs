@@ -477,7 +477,7 @@ impl Allocator {
                 Err(err) => {
                     // All or nothing: the devices paused so far resume.
                     for earlier in &devices[..done] {
-                        let _ = earlier.resume(id);
+                        earlier.resume_where_possible(id);
                     }
                     return Err(err);
                 }

@@ -52,30 +52,77 @@ fn module_of(relative: &Path) -> String {
     }
 }
 
-/// The modules `code` names with `crate::`, outside comments.
-fn imports(code: &str) -> BTreeSet<String> {
+/// The module a path inside the crate starts with: `reclaim`'s files count
+/// as modules of their own, and a name that is not a module (a type or
+/// function the crate root re-exports) is the crate root's.
+fn module_named(path: &str) -> String {
+    let mut segments = path.split("::").map(|s| s.trim());
+    let first = segments.next().unwrap_or("");
+    match first {
+        "reclaim" => match segments.next() {
+            Some(child @ ("policy" | "registry")) => format!("reclaim::{child}"),
+            _ => "reclaim".into(),
+        },
+        "" | "self" | "super" | "global" => "lib".into(),
+        name if name.starts_with(|c: char| c.is_ascii_uppercase()) => "lib".into(),
+        name => name.into(),
+    }
+}
+
+/// The path at the start of `text` (`a::b::C` of `a::b::C::new()`).
+fn path_at(text: &str) -> &str {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')).next().unwrap_or("")
+}
+
+/// The items of a `{...}` group starting at `rest` (after the `{`), split
+/// at the top level: `{a::{B, C}, D}` gives `a::{B, C}` and `D`.
+fn group_items(rest: &str) -> Vec<String> {
+    let (mut depth, mut items, mut current) = (0, Vec::new(), String::new());
+    for c in rest.chars() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => break,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(std::mem::take(&mut current));
+                continue;
+            }
+            _ => {}
+        }
+        current.push(c);
+    }
+    items.push(current);
+    items.into_iter().map(|i| i.trim().to_string()).filter(|i| !i.is_empty()).collect()
+}
+
+/// The modules `code` names with `crate::` (a group counts each of its
+/// items), outside comments; in the crate root (`root`), also the modules
+/// it names by their bare names (`device::Device`).
+fn imports(code: &str, root: bool) -> BTreeSet<String> {
+    let known: Vec<&str> = LAYERS.iter().flat_map(|(_, modules)| modules.iter().copied()).filter(|m| *m != "lib" && !m.contains("::")).collect();
     let mut found = BTreeSet::new();
     for line in code.lines() {
         let line = line.split("//").next().unwrap_or("");
         let mut rest = line;
         while let Some(at) = rest.find("crate::") {
             rest = &rest[at + "crate::".len()..];
-            let name: String = rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
-            let module = if name.is_empty() || name.starts_with(|c: char| c.is_ascii_uppercase()) || name == "global" {
-                // `crate::{...}`, `crate::Allocator`, `crate::global`: the crate root's re-exports.
-                "lib".to_string()
-            } else if name == "reclaim" {
-                let child: String =
-                    rest["reclaim".len()..].trim_start_matches("::").chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
-                if matches!(child.as_str(), "policy" | "registry") {
-                    format!("reclaim::{child}")
-                } else {
-                    "reclaim".into()
+            match rest.strip_prefix('{') {
+                Some(group) => found.extend(group_items(group).iter().map(|item| module_named(item))),
+                None => {
+                    found.insert(module_named(path_at(rest)));
                 }
-            } else {
-                name
-            };
-            found.insert(module);
+            }
+        }
+        let declaration = line.trim_start().starts_with("mod ") || line.trim_start().starts_with("pub mod ");
+        if root && !declaration {
+            for name in &known {
+                let bare = line.match_indices(&format!("{name}::")).any(|(at, _)| {
+                    line[..at].chars().next_back().is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+                });
+                if bare {
+                    found.insert(module_named(path_at(&line[line.find(&format!("{name}::")).unwrap()..])));
+                }
+            }
         }
     }
     found
@@ -107,7 +154,7 @@ fn graph() -> BTreeMap<String, BTreeSet<String>> {
         let module = module_of(relative);
         let code = std::fs::read_to_string(&file).unwrap();
         let deps = graph.entry(module.clone()).or_default();
-        deps.extend(imports(&code).into_iter().filter(|d| *d != module));
+        deps.extend(imports(&code, module == "lib").into_iter().filter(|d| *d != module));
     }
     graph
 }
@@ -160,9 +207,13 @@ fn modules_import_each_other_in_no_cycle() {
 
 #[test]
 fn imports_are_read_by_module_and_outside_comments() {
-    assert_eq!(imports("use crate::heap::DeviceHeap; // crate::trace"), BTreeSet::from(["heap".to_string()]));
-    assert_eq!(imports("use crate::reclaim::policy::Reason;"), BTreeSet::from(["reclaim::policy".to_string()]));
-    assert_eq!(imports("use crate::{Allocator, Stream};"), BTreeSet::from(["lib".to_string()]));
+    let set = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<BTreeSet<String>>();
+    assert_eq!(imports("use crate::heap::DeviceHeap; // crate::trace", false), set(&["heap"]));
+    assert_eq!(imports("use crate::reclaim::policy::Reason;", false), set(&["reclaim::policy"]));
+    assert_eq!(imports("use crate::{Allocator, Stream};", false), set(&["lib"]));
+    assert_eq!(imports("use crate::{trace::{Trace, Event}, Allocator};", false), set(&["trace", "lib"]));
+    assert_eq!(imports("let d = device::Device::new(); pub mod trace;", true), set(&["device"]));
+    assert_eq!(imports("let d = device::Device::new();", false), set(&[]));
     assert!(layer_of("trace") > layer_of("heap"));
     assert_eq!(module_of(Path::new("heap/release.rs")), "heap");
     assert_eq!(module_of(Path::new("reclaim/registry.rs")), "reclaim::registry");

@@ -53,7 +53,7 @@ fn wheel() -> &'static Path {
         let python = python();
         let mut build = Command::new(&python);
         build.args(["-m", "pip", "wheel", "--no-deps", "--quiet", "-w"]).arg(&out).arg(root().join("ffi/python"));
-        // The same code a user's build makes, with less work for the
+        // The same source a user's build compiles, with less work for the
         // optimizer (no LTO, more codegen units: half the build time), in a
         // target directory of its own (the release build's stays as it is).
         build

@@ -106,11 +106,17 @@ fn a_replay_with_stream_shards_counts_every_shard() {
     let ids: Vec<u32> = (0..6).map(|i| trace.alloc(10 * MIB, 1 + (i % 2), 0)).collect();
     ids.into_iter().for_each(|id| trace.free(id));
     let run = |conf: &str| {
-        let options = ReplayOptions { capacity: 1 << 30, policy: Policy::Tidepool, conf: conf.into(), samples: 0, record_to: None };
+        let options = ReplayOptions { capacity: 1 << 30, policy: Policy::Tidepool, conf: conf.into(), samples: 12, record_to: None };
         replay(&trace, &options).unwrap()
     };
     let (one, four) = (run(""), run("stream_shards:4"));
     assert_eq!(four.peak_allocated_bytes, 60 * MIB, "both shards' blocks");
     assert_eq!(four.peak_allocated_bytes, one.peak_allocated_bytes);
     assert_eq!(four.peak_reserved_bytes, 60 * MIB, "a 10 MiB segment per block, on both shards");
+    // The samples a plot draws follow every shard too.
+    let most = |r: &tidepool::trace::replay::ReplayReport| {
+        (r.series.iter().map(|s| s.allocated).max().unwrap(), r.series.iter().map(|s| s.reserved).max().unwrap())
+    };
+    assert_eq!(most(&four), (60 * MIB, 60 * MIB));
+    assert_eq!(most(&four), most(&one));
 }

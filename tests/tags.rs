@@ -233,6 +233,36 @@ fn resume_releases_other_cache_then_fails_whole_leaving_the_tag_paused_and_its_b
 }
 
 #[test]
+fn a_resume_whose_undo_cannot_unmap_keeps_the_stuck_pages_counted_and_resumes_later() {
+    let (alloc, backend) = host_allocator(1, 1 << 30, "");
+    // Two runs of pages: a freed block between two live ones leaves a gap.
+    let (left, gap, right) = {
+        let _region = region("i13-stuck").unwrap();
+        let left = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
+        let gap = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
+        let right = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
+        (left, gap, right)
+    };
+    alloc.free(0, gap).unwrap();
+    fill(left, 8 * MIB, 1);
+    fill(right, 8 * MIB, 2);
+    alloc.pause("i13-stuck", None, true).unwrap();
+    // The second run's map fails; undoing the first, its unmap fails too.
+    backend.faults().fail_nth_allocate(2);
+    backend.faults().fail_nth_release(1);
+    let resumed = alloc.resume("i13-stuck", None);
+    alloc.validate().unwrap(); // the device's reserved count is the heap's
+    if resumed.is_err() {
+        alloc.resume("i13-stuck", None).unwrap();
+    }
+    assert_eq!((check(left, 8 * MIB, 1), check(right, 8 * MIB, 2)), (Ok(()), Ok(())));
+    alloc.validate().unwrap();
+    alloc.free(0, left).unwrap();
+    alloc.free(0, right).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
 fn resume_gets_its_memory_by_releasing_the_devices_idle_cache() {
     let (alloc, _) = host_allocator(1, 256 * MIB, "");
     let blocks = tagged_blocks(&alloc, "i13-cache", 5);

@@ -181,8 +181,6 @@ pub struct DeviceHeap {
     policy: Policy,
     /// The reclaimer's clock, for idle stamps.
     clock: Arc<Clock>,
-    /// What the last out-of-memory needs from the other processes (0: they cannot help).
-    oom_need: u64,
     /// A failed request is being retried (`retry_allocate`): its failures
     /// are not counted or recorded again.
     retrying: bool,
@@ -233,7 +231,6 @@ impl DeviceHeap {
             reserve: Arc::default(),
             policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
             clock: Clock::new(),
-            oom_need: 0,
             retrying: false,
             stash_enabled: true,
             lend_across_streams: true,
@@ -437,14 +434,14 @@ impl DeviceHeap {
         match self.take_block(pool, rounded) {
             Ok(block) => Ok(block),
             Err(BackendError::OutOfMemory) => {
-                self.oom_need = self.need_from_others(pool, rounded);
+                let need = self.need_from_others(pool, rounded);
                 if !self.retrying {
                     self.stats.events.num_ooms += 1;
                     if self.observed {
                         self.record(Action::AllocateFailure, 0, size, stream);
                     }
                 }
-                Err(AllocError::OutOfMemory(Box::new(self.oom_report(size))))
+                Err(AllocError::OutOfMemory(Box::new(self.oom_report(size, need))))
             }
             Err(err) => Err(AllocError::Backend(err)),
         }
@@ -838,7 +835,6 @@ impl DeviceHeap {
         self.retrying = true;
         let result = self.allocate_tagged(size, stream, tag, context);
         self.retrying = false;
-        self.oom_need = 0; // the caller is already asking
         if result.is_ok() {
             self.retract_oom();
         }
@@ -852,7 +848,6 @@ impl DeviceHeap {
         self.retrying = true;
         let result = self.resume_tag(tag);
         self.retrying = false;
-        self.oom_need = 0; // the caller is already asking
         if result.is_ok() {
             self.retract_oom();
         }
@@ -888,7 +883,9 @@ impl DeviceHeap {
         self.stats.reset_accumulated();
     }
 
-    fn oom_report(&mut self, requested: u64) -> OomReport {
+    /// The report of an out-of-memory for `requested` bytes, which the
+    /// other processes could serve by giving back `need_from_others`.
+    fn oom_report(&mut self, requested: u64, need_from_others: u64) -> OomReport {
         let stats = self.stats();
         let info = self.backend.mem_info(self.device).ok();
         OomReport {
@@ -905,6 +902,7 @@ impl DeviceHeap {
             reserved_limit: self.reserved_limit(),
             expandable: self.vm.is_some(),
             capturing: !self.may_release(),
+            need_from_others,
         }
     }
 

@@ -29,15 +29,6 @@ impl DeviceHeap {
         need
     }
 
-    /// What the last out-of-memory of this heap needs from the other
-    /// processes (taken: asked once), when they could help at all. The
-    /// device layer asks them, with no heap locked while it waits
-    /// (`cooperation.rs`).
-    pub fn take_oom_need(&mut self) -> Option<u64> {
-        let need = std::mem::take(&mut self.oom_need);
-        (need > 0).then_some(need)
-    }
-
     /// A segment from the backend, unless it would take the heap past its
     /// reserve limit (which then counts as out of memory).
     pub(super) fn new_segment(&mut self, size: u64, stream: Stream) -> Result<u64, BackendError> {

@@ -472,11 +472,20 @@ impl DeviceHeap {
     }
 
     /// Maps the saved runs' pages again, all or nothing; commits them to the
-    /// page maps and the counts only when every run is mapped.
+    /// page maps and the counts only when every run is mapped. Pages still
+    /// mapped (an earlier undo whose unmap failed) are left as they are.
     fn map_saved(&mut self, runs: &[(u64, u64, u64)], page: u64) -> Result<(), BackendError> {
+        let todo: Vec<(u64, u64, u64)> = runs
+            .iter()
+            .flat_map(|&(base, first, count)| {
+                let id = self.segment_by_base[&base];
+                let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("a range of the tag");
+                pages.runs(first, count, false).into_iter().map(move |(p, n)| (base, p, n))
+            })
+            .collect();
         let mut done = Vec::new();
         let mut failed = None;
-        for &(base, first, count) in runs {
+        for &(base, first, count) in &todo {
             let (addr, bytes) = (base + first * page, count * page);
             let mapped = self.claim_reserved(bytes).and_then(|()| {
                 let result = self.backend.vm_map(self.device, addr, bytes);
@@ -486,7 +495,7 @@ impl DeviceHeap {
                 result
             });
             match mapped {
-                Ok(()) => done.push((addr, bytes)),
+                Ok(()) => done.push((base, first, count)),
                 Err(err) => {
                     failed = Some(err);
                     break;
@@ -494,13 +503,24 @@ impl DeviceHeap {
             }
         }
         if let Some(err) = failed {
-            for (addr, bytes) in done {
-                if self.backend.vm_unmap(self.device, addr, bytes).is_ok() {
-                    self.reserve.give_back(bytes);
+            // Undone; a run the backend cannot unmap stays mapped, and counted.
+            let mut stuck = Vec::new();
+            for (base, first, count) in done {
+                if self.backend.vm_unmap(self.device, base + first * page, count * page).is_ok() {
+                    self.reserve.give_back(count * page);
+                } else {
+                    stuck.push((base, first, count));
                 }
             }
+            self.commit_saved(&stuck, page);
             return Err(err);
         }
+        self.commit_saved(&todo, page);
+        Ok(())
+    }
+
+    /// Marks runs of a tag's pages, just mapped, in their page maps and counts them.
+    fn commit_saved(&mut self, runs: &[(u64, u64, u64)], page: u64) {
         for &(base, first, count) in runs {
             let id = self.segment_by_base[&base];
             let segment = self.segments[id as usize].as_mut().expect("a range of the tag");
@@ -511,7 +531,6 @@ impl DeviceHeap {
             self.stats.events.num_pages_mapped += count;
             self.stats.events.num_device_alloc += 1;
         }
-        Ok(())
     }
 
     /// Unmaps runs `map_saved` mapped (a resume that could not finish).
@@ -566,11 +585,10 @@ impl DeviceHeap {
             return Err(match err {
                 BackendError::OutOfMemory => {
                     // The device layer may ask the other processes and retry.
-                    self.oom_need = need;
                     if !self.retrying {
                         self.stats.events.num_ooms += 1;
                     }
-                    AllocError::OutOfMemory(Box::new(self.oom_report(need)))
+                    AllocError::OutOfMemory(Box::new(self.oom_report(need, need)))
                 }
                 other => AllocError::Backend(other),
             });

@@ -10,7 +10,8 @@ use std::io::{BufRead, BufReader, Read};
 
 use super::{Format, Trace, TraceError};
 
-pub use crate::recording::rows::HEADER;
+/// The row format is the recording's (`crate::recording::rows`); its names stay reachable here.
+pub use crate::recording::rows::{Action, Row, RowWriter, HEADER};
 /// A longer line is not RMM's CSV: refuse it rather than buffer it.
 const MAX_LINE: usize = 4096;
 
@@ -90,7 +91,6 @@ fn parse_hex(text: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::recording::rows::{Action, Row, RowWriter};
     use crate::trace::Event;
 
     fn read_str(text: &str) -> Result<Trace, TraceError> {
