@@ -3,15 +3,12 @@
 //! process that finds it through LD_LIBRARY_PATH, and the clear error of
 //! the `cuda` backend where no driver exists.
 
-// The simgpu entry points are looked up by name and cast to the C
-// signatures declared in cuda/simgpu/simgpu.c.
-#![allow(clippy::missing_transmute_annotations)]
-
 mod common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::simgpu::Simgpu;
 use common::{conformance, host_allocator, simgpu_dir};
 use tidepool::trace::replay::{replay, Policy, ReplayOptions};
 use tidepool::trace::Event;
@@ -213,57 +210,6 @@ fn without_a_driver_the_cuda_backend_is_a_clear_error_not_a_panic() {
     let (ok, text) = child("child_no_driver", &[("LD_LIBRARY_PATH", empty.to_str().unwrap())]);
     assert!(ok, "{text}");
     assert!(text.contains("no CUDA driver found") && text.contains("backend:host runs without a GPU"), "{text}");
-}
-
-/// simgpu's streams and test entry points, looked up in the loaded driver.
-struct Simgpu {
-    stream_create: unsafe extern "C" fn(*mut u64, u32) -> i32,
-    stream_synchronize: unsafe extern "C" fn(u64) -> i32,
-    enqueue_sleep: unsafe extern "C" fn(u64, i64) -> i32,
-    enqueue_fill: unsafe extern "C" fn(u64, u64, usize, u8, u64) -> i32,
-    enqueue_set_owner: unsafe extern "C" fn(u64, u64, usize, u64) -> i32,
-    event_create: unsafe extern "C" fn(*mut u64, u32) -> i32,
-    event_record: unsafe extern "C" fn(u64, u64) -> i32,
-    stream_wait_event: unsafe extern "C" fn(u64, u64, u32) -> i32,
-    violations: unsafe extern "C" fn() -> i64,
-    event_queries: unsafe extern "C" fn() -> i64,
-    relaxed_allocs: unsafe extern "C" fn(*mut i32) -> i64,
-    set_capturing: unsafe extern "C" fn(u64, i32) -> i32,
-    owner_overflows: unsafe extern "C" fn() -> i64,
-    memory_calls: unsafe extern "C" fn() -> i64,
-}
-
-impl Simgpu {
-    /// A new simgpu stream.
-    fn stream(&self) -> u64 {
-        let mut s = 0u64;
-        // SAFETY: simgpu writes a new stream handle into a local.
-        assert_eq!(unsafe { (self.stream_create)(&mut s, 0) }, 0);
-        s
-    }
-
-    fn load() -> Simgpu {
-        let sym = common::simgpu_symbol;
-        // SAFETY: each symbol is cast to its C signature in cuda/simgpu/simgpu.c.
-        unsafe {
-            Simgpu {
-                stream_create: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamCreate")),
-                stream_synchronize: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamSynchronize")),
-                enqueue_sleep: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_sleep")),
-                enqueue_fill: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_fill")),
-                enqueue_set_owner: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_enqueue_set_owner")),
-                event_create: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuEventCreate")),
-                event_record: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuEventRecord")),
-                stream_wait_event: std::mem::transmute::<*mut libc::c_void, _>(sym(c"cuStreamWaitEvent")),
-                violations: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_violations")),
-                event_queries: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_event_queries")),
-                memory_calls: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_memory_calls")),
-                relaxed_allocs: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_relaxed_allocs")),
-                set_capturing: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_set_capturing")),
-                owner_overflows: std::mem::transmute::<*mut libc::c_void, _>(sym(c"simgpu_owner_overflows")),
-            }
-        }
-    }
 }
 
 /// The child side: 4 streams, blocks written on a stream other than their

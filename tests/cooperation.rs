@@ -36,17 +36,6 @@ fn allocator(conf: &str) -> Allocator {
     Allocator::new(Config::builder().conf(conf).unwrap().build().unwrap()).unwrap()
 }
 
-fn wait_for(path: &Path, timeout: Duration) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < timeout {
-        if path.exists() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    false
-}
-
 /// Process A: runs only when spawned by the tests below.
 #[test]
 #[ignore = "child process: run by scenario and scenario_on_simgpu (five tests)"]
@@ -68,7 +57,7 @@ fn process_a_holds_idle_cache() {
         assert!(published(&conf, |e| e.cached_free > 0), "the cache was never published");
     }
     std::fs::write(dir.join("ready"), b"").unwrap();
-    assert!(wait_for(&dir.join("done"), Duration::from_secs(20)));
+    assert!(common::wait_for_file(&dir.join("done"), Duration::from_secs(20)));
     let served = alloc.stats(0).unwrap().events.num_coop_served;
     std::fs::write(dir.join("served"), served.to_string()).unwrap();
     for pin in [left, right].into_iter().flatten() {
@@ -126,13 +115,13 @@ fn process_h_holds_memory() {
     std::fs::write(dir.join("ready"), b"").unwrap();
     if let Ok(ask) = std::env::var("TIDEPOOL_TEST_COOP_ASK") {
         // Asks for `ask` MiB once told to go; writes how it ended and when.
-        assert!(wait_for(&dir.join("go"), Duration::from_secs(30)));
+        assert!(common::wait_for_file(&dir.join("go"), Duration::from_secs(30)));
         let start = Instant::now();
         let result = alloc.allocate(0, ask.parse::<usize>().unwrap() * MIB as usize, Stream::DEFAULT);
         let ended = if result.is_ok() { "ok" } else { "oom" };
         std::fs::write(dir.join("asked"), format!("{ended} {}", start.elapsed().as_millis())).unwrap();
     }
-    assert!(wait_for(&dir.join("done"), Duration::from_secs(30)));
+    assert!(common::wait_for_file(&dir.join("done"), Duration::from_secs(30)));
     let served = alloc.stats(0).unwrap().events.num_coop_served;
     std::fs::write(dir.join("served"), served.to_string()).unwrap();
     alloc.free(0, live).unwrap();
@@ -175,7 +164,7 @@ fn spawn_h_with(dir: &Path, conf: &str, hold_mib: u64, split: bool, mut env: Vec
         env.push(("TIDEPOOL_TEST_COOP_SPLIT", "1".to_string()));
     }
     let h = spawn("process_h_holds_memory", dir, conf, &env);
-    assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process H did not start");
+    assert!(common::wait_for_file(&dir.join("ready"), Duration::from_secs(20)), "process H did not start");
     h
 }
 
@@ -255,7 +244,7 @@ fn two_processes_asking_each_other_are_both_answered_within_an_interval() {
     let start = Instant::now();
     let result = p.allocate(0, (500 * MIB) as usize, Stream::DEFAULT);
     let waited = start.elapsed();
-    assert!(wait_for(&dir.join("asked"), Duration::from_secs(20)), "H never finished asking");
+    assert!(common::wait_for_file(&dir.join("asked"), Duration::from_secs(20)), "H never finished asking");
     let asked = std::fs::read_to_string(dir.join("asked")).unwrap();
     eprintln!("both asking: P's OOM after {waited:?}; H's: {asked} ms");
     assert!(matches!(result, Err(AllocError::OutOfMemory(_))), "{result:?}");
@@ -319,7 +308,7 @@ fn process_b_asks_for_memory() {
         panic!("a child-process test: its parent test sets TIDEPOOL_TEST_COOP_CONF and TIDEPOOL_TEST_COOP_DIR");
     };
     let dir = PathBuf::from(dir);
-    assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
+    assert!(common::wait_for_file(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
     let alloc = allocator(&conf);
     let start = Instant::now();
     match alloc.allocate(0, (700 * MIB) as usize, Stream::DEFAULT) {
@@ -371,7 +360,7 @@ fn scenario(cooperative: bool, extra: &str) -> (Result<(), AllocError>, Duration
     std::fs::create_dir_all(&dir).unwrap();
     let conf = format!("{},{extra}", conf(&dir, cooperative));
     let a = spawn_a(&dir, &conf);
-    assert!(wait_for(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
+    assert!(common::wait_for_file(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
     let b = allocator(&conf);
     let start = Instant::now();
     let stream = stream_of(&conf);

@@ -12,18 +12,6 @@ use tidepool::{Allocator, Stream};
 
 const S0: Stream = Stream::DEFAULT;
 
-/// Polls until `done` or the timeout; returns whether it became true.
-fn eventually(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < timeout {
-        if done() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    done()
-}
-
 #[test]
 fn idle_segments_go_back_after_release_after_ms() {
     let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:1500,reclaim_interval_ms:20");
@@ -39,7 +27,7 @@ fn idle_segments_go_back_after_release_after_ms() {
     std::thread::sleep(Duration::from_millis(150));
     assert_eq!(reserved(&alloc), cached, "released before release_after_ms");
     // ...but soon after it.
-    assert!(eventually(Duration::from_secs(10), || reserved(&alloc) == 2 * MIB), "reserved {}", reserved(&alloc));
+    assert!(common::eventually(Duration::from_secs(10), || reserved(&alloc) == 2 * MIB), "reserved {}", reserved(&alloc));
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.released(Reason::IdleDecay).bytes, cached - 2 * MIB);
     assert!(s.events.num_reclaims > 0);
@@ -92,7 +80,7 @@ fn headroom_releases_idle_cache_when_the_device_runs_low() {
     // Segments idle under a second are spared; after that, released.
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(reserved(&alloc), 60 * MIB);
-    assert!(eventually(Duration::from_secs(5), || reserved(&alloc) == 0));
+    assert!(common::eventually(Duration::from_secs(5), || reserved(&alloc) == 0));
     assert_eq!(alloc.stats(0).unwrap().released(Reason::Headroom).bytes, 60 * MIB);
 }
 
@@ -127,7 +115,7 @@ fn pressure_is_answered_within_a_couple_of_intervals() {
     assert_eq!(reserved(&alloc), 40 * MIB, "no pressure yet: the cache stays");
     let other = tidepool::backend::Backend::allocate(&*backend, 0, 40 * MIB, S0).unwrap();
     let signal = Instant::now();
-    assert!(eventually(Duration::from_secs(5), || reserved(&alloc) == 0));
+    assert!(common::eventually(Duration::from_secs(5), || reserved(&alloc) == 0));
     let latency = signal.elapsed();
     eprintln!("pressure to release: {latency:?} with a 20 ms interval");
     // A couple of intervals, with room for a loaded machine; without the

@@ -22,6 +22,7 @@ use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use common::simgpu::Simgpu;
 use common::{check, fill, Rng, KIB, MIB};
 use tidepool::{AllocError, Allocator, Config, DevicePtr, Stream};
 
@@ -29,36 +30,6 @@ const THREADS: u64 = 4;
 /// Blocks one thread holds at most.
 const LIVE_PER_THREAD: usize = 48;
 const CAPACITY: &str = "2G";
-
-/// The (process-wide) simgpu entry points the workers use.
-struct Sim {
-    stream_create: unsafe extern "C" fn(*mut u64, u32) -> i32,
-    stream_synchronize: unsafe extern "C" fn(u64) -> i32,
-    enqueue_sleep: unsafe extern "C" fn(u64, i64) -> i32,
-}
-
-impl Sim {
-    fn load() -> Sim {
-        let sym = common::simgpu_symbol;
-        // SAFETY: each symbol is cast to its C signature in cuda/simgpu/simgpu.c.
-        unsafe {
-            Sim {
-                stream_create: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*mut u64, u32) -> i32>(sym(c"cuStreamCreate")),
-                stream_synchronize: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64) -> i32>(sym(c"cuStreamSynchronize")),
-                enqueue_sleep: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64, i64) -> i32>(sym(
-                    c"simgpu_enqueue_sleep",
-                )),
-            }
-        }
-    }
-
-    fn stream(&self) -> Stream {
-        let mut s = 0u64;
-        // SAFETY: simgpu writes a new stream handle into a local.
-        assert_eq!(unsafe { (self.stream_create)(&mut s, 0) }, 0);
-        Stream(s)
-    }
-}
 
 fn unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
@@ -89,7 +60,7 @@ fn free_checked(alloc: &Allocator, (ptr, size, stream, tag): (DevicePtr, usize, 
 }
 
 /// One worker thread: random operations until `deadline`.
-fn run_thread(alloc: &Allocator, sim: &Sim, streams: &[Stream], seed: u64, deadline: Instant, ops: &AtomicU64) -> Counts {
+fn run_thread(alloc: &Allocator, sim: &Simgpu, streams: &[Stream], seed: u64, deadline: Instant, ops: &AtomicU64) -> Counts {
     let mut rng = Rng(seed);
     let mut counts = Counts::default();
     let mut live: Vec<(DevicePtr, usize, Stream, u64)> = Vec::new();
@@ -159,8 +130,8 @@ fn child_soak_worker() {
     if let Ok(fraction) = std::env::var("TIDEPOOL_SOAK_FRACTION") {
         alloc.set_memory_fraction(0, fraction.parse().unwrap()).unwrap();
     }
-    let sim = Sim::load();
-    let streams: Vec<Stream> = std::iter::once(Stream::DEFAULT).chain((0..3).map(|_| sim.stream())).collect();
+    let sim = Simgpu::load();
+    let streams: Vec<Stream> = std::iter::once(Stream::DEFAULT).chain((0..3).map(|_| Stream(sim.stream()))).collect();
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
     let ops = AtomicU64::new(0);
@@ -226,18 +197,6 @@ fn simgpu_pids(shared: &Path) -> Vec<i32> {
         .map(|pid| i32::from_le_bytes(pid.try_into().unwrap()))
         .filter(|&pid| pid != 0)
         .collect()
-}
-
-/// Whether `check` holds within 10 s.
-fn eventually(mut check: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(10) {
-        if check() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    false
 }
 
 struct Soak {
@@ -330,9 +289,9 @@ fn four_processes_share_one_device_through_a_kill() {
     victim.wait().unwrap();
     let killed_at = unix_ms();
     // The others clear its slots as they go on: its memory is free again.
-    assert!(eventually(|| !simgpu_pids(&shared).contains(&(pid as i32))), "simgpu still counts the killed process's memory");
+    assert!(common::eventually(Duration::from_secs(10), || !simgpu_pids(&shared).contains(&(pid as i32))), "simgpu still counts the killed process's memory");
     assert!(
-        eventually(|| !tidepool::reclaim::registry::slot_pids(&registry).unwrap().contains(&pid)),
+        common::eventually(Duration::from_secs(10), || !tidepool::reclaim::registry::slot_pids(&registry).unwrap().contains(&pid)),
         "the killed process's registry slot was not cleared"
     );
     // Started again for the rest of the time.

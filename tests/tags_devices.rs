@@ -9,10 +9,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use common::simgpu::Simgpu;
 use common::{check, fill, host_allocator, MIB};
 use tidepool::tag::region;
 use tidepool::{AllocError, Allocator, Config, DevicePtr, Stream};
@@ -21,17 +22,6 @@ const S: Stream = Stream::DEFAULT;
 
 fn allocator(conf: &str) -> Allocator {
     Allocator::new(Config::builder().conf(conf).unwrap().build().unwrap()).unwrap()
-}
-
-fn wait_for(path: &Path, timeout: Duration) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < timeout {
-        if path.exists() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    false
 }
 
 /// Runs the (ignored) test `name` of this binary as another process.
@@ -57,7 +47,7 @@ fn process_b_takes_the_paused_memory() {
     let alloc = allocator(&conf);
     let p = alloc.allocate(0, (700 * MIB) as usize, S).expect("the paused tag's memory is free for another process");
     std::fs::write(dir.join("b-holds"), b"").unwrap();
-    assert!(wait_for(&dir.join("a-tried"), Duration::from_secs(30)));
+    assert!(common::wait_for_file(&dir.join("a-tried"), Duration::from_secs(30)));
     alloc.free(0, p).unwrap(); // cached: B's reclaimer gives it back when A asks
 
     // A asks only once the registry shows B's cache (B's next reclaimer pass).
@@ -73,7 +63,7 @@ fn process_b_takes_the_paused_memory() {
         std::thread::sleep(Duration::from_millis(10));
     }
     std::fs::write(dir.join("b-freed"), b"").unwrap();
-    assert!(wait_for(&dir.join("done"), Duration::from_secs(30)));
+    assert!(common::wait_for_file(&dir.join("done"), Duration::from_secs(30)));
     println!("b: served {}", alloc.stats(0).unwrap().events.num_coop_served);
 }
 
@@ -103,14 +93,14 @@ fn a_second_process_uses_the_memory_of_a_paused_tag_and_the_first_resumes_once_i
 
     let env = [("TIDEPOOL_TEST_TAGS_CONF", conf.clone()), ("TIDEPOOL_TEST_TAGS_DIR", dir.display().to_string())];
     let b = spawn("process_b_takes_the_paused_memory", &env);
-    assert!(wait_for(&dir.join("b-holds"), Duration::from_secs(30)), "process B did not get the memory");
+    assert!(common::wait_for_file(&dir.join("b-holds"), Duration::from_secs(30)), "process B did not get the memory");
     // B's memory is live: asking B gives nothing, and the resume fails whole.
     let err = alloc.resume("i13-coop", Some(0)).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory(_)), "{err}");
     assert!(alloc.tag_stats("i13-coop", 0).unwrap().paused, "still paused");
     alloc.validate().unwrap();
     std::fs::write(dir.join("a-tried"), b"").unwrap();
-    assert!(wait_for(&dir.join("b-freed"), Duration::from_secs(30)));
+    assert!(common::wait_for_file(&dir.join("b-freed"), Duration::from_secs(30)));
     // B now only caches it: A's request makes B's reclaimer give it back.
     alloc.resume("i13-coop", Some(0)).unwrap();
     for (i, &(p, size)) in blocks.iter().enumerate() {
@@ -147,37 +137,6 @@ fn a_discarding_pause_makes_one_call_per_run_of_pages_not_per_block() {
         alloc.free(0, p).unwrap();
     }
     alloc.validate().unwrap();
-}
-
-/// simgpu's calls this test needs, looked up in the loaded driver.
-struct Simgpu {
-    stream_create: unsafe extern "C" fn(*mut u64, u32) -> i32,
-    enqueue_sleep: unsafe extern "C" fn(u64, i64) -> i32,
-    enqueue_fill: unsafe extern "C" fn(u64, u64, usize, u8, u64) -> i32,
-    host_allocs: unsafe extern "C" fn(*mut i64) -> i64,
-    set_capturing: unsafe extern "C" fn(u64, i32) -> i32,
-}
-
-impl Simgpu {
-    fn load() -> Simgpu {
-        let sym = common::simgpu_symbol;
-        // SAFETY: each symbol is cast to its C signature in cuda/simgpu/simgpu.c.
-        unsafe {
-            Simgpu {
-                stream_create: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*mut u64, u32) -> i32>(sym(c"cuStreamCreate")),
-                enqueue_sleep: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64, i64) -> i32>(sym(
-                    c"simgpu_enqueue_sleep",
-                )),
-                enqueue_fill: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64, u64, usize, u8, u64) -> i32>(sym(
-                    c"simgpu_enqueue_fill",
-                )),
-                host_allocs: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*mut i64) -> i64>(sym(c"simgpu_host_allocs")),
-                set_capturing: std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u64, i32) -> i32>(sym(
-                    c"simgpu_set_capturing",
-                )),
-            }
-        }
-    }
 }
 
 /// The child side over simgpu: a fill queued behind a sleep on the block's

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod conformance;
+pub mod simgpu;
 
 use std::sync::Arc;
 
@@ -176,6 +177,24 @@ pub fn simgpu_dir() -> std::path::PathBuf {
     assert!(status.success(), "building simgpu failed");
     std::fs::rename(&out, dir.join("libcuda.so")).unwrap();
     dir
+}
+
+/// Polls every 10 ms until `done` or the timeout; whether it became true.
+pub fn eventually(timeout: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < timeout {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    done()
+}
+
+/// Whether the file `path` appears within `timeout` (processes of a test
+/// tell each other where they are by files).
+pub fn wait_for_file(path: &std::path::Path, timeout: std::time::Duration) -> bool {
+    eventually(timeout, || path.exists())
 }
 
 // ---- child processes -----------------------------------------------------
