@@ -17,7 +17,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use tidepool::reclaim::policy::Reason;
-use tidepool::{AllocError, Allocator, Config, Stream};
+use tidepool::{AllocError, Stream};
 
 const MIB: u64 = 1 << 20;
 /// conf's oom_wait_ms: a request answered well within it was answered.
@@ -32,10 +32,6 @@ fn conf(dir: &Path, cooperative: bool) -> String {
     )
 }
 
-fn allocator(conf: &str) -> Allocator {
-    Allocator::new(Config::builder().conf(conf).unwrap().build().unwrap()).unwrap()
-}
-
 /// Process A: runs only when spawned by the tests below.
 #[test]
 #[ignore = "child process: run by scenario and scenario_on_simgpu (five tests)"]
@@ -44,7 +40,7 @@ fn process_a_holds_idle_cache() {
         panic!("a child-process test: its parent test sets TIDEPOOL_TEST_COOP_CONF and TIDEPOOL_TEST_COOP_DIR");
     };
     let dir = PathBuf::from(dir);
-    let alloc = allocator(&conf);
+    let alloc = common::conf_allocator(&conf);
     // With expandable segments the cache is a hole between two live blocks.
     let pins = conf.contains("expandable:true");
     let stream = stream_of(&conf);
@@ -106,7 +102,7 @@ fn process_h_holds_memory() {
         panic!("a child-process test: its parent test sets TIDEPOOL_TEST_COOP_CONF and TIDEPOOL_TEST_COOP_DIR");
     };
     let dir = PathBuf::from(dir);
-    let alloc = allocator(&conf);
+    let alloc = common::conf_allocator(&conf);
     let hold: usize = std::env::var("TIDEPOOL_TEST_COOP_HOLD").unwrap().parse().unwrap();
     let live = alloc.allocate(0, hold * MIB as usize, Stream::DEFAULT).unwrap();
     let split = std::env::var_os("TIDEPOOL_TEST_COOP_SPLIT").map(|_| alloc.allocate(0, (2 * MIB) as usize, Stream::DEFAULT).unwrap());
@@ -184,7 +180,7 @@ fn a_free_while_a_request_waits_for_others_returns_at_once_and_serves_it() {
     let h = spawn_h(&dir, &conf(&dir, true), 0, true);
     signal(&h, "STOP");
     let stopped = Stopped(&h);
-    let b = allocator(&conf_b);
+    let b = common::conf_allocator(&conf_b);
     let oom_wait = Duration::from_millis(6000);
     let held = b.allocate(0, (600 * MIB) as usize, Stream::DEFAULT).unwrap();
     let (waited, result, free_took) = std::thread::scope(|s| {
@@ -236,7 +232,7 @@ fn two_processes_asking_each_other_are_both_answered_within_an_interval() {
     let conf = format!("{},oom_wait_ms:6000", conf(&dir, true));
     let oom_wait = Duration::from_millis(6000);
     let h = spawn_h_with(&dir, &conf, 300, true, vec![("TIDEPOOL_TEST_COOP_ASK", "500".into())]);
-    let p = allocator(&conf);
+    let p = common::conf_allocator(&conf);
     let live = p.allocate(0, (300 * MIB) as usize, Stream::DEFAULT).unwrap();
     let split = p.allocate(0, (2 * MIB) as usize, Stream::DEFAULT).unwrap();
     assert!(published(&conf, |e| e.cached_free == 18 * MIB), "P's cache was never published");
@@ -267,7 +263,7 @@ fn with_no_other_process_holding_cache_an_oom_is_reported_at_once() {
     // H holds 100 MiB live and no cache; B fills the rest of the device.
     let conf = format!("{},oom_wait_ms:2000", conf(&dir, true));
     let h = spawn_h(&dir, &conf, 100, false);
-    let b = allocator(&conf);
+    let b = common::conf_allocator(&conf);
     let full = b.allocate(0, (900 * MIB) as usize, Stream::DEFAULT).unwrap();
     let start = Instant::now();
     for _ in 0..64 {
@@ -292,12 +288,9 @@ fn spawn_a(dir: &Path, conf: &str) -> Child {
 
 /// Runs the (ignored) test `name` of this binary as another process.
 fn spawn(name: &str, dir: &Path, conf: &str, env: &[(&str, String)]) -> Child {
-    let mut command = common::child_command(name);
-    command.env("TIDEPOOL_TEST_COOP_CONF", conf).env("TIDEPOOL_TEST_COOP_DIR", dir).stdout(std::process::Stdio::piped());
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    command.spawn().unwrap()
+    let mut env = env.to_vec();
+    env.extend([("TIDEPOOL_TEST_COOP_CONF", conf.to_string()), ("TIDEPOOL_TEST_COOP_DIR", dir.display().to_string())]);
+    common::spawn_child(name, &env)
 }
 
 /// Process B of the CUDA variant: asks for 70 % of the device.
@@ -309,7 +302,7 @@ fn process_b_asks_for_memory() {
     };
     let dir = PathBuf::from(dir);
     assert!(common::wait_for_file(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
-    let alloc = allocator(&conf);
+    let alloc = common::conf_allocator(&conf);
     let start = Instant::now();
     match alloc.allocate(0, (700 * MIB) as usize, Stream::DEFAULT) {
         Ok(p) => {
@@ -361,7 +354,7 @@ fn scenario(cooperative: bool, extra: &str) -> (Result<(), AllocError>, Duration
     let conf = format!("{},{extra}", conf(&dir, cooperative));
     let a = spawn_a(&dir, &conf);
     assert!(common::wait_for_file(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
-    let b = allocator(&conf);
+    let b = common::conf_allocator(&conf);
     let start = Instant::now();
     let stream = stream_of(&conf);
     let result = b.allocate(0, (700 * MIB) as usize, stream).map(|p| b.free_on_stream(0, p, stream).unwrap());
@@ -419,7 +412,7 @@ fn top_lists_the_processes_of_the_registry() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let conf = conf(&dir, true);
-    let alloc = allocator(&conf);
+    let alloc = common::conf_allocator(&conf);
     let p = alloc.allocate(0, (5 * MIB) as usize, Stream::DEFAULT).unwrap();
     // One reclaimer pass (20 ms) publishes the figures.
     std::thread::sleep(Duration::from_millis(200));

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::simgpu::Simgpu;
 use common::{check, fill, Rng, KIB, MIB};
-use tidepool::{AllocError, Allocator, Config, DevicePtr, Stream};
+use tidepool::{AllocError, Allocator, DevicePtr, Stream};
 
 const THREADS: u64 = 4;
 /// Blocks one thread holds at most.
@@ -126,7 +126,7 @@ fn child_soak_worker() {
     let conf = std::env::var("TIDEPOOL_TEST_CONF").unwrap();
     let secs: f64 = std::env::var("TIDEPOOL_SOAK_SECS").unwrap().parse().unwrap();
     let seed: u64 = std::env::var("TIDEPOOL_SOAK_SEED").unwrap().parse().unwrap();
-    let alloc = Allocator::new(Config::builder().conf(&conf).unwrap().build().unwrap()).unwrap();
+    let alloc = common::conf_allocator(&conf);
     if let Ok(fraction) = std::env::var("TIDEPOOL_SOAK_FRACTION") {
         alloc.set_memory_fraction(0, fraction.parse().unwrap()).unwrap();
     }
@@ -180,7 +180,7 @@ fn child_soak_worker() {
 #[ignore = "child process: run by four_processes_share_one_device_through_a_kill"]
 fn child_soak_probe() {
     common::child_only();
-    let alloc = Allocator::new(Config::builder().conf("backend:cuda").unwrap().build().unwrap()).unwrap();
+    let alloc = common::conf_allocator("backend:cuda");
     let info = alloc.backend().mem_info(0).unwrap();
     println!("free {} total {}", info.free, info.total);
 }

@@ -10,29 +10,15 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::simgpu::Simgpu;
-use common::{check, fill, host_allocator, MIB};
+use common::{check, conf_allocator, fill, host_allocator, MIB};
 use tidepool::tag::region;
-use tidepool::{AllocError, Allocator, Config, DevicePtr, Stream};
+use tidepool::{AllocError, DevicePtr, Stream};
 
 const S: Stream = Stream::DEFAULT;
-
-fn allocator(conf: &str) -> Allocator {
-    Allocator::new(Config::builder().conf(conf).unwrap().build().unwrap()).unwrap()
-}
-
-/// Runs the (ignored) test `name` of this binary as another process.
-fn spawn(name: &str, env: &[(&str, String)]) -> Child {
-    let mut command = common::child_command(name);
-    command.stdout(std::process::Stdio::piped());
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    command.spawn().unwrap()
-}
 
 /// Process B: runs only when spawned by the test below. Takes 700 MiB of
 /// the 1 GiB device (there only because A's tag is paused), holds it until
@@ -44,7 +30,7 @@ fn process_b_takes_the_paused_memory() {
         panic!("a child-process test: its parent test sets TIDEPOOL_TEST_TAGS_CONF and TIDEPOOL_TEST_TAGS_DIR");
     };
     let dir = PathBuf::from(dir);
-    let alloc = allocator(&conf);
+    let alloc = conf_allocator(&conf);
     let p = alloc.allocate(0, (700 * MIB) as usize, S).expect("the paused tag's memory is free for another process");
     std::fs::write(dir.join("b-holds"), b"").unwrap();
     assert!(common::wait_for_file(&dir.join("a-tried"), Duration::from_secs(30)));
@@ -78,7 +64,7 @@ fn a_second_process_uses_the_memory_of_a_paused_tag_and_the_first_resumes_once_i
         dir.join("capacity").display(),
         dir.join("registry").display()
     );
-    let alloc = allocator(&conf);
+    let alloc = conf_allocator(&conf);
     let blocks: Vec<(DevicePtr, u64)> = {
         let _r = region("i13-coop").unwrap();
         [200, 200, 200].iter().map(|&m| (alloc.allocate(0, (m * MIB) as usize, S).unwrap(), m * MIB)).collect()
@@ -92,7 +78,7 @@ fn a_second_process_uses_the_memory_of_a_paused_tag_and_the_first_resumes_once_i
     assert_eq!(alloc.backend().mem_info(0).unwrap().free, free_before + reserved, "every process sees the memory free");
 
     let env = [("TIDEPOOL_TEST_TAGS_CONF", conf.clone()), ("TIDEPOOL_TEST_TAGS_DIR", dir.display().to_string())];
-    let b = spawn("process_b_takes_the_paused_memory", &env);
+    let b = common::spawn_child("process_b_takes_the_paused_memory", &env);
     assert!(common::wait_for_file(&dir.join("b-holds"), Duration::from_secs(30)), "process B did not get the memory");
     // B's memory is live: asking B gives nothing, and the resume fails whole.
     let err = alloc.resume("i13-coop", Some(0)).unwrap_err();
@@ -145,7 +131,7 @@ fn a_discarding_pause_makes_one_call_per_run_of_pages_not_per_block() {
 #[ignore = "child process: run by a_pause_waits_for_the_work_queued_on_the_tags_streams_over_simgpu"]
 fn child_pause_waits_for_the_streams_work() {
     common::child_only();
-    let alloc = allocator("backend:cuda,release_after_ms:off,headroom_mb:0");
+    let alloc = conf_allocator("backend:cuda,release_after_ms:off,headroom_mb:0");
     let sim = Simgpu::load();
     let mut stream = 0u64;
     // SAFETY: simgpu writes a new stream handle into a local.
@@ -209,7 +195,7 @@ fn top_shows_the_memory_a_paused_tag_gave_back() {
         dir.join("capacity").display(),
         dir.join("registry").display()
     );
-    let alloc = allocator(&conf);
+    let alloc = conf_allocator(&conf);
     let p = {
         let _r = region("i13-top").unwrap();
         alloc.allocate(0, (8 * MIB) as usize, S).unwrap()
@@ -244,7 +230,7 @@ fn top_shows_the_memory_a_paused_tag_gave_back() {
 #[ignore = "child process: run by tags_on_the_cuda_async_backend_are_a_clear_error"]
 fn child_tags_need_virtual_memory() {
     common::child_only();
-    let alloc = allocator("backend:cuda_async,release_after_ms:off,headroom_mb:0");
+    let alloc = conf_allocator("backend:cuda_async,release_after_ms:off,headroom_mb:0");
     let err = {
         let _r = region("i13-async").unwrap();
         alloc.allocate(0, 4096, S).unwrap_err()

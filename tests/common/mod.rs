@@ -179,6 +179,11 @@ pub fn simgpu_dir() -> std::path::PathBuf {
     dir
 }
 
+/// An allocator configured by a `TIDEPOOL_CONF` string alone.
+pub fn conf_allocator(conf: &str) -> Allocator {
+    Allocator::new(Config::builder().conf(conf).unwrap().build().unwrap()).unwrap()
+}
+
 /// Polls every 10 ms until `done` or the timeout; whether it became true.
 pub fn eventually(timeout: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
     let start = std::time::Instant::now();
@@ -211,6 +216,13 @@ pub fn child_command(name: &str) -> std::process::Command {
     let mut command = std::process::Command::new(std::env::current_exe().unwrap());
     command.args(["--ignored", "--exact", name, "--test-threads=1", "--nocapture"]).env("TIDEPOOL_TEST_CHILD", "1");
     command
+}
+
+/// Starts the child test `name` of this binary with `env`, its stdout piped.
+pub fn spawn_child(name: &str, env: &[(&str, String)]) -> std::process::Child {
+    let mut command = child_command(name);
+    command.stdout(std::process::Stdio::piped()).envs(env.iter().map(|(k, v)| (*k, v)));
+    command.spawn().unwrap()
 }
 
 /// Runs a `child_command` to its end: whether its one test ran and passed
