@@ -309,13 +309,13 @@ impl Device {
     /// before a failure resume. Returns the device bytes given back.
     pub(crate) fn pause(&self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
         let mut given_back = 0;
-        for (done, heap) in self.shards.iter().enumerate() {
-            match heap.lock().pause_tag(tag, offload) {
+        for heap in self.shards.iter() {
+            let paused = heap.lock().pause_tag(tag, offload);
+            match paused {
                 Ok(bytes) => given_back += bytes,
                 Err(err) => {
-                    self.shards[..done].iter().for_each(|earlier| {
-                        let _ = earlier.lock().resume_tag(tag);
-                    });
+                    // A failed pause changes nothing: the shards before it resume.
+                    self.resume_where_possible(tag);
                     return Err(err);
                 }
             }

@@ -184,7 +184,7 @@ impl DeviceHeap {
     }
 
     /// Marks runs of pages mapped and counts them.
-    fn commit_mapped(&mut self, segment_id: usize, kind: PoolKind, runs: &[(u64, u64)]) {
+    pub(super) fn commit_mapped(&mut self, segment_id: usize, kind: PoolKind, runs: &[(u64, u64)]) {
         let Some(pages) = self.segments[segment_id].as_mut().and_then(|s| s.pages.as_mut()) else {
             return;
         };

@@ -334,8 +334,14 @@ impl DeviceHeap {
             return Ok(0);
         }
         let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
-        let kind = self.rules.kind(rounded);
-        let pool = self.pool_id(stream, kind);
+        let pool = self.pool_id(stream, self.rules.kind(rounded));
+        self.allocate_in(pool, rounded, size, stream)
+    }
+
+    /// Serves `size` bytes, rounded to `rounded`, from `pool`: its stashed
+    /// block when that is exactly the size, else the bins.
+    #[inline(always)]
+    fn allocate_in(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
         let stashed = self.pools[pool as usize].stash;
         if stashed != NIL && self.blocks[stashed].size == rounded {
             self.pools[pool as usize].stash = NIL;
@@ -349,13 +355,18 @@ impl DeviceHeap {
     /// `alloc` event: snapshots show the context's frames. From the first
     /// context on, the heap is observed, so that every free forgets its block's.
     pub fn allocate_with_context(&mut self, size: u64, stream: Stream, context: u64) -> Result<u64, AllocError> {
+        self.with_context(context, |heap| heap.allocate(size, stream))
+    }
+
+    /// Runs `allocate` with `context` (0: none) noted for the block it serves.
+    fn with_context(&mut self, context: u64, allocate: impl FnOnce(&mut Self) -> Result<u64, AllocError>) -> Result<u64, AllocError> {
         if context == 0 {
-            return self.allocate(size, stream);
+            return allocate(self);
         }
         self.with_contexts = true;
         self.observed = true;
         self.allocating_context = context;
-        let result = self.allocate(size, stream);
+        let result = allocate(self);
         self.allocating_context = 0;
         if let Ok(addr @ 1..) = result {
             self.contexts.insert(addr, context);
@@ -821,37 +832,30 @@ impl DeviceHeap {
         self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()).map(|id| self.blocks[id].size)
     }
 
-    /// Uncounts the last out-of-memory: the allocator served the request
-    /// after all, with memory other heaps of the device gave back.
-    pub fn retract_oom(&mut self) {
-        self.stats.events.num_ooms = self.stats.events.num_ooms.saturating_sub(1);
+    /// Runs `again`, a request that failed as out of memory tried once more
+    /// (after the other shards or processes gave memory back): a new failure
+    /// is not counted or recorded again, and a success retracts the first
+    /// failure's count.
+    fn retried<T>(&mut self, again: impl FnOnce(&mut Self) -> Result<T, AllocError>) -> Result<T, AllocError> {
+        self.retrying = true;
+        let result = again(self);
+        self.retrying = false;
+        if result.is_ok() {
+            self.stats.events.num_ooms = self.stats.events.num_ooms.saturating_sub(1);
+        }
+        result
     }
 
-    /// Tries again a request that failed as out of memory (after the other
-    /// shards or processes gave memory back): a new failure is not counted
-    /// or recorded again, and a success retracts the first failure's count.
+    /// `allocate_tagged` tried again after an out-of-memory (`retried`).
     #[cold]
     pub fn retry_allocate(&mut self, size: u64, stream: Stream, tag: crate::tag::TagId, context: u64) -> Result<u64, AllocError> {
-        self.retrying = true;
-        let result = self.allocate_tagged(size, stream, tag, context);
-        self.retrying = false;
-        if result.is_ok() {
-            self.retract_oom();
-        }
-        result
+        self.retried(|heap| heap.allocate_tagged(size, stream, tag, context))
     }
 
-    /// `resume_tag` tried again after the other processes were asked: a
-    /// new failure is not counted again, a success retracts the first.
+    /// `resume_tag` tried again after an out-of-memory (`retried`).
     #[cold]
     pub fn retry_resume_tag(&mut self, tag: crate::tag::TagId) -> Result<u64, AllocError> {
-        self.retrying = true;
-        let result = self.resume_tag(tag);
-        self.retrying = false;
-        if result.is_ok() {
-            self.retract_oom();
-        }
-        result
+        self.retried(|heap| heap.resume_tag(tag))
     }
 
     /// Counts a free whose stated size differed from the block's.

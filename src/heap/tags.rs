@@ -46,7 +46,6 @@ use std::collections::HashMap;
 
 use super::block::{BlockId, BlockState, NIL};
 use super::expandable::Vm;
-use super::history::HistoryAction;
 use super::pool::Pool;
 use super::DeviceHeap;
 use crate::backend::{BackendError, HostMemory};
@@ -209,25 +208,7 @@ impl DeviceHeap {
         }
         let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
         let pool = self.tag_pool_id(stream, tag.0, self.rules.kind(rounded))?;
-        if context != 0 {
-            self.with_contexts = true;
-            self.observed = true;
-            self.allocating_context = context;
-        }
-        let stashed = self.pools[pool as usize].stash;
-        let result = if stashed != NIL && self.blocks[stashed].size == rounded {
-            self.pools[pool as usize].stash = NIL;
-            self.blocks[stashed].state = BlockState::Detached;
-            Ok(self.hand_out(stashed, size))
-        } else {
-            self.allocate_from_bins(pool, rounded, size, stream)
-        };
-        self.allocating_context = 0;
-        if let (Ok(addr @ 1..), 1..) = (&result, context) {
-            let addr = *addr;
-            self.contexts.insert(addr, context);
-        }
-        result
+        self.with_context(context, |heap| heap.allocate_in(pool, rounded, size, stream))
     }
 
     /// Whether `tag` could be paused now: it is not paused and no private
@@ -259,11 +240,11 @@ impl DeviceHeap {
             .collect()
     }
 
-    /// The runs of mapped pages touched by the active blocks of range
-    /// `segment_id`, as saved runs without data.
-    fn live_runs(&self, segment_id: u32) -> Vec<SavedRun> {
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return Vec::new() };
-        let Some(pages) = segment.pages.as_ref() else { return Vec::new() };
+    /// The pages the active blocks of range `segment_id` touch, mapped or
+    /// not: its base and sorted, merged (first page, end page) intervals.
+    fn touched_pages(&self, segment_id: u32) -> (u64, Vec<(u64, u64)>) {
+        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return (0, Vec::new()) };
+        let Some(pages) = segment.pages.as_ref() else { return (segment.base, Vec::new()) };
         let mut touched: Vec<(u64, u64)> = Vec::new();
         let mut cur = segment.first_block;
         while cur != NIL {
@@ -271,19 +252,25 @@ impl DeviceHeap {
             if b.is_active() {
                 let (first, count) = pages.touched(b.addr - segment.base, b.addr - segment.base + b.size);
                 match touched.last_mut() {
-                    Some((f, n)) if *f + *n >= first => *n = (*n).max(first + count - *f),
-                    _ => touched.push((first, count)),
+                    Some((_, end)) if *end >= first => *end = (*end).max(first + count),
+                    _ => touched.push((first, first + count)),
                 }
             }
             cur = b.next;
         }
-        let mut runs = Vec::new();
-        for (first, count) in touched {
-            for (p, n) in pages.runs(first, count, true) {
-                runs.push(SavedRun { base: segment.base, first_page: p, pages: n, data: None });
-            }
-        }
-        runs
+        (segment.base, touched)
+    }
+
+    /// The runs of mapped pages touched by the active blocks of range
+    /// `segment_id`, as saved runs without data.
+    fn live_runs(&self, segment_id: u32) -> Vec<SavedRun> {
+        let (base, touched) = self.touched_pages(segment_id);
+        let Some(pages) = self.segments[segment_id as usize].as_ref().and_then(|s| s.pages.as_ref()) else { return Vec::new() };
+        touched
+            .into_iter()
+            .flat_map(|(first, end)| pages.runs(first, end - first, true))
+            .map(|(p, n)| SavedRun { base, first_page: p, pages: n, data: None })
+            .collect()
     }
 
     /// Takes the free blocks of the ranges out of their bins (uncounted)
@@ -366,22 +353,10 @@ impl DeviceHeap {
         let free = self.unbin(&segments);
         let mut given_back = 0;
         for &id in &segments {
-            let segment = self.segments[id as usize].as_ref().expect("a range of the tag");
-            let (base, kind, stream) = (segment.base, self.pools[segment.pool as usize].kind, self.pools[segment.pool as usize].stream);
-            let pages = segment.pages.as_ref().expect("tagged pools grow in ranges");
-            let mapped = pages.runs(0, pages.end_bytes() / page, true);
-            for (p, n) in mapped {
-                if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
-                    continue; // stays mapped and counted, contents in place
-                }
-                let pages = self.segments[id as usize].as_mut().and_then(|s| s.pages.as_mut()).expect("checked above");
-                pages.set_unmapped(p, n);
-                self.note(HistoryAction::SegmentUnmap, base + p * page, n * page, stream);
-                self.stats.reserved_bytes.decrease(kind, n * page);
-                self.reserve.give_back(n * page);
-                self.stats.events.num_pages_unmapped += n;
-                self.stats.events.num_device_free += 1;
-                given_back += n * page;
+            let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("tagged pools grow in ranges");
+            for (p, n) in pages.runs(0, pages.end_bytes() / page, true) {
+                // A run the backend refuses stays mapped and counted, contents in place.
+                given_back += self.unmap_run(id, p, n);
             }
         }
         self.rebin(free);
@@ -410,14 +385,7 @@ impl DeviceHeap {
                 self.flush_stash(pool);
             }
             // Pages live blocks touch, per range: sorted, merged page intervals.
-            let mut needed: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
-            for run in self.tag_segments(&pools).iter().flat_map(|&id| self.live_runs_any(id)) {
-                let list = needed.entry(run.base).or_default();
-                match list.last_mut() {
-                    Some((_, end)) if *end >= run.first_page => *end = (*end).max(run.first_page + run.pages),
-                    _ => list.push((run.first_page, run.first_page + run.pages)),
-                }
-            }
+            let needed: HashMap<u64, Vec<(u64, u64)>> = self.tag_segments(&pools).iter().map(|&id| self.touched_pages(id)).collect();
             let state = self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused");
             let old = std::mem::take(&mut state.runs);
             let mut kept = Vec::with_capacity(old.len());
@@ -451,24 +419,6 @@ impl DeviceHeap {
             }
             self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused").runs = kept;
         }
-    }
-
-    /// The runs of pages touched by the active blocks of range
-    /// `segment_id`, mapped or not.
-    fn live_runs_any(&self, segment_id: u32) -> Vec<SavedRun> {
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return Vec::new() };
-        let Some(pages) = segment.pages.as_ref() else { return Vec::new() };
-        let mut runs = Vec::new();
-        let mut cur = segment.first_block;
-        while cur != NIL {
-            let b = &self.blocks[cur];
-            if b.is_active() {
-                let (first_page, count) = pages.touched(b.addr - segment.base, b.addr - segment.base + b.size);
-                runs.push(SavedRun { base: segment.base, first_page, pages: count, data: None });
-            }
-            cur = b.next;
-        }
-        runs
     }
 
     /// Maps the saved runs' pages again, all or nothing; commits them to the
@@ -512,41 +462,27 @@ impl DeviceHeap {
                     stuck.push((base, first, count));
                 }
             }
-            self.commit_saved(&stuck, page);
+            self.commit_saved(&stuck);
             return Err(err);
         }
-        self.commit_saved(&todo, page);
+        self.commit_saved(&todo);
         Ok(())
     }
 
     /// Marks runs of a tag's pages, just mapped, in their page maps and counts them.
-    fn commit_saved(&mut self, runs: &[(u64, u64, u64)], page: u64) {
+    fn commit_saved(&mut self, runs: &[(u64, u64, u64)]) {
         for &(base, first, count) in runs {
-            let id = self.segment_by_base[&base];
-            let segment = self.segments[id as usize].as_mut().expect("a range of the tag");
-            segment.pages.as_mut().expect("a range").set_mapped(first, count);
-            let (kind, stream) = (self.pools[segment.pool as usize].kind, self.pools[segment.pool as usize].stream);
-            self.note(HistoryAction::SegmentMap, base + first * page, count * page, stream);
-            self.stats.reserved_bytes.increase(kind, count * page);
-            self.stats.events.num_pages_mapped += count;
-            self.stats.events.num_device_alloc += 1;
+            let id = self.segment_by_base[&base] as usize;
+            let kind = self.pools[self.segments[id].as_ref().expect("a range of the tag").pool as usize].kind;
+            self.commit_mapped(id, kind, &[(first, count)]);
         }
     }
 
-    /// Unmaps runs `map_saved` mapped (a resume that could not finish).
-    fn unmap_saved(&mut self, runs: &[(u64, u64, u64)], page: u64) {
+    /// Unmaps runs `map_saved` mapped (a resume that could not finish);
+    /// a run the backend refuses stays mapped and counted.
+    fn unmap_saved(&mut self, runs: &[(u64, u64, u64)]) {
         for &(base, first, count) in runs {
-            if self.backend.vm_unmap(self.device, base + first * page, count * page).is_err() {
-                continue;
-            }
-            let id = self.segment_by_base[&base];
-            let segment = self.segments[id as usize].as_mut().expect("a range of the tag");
-            segment.pages.as_mut().expect("a range").set_unmapped(first, count);
-            let kind = self.pools[segment.pool as usize].kind;
-            self.stats.reserved_bytes.decrease(kind, count * page);
-            self.reserve.give_back(count * page);
-            self.stats.events.num_pages_unmapped += count;
-            self.stats.events.num_device_free += 1;
+            self.unmap_run(self.segment_by_base[&base], first, count);
         }
     }
 
@@ -605,7 +541,7 @@ impl DeviceHeap {
             }
         }
         if let Err(err) = copied {
-            self.unmap_saved(&runs, page);
+            self.unmap_saved(&runs);
             self.rebin(free);
             return Err(AllocError::Backend(err));
         }

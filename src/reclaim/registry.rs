@@ -414,11 +414,7 @@ impl Registry {
             if helpers.is_empty() {
                 return Ok(None);
             }
-            let mut mine = r.read_slot(r.slot).filter(|e| e.pid == r.pid).unwrap_or_default();
-            mine.pid = r.pid;
-            mine.comm = r.comm;
-            mine.request_bytes = bytes;
-            r.write_slot(r.slot, &mine)?;
+            r.write_request(bytes)?;
             // After the write: a publication stamped later has seen the request.
             Ok(Some(Asked { posted_ms: now_ms(), helpers }))
         })
@@ -437,13 +433,16 @@ impl Registry {
 
     /// Posts (or, with 0, withdraws) this process's request for memory.
     pub fn request(&mut self, bytes: u64) -> Result<(), RegistryError> {
-        self.with_lock(|r| {
-            let mut mine = r.read_slot(r.slot).filter(|e| e.pid == r.pid).unwrap_or_default();
-            mine.pid = r.pid;
-            mine.comm = r.comm;
-            mine.request_bytes = bytes;
-            r.write_slot(r.slot, &mine)
-        })
+        self.with_lock(|r| r.write_request(bytes))
+    }
+
+    /// Writes `bytes` as this slot's request (the lock held).
+    fn write_request(&self, bytes: u64) -> Result<(), RegistryError> {
+        let mut mine = self.read_slot(self.slot).filter(|e| e.pid == self.pid).unwrap_or_default();
+        mine.pid = self.pid;
+        mine.comm = self.comm;
+        mine.request_bytes = bytes;
+        self.write_slot(self.slot, &mine)
     }
 
     /// Every live entry (for tests; tools use `scan`).
