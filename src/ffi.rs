@@ -668,29 +668,43 @@ pub extern "C" fn tidepool_get_stats(device: c_int, out: *mut tidepool_stats) ->
 }
 
 fn get_stats(device: c_int, out: *mut tidepool_stats) -> Result<(), Failure> {
-    const WHO: &str = "tidepool: tidepool_get_stats";
-    if out.is_null() {
-        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: out is NULL")));
-    }
-    // SAFETY: `out` is non-null and points to at least a `size` field (u32).
-    let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
-    if caller_size < STATS_V1_SIZE {
-        let message = format!("{WHO}: out->size is {caller_size}, at least {STATS_V1_SIZE} needed");
-        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, message));
-    }
+    let n = versioned_size(out, STATS_V1_SIZE, "tidepool_get_stats")?;
     let allocator = allocator_or_internal()?;
     let invalid_device = |err: AllocError| (TIDEPOOL_ERR_INVALID_DEVICE, err.to_string());
     let device = device_index(device).map_err(invalid_device)?;
     let stats = allocator.stats(device).map_err(invalid_device)?;
     let limit = allocator.device(device).ok().and_then(|d| d.reserved_limit());
     let mut filled = c_stats(&stats, limit);
-    // A caller built against an older, shorter struct gets its prefix.
-    let n = caller_size.min(std::mem::size_of::<tidepool_stats>());
     filled.size = n as u32;
-    // SAFETY: the caller vouches for `caller_size` writable bytes at
-    // `out`; we copy n <= caller_size bytes from a local value.
-    unsafe { std::ptr::copy_nonoverlapping(&filled as *const tidepool_stats as *const u8, out as *mut u8, n) };
+    // SAFETY: `n` is `versioned_size(out, ..)`'s.
+    unsafe { copy_prefix(&filled, out, n) };
     Ok(())
+}
+
+/// The bytes of a versioned struct `T` to write at `out` (non-NULL, its
+/// first field a u32 `size` the caller sets to the size of its struct, at
+/// least `min`): a caller built against an older, shorter struct gets its
+/// prefix.
+fn versioned_size<T>(out: *mut T, min: usize, function: &str) -> Result<usize, Failure> {
+    if out.is_null() {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("tidepool: {function}: out is NULL")));
+    }
+    // SAFETY: `out` is non-null and points to at least its `size` field, a u32 first.
+    let caller_size = unsafe { (out as *const u32).read_unaligned() } as usize;
+    if caller_size < min {
+        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("tidepool: {function}: out->size is {caller_size}, at least {min} needed")));
+    }
+    Ok(caller_size.min(std::mem::size_of::<T>()))
+}
+
+/// Copies the first `n` bytes of `filled` to `out`.
+///
+/// # Safety
+/// `n` comes from `versioned_size(out, ..)`: the C caller vouched for that
+/// many writable bytes at `out`, and it is at most `size_of::<T>()`.
+unsafe fn copy_prefix<T>(filled: &T, out: *mut T, n: usize) {
+    // SAFETY: as the function's contract says.
+    unsafe { std::ptr::copy_nonoverlapping(filled as *const T as *const u8, out as *mut u8, n) };
 }
 
 /// Resets the peaks of `device` (-1: every device) to the current values
@@ -886,19 +900,10 @@ const TAG_STATS_V1_SIZE: usize = 56;
 const _: () = assert!(std::mem::size_of::<tidepool_tag_stats>() >= TAG_STATS_V1_SIZE);
 
 fn get_tag_stats(tag: *const c_char, device: c_int, out: *mut tidepool_tag_stats) -> Result<(), Failure> {
-    const WHO: &str = "tidepool: tidepool_get_tag_stats";
-    if out.is_null() {
-        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: out is NULL")));
-    }
-    // SAFETY: `out` is non-null and points to at least a `size` field (u32).
-    let caller_size = unsafe { std::ptr::addr_of!((*out).size).read_unaligned() } as usize;
-    if caller_size < TAG_STATS_V1_SIZE {
-        return Err((TIDEPOOL_ERR_INVALID_ARGUMENT, format!("{WHO}: out->size is {caller_size}, at least {TAG_STATS_V1_SIZE} needed")));
-    }
+    let n = versioned_size(out, TAG_STATS_V1_SIZE, "tidepool_get_tag_stats")?;
     let name = named_tag(tag, "tidepool_get_tag_stats")?;
     let device = device_index(device).map_err(|err| (TIDEPOOL_ERR_INVALID_DEVICE, err.to_string()))?;
     let s = allocator_or_internal()?.tag_stats(&name, device).map_err(tag_failure)?;
-    let n = caller_size.min(std::mem::size_of::<tidepool_tag_stats>());
     let filled = tidepool_tag_stats {
         size: n as u32,
         version: TIDEPOOL_TAG_STATS_VERSION,
@@ -909,9 +914,8 @@ fn get_tag_stats(tag: *const c_char, device: c_int, out: *mut tidepool_tag_stats
         num_allocations: s.allocations,
         paused: s.paused as u64,
     };
-    // SAFETY: the caller vouches for `caller_size` writable bytes at
-    // `out`; we copy n <= caller_size bytes from a local value.
-    unsafe { std::ptr::copy_nonoverlapping(&filled as *const tidepool_tag_stats as *const u8, out as *mut u8, n) };
+    // SAFETY: `n` is `versioned_size(out, ..)`'s.
+    unsafe { copy_prefix(&filled, out, n) };
     Ok(())
 }
 
