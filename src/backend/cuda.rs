@@ -393,9 +393,7 @@ impl Backend for CudaBackend {
             mapped.push(at);
         }
         if result.is_ok() {
-            let access = sys::CUmemAccessDesc { location: prop.location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
-            // SAFETY: [addr, addr + len) is mapped just above; one access descriptor.
-            result = check(unsafe { sys::cuMemSetAccess(addr, len as usize, &access, 1) }, "cuMemSetAccess");
+            result = grant_access(&prop, addr, len);
         }
         if result.is_err() {
             // All or nothing: the pages mapped so far go back.
@@ -432,9 +430,7 @@ impl Backend for CudaBackend {
             mapped.push(to + offset);
         }
         if result.is_ok() {
-            let access = sys::CUmemAccessDesc { location: prop.location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
-            // SAFETY: [to, to + len) is mapped just above; one access descriptor.
-            result = check(unsafe { sys::cuMemSetAccess(to, len as usize, &access, 1) }, "cuMemSetAccess");
+            result = grant_access(&prop, to, len);
         }
         if let Err(err) = result {
             for at in mapped {
@@ -600,6 +596,14 @@ impl Drop for PinnedHost {
             sys::cuMemFreeHost(self.addr as *mut std::ffi::c_void);
         }
     }
+}
+
+/// Lets the device of `prop` read and write [addr, addr + len), pages just
+/// mapped by the caller.
+fn grant_access(prop: &sys::CUmemAllocationProp, addr: u64, len: u64) -> Result<(), BackendError> {
+    let access = sys::CUmemAccessDesc { location: prop.location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+    // SAFETY: the caller mapped [addr, addr + len); one access descriptor.
+    check(unsafe { sys::cuMemSetAccess(addr, len as usize, &access, 1) }, "cuMemSetAccess")
 }
 
 /// One page of pinned device memory on `device`, for cuMemCreate and the
