@@ -269,12 +269,9 @@ fn device_traces() -> Vec<(String, PathBuf, tidepool::trace::Trace)> {
     let mut out = Vec::new();
     for file in traces() {
         let trace = tidepool::trace::load(&file).unwrap();
-        if trace.devices <= 1 {
-            out.push((file.display().to_string(), file, trace));
-            continue;
-        }
-        for device in trace.used_devices() {
-            out.push((format!("{} device {device}", file.display()), file.clone(), trace.on_device(device)));
+        for (device, part) in trace.per_device() {
+            let name = if trace.devices <= 1 { file.display().to_string() } else { format!("{} device {device}", file.display()) };
+            out.push((name, file.clone(), part.into_owned()));
         }
     }
     out

@@ -203,9 +203,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
         }
         let trace = load(file)?;
         // Each device on its own: a card's figures, never sums over cards.
-        let devices = if trace.devices <= 1 { vec![0] } else { trace.used_devices() };
-        let parts: Vec<Trace> =
-            if trace.devices <= 1 { vec![trace.clone()] } else { devices.iter().map(|&d| trace.on_device(d)).collect() };
+        let (devices, parts): (Vec<u32>, Vec<_>) = trace.per_device().into_iter().unzip();
         let mut by_device: Vec<Vec<ReplayReport>> = Vec::new();
         for (&device, part) in devices.iter().zip(&parts) {
             let mut reports = Vec::new();

@@ -155,6 +155,16 @@ impl Trace {
         }
     }
 
+    /// Each device's part of the trace with the device's number, the unit
+    /// replay and plan give figures for: the trace itself when it has one
+    /// device, else `on_device` of every device that allocates.
+    pub fn per_device(&self) -> Vec<(u32, std::borrow::Cow<'_, Trace>)> {
+        if self.devices <= 1 {
+            return vec![(0, std::borrow::Cow::Borrowed(self))];
+        }
+        self.used_devices().into_iter().map(|d| (d, std::borrow::Cow::Owned(self.on_device(d)))).collect()
+    }
+
     /// The part of the trace on `device`, as a one-device trace (device 0),
     /// with PyTorch's recorded peak of that device. Devices share nothing in
     /// an allocator, so replaying each alone gives each card's figures.

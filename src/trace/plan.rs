@@ -40,13 +40,8 @@ pub fn smallest_capacity(trace: &Trace, policy: Policy, conf: &str) -> Result<Pl
 /// own, in `step` (None: the default step of each device's peak);
 /// devices that allocate nothing are left out.
 pub fn smallest_capacity_per_device(trace: &Trace, policy: Policy, conf: &str, step: Option<u64>) -> Result<Vec<Plan>, String> {
-    if trace.devices <= 1 {
-        let step = step.unwrap_or_else(|| default_step(trace.peak_requested()));
-        return Ok(vec![smallest_capacity_in_steps(trace, policy, conf, step)?]);
-    }
     let mut plans = Vec::new();
-    for device in trace.used_devices() {
-        let part = trace.on_device(device);
+    for (device, part) in trace.per_device() {
         let step = step.unwrap_or_else(|| default_step(part.peak_requested()));
         let mut plan = smallest_capacity_in_steps(&part, policy, conf, step)?;
         plan.device = device;

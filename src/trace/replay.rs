@@ -156,22 +156,9 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
 /// nothing are left out). A device's figures are one
 /// card's, never sums over cards.
 pub fn replay_per_device(trace: &Trace, options: &ReplayOptions) -> Result<Vec<ReplayReport>, String> {
-    replay_per_device_with_progress(trace, options, |_, _| {})
-}
-
-/// `replay_per_device`, calling `progress(done, total)` about a hundred
-/// times per device.
-pub fn replay_per_device_with_progress(
-    trace: &Trace,
-    options: &ReplayOptions,
-    mut progress: impl FnMut(usize, usize),
-) -> Result<Vec<ReplayReport>, String> {
-    if trace.devices <= 1 {
-        return Ok(vec![replay_with_progress(trace, options, progress)?]);
-    }
     let mut reports = Vec::new();
-    for device in trace.used_devices() {
-        let mut report = replay_with_progress(&trace.on_device(device), options, &mut progress)?;
+    for (device, part) in trace.per_device() {
+        let mut report = replay(&part, options)?;
         report.device = device;
         reports.push(report);
     }
