@@ -43,10 +43,6 @@ static NAMES: Mutex<Vec<Arc<str>>> = Mutex::new(Vec::new());
 thread_local! {
     /// The calling thread's tag for its next allocations.
     static CURRENT: Cell<u32> = const { Cell::new(0) };
-    /// 0 while the thread's tag is "default", else `TAGGED_BIAS`: added to
-    /// the device index on the allocation path, it sends a tagged request
-    /// past the device check to the slow path with no test of its own.
-    static BIAS: Cell<usize> = const { Cell::new(0) };
 }
 
 /// What `device_bias` adds while a thread has a tag: no device index is that large.
@@ -108,15 +104,20 @@ pub fn current() -> TagId {
 
 /// Makes `id` the calling thread's tag; returns the one it replaces.
 pub fn set_current(id: TagId) -> TagId {
-    BIAS.with(|b| b.set(if id == TagId::DEFAULT { 0 } else { TAGGED_BIAS }));
     TagId(CURRENT.with(|c| c.replace(id.0)))
 }
 
 /// 0 while the calling thread's tag is "default", else a bias that puts
-/// any device index out of range (the allocation path's one test).
+/// any device index out of range: added to the device index on the
+/// allocation path, it sends a tagged request past the device check to
+/// the slow path with no test of its own.
 #[inline(always)]
 pub fn device_bias() -> usize {
-    BIAS.with(Cell::get)
+    if current() == TagId::DEFAULT {
+        0
+    } else {
+        TAGGED_BIAS
+    }
 }
 
 /// Sets the calling thread's tag by name (`None`: "default"); returns the

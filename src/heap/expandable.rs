@@ -60,8 +60,6 @@ impl DeviceHeap {
             .ok_or_else(|| format!("the {} backend cannot map pages; expandable segments stay off", self.backend.name()))?;
         let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
         let range = total.clamp(page, MAX_RANGE).next_multiple_of(page);
-        // A range is one huge free block: it must split for any request.
-        self.rules.max_split_size = u64::MAX;
         self.vm = Some(Vm { page, range });
         self.refresh_pool_vms();
         Ok(())

@@ -413,8 +413,7 @@ impl DeviceHeap {
     fn take_block(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
         let p = &self.pools[pool as usize];
         let paged = p.vm.is_some();
-        let rules = if p.tag != 0 { &self.tags.rules } else { &self.rules };
-        let block = match p.best_fit(&self.blocks, rounded, rules) {
+        let block = match p.best_fit(&self.blocks, rounded, &self.rules) {
             Some(id) => {
                 self.remove_free(id);
                 id
@@ -598,6 +597,17 @@ impl DeviceHeap {
     /// Makes the freed block `id` reusable: into the stash or the bins.
     #[inline(always)]
     fn deactivate(&mut self, id: BlockId) {
+        if self.pools[self.blocks[id].pool as usize].tag != 0 {
+            return self.deactivate_tagged(id);
+        }
+        self.stash_or_bin(id);
+    }
+
+    /// Puts the freed block `id` into its pool's stash (the one before it
+    /// goes to the bins) or, where stashing could move where blocks land,
+    /// straight into the bins.
+    #[inline(always)]
+    fn stash_or_bin(&mut self, id: BlockId) {
         let b = &mut self.blocks[id];
         b.state = BlockState::Stashed;
         b.requested = 0;

@@ -166,8 +166,9 @@ impl Pool {
             cur = self.heads[bin];
         }
         // Sizes only grow from here, so a block the rules refuse means no
-        // larger block will do either.
-        rules.may_serve(blocks[cur].size, rounded).then_some(cur)
+        // larger block will do either. A paged pool splits any block: its
+        // ranges are huge free blocks, and a split holds no memory.
+        (self.vm.is_some() || rules.may_serve(blocks[cur].size, rounded)).then_some(cur)
     }
 
     /// The largest free block's size (0 when empty).

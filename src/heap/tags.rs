@@ -22,9 +22,9 @@
 //! bytes back.
 //!
 //! Defined behaviours: allocating under a paused tag is an error naming the
-//! tag; freeing a paused block is allowed (nothing is mapped, and saved
-//! pages no live block touches any more are dropped at the next look at
-//! the tag or the statistics, or at resume); pausing a paused tag, an
+//! tag; freeing a paused block is allowed (nothing is mapped, and the
+//! saved pages no live block touches any more are dropped as the free
+//! completes, so that reading figures never copies memory); pausing a paused tag, an
 //! unknown one, while a private pool is open (a CUDA graph capture may be
 //! underway) or while a stream that used the tag is being captured, and
 //! resuming one that is not paused, are errors that change nothing; an offload that cannot get host memory fails whole,
@@ -51,7 +51,7 @@ use super::DeviceHeap;
 use crate::backend::{BackendError, HostMemory};
 use crate::error::AllocError;
 use crate::reclaim::policy::Reason;
-use crate::size_class::{PoolKind, SizeRules};
+use crate::size_class::PoolKind;
 use crate::tag::{name_of, TagId};
 use crate::types::Stream;
 
@@ -119,8 +119,6 @@ struct TagState {
 pub(super) struct TagPools {
     by_key: HashMap<(Stream, u32), [u32; 2]>,
     tags: HashMap<u32, TagState>,
-    /// The heap's rules with splitting unbounded (a range is one huge free block).
-    pub(super) rules: SizeRules,
     /// The backend's page size and a large range's size, once a tag needed them.
     vm: Option<Vm>,
 }
@@ -178,7 +176,6 @@ impl DeviceHeap {
             })?;
             let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
             self.tags.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
-            self.tags.rules = SizeRules { max_split_size: u64::MAX, ..self.rules.clone() };
         }
         let first = self.pools.len() as u32;
         for kind in [PoolKind::Small, PoolKind::Large] {
@@ -371,54 +368,64 @@ impl DeviceHeap {
         self.segments[id as usize].as_ref()?.pages.as_ref()
     }
 
-    /// Drops the saved pages of paused tags that no active block touches
-    /// any more (their blocks were freed while paused): a run no live block
-    /// touches goes, and one partly touched is cut to the touched pages
-    /// (their bytes copied to smaller host memory; kept whole when none can
-    /// be had).
-    fn drop_unneeded_runs(&mut self) {
-        let paused: Vec<u32> = self.tags.tags.iter().filter(|(_, t)| t.paused.is_some()).map(|(&tag, _)| tag).collect();
+    /// Drops the saved pages of the paused `tag` that no active block
+    /// touches any more (their blocks were freed while paused): a run no
+    /// live block touches goes, and one partly touched is cut to the
+    /// touched pages (their bytes copied to smaller host memory; kept whole
+    /// when none can be had).
+    fn drop_unneeded_runs(&mut self, tag: u32) {
         let page = self.tags.vm.map_or(1, |vm| vm.page);
-        for tag in paused {
-            let pools = self.tags.pools_of(tag);
-            for &pool in &pools {
-                self.flush_stash(pool);
-            }
-            // Pages live blocks touch, per range: sorted, merged page intervals.
-            let needed: HashMap<u64, Vec<(u64, u64)>> = self.tag_segments(&pools).iter().map(|&id| self.touched_pages(id)).collect();
-            let state = self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused");
-            let old = std::mem::take(&mut state.runs);
-            let mut kept = Vec::with_capacity(old.len());
-            for run in old {
-                let (first, end) = (run.first_page, run.first_page + run.pages);
-                let parts: Vec<(u64, u64)> =
-                    needed.get(&run.base).into_iter().flatten().map(|&(s, e)| (s.max(first), e.min(end))).filter(|&(s, e)| s < e).collect();
-                if parts.is_empty() {
-                    continue;
-                }
-                if parts == [(first, end)] {
-                    kept.push(run);
-                    continue;
-                }
-                let Some(data) = &run.data else {
-                    kept.extend(parts.iter().map(|&(s, e)| SavedRun { base: run.base, first_page: s, pages: e - s, data: None }));
-                    continue;
-                };
-                let mut pieces = Vec::new();
-                for &(s, e) in &parts {
-                    let Ok(mut memory) = self.backend.host_memory((e - s) * page) else { break };
-                    let from = ((s - first) * page) as usize;
-                    memory.bytes_mut().copy_from_slice(&data.bytes()[from..from + ((e - s) * page) as usize]);
-                    pieces.push(SavedRun { base: run.base, first_page: s, pages: e - s, data: Some(memory) });
-                }
-                if pieces.len() == parts.len() {
-                    kept.extend(pieces);
-                } else {
-                    kept.push(run);
-                }
-            }
-            self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused").runs = kept;
+        let pools = self.tags.pools_of(tag);
+        for &pool in &pools {
+            self.flush_stash(pool);
         }
+        // Pages live blocks touch, per range: sorted, merged page intervals.
+        let needed: HashMap<u64, Vec<(u64, u64)>> = self.tag_segments(&pools).iter().map(|&id| self.touched_pages(id)).collect();
+        let state = self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused");
+        let old = std::mem::take(&mut state.runs);
+        let mut kept = Vec::with_capacity(old.len());
+        for run in old {
+            let (first, end) = (run.first_page, run.first_page + run.pages);
+            let parts: Vec<(u64, u64)> =
+                needed.get(&run.base).into_iter().flatten().map(|&(s, e)| (s.max(first), e.min(end))).filter(|&(s, e)| s < e).collect();
+            if parts.is_empty() {
+                continue;
+            }
+            if parts == [(first, end)] {
+                kept.push(run);
+                continue;
+            }
+            let Some(data) = &run.data else {
+                kept.extend(parts.iter().map(|&(s, e)| SavedRun { base: run.base, first_page: s, pages: e - s, data: None }));
+                continue;
+            };
+            let mut pieces = Vec::new();
+            for &(s, e) in &parts {
+                let Ok(mut memory) = self.backend.host_memory((e - s) * page) else { break };
+                let from = ((s - first) * page) as usize;
+                memory.bytes_mut().copy_from_slice(&data.bytes()[from..from + ((e - s) * page) as usize]);
+                pieces.push(SavedRun { base: run.base, first_page: s, pages: e - s, data: Some(memory) });
+            }
+            if pieces.len() == parts.len() {
+                kept.extend(pieces);
+            } else {
+                kept.push(run);
+            }
+        }
+        self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused").runs = kept;
+    }
+
+    /// Makes the freed block `id` of a tagged pool reusable. In a paused
+    /// tag it is merged at once (a paused tag stashes nothing) and the
+    /// saved pages only it touched are dropped.
+    #[cold]
+    pub(super) fn deactivate_tagged(&mut self, id: BlockId) {
+        let tag = self.pools[self.blocks[id].pool as usize].tag;
+        if !self.tags.is_paused(tag) {
+            return self.stash_or_bin(id);
+        }
+        self.merge_and_bin(id);
+        self.drop_unneeded_runs(tag);
     }
 
     /// Maps the saved runs' pages again, all or nothing; commits them to the
@@ -495,7 +502,6 @@ impl DeviceHeap {
         if !self.tags.is_paused(tag.0) {
             return Err(tag_error(tag.0, "is not paused"));
         }
-        self.drop_unneeded_runs();
         let page = self.tags.vm.map_or(1, |vm| vm.page);
         let pools = self.tags.pools_of(tag.0);
         let segments = self.tag_segments(&pools);
@@ -552,7 +558,6 @@ impl DeviceHeap {
 
     /// What `tag` holds on this heap.
     pub fn tag_stats(&mut self, tag: TagId) -> TagStats {
-        self.drop_unneeded_runs();
         let pools = self.tags.pools_of(tag.0);
         for &pool in &pools {
             self.flush_stash(pool);
@@ -587,7 +592,6 @@ impl DeviceHeap {
         if !self.tags.tags.values().any(|t| t.paused.is_some()) {
             return (0, 0, 0);
         }
-        self.drop_unneeded_runs();
         let (mut given, mut held, mut unmapped) = (0, 0, 0);
         for (&tag, state) in &self.tags.tags {
             let Some(paused) = &state.paused else { continue };
