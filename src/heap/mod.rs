@@ -40,8 +40,8 @@
 //!   and at least one, or for the end of a capture (`streams.rs`);
 //! - each pool grows as its tag and kind say (`Pool::vm`: pages of reserved
 //!   ranges, or whole segments);
-//! - each pool is filed under its stream and private pool, and every open
-//!   private pool is held (`private.rs`);
+//! - each pool is filed once, under its own stream, private pool, tag and
+//!   kind (`pools_by_key`), and every open private pool is held (`private.rs`);
 //! - each kept context (`contexts`) is that of an allocated or pending
 //!   block at its address, and the heap is `observed` while one is kept.
 #![forbid(unsafe_code)]
@@ -148,6 +148,15 @@ pub struct Freed {
     pub requested: u64,
 }
 
+/// What picks a request's pools: its stream, the private pool open (if
+/// any) and its tag (0: "default"; tagged pools are never private).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct PoolKey {
+    stream: Stream,
+    private: Option<PrivatePoolId>,
+    tag: u32,
+}
+
 /// The heap of one device (or of one stream shard of a device). Aligned to
 /// 128 bytes so that heaps side by side, used by different threads, share
 /// no cache line.
@@ -161,8 +170,8 @@ pub struct DeviceHeap {
     unused_segments: Vec<u32>,
     segment_by_base: BTreeMap<u64, u32>,
     pools: Vec<Pool>,
-    /// The (small, large) pools of each stream, ordinary or of a private pool.
-    pools_by_stream: HashMap<(Stream, Option<PrivatePoolId>), [u32; 2]>,
+    /// The (small, large) pools of each stream, private pool and tag.
+    pools_by_key: HashMap<PoolKey, [u32; 2]>,
     /// The last stream served and the pools it was served from: skips the
     /// map on the hot path (cleared as private pools open and close).
     last_stream: Option<(Stream, [u32; 2])>,
@@ -222,7 +231,7 @@ impl DeviceHeap {
             unused_segments: Vec::new(),
             segment_by_base: BTreeMap::new(),
             pools: Vec::new(),
-            pools_by_stream: HashMap::new(),
+            pools_by_key: HashMap::new(),
             last_stream: None,
             private: PrivatePools::default(),
             by_addr: AddrMap::default(),
@@ -308,23 +317,28 @@ impl DeviceHeap {
                 return ids[kind as usize];
             }
         }
-        let private = self.private.routing();
-        let ids = match self.pools_by_stream.get(&(stream, private)) {
-            Some(ids) => *ids,
-            None => {
-                let first = self.pools.len() as u32;
-                for kind in [PoolKind::Small, PoolKind::Large] {
-                    let mut pool = Pool::new(stream, kind, private);
-                    pool.vm = self.expandable_vm(kind);
-                    self.pools.push(pool);
-                }
-                let ids = [first, first + 1];
-                self.pools_by_stream.insert((stream, private), ids);
-                ids
-            }
-        };
+        let ids = self.pools_of(PoolKey { stream, private: self.private.routing(), tag: 0 });
         self.last_stream = Some((stream, ids));
         ids[kind as usize]
+    }
+
+    /// The (small, large) pools of `key`, created on first use: growing
+    /// as expandable segments say for the "default" tag, in ranges of
+    /// their own for any other.
+    fn pools_of(&mut self, key: PoolKey) -> [u32; 2] {
+        if let Some(ids) = self.pools_by_key.get(&key) {
+            return *ids;
+        }
+        let first = self.pools.len() as u32;
+        for kind in [PoolKind::Small, PoolKind::Large] {
+            let mut pool = Pool::new(key.stream, kind, key.private);
+            pool.tag = key.tag;
+            pool.vm = if key.tag == 0 { self.expandable_vm(kind) } else { self.tag_vm(kind) };
+            self.pools.push(pool);
+        }
+        let ids = [first, first + 1];
+        self.pools_by_key.insert(key, ids);
+        ids
     }
 
     /// Serves a request of `size` bytes on `stream`; 0 bytes gives address 0.

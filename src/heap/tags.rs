@@ -32,8 +32,7 @@
 //! policies leave them alone (`keeps_memory`).
 //!
 //! Invariants (checked by `validate()` through `check_tags`):
-//! - every tagged pool is filed under its (stream, tag) and kind, and in
-//!   its tag's list; no untagged pool is;
+//! - every tagged pool is in its tag's list, and no untagged pool is;
 //! - in a paused tag, every page touched by an active block is mapped or
 //!   lies in a saved run of its range; saved runs lie in ranges of the
 //!   tag, on unmapped pages, and hold host memory of their size exactly
@@ -46,8 +45,7 @@ use std::collections::HashMap;
 
 use super::block::{BlockId, BlockState, NIL};
 use super::expandable::Vm;
-use super::pool::Pool;
-use super::DeviceHeap;
+use super::{DeviceHeap, PoolKey};
 use crate::backend::{BackendError, HostMemory};
 use crate::error::AllocError;
 use crate::reclaim::policy::Reason;
@@ -117,7 +115,6 @@ struct TagState {
 /// The tags of one heap: their pools and which are paused.
 #[derive(Default)]
 pub(super) struct TagPools {
-    by_key: HashMap<(Stream, u32), [u32; 2]>,
     tags: HashMap<u32, TagState>,
     /// The backend's page size and a large range's size, once a tag needed them.
     vm: Option<Vm>,
@@ -164,9 +161,6 @@ impl DeviceHeap {
 
     /// The pool of (stream, tag, kind), created on first use.
     fn tag_pool_id(&mut self, stream: Stream, tag: u32, kind: PoolKind) -> Result<u32, AllocError> {
-        if let Some(ids) = self.tags.by_key.get(&(stream, tag)) {
-            return Ok(ids[kind as usize]);
-        }
         if self.tags.vm.is_none() {
             let page = self.backend.vm_page_size(self.device).filter(|p| p.is_power_of_two()).ok_or_else(|| {
                 AllocError::InvalidArgument(format!(
@@ -177,16 +171,12 @@ impl DeviceHeap {
             let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
             self.tags.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
         }
-        let first = self.pools.len() as u32;
-        for kind in [PoolKind::Small, PoolKind::Large] {
-            let mut pool = Pool::new(stream, kind, None);
-            pool.tag = tag;
-            pool.vm = self.tag_vm(kind);
-            self.pools.push(pool);
+        let known = self.pools.len();
+        let ids = self.pools_of(PoolKey { stream, private: None, tag });
+        if self.pools.len() > known {
+            self.tags.tags.entry(tag).or_default().pools.extend(ids);
         }
-        self.tags.by_key.insert((stream, tag), [first, first + 1]);
-        self.tags.tags.entry(tag).or_default().pools.extend([first, first + 1]);
-        Ok(first + kind as u32)
+        Ok(ids[kind as usize])
     }
 
     /// Serves a request of `size` bytes on `stream` tagged `tag` (non-zero),
@@ -637,21 +627,15 @@ impl DeviceHeap {
 
     /// Checks the invariants of tags listed at the top of this file.
     pub(super) fn check_tags(&self) -> Result<(), String> {
-        for (&(stream, tag), ids) in &self.tags.by_key {
-            for (kind, &id) in [PoolKind::Small, PoolKind::Large].into_iter().zip(ids) {
-                let pool = &self.pools[id as usize];
-                if pool.stream != stream || pool.tag != tag || pool.kind != kind || pool.private.is_some() {
-                    return Err(format!("pool {id} is filed under tag {tag} of another stream, kind or private pool"));
-                }
-                if !self.tags.tags.get(&tag).is_some_and(|t| t.pools.contains(&id)) {
-                    return Err(format!("pool {id} of tag {tag} is missing from its tag's list"));
-                }
+        for (id, pool) in self.pools.iter().enumerate().filter(|(_, p)| p.tag != 0) {
+            if !self.tags.tags.get(&pool.tag).is_some_and(|t| t.pools.contains(&(id as u32))) {
+                return Err(format!("pool {id} of tag {} is missing from its tag's list", pool.tag));
             }
         }
         let listed: usize = self.tags.tags.values().map(|t| t.pools.len()).sum();
         let tagged = self.pools.iter().filter(|p| p.tag != 0).count();
-        if listed != tagged || listed != 2 * self.tags.by_key.len() {
-            return Err(format!("{tagged} tagged pools, {listed} in tags' lists, {} filed", 2 * self.tags.by_key.len()));
+        if listed != tagged {
+            return Err(format!("{tagged} tagged pools, {listed} in tags' lists"));
         }
         let page = self.tags.vm.map_or(1, |vm| vm.page);
         for (&tag, state) in &self.tags.tags {

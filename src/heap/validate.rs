@@ -7,8 +7,8 @@
 use std::collections::HashSet;
 
 use super::block::{BlockState, NIL};
-use super::DeviceHeap;
-use crate::size_class::{bin_of, BIN_COUNT};
+use super::{DeviceHeap, PoolKey};
+use crate::size_class::{bin_of, PoolKind, BIN_COUNT};
 use crate::stats::Gauge;
 
 macro_rules! ensure {
@@ -52,12 +52,15 @@ impl DeviceHeap {
         let mut active_blocks = 0usize;
         let pending = self.pending.check()?;
         self.private.check()?;
-        for (&(stream, private), ids) in &self.pools_by_stream {
-            for id in ids {
-                let pool = &self.pools[*id as usize];
-                ensure!(pool.stream == stream && pool.private == private, "pool {id} is filed under another stream or private pool");
+        for (key, ids) in &self.pools_by_key {
+            for (kind, &id) in [PoolKind::Small, PoolKind::Large].into_iter().zip(ids) {
+                let pool = &self.pools[id as usize];
+                let filed = PoolKey { stream: pool.stream, private: pool.private, tag: pool.tag };
+                ensure!(filed == *key && pool.kind == kind, "pool {id} is filed under {key:?}, not its own {filed:?} and kind");
+                ensure!(key.tag == 0 || key.private.is_none(), "pool {id} is both tagged and private");
             }
         }
+        ensure!(self.pools.len() == 2 * self.pools_by_key.len(), "{} pools, {} filed", self.pools.len(), 2 * self.pools_by_key.len());
         let mut block_records = 0usize;
         let mut stashed = HashSet::new();
         for (pool_id, pool) in self.pools.iter().enumerate() {
