@@ -721,9 +721,8 @@ fn child_reports_device_memory() {
 
 #[test]
 fn simgpu_gives_back_the_memory_of_a_killed_process() {
-    let dir = std::env::temp_dir().join(format!("tidepool-simgpu-kill-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir("simgpu-kill");
+    let dir = scratch.path();
     let lib = simgpu_dir();
     let shared = dir.join("simgpu-used");
     let env = [("SIMGPU_SHARED", shared.to_str().unwrap()), ("SIMGPU_CAPACITY", "1024M"), ("LD_LIBRARY_PATH", lib.to_str().unwrap())];
@@ -751,5 +750,4 @@ fn simgpu_gives_back_the_memory_of_a_killed_process() {
         let text = report();
         assert!(text.contains("free 1024 total 1024") && text.contains("1000 MiB: ok"), "{conf:?}: {text}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -142,13 +142,6 @@ impl Drop for Stopped<'_> {
     }
 }
 
-fn fresh_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tidepool-coop-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// Starts `process_h_holds_memory` and waits until it has published.
 fn spawn_h(dir: &Path, conf: &str, hold_mib: u64, split: bool) -> Child {
     spawn_h_with(dir, conf, hold_mib, split, vec![])
@@ -173,11 +166,12 @@ fn finish_h(dir: &Path, h: Child) -> u64 {
 
 #[test]
 fn a_free_while_a_request_waits_for_others_returns_at_once_and_serves_it() {
-    let dir = fresh_dir("unlocked");
+    let scratch = common::scratch_dir("coop-unlocked");
+    let dir = scratch.path();
     // H shows cache (none of it can go back) and, stopped, never answers:
     // B would wait for it the whole 6 s.
-    let conf_b = format!("{},oom_wait_ms:6000", conf(&dir, true));
-    let h = spawn_h(&dir, &conf(&dir, true), 0, true);
+    let conf_b = format!("{},oom_wait_ms:6000", conf(dir, true));
+    let h = spawn_h(dir, &conf(dir, true), 0, true);
     signal(&h, "STOP");
     let stopped = Stopped(&h);
     let b = common::conf_allocator(&conf_b);
@@ -217,21 +211,21 @@ fn a_free_while_a_request_waits_for_others_returns_at_once_and_serves_it() {
     b.free(0, ptr).unwrap();
     b.validate().unwrap();
     drop(stopped);
-    assert_eq!(finish_h(&dir, h), 0, "H gave nothing back");
+    assert_eq!(finish_h(dir, h), 0, "H gave nothing back");
     drop(b);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn two_processes_asking_each_other_are_both_answered_within_an_interval() {
-    let dir = fresh_dir("mutual");
+    let scratch = common::scratch_dir("coop-mutual");
+    let dir = scratch.path();
     // Each holds 300 MiB live and 18 MiB of cache it cannot give back (so
     // each asks the other), then both ask for 500 MiB of the 384 MiB free.
     // Each one's reclaimer answers the other while its own request waits:
     // both OOMs come within a few 20 ms intervals, not after the 6 s wait.
-    let conf = format!("{},oom_wait_ms:6000", conf(&dir, true));
+    let conf = format!("{},oom_wait_ms:6000", conf(dir, true));
     let oom_wait = Duration::from_millis(6000);
-    let h = spawn_h_with(&dir, &conf, 300, true, vec![("TIDEPOOL_TEST_COOP_ASK", "500".into())]);
+    let h = spawn_h_with(dir, &conf, 300, true, vec![("TIDEPOOL_TEST_COOP_ASK", "500".into())]);
     let p = common::conf_allocator(&conf);
     let live = p.allocate(0, (300 * MIB) as usize, Stream::DEFAULT).unwrap();
     let split = p.allocate(0, (2 * MIB) as usize, Stream::DEFAULT).unwrap();
@@ -252,17 +246,17 @@ fn two_processes_asking_each_other_are_both_answered_within_an_interval() {
     assert_eq!((stats.events.num_coop_requests, stats.events.num_coop_satisfied, stats.events.num_ooms), (1, 0, 1));
     p.free(0, live).unwrap();
     p.free(0, split).unwrap();
-    assert_eq!(finish_h(&dir, h), 0);
+    assert_eq!(finish_h(dir, h), 0);
     drop(p);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn with_no_other_process_holding_cache_an_oom_is_reported_at_once() {
-    let dir = fresh_dir("nobody");
+    let scratch = common::scratch_dir("coop-nobody");
+    let dir = scratch.path();
     // H holds 100 MiB live and no cache; B fills the rest of the device.
-    let conf = format!("{},oom_wait_ms:2000", conf(&dir, true));
-    let h = spawn_h(&dir, &conf, 100, false);
+    let conf = format!("{},oom_wait_ms:2000", conf(dir, true));
+    let h = spawn_h(dir, &conf, 100, false);
     let b = common::conf_allocator(&conf);
     let full = b.allocate(0, (900 * MIB) as usize, Stream::DEFAULT).unwrap();
     let start = Instant::now();
@@ -277,9 +271,8 @@ fn with_no_other_process_holding_cache_an_oom_is_reported_at_once() {
     let stats = b.stats(0).unwrap();
     assert_eq!((stats.events.num_ooms, stats.events.num_coop_requests), (64, 0));
     b.free(0, full).unwrap();
-    assert_eq!(finish_h(&dir, h), 0);
+    assert_eq!(finish_h(dir, h), 0);
     drop(b);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn spawn_a(dir: &Path, conf: &str) -> Child {
@@ -318,9 +311,8 @@ fn process_b_asks_for_memory() {
 /// Both processes on the `cuda` backend over one simgpu device shared
 /// through SIMGPU_SHARED; returns what B printed.
 fn scenario_on_simgpu(cooperative: bool) -> String {
-    let dir = std::env::temp_dir().join(format!("tidepool-coop-simgpu-{}-{cooperative}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir(&format!("coop-simgpu-{cooperative}"));
+    let dir = scratch.path();
     let conf = format!(
         "backend:cuda,registry_dir:{},release_after_ms:off,headroom_mb:0,reclaim_interval_ms:20,cooperative:{cooperative},oom_wait_ms:5000",
         dir.join("registry").display()
@@ -330,12 +322,11 @@ fn scenario_on_simgpu(cooperative: bool) -> String {
         ("SIMGPU_SHARED", dir.join("simgpu-used").display().to_string()),
         ("SIMGPU_CAPACITY", "1024M".to_string()),
     ];
-    let a = spawn("process_a_holds_idle_cache", &dir, &conf, &env);
-    let b = spawn("process_b_asks_for_memory", &dir, &conf, &env);
+    let a = spawn("process_a_holds_idle_cache", dir, &conf, &env);
+    let b = spawn("process_b_asks_for_memory", dir, &conf, &env);
     let b_out = b.wait_with_output().unwrap();
     let a_out = a.wait_with_output().unwrap();
     assert!(a_out.status.success() && b_out.status.success(), "{:?} {:?}", a_out, b_out);
-    let _ = std::fs::remove_dir_all(&dir);
     String::from_utf8_lossy(&b_out.stdout).into_owned()
 }
 
@@ -348,11 +339,11 @@ fn processes_on_one_simgpu_device_help_each_other() {
 }
 
 fn scenario(cooperative: bool, extra: &str) -> (Result<(), AllocError>, Duration, u64, tidepool::Stats) {
-    let dir = std::env::temp_dir().join(format!("tidepool-coop-{}-{cooperative}-{}", std::process::id(), extra.replace(':', "-")));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let conf = format!("{},{extra}", conf(&dir, cooperative));
-    let a = spawn_a(&dir, &conf);
+    let name = format!("coop-{cooperative}-{}", extra.replace(':', "-"));
+    let scratch = common::scratch_dir(name.trim_end_matches('-'));
+    let dir = scratch.path();
+    let conf = format!("{},{extra}", conf(dir, cooperative));
+    let a = spawn_a(dir, &conf);
     assert!(common::wait_for_file(&dir.join("ready"), Duration::from_secs(20)), "process A did not start");
     let b = common::conf_allocator(&conf);
     let start = Instant::now();
@@ -364,7 +355,6 @@ fn scenario(cooperative: bool, extra: &str) -> (Result<(), AllocError>, Duration
     assert!(a.wait_with_output().unwrap().status.success(), "process A failed");
     let served = std::fs::read_to_string(dir.join("served")).unwrap().parse().unwrap();
     drop(b);
-    let _ = std::fs::remove_dir_all(&dir);
     (result, waited, served, stats)
 }
 
@@ -408,10 +398,9 @@ fn with_expandable_segments_a_hole_between_live_blocks_goes_to_the_other_process
 
 #[test]
 fn top_lists_the_processes_of_the_registry() {
-    let dir = std::env::temp_dir().join(format!("tidepool-top-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let conf = conf(&dir, true);
+    let scratch = common::scratch_dir("coop-top");
+    let dir = scratch.path();
+    let conf = conf(dir, true);
     let alloc = common::conf_allocator(&conf);
     let p = alloc.allocate(0, (5 * MIB) as usize, Stream::DEFAULT).unwrap();
     // One reclaimer pass (20 ms) publishes the figures.
@@ -442,5 +431,4 @@ fn top_lists_the_processes_of_the_registry() {
     drop(alloc);
     // The process left: its slot is gone.
     assert!(!top(&["--once", "--json"]).contains(&me));
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -31,13 +31,6 @@ fn tool(name: &str) -> Option<PathBuf> {
     common::tool(name, "Debian's prometheus package: apt-get install prometheus")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tidepool-exporter-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// A child process killed and reaped when the guard goes, test failed or not.
 struct Guard {
     child: Child,
@@ -165,14 +158,14 @@ fn percent_encode(text: &str) -> String {
 struct Prometheus {
     guard: Guard,
     addr: SocketAddr,
-    dir: PathBuf,
+    dir: tempfile::TempDir,
 }
 
 impl Drop for Prometheus {
     fn drop(&mut self) {
+        // The server goes first; its directory (the `dir` guard) after.
         let _ = self.guard.child.kill();
         let _ = self.guard.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -186,8 +179,8 @@ impl Prometheus {
         // The port is free when chosen; another process may take it before
         // Prometheus binds it, so a server that exits at once is started again.
         for _ in 0..3 {
-            let dir = scratch("prometheus");
-            let config = dir.join("prometheus.yml");
+            let dir = common::scratch_dir("exporter-prometheus");
+            let config = dir.path().join("prometheus.yml");
             std::fs::write(
                 &config,
                 format!(
@@ -199,11 +192,11 @@ impl Prometheus {
             let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
             let child = Command::new(binary)
                 .arg(format!("--config.file={}", config.display()))
-                .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+                .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
                 .arg(format!("--web.listen-address={addr}"))
                 .arg("--log.level=warn")
                 .stdout(Stdio::null())
-                .stderr(Stdio::from(std::fs::File::create(dir.join("log")).unwrap()))
+                .stderr(Stdio::from(std::fs::File::create(dir.path().join("log")).unwrap()))
                 .spawn()
                 .unwrap();
             let mut server = Prometheus { guard: Guard { child, name: "prometheus" }, addr, dir };
@@ -214,7 +207,7 @@ impl Prometheus {
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
-            log = std::fs::read_to_string(server.dir.join("log")).unwrap_or_default();
+            log = std::fs::read_to_string(server.dir.path().join("log")).unwrap_or_default();
         }
         panic!("prometheus did not start: {log}");
     }
@@ -316,10 +309,11 @@ fn tidepool_process(dir: &Path, simgpu: &Path, mib: u64) -> (Guard, u64, u64) {
 #[test]
 fn prometheus_scrapes_every_process_on_a_shared_simgpu_device_and_sees_an_exited_one_go_stale() {
     let (Some(prometheus), Some(promtool)) = (tool("prometheus"), tool("promtool")) else { return };
-    let dir = scratch("prometheus-scenario");
+    let scratch = common::scratch_dir("exporter-prometheus-scenario");
+    let dir = scratch.path();
     let simgpu = common::simgpu_dir();
-    let (mut a, a_allocated, a_reserved) = tidepool_process(&dir, &simgpu, 100);
-    let (b, b_allocated, _) = tidepool_process(&dir, &simgpu, 200);
+    let (mut a, a_allocated, a_reserved) = tidepool_process(dir, &simgpu, 100);
+    let (b, b_allocated, _) = tidepool_process(dir, &simgpu, 200);
     assert_ne!(a_allocated, b_allocated);
     let (mut exporter, addr) = exporter(&[&dir.join("registry")], &["--timeout", "2"]);
     let server = Prometheus::start(&prometheus, addr);
@@ -365,7 +359,6 @@ fn prometheus_scrapes_every_process_on_a_shared_simgpu_device_and_sees_an_exited
         std::thread::sleep(Duration::from_millis(50));
     }
     drop((server, exporter));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A registry directory with `n` live processes (sleep children, killed on
@@ -403,9 +396,10 @@ fn busy_registry(dir: &Path, n: usize) -> Vec<Guard> {
 #[test]
 fn the_exporter_output_passes_promtool_and_escapes_label_values() {
     let Some(promtool) = tool("promtool") else { return };
-    let dir = scratch("promtool");
-    let sleepers = busy_registry(&dir, 3);
-    let (_exporter, addr) = exporter(&[&dir], &[]);
+    let scratch = common::scratch_dir("exporter-promtool");
+    let dir = scratch.path();
+    let sleepers = busy_registry(dir, 3);
+    let (_exporter, addr) = exporter(&[dir], &[]);
     let text = metrics(addr);
     assert!(text.contains(r#"comm="we\"ird\\na\nme""#), "{text}");
     let second = [("pid", sleepers[1].pid().to_string())];
@@ -423,7 +417,7 @@ fn the_exporter_output_passes_promtool_and_escapes_label_values() {
     std::fs::create_dir_all(textfile.parent().unwrap()).unwrap();
     let status = Command::new(env!("CARGO_BIN_EXE_tidepool"))
         .args(["exporter", "--once", "--registry-dir"])
-        .arg(&dir)
+        .arg(dir)
         .arg("--textfile")
         .arg(&textfile)
         .stdout(Stdio::null())
@@ -436,13 +430,13 @@ fn the_exporter_output_passes_promtool_and_escapes_label_values() {
     assert_eq!(sample(&written, "tidepool_processes", &[]), Some(3.0));
     let left: Vec<_> = std::fs::read_dir(textfile.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left, ["tidepool.prom"], "only the finished file");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn registry_files_that_are_truncated_corrupt_or_of_another_version_are_skipped_and_counted() {
-    let dir = scratch("bad-input");
-    let _sleepers = busy_registry(&dir, 2);
+    let scratch = common::scratch_dir("exporter-bad-input");
+    let dir = scratch.path();
+    let _sleepers = busy_registry(dir, 2);
     let mut header = b"TIDEPOOL".to_vec();
     header.extend_from_slice(&2u32.to_le_bytes());
     header.extend_from_slice(&64u32.to_le_bytes());
@@ -457,7 +451,7 @@ fn registry_files_that_are_truncated_corrupt_or_of_another_version_are_skipped_a
     damaged[16 + 40] ^= 0xff; // slot 0, a figure
     std::fs::write(dir.join("damaged.registry"), damaged).unwrap();
 
-    let (mut exporter, addr) = exporter(&[&dir, &dir.join("missing")], &[]);
+    let (mut exporter, addr) = exporter(&[dir, &dir.join("missing")], &[]);
     let errors = |text: &str, reason: &str| sample(text, "tidepool_exporter_registry_errors_total", &[("reason", reason)]);
     let first = metrics(addr);
     assert_eq!(errors(&first, "truncated"), Some(1.0), "{first}");
@@ -472,13 +466,13 @@ fn registry_files_that_are_truncated_corrupt_or_of_another_version_are_skipped_a
     let second = metrics(addr);
     assert_eq!(errors(&second, "truncated"), Some(2.0));
     exporter.assert_running();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn only_get_of_metrics_and_the_index_are_served() {
-    let dir = scratch("routes");
-    let (_exporter, addr) = exporter(&[&dir], &[]);
+    let scratch = common::scratch_dir("exporter-routes");
+    let dir = scratch.path();
+    let (_exporter, addr) = exporter(&[dir], &[]);
     let index = request(addr, "GET", "/", &[]).unwrap();
     assert_eq!(index.status, 200);
     assert!(index.body.contains("href=\"/metrics\""), "{}", index.body);
@@ -497,13 +491,13 @@ fn only_get_of_metrics_and_the_index_are_served() {
         assert_eq!(refused.status, 405, "{method}");
         assert_eq!(refused.header("allow"), Some("GET, HEAD"));
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_client_that_connects_and_sends_nothing_is_dropped_at_the_timeout() {
-    let dir = scratch("silent");
-    let (_exporter, addr) = exporter(&[&dir], &["--timeout", "1"]);
+    let scratch = common::scratch_dir("exporter-silent");
+    let dir = scratch.path();
+    let (_exporter, addr) = exporter(&[dir], &["--timeout", "1"]);
     let dropped_after = |slow: bool| {
         let mut stream = TcpStream::connect(addr).unwrap();
         stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -535,15 +529,15 @@ fn a_client_that_connects_and_sends_nothing_is_dropped_at_the_timeout() {
     let slow = dropped_after(true);
     assert!(slow >= Duration::from_millis(900) && slow < Duration::from_secs(4), "dropped after {slow:?}");
     assert_eq!(request(addr, "GET", "/metrics", &[]).unwrap().status, 200, "and others are served");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn connections_past_the_bound_wait_until_one_closes() {
-    let dir = scratch("bound");
+    let scratch = common::scratch_dir("exporter-bound");
+    let dir = scratch.path();
     // The idle clients are dropped at the 2 s timeout: a request served
     // before that found a free slot; one served after waited for them.
-    let (_exporter, addr) = exporter(&[&dir], &["--timeout", "2", "--max-connections", "4"]);
+    let (_exporter, addr) = exporter(&[dir], &["--timeout", "2", "--max-connections", "4"]);
     let idle: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
     std::thread::sleep(Duration::from_millis(100));
     let start = Instant::now();
@@ -555,7 +549,6 @@ fn connections_past_the_bound_wait_until_one_closes() {
     let start = Instant::now();
     assert_eq!(request(addr, "GET", "/metrics", &[]).unwrap().status, 200);
     assert!(start.elapsed() < Duration::from_millis(1500), "with the idle clients gone it answers at once");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Whether `text` is a well-formed text exposition: every line a comment
@@ -588,9 +581,10 @@ fn well_formed(text: &str) -> Result<(), String> {
 
 #[test]
 fn a_thousand_scrapes_from_32_concurrent_clients_leave_memory_flat_and_every_response_well_formed() {
-    let dir = scratch("load");
-    let _sleepers = busy_registry(&dir, 16);
-    let (mut exporter, addr) = exporter(&[&dir], &[]);
+    let scratch = common::scratch_dir("exporter-load");
+    let dir = scratch.path();
+    let _sleepers = busy_registry(dir, 16);
+    let (mut exporter, addr) = exporter(&[dir], &[]);
     let scrapes = |total: usize| {
         let threads: Vec<_> = (0..32)
             .map(|t| {
@@ -619,7 +613,6 @@ fn a_thousand_scrapes_from_32_concurrent_clients_leave_memory_flat_and_every_res
     eprintln!("1000 scrapes from 32 clients in {elapsed:?}; exporter RSS {before} KiB before, {after} KiB after");
     assert!(after <= before + 2048, "memory grew from {before} KiB to {after} KiB over 1000 scrapes");
     exporter.assert_running();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The fenced block that follows `<!-- name -->` in docs/monitoring.md.
@@ -667,7 +660,8 @@ fn guide_queries() -> Vec<String> {
 #[test]
 fn the_guides_scrape_config_and_alert_rules_pass_promtool_and_the_alerts_fire_when_they_should() {
     let Some(promtool) = tool("promtool") else { return };
-    let dir = scratch("rules");
+    let scratch = common::scratch_dir("exporter-rules");
+    let dir = scratch.path();
     std::fs::write(dir.join("prometheus.yml"), guide_block("prometheus.yml")).unwrap();
     std::fs::write(dir.join("tidepool-rules.yml"), guide_block("tidepool-rules.yml")).unwrap();
     let labels = |device: &str, pid: u32, comm: &str| {
@@ -730,7 +724,7 @@ fn the_guides_scrape_config_and_alert_rules_pass_promtool_and_the_alerts_fire_wh
         &["check", "rules", "tidepool-rules.yml"],
         &["test", "rules", "tidepool-rules.test.yml"],
     ] {
-        let out = Command::new(&promtool).args(args).current_dir(&dir).output().unwrap();
+        let out = Command::new(&promtool).args(args).current_dir(dir).output().unwrap();
         assert!(
             out.status.success(),
             "promtool {}:\n{}{}\n{unit}",
@@ -739,5 +733,4 @@ fn the_guides_scrape_config_and_alert_rules_pass_promtool_and_the_alerts_fire_wh
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -96,9 +96,8 @@ fn round_trip(file: &str, conf: &str) {
             alloc.empty_cache(); // segments (or pages) go back mid-run too
         }
     }
-    let dir = std::env::temp_dir().join(format!("tidepool-history-{}-{file}-{}", std::process::id(), conf.len()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("snapshot.pickle");
+    let dir = common::scratch_dir(&format!("history-{file}"));
+    let path = dir.path().join("snapshot.pickle");
     tidepool::snapshot::write_snapshot(&alloc, &path).unwrap();
     let back = tidepool::trace::load(&path).unwrap();
     assert_eq!(back.warnings.count, 0, "{:?}", back.warnings.first);
@@ -106,7 +105,6 @@ fn round_trip(file: &str, conf: &str) {
     assert_eq!(back.peak_requested(), trace.peak_requested(), "{file} {conf}");
     let peak = alloc.stats(0).unwrap().reserved_bytes.all.peak;
     assert_eq!(back.pytorch_peak_reserved, Some(peak), "{file} {conf}: the snapshot's segments and events disagree");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -258,9 +258,8 @@ fn ticks(text: &str) -> Vec<(u64, u64)> {
 fn four_processes_share_one_device_through_a_kill() {
     let secs: f64 =
         std::env::var("TIDEPOOL_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(if common::in_ci() { 30.0 } else { 10.0 });
-    let dir = std::env::temp_dir().join(format!("tidepool-soak-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir("soak");
+    let dir = scratch.path();
     let shared = dir.join("simgpu-used");
     let soak = Soak {
         env: vec![
@@ -268,7 +267,7 @@ fn four_processes_share_one_device_through_a_kill() {
             ("SIMGPU_SHARED", shared.display().to_string()),
             ("SIMGPU_CAPACITY", CAPACITY.to_string()),
         ],
-        dir: dir.clone(),
+        dir: dir.to_path_buf(),
     };
     let start = Instant::now();
     let mut workers: Vec<_> = (0..4).map(|i| Some(soak.spawn(i, secs))).collect();
@@ -318,5 +317,4 @@ fn four_processes_share_one_device_through_a_kill() {
         text.lines().find_map(|l| l.find("free ").map(|at| &l[at..])).unwrap_or_else(|| panic!("the probe printed nothing:\n{text}"));
     let figures: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
     assert_eq!(figures[0], figures[1], "the device's whole capacity is free at the end: {line}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -55,9 +55,8 @@ fn process_b_takes_the_paused_memory() {
 
 #[test]
 fn a_second_process_uses_the_memory_of_a_paused_tag_and_the_first_resumes_once_it_is_freed() {
-    let dir = std::env::temp_dir().join(format!("tidepool-tags-coop-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir("tags-coop");
+    let dir = scratch.path();
     let conf = format!(
         "backend:host,host_shared:{},registry_dir:{},host_capacity_mb:1024,release_after_ms:off,headroom_mb:0,\
          reclaim_interval_ms:20,cooperative:true,oom_wait_ms:5000",
@@ -101,7 +100,6 @@ fn a_second_process_uses_the_memory_of_a_paused_tag_and_the_first_resumes_once_i
         alloc.free(0, p).unwrap();
     }
     alloc.validate().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -186,9 +184,8 @@ fn a_pause_waits_for_the_work_queued_on_the_tags_streams_over_simgpu() {
 
 #[test]
 fn top_shows_the_memory_a_paused_tag_gave_back() {
-    let dir = std::env::temp_dir().join(format!("tidepool-tags-top-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir("tags-top");
+    let dir = scratch.path();
     let conf = format!(
         "backend:host,host_shared:{},registry_dir:{},host_capacity_mb:256,release_after_ms:off,headroom_mb:0,\
          reclaim_interval_ms:20,cooperative:true",
@@ -221,7 +218,6 @@ fn top_shows_the_memory_a_paused_tag_gave_back() {
     assert!(top(&["--once", "--json"]).contains("\"paused_bytes\":0"));
     alloc.free(0, p).unwrap();
     drop(alloc);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The child side: `cuda_async` maps no pages, so a tagged allocation is a

@@ -414,6 +414,7 @@ impl DeviceHeap {
         if !self.tags.is_paused(tag) {
             return self.stash_or_bin(id);
         }
+        self.blocks[id].requested = 0;
         self.merge_and_bin(id);
         self.drop_unneeded_runs(tag);
     }

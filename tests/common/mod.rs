@@ -196,6 +196,13 @@ pub fn eventually(timeout: std::time::Duration, mut done: impl FnMut() -> bool) 
     done()
 }
 
+/// A fresh directory for one test (`tidepool-NAME-...` under the system's
+/// temporary directory), removed with everything in it when the returned
+/// guard goes, whether the test passed or failed.
+pub fn scratch_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("tidepool-{name}-")).tempdir().expect("a temporary directory")
+}
+
 /// Whether the file `path` appears within `timeout` (processes of a test
 /// tell each other where they are by files).
 pub fn wait_for_file(path: &std::path::Path, timeout: std::time::Duration) -> bool {
