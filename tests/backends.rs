@@ -370,6 +370,47 @@ fn freeing_a_block_in_use_on_another_stream_does_not_wait_for_it() {
     child_prints("child_deferred_free", "256M", &[], "deferred free:");
 }
 
+/// The child side: a paused tag's block freed while another stream still
+/// uses it keeps its saved bytes until that work is done, and drops them
+/// when the free completes.
+#[test]
+#[ignore = "child process: run by a_paused_block_freed_in_use_on_another_stream_drops_its_saved_bytes_once_done"]
+fn child_paused_deferred_free() {
+    common::child_only();
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    let [own, other] = [tidepool::Stream(sim.stream()), tidepool::Stream(sim.stream())];
+    let (keep, gone) = {
+        let _tag = tidepool::tag::region("deferred").unwrap();
+        (alloc.allocate(0, 8 << 20, own).unwrap(), alloc.allocate(0, 16 << 20, own).unwrap())
+    };
+    alloc.record_stream(gone, other).unwrap();
+    alloc.pause("deferred", None, true).unwrap();
+    let paused = alloc.tag_stats("deferred", 0).unwrap();
+    assert_eq!(paused.offloaded_bytes, 24 << 20);
+    // SAFETY: queues a 300 ms sleep on a stream made above.
+    unsafe { (sim.enqueue_sleep)(other.0, 300_000) };
+    alloc.free(0, gone).unwrap();
+    let pending = alloc.tag_stats("deferred", 0).unwrap();
+    assert_eq!(pending.offloaded_bytes, 24 << 20, "the other stream's work is not done: the bytes stay");
+    // SAFETY: waits for the stream made above.
+    unsafe { (sim.stream_synchronize)(other.0) };
+    // An allocation completes the frees whose events are done.
+    let p = alloc.allocate(0, 1 << 20, own).unwrap();
+    let done = alloc.tag_stats("deferred", 0).unwrap();
+    assert_eq!((done.offloaded_bytes, done.allocated_bytes), (8 << 20, 8 << 20), "the completed free dropped its pages");
+    alloc.free(0, p).unwrap();
+    assert_eq!(alloc.resume("deferred", None).unwrap(), 8 << 20, "only the live block's pages come back");
+    alloc.free(0, keep).unwrap();
+    alloc.validate().unwrap();
+    println!("paused deferred free: {} MiB saved, then {} MiB", pending.offloaded_bytes >> 20, done.offloaded_bytes >> 20);
+}
+
+#[test]
+fn a_paused_block_freed_in_use_on_another_stream_drops_its_saved_bytes_once_done() {
+    child_prints("child_paused_deferred_free", "256M", &[], "paused deferred free:");
+}
+
 /// The child side: many blocks freed while another stream still uses them.
 #[test]
 #[ignore = "child process: run by pending_frees_are_active_not_allocated_and_cost_one_poll_per_stream"]
