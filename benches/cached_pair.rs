@@ -131,10 +131,7 @@ fn expandable(c: &mut Criterion) {
 }
 
 fn config() -> Criterion {
-    Criterion::default()
-        .sample_size(40)
-        .warm_up_time(Duration::from_millis(400))
-        .measurement_time(Duration::from_millis(1500))
+    Criterion::default().sample_size(40).warm_up_time(Duration::from_millis(400)).measurement_time(Duration::from_millis(1500))
 }
 
 criterion_group! { name = benches; config = config(); targets = cached_pair, recording, reclaimer, expandable }

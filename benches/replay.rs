@@ -7,8 +7,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use tidepool::trace::replay::{replay, Policy, ReplayOptions};
 use tidepool::recording::rows::{Action, Row, RowWriter};
+use tidepool::trace::replay::{replay, Policy, ReplayOptions};
 use tidepool::trace::Event;
 use tidepool::{Allocator, Config, DevicePtr, Stream};
 
@@ -21,10 +21,7 @@ fn traces() -> Vec<(String, tidepool::trace::Trace)> {
             paths.push(path);
         }
     }
-    paths
-        .into_iter()
-        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), tidepool::trace::load(&p).unwrap()))
-        .collect()
+    paths.into_iter().map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), tidepool::trace::load(&p).unwrap())).collect()
 }
 
 fn replay_speed(c: &mut Criterion) {

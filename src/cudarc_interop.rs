@@ -137,9 +137,8 @@ impl<T> DeviceSlice<T> for Buffer<'_, T> {
     /// cudarc).
     fn stream(&self) -> &Arc<CudaStream> {
         self.cuda_stream.get_or_init(|| {
-            let context = context(self.device()).unwrap_or_else(|e| {
-                panic!("tidepool: no CUDA context for device {} of this buffer: {e:?}", self.device())
-            });
+            let context = context(self.device())
+                .unwrap_or_else(|e| panic!("tidepool: no CUDA context for device {} of this buffer: {e:?}", self.device()));
             borrowed_stream(&context, self.stream())
         })
     }

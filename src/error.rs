@@ -55,10 +55,9 @@ impl fmt::Display for AllocError {
                 InvalidFree::NotLive => {
                     write!(f, "tidepool: free of {ptr:#x}, which is not allocated (double free?)")
                 }
-                InvalidFree::Interior { block } => write!(
-                    f,
-                    "tidepool: free of {ptr:#x}, which points inside the allocation at {block:#x}, not at its start"
-                ),
+                InvalidFree::Interior { block } => {
+                    write!(f, "tidepool: free of {ptr:#x}, which points inside the allocation at {block:#x}, not at its start")
+                }
             },
             AllocError::UnknownPointer { ptr } => write!(f, "tidepool: {ptr:#x} is not a live allocation"),
             AllocError::InvalidArgument(msg) => write!(f, "tidepool: {msg}"),
@@ -221,10 +220,20 @@ mod tests {
             need_from_others: 2 << 30,
         };
         let text = AllocError::OutOfMemory(Box::new(report.clone())).to_string();
-        for needle in ["device 1", "2.00 GiB", "10.00 GiB allocated", "13.00 GiB reserved", "3.00 GiB cached free",
-            "largest free block 1.00 GiB", "fragmentation 15 %: 2.00 GiB free inside partly used segments", "expandable:true", "max_split_size_mb", "batch size", "of 16.00 GiB",
-            "at most 14.00 GiB"]
-        {
+        for needle in [
+            "device 1",
+            "2.00 GiB",
+            "10.00 GiB allocated",
+            "13.00 GiB reserved",
+            "3.00 GiB cached free",
+            "largest free block 1.00 GiB",
+            "fragmentation 15 %: 2.00 GiB free inside partly used segments",
+            "expandable:true",
+            "max_split_size_mb",
+            "batch size",
+            "of 16.00 GiB",
+            "at most 14.00 GiB",
+        ] {
             assert!(text.contains(needle), "{needle:?} missing from {text}");
         }
         // With expandable segments on, it does not advise turning them on.

@@ -434,13 +434,11 @@ pub extern "C" fn tidepool_free(ptr: *mut c_void, size: usize, device: c_int, st
         if ptr.is_null() {
             return;
         }
-        let result = allocator()
-            .and_then(|a| a.free_sized(device_index(device)?, DevicePtr(ptr as u64), size, Stream(stream as u64)));
+        let result = allocator().and_then(|a| a.free_sized(device_index(device)?, DevicePtr(ptr as u64), size, Stream(stream as u64)));
         match result {
-            Ok(recorded) if recorded != size as u64 => log_once(
-                &LOGGED_SIZE_MISMATCH,
-                &format!("tidepool: warning: free of {ptr:p} with size {size}, allocated with {recorded}"),
-            ),
+            Ok(recorded) if recorded != size as u64 => {
+                log_once(&LOGGED_SIZE_MISMATCH, &format!("tidepool: warning: free of {ptr:p} with size {size}, allocated with {recorded}"))
+            }
             Ok(_) => {}
             Err(err) => {
                 log_once(&LOGGED_INVALID_FREE, &format!("{err}"));

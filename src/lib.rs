@@ -64,19 +64,19 @@ use parking_lot::Mutex;
 
 use backend::host::HostBackend;
 use backend::Backend;
-use heap::DeviceHeap;
 pub use buffer::{Buffer, Plain};
 pub use config::{BackendKind, Config, ConfigError};
+use device::Device;
 pub use error::{AllocError, InvalidFree, OomReport};
 pub use ffi::global;
 pub use frames::Frame;
-use device::Device;
 pub use heap::history::{HistoryAction, HistoryEntry};
 pub use heap::private::PrivatePoolId;
 pub use heap::tags::TagStats;
+use heap::DeviceHeap;
 pub use heap::{BlockSnapshot, SegmentSnapshot};
-pub use tag::TagId;
 pub use stats::{Events, Released, Stat, StatByPool, Stats};
+pub use tag::TagId;
 
 pub use types::{DevicePtr, Stream};
 
@@ -401,7 +401,10 @@ impl Allocator {
     /// Notes that the live block at `ptr` is used on `stream` too (PyTorch's
     /// `record_stream`); it is not reused until that stream's work is done.
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<(), AllocError> {
-        self.devices()?.iter().find_map(|device| device.record_stream(ptr, stream)).unwrap_or(Err(AllocError::UnknownPointer { ptr: ptr.0 }))
+        self.devices()?
+            .iter()
+            .find_map(|device| device.record_stream(ptr, stream))
+            .unwrap_or(Err(AllocError::UnknownPointer { ptr: ptr.0 }))
     }
 
     /// The device, base and size of the segment holding `ptr`, searching

@@ -101,11 +101,7 @@ fn the_c_abi_is_clean_under_valgrind_memcheck() {
 fn the_c_abi_works_over_the_cuda_backend_on_simgpu() {
     let program = build_c_test("ffi_test_cuda");
     let simgpu = common::simgpu_dir();
-    let env = [
-        ("TIDEPOOL_CONF", "backend:cuda"),
-        ("LD_LIBRARY_PATH", simgpu.to_str().unwrap()),
-        ("SIMGPU_CAPACITY", "4096M"),
-    ];
+    let env = [("TIDEPOOL_CONF", "backend:cuda"), ("LD_LIBRARY_PATH", simgpu.to_str().unwrap()), ("SIMGPU_CAPACITY", "4096M")];
     let (ok, text) = run_with(&program, &[], "5000", &env);
     assert!(ok, "ffi_test over cuda/simgpu failed:\n{text}");
     assert!(text.contains(" passed, 0 failed"), "{text}");

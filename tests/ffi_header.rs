@@ -78,11 +78,7 @@ fn rust_functions(source: &str) -> BTreeMap<String, String> {
         let (name, rest) = rest.split_once('(').unwrap();
         let (params, rest) = rest.split_once(')').unwrap();
         let ret = rest.trim().strip_prefix("->").map(|r| r.trim_end_matches('{').trim()).unwrap_or("");
-        let types: Vec<String> = params
-            .split(',')
-            .filter(|p| !p.trim().is_empty())
-            .map(|p| c_type(p.split_once(':').unwrap().1))
-            .collect();
+        let types: Vec<String> = params.split(',').filter(|p| !p.trim().is_empty()).map(|p| c_type(p.split_once(':').unwrap().1)).collect();
         out.insert(name.to_string(), format!("{}({})", c_type(ret), types.join(", ")));
     }
     out
@@ -232,8 +228,7 @@ fn the_library_exports_exactly_the_declared_functions() {
     let Some(nm) = common::tool("nm", "apt-get install binutils") else { return };
     let output = Command::new(nm).args(["-D", "--defined-only"]).arg(&lib).output().expect("nm runs");
     let text = String::from_utf8_lossy(&output.stdout);
-    let exported: Vec<&str> =
-        text.lines().filter_map(|l| l.split_whitespace().last()).filter(|s| s.starts_with("tidepool_")).collect();
+    let exported: Vec<&str> = text.lines().filter_map(|l| l.split_whitespace().last()).filter(|s| s.starts_with("tidepool_")).collect();
     let declared: Vec<String> = header_functions(&read("ffi/tidepool.h")).into_keys().collect();
     assert_eq!(exported, declared);
 }
@@ -290,8 +285,7 @@ fn every_counter_is_in_the_c_struct_the_header_and_the_python_key_list() {
     // there does not compile.)
     let listed = quoted(python_block(&python, "COUNTERS = ("));
     let pairs: Vec<(String, String)> = listed.chunks(2).map(|pair| (pair[0].clone(), pair[1].clone())).collect();
-    let expected: Vec<(String, String)> =
-        tidepool::Events::COUNTERS.iter().map(|c| (c.key.to_string(), c.c_field.to_string())).collect();
+    let expected: Vec<(String, String)> = tidepool::Events::COUNTERS.iter().map(|c| (c.key.to_string(), c.c_field.to_string())).collect();
     assert_eq!(pairs, expected, "{PYTHON}: COUNTERS (memory_stats key, tidepool_stats field) differ from the library's list");
 }
 
@@ -299,9 +293,7 @@ fn every_counter_is_in_the_c_struct_the_header_and_the_python_key_list() {
 fn the_python_ctypes_struct_mirrors_the_header_field_by_field() {
     let (header, python) = (read("ffi/tidepool.h"), read(PYTHON));
     assert_eq!(quoted(python_block(&python, "class Stats(")), header_stats_fields(&header), "{PYTHON}: Stats");
-    let version = |text: &str, prefix: &str| {
-        text.lines().find_map(|l| l.strip_prefix(prefix)).map(|v| v.trim().to_string()).unwrap()
-    };
+    let version = |text: &str, prefix: &str| text.lines().find_map(|l| l.strip_prefix(prefix)).map(|v| v.trim().to_string()).unwrap();
     assert_eq!(version(&python, "STATS_VERSION = "), version(&header, "#define TIDEPOOL_STATS_VERSION "));
 }
 

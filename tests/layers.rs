@@ -99,7 +99,8 @@ fn group_items(rest: &str) -> Vec<String> {
 /// items), outside comments; in the crate root (`root`), also the modules
 /// it names by their bare names (`device::Device`).
 fn imports(code: &str, root: bool) -> BTreeSet<String> {
-    let known: Vec<&str> = LAYERS.iter().flat_map(|(_, modules)| modules.iter().copied()).filter(|m| *m != "lib" && !m.contains("::")).collect();
+    let known: Vec<&str> =
+        LAYERS.iter().flat_map(|(_, modules)| modules.iter().copied()).filter(|m| *m != "lib" && !m.contains("::")).collect();
     let mut found = BTreeSet::new();
     for line in code.lines() {
         let line = line.split("//").next().unwrap_or("");
@@ -116,9 +117,9 @@ fn imports(code: &str, root: bool) -> BTreeSet<String> {
         let declaration = line.trim_start().starts_with("mod ") || line.trim_start().starts_with("pub mod ");
         if root && !declaration {
             for name in &known {
-                let bare = line.match_indices(&format!("{name}::")).any(|(at, _)| {
-                    line[..at].chars().next_back().is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
-                });
+                let bare = line
+                    .match_indices(&format!("{name}::"))
+                    .any(|(at, _)| line[..at].chars().next_back().is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')));
                 if bare {
                     found.insert(module_named(path_at(&line[line.find(&format!("{name}::")).unwrap()..])));
                 }

@@ -106,9 +106,7 @@ fn the_wheel_installs_into_a_fresh_venv_without_rust_and_reads_statistics() {
     let output = run(Command::new(python()).args(["-m", "venv"]).arg(&venv));
     assert!(output.status.success(), "python -m venv failed:\n{}", text(&output));
     let venv_python = venv.join("bin/python");
-    let output = run(Command::new(&venv_python)
-        .args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-index"])
-        .arg(wheel()));
+    let output = run(Command::new(&venv_python).args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-index"]).arg(wheel()));
     assert!(output.status.success(), "pip install of the wheel failed:\n{}", text(&output));
     // No cargo, no TIDEPOOL_LIBRARY, no PYTHONPATH: what a user of the wheel has.
     let script = r#"

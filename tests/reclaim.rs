@@ -17,7 +17,8 @@ fn idle_segments_go_back_after_release_after_ms() {
     let (alloc, _) = host_allocator(1, 1 << 30, "release_after_ms:1500,reclaim_interval_ms:20");
     assert!(alloc.has_reclaimer());
     let keep = alloc.allocate(0, 4096, S0).unwrap();
-    let working_set: Vec<_> = [30 * MIB, 12 * MIB, 3 * MIB, 512 * 1024].iter().map(|&s| alloc.allocate(0, s as usize, S0).unwrap()).collect();
+    let working_set: Vec<_> =
+        [30 * MIB, 12 * MIB, 3 * MIB, 512 * 1024].iter().map(|&s| alloc.allocate(0, s as usize, S0).unwrap()).collect();
     for p in working_set {
         alloc.free(0, p).unwrap();
     }

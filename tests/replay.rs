@@ -171,7 +171,12 @@ fn the_default_policy_never_reserves_more_than_pytorchs_model_on_any_trace_or_de
         let ours = smallest_capacity_per_device(&trace, Policy::Tidepool, "", None).unwrap();
         let model = smallest_capacity_per_device(&trace, Policy::Pytorch, "", None).unwrap();
         for (ours, model) in ours.iter().zip(&model) {
-            assert!(ours.min_capacity <= model.min_capacity, "{} device {}: smallest device {ours:?} above {model:?}", file.display(), ours.device);
+            assert!(
+                ours.min_capacity <= model.min_capacity,
+                "{} device {}: smallest device {ours:?} above {model:?}",
+                file.display(),
+                ours.device
+            );
         }
     }
 }

@@ -288,7 +288,10 @@ fn four_processes_share_one_device_through_a_kill() {
     victim.wait().unwrap();
     let killed_at = unix_ms();
     // The others clear its slots as they go on: its memory is free again.
-    assert!(common::eventually(Duration::from_secs(10), || !simgpu_pids(&shared).contains(&(pid as i32))), "simgpu still counts the killed process's memory");
+    assert!(
+        common::eventually(Duration::from_secs(10), || !simgpu_pids(&shared).contains(&(pid as i32))),
+        "simgpu still counts the killed process's memory"
+    );
     assert!(
         common::eventually(Duration::from_secs(10), || !tidepool::reclaim::registry::slot_pids(&registry).unwrap().contains(&pid)),
         "the killed process's registry slot was not cleared"

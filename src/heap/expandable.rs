@@ -23,7 +23,6 @@
 //!   request but one that fits the block.
 #![forbid(unsafe_code)]
 
-
 use super::block::{Block, BlockId, BlockState, NIL};
 use super::history::HistoryAction;
 use super::{DeviceHeap, Released, Segment};
@@ -300,7 +299,8 @@ impl DeviceHeap {
     /// the bytes unmapped: none when the backend refuses (they stay mapped
     /// and counted).
     pub(super) fn unmap_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
-        let Some((base, page)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size()))) else {
+        let Some((base, page)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))
+        else {
             return 0;
         };
         if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {

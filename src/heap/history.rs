@@ -75,9 +75,12 @@ impl DeviceHeap {
     /// and forgets them).
     pub fn record_history(&mut self, max_entries: Option<usize>) {
         let started_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
-        self.history = max_entries
-            .filter(|&n| n > 0)
-            .map(|max_entries| History { entries: VecDeque::new(), max_entries, started: Instant::now(), started_us });
+        self.history = max_entries.filter(|&n| n > 0).map(|max_entries| History {
+            entries: VecDeque::new(),
+            max_entries,
+            started: Instant::now(),
+            started_us,
+        });
         self.observed = self.trace.is_some() || self.history.is_some() || self.with_contexts;
     }
 

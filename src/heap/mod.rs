@@ -67,11 +67,11 @@ use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
 use crate::reclaim::policy::{Policy, Reason};
 use crate::reclaim::Clock;
+use crate::recording::rows::Action;
+use crate::recording::{Recorder, TraceBuffer};
 use crate::size_class::{PoolKind, SizeRules};
 pub use crate::stats::Released;
 use crate::stats::{Counters, Stats};
-use crate::recording::rows::Action;
-use crate::recording::{Recorder, TraceBuffer};
 use crate::types::Stream;
 use addr_map::AddrMap;
 use block::{BlockArena, BlockId, BlockState, NIL};
@@ -79,8 +79,8 @@ use expandable::Vm;
 use history::{History, HistoryAction};
 use pages::PageMap;
 use pool::Pool;
-use reserve::Reserve;
 use private::{PrivatePoolId, PrivatePools};
+use reserve::Reserve;
 use streams::PendingFrees;
 
 /// One allocation from the backend, or one reserved range of an
@@ -898,7 +898,8 @@ impl DeviceHeap {
         // With the stashes merged, every reserved byte not active (allocated,
         // or freed but pending) is cached; paused tags' blocks hold none.
         stats.cached_free_bytes = stats.reserved_bytes.all.current - (stats.active_bytes.all.current - unmapped_active);
-        let classic = (0..self.pools.len() as u32).filter(|&p| self.pool_vm(p).is_none()).map(|p| self.pools[p as usize].largest(&self.blocks));
+        let classic =
+            (0..self.pools.len() as u32).filter(|&p| self.pool_vm(p).is_none()).map(|p| self.pools[p as usize].largest(&self.blocks));
         stats.largest_free_block_bytes = classic.max().unwrap_or(0).max(self.largest_mapped_free_run());
         stats
     }

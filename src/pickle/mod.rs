@@ -38,4 +38,3 @@ impl PyValue {
         PyValue::Dict(items.into_iter().map(|(k, v)| (PyValue::str(k), v)).collect())
     }
 }
-

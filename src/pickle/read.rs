@@ -320,9 +320,7 @@ impl<R: BufRead> Parser<R> {
                     return Ok(PickleDoc { nodes: self.nodes, root });
                 }
                 b'c' | 0x93 | b'R' | b'b' | 0x81 | 0x92 | b'i' | b'o' | b'P' | b'Q' | 0x82..=0x84 => {
-                    return self.fail(format!(
-                        "opcode {op:#04x} refers to a class or function: refused (only plain data is read)"
-                    ));
+                    return self.fail(format!("opcode {op:#04x} refers to a class or function: refused (only plain data is read)"));
                 }
                 other => return self.fail(format!("unknown or unsupported opcode {other:#04x}")),
             }

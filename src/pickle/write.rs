@@ -118,11 +118,9 @@ mod tests {
         // pickle.dumps({'a': [1, None, True]}, protocol=2) minus the memo
         // opcodes Python adds, which a loader does not need.
         let value = PyValue::dict([("a", PyValue::List(vec![PyValue::int(1), PyValue::None, PyValue::Bool(true)]))]);
-        let expected: Vec<u8> = [
-            &[0x80, 2, b'}', b'(', b'X', 1, 0, 0, 0, b'a', b']', b'('][..],
-            &[b'J', 1, 0, 0, 0, b'N', 0x88, b'e', b'u', b'.'][..],
-        ]
-        .concat();
+        let expected: Vec<u8> =
+            [&[0x80, 2, b'}', b'(', b'X', 1, 0, 0, 0, b'a', b']', b'('][..], &[b'J', 1, 0, 0, 0, b'N', 0x88, b'e', b'u', b'.'][..]]
+                .concat();
         assert_eq!(dumps(&value), expected);
     }
 }

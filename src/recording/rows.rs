@@ -51,7 +51,13 @@ const ROW_ROOM: usize = 4 * PIECE;
 impl Default for RowWriter {
     fn default() -> Self {
         let zero = (0, 0, Piece::pointer_size(0, 0));
-        RowWriter { prefix_of: None, prefix: Piece::default(), suffix_of: None, suffix: Piece::default(), recent: vec![zero; 1 << RECENT_BITS].into() }
+        RowWriter {
+            prefix_of: None,
+            prefix: Piece::default(),
+            suffix_of: None,
+            suffix: Piece::default(),
+            recent: vec![zero; 1 << RECENT_BITS].into(),
+        }
     }
 }
 

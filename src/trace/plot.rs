@@ -35,21 +35,20 @@ pub fn write_svg(path: &Path, title: &str, reports: &[&ReplayReport]) -> Result<
                     .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK));
             }
             chart
-                .draw_series(LineSeries::new(
-                    report.series.iter().map(|s| (s.event, s.allocated as f64 / GIB)),
-                    allocated_colour,
-                ))?
+                .draw_series(LineSeries::new(report.series.iter().map(|s| (s.event, s.allocated as f64 / GIB)), allocated_colour))?
                 .label(format!("allocated ({policy})"))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], allocated_colour));
             chart
-                .draw_series(LineSeries::new(
-                    report.series.iter().map(|s| (s.event, s.reserved as f64 / GIB)),
-                    reserved_colour,
-                ))?
+                .draw_series(LineSeries::new(report.series.iter().map(|s| (s.event, s.reserved as f64 / GIB)), reserved_colour))?
                 .label(format!("reserved ({policy})"))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], reserved_colour));
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).position(SeriesLabelPosition::LowerRight).draw()?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()?;
         root.present()?;
         Ok(())
     };

@@ -26,10 +26,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
     for number in 1.. {
         let error = |message: String| TraceError { file: file.to_string(), location: format!("line {number}"), message };
         line.clear();
-        let n = (&mut reader)
-            .take(MAX_LINE as u64 + 1)
-            .read_until(b'\n', &mut line)
-            .map_err(|e| error(format!("read error: {e}")))?;
+        let n = (&mut reader).take(MAX_LINE as u64 + 1).read_until(b'\n', &mut line).map_err(|e| error(format!("read error: {e}")))?;
         if n == 0 {
             break;
         }

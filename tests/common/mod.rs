@@ -18,14 +18,8 @@ pub const MIB: u64 = 1 << 20;
 /// (tests of the reclaimer turn them on in `conf`), so nothing changes
 /// behind a test's back.
 pub fn host_allocator(devices: usize, capacity: u64, conf: &str) -> (Allocator, Arc<HostBackend>) {
-    let config = Config::builder()
-        .conf("release_after_ms:off,headroom_mb:0")
-        .unwrap()
-        .conf(conf)
-        .unwrap()
-        .host(devices, capacity)
-        .build()
-        .unwrap();
+    let config =
+        Config::builder().conf("release_after_ms:off,headroom_mb:0").unwrap().conf(conf).unwrap().host(devices, capacity).build().unwrap();
     let backend = Arc::new(HostBackend::new(devices, capacity));
     (Allocator::with_backend(config, backend.clone()), backend)
 }
