@@ -72,8 +72,9 @@ impl DeviceHeap {
             return donors;
         }
         let page = self.vm.map_or(0, |vm| vm.page);
-        self.flush_stashes(); // a stashed block is a hole too
-                              // (freed at, the hole's block, or the whole segment's id)
+        // A stashed block is a hole too.
+        self.flush_stashes();
+        // (freed at, the hole's block, or the whole segment's id)
         let mut candidates: Vec<(u64, Result<BlockId, u32>)> = Vec::new();
         let mut holes = Vec::new();
         for (id, segment) in self.segments.iter().enumerate() {

@@ -24,11 +24,12 @@
 //! Defined behaviours: allocating under a paused tag is an error naming the
 //! tag; freeing a paused block is allowed (nothing is mapped, and the
 //! saved pages no live block touches any more are dropped as the free
-//! completes, so that reading figures never copies memory); pausing a paused tag, an
-//! unknown one, while a private pool is open (a CUDA graph capture may be
-//! underway) or while a stream that used the tag is being captured, and
-//! resuming one that is not paused, are errors that change nothing; an offload that cannot get host memory fails whole,
-//! with nothing released. A paused tag's ranges stay reserved: the release
+//! completes, so that reading figures never copies memory); pausing a
+//! paused tag, an unknown one, while a private pool is open (a CUDA graph
+//! capture may be underway) or while a stream that used the tag is being
+//! captured, and resuming one that is not paused, are errors that change
+//! nothing; an offload that cannot get host memory fails whole, with
+//! nothing released. A paused tag's ranges stay reserved: the release
 //! policies leave them alone (`keeps_memory`).
 //!
 //! Invariants (checked by `validate()` through `check_tags`):
