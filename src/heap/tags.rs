@@ -126,6 +126,11 @@ impl TagPools {
         self.tags.get(&tag).is_some_and(|t| t.paused.is_some())
     }
 
+    /// Lists new pools of `tag`.
+    pub(super) fn add_pools(&mut self, tag: u32, ids: [u32; 2]) {
+        self.tags.entry(tag).or_default().pools.extend(ids);
+    }
+
     fn pools_of(&self, tag: u32) -> Vec<u32> {
         self.tags.get(&tag).map(|t| t.pools.clone()).unwrap_or_default()
     }
@@ -172,12 +177,7 @@ impl DeviceHeap {
             let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
             self.tags.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
         }
-        let known = self.pools.len();
-        let ids = self.pools_of(PoolKey { stream, private: None, tag });
-        if self.pools.len() > known {
-            self.tags.tags.entry(tag).or_default().pools.extend(ids);
-        }
-        Ok(ids[kind as usize])
+        Ok(self.pools_of(PoolKey { stream, private: None, tag })[kind as usize])
     }
 
     /// Serves a request of `size` bytes on `stream` tagged `tag` (non-zero),
