@@ -79,7 +79,12 @@ fn plan_finds_the_published_smallest_device() {
     // One step less does not fit; the step is a quarter percent of the peak.
     assert_eq!(plan.step, (trace.peak_requested() / 400).next_multiple_of(1 << 20));
     let smaller = ReplayOptions { capacity: plan.min_capacity - plan.step, ..options(Policy::Pytorch) };
-    assert!(replay(&trace, &smaller).unwrap().ooms > 0);
+    let short = replay(&trace, &smaller).unwrap();
+    assert!(short.ooms > 0);
+    let first = short.first_oom.expect("the first OOM is reported");
+    assert!(first.event < short.events && first.message.contains("out of memory"), "{first:?}");
+    let fits = ReplayOptions { capacity: plan.min_capacity, ..options(Policy::Pytorch) };
+    assert_eq!(replay(&trace, &fits).unwrap().first_oom, None);
 }
 
 #[test]
@@ -309,6 +314,7 @@ fn replay_json_has_one_object_per_policy_with_the_documented_keys() {
         "\"device\":0",
         "\"driver_calls\"",
         "\"ooms\":0",
+        "\"first_oom\":null",
         "\"events_per_second\"",
         "\"pytorch_recorded_peak_reserved_bytes\":null",
     ] {
@@ -318,6 +324,24 @@ fn replay_json_has_one_object_per_policy_with_the_documented_keys() {
     assert_eq!(policies, ["pytorch", "tidepool", "expandable"]);
     let (ok, stdout, _) = tidepool_cli(&["replay", path.to_str().unwrap(), "--json", "--policy", "expandable,pytorch"]);
     assert!(ok && stdout.lines().count() == 2 && stdout.starts_with("{") && stdout.contains("\"policy\":\"expandable\""), "{stdout}");
+}
+
+#[test]
+fn a_replay_that_runs_out_says_where_and_why() {
+    let path = write_small_csv();
+    // 50 allocations of 0.1 to 5 MB, 122 MiB in all, on a 64 MiB device.
+    let args = ["replay", path.to_str().unwrap(), "--policy", "expandable", "--capacity", "64M"];
+    let (ok, stdout, stderr) = tidepool_cli(&args);
+    assert!(ok, "{stderr}");
+    let line = stdout.lines().find(|l| l.contains("first OOM")).unwrap_or_else(|| panic!("no first OOM line:\n{stdout}"));
+    assert!(line.contains("tidepool expandable: event ") && line.contains("tried to allocate"), "{line}");
+    let (ok, stdout, _) = tidepool_cli(&[&args[..], &["--json"]].concat());
+    assert!(ok);
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let event = report["first_oom"]["event"].as_u64().expect("first_oom.event");
+    assert!(event < 50, "an allocation fails before the frees: {event}");
+    assert!(report["first_oom"]["message"].as_str().unwrap().contains("out of memory on device 0"), "{report}");
+    assert!(report["ooms"].as_u64().unwrap() > 0);
 }
 
 #[test]

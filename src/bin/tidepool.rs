@@ -302,6 +302,11 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
     row("OOMs", &|r| r.ooms.to_string(), None);
     row("fragmentation (peak)", &|r| format!("{:.1} %", 100.0 * r.fragmentation()), None);
     row("replay speed", &|r| format!("{:.1} M ev/s", r.events_per_second() / 1e6), None);
+    for r in reports {
+        if let Some(oom) = &r.first_oom {
+            out!("  first OOM, {}: event {} of {}: {}", r.policy.title(), oom.event, r.events, oom.message);
+        }
+    }
 }
 
 fn json_string(s: &str) -> String {
@@ -333,6 +338,7 @@ fn report_json(r: &ReplayReport) -> serde_json::Value {
         "device_frees": r.device_frees,
         "driver_calls": r.driver_calls,
         "ooms": r.ooms,
+        "first_oom": r.first_oom.as_ref().map(|oom| serde_json::json!({ "event": oom.event, "message": oom.message })),
         "peak_inactive_split_bytes": r.peak_inactive_split_bytes,
         "fragmentation": (r.fragmentation() * 1e6).round() / 1e6,
         "events_per_second": r.events_per_second().round() as u64,

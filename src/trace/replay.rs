@@ -73,6 +73,15 @@ pub struct Sample {
     pub reserved: u64,
 }
 
+/// The first allocation of a replay that failed for lack of memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FirstOom {
+    /// Its index among the trace's events.
+    pub event: u64,
+    /// The allocator's error, as a live process would have raised it.
+    pub message: String,
+}
+
 #[derive(Clone, Debug)]
 pub struct ReplayReport {
     pub file: String,
@@ -98,6 +107,9 @@ pub struct ReplayReport {
     pub driver_calls: u64,
     /// Allocations that failed for lack of memory (0: the trace fits).
     pub ooms: u64,
+    /// The first of them: where in the trace, and the allocator's report
+    /// (what was asked, held, cached and free on the device).
+    pub first_oom: Option<FirstOom>,
     /// The most bytes ever free inside partly used segments (PyTorch's
     /// `inactive_split_bytes` peak): memory that only a fitting request can use.
     pub peak_inactive_split_bytes: u64,
@@ -187,6 +199,7 @@ pub fn replay_with_progress(
     let every = if options.samples == 0 { u64::MAX } else { (trace.events.len() as u64 / options.samples as u64).max(1) };
     let mut series = Vec::new();
     let mut ooms = 0u64;
+    let mut first_oom = None;
     let tick = (trace.events.len() / 100).max(1);
     let start = Instant::now();
     for (index, event) in trace.events.iter().enumerate() {
@@ -196,7 +209,10 @@ pub fn replay_with_progress(
         match *event {
             Event::Alloc { id, size, stream, device } => match alloc.allocate(device as usize, size as usize, Stream(stream)) {
                 Ok(ptr) => ptrs[id as usize] = (ptr.0, device),
-                Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => ooms += 1,
+                Err(err @ (AllocError::OutOfMemory(_) | AllocError::TooLarge { .. })) => {
+                    ooms += 1;
+                    first_oom.get_or_insert_with(|| FirstOom { event: index as u64, message: err.to_string() });
+                }
                 Err(other) => return Err(format!("{}: event {index}: {other}", trace.source)),
             },
             Event::Free { id } => {
@@ -233,6 +249,7 @@ pub fn replay_with_progress(
         device_frees: 0,
         driver_calls: 0,
         ooms,
+        first_oom,
         peak_inactive_split_bytes: 0,
         seconds,
         pytorch_recorded_peak_reserved_bytes: trace.pytorch_peak_reserved,
