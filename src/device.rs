@@ -5,7 +5,8 @@
 //!
 //! Invariants, checked by `validate()` (with every shard locked):
 //! - each shard's heap is valid (`heap/mod.rs`);
-//! - the device's reserved count equals the sum of its shards' reserved bytes.
+//! - the device's reserved count equals the sum of its shards' reserved
+//!   bytes, and its peak is at least that.
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
@@ -189,10 +190,14 @@ impl Device {
 
     /// The device's statistics: with stream shards, each figure is the sum
     /// over the shards, so a peak is an upper bound of the device's (the
-    /// shards may peak at different times).
+    /// shards may peak at different times), except the peak of reserved
+    /// bytes, which the shards' shared count keeps for the device.
     pub fn stats(&self) -> Stats {
         let each: Vec<Stats> = self.shards.iter().map(|h| h.lock().stats()).collect();
         let mut stats = Stats::combine(&each);
+        if self.shards.len() > 1 {
+            stats.reserved_bytes.all.peak = self.reserve.peak().max(stats.reserved_bytes.all.current);
+        }
         if let Some(cooperation) = &self.cooperation {
             stats.events.add(&cooperation.events());
         }
@@ -210,6 +215,7 @@ impl Device {
 
     pub fn reset_peak_stats(&self) {
         self.shards.iter().for_each(|h| h.lock().reset_peak_stats());
+        self.reserve.reset_peak();
     }
 
     /// Zeroes what the device accumulated; current values and peaks stay.
@@ -377,6 +383,9 @@ impl Device {
         }
         if reserved != self.reserve.bytes() {
             return Err(format!("device {}: the reserved count is {} but the shards reserve {reserved}", self.index, self.reserve.bytes()));
+        }
+        if self.reserve.peak() < reserved {
+            return Err(format!("device {}: the reserved peak {} is below the {reserved} bytes reserved", self.index, self.reserve.peak()));
         }
         Ok(())
     }

@@ -36,6 +36,26 @@ fn statistics_add_up_over_the_shards() {
 }
 
 #[test]
+fn the_peak_reserved_is_the_devices_not_the_sum_of_the_shards() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "stream_shards:4");
+    // Streams 1 and 2 go to different shards (as above); each holds 40 MiB in turn.
+    for stream in [Stream(1), Stream(2)] {
+        let p = alloc.allocate(0, (40 * MIB) as usize, stream).unwrap();
+        alloc.free(0, p).unwrap();
+        alloc.empty_cache();
+    }
+    let s = alloc.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes.all.current, 0);
+    assert_eq!(s.reserved_bytes.all.peak, 40 * MIB, "never more than one 40 MiB segment at once");
+    assert_eq!(s.reserved_bytes.large_pool.peak, 80 * MIB, "per pool kind, still the sum over the shards");
+    let p = alloc.allocate(0, (10 * MIB) as usize, Stream(1)).unwrap();
+    alloc.reset_peak_stats(0).unwrap();
+    assert_eq!(alloc.stats(0).unwrap().reserved_bytes.all.peak, alloc.stats(0).unwrap().reserved_bytes.all.current, "reset to now");
+    alloc.free(0, p).unwrap();
+    alloc.validate().unwrap();
+}
+
+#[test]
 fn a_full_device_takes_the_cache_of_the_other_shards() {
     // With expandable segments, what the other shard gives back is pages.
     for conf in ["stream_shards:4", "stream_shards:4,expandable:true"] {

@@ -197,6 +197,7 @@ impl DeviceHeap {
             self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
         }
         self.stats.reserved_bytes.increase(kind, total * page);
+        self.reserve.note_peak();
         self.stats.events.num_pages_mapped += total;
         self.stats.events.num_device_alloc += runs.len() as u64;
     }

@@ -511,6 +511,7 @@ impl DeviceHeap {
         let block = self.blocks.insert(base, size, segment_id, pool, kind);
         if pages.is_none() {
             self.stats.reserved_bytes.increase(kind, size);
+            self.reserve.note_peak();
             self.stats.events.num_device_alloc += 1;
             self.note(HistoryAction::SegmentAlloc, base, size, stream);
         }

@@ -5,17 +5,22 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Bytes the device holds from the driver and the most it may hold.
+/// Bytes the device holds from the driver, the most it held, and the most
+/// it may hold.
 #[derive(Debug)]
 pub struct Reserve {
     bytes: AtomicU64,
+    /// The most `bytes` was when a heap noted it (after each growth), since
+    /// the last reset: the device's peak, where the shards' own peaks only
+    /// add up to a bound.
+    peak: AtomicU64,
     /// u64::MAX: no limit.
     limit: AtomicU64,
 }
 
 impl Default for Reserve {
     fn default() -> Reserve {
-        Reserve { bytes: AtomicU64::new(0), limit: AtomicU64::new(u64::MAX) }
+        Reserve { bytes: AtomicU64::new(0), peak: AtomicU64::new(0), limit: AtomicU64::new(u64::MAX) }
     }
 }
 
@@ -50,6 +55,23 @@ impl Reserve {
     pub fn give_back(&self, size: u64) {
         self.bytes.fetch_sub(size, Ordering::SeqCst);
     }
+
+    /// Raises the peak to the bytes reserved now (a heap calls it once its
+    /// growth holds memory; another shard's claim still in flight, if its
+    /// growth then fails, can leave the peak above what was ever held).
+    pub fn note_peak(&self) {
+        self.peak.fetch_max(self.bytes(), Ordering::SeqCst);
+    }
+
+    /// The most bytes reserved at once since the last `reset_peak`.
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Ordering::SeqCst)
+    }
+
+    /// Lowers the peak to the bytes reserved now.
+    pub fn reset_peak(&self) {
+        self.peak.store(self.bytes(), Ordering::SeqCst);
+    }
 }
 
 #[cfg(test)]
@@ -68,5 +90,18 @@ mod tests {
         reserve.give_back(100);
         assert_eq!(reserve.bytes(), 0);
         assert!(!reserve.claim(u64::MAX, u64::MAX), "an overflowing claim is refused");
+    }
+
+    #[test]
+    fn the_peak_is_the_most_held_at_once() {
+        let reserve = Reserve::default();
+        assert!(reserve.claim(60, u64::MAX));
+        reserve.note_peak();
+        reserve.give_back(60);
+        assert!(reserve.claim(50, u64::MAX));
+        reserve.note_peak();
+        assert_eq!(reserve.peak(), 60, "not the sum of the two growths");
+        reserve.reset_peak();
+        assert_eq!(reserve.peak(), 50);
     }
 }
