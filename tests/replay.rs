@@ -350,6 +350,7 @@ fn plan_answers_in_plain_words_and_in_json() {
     let (ok, stdout, stderr) = tidepool_cli(&["plan", path.to_str().unwrap()]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("with PyTorch's allocator") && stdout.contains("with tidepool") && stdout.contains("card"), "{stdout}");
+    assert!(stdout.contains("(one step less), tidepool expandable:true runs out at event "), "{stdout}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--json"]);
     assert!(ok);
     for key in [
@@ -363,6 +364,12 @@ fn plan_answers_in_plain_words_and_in_json() {
     ] {
         assert!(stdout.contains(key), "{key} missing from {stdout}");
     }
+    // Why one step less does not do: where the replay runs out, per policy and device.
+    let plan: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let less = &plan["devices"][0]["expandable"]["one_step_less"];
+    let (need, step) = (plan["devices"][0]["expandable"]["min_capacity_bytes"].as_u64().unwrap(), plan["step_bytes"].as_u64().unwrap());
+    assert_eq!(less["capacity_bytes"].as_u64(), Some(need - step), "{plan}");
+    assert!(less["event"].as_u64().unwrap() < 75 && less["message"].as_str().unwrap().contains("out of memory"), "{plan}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--step", "4MiB"]);
     assert!(ok && stdout.contains("(to 4 MiB)"), "{stdout}");
 }

@@ -376,29 +376,39 @@ fn run_plan(args: &[String]) -> Result<(), String> {
     let need = |plans: &[Plan]| plans.iter().map(|p| p.min_capacity).max().unwrap_or(0);
     let step = pytorch.iter().map(|p| p.step).max().unwrap_or(0);
     if options.json {
-        let devices: Vec<String> = (0..pytorch.len())
+        let policy = |plan: &Plan| {
+            serde_json::json!({
+                "min_capacity_bytes": plan.min_capacity,
+                "one_step_less": plan.one_step_less.as_ref().map(|oom| serde_json::json!({
+                    "capacity_bytes": plan.min_capacity - plan.step,
+                    "event": oom.event,
+                    "message": oom.message,
+                })),
+            })
+        };
+        let devices: Vec<serde_json::Value> = (0..pytorch.len())
             .map(|d| {
-                format!(
-                    "{{\"device\":{},\"peak_requested_bytes\":{},\"step_bytes\":{},\"pytorch\":{{\"min_capacity_bytes\":{}}},\"tidepool\":{{\"min_capacity_bytes\":{}}},\"expandable\":{{\"min_capacity_bytes\":{}}}}}",
-                    pytorch[d].device,
-                    peaks[d],
-                    pytorch[d].step,
-                    pytorch[d].min_capacity,
-                    tidepool[d].min_capacity,
-                    expandable[d].min_capacity
-                )
+                serde_json::json!({
+                    "device": pytorch[d].device,
+                    "peak_requested_bytes": peaks[d],
+                    "step_bytes": pytorch[d].step,
+                    "pytorch": policy(&pytorch[d]),
+                    "tidepool": policy(&tidepool[d]),
+                    "expandable": policy(&expandable[d]),
+                })
             })
             .collect();
-        out!(
-            "{{\"file\":{},\"peak_requested_bytes\":{},\"step_bytes\":{},\"pytorch\":{{\"min_capacity_bytes\":{}}},\"tidepool\":{{\"min_capacity_bytes\":{}}},\"expandable\":{{\"min_capacity_bytes\":{}}},\"devices\":[{}]}}",
-            json_string(&trace.source),
-            trace.peak_requested(),
-            step,
-            need(&pytorch),
-            need(&tidepool),
-            need(&expandable),
-            devices.join(",")
-        );
+        let card = |plans: &[Plan]| serde_json::json!({ "min_capacity_bytes": need(plans) });
+        let object = serde_json::json!({
+            "file": trace.source,
+            "peak_requested_bytes": trace.peak_requested(),
+            "step_bytes": step,
+            "pytorch": card(&pytorch),
+            "tidepool": card(&tidepool),
+            "expandable": card(&expandable),
+            "devices": devices,
+        });
+        out!("{object}");
     } else {
         let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
         let mib = |b: u64| format!("{:.0} MiB", b as f64 / (1u64 << 20) as f64);
@@ -416,6 +426,10 @@ fn run_plan(args: &[String]) -> Result<(), String> {
                 gib(expandable[d].min_capacity),
                 mib(pytorch[d].step),
             );
+            if let Some(oom) = &expandable[d].one_step_less {
+                let less = expandable[d].min_capacity - expandable[d].step;
+                out!("  on {} (one step less), tidepool expandable:true runs out at event {}: {}", mib(less), oom.event, oom.message);
+            }
         }
         let best = need(&tidepool).min(need(&expandable));
         let each = if trace.devices > 1 { "each card " } else { "" };

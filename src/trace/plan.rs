@@ -4,7 +4,7 @@
 //! OOM; each device of a trace on its own.
 #![forbid(unsafe_code)]
 
-use super::replay::{replay, Policy, ReplayOptions};
+use super::replay::{replay, FirstOom, Policy, ReplayOptions};
 use super::Trace;
 
 /// The step of the search when none is given: the larger of 2 MiB and
@@ -16,7 +16,7 @@ pub fn default_step(peak_requested: u64) -> u64 {
 }
 
 /// What `smallest_capacity` found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
     pub policy: Policy,
     /// The device these figures are of (0 for a one-device trace).
@@ -27,6 +27,9 @@ pub struct Plan {
     pub step: u64,
     /// Replays it took.
     pub replays: u32,
+    /// Where and why the trace runs out on a device one step smaller (None
+    /// when nothing smaller can hold its peak of live bytes).
+    pub one_step_less: Option<FirstOom>,
 }
 
 /// Bisection between the peak of live bytes (nothing fits in less) and a
@@ -57,30 +60,36 @@ pub fn smallest_capacity_in_steps(trace: &Trace, policy: Policy, conf: &str, ste
     let options = ReplayOptions { capacity: 1 << 50, policy, conf: conf.to_string(), samples: 0, record_to: None };
     let unconstrained = replay(trace, &options)?.peak_reserved_bytes;
     let mut replays = 1;
-    let mut fits = |capacity: u64| -> Result<bool, String> {
+    // The first OOM of a replay on `capacity`; None when the trace fits.
+    let mut runs_out = |capacity: u64| -> Result<Option<FirstOom>, String> {
         replays += 1;
         let options = ReplayOptions { capacity, policy, conf: conf.to_string(), samples: 0, record_to: None };
-        Ok(replay(trace, &options)?.ooms == 0)
+        Ok(replay(trace, &options)?.first_oom)
     };
     let floor = trace.peak_requested() / step * step;
     let mut hi = unconstrained.next_multiple_of(step).max(floor + step);
-    while !fits(hi)? {
+    while runs_out(hi)?.is_some() {
         hi = hi.checked_mul(2).filter(|&h| h < 1 << 50).ok_or("the trace does not fit even in 1 PiB")?;
     }
-    // fits(hi); below `lo` nothing can fit.
-    let mut lo = floor;
+    // The trace fits `hi`, and nothing below `lo` (`below`: why `lo` does
+    // not, once tried).
+    let (mut lo, mut below) = (floor, None);
     while hi - lo > step {
         let mid = (lo + (hi - lo) / 2) / step * step;
-        if fits(mid)? {
-            hi = mid;
-        } else {
-            lo = mid;
+        match runs_out(mid)? {
+            None => hi = mid,
+            Some(oom) => (lo, below) = (mid, Some(oom)),
         }
     }
-    if lo > 0 && lo != hi && fits(lo)? {
-        hi = lo;
+    if lo > 0 && lo != hi && below.is_none() {
+        // The floor, never tried: it fits only a trace whose peak it is.
+        match runs_out(lo)? {
+            None => hi = lo,
+            Some(oom) => below = Some(oom),
+        }
     }
-    Ok(Plan { policy, device: 0, min_capacity: hi, step, replays })
+    let one_step_less = below.filter(|_| hi - lo == step);
+    Ok(Plan { policy, device: 0, min_capacity: hi, step, replays, one_step_less })
 }
 
 /// Common GPU memory sizes, in GiB, for the plain answer.
@@ -126,6 +135,20 @@ mod tests {
         let plan = smallest_capacity(&trace, Policy::Tidepool, "").unwrap();
         assert_eq!(plan.min_capacity, 300 << 20);
         assert_eq!(plan.step, 2 << 20);
+        // Nothing smaller than the peak can hold it: no device one step less to explain.
+        assert_eq!(plan.one_step_less, None);
+        // A 2 MiB block keeps its 20 MiB segment while 300 MiB is asked:
+        // 320 MiB fits, and one step less runs out at that request.
+        let mut trace = Trace::new("t", crate::trace::Format::RmmCsv);
+        let small = trace.alloc(2 << 20, 0, 0);
+        let c = trace.alloc(300 << 20, 0, 0);
+        trace.free(c);
+        trace.free(small);
+        let plan = smallest_capacity(&trace, Policy::Tidepool, "").unwrap();
+        assert_eq!(plan.min_capacity, 320 << 20);
+        let oom = plan.one_step_less.expect("the device one step smaller runs out");
+        assert_eq!(oom.event, 1, "at the 300 MiB request");
+        assert!(oom.message.contains("tried to allocate 300.00 MiB"), "{}", oom.message);
     }
 
     #[test]
