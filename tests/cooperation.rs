@@ -55,7 +55,7 @@ fn process_a_holds_idle_cache() {
     std::fs::write(dir.join("ready"), b"").unwrap();
     assert!(common::wait_for_file(&dir.join("done"), Duration::from_secs(20)));
     let served = alloc.stats(0).unwrap().events.num_coop_served;
-    std::fs::write(dir.join("served"), served.to_string()).unwrap();
+    common::write_whole(&dir.join("served"), served.to_string());
     for pin in [left, right].into_iter().flatten() {
         alloc.free_on_stream(0, pin, stream).unwrap();
     }
@@ -115,11 +115,11 @@ fn process_h_holds_memory() {
         let start = Instant::now();
         let result = alloc.allocate(0, ask.parse::<usize>().unwrap() * MIB as usize, Stream::DEFAULT);
         let ended = if result.is_ok() { "ok" } else { "oom" };
-        std::fs::write(dir.join("asked"), format!("{ended} {}", start.elapsed().as_millis())).unwrap();
+        common::write_whole(&dir.join("asked"), format!("{ended} {}", start.elapsed().as_millis()));
     }
     assert!(common::wait_for_file(&dir.join("done"), Duration::from_secs(30)));
     let served = alloc.stats(0).unwrap().events.num_coop_served;
-    std::fs::write(dir.join("served"), served.to_string()).unwrap();
+    common::write_whole(&dir.join("served"), served.to_string());
     alloc.free(0, live).unwrap();
     if let Some(p) = split {
         alloc.free(0, p).unwrap();

@@ -266,9 +266,10 @@ fn exporter_process_holds_memory() {
     alloc.free(0, cached).unwrap();
     let stats = alloc.stats(0).unwrap();
     let me = std::process::id();
-    std::fs::write(dir.join(format!("{me}.tmp")), format!("{} {}", stats.allocated_bytes.all.current, stats.reserved_bytes.all.current))
-        .unwrap();
-    std::fs::rename(dir.join(format!("{me}.tmp")), dir.join(format!("{me}.stats"))).unwrap();
+    common::write_whole(
+        &dir.join(format!("{me}.stats")),
+        format!("{} {}", stats.allocated_bytes.all.current, stats.reserved_bytes.all.current),
+    );
     let stop = dir.join(format!("{me}.stop"));
     let start = Instant::now();
     while !stop.exists() && start.elapsed() < Duration::from_secs(60) {

@@ -197,6 +197,15 @@ pub fn scratch_dir(name: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(&format!("tidepool-{name}-")).tempdir().expect("a temporary directory")
 }
 
+/// Writes `contents` to `path` so that a process waiting for the file
+/// (`wait_for_file`) never reads it half written: into a file beside it,
+/// then renamed.
+pub fn write_whole(path: &std::path::Path, contents: impl AsRef<[u8]>) {
+    let partial = path.with_extension("partial");
+    std::fs::write(&partial, contents).unwrap();
+    std::fs::rename(&partial, path).unwrap();
+}
+
 /// Whether the file `path` appears within `timeout` (processes of a test
 /// tell each other where they are by files).
 pub fn wait_for_file(path: &std::path::Path, timeout: std::time::Duration) -> bool {
