@@ -190,14 +190,13 @@ impl Device {
 
     /// The device's statistics: with stream shards, each figure is the sum
     /// over the shards, so a peak is an upper bound of the device's (the
-    /// shards may peak at different times), except the peak of reserved
-    /// bytes, which the shards' shared count keeps for the device.
+    /// shards may peak at different times), except the peak of all reserved
+    /// bytes (small and large pools together), which the shards' shared
+    /// count keeps for the device.
     pub fn stats(&self) -> Stats {
         let each: Vec<Stats> = self.shards.iter().map(|h| h.lock().stats()).collect();
         let mut stats = Stats::combine(&each);
-        if self.shards.len() > 1 {
-            stats.reserved_bytes.all.peak = self.reserve.peak().max(stats.reserved_bytes.all.current);
-        }
+        stats.reserved_bytes.all.peak = self.reserve.peak();
         if let Some(cooperation) = &self.cooperation {
             stats.events.add(&cooperation.events());
         }

@@ -342,7 +342,8 @@ impl Allocator {
 
     /// The statistics of `device`.
     /// With stream shards, each figure is the sum over the shards, so a peak
-    /// is an upper bound of the device's (the shards may peak at different times).
+    /// is an upper bound of the device's (the shards may peak at different
+    /// times), except the peak of all reserved bytes, which is the device's.
     pub fn stats(&self, device: usize) -> Result<Stats, AllocError> {
         Ok(self.device(device)?.stats())
     }

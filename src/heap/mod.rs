@@ -2,7 +2,7 @@
 //! free blocks, and the statistics, kept consistent under one lock.
 //!
 //! A request is rounded (`SizeRules::round`), looked up in the pool of its
-//! (stream, kind) by best fit, and served from the block found, split when
+//! stream, private pool, tag and kind by best fit, and served from the block found, split when
 //! the rest is worth keeping. With no fitting block the heap grows by one
 //! segment from the backend (with expandable segments, the large pool
 //! instead maps pages of one reserved range: `expandable.rs`); when the
@@ -24,7 +24,8 @@
 //! events, lending a block to another stream when the device is full);
 //! `private.rs` routes allocations to private pools (CUDA graphs, MemPools);
 //! `tags.rs` serves tagged allocations from each tag's own pools and pauses
-//! and resumes a tag's memory.
+//! and resumes a tag's memory; `reserve.rs` keeps the reserved count, its
+//! peak and its cap shared by the heaps of one device.
 //!
 //! Invariants, checked by `validate()`:
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
@@ -333,7 +334,7 @@ impl DeviceHeap {
         for kind in [PoolKind::Small, PoolKind::Large] {
             let mut pool = Pool::new(key.stream, kind, key.private);
             pool.tag = key.tag;
-            pool.vm = if key.tag == 0 { self.expandable_vm(kind) } else { self.tag_vm(kind) };
+            pool.vm = self.vm_for(key.tag, kind);
             self.pools.push(pool);
         }
         let ids = [first, first + 1];

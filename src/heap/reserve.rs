@@ -1,6 +1,7 @@
-//! The device's reserved count and its cap (the memory fraction), shared by
-//! the heaps of the device's stream shards: growth claims its bytes here
-//! before the backend is asked, so two shards cannot both pass the cap.
+//! The device's reserved count, its peak and its cap (the memory fraction),
+//! shared by the heaps of the device's stream shards: growth claims its
+//! bytes here before the backend is asked, so two shards cannot both pass
+//! the cap, and notes the peak once it holds them.
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -36,8 +36,9 @@
 //! - every tagged pool is in its tag's list, and no untagged pool is;
 //! - in a paused tag, every page touched by an active block is mapped or
 //!   lies in a saved run of its range; saved runs lie in ranges of the
-//!   tag, on unmapped pages, and hold host memory of their size exactly
-//!   when the pause offloaded;
+//!   tag, on unmapped pages, each touched by an active block (a free drops
+//!   what no block needs), and hold host memory of their size exactly when
+//!   the pause offloaded;
 //! - `paused_bytes` and `offloaded_bytes` of a tag are what its pause gave
 //!   back and the host bytes its saved runs hold.
 #![forbid(unsafe_code)]
@@ -157,6 +158,16 @@ impl DeviceHeap {
             PoolKind::Small => Vm { page: vm.page, range: SMALL_RANGE.max(vm.page).next_multiple_of(vm.page) },
             PoolKind::Large => vm,
         })
+    }
+
+    /// How pools of `tag` and `kind` grow: as expandable segments say for
+    /// the "default" tag, in the tags' own ranges for any other.
+    pub(super) fn vm_for(&self, tag: u32, kind: PoolKind) -> Option<Vm> {
+        if tag == 0 {
+            self.expandable_vm(kind)
+        } else {
+            self.tag_vm(kind)
+        }
     }
 
     /// Whether the pool belongs to a paused tag.
@@ -359,26 +370,25 @@ impl DeviceHeap {
         self.segments[id as usize].as_ref()?.pages.as_ref()
     }
 
-    /// Drops the saved pages of the paused `tag` that no active block
-    /// touches any more (their blocks were freed while paused): a run no
-    /// live block touches goes, and one partly touched is cut to the
-    /// touched pages (their bytes copied to smaller host memory; kept whole
-    /// when none can be had).
-    fn drop_unneeded_runs(&mut self, tag: u32) {
+    /// Drops the saved pages of the paused `tag` in range `segment_id` that
+    /// no active block touches any more (a block there was freed while
+    /// paused): a run no live block touches goes, and one partly touched is
+    /// cut to the touched pages (their bytes copied to smaller host memory;
+    /// kept whole when none can be had). Runs of other ranges stay as they are.
+    fn drop_unneeded_runs(&mut self, tag: u32, segment_id: u32) {
         let page = self.tags.vm.map_or(1, |vm| vm.page);
-        let pools = self.tags.pools_of(tag);
-        for &pool in &pools {
-            self.flush_stash(pool);
-        }
-        // Pages live blocks touch, per range: sorted, merged page intervals.
-        let needed: HashMap<u64, Vec<(u64, u64)>> = self.tag_segments(&pools).iter().map(|&id| self.touched_pages(id)).collect();
+        // Pages live blocks touch in the range: sorted, merged page intervals.
+        let (base, needed) = self.touched_pages(segment_id);
         let state = self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused");
         let old = std::mem::take(&mut state.runs);
         let mut kept = Vec::with_capacity(old.len());
         for run in old {
+            if run.base != base {
+                kept.push(run);
+                continue;
+            }
             let (first, end) = (run.first_page, run.first_page + run.pages);
-            let parts: Vec<(u64, u64)> =
-                needed.get(&run.base).into_iter().flatten().map(|&(s, e)| (s.max(first), e.min(end))).filter(|&(s, e)| s < e).collect();
+            let parts: Vec<(u64, u64)> = needed.iter().map(|&(s, e)| (s.max(first), e.min(end))).filter(|&(s, e)| s < e).collect();
             if parts.is_empty() {
                 continue;
             }
@@ -411,13 +421,13 @@ impl DeviceHeap {
     /// saved pages only it touched are dropped.
     #[cold]
     pub(super) fn deactivate_tagged(&mut self, id: BlockId) {
-        let tag = self.pools[self.blocks[id].pool as usize].tag;
+        let (tag, segment) = (self.pools[self.blocks[id].pool as usize].tag, self.blocks[id].segment);
         if !self.tags.is_paused(tag) {
             return self.stash_or_bin(id);
         }
         self.blocks[id].requested = 0;
         self.merge_and_bin(id);
-        self.drop_unneeded_runs(tag);
+        self.drop_unneeded_runs(tag, segment);
     }
 
     /// Maps the saved runs' pages again, all or nothing; commits them to the
@@ -652,6 +662,10 @@ impl DeviceHeap {
                 }
                 if (run.first_page..run.first_page + run.pages).any(|p| pages.is_mapped(p)) {
                     return Err(format!("tag {tag}: a saved run at {:#x} covers mapped pages", run.base + run.first_page * page));
+                }
+                let (_, touched) = self.touched_pages(owner);
+                if !touched.iter().any(|&(s, e)| s < run.first_page + run.pages && run.first_page < e) {
+                    return Err(format!("tag {tag}: a saved run at {:#x} is needed by no active block", run.base + run.first_page * page));
                 }
                 match &run.data {
                     Some(data) if !paused.offload || data.bytes().len() as u64 != run.pages * page => {

@@ -64,7 +64,7 @@ impl DeviceHeap {
         let mut block_records = 0usize;
         let mut stashed = HashSet::new();
         for (pool_id, pool) in self.pools.iter().enumerate() {
-            let vm = if pool.tag == 0 { self.expandable_vm(pool.kind) } else { self.tag_vm(pool.kind) };
+            let vm = self.vm_for(pool.tag, pool.kind);
             ensure!(pool.vm == vm, "pool {pool_id} grows by {:?} where its tag and kind say {vm:?}", pool.vm);
             if pool.stash != NIL {
                 let b = &self.blocks[pool.stash];

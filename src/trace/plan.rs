@@ -88,8 +88,8 @@ pub fn smallest_capacity_in_steps(trace: &Trace, policy: Policy, conf: &str, ste
             Some(oom) => below = Some(oom),
         }
     }
-    let one_step_less = below.filter(|_| hi - lo == step);
-    Ok(Plan { policy, device: 0, min_capacity: hi, step, replays, one_step_less })
+    // A failure was seen at `lo`, now `hi - step`.
+    Ok(Plan { policy, device: 0, min_capacity: hi, step, replays, one_step_less: below })
 }
 
 /// Common GPU memory sizes, in GiB, for the plain answer.
