@@ -233,6 +233,29 @@ fn resume_releases_other_cache_then_fails_whole_leaving_the_tag_paused_and_its_b
 }
 
 #[test]
+fn a_resume_refused_by_the_heaps_own_cap_asks_nothing_of_other_processes() {
+    // Past the device: the other processes could make room, so the report
+    // asks them for the bytes resume maps.
+    let (alloc, _) = host_allocator(1, 256 * MIB, "");
+    let _blocks = tagged_blocks(&alloc, "device-full", 5);
+    alloc.pause("device-full", None, true).unwrap();
+    let _hog = alloc.allocate(0, (230 * MIB) as usize, S).unwrap();
+    let AllocError::OutOfMemory(report) = alloc.resume("device-full", None).unwrap_err() else { panic!("not an OOM") };
+    assert!(report.need_from_others >= 30 * MIB, "asks for what resume maps: {}", report.need_from_others);
+
+    // Past the heap's own budget on a roomy device: no other process's
+    // memory can help, so none is asked for.
+    let (alloc, _) = host_allocator(1, 1024 * MIB, "max_reserved_mb:256");
+    let _blocks = tagged_blocks(&alloc, "capped", 6);
+    alloc.pause("capped", None, true).unwrap();
+    let _hog = alloc.allocate(0, (230 * MIB) as usize, S).unwrap();
+    let AllocError::OutOfMemory(report) = alloc.resume("capped", None).unwrap_err() else { panic!("not an OOM") };
+    assert_eq!(report.need_from_others, 0, "the cap, not the device, refused");
+    assert!(alloc.tag_stats("capped", 0).unwrap().paused_bytes > 0, "still paused");
+    alloc.validate().unwrap();
+}
+
+#[test]
 fn a_resume_whose_undo_cannot_unmap_keeps_the_stuck_pages_counted_and_resumes_later() {
     let (alloc, backend) = host_allocator(1, 1 << 30, "");
     // Two runs of pages: a freed block between two live ones leaves a gap.

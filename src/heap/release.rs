@@ -21,7 +21,14 @@ impl DeviceHeap {
     /// they cannot help (past the reserve cap).
     #[cold]
     pub(super) fn need_from_others(&self, pool: u32, rounded: u64) -> u64 {
-        let need = self.growth_need(pool, rounded).unwrap_or(u64::MAX);
+        self.need_within_cap(self.growth_need(pool, rounded).unwrap_or(u64::MAX))
+    }
+
+    /// `need` bytes more from the device, or 0 when the heap's reserve cap
+    /// (budget or memory fraction) would refuse them anyway: what other
+    /// processes giving memory back could do for this heap.
+    #[cold]
+    pub(super) fn need_within_cap(&self, need: u64) -> u64 {
         let limit = self.reserve.limit().min(self.policy.max_reserved);
         if self.reserve.bytes().saturating_add(need) > limit {
             return 0;

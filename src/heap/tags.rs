@@ -532,7 +532,8 @@ impl DeviceHeap {
                     if !self.retrying {
                         self.stats.events.num_ooms += 1;
                     }
-                    AllocError::OutOfMemory(Box::new(self.oom_report(need, need)))
+                    let from_others = self.need_within_cap(need);
+                    AllocError::OutOfMemory(Box::new(self.oom_report(need, from_others)))
                 }
                 other => AllocError::Backend(other),
             });
