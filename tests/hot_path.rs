@@ -107,6 +107,27 @@ fn a_large_block_comes_back_where_best_fit_puts_it_not_where_the_stash_held_it()
 }
 
 #[test]
+fn a_small_block_comes_back_where_best_fit_puts_it_so_a_whole_segment_can_go_back() {
+    // Two 2 MiB small segments: [X 1][N 1] and [Z 1][W 1] MiB. N, Z and X
+    // are freed in that order: merged, X and N are the whole first segment
+    // and Z is the exact fit for the next 1 MiB request; the stash would
+    // hand X back and pin both segments. Afterwards only the second
+    // segment is held, as in the model of PyTorch.
+    for conf in ["", "stash:false"] {
+        let (alloc, _) = host_allocator(1, 1 << 30, conf);
+        let [x, n, z, _w] = [0; 4].map(|_| alloc.allocate(0, MIB as usize, Stream::DEFAULT).unwrap());
+        assert_eq!(alloc.stats(0).unwrap().segment.small_pool.current, 2);
+        for p in [n, z, x] {
+            alloc.free(0, p).unwrap();
+        }
+        assert_eq!(alloc.allocate(0, MIB as usize, Stream::DEFAULT).unwrap(), z, "{conf:?}");
+        alloc.empty_cache();
+        assert_eq!(alloc.stats(0).unwrap().reserved_bytes.small_pool.current, 2 * MIB, "{conf:?}");
+        alloc.validate().unwrap();
+    }
+}
+
+#[test]
 fn statistics_see_a_freed_block_as_merged() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
     let keep = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();

@@ -614,50 +614,48 @@ impl DeviceHeap {
     }
 
     /// Makes the freed block `id` reusable: into the stash or the bins.
+    /// The common case inline: an untagged pool with nothing stashed.
     #[inline(always)]
     fn deactivate(&mut self, id: BlockId) {
-        if self.pools[self.blocks[id].pool as usize].tag != 0 {
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Stashed;
+        b.requested = 0;
+        let (pool, next) = (b.pool as usize, b.next);
+        let next_binned = next != NIL && self.blocks[next].state == BlockState::Binned;
+        let stash_enabled = self.stash_enabled;
+        let p = &mut self.pools[pool];
+        if p.tag == 0 && p.stash == NIL {
+            if stash_enabled && stash_is_best_fit(p.free_blocks, next_binned) {
+                p.stash = id;
+            } else {
+                self.merge_and_bin(id);
+            }
+            return;
+        }
+        if p.tag != 0 {
             return self.deactivate_tagged(id);
         }
         self.stash_or_bin(id);
     }
 
     /// Puts the freed block `id` into its pool's stash (the one before it
-    /// goes to the bins) or, where stashing could move where blocks land,
-    /// straight into the bins.
-    #[inline(always)]
-    fn stash_or_bin(&mut self, id: BlockId) {
+    /// goes to the bins) after the block stashed before goes to the bins;
+    /// or, where stashing could move where blocks land, straight into the
+    /// bins.
+    #[inline]
+    pub(super) fn stash_or_bin(&mut self, id: BlockId) {
         let b = &mut self.blocks[id];
         b.state = BlockState::Stashed;
         b.requested = 0;
-        let (pool, kind) = (b.pool, b.kind);
-        if !self.stash_enabled || (kind == PoolKind::Large && !self.stash_is_best_fit(id)) {
+        let pool = b.pool as usize;
+        self.flush_stash(pool as u32);
+        let next = self.blocks[id].next;
+        let next_binned = next != NIL && self.blocks[next].state == BlockState::Binned;
+        if self.stash_enabled && stash_is_best_fit(self.pools[pool].free_blocks, next_binned) {
+            self.pools[pool].stash = id;
+        } else {
             self.merge_and_bin(id);
-            return;
         }
-        let previous = std::mem::replace(&mut self.pools[pool as usize].stash, id);
-        if previous != NIL {
-            self.merge_and_bin(previous);
-        }
-        // The stash path ends here: merging is for the next operation.
-    }
-
-    /// Whether the freed block `id`, taken back by a request of its size,
-    /// is where best fit over the merged bins would put that request: no
-    /// free block before it (merging would move the request's address
-    /// down), and no free block in its pool but the one after it (another
-    /// would fit as well or better). Then the stash only saves work;
-    /// otherwise it would change where blocks land, and the large pool
-    /// (where a misplaced block costs whole segments) merges at once.
-    #[inline(always)]
-    fn stash_is_best_fit(&self, id: BlockId) -> bool {
-        let b = &self.blocks[id];
-        let (prev, next) = (b.prev, b.next);
-        let free_blocks = self.pools[b.pool as usize].free_blocks;
-        if free_blocks > 1 || (prev != NIL && self.blocks[prev].state == BlockState::Binned) {
-            return false;
-        }
-        free_blocks == (next != NIL && self.blocks[next].state == BlockState::Binned) as usize
     }
 
     /// Merges the stashed block of `pool`, if any, into the bins.
@@ -949,4 +947,18 @@ impl DeviceHeap {
             reserved: self.stats.reserved_bytes.total(),
         }
     }
+}
+
+/// Whether a freed block, taken back by a request of its size, is where
+/// best fit over the merged bins would put that request, in a pool with
+/// `free_blocks` binned blocks, one of them the block's address neighbour
+/// after it when `next_binned`: the pool has no free block but, perhaps,
+/// that one (merged, it starts at the block; any other free block could
+/// fit as well or better, or lie lower). Then the stash only saves work;
+/// otherwise it would change where blocks land (a block misplaced can keep
+/// a whole segment, small or large, from going back), and the block merges
+/// at once. So the stash never makes tidepool hold more than PyTorch would.
+#[inline(always)]
+fn stash_is_best_fit(free_blocks: usize, next_binned: bool) -> bool {
+    free_blocks == next_binned as usize
 }
