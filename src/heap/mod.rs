@@ -325,7 +325,7 @@ impl DeviceHeap {
 
     /// The (small, large) pools of `key`, created on first use: growing
     /// as expandable segments say for the "default" tag, in ranges of
-    /// their own (and listed as the tag's) for any other.
+    /// their own for any other.
     fn pools_of(&mut self, key: PoolKey) -> [u32; 2] {
         if let Some(ids) = self.pools_by_key.get(&key) {
             return *ids;
@@ -339,9 +339,6 @@ impl DeviceHeap {
         }
         let ids = [first, first + 1];
         self.pools_by_key.insert(key, ids);
-        if key.tag != 0 {
-            self.tags.add_pools(key.tag, ids);
-        }
         ids
     }
 

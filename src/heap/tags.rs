@@ -32,8 +32,10 @@
 //! nothing released. A paused tag's ranges stay reserved: the release
 //! policies leave them alone (`keeps_memory`).
 //!
+//! A tag's pools are the pools whose `tag` is it (the heap files every
+//! pool under its key, tag included); only paused tags keep state here.
+//!
 //! Invariants (checked by `validate()` through `check_tags`):
-//! - every tagged pool is in its tag's list, and no untagged pool is;
 //! - in a paused tag, every page touched by an active block is mapped or
 //!   lies in a saved run of its range; saved runs lie in ranges of the
 //!   tag, on unmapped pages, each touched by an active block (a free drops
@@ -108,32 +110,21 @@ struct Paused {
     runs: Vec<SavedRun>,
 }
 
-#[derive(Default)]
-struct TagState {
-    pools: Vec<u32>,
-    paused: Option<Paused>,
-}
-
-/// The tags of one heap: their pools and which are paused.
+/// The paused tags of one heap.
 #[derive(Default)]
 pub(super) struct TagPools {
-    tags: HashMap<u32, TagState>,
+    paused: HashMap<u32, Paused>,
     /// The backend's page size and a large range's size, once a tag needed them.
     vm: Option<Vm>,
 }
 
 impl TagPools {
     fn is_paused(&self, tag: u32) -> bool {
-        self.tags.get(&tag).is_some_and(|t| t.paused.is_some())
+        self.paused.contains_key(&tag)
     }
 
-    /// Lists new pools of `tag`.
-    pub(super) fn add_pools(&mut self, tag: u32, ids: [u32; 2]) {
-        self.tags.entry(tag).or_default().pools.extend(ids);
-    }
-
-    fn pools_of(&self, tag: u32) -> Vec<u32> {
-        self.tags.get(&tag).map(|t| t.pools.clone()).unwrap_or_default()
+    fn paused_mut(&mut self, tag: u32) -> &mut Paused {
+        self.paused.get_mut(&tag).expect("paused")
     }
 }
 
@@ -230,12 +221,17 @@ impl DeviceHeap {
         self.tags.is_paused(tag.0)
     }
 
-    /// The ranges of the tag's pools, in address order.
-    fn tag_segments(&self, pools: &[u32]) -> Vec<u32> {
+    /// The pools of `tag`.
+    fn tag_pools(&self, tag: u32) -> Vec<u32> {
+        (0..self.pools.len() as u32).filter(|&id| self.pools[id as usize].tag == tag).collect()
+    }
+
+    /// The ranges of `tag`'s pools, in address order.
+    fn tag_segments(&self, tag: u32) -> Vec<u32> {
         self.segment_by_base
             .values()
             .copied()
-            .filter(|&id| self.segments[id as usize].as_ref().is_some_and(|s| pools.contains(&s.pool)))
+            .filter(|&id| self.segments[id as usize].as_ref().is_some_and(|s| self.pools[s.pool as usize].tag == tag))
             .collect()
     }
 
@@ -303,11 +299,11 @@ impl DeviceHeap {
     /// device bytes given back. See the top of this file for the rules.
     pub fn pause_tag(&mut self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
         self.check_pausable(tag)?;
-        let pools = self.tags.pools_of(tag.0);
+        let pools = self.tag_pools(tag.0);
         for &pool in &pools {
             self.flush_stash(pool);
         }
-        let segments = self.tag_segments(&pools);
+        let segments = self.tag_segments(tag.0);
         // The work queued on every stream that used the tag's blocks.
         let mut streams: Vec<Stream> = pools.iter().map(|&p| self.pools[p as usize].stream).collect();
         for &id in &segments {
@@ -361,7 +357,7 @@ impl DeviceHeap {
         self.rebin(free);
         // A run the backend would not unmap keeps its contents on the device.
         runs.retain(|r| self.segment_pages(r.base).is_some_and(|pages| !pages.is_mapped(r.first_page)));
-        self.tags.tags.entry(tag.0).or_default().paused = Some(Paused { offload, given_back, runs });
+        self.tags.paused.insert(tag.0, Paused { offload, given_back, runs });
         Ok(given_back)
     }
 
@@ -379,8 +375,7 @@ impl DeviceHeap {
         let page = self.tags.vm.map_or(1, |vm| vm.page);
         // Pages live blocks touch in the range: sorted, merged page intervals.
         let (base, needed) = self.touched_pages(segment_id);
-        let state = self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused");
-        let old = std::mem::take(&mut state.runs);
+        let old = std::mem::take(&mut self.tags.paused_mut(tag).runs);
         let mut kept = Vec::with_capacity(old.len());
         for run in old {
             if run.base != base {
@@ -413,7 +408,7 @@ impl DeviceHeap {
                 kept.push(run);
             }
         }
-        self.tags.tags.get_mut(&tag).and_then(|t| t.paused.as_mut()).expect("paused").runs = kept;
+        self.tags.paused_mut(tag).runs = kept;
     }
 
     /// Makes the freed block `id` of a tagged pool reusable. In a paused
@@ -505,9 +500,8 @@ impl DeviceHeap {
             return Err(tag_error(tag.0, "is not paused"));
         }
         let page = self.tags.vm.map_or(1, |vm| vm.page);
-        let pools = self.tags.pools_of(tag.0);
-        let segments = self.tag_segments(&pools);
-        let state = self.tags.tags.get(&tag.0).and_then(|t| t.paused.as_ref()).expect("paused");
+        let segments = self.tag_segments(tag.0);
+        let state = &self.tags.paused[&tag.0];
         let runs: Vec<(u64, u64, u64)> = state.runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect();
         let need: u64 = runs.iter().map(|r| r.2 * page).sum();
 
@@ -539,7 +533,7 @@ impl DeviceHeap {
             });
         }
         // Every page is back; now the contents.
-        let state = self.tags.tags.get(&tag.0).and_then(|t| t.paused.as_ref()).expect("paused");
+        let state = &self.tags.paused[&tag.0];
         let mut copied = Ok(());
         for run in &state.runs {
             if let Some(data) = &run.data {
@@ -555,18 +549,17 @@ impl DeviceHeap {
             return Err(AllocError::Backend(err));
         }
         self.rebin(free);
-        self.tags.tags.get_mut(&tag.0).expect("paused").paused = None;
+        self.tags.paused.remove(&tag.0);
         Ok(need)
     }
 
     /// What `tag` holds on this heap.
     pub fn tag_stats(&mut self, tag: TagId) -> TagStats {
-        let pools = self.tags.pools_of(tag.0);
-        for &pool in &pools {
+        for pool in self.tag_pools(tag.0) {
             self.flush_stash(pool);
         }
         let mut stats = TagStats::default();
-        for id in self.tag_segments(&pools) {
+        for id in self.tag_segments(tag.0) {
             let segment = self.segments[id as usize].as_ref().expect("listed");
             stats.reserved_bytes += segment.pages.as_ref().map_or(segment.size, |p| p.mapped_bytes());
             let mut cur = segment.first_block;
@@ -579,7 +572,7 @@ impl DeviceHeap {
                 cur = b.next;
             }
         }
-        if let Some(paused) = self.tags.tags.get(&tag.0).and_then(|t| t.paused.as_ref()) {
+        if let Some(paused) = self.tags.paused.get(&tag.0) {
             stats.paused = true;
             stats.paused_bytes = paused.given_back;
             stats.offloaded_bytes = paused.runs.iter().filter_map(|r| r.data.as_ref()).map(|d| d.bytes().len() as u64).sum();
@@ -592,15 +585,14 @@ impl DeviceHeap {
     /// of their active blocks on unmapped pages (active, but holding no
     /// device memory).
     pub(super) fn paused_totals(&mut self) -> (u64, u64, u64) {
-        if !self.tags.tags.values().any(|t| t.paused.is_some()) {
+        if self.tags.paused.is_empty() {
             return (0, 0, 0);
         }
         let (mut given, mut held, mut unmapped) = (0, 0, 0);
-        for (&tag, state) in &self.tags.tags {
-            let Some(paused) = &state.paused else { continue };
+        for (&tag, paused) in &self.tags.paused {
             given += paused.given_back;
             held += paused.runs.iter().filter_map(|r| r.data.as_ref()).map(|d| d.bytes().len() as u64).sum::<u64>();
-            for id in self.tag_segments(&self.tags.pools_of(tag)) {
+            for id in self.tag_segments(tag) {
                 let segment = self.segments[id as usize].as_ref().expect("listed");
                 let Some(pages) = segment.pages.as_ref() else { continue };
                 let mut cur = segment.first_block;
@@ -622,9 +614,8 @@ impl DeviceHeap {
     pub(super) fn paused_ranges(&self) -> HashMap<u64, Vec<(u64, u64)>> {
         let page = self.tags.vm.map_or(1, |vm| vm.page);
         let mut out: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
-        for (tag, state) in &self.tags.tags {
-            let Some(paused) = &state.paused else { continue };
-            for id in self.tag_segments(&self.tags.pools_of(*tag)) {
+        for (&tag, paused) in &self.tags.paused {
+            for id in self.tag_segments(tag) {
                 let base = self.segments[id as usize].as_ref().expect("listed").base;
                 out.entry(base).or_default();
             }
@@ -640,19 +631,8 @@ impl DeviceHeap {
 
     /// Checks the invariants of tags listed at the top of this file.
     pub(super) fn check_tags(&self) -> Result<(), String> {
-        for (id, pool) in self.pools.iter().enumerate().filter(|(_, p)| p.tag != 0) {
-            if !self.tags.tags.get(&pool.tag).is_some_and(|t| t.pools.contains(&(id as u32))) {
-                return Err(format!("pool {id} of tag {} is missing from its tag's list", pool.tag));
-            }
-        }
-        let listed: usize = self.tags.tags.values().map(|t| t.pools.len()).sum();
-        let tagged = self.pools.iter().filter(|p| p.tag != 0).count();
-        if listed != tagged {
-            return Err(format!("{tagged} tagged pools, {listed} in tags' lists"));
-        }
         let page = self.tags.vm.map_or(1, |vm| vm.page);
-        for (&tag, state) in &self.tags.tags {
-            let Some(paused) = &state.paused else { continue };
+        for (&tag, paused) in &self.tags.paused {
             for run in &paused.runs {
                 let pages =
                     self.segment_pages(run.base).ok_or_else(|| format!("tag {tag}: a saved run names no range at {:#x}", run.base))?;
@@ -676,7 +656,7 @@ impl DeviceHeap {
                     _ => {}
                 }
             }
-            for id in self.tag_segments(&state.pools) {
+            for id in self.tag_segments(tag) {
                 let segment = self.segments[id as usize].as_ref().expect("listed");
                 let pages = segment.pages.as_ref().ok_or_else(|| format!("tag {tag}: segment {id} is not a range"))?;
                 let mut cur = segment.first_block;
