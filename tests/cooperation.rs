@@ -415,20 +415,23 @@ fn top_lists_the_processes_of_the_registry() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    let json = top(&["--once", "--json"]);
-    let me = format!("\"pid\":{}", std::process::id());
-    assert!(json.contains(&me), "{json}");
-    assert!(json.contains(&format!("\"allocated_bytes\":{}", 5 * MIB)), "{json}");
-    assert!(json.contains("\"released_bytes\":{\"idle_decay\":0"), "{json}");
+    let me = |json: &serde_json::Value| json["processes"].as_array().unwrap().iter().find(|p| p["pid"] == std::process::id()).cloned();
+    let json: serde_json::Value = serde_json::from_str(&top(&["--once", "--json"])).unwrap();
+    let entry = me(&json).unwrap_or_else(|| panic!("{json}"));
+    assert_eq!(entry["allocated_bytes"], 5 * MIB, "{json}");
+    assert_eq!(entry["released_bytes"]["idle_decay"], 0, "{json}");
     // A 5 MiB block in a 20 MiB segment: the 15 MiB tail is free inside a
     // partly used segment (fragmentation 0.75), and the process is named.
-    assert!(json.contains(&format!("\"inactive_split_bytes\":{},\"largest_free_block_bytes\":{}", 15 * MIB, 15 * MIB)), "{json}");
-    assert!(json.contains("\"fragmentation\":0.750") && json.contains("\"comm\":\"cooperation-"), "{json}");
-    assert!(json.contains("\"skipped\":[]"), "{json}");
+    assert_eq!(entry["inactive_split_bytes"], 15 * MIB, "{json}");
+    assert_eq!(entry["largest_free_block_bytes"], 15 * MIB, "{json}");
+    assert_eq!(entry["fragmentation"], 0.75, "{json}");
+    assert!(entry["comm"].as_str().unwrap().starts_with("cooperation-"), "{json}");
+    assert_eq!(json["skipped"], serde_json::json!([]), "{json}");
+    assert_eq!(json["registry_dir"], dir.join("registry").display().to_string(), "{json}");
     let table = top(&["--once"]);
     assert!(table.contains(&std::process::id().to_string()) && table.contains("5.00 MiB"), "{table}");
     alloc.free(0, p).unwrap();
     drop(alloc);
     // The process left: its slot is gone.
-    assert!(!top(&["--once", "--json"]).contains(&me));
+    assert!(me(&serde_json::from_str(&top(&["--once", "--json"])).unwrap()).is_none());
 }

@@ -309,20 +309,6 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
     }
 }
 
-fn json_string(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
 /// One device's figures under one policy, as JSON.
 fn report_json(r: &ReplayReport) -> serde_json::Value {
     serde_json::json!({
@@ -521,45 +507,37 @@ fn top_json(dir: &Path) -> String {
     let mut processes = Vec::new();
     for r in &found.registries {
         for e in &r.entries {
-            let released: Vec<String> = Reason::ALL.iter().map(|&r| format!("\"{}\":{}", r.name(), e.released[r as usize])).collect();
-            processes.push(format!(
-                "{{\"device_key\":{},\"pid\":{},\"comm\":{},\"device\":{},\"heartbeat_ms\":{},\"allocated_bytes\":{},\
-                 \"reserved_bytes\":{},\"cached_free_bytes\":{},\"inactive_split_bytes\":{},\"largest_free_block_bytes\":{},\
-                 \"fragmentation\":{:.3},\"released_bytes\":{{{}}},\"requests_served\":{},\"requests_posted\":{},\"ooms\":{},\
-                 \"request_bytes\":{},\"device_total_bytes\":{},\"device_free_bytes\":{},\"paused_bytes\":{}}}",
-                json_string(&r.key),
-                e.pid,
-                json_string(&e.comm()),
-                e.device,
-                e.heartbeat_ms,
-                e.allocated,
-                e.reserved,
-                e.cached_free,
-                e.inactive_split,
-                e.largest_free_block,
-                e.fragmentation(),
-                released.join(","),
-                e.requests_served,
-                e.requests_posted,
-                e.ooms,
-                e.request_bytes,
-                e.device_total,
-                e.device_free,
-                e.paused
-            ));
+            let released: serde_json::Map<String, serde_json::Value> =
+                Reason::ALL.iter().map(|&reason| (reason.name().to_string(), e.released[reason as usize].into())).collect();
+            processes.push(serde_json::json!({
+                "device_key": r.key,
+                "pid": e.pid,
+                "comm": e.comm(),
+                "device": e.device,
+                "heartbeat_ms": e.heartbeat_ms,
+                "allocated_bytes": e.allocated,
+                "reserved_bytes": e.reserved,
+                "cached_free_bytes": e.cached_free,
+                "inactive_split_bytes": e.inactive_split,
+                "largest_free_block_bytes": e.largest_free_block,
+                "fragmentation": (e.fragmentation() * 1000.0).round() / 1000.0,
+                "released_bytes": released,
+                "requests_served": e.requests_served,
+                "requests_posted": e.requests_posted,
+                "ooms": e.ooms,
+                "request_bytes": e.request_bytes,
+                "device_total_bytes": e.device_total,
+                "device_free_bytes": e.device_free,
+                "paused_bytes": e.paused,
+            }));
         }
     }
-    let skipped: Vec<String> = found
+    let skipped: Vec<serde_json::Value> = found
         .errors
         .iter()
-        .map(|(path, error)| format!("{{\"file\":{},\"reason\":\"{}\"}}", json_string(&path.display().to_string()), error.name()))
+        .map(|(path, error)| serde_json::json!({ "file": path.display().to_string(), "reason": error.name() }))
         .collect();
-    format!(
-        "{{\"registry_dir\":{},\"processes\":[{}],\"skipped\":[{}]}}",
-        json_string(&dir.display().to_string()),
-        processes.join(","),
-        skipped.join(",")
-    )
+    serde_json::json!({ "registry_dir": dir.display().to_string(), "processes": processes, "skipped": skipped }).to_string()
 }
 
 fn run_exporter(args: &[String]) -> Result<(), String> {
