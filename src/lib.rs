@@ -232,11 +232,12 @@ impl Allocator {
         if device.wrapping_add(tag::device_bias()) >= self.devices.len() || self.forked() {
             return self.allocate_cold(device, size, stream, 0);
         }
-        let heap = self.devices[device].shard(stream);
+        let dev = &self.devices[device];
+        let heap = dev.shard(stream);
         let result = heap.lock().allocate(size as u64, stream);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
-            Err(err) => self.allocate_after(err, heap, device, size, stream, 0),
+            Err(err) => Self::allocate_after(err, dev, heap, size, stream, 0),
         }
     }
 
@@ -247,11 +248,12 @@ impl Allocator {
         if tag::current() != TagId::DEFAULT {
             return self.allocate_cold(device, size, stream, context);
         }
-        let heap = self.device(device)?.shard(stream);
+        let dev = self.device(device)?;
+        let heap = dev.shard(stream);
         let result = heap.lock().allocate_with_context(size as u64, stream, context);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
-            Err(err) => self.allocate_after(err, heap, device, size, stream, context),
+            Err(err) => Self::allocate_after(err, dev, heap, size, stream, context),
         }
     }
 
@@ -271,22 +273,23 @@ impl Allocator {
     #[cold]
     #[inline(never)]
     fn allocate_cold(&self, device: usize, size: usize, stream: Stream, context: u64) -> Result<DevicePtr, AllocError> {
-        let heap = self.device(device)?.shard(stream);
+        let dev = self.device(device)?;
+        let heap = dev.shard(stream);
         let result = heap.lock().allocate_tagged(size as u64, stream, tag::current(), context);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
-            Err(err) => self.allocate_after(err, heap, device, size, stream, context),
+            Err(err) => Self::allocate_after(err, dev, heap, size, stream, context),
         }
     }
 
-    /// After a failed request: an out-of-memory goes to the device
-    /// (`Device::after_oom`: the other shards, then the other processes).
+    /// After a request to `heap`, a shard of `dev`, failed: an
+    /// out-of-memory goes to the device (`Device::after_oom`: the other
+    /// shards, then the other processes).
     #[cold]
     fn allocate_after(
-        &self,
         err: AllocError,
+        dev: &Device,
         heap: &Mutex<DeviceHeap>,
-        device: usize,
         size: usize,
         stream: Stream,
         context: u64,
@@ -296,7 +299,7 @@ impl Allocator {
         }
         let tag = tag::current();
         let retry = || heap.lock().retry_allocate(size as u64, stream, tag, context).map(DevicePtr);
-        self.device(device)?.after_oom(err, heap, retry)
+        dev.after_oom(err, heap, retry)
     }
 
     /// Frees a pointer returned by `allocate` on `device`. Freeing NULL does nothing.
