@@ -512,7 +512,8 @@ impl Allocator {
 
     /// What `tag` holds on `device`: live blocks, reserved memory, and
     /// while paused, the memory given back and the host bytes holding its
-    /// contents.
+    /// contents. All zeros for "default", which has no pools of its own
+    /// (`stats` has what untagged allocations hold).
     pub fn tag_stats(&self, tag: &str, device: usize) -> Result<TagStats, AllocError> {
         let id = Self::known_tag(tag)?;
         Ok(self.device(device)?.tag_stats(id))

@@ -131,6 +131,31 @@ fn pausing_one_tag_leaves_another_tags_blocks_in_place_even_when_allocated_in_tu
 }
 
 #[test]
+fn a_tags_figures_count_its_own_blocks_only_and_default_has_none() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let untagged = alloc.allocate(0, (3 * MIB) as usize, S).unwrap();
+    let tagged = {
+        let _r = region("i13-own").unwrap();
+        [alloc.allocate(0, (5 * MIB) as usize, S).unwrap(), alloc.allocate(0, 4096, S).unwrap()]
+    };
+    let own = alloc.tag_stats("i13-own", 0).unwrap();
+    assert_eq!((own.allocations, own.allocated_bytes), (2, 5 * MIB + 4096));
+    // Its pages: one 2 MiB page of the small range, three of the large
+    // (none of the untagged 20 MiB segment).
+    assert_eq!(own.reserved_bytes, 8 * MIB, "{own:?}");
+    // "default" has no pools of its own: its figures are zeros, with
+    // untagged memory allocated and cached.
+    let default = alloc.tag_stats("default", 0).unwrap();
+    assert_eq!((default.allocations, default.allocated_bytes, default.reserved_bytes), (0, 0, 0));
+    for p in tagged.into_iter().chain([untagged]) {
+        alloc.free(0, p).unwrap();
+    }
+    assert_eq!(alloc.tag_stats("default", 0).unwrap().reserved_bytes, 0);
+    assert_eq!(alloc.tag_stats("i13-own", 0).unwrap().allocations, 0);
+    alloc.validate().unwrap();
+}
+
+#[test]
 fn bad_calls_are_errors_that_change_nothing() {
     let (alloc, backend) = host_allocator(1, 1 << 30, "");
     let blocks = tagged_blocks(&alloc, "i13-bad", 3);

@@ -11,12 +11,16 @@
 //! merges the block with its free neighbours and returns it to the pool of
 //! the stream it was allocated on.
 //!
-//! The stash (the cached pair's fast path): each pool holds back its most
-//! recently freed block, unmerged, until the next operation on the pool. A
-//! request of exactly that block's size takes it back with no split and no
-//! merge; anything else merges it first (`flush_stash`), and so does every
+//! The stash (the cached pair's fast path): a pool holds back its most
+//! recently freed block, unmerged, until the next operation on the pool,
+//! when that block is where best fit over the merged bins would put the
+//! next request of its size (the pool has no other free block but its
+//! neighbour after it), so the stash saves work and never moves a block. A
+//! request of exactly that size takes it back with no split and no merge;
+//! anything else merges it first (`flush_stash`), and so does every
 //! operation that looks at the whole heap (release, statistics). Allocation
-//! loops that free and reallocate the same sizes thus cost one map lookup.
+//! loops that free and reallocate the same sizes, with nothing else free in
+//! their pool, thus cost one map lookup.
 //!
 //! This file holds the allocation and free paths; `release.rs` gives memory
 //! back (caps, the reclaimer's pass, what an OOM needs from other processes) and
@@ -31,7 +35,8 @@
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
 //! - no two free blocks are neighbours, unless one of them is a stashed block;
 //! - each free block is either in exactly one bin (the bin of its size, in
-//!   its segment's pool) or the stash of its pool;
+//!   its segment's pool) or the stash of its pool, which has no other
+//!   binned block but, perhaps, the stashed block's neighbour after it;
 //! - each allocated, pending or stashed block is in `by_addr` under its
 //!   address, and nothing else is;
 //! - every gauge equals the sum recomputed from the blocks (stashed blocks
@@ -217,7 +222,7 @@ pub struct DeviceHeap {
     /// The context of the allocation under way, for its `alloc` event.
     allocating_context: u64,
     /// The pools of tags other than "default", and paused tags (`tags.rs`).
-    tags: tags::TagPools,
+    tags: tags::Tags,
     recycling: recycle::Recycling,
 }
 
@@ -252,7 +257,7 @@ impl DeviceHeap {
             contexts: HashMap::new(),
             with_contexts: false,
             allocating_context: 0,
-            tags: tags::TagPools::default(),
+            tags: tags::Tags::default(),
             recycling: recycle::Recycling::default(),
         }
     }
@@ -611,7 +616,8 @@ impl DeviceHeap {
     }
 
     /// Makes the freed block `id` reusable: into the stash or the bins.
-    /// The common case inline: an untagged pool with nothing stashed.
+    /// The common case, an untagged pool with nothing stashed, is
+    /// `stash_or_bin` written out inline (the cached pair's free path).
     #[inline(always)]
     fn deactivate(&mut self, id: BlockId) {
         let b = &mut self.blocks[id];
@@ -635,16 +641,13 @@ impl DeviceHeap {
         self.stash_or_bin(id);
     }
 
-    /// Puts the freed block `id` into its pool's stash (the one before it
-    /// goes to the bins) after the block stashed before goes to the bins;
-    /// or, where stashing could move where blocks land, straight into the
-    /// bins.
+    /// Puts the freed block `id` (marked stashed by `deactivate`) into its
+    /// pool's stash (the one before it goes to the bins) after the block
+    /// stashed before goes to the bins; or, where stashing could move where
+    /// blocks land, straight into the bins.
     #[inline]
-    pub(super) fn stash_or_bin(&mut self, id: BlockId) {
-        let b = &mut self.blocks[id];
-        b.state = BlockState::Stashed;
-        b.requested = 0;
-        let pool = b.pool as usize;
+    fn stash_or_bin(&mut self, id: BlockId) {
+        let pool = self.blocks[id].pool as usize;
         self.flush_stash(pool as u32);
         let next = self.blocks[id].next;
         let next_binned = next != NIL && self.blocks[next].state == BlockState::Binned;

@@ -36,7 +36,8 @@ pub struct Pool {
     /// Bytes and count of the blocks in the bins (not the stash).
     pub free_bytes: u64,
     pub free_blocks: usize,
-    /// The most recently freed block, not yet merged or binned (NIL: none).
+    /// The most recently freed block, not yet merged or binned, where best
+    /// fit would put the next request of its size (NIL: none).
     pub stash: BlockId,
 }
 

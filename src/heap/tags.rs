@@ -36,6 +36,7 @@
 //! pool under its key, tag included); only paused tags keep state here.
 //!
 //! Invariants (checked by `validate()` through `check_tags`):
+//! - "default" is never paused, and a paused tag's pools stash nothing;
 //! - in a paused tag, every page touched by an active block is mapped or
 //!   lies in a saved run of its range; saved runs lie in ranges of the
 //!   tag, on unmapped pages, each touched by an active block (a free drops
@@ -110,15 +111,16 @@ struct Paused {
     runs: Vec<SavedRun>,
 }
 
-/// The paused tags of one heap.
+/// What one heap keeps of its tags beyond their pools.
 #[derive(Default)]
-pub(super) struct TagPools {
+pub(super) struct Tags {
+    /// The paused tags, never "default".
     paused: HashMap<u32, Paused>,
     /// The backend's page size and a large range's size, once a tag needed them.
     vm: Option<Vm>,
 }
 
-impl TagPools {
+impl Tags {
     fn is_paused(&self, tag: u32) -> bool {
         self.paused.contains_key(&tag)
     }
@@ -420,7 +422,6 @@ impl DeviceHeap {
         if !self.tags.is_paused(tag) {
             return self.stash_or_bin(id);
         }
-        self.blocks[id].requested = 0;
         self.merge_and_bin(id);
         self.drop_unneeded_runs(tag, segment);
     }
@@ -553,8 +554,12 @@ impl DeviceHeap {
         Ok(need)
     }
 
-    /// What `tag` holds on this heap.
+    /// What `tag` holds on this heap; nothing for "default", which has no
+    /// pools of its own (`stats()` has what untagged allocations hold).
     pub fn tag_stats(&mut self, tag: TagId) -> TagStats {
+        if tag == TagId::DEFAULT {
+            return TagStats::default();
+        }
         for pool in self.tag_pools(tag.0) {
             self.flush_stash(pool);
         }
@@ -631,6 +636,14 @@ impl DeviceHeap {
 
     /// Checks the invariants of tags listed at the top of this file.
     pub(super) fn check_tags(&self) -> Result<(), String> {
+        if self.tags.paused.contains_key(&0) {
+            return Err("the default tag is paused".into());
+        }
+        for (id, pool) in self.pools.iter().enumerate() {
+            if pool.stash != NIL && self.tags.is_paused(pool.tag) {
+                return Err(format!("pool {id} of paused tag {} stashes a block", pool.tag));
+            }
+        }
         let page = self.tags.vm.map_or(1, |vm| vm.page);
         for (&tag, paused) in &self.tags.paused {
             for run in &paused.runs {

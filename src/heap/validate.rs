@@ -75,6 +75,13 @@ impl DeviceHeap {
                     b.state,
                     b.pool
                 );
+                let next_binned = b.next != NIL && self.blocks[b.next].state == BlockState::Binned;
+                ensure!(
+                    pool.free_blocks == next_binned as usize,
+                    "pool {pool_id} stashes block {} beside {} binned blocks: best fit could put its next request elsewhere",
+                    pool.stash,
+                    pool.free_blocks
+                );
                 stashed.insert(pool.stash);
             }
         }

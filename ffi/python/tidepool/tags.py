@@ -98,7 +98,9 @@ def tag_stats(tag, device=None):
     """What `tag` holds on `device` (None: the current one): allocated_bytes
     (its live tensors), reserved_bytes (GPU memory its pages hold now),
     paused_bytes (GPU memory the pause gave back), offloaded_bytes (host
-    memory holding its contents), num_allocations, paused."""
+    memory holding its contents), num_allocations, paused. All zeros for
+    "default", which has no memory of its own (memory_stats() has what
+    untagged tensors hold)."""
     if device is None:
         from . import _device as current_device
 
