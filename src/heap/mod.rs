@@ -617,7 +617,9 @@ impl DeviceHeap {
 
     /// Makes the freed block `id` reusable: into the stash or the bins.
     /// The common case, an untagged pool with nothing stashed, is
-    /// `stash_or_bin` written out inline (the cached pair's free path).
+    /// `stash_or_bin` written out inline (the cached pair's free path:
+    /// calling it costs 27 more instructions a pair, a method reading the
+    /// block again to test best fit 10 more, by callgrind).
     #[inline(always)]
     fn deactivate(&mut self, id: BlockId) {
         let b = &mut self.blocks[id];
@@ -959,6 +961,6 @@ impl DeviceHeap {
 /// a whole segment, small or large, from going back), and the block merges
 /// at once. So the stash never makes tidepool hold more than PyTorch would.
 #[inline(always)]
-fn stash_is_best_fit(free_blocks: usize, next_binned: bool) -> bool {
+pub(super) fn stash_is_best_fit(free_blocks: usize, next_binned: bool) -> bool {
     free_blocks == next_binned as usize
 }

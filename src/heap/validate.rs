@@ -77,7 +77,7 @@ impl DeviceHeap {
                 );
                 let next_binned = b.next != NIL && self.blocks[b.next].state == BlockState::Binned;
                 ensure!(
-                    pool.free_blocks == next_binned as usize,
+                    super::stash_is_best_fit(pool.free_blocks, next_binned),
                     "pool {pool_id} stashes block {} beside {} binned blocks: best fit could put its next request elsewhere",
                     pool.stash,
                     pool.free_blocks
