@@ -25,6 +25,31 @@ fn small_requests_are_rounded_to_512_bytes_and_carved_from_one_2_mib_segment() {
 }
 
 #[test]
+fn dropping_the_allocator_gives_its_cached_memory_back_and_keeps_live_blocks() {
+    for conf in ["", "expandable:true"] {
+        for keep_one in [false, true] {
+            let (alloc, backend) = host_allocator(1, 1 << 30, conf);
+            let kept = keep_one.then(|| alloc.allocate(0, 4 * MIB as usize, S0).unwrap());
+            kept.inspect(|&p| common::fill(p, 4 * MIB, 7));
+            for size in [512, 3 * MIB, 64 * MIB] {
+                let p = alloc.allocate(0, size as usize, S0).unwrap();
+                alloc.free(0, p).unwrap();
+            }
+            assert!(common::reserved(&alloc) >= 64 * MIB, "{conf:?}: memory is cached before the drop");
+            drop(alloc);
+            let free = backend.mem_info(0).unwrap().free;
+            match kept {
+                None => assert_eq!(free, 1 << 30, "{conf:?}: every cached byte went back"),
+                Some(p) => {
+                    assert!(free < 1 << 30 && free > (1 << 30) - 64 * MIB, "{conf:?}: only the live block's memory stays");
+                    assert_eq!(common::check(p, 4 * MIB, 7), Ok(()), "{conf:?}: the live block is intact");
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn a_freed_block_is_reused_by_the_next_request_that_fits_without_a_driver_call() {
     let (alloc, backend) = host_allocator(1, 1 << 30, "");
     let a = alloc.allocate(0, 300 * KIB as usize, S0).unwrap();

@@ -128,6 +128,26 @@ fn a_small_block_comes_back_where_best_fit_puts_it_so_a_whole_segment_can_go_bac
 }
 
 #[test]
+fn the_rest_of_a_block_taken_back_goes_first_of_its_size_as_best_fit_puts_it() {
+    // One small segment: [X 1024][N 512][Y 512][O 512][Z 512][free]. N is
+    // freed, then O, then X. Merged, X and N serve the next 1 KiB request
+    // and split: the rest, N, goes back ahead of O (the free block of its
+    // size freed last comes first), so the next 512 B request gets N. The
+    // stash, handing back X alone, would leave O first.
+    for conf in ["", "stash:false"] {
+        let (alloc, _) = host_allocator(1, 1 << 30, conf);
+        let x = alloc.allocate(0, 1024, Stream::DEFAULT).unwrap();
+        let [n, _y, o, _z] = [0; 4].map(|_| alloc.allocate(0, 512, Stream::DEFAULT).unwrap());
+        for p in [n, o, x] {
+            alloc.free(0, p).unwrap();
+        }
+        assert_eq!(alloc.allocate(0, 1024, Stream::DEFAULT).unwrap(), x, "{conf:?}");
+        assert_eq!(alloc.allocate(0, 512, Stream::DEFAULT).unwrap(), n, "{conf:?}");
+        alloc.validate().unwrap();
+    }
+}
+
+#[test]
 fn statistics_see_a_freed_block_as_merged() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
     let keep = alloc.allocate(0, 512, Stream::DEFAULT).unwrap();

@@ -212,3 +212,85 @@ proptest! {
         run(ops, "expandable:true")?;
     }
 }
+
+/// One step of the stash's equivalence test: sizes drawn from a few
+/// classes so that equal sizes (the tie-breaks of best fit) are common.
+#[derive(Clone, Debug)]
+enum PairOp {
+    Alloc { stream: u64, size: u64 },
+    Free { pick: usize },
+}
+
+fn pair_size() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        4 => prop::sample::select(vec![512u64, 1024, 1536, 4096, 65536, 1 << 19, 1 << 20]),
+        4 => prop::sample::select(vec![(1u64 << 20) + 512, 3 << 19, 2 << 20, 3 << 20, 4 << 20, 6 << 20, 8 << 20, 12 << 20, 24 << 20, 32 << 20, 40 << 20]),
+        1 => 1u64..=(1 << 20),
+        1 => (1u64 << 20) + 1..=40 << 20,
+    ]
+}
+
+fn pair_op() -> impl Strategy<Value = PairOp> {
+    prop_oneof![
+        1 => (0u64..2, pair_size()).prop_map(|(stream, size)| PairOp::Alloc { stream, size }),
+        1 => any::<usize>().prop_map(|pick| PairOp::Free { pick }),
+    ]
+}
+
+/// Where each allocation landed, as (segment in order of creation, offset
+/// in it), then the driver calls and the bytes reserved at the end: what
+/// two allocators can be compared by.
+type Placements = (Vec<(usize, u64)>, [u64; 6], u64);
+
+fn placements(ops: &[PairOp], conf: &str) -> Result<Placements, TestCaseError> {
+    let (alloc, backend) = host_allocator(1, 1 << 30, conf);
+    let (mut live, mut segments, mut out) = (Vec::new(), BTreeMap::new(), Vec::new());
+    let mut created = 0;
+    for op in ops {
+        match *op {
+            PairOp::Alloc { stream, size } => {
+                let calls = backend.allocate_calls();
+                let ptr = alloc.allocate(0, size as usize, Stream(stream)).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let (base, _) = alloc.segment_of(0, ptr).unwrap().unwrap();
+                // A new segment may lie where a released one did.
+                if backend.allocate_calls() > calls {
+                    segments.remove(&base.0);
+                }
+                let segment = *segments.entry(base.0).or_insert_with(|| {
+                    created += 1;
+                    created
+                });
+                out.push((segment, ptr.0 - base.0));
+                live.push(ptr);
+            }
+            PairOp::Free { pick } if !live.is_empty() => {
+                let ptr = live.swap_remove(pick % live.len());
+                alloc.free(0, ptr).unwrap();
+            }
+            PairOp::Free { .. } => {}
+        }
+    }
+    alloc.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let ((maps, unmaps), (moves, moved)) = (backend.vm_calls(), backend.vm_moves());
+    let calls = [backend.allocate_calls(), backend.release_calls(), maps, unmaps, moves, moved];
+    let reserved = alloc.stats(0).unwrap().reserved_bytes.all.current;
+    for ptr in live {
+        alloc.free(0, ptr).unwrap();
+    }
+    Ok((out, calls, reserved))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    /// The stash only saves work: with it or without it, every block lands
+    /// in the same place (the replay's model of PyTorch has no stash).
+    #[test]
+    fn the_stash_never_moves_a_block(ops in prop::collection::vec(pair_op(), 1..120)) {
+        for conf in ["", "max_split_size_mb:24", "expandable:true"] {
+            let with = placements(&ops, conf)?;
+            let without = placements(&ops, &[conf, "stash:false"].join(","))?;
+            prop_assert_eq!(with, without, "{}", conf);
+        }
+    }
+}

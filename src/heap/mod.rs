@@ -366,6 +366,9 @@ impl DeviceHeap {
         if stashed != NIL && self.blocks[stashed].size == rounded {
             self.pools[pool as usize].stash = NIL;
             self.blocks[stashed].state = BlockState::Detached;
+            if self.vm.is_some() {
+                self.stamp_rest_of_stash(stashed);
+            }
             return Ok(self.hand_out(stashed, size));
         }
         self.allocate_from_bins(pool, rounded, size, stream)
@@ -543,6 +546,7 @@ impl DeviceHeap {
             }
             self.blocks[id].next = rest;
             self.blocks[id].size = rounded;
+            self.stamp_freed(rest);
             self.insert_free(rest);
         }
         self.by_addr.insert(addr, id);
@@ -618,20 +622,18 @@ impl DeviceHeap {
     /// Makes the freed block `id` reusable: into the stash or the bins.
     /// The common case, an untagged pool with nothing stashed, is
     /// `stash_or_bin` written out inline (the cached pair's free path:
-    /// calling it costs 27 more instructions a pair, a method reading the
-    /// block again to test best fit 10 more, by callgrind).
+    /// calling it costs 27 more instructions a pair, by callgrind).
     #[inline(always)]
     fn deactivate(&mut self, id: BlockId) {
+        self.stamp_freed(id);
         let b = &mut self.blocks[id];
         b.state = BlockState::Stashed;
         b.requested = 0;
-        let (pool, next) = (b.pool as usize, b.next);
-        let next_binned = next != NIL && self.blocks[next].state == BlockState::Binned;
-        let stash_enabled = self.stash_enabled;
-        let p = &mut self.pools[pool];
+        let pool = b.pool as usize;
+        let p = &self.pools[pool];
         if p.tag == 0 && p.stash == NIL {
-            if stash_enabled && stash_is_best_fit(p.free_blocks, next_binned) {
-                p.stash = id;
+            if self.stash_enabled && self.stash_fits(id, p.free_blocks) {
+                self.pools[pool].stash = id;
             } else {
                 self.merge_and_bin(id);
             }
@@ -649,14 +651,85 @@ impl DeviceHeap {
     /// blocks land, straight into the bins.
     #[inline]
     fn stash_or_bin(&mut self, id: BlockId) {
-        let pool = self.blocks[id].pool as usize;
-        self.flush_stash(pool as u32);
-        let next = self.blocks[id].next;
-        let next_binned = next != NIL && self.blocks[next].state == BlockState::Binned;
-        if self.stash_enabled && stash_is_best_fit(self.pools[pool].free_blocks, next_binned) {
-            self.pools[pool].stash = id;
+        let pool = self.blocks[id].pool;
+        self.flush_stash(pool);
+        if self.stash_enabled && self.stash_fits(id, self.pools[pool as usize].free_blocks) {
+            self.pools[pool as usize].stash = id;
         } else {
             self.merge_and_bin(id);
+        }
+    }
+
+    /// `stash_is_best_fit`, answered at once in the cached pair's case:
+    /// the block after `id` is all its pool has free (or nothing is) and
+    /// `max_split_size` is unlimited, so that a merged block always serves
+    /// a request of `id`'s size and is split to it (small blocks are at
+    /// least `min_block`, large ones larger than `small_size`).
+    #[inline(always)]
+    fn stash_fits(&self, id: BlockId, free_blocks: usize) -> bool {
+        let next = self.blocks[id].next;
+        let next_binned = next != NIL && self.blocks[next].state == BlockState::Binned;
+        (free_blocks == next_binned as usize && self.rules.max_split_size == u64::MAX) || self.stash_is_best_fit(id)
+    }
+
+    /// Whether the freed block `id`, taken back by a request of its size,
+    /// is what best fit over the merged bins would hand that request:
+    /// merged with its free neighbours it would start at `id` (the block
+    /// before it is not free), the rules would let it serve the request and
+    /// split it to exactly `id`, and no other free block of the pool would
+    /// come first (none of a size from `id`'s up to the merged size; of
+    /// the merged size itself, the merged block, freed last, comes first).
+    /// Then the stash only saves work; otherwise it would change where
+    /// blocks land (a block misplaced can keep a whole segment from going
+    /// back), and the block merges at once. So the stash never makes
+    /// tidepool hold more than PyTorch would.
+    #[inline(never)]
+    fn stash_is_best_fit(&self, id: BlockId) -> bool {
+        let b = &self.blocks[id];
+        if b.prev != NIL && self.blocks[b.prev].state == BlockState::Binned {
+            return false;
+        }
+        let next_binned = b.next != NIL && self.blocks[b.next].state == BlockState::Binned;
+        let (merged, skip) = if next_binned { (b.size + self.blocks[b.next].size, b.next) } else { (b.size, NIL) };
+        let pool = &self.pools[b.pool as usize];
+        if next_binned {
+            // Split off again, the rest would go back first of the free
+            // blocks of its size: where the neighbour must be now.
+            let n = &self.blocks[b.next];
+            let first_of_its_size = n.link_prev == NIL || self.blocks[n.link_prev].size < n.size;
+            let split_to_id = (pool.vm.is_some() || self.rules.may_serve(merged, b.size)) && self.should_split(b.pool, merged, b.size);
+            if !(first_of_its_size && split_to_id) {
+                return false;
+            }
+        }
+        pool.first_fit_size_without(&self.blocks, b.size, skip).is_none_or(|fit| fit >= merged)
+    }
+
+    /// Stamps the freed block `id` with the next tick of the heap's count
+    /// of frees, the age `Recycling` orders holes by (heaps with expandable
+    /// segments). A free ticks when it happens, stashed or not, and a block
+    /// merged from it keeps its tick, so the stash changes no age.
+    #[inline(always)]
+    fn stamp_freed(&mut self, id: BlockId) {
+        if self.vm.is_some() {
+            self.recycling.frees += 1;
+            self.blocks[id].freed_at = self.recycling.frees;
+        }
+    }
+
+    /// The stashed block `id` is taken back: its free neighbour after it
+    /// gets the stamps it would have had as the rest split off the two
+    /// merged (a new tick, and in a paged pool the idle time of now).
+    #[cold]
+    #[inline(never)]
+    fn stamp_rest_of_stash(&mut self, id: BlockId) {
+        let next = self.blocks[id].next;
+        if next == NIL || self.blocks[next].state != BlockState::Binned {
+            return;
+        }
+        self.stamp_freed(next);
+        if self.pool_vm(self.blocks[next].pool).is_some() {
+            self.blocks[next].idle_since_ms = self.clock.now_ms();
         }
     }
 
@@ -682,6 +755,7 @@ impl DeviceHeap {
     fn merge_and_bin(&mut self, id: BlockId) {
         self.blocks[id].state = BlockState::Detached;
         self.by_addr.remove(self.blocks[id].addr);
+        let freed_at = self.blocks[id].freed_at;
         let mut merged = id;
         let prev = self.blocks[id].prev;
         if prev != NIL && self.blocks[prev].state == BlockState::Binned {
@@ -694,6 +768,7 @@ impl DeviceHeap {
             self.remove_free(next);
             self.absorb_next(merged);
         }
+        self.blocks[merged].freed_at = freed_at;
         self.insert_free(merged);
     }
 
@@ -719,10 +794,6 @@ impl DeviceHeap {
         let pool = &mut self.pools[pool as usize];
         if pool.vm.is_some() {
             self.blocks[id].idle_since_ms = self.clock.now_ms();
-        }
-        if self.vm.is_some() {
-            self.recycling.frees += 1;
-            self.blocks[id].freed_at = self.recycling.frees;
         }
         pool.insert(&mut self.blocks, id, size);
         if split {
@@ -949,18 +1020,4 @@ impl DeviceHeap {
             reserved: self.stats.reserved_bytes.total(),
         }
     }
-}
-
-/// Whether a freed block, taken back by a request of its size, is where
-/// best fit over the merged bins would put that request, in a pool with
-/// `free_blocks` binned blocks, one of them the block's address neighbour
-/// after it when `next_binned`: the pool has no free block but, perhaps,
-/// that one (merged, it starts at the block; any other free block could
-/// fit as well or better, or lie lower). Then the stash only saves work;
-/// otherwise it would change where blocks land (a block misplaced can keep
-/// a whole segment, small or large, from going back), and the block merges
-/// at once. So the stash never makes tidepool hold more than PyTorch would.
-#[inline(always)]
-pub(super) fn stash_is_best_fit(free_blocks: usize, next_binned: bool) -> bool {
-    free_blocks == next_binned as usize
 }

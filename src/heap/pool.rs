@@ -172,6 +172,29 @@ impl Pool {
         (self.vm.is_some() || rules.may_serve(blocks[cur].size, rounded)).then_some(cur)
     }
 
+    /// The size of the block `best_fit` would look at first for `rounded`
+    /// bytes if `skip` (NIL: none) were not in the bins; None when no
+    /// other block is that large. The rules are not asked: the caller
+    /// (`DeviceHeap::stash_is_best_fit`) compares sizes only.
+    pub fn first_fit_size_without(&self, blocks: &BlockArena, rounded: u64, skip: BlockId) -> Option<u64> {
+        let mut bin = bin_of(rounded);
+        let mut cur = self.heads[bin];
+        while cur != NIL && (blocks[cur].size < rounded || cur == skip) {
+            cur = blocks[cur].link_next;
+        }
+        while cur == NIL {
+            if bin + 1 >= BIN_COUNT {
+                return None;
+            }
+            bin = self.first_nonempty_from(bin + 1)?;
+            cur = self.heads[bin];
+            if cur == skip {
+                cur = blocks[cur].link_next;
+            }
+        }
+        Some(blocks[cur].size)
+    }
+
     /// The largest free block's size (0 when empty).
     pub fn largest(&self, blocks: &BlockArena) -> u64 {
         if self.rows_nonempty == 0 {

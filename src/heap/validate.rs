@@ -75,9 +75,8 @@ impl DeviceHeap {
                     b.state,
                     b.pool
                 );
-                let next_binned = b.next != NIL && self.blocks[b.next].state == BlockState::Binned;
                 ensure!(
-                    super::stash_is_best_fit(pool.free_blocks, next_binned),
+                    self.stash_is_best_fit(pool.stash),
                     "pool {pool_id} stashes block {} beside {} binned blocks: best fit could put its next request elsewhere",
                     pool.stash,
                     pool.free_blocks
