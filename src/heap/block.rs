@@ -53,9 +53,10 @@ pub struct Block {
     /// When the block last went into a bin (reclaimer clock; kept for
     /// blocks of expandable segments, whose free pages the policies release).
     pub idle_since_ms: u64,
-    /// When the block was freed (a merged block: the free that merged it;
-    /// a block split off a free one: the split), in the heap's count of
-    /// frees (kept in heaps with expandable segments; see `Recycling`).
+    /// When the block was freed or made (a merged block: the free that
+    /// merged it; a block split off a free one: that one's), in the heap's
+    /// count of frees (kept in heaps with expandable segments; see
+    /// `Recycling`).
     pub freed_at: u64,
 }
 

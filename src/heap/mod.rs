@@ -14,13 +14,18 @@
 //! The stash (the cached pair's fast path): a pool holds back its most
 //! recently freed block, unmerged, until the next operation on the pool,
 //! when that block is where best fit over the merged bins would put the
-//! next request of its size (the pool has no other free block but its
-//! neighbour after it), so the stash saves work and never moves a block. A
-//! request of exactly that size takes it back with no split and no merge;
-//! anything else merges it first (`flush_stash`), and so does every
-//! operation that looks at the whole heap (release, statistics). Allocation
-//! loops that free and reallocate the same sizes, with nothing else free in
-//! their pool, thus cost one map lookup.
+//! next request of its size (`stash_is_best_fit`: no free block before it,
+//! none elsewhere that fits such a request better, and a free neighbour
+//! after it that would be split off again to the same place in its bin),
+//! so the stash saves work and never moves a block, nor changes the age of
+//! one (tests/model.rs compares every placement and driver call with the
+//! stash off). A request of exactly that size takes it back with no split
+//! and no merge; anything else merges it first (`flush_stash`), and so
+//! does every operation that looks at the whole heap (release,
+//! statistics). Allocation loops that free and reallocate the same sizes
+//! thus cost one map lookup, however fragmented their pool; a whole segment
+//! stashed and then idle counts as idle from when it is merged (at most
+//! one reclaimer pass later).
 //!
 //! This file holds the allocation and free paths; `release.rs` gives memory
 //! back (caps, the reclaimer's pass, what an OOM needs from other processes) and
@@ -35,8 +40,8 @@
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
 //! - no two free blocks are neighbours, unless one of them is a stashed block;
 //! - each free block is either in exactly one bin (the bin of its size, in
-//!   its segment's pool) or the stash of its pool, which has no other
-//!   binned block but, perhaps, the stashed block's neighbour after it;
+//!   its segment's pool) or the stash of its pool, where best fit would
+//!   put the next request of its size;
 //! - each allocated, pending or stashed block is in `by_addr` under its
 //!   address, and nothing else is;
 //! - every gauge equals the sum recomputed from the blocks (stashed blocks
@@ -366,9 +371,6 @@ impl DeviceHeap {
         if stashed != NIL && self.blocks[stashed].size == rounded {
             self.pools[pool as usize].stash = NIL;
             self.blocks[stashed].state = BlockState::Detached;
-            if self.vm.is_some() {
-                self.stamp_rest_of_stash(stashed);
-            }
             return Ok(self.hand_out(stashed, size));
         }
         self.allocate_from_bins(pool, rounded, size, stream)
@@ -515,6 +517,7 @@ impl DeviceHeap {
             }
         };
         let block = self.blocks.insert(base, size, segment_id, pool, kind);
+        self.stamp_freed(block);
         if pages.is_none() {
             self.stats.reserved_bytes.increase(kind, size);
             self.reserve.note_peak();
@@ -546,7 +549,7 @@ impl DeviceHeap {
             }
             self.blocks[id].next = rest;
             self.blocks[id].size = rounded;
-            self.stamp_freed(rest);
+            self.blocks[rest].freed_at = self.blocks[id].freed_at;
             self.insert_free(rest);
         }
         self.by_addr.insert(addr, id);
@@ -625,17 +628,16 @@ impl DeviceHeap {
     /// calling it costs 27 more instructions a pair, by callgrind).
     #[inline(always)]
     fn deactivate(&mut self, id: BlockId) {
-        self.stamp_freed(id);
         let b = &mut self.blocks[id];
         b.state = BlockState::Stashed;
         b.requested = 0;
-        let pool = b.pool as usize;
+        let (pool, next_free) = (b.pool as usize, self.free_after(id));
         let p = &self.pools[pool];
         if p.tag == 0 && p.stash == NIL {
-            if self.stash_enabled && self.stash_fits(id, p.free_blocks) {
-                self.pools[pool].stash = id;
+            if self.stash_enabled && self.stash_fits(id, next_free, p.free_blocks) {
+                self.stash(pool, id, next_free);
             } else {
-                self.merge_and_bin(id);
+                self.bin_freed(id);
             }
             return;
         }
@@ -651,25 +653,36 @@ impl DeviceHeap {
     /// blocks land, straight into the bins.
     #[inline]
     fn stash_or_bin(&mut self, id: BlockId) {
-        let pool = self.blocks[id].pool;
-        self.flush_stash(pool);
-        if self.stash_enabled && self.stash_fits(id, self.pools[pool as usize].free_blocks) {
-            self.pools[pool as usize].stash = id;
+        let pool = self.blocks[id].pool as usize;
+        self.flush_stash(pool as u32);
+        let next_free = self.free_after(id);
+        if self.stash_enabled && self.stash_fits(id, next_free, self.pools[pool].free_blocks) {
+            self.stash(pool, id, next_free);
         } else {
-            self.merge_and_bin(id);
+            self.bin_freed(id);
+        }
+    }
+
+    /// The block after `id` if it is in the bins, else NIL.
+    #[inline(always)]
+    fn free_after(&self, id: BlockId) -> BlockId {
+        let next = self.blocks[id].next;
+        if next != NIL && self.blocks[next].state == BlockState::Binned {
+            next
+        } else {
+            NIL
         }
     }
 
     /// `stash_is_best_fit`, answered at once in the cached pair's case:
-    /// the block after `id` is all its pool has free (or nothing is) and
-    /// `max_split_size` is unlimited, so that a merged block always serves
-    /// a request of `id`'s size and is split to it (small blocks are at
-    /// least `min_block`, large ones larger than `small_size`).
+    /// `next_free`, the free block after `id` (NIL: none), is all its pool
+    /// has free (or nothing is) and `max_split_size` is unlimited, so that
+    /// a merged block always serves a request of `id`'s size and is split
+    /// to it (small blocks are at least `min_block`, large ones larger than
+    /// `small_size`).
     #[inline(always)]
-    fn stash_fits(&self, id: BlockId, free_blocks: usize) -> bool {
-        let next = self.blocks[id].next;
-        let next_binned = next != NIL && self.blocks[next].state == BlockState::Binned;
-        (free_blocks == next_binned as usize && self.rules.max_split_size == u64::MAX) || self.stash_is_best_fit(id)
+    fn stash_fits(&self, id: BlockId, next_free: BlockId, free_blocks: usize) -> bool {
+        (free_blocks == (next_free != NIL) as usize && self.rules.max_split_size == u64::MAX) || self.stash_is_best_fit(id)
     }
 
     /// Whether the freed block `id`, taken back by a request of its size,
@@ -705,10 +718,11 @@ impl DeviceHeap {
         pool.first_fit_size_without(&self.blocks, b.size, skip).is_none_or(|fit| fit >= merged)
     }
 
-    /// Stamps the freed block `id` with the next tick of the heap's count
-    /// of frees, the age `Recycling` orders holes by (heaps with expandable
-    /// segments). A free ticks when it happens, stashed or not, and a block
-    /// merged from it keeps its tick, so the stash changes no age.
+    /// Stamps the block `id`, freed or new, with the next tick of the
+    /// heap's count of frees, the age `Recycling` orders holes by (heaps
+    /// with expandable segments). A free ticks when it happens, stashed or
+    /// not; a block merged from it takes its tick, and a block split off a
+    /// free one keeps the tick of the block it was split from.
     #[inline(always)]
     fn stamp_freed(&mut self, id: BlockId) {
         if self.vm.is_some() {
@@ -717,19 +731,27 @@ impl DeviceHeap {
         }
     }
 
-    /// The stashed block `id` is taken back: its free neighbour after it
-    /// gets the stamps it would have had as the rest split off the two
-    /// merged (a new tick, and in a paged pool the idle time of now).
-    #[cold]
-    #[inline(never)]
-    fn stamp_rest_of_stash(&mut self, id: BlockId) {
-        let next = self.blocks[id].next;
-        if next == NIL || self.blocks[next].state != BlockState::Binned {
-            return;
-        }
-        self.stamp_freed(next);
-        if self.pool_vm(self.blocks[next].pool).is_some() {
-            self.blocks[next].idle_since_ms = self.clock.now_ms();
+    /// Stamps the freed block `id` and merges it into the bins.
+    fn bin_freed(&mut self, id: BlockId) {
+        self.stamp_freed(id);
+        self.merge_and_bin(id);
+    }
+
+    /// Stashes the freed block `id` of `pool` and stamps it. `next_free`,
+    /// the free block after it (NIL: none), takes the same tick: what it
+    /// would have as the rest split off the two merged if the stashed block
+    /// is taken back (merged, they take the tick anyway), so the stash
+    /// changes no block's age.
+    #[inline(always)]
+    fn stash(&mut self, pool: usize, id: BlockId, next_free: BlockId) {
+        self.pools[pool].stash = id;
+        if self.vm.is_some() {
+            self.recycling.frees += 1;
+            let tick = self.recycling.frees;
+            self.blocks[id].freed_at = tick;
+            if next_free != NIL {
+                self.blocks[next_free].freed_at = tick;
+            }
         }
     }
 

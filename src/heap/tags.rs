@@ -422,7 +422,7 @@ impl DeviceHeap {
         if !self.tags.is_paused(tag) {
             return self.stash_or_bin(id);
         }
-        self.merge_and_bin(id);
+        self.bin_freed(id);
         self.drop_unneeded_runs(tag, segment);
     }
 

@@ -81,6 +81,14 @@ impl DeviceHeap {
                     pool.stash,
                     pool.free_blocks
                 );
+                let next_free = self.free_after(pool.stash);
+                ensure!(
+                    self.vm.is_none() || next_free == NIL || self.blocks[next_free].freed_at == b.freed_at,
+                    "pool {pool_id} stashes block {} freed at {} beside block {next_free} freed at {}: the stash changed an age",
+                    pool.stash,
+                    b.freed_at,
+                    self.blocks[next_free].freed_at
+                );
                 stashed.insert(pool.stash);
             }
         }
