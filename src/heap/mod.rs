@@ -702,20 +702,20 @@ impl DeviceHeap {
         if b.prev != NIL && self.blocks[b.prev].state == BlockState::Binned {
             return false;
         }
-        let next_binned = b.next != NIL && self.blocks[b.next].state == BlockState::Binned;
-        let (merged, skip) = if next_binned { (b.size + self.blocks[b.next].size, b.next) } else { (b.size, NIL) };
+        let next_free = self.free_after(id);
+        let merged = if next_free != NIL { b.size + self.blocks[next_free].size } else { b.size };
         let pool = &self.pools[b.pool as usize];
-        if next_binned {
+        if next_free != NIL {
             // Split off again, the rest would go back first of the free
             // blocks of its size: where the neighbour must be now.
-            let n = &self.blocks[b.next];
+            let n = &self.blocks[next_free];
             let first_of_its_size = n.link_prev == NIL || self.blocks[n.link_prev].size < n.size;
             let split_to_id = (pool.vm.is_some() || self.rules.may_serve(merged, b.size)) && self.should_split(b.pool, merged, b.size);
             if !(first_of_its_size && split_to_id) {
                 return false;
             }
         }
-        pool.first_fit_size_without(&self.blocks, b.size, skip).is_none_or(|fit| fit >= merged)
+        pool.first_fit_size_without(&self.blocks, b.size, next_free).is_none_or(|fit| fit >= merged)
     }
 
     /// Stamps the block `id`, freed or new, with the next tick of the
