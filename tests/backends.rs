@@ -574,6 +574,39 @@ fn a_free_during_a_capture_waits_for_its_end_without_querying_events() {
     child_prints("child_free_during_capture", "256M", &[], "free during capture: ok");
 }
 
+/// The child side: a free that waited on another stream and has completed
+/// comes before the stashed block, as it does in PyTorch.
+#[test]
+#[ignore = "child process: run by a_completed_cross_stream_free_is_merged_before_the_stash_is_taken_back"]
+fn child_stash_after_pending_free() {
+    common::child_only();
+    let sim = Simgpu::load();
+    for conf in ["", "stash:false"] {
+        let alloc = cuda_allocator(conf);
+        let [own, other] = [sim.stream(), sim.stream()].map(tidepool::Stream);
+        // One small segment: [P][Y][X][Z][free], 512 B each. P, used on the
+        // other stream too, is freed while that stream sleeps; X is freed
+        // once it has woken. PyTorch merges P's free before it looks for a
+        // block, so P, merged last, comes first of the 512 B blocks.
+        let [p, _y, x, _z] = [0; 4].map(|_| alloc.allocate(0, 512, own).unwrap());
+        // SAFETY: queues a 20 ms sleep on a stream made above.
+        unsafe { (sim.enqueue_sleep)(other.0, 20_000) };
+        alloc.record_stream(p, other).unwrap();
+        alloc.free(0, p).unwrap();
+        // SAFETY: waits for a stream made above.
+        unsafe { (sim.stream_synchronize)(other.0) };
+        alloc.free(0, x).unwrap();
+        assert_eq!(alloc.allocate(0, 512, own).unwrap(), p, "{conf:?}");
+        alloc.validate().unwrap();
+    }
+    println!("stash after pending free: ok");
+}
+
+#[test]
+fn a_completed_cross_stream_free_is_merged_before_the_stash_is_taken_back() {
+    child_prints("child_stash_after_pending_free", "256M", &[], "stash after pending free: ok");
+}
+
 /// The child side: a stream borrows a block another stream still writes.
 #[test]
 #[ignore = "child process: run by a_borrowed_block_waits_for_its_streams_work_on_the_device"]

@@ -364,11 +364,14 @@ impl DeviceHeap {
     }
 
     /// Serves `size` bytes, rounded to `rounded`, from `pool`: its stashed
-    /// block when that is exactly the size, else the bins.
+    /// block when that is exactly the size and no free waits for other
+    /// streams' work, else the bins. (Frees whose work has run are merged
+    /// before best fit looks, as PyTorch does; one of them, merged after
+    /// the stashed block, could come first.)
     #[inline(always)]
     fn allocate_in(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
         let stashed = self.pools[pool as usize].stash;
-        if stashed != NIL && self.blocks[stashed].size == rounded {
+        if stashed != NIL && self.blocks[stashed].size == rounded && !self.pending.awaits_events() {
             self.pools[pool as usize].stash = NIL;
             self.blocks[stashed].state = BlockState::Detached;
             return Ok(self.hand_out(stashed, size));

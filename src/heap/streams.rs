@@ -199,6 +199,13 @@ impl PendingFrees {
         self.waiting.is_empty() && self.after_capture.is_empty()
     }
 
+    /// Whether some block waits for an event (one `process_pending` could
+    /// find completed).
+    #[inline(always)]
+    pub fn awaits_events(&self) -> bool {
+        !self.queues.is_empty()
+    }
+
     /// Queues the events `block` waits for, each on its stream.
     fn push(&mut self, block: BlockId, events: &[(Stream, u64)]) {
         for &(stream, event) in events {
