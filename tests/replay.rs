@@ -204,6 +204,34 @@ fn small_trace() -> Trace {
     trace
 }
 
+/// The child side: replays of a trace that ends with blocks live, under
+/// every policy, leave no mapping behind.
+#[test]
+#[ignore = "child process: run by replays_give_back_every_mapping_they_made"]
+fn child_replays_leave_no_mapping() {
+    common::child_only();
+    let mappings = || std::fs::read_to_string("/proc/self/maps").unwrap().lines().count();
+    let mut trace = small_trace();
+    for size in [512, 3 << 20, 40 << 20] {
+        trace.alloc(size, 0, 0);
+    }
+    let before = mappings();
+    for _ in 0..50 {
+        for policy in Policy::ALL {
+            replay(&trace, &options(policy)).unwrap();
+        }
+    }
+    let after = mappings();
+    assert!(after <= before + 8, "150 replays left {} mappings behind", after - before);
+    println!("replays leave no mapping: ok");
+}
+
+#[test]
+fn replays_give_back_every_mapping_they_made() {
+    let (ok, text) = common::child_output(&mut common::child_command("child_replays_leave_no_mapping"));
+    assert!(ok && text.contains("replays leave no mapping: ok"), "{text}");
+}
+
 #[test]
 fn replay_is_deterministic() {
     let trace = small_trace();

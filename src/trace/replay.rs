@@ -272,5 +272,10 @@ pub fn replay_with_progress(
     let moved_pages = moved_bytes / backend.vm_page_size(0).unwrap_or(u64::MAX);
     report.driver_calls = report.driver_calls + move_calls - 2 * moved_pages;
     alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
+    // The blocks the trace leaves live go back too, so that the replay
+    // holds no memory or address space once dropped (`plan` runs dozens).
+    for (ptr, device) in ptrs.into_iter().filter(|&(ptr, _)| ptr != 0) {
+        let _ = alloc.free(device as usize, DevicePtr(ptr));
+    }
     Ok(report)
 }
