@@ -522,12 +522,15 @@ impl Allocator {
 
 impl Drop for Allocator {
     /// Writes the trace, if one is being recorded, and gives the cached
-    /// memory back to the driver. Blocks still live keep their memory:
-    /// whoever holds them may still use it.
+    /// memory back to the driver (not while a panic unwinds: a heap may be
+    /// half changed). Blocks still live keep their memory, as do private
+    /// pools still held and paused tags: whoever holds them may still use it.
     fn drop(&mut self) {
         if let Err(err) = self.finish_trace() {
             eprintln!("tidepool: warning: TIDEPOOL_TRACE: writing the trace failed: {err}");
         }
-        self.empty_cache();
+        if !std::thread::panicking() {
+            self.empty_cache();
+        }
     }
 }

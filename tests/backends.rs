@@ -607,6 +607,40 @@ fn a_completed_cross_stream_free_is_merged_before_the_stash_is_taken_back() {
     child_prints("child_stash_after_pending_free", "256M", &[], "stash after pending free: ok");
 }
 
+/// The child side: a pause merges the frees it waited for before it gives
+/// the tag's pages back, so no block of the paused tag is kept unmerged.
+#[test]
+#[ignore = "child process: run by a_pause_merges_the_frees_it_waited_for_before_giving_pages_back"]
+fn child_pause_after_pending_free() {
+    common::child_only();
+    let sim = Simgpu::load();
+    let alloc = cuda_allocator("");
+    let [own, other] = [sim.stream(), sim.stream()].map(tidepool::Stream);
+    let tagged = || {
+        let _region = tidepool::tag::region("pending-kv").unwrap();
+        alloc.allocate(0, 4 << 20, own).unwrap()
+    };
+    let (p, q) = (tagged(), tagged());
+    // SAFETY: queues a 20 ms sleep on a stream made above.
+    unsafe { (sim.enqueue_sleep)(other.0, 20_000) };
+    alloc.record_stream(p, other).unwrap();
+    alloc.free(0, p).unwrap();
+    alloc.pause("pending-kv", Some(0), false).unwrap();
+    alloc.validate().unwrap();
+    alloc.resume("pending-kv", Some(0)).unwrap();
+    let again = tagged();
+    alloc.validate().unwrap();
+    for ptr in [again, q] {
+        alloc.free(0, ptr).unwrap();
+    }
+    println!("pause after pending free: ok");
+}
+
+#[test]
+fn a_pause_merges_the_frees_it_waited_for_before_giving_pages_back() {
+    child_prints("child_pause_after_pending_free", "256M", &[], "pause after pending free: ok");
+}
+
 /// The child side: a stream borrows a block another stream still writes.
 #[test]
 #[ignore = "child process: run by a_borrowed_block_waits_for_its_streams_work_on_the_device"]

@@ -369,6 +369,37 @@ fn the_release_policies_give_back_the_pages_of_holes_between_live_blocks() {
 }
 
 #[test]
+fn a_stashed_block_taken_back_leaves_its_free_neighbour_as_idle_as_best_fit_would() {
+    use std::sync::Arc;
+    use tidepool::backend::host::HostBackend;
+    use tidepool::heap::DeviceHeap;
+    use tidepool::reclaim::policy::Policy as Release;
+    use tidepool::reclaim::Clock;
+
+    // [S 4][N 4][C 4] MiB: N is freed at 0 ms, S at 900 ms and taken back
+    // at once. Without the stash S and N merge and split again: N's pages
+    // are idle from 900 ms, so at 1,100 ms nothing is idle for a second.
+    for stash in [true, false] {
+        let mut heap = DeviceHeap::new(0, Default::default(), Arc::new(HostBackend::new(1, 1 << 30)));
+        heap.share_reserve(Arc::new(tidepool::heap::reserve::Reserve::default()));
+        heap.set_expandable(true).unwrap();
+        heap.set_stash(stash);
+        let clock = Clock::new();
+        heap.set_policy(Release { release_after_ms: 1_000, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX }, clock.clone());
+        let [s, n, _c] = [0; 3].map(|_| heap.allocate(4 * MIB, S).unwrap());
+        heap.free(n).unwrap();
+        heap.stats();
+        clock.set(900);
+        heap.free(s).unwrap();
+        assert_eq!(heap.allocate(4 * MIB, S).unwrap(), s);
+        clock.set(1_100);
+        assert_eq!(heap.reclaim().bytes, 0, "stash {stash}");
+        assert_eq!(heap.stats().reserved_bytes.all.current, 12 * MIB, "stash {stash}");
+        heap.validate().unwrap();
+    }
+}
+
+#[test]
 fn a_pool_that_grows_past_the_peak_takes_the_free_pages_of_another_pools_holes() {
     let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
     let left = alloc(&a, 4 * MIB);

@@ -741,19 +741,22 @@ impl DeviceHeap {
     }
 
     /// Stashes the freed block `id` of `pool` and stamps it. `next_free`,
-    /// the free block after it (NIL: none), takes the same tick: what it
-    /// would have as the rest split off the two merged if the stashed block
-    /// is taken back (merged, they take the tick anyway), so the stash
-    /// changes no block's age.
+    /// the free block after it (NIL: none), takes the same tick, and is idle
+    /// from now: what it would have as the rest split off the two merged if
+    /// the stashed block is taken back (merged, they take the tick anyway),
+    /// so the stash changes no block's age (its idle time, by no more than
+    /// the time until the take-back).
     #[inline(always)]
     fn stash(&mut self, pool: usize, id: BlockId, next_free: BlockId) {
         self.pools[pool].stash = id;
         if self.vm.is_some() {
             self.recycling.frees += 1;
-            let tick = self.recycling.frees;
+            let (tick, now) = (self.recycling.frees, self.clock.now_ms());
             self.blocks[id].freed_at = tick;
             if next_free != NIL {
-                self.blocks[next_free].freed_at = tick;
+                let next = &mut self.blocks[next_free];
+                next.freed_at = tick;
+                next.idle_since_ms = now;
             }
         }
     }

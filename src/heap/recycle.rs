@@ -36,8 +36,9 @@ pub(super) struct Recycling {
     /// Bytes taken from cached memory so that the heap would not grow past
     /// `high_water`.
     pub moved: u64,
-    /// Frees so far (counted in heaps with expandable segments): the clock
-    /// that orders free blocks by age, the same in a live run and a replay.
+    /// Frees and growths so far (counted in heaps with expandable
+    /// segments; `DeviceHeap::stamp_freed`): the clock that orders free
+    /// blocks by age, the same in a live run and a replay, stash or not.
     pub frees: u64,
 }
 

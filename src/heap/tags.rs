@@ -302,9 +302,6 @@ impl DeviceHeap {
     pub fn pause_tag(&mut self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
         self.check_pausable(tag)?;
         let pools = self.tag_pools(tag.0);
-        for &pool in &pools {
-            self.flush_stash(pool);
-        }
         let segments = self.tag_segments(tag.0);
         // The work queued on every stream that used the tag's blocks.
         let mut streams: Vec<Stream> = pools.iter().map(|&p| self.pools[p as usize].stream).collect();
@@ -329,6 +326,10 @@ impl DeviceHeap {
             self.backend.synchronize_stream(self.device, stream).map_err(AllocError::Backend)?;
         }
         self.process_pending(true);
+        // After the pending frees: one of them may have gone to a stash.
+        for &pool in &pools {
+            self.flush_stash(pool);
+        }
 
         let mut runs: Vec<SavedRun> = segments.iter().flat_map(|&id| self.live_runs(id)).collect();
         let page = self.tags.vm.map_or(1, |vm| vm.page);

@@ -77,9 +77,8 @@ impl DeviceHeap {
                 );
                 ensure!(
                     self.stash_is_best_fit(pool.stash),
-                    "pool {pool_id} stashes block {} beside {} binned blocks: best fit could put its next request elsewhere",
-                    pool.stash,
-                    pool.free_blocks
+                    "pool {pool_id} stashes block {}, where best fit would not put the next request of its size",
+                    pool.stash
                 );
                 let next_free = self.free_after(pool.stash);
                 ensure!(
