@@ -217,8 +217,9 @@ proptest! {
 /// classes so that equal sizes (the tie-breaks of best fit) are common.
 #[derive(Clone, Debug)]
 enum PairOp {
-    Alloc { stream: u64, size: u64 },
+    Alloc { stream: u64, size: u64, tagged: bool },
     Free { pick: usize },
+    EmptyCache,
 }
 
 fn pair_size() -> impl Strategy<Value = u64> {
@@ -232,8 +233,9 @@ fn pair_size() -> impl Strategy<Value = u64> {
 
 fn pair_op() -> impl Strategy<Value = PairOp> {
     prop_oneof![
-        1 => (0u64..2, pair_size()).prop_map(|(stream, size)| PairOp::Alloc { stream, size }),
-        1 => any::<usize>().prop_map(|pick| PairOp::Free { pick }),
+        10 => (0u64..2, pair_size(), prop::bool::weighted(0.2)).prop_map(|(stream, size, tagged)| PairOp::Alloc { stream, size, tagged }),
+        10 => any::<usize>().prop_map(|pick| PairOp::Free { pick }),
+        1 => Just(PairOp::EmptyCache),
     ]
 }
 
@@ -248,9 +250,11 @@ fn placements(ops: &[PairOp], conf: &str) -> Result<Placements, TestCaseError> {
     let mut created = 0;
     for op in ops {
         match *op {
-            PairOp::Alloc { stream, size } => {
+            PairOp::Alloc { stream, size, tagged } => {
                 let calls = backend.allocate_calls();
+                let region = tagged.then(|| tidepool::tag::region("stash-equivalence").unwrap());
                 let ptr = alloc.allocate(0, size as usize, Stream(stream)).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                drop(region);
                 let (base, _) = alloc.segment_of(0, ptr).unwrap().unwrap();
                 // A new segment may lie where a released one did.
                 if backend.allocate_calls() > calls {
@@ -268,6 +272,9 @@ fn placements(ops: &[PairOp], conf: &str) -> Result<Placements, TestCaseError> {
                 alloc.free(0, ptr).unwrap();
             }
             PairOp::Free { .. } => {}
+            PairOp::EmptyCache => {
+                alloc.empty_cache();
+            }
         }
     }
     alloc.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -284,7 +291,9 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     /// The stash only saves work: with it or without it, every block lands
-    /// in the same place (the replay's model of PyTorch has no stash).
+    /// in the same place and the driver sees the same calls (the replay's
+    /// model of PyTorch has no stash), over two streams, a tag's pools and
+    /// cache releases.
     #[test]
     fn the_stash_never_moves_a_block(ops in prop::collection::vec(pair_op(), 1..120)) {
         for conf in ["", "max_split_size_mb:24", "expandable:true"] {
