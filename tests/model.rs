@@ -7,7 +7,8 @@
 //! blocks are intact, the statistics equal the model's, no memory goes back
 //! while a private pool is open, and no block a private pool ever held goes
 //! to anyone else while private pools are held; at the end everything goes
-//! back to the driver.
+//! back to the driver. And a second model: the same heap without its stash,
+//! which must place every block and call the driver exactly alike.
 
 mod common;
 
