@@ -160,6 +160,7 @@ pub struct HostBackend {
     faults: Faults,
     allocate_calls: AtomicU64,
     release_calls: AtomicU64,
+    vm_reserve_calls: AtomicU64,
     vm_map_calls: AtomicU64,
     vm_unmap_calls: AtomicU64,
     vm_move_calls: AtomicU64,
@@ -178,6 +179,7 @@ impl HostBackend {
             faults: Faults::default(),
             allocate_calls: AtomicU64::new(0),
             release_calls: AtomicU64::new(0),
+            vm_reserve_calls: AtomicU64::new(0),
             vm_map_calls: AtomicU64::new(0),
             vm_unmap_calls: AtomicU64::new(0),
             vm_move_calls: AtomicU64::new(0),
@@ -203,6 +205,11 @@ impl HostBackend {
     /// Release calls so far.
     pub fn release_calls(&self) -> u64 {
         self.release_calls.load(Ordering::Relaxed)
+    }
+
+    /// Successful `vm_reserve` calls so far.
+    pub fn vm_reserve_calls(&self) -> u64 {
+        self.vm_reserve_calls.load(Ordering::Relaxed)
     }
 
     /// `vm_map` and `vm_unmap` calls so far.
@@ -335,6 +342,7 @@ impl Backend for HostBackend {
                 libc::munmap((base + size) as *mut libc::c_void, tail);
             }
         }
+        self.vm_reserve_calls.fetch_add(1, Ordering::Relaxed);
         Ok(base)
     }
 
