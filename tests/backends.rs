@@ -574,6 +574,15 @@ fn a_free_during_a_capture_waits_for_its_end_without_querying_events() {
     child_prints("child_free_during_capture", "256M", &[], "free during capture: ok");
 }
 
+/// Frees `ptr`, used on `other` too, while `other` sleeps for 20 ms: the
+/// block waits, pending, for that work.
+fn free_while_in_use(alloc: &Allocator, sim: &Simgpu, ptr: tidepool::DevicePtr, other: tidepool::Stream) {
+    // SAFETY: queues a sleep on a stream the caller made.
+    unsafe { (sim.enqueue_sleep)(other.0, 20_000) };
+    alloc.record_stream(ptr, other).unwrap();
+    alloc.free(0, ptr).unwrap();
+}
+
 /// The child side: a free that waited on another stream and has completed
 /// comes before the stashed block, as it does in PyTorch.
 #[test]
@@ -589,10 +598,7 @@ fn child_stash_after_pending_free() {
         // once it has woken. PyTorch merges P's free before it looks for a
         // block, so P, merged last, comes first of the 512 B blocks.
         let [p, _y, x, _z] = [0; 4].map(|_| alloc.allocate(0, 512, own).unwrap());
-        // SAFETY: queues a 20 ms sleep on a stream made above.
-        unsafe { (sim.enqueue_sleep)(other.0, 20_000) };
-        alloc.record_stream(p, other).unwrap();
-        alloc.free(0, p).unwrap();
+        free_while_in_use(&alloc, &sim, p, other);
         // SAFETY: waits for a stream made above.
         unsafe { (sim.stream_synchronize)(other.0) };
         alloc.free(0, x).unwrap();
@@ -621,10 +627,7 @@ fn child_pause_after_pending_free() {
         alloc.allocate(0, 4 << 20, own).unwrap()
     };
     let (p, q) = (tagged(), tagged());
-    // SAFETY: queues a 20 ms sleep on a stream made above.
-    unsafe { (sim.enqueue_sleep)(other.0, 20_000) };
-    alloc.record_stream(p, other).unwrap();
-    alloc.free(0, p).unwrap();
+    free_while_in_use(&alloc, &sim, p, other);
     alloc.pause("pending-kv", Some(0), false).unwrap();
     alloc.validate().unwrap();
     alloc.resume("pending-kv", Some(0)).unwrap();

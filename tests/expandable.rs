@@ -9,10 +9,15 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use common::{check, fill, host_allocator, reserved, MIB};
-use tidepool::backend::host::FaultKind;
+use tidepool::backend::host::{FaultKind, HostBackend};
 use tidepool::backend::Backend;
+use tidepool::heap::reserve::Reserve;
+use tidepool::heap::DeviceHeap;
+use tidepool::reclaim::policy::{Policy as Release, Reason};
+use tidepool::reclaim::Clock;
 use tidepool::trace::plan::smallest_capacity_in_steps;
 use tidepool::trace::replay::{replay, Policy, ReplayOptions};
 use tidepool::{AllocError, Allocator, DevicePtr, Stream};
@@ -201,7 +206,7 @@ fn a_backend_without_virtual_memory_keeps_whole_segments() {
     let (a, _) = host_allocator(1, 1 << 30, "expandable:true");
     assert!(a.device(0).unwrap().is_expandable());
     // A backend without virtual memory keeps whole segments.
-    let mut heap = tidepool::heap::DeviceHeap::new(0, Default::default(), std::sync::Arc::new(NoVm));
+    let mut heap = DeviceHeap::new(0, Default::default(), Arc::new(NoVm));
     let err = heap.set_expandable(true).unwrap_err();
     assert!(err.contains("cannot map pages"), "{err}");
     assert!(!heap.is_expandable());
@@ -322,21 +327,22 @@ fn the_smallest_device_that_fits_is_within_1_5_percent_or_16_mib_of_peak_live_on
     }
 }
 
-#[test]
-fn the_release_policies_give_back_the_pages_of_holes_between_live_blocks() {
-    use std::sync::Arc;
-    use tidepool::backend::host::HostBackend;
-    use tidepool::heap::DeviceHeap;
-    use tidepool::reclaim::policy::{Policy as Release, Reason};
-    use tidepool::reclaim::Clock;
-
+/// A heap with expandable segments on the host backend whose idle pages
+/// go back after 1 s of `clock`, with its shared reserved count.
+fn heap_releasing_after_1_s() -> (DeviceHeap, Arc<Clock>, Arc<Reserve>) {
     let mut heap = DeviceHeap::new(0, Default::default(), Arc::new(HostBackend::new(1, 1 << 30)));
-    let reserve = Arc::new(tidepool::heap::reserve::Reserve::default());
+    let reserve = Arc::new(Reserve::default());
     heap.share_reserve(reserve.clone());
     heap.set_expandable(true).unwrap();
     let clock = Clock::new();
     let policy = Release { release_after_ms: 1_000, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX };
     heap.set_policy(policy, clock.clone());
+    (heap, clock, reserve)
+}
+
+#[test]
+fn the_release_policies_give_back_the_pages_of_holes_between_live_blocks() {
+    let (mut heap, clock, reserve) = heap_releasing_after_1_s();
     let _left = heap.allocate(4 * MIB, S).unwrap();
     let old_hole = heap.allocate(16 * MIB, S).unwrap();
     let _middle = heap.allocate(4 * MIB, S).unwrap();
@@ -370,22 +376,12 @@ fn the_release_policies_give_back_the_pages_of_holes_between_live_blocks() {
 
 #[test]
 fn a_stashed_block_taken_back_leaves_its_free_neighbour_as_idle_as_best_fit_would() {
-    use std::sync::Arc;
-    use tidepool::backend::host::HostBackend;
-    use tidepool::heap::DeviceHeap;
-    use tidepool::reclaim::policy::Policy as Release;
-    use tidepool::reclaim::Clock;
-
     // [S 4][N 4][C 4] MiB: N is freed at 0 ms, S at 900 ms and taken back
     // at once. Without the stash S and N merge and split again: N's pages
     // are idle from 900 ms, so at 1,100 ms nothing is idle for a second.
     for stash in [true, false] {
-        let mut heap = DeviceHeap::new(0, Default::default(), Arc::new(HostBackend::new(1, 1 << 30)));
-        heap.share_reserve(Arc::new(tidepool::heap::reserve::Reserve::default()));
-        heap.set_expandable(true).unwrap();
+        let (mut heap, clock, _) = heap_releasing_after_1_s();
         heap.set_stash(stash);
-        let clock = Clock::new();
-        heap.set_policy(Release { release_after_ms: 1_000, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX }, clock.clone());
         let [s, n, _c] = [0; 3].map(|_| heap.allocate(4 * MIB, S).unwrap());
         heap.free(n).unwrap();
         heap.stats();

@@ -634,9 +634,10 @@ impl DeviceHeap {
         let b = &mut self.blocks[id];
         b.state = BlockState::Stashed;
         b.requested = 0;
-        let (pool, next_free) = (b.pool as usize, self.free_after(id));
+        let pool = b.pool as usize;
         let p = &self.pools[pool];
         if p.tag == 0 && p.stash == NIL {
+            let next_free = self.free_after(id);
             if self.stash_enabled && self.stash_fits(id, next_free, p.free_blocks) {
                 self.stash(pool, id, next_free);
             } else {
@@ -685,11 +686,12 @@ impl DeviceHeap {
     /// `small_size`).
     #[inline(always)]
     fn stash_fits(&self, id: BlockId, next_free: BlockId, free_blocks: usize) -> bool {
-        (free_blocks == (next_free != NIL) as usize && self.rules.max_split_size == u64::MAX) || self.stash_is_best_fit(id)
+        (free_blocks == (next_free != NIL) as usize && self.rules.max_split_size == u64::MAX) || self.stash_is_best_fit(id, next_free)
     }
 
-    /// Whether the freed block `id`, taken back by a request of its size,
-    /// is what best fit over the merged bins would hand that request:
+    /// Whether the freed block `id` (`next_free`: the free block after it,
+    /// NIL: none), taken back by a request of its size, is what best fit
+    /// over the merged bins would hand that request:
     /// merged with its free neighbours it would start at `id` (the block
     /// before it is not free), the rules would let it serve the request and
     /// split it to exactly `id`, and no other free block of the pool would
@@ -700,12 +702,11 @@ impl DeviceHeap {
     /// back), and the block merges at once. So the stash never makes
     /// tidepool hold more than PyTorch would.
     #[inline(never)]
-    fn stash_is_best_fit(&self, id: BlockId) -> bool {
+    fn stash_is_best_fit(&self, id: BlockId, next_free: BlockId) -> bool {
         let b = &self.blocks[id];
         if b.prev != NIL && self.blocks[b.prev].state == BlockState::Binned {
             return false;
         }
-        let next_free = self.free_after(id);
         let merged = if next_free != NIL { b.size + self.blocks[next_free].size } else { b.size };
         let pool = &self.pools[b.pool as usize];
         if next_free != NIL {
@@ -749,15 +750,12 @@ impl DeviceHeap {
     #[inline(always)]
     fn stash(&mut self, pool: usize, id: BlockId, next_free: BlockId) {
         self.pools[pool].stash = id;
-        if self.vm.is_some() {
-            self.recycling.frees += 1;
-            let (tick, now) = (self.recycling.frees, self.clock.now_ms());
-            self.blocks[id].freed_at = tick;
-            if next_free != NIL {
-                let next = &mut self.blocks[next_free];
-                next.freed_at = tick;
-                next.idle_since_ms = now;
-            }
+        self.stamp_freed(id);
+        if next_free != NIL && self.vm.is_some() {
+            let (tick, now) = (self.blocks[id].freed_at, self.clock.now_ms());
+            let next = &mut self.blocks[next_free];
+            next.freed_at = tick;
+            next.idle_since_ms = now;
         }
     }
 

@@ -150,22 +150,9 @@ impl Pool {
 
     /// The best-fitting free block for a rounded request: the smallest
     /// block of at least `rounded` bytes that the rules let serve it.
-    /// Looks in the request's own bin first (blocks there may be smaller),
-    /// then takes the head of the first non-empty bin above it.
     #[inline]
     pub fn best_fit(&self, blocks: &BlockArena, rounded: u64, rules: &SizeRules) -> Option<BlockId> {
-        let own = bin_of(rounded);
-        let mut cur = self.heads[own];
-        while cur != NIL && blocks[cur].size < rounded {
-            cur = blocks[cur].link_next;
-        }
-        if cur == NIL {
-            if own + 1 >= BIN_COUNT {
-                return None;
-            }
-            let bin = self.first_nonempty_from(own + 1)?;
-            cur = self.heads[bin];
-        }
+        let cur = self.first_fit(blocks, rounded)?;
         // Sizes only grow from here, so a block the rules refuse means no
         // larger block will do either. A paged pool splits any block: its
         // ranges are huge free blocks, and a split holds no memory.
@@ -177,22 +164,44 @@ impl Pool {
     /// other block is that large. The rules are not asked: the caller
     /// (`DeviceHeap::stash_is_best_fit`) compares sizes only.
     pub fn first_fit_size_without(&self, blocks: &BlockArena, rounded: u64, skip: BlockId) -> Option<u64> {
-        let mut bin = bin_of(rounded);
-        let mut cur = self.heads[bin];
-        while cur != NIL && (blocks[cur].size < rounded || cur == skip) {
-            cur = blocks[cur].link_next;
-        }
-        while cur == NIL {
-            if bin + 1 >= BIN_COUNT {
-                return None;
-            }
-            bin = self.first_nonempty_from(bin + 1)?;
-            cur = self.heads[bin];
-            if cur == skip {
-                cur = blocks[cur].link_next;
-            }
+        let mut cur = self.first_fit(blocks, rounded)?;
+        if cur == skip {
+            cur = self.next_in_size_order(blocks, skip)?;
         }
         Some(blocks[cur].size)
+    }
+
+    /// The first block of at least `rounded` bytes in size order: looks in
+    /// the request's own bin first (blocks there may be smaller), then
+    /// takes the head of the first non-empty bin above it.
+    #[inline(always)]
+    fn first_fit(&self, blocks: &BlockArena, rounded: u64) -> Option<BlockId> {
+        let own = bin_of(rounded);
+        let mut cur = self.heads[own];
+        while cur != NIL && blocks[cur].size < rounded {
+            cur = blocks[cur].link_next;
+        }
+        if cur == NIL {
+            if own + 1 >= BIN_COUNT {
+                return None;
+            }
+            cur = self.heads[self.first_nonempty_from(own + 1)?];
+        }
+        Some(cur)
+    }
+
+    /// The free block after `id` in size order: the next in its bin, else
+    /// the head of the first non-empty bin above.
+    fn next_in_size_order(&self, blocks: &BlockArena, id: BlockId) -> Option<BlockId> {
+        let next = blocks[id].link_next;
+        if next != NIL {
+            return Some(next);
+        }
+        let bin = bin_of(blocks[id].size) + 1;
+        if bin >= BIN_COUNT {
+            return None;
+        }
+        Some(self.heads[self.first_nonempty_from(bin)?])
     }
 
     /// The largest free block's size (0 when empty).

@@ -75,12 +75,12 @@ impl DeviceHeap {
                     b.state,
                     b.pool
                 );
+                let next_free = self.free_after(pool.stash);
                 ensure!(
-                    self.stash_is_best_fit(pool.stash),
+                    self.stash_is_best_fit(pool.stash, next_free),
                     "pool {pool_id} stashes block {}, where best fit would not put the next request of its size",
                     pool.stash
                 );
-                let next_free = self.free_after(pool.stash);
                 ensure!(
                     self.vm.is_none() || next_free == NIL || self.blocks[next_free].freed_at == b.freed_at,
                     "pool {pool_id} stashes block {} freed at {} beside block {next_free} freed at {}: the stash changed an age",
