@@ -221,6 +221,12 @@ enum PairOp {
     Alloc { stream: u64, size: u64, tagged: bool },
     Free { pick: usize },
     EmptyCache,
+    /// A live block used on the other stream too (`record_stream`): freed
+    /// at once on the host backend, held pending while a private pool is open.
+    RecordStream { pick: usize },
+    BeginPrivate { pool: u64 },
+    EndPrivate { pool: u64 },
+    ReleasePrivate { pool: u64 },
 }
 
 fn pair_size() -> impl Strategy<Value = u64> {
@@ -237,6 +243,10 @@ fn pair_op() -> impl Strategy<Value = PairOp> {
         10 => (0u64..2, pair_size(), prop::bool::weighted(0.2)).prop_map(|(stream, size, tagged)| PairOp::Alloc { stream, size, tagged }),
         10 => any::<usize>().prop_map(|pick| PairOp::Free { pick }),
         1 => Just(PairOp::EmptyCache),
+        2 => any::<usize>().prop_map(|pick| PairOp::RecordStream { pick }),
+        1 => (1u64..3).prop_map(|pool| PairOp::BeginPrivate { pool }),
+        1 => (1u64..3).prop_map(|pool| PairOp::EndPrivate { pool }),
+        1 => (1u64..3).prop_map(|pool| PairOp::ReleasePrivate { pool }),
     ]
 }
 
@@ -276,6 +286,16 @@ fn placements(ops: &[PairOp], conf: &str) -> Result<Placements, TestCaseError> {
             PairOp::EmptyCache => {
                 alloc.empty_cache();
             }
+            PairOp::RecordStream { pick } if !live.is_empty() => {
+                let ptr = live[pick % live.len()];
+                alloc.record_stream(ptr, Stream(7)).unwrap();
+            }
+            PairOp::RecordStream { .. } => {}
+            // Ending or releasing a pool that is not open fails the same
+            // way with the stash and without it: the outcome is compared.
+            PairOp::BeginPrivate { pool } => out.push((0, alloc.begin_private(0, PrivatePoolId(pool, 0)).is_ok() as u64)),
+            PairOp::EndPrivate { pool } => out.push((0, alloc.end_private(0, PrivatePoolId(pool, 0)).is_ok() as u64)),
+            PairOp::ReleasePrivate { pool } => out.push((0, alloc.release_private(0, PrivatePoolId(pool, 0)).is_ok() as u64)),
         }
     }
     alloc.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -293,8 +313,9 @@ proptest! {
 
     /// The stash only saves work: with it or without it, every block lands
     /// in the same place and the driver sees the same calls (the replay's
-    /// model of PyTorch has no stash), over two streams, a tag's pools and
-    /// cache releases.
+    /// model of PyTorch has no stash), over two streams, a tag's pools,
+    /// cache releases, private pools and blocks recorded on a third
+    /// stream (held pending while a private pool is open).
     #[test]
     fn the_stash_never_moves_a_block(ops in prop::collection::vec(pair_op(), 1..120)) {
         for conf in ["", "max_split_size_mb:24", "expandable:true"] {
