@@ -235,7 +235,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     size!("host_capacity_mb", "16384", "memory of each simulated device, in MiB (address space only: untouched memory costs nothing)", host_capacity, MIB),
     bounded!("stream_shards", "1", "heaps per device, streams spread over them: threads on different streams stop contending (1 to 64; above 1, peaks are summed over heaps)", stream_shards: usize, 1..=64),
     flag!("lend_across_streams", "true", "when the device is full, serve a stream from blocks cached for another (after a device-side wait on that stream)", lend_across_streams),
-    flag!("expandable", "false", "grow each pool inside one reserved range of address space, mapping pages as blocks need them and unmapping pages inside free blocks when memory is released (cuda and host backends)", expandable),
+    flag!("expandable", "false", "grow the large pool inside one reserved range of address space, mapping pages as blocks need them and unmapping pages inside free blocks when memory is released (cuda and host backends)", expandable),
     flag!("stash", "true", "keep each pool's last freed block unmerged until the next request, which takes it back if it is the same size; only a block where best fit would put that request, so it never changes placement", stash),
     optional!("release_after_ms", "10000", "a whole free segment idle this long goes back to the driver; reuse restarts the wait (off: never)", release_after_ms or "off", number, |ms| ms.to_string()),
     size!("headroom_mb", "256", "while the device (every process counted) has less free memory than this, idle cache goes back, longest idle first (0: off)", headroom, MIB),

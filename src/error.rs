@@ -101,8 +101,12 @@ pub struct OomReport {
     /// The device's free and total bytes, when the backend could tell.
     pub device_free: Option<u64>,
     pub device_total: Option<u64>,
-    /// The cap on reserved bytes (`set_memory_fraction`), when there is one.
+    /// The cap on reserved bytes (`set_memory_fraction`, or the budget
+    /// `max_reserved_mb`, the lower), when there is one.
     pub reserved_limit: Option<u64>,
+    /// Whether that cap is the budget (`max_reserved_mb`) rather than the
+    /// memory fraction.
+    pub limit_is_budget: bool,
     /// Whether the heap grows by expandable segments (then every free page
     /// was already given back before the request failed).
     pub expandable: bool,
@@ -149,8 +153,9 @@ impl fmt::Display for OomReport {
         if let (Some(free), Some(total)) = (self.device_free, self.device_total) {
             write!(f, "; the device has {} free of {}", human_bytes(free), human_bytes(total))?;
         }
+        let limit_name = if self.limit_is_budget { "max_reserved_mb" } else { "memory fraction" };
         if let Some(limit) = self.reserved_limit {
-            write!(f, "; tidepool may reserve at most {} on it (memory fraction)", human_bytes(limit))?;
+            write!(f, "; tidepool may reserve at most {} on it ({limit_name})", human_bytes(limit))?;
         }
         write!(f, ". ")?;
         if self.capturing && self.cached_free > 0 {
@@ -160,11 +165,15 @@ impl fmt::Display for OomReport {
                  back to the device: call torch.cuda.empty_cache() before capturing, or capture a smaller batch."
             )
         } else if self.reserved_limit.is_some_and(|limit| self.allocated.saturating_add(self.requested) > limit) {
-            write!(
-                f,
-                "The memory fraction is the limit: raise it (torch.cuda.set_per_process_memory_fraction) \
-                 or reduce the batch size."
-            )
+            if self.limit_is_budget {
+                write!(f, "The budget is the limit: raise max_reserved_mb in TIDEPOOL_CONF or reduce the batch size.")
+            } else {
+                write!(
+                    f,
+                    "The memory fraction is the limit: raise it (torch.cuda.set_per_process_memory_fraction) \
+                     or reduce the batch size."
+                )
+            }
         } else if self.cached_free >= self.requested && !self.expandable {
             write!(
                 f,
@@ -215,6 +224,7 @@ mod tests {
             device_free: Some(0),
             device_total: Some(16 << 30),
             reserved_limit: Some(14 << 30),
+            limit_is_budget: false,
             expandable: false,
             capturing: false,
             need_from_others: 2 << 30,
@@ -240,7 +250,14 @@ mod tests {
         let text = AllocError::OutOfMemory(Box::new(OomReport { expandable: true, ..report.clone() })).to_string();
         assert!(!text.contains("expandable:true") && text.contains("batch size"), "{text}");
         // During a capture, the cache could not be released: it says so, and what to do.
-        let text = AllocError::OutOfMemory(Box::new(OomReport { capturing: true, ..report })).to_string();
+        let text = AllocError::OutOfMemory(Box::new(OomReport { capturing: true, ..report.clone() })).to_string();
         assert!(text.contains("CUDA graph capture") && text.contains("empty_cache() before capturing"), "{text}");
+        // A cap that live memory alone overruns is named: the memory fraction, or the budget.
+        let capped = OomReport { reserved_limit: Some(11 << 30), ..report };
+        let text = AllocError::OutOfMemory(Box::new(capped.clone())).to_string();
+        assert!(text.contains("(memory fraction)") && text.contains("set_per_process_memory_fraction"), "{text}");
+        let text = AllocError::OutOfMemory(Box::new(OomReport { limit_is_budget: true, ..capped })).to_string();
+        assert!(text.contains("(max_reserved_mb)") && text.contains("raise max_reserved_mb"), "{text}");
+        assert!(!text.contains("memory fraction"), "{text}");
     }
 }

@@ -423,7 +423,7 @@ fn a_memory_fraction_caps_what_the_heap_reserves() {
     // Live memory itself over the cap: out of memory, and the report says why.
     let err = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap_err();
     let AllocError::OutOfMemory(report) = &err else { panic!("{err:?}") };
-    assert_eq!(report.reserved_limit, Some(50 * MIB));
+    assert_eq!((report.reserved_limit, report.limit_is_budget), (Some(50 * MIB), false));
     assert!(err.to_string().contains("memory fraction"), "{err}");
     alloc.set_memory_fraction(0, 1.0).unwrap();
     let c = alloc.allocate(0, (30 * MIB) as usize, S0).unwrap();

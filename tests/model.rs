@@ -221,8 +221,8 @@ enum PairOp {
     Alloc { stream: u64, size: u64, tagged: bool },
     Free { pick: usize },
     EmptyCache,
-    /// A live block used on the other stream too (`record_stream`): freed
-    /// at once on the host backend, held pending while a private pool is open.
+    // A live block used on another stream too (`record_stream`): freed at
+    // once on the host backend, held pending while a private pool is open.
     RecordStream { pick: usize },
     BeginPrivate { pool: u64 },
     EndPrivate { pool: u64 },

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{host_allocator, reserved, MIB};
 use tidepool::reclaim::policy::Reason;
-use tidepool::{Allocator, Stream};
+use tidepool::{AllocError, Allocator, Stream};
 
 const S0: Stream = Stream::DEFAULT;
 
@@ -65,7 +65,12 @@ fn the_budget_releases_cache_first_and_fails_only_for_live_memory() {
     alloc.free(0, a).unwrap();
     let b = alloc.allocate(0, (50 * MIB) as usize, S0).unwrap();
     assert_eq!(reserved(&alloc), 50 * MIB, "the cached 40 MiB went to make room");
-    assert!(alloc.allocate(0, (20 * MIB) as usize, S0).is_err(), "70 MiB live is over the 64 MiB budget");
+    let err = alloc.allocate(0, (20 * MIB) as usize, S0).unwrap_err();
+    // 70 MiB live is over the 64 MiB budget, and the report names the budget, not a memory fraction.
+    let AllocError::OutOfMemory(report) = &err else { panic!("{err:?}") };
+    assert_eq!((report.reserved_limit, report.limit_is_budget), (Some(64 * MIB), true));
+    assert!(err.to_string().contains("raise max_reserved_mb"), "{err}");
+    assert!(!err.to_string().contains("memory fraction"), "{err}");
     let s = alloc.stats(0).unwrap();
     assert_eq!(s.released(Reason::OutOfMemory).bytes, 40 * MIB);
     alloc.free(0, b).unwrap();

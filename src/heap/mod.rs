@@ -1031,6 +1031,7 @@ impl DeviceHeap {
             device_free: info.map(|i| i.free),
             device_total: info.map(|i| i.total),
             reserved_limit: self.reserved_limit(),
+            limit_is_budget: self.policy.max_reserved < self.reserve.limit(),
             expandable: self.vm.is_some(),
             capturing: !self.may_release(),
             need_from_others,
