@@ -440,7 +440,14 @@ fn with_stream_shards_every_shard_pauses_and_resumes() {
 /// and the device's free memory always matches what the heap holds.
 #[test]
 fn random_steps_across_tags_keep_every_invariant_and_every_offloaded_byte() {
-    let (alloc, backend) = host_allocator(1, 2 << 30, "");
+    // The untagged pools grow by segments, then by expandable segments.
+    for conf in ["", "expandable:true"] {
+        random_steps_across_tags(conf);
+    }
+}
+
+fn random_steps_across_tags(conf: &str) {
+    let (alloc, backend) = host_allocator(1, 2 << 30, conf);
     let tags = ["i13-rand-a", "i13-rand-b", "i13-rand-c"];
     for tag in tags {
         tidepool::tag::intern(tag).unwrap(); // known before its first allocation
@@ -459,11 +466,13 @@ fn random_steps_across_tags_keep_every_invariant_and_every_offloaded_byte() {
                     2 => (1 + rng.below(3)) << 20,
                     _ => (2 + rng.below(20)) << 20,
                 };
+                // Two streams: each has pools of its own.
+                let stream = Stream(1 + rng.below(2));
                 let result = if t < 3 {
                     let _r = region(tags[t]).unwrap();
-                    alloc.allocate(0, size as usize, S)
+                    alloc.allocate(0, size as usize, stream)
                 } else {
-                    alloc.allocate(0, size as usize, S)
+                    alloc.allocate(0, size as usize, stream)
                 };
                 match (result, t < 3 && paused[t].is_some()) {
                     (Ok(p), false) => {
@@ -471,8 +480,11 @@ fn random_steps_across_tags_keep_every_invariant_and_every_offloaded_byte() {
                         live.push((p, size, step, t));
                     }
                     (Err(AllocError::Tag(_)), true) => {}
-                    (other, was_paused) => panic!("step {step}: allocation under {t} (paused {was_paused}) gave {other:?}"),
+                    (other, was_paused) => panic!("{conf:?} step {step}: allocation under {t} (paused {was_paused}) gave {other:?}"),
                 }
+            }
+            8 if t == 3 => {
+                alloc.empty_cache();
             }
             5..=6 if !live.is_empty() => {
                 let (p, ..) = live.swap_remove(rng.below(live.len() as u64) as usize);
@@ -490,7 +502,7 @@ fn random_steps_across_tags_keep_every_invariant_and_every_offloaded_byte() {
                     for &(p, size, pattern, owner) in &live {
                         if owner == t {
                             if offload {
-                                assert_eq!(check(p, size, pattern), Ok(()), "step {step}: {} block restored", tags[t]);
+                                assert_eq!(check(p, size, pattern), Ok(()), "{conf:?} step {step}: {} block restored", tags[t]);
                             } else {
                                 fill(p, size, pattern); // discarded: the test writes it again
                             }
@@ -500,12 +512,12 @@ fn random_steps_across_tags_keep_every_invariant_and_every_offloaded_byte() {
             },
             _ => {}
         }
-        alloc.validate().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        alloc.validate().unwrap_or_else(|e| panic!("{conf:?} step {step}: {e}"));
         let s = alloc.stats(0).unwrap();
-        assert_eq!(backend.mem_info(0).unwrap().free, (2 << 30) - s.reserved_bytes.all.current, "step {step}");
+        assert_eq!(backend.mem_info(0).unwrap().free, (2 << 30) - s.reserved_bytes.all.current, "{conf:?} step {step}");
         for &(p, size, pattern, owner) in &live {
             if owner == 3 || paused[owner].is_none() {
-                assert_eq!(check(p, size, pattern), Ok(()), "step {step}: a block not paused was touched");
+                assert_eq!(check(p, size, pattern), Ok(()), "{conf:?} step {step}: a block not paused was touched");
             }
         }
     }
