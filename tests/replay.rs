@@ -378,6 +378,9 @@ fn plan_answers_in_plain_words_and_in_json() {
     let (ok, stdout, stderr) = tidepool_cli(&["plan", path.to_str().unwrap()]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("with PyTorch's allocator") && stdout.contains("with tidepool") && stdout.contains("card"), "{stdout}");
+    // Sizes as precise as the 2 MiB step: in whole MiB, not hundredths of a GiB.
+    let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
+    assert!(needs.contains(" MiB with PyTorch's allocator") && needs.ends_with("(to 2 MiB)"), "{needs}");
     assert!(stdout.contains("(one step less), tidepool expandable:true runs out at event "), "{stdout}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--json"]);
     assert!(ok);

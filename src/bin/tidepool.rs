@@ -42,8 +42,8 @@ usage:
       comma-separated; all three by default; a trace of several GPUs gets figures per device
   tidepool plan FILE [--conf KEY:VAL,...] [--step SIZE] [--json]
       the smallest device the trace fits, with PyTorch's allocator and with tidepool, found
-      to --step (default: the larger of 2 MiB and 0.25 % of the peak of live memory); a
-      trace of several GPUs gets one answer per device
+      to --step (default: the larger of 2 MiB and 0.25 % of the peak of live memory, in whole
+      MiB); a trace of several GPUs gets one answer per device
   tidepool top [--once] [--json]
       the tidepool processes sharing devices on this machine, refreshed every second
       (--once: one table; --json: one JSON object)
@@ -397,7 +397,6 @@ fn run_plan(args: &[String]) -> Result<(), String> {
         out!("{object}");
     } else {
         let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
-        let mib = |b: u64| format!("{:.0} MiB", b as f64 / (1u64 << 20) as f64);
         out!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), gib(trace.peak_requested()));
         for d in 0..pytorch.len() {
             let prefix = if trace.devices > 1 {
@@ -405,16 +404,22 @@ fn run_plan(args: &[String]) -> Result<(), String> {
             } else {
                 String::new()
             };
+            let step = pytorch[d].step;
             out!(
                 "{prefix}needs {} with PyTorch's allocator, {} with tidepool, {} with tidepool expandable:true (to {})",
-                gib(pytorch[d].min_capacity),
-                gib(tidepool[d].min_capacity),
-                gib(expandable[d].min_capacity),
-                mib(pytorch[d].step),
+                capacity_text(pytorch[d].min_capacity, step),
+                capacity_text(tidepool[d].min_capacity, step),
+                capacity_text(expandable[d].min_capacity, step),
+                step_text(step),
             );
             if let Some(oom) = &expandable[d].one_step_less {
                 let less = expandable[d].min_capacity - expandable[d].step;
-                out!("  on {} (one step less), tidepool expandable:true runs out at event {}: {}", mib(less), oom.event, oom.message);
+                out!(
+                    "  on {} (one step less), tidepool expandable:true runs out at event {}: {}",
+                    capacity_text(less, step),
+                    oom.event,
+                    oom.message
+                );
             }
         }
         let best = need(&tidepool).min(need(&expandable));
@@ -422,6 +427,33 @@ fn run_plan(args: &[String]) -> Result<(), String> {
         out!("tidepool: {each}{}. PyTorch's allocator: {each}{}.", card_advice(best), card_advice(need(&pytorch)));
     }
     Ok(())
+}
+
+/// A device size `plan` found to `step` bytes, as precisely as the step
+/// makes it: GiB for steps of 16 MiB and more, MiB (and GiB beside them
+/// from 1 GiB on) for finer ones.
+fn capacity_text(bytes: u64, step: u64) -> String {
+    const MIB: f64 = (1u64 << 20) as f64;
+    let gib = format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64);
+    if step >= 16 << 20 {
+        return gib;
+    }
+    let decimals = if step >= 1 << 20 { 0 } else { 2 };
+    let mib = format!("{:.*} MiB", decimals, bytes as f64 / MIB);
+    if bytes >= 1 << 30 {
+        format!("{gib} ({mib})")
+    } else {
+        mib
+    }
+}
+
+/// `plan`'s step: "4 MiB", "512 KiB", "6.40 MiB".
+fn step_text(step: u64) -> String {
+    match step {
+        s if s % (1 << 20) == 0 => format!("{} MiB", s >> 20),
+        s if s % (1 << 10) == 0 && s < 1 << 20 => format!("{} KiB", s >> 10),
+        s => human_bytes(s),
+    }
 }
 
 fn run_top(args: &[String]) -> Result<(), String> {
