@@ -60,9 +60,18 @@ pub struct Config {
     pub stream_shards: usize,
     /// When the device is full, serve a stream from blocks cached for another.
     pub lend_across_streams: bool,
-    /// Grow each pool inside one reserved range of address space, holding
-    /// memory page by page (see `heap/expandable.rs`).
+    /// Grow the large pool inside one reserved range of address space,
+    /// holding memory page by page (see `heap/expandable.rs`).
     pub expandable: bool,
+    /// With expandable segments, map physical memory this many bytes at a
+    /// time (a multiple of the backend's page; None: the backend's page,
+    /// 2 MiB on CUDA). Not an option of TIDEPOOL_CONF: the replay's model
+    /// of PyTorch's expandable segments maps 20 MiB at a time.
+    pub expandable_page: Option<u64>,
+    /// With expandable segments, move idle cached pages to where the heap
+    /// grows before it grows past its high-water mark (`heap/recycle.rs`).
+    /// Not an option of TIDEPOOL_CONF: off in the model of PyTorch.
+    pub move_pages: bool,
     /// Keep this many of each device's last events for snapshots'
     /// `device_traces` from the start (0: off; see `heap/history.rs`).
     pub history_entries: usize,
@@ -110,6 +119,8 @@ impl Default for Config {
             stream_shards: 1,
             lend_across_streams: true,
             expandable: false,
+            expandable_page: None,
+            move_pages: true,
             history_entries: 0,
             oom_snapshot: None,
         }

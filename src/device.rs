@@ -56,11 +56,16 @@ impl Device {
                 heap.share_reserve(reserve.clone());
                 heap.set_stash(config.stash);
                 heap.set_lend_across_streams(config.lend_across_streams);
-                if let Err(err) = heap.set_expandable(config.expandable) {
+                let expandable = heap.set_expandable(config.expandable).and_then(|()| match config.expandable_page {
+                    Some(page) if config.expandable => heap.set_expandable_page(page),
+                    _ => Ok(()),
+                });
+                if let Err(err) = expandable {
                     if shard == 0 {
                         eprintln!("tidepool: warning: device {index}: {err}");
                     }
                 }
+                heap.set_move_pages(config.move_pages);
                 heap.set_policy(config.policy(), clock.clone());
                 heap.record_history(Some(config.history_entries));
                 if let Some(recorder) = recorder {

@@ -20,7 +20,7 @@ use tidepool::reclaim::policy::{Policy as Release, Reason};
 use tidepool::reclaim::Clock;
 use tidepool::trace::plan::smallest_capacity_in_steps;
 use tidepool::trace::replay::{replay, Policy, ReplayOptions};
-use tidepool::{AllocError, Allocator, DevicePtr, Stream};
+use tidepool::{AllocError, Allocator, Config, DevicePtr, Stream};
 
 const S: Stream = Stream::DEFAULT;
 
@@ -463,6 +463,41 @@ fn a_hole_s_memory_moves_to_the_new_pages_with_one_map_and_one_unmap_per_page() 
     assert_eq!(check(again, 12 * MIB, 7), Ok(()), "the moved pages are usable");
     assert_eq!(reserved(&a), 34 * MIB);
     a.validate().unwrap();
+}
+
+#[test]
+fn with_moves_off_a_growth_maps_new_pages_and_the_hole_keeps_its_own() {
+    // The replay's model of PyTorch's expandable segments moves nothing.
+    let config = Config::builder().conf("release_after_ms:off,headroom_mb:0,expandable:true").unwrap().host(1, 1 << 30);
+    let config = Config { move_pages: false, ..config.build().unwrap() };
+    let backend = Arc::new(HostBackend::new(1, 1 << 30));
+    let a = Allocator::with_backend(config, backend.clone());
+    let b = a_hole_with_pages_and_a_hole_without(&a);
+    let again = alloc(&a, 12 * MIB);
+    assert_eq!(again, b);
+    assert_eq!(backend.vm_moves(), (0, 0));
+    assert_eq!(reserved(&a), 34 * MIB + 16 * MIB, "D's 8 pages stay mapped beside B's 6 new ones");
+    a.validate().unwrap();
+}
+
+#[test]
+fn pages_larger_than_the_backends_map_that_much_at_a_time_and_bad_sizes_are_refused() {
+    let backend = Arc::new(HostBackend::new(1, 1 << 30));
+    let mut heap = DeviceHeap::new(0, Default::default(), backend.clone());
+    assert!(heap.set_expandable_page(20 * MIB).is_err(), "expandable segments are off");
+    heap.set_expandable(true).unwrap();
+    for bad in [0, 3 * MIB, MIB] {
+        let err = heap.set_expandable_page(bad).unwrap_err();
+        assert!(err.contains("not a multiple of the backend's"), "{bad}: {err}");
+    }
+    heap.set_expandable_page(20 * MIB).unwrap();
+    // 30 MiB takes two 20 MiB pages: two maps and their access in one run.
+    let p = heap.allocate(30 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(heap.stats().reserved_bytes.all.current, 40 * MIB);
+    assert_eq!(backend.vm_calls().0, 1, "one run");
+    assert!(heap.set_expandable_page(2 * MIB).is_err(), "only before the first allocation");
+    heap.free(p).unwrap();
+    heap.validate().unwrap();
 }
 
 #[test]

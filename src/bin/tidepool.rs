@@ -38,8 +38,10 @@ usage:
       replay allocation traces (RMM logging CSV, PyTorch memory snapshot pickles) and report
       peak requested, allocated and reserved memory, driver calls, OOMs and fragmentation;
       --capacity limits each device (default: unlimited); --policy picks from pytorch (the
-      model of PyTorch's allocator), tidepool and expandable (tidepool with expandable:true),
-      comma-separated; all three by default; a trace of several GPUs gets figures per device
+      model of PyTorch's allocator), tidepool, expandable (tidepool with expandable:true) and
+      pytorch-expandable (the model of PyTorch with expandable_segments:True), comma-separated;
+      the first three by default, all four with all; a trace of several GPUs gets figures
+      per device
   tidepool plan FILE [--conf KEY:VAL,...] [--step SIZE] [--json]
       the smallest device the trace fits, with PyTorch's allocator and with tidepool, found
       to --step (default: the larger of 2 MiB and 0.25 % of the peak of live memory, in whole
@@ -146,7 +148,7 @@ fn parse_policies(text: &str) -> Result<Vec<Policy>, String> {
     for name in text.split(',') {
         let policy = match name.trim() {
             "all" => {
-                policies.extend(Policy::ALL);
+                policies.extend(Policy::NAMED);
                 continue;
             }
             // Earlier releases' name for tidepool and pytorch.
@@ -154,9 +156,10 @@ fn parse_policies(text: &str) -> Result<Vec<Policy>, String> {
                 policies.extend([Policy::Tidepool, Policy::Pytorch]);
                 continue;
             }
-            other => Policy::ALL.into_iter().find(|p| p.name() == other),
+            other => Policy::NAMED.into_iter().find(|p| p.name() == other),
         };
-        policies.push(policy.ok_or_else(|| format!("--policy: expected pytorch, tidepool, expandable or all, got {name:?}"))?);
+        let expected = "pytorch, tidepool, expandable, pytorch-expandable or all";
+        policies.push(policy.ok_or_else(|| format!("--policy: expected {expected}, got {name:?}"))?);
     }
     policies.dedup();
     Ok(policies)

@@ -64,6 +64,26 @@ impl DeviceHeap {
         Ok(())
     }
 
+    /// Maps physical memory `page` bytes at a time in the expandable
+    /// segments just turned on: a multiple of the backend's page (the
+    /// replay's model of PyTorch maps 20 MiB at a time). Only before the
+    /// first allocation.
+    pub fn set_expandable_page(&mut self, page: u64) -> Result<(), String> {
+        let Some(vm) = self.vm else {
+            return Err("expandable segments are off".into());
+        };
+        if self.segments.iter().any(Option::is_some) {
+            return Err("the page of expandable segments can only be set before the first allocation".into());
+        }
+        if page == 0 || !page.is_multiple_of(vm.page) {
+            return Err(format!("an expandable page of {page} bytes is not a multiple of the backend's {}", vm.page));
+        }
+        let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
+        self.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
+        self.refresh_pool_vms();
+        Ok(())
+    }
+
     /// Tells the default pools made so far how they grow now.
     fn refresh_pool_vms(&mut self) {
         for id in 0..self.pools.len() {

@@ -25,9 +25,9 @@ pub struct PageMap {
 }
 
 impl PageMap {
-    /// A map of `range` bytes (a multiple of `page`, a power of two), nothing mapped.
+    /// A map of `range` bytes (a multiple of `page`), nothing mapped.
     pub fn new(range: u64, page: u64) -> PageMap {
-        debug_assert!(page.is_power_of_two() && range.is_multiple_of(page));
+        debug_assert!(page > 0 && range.is_multiple_of(page));
         PageMap { page, pages: range / page, bits: Vec::new(), mapped: 0, end: 0 }
     }
 

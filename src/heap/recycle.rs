@@ -40,6 +40,9 @@ pub(super) struct Recycling {
     /// segments; `DeviceHeap::stamp_freed`): the clock that orders free
     /// blocks by age, the same in a live run and a replay, stash or not.
     pub frees: u64,
+    /// Nothing moves (`Config::move_pages` off: the replay's model of
+    /// PyTorch's expandable segments, which grow by new memory only).
+    pub off: bool,
 }
 
 /// Mapped pages of a hole whose stream has no work left on them, about to
@@ -53,6 +56,11 @@ pub(super) struct Donor {
 }
 
 impl DeviceHeap {
+    /// Turns moving cached pages before growth on (the default) or off.
+    pub fn set_move_pages(&mut self, on: bool) {
+        self.recycling.off = !on;
+    }
+
     /// Before the heap takes `bytes` more from the device: when that would
     /// take it past its high-water mark, releases whole free small segments
     /// and returns the mapped pages of holes (as donors, ready to move) until
@@ -61,7 +69,7 @@ impl DeviceHeap {
     /// among the holes. The caller moves or unmaps every donor.
     pub(super) fn recycle_before_growth(&mut self, bytes: u64) -> Vec<Donor> {
         let mut donors = Vec::new();
-        if self.vm.is_none() || !self.may_release() {
+        if self.vm.is_none() || self.recycling.off || !self.may_release() {
             return donors;
         }
         let reserved = &self.stats.reserved_bytes;

@@ -104,8 +104,10 @@ impl DeviceHeap {
             let pages = segment.pages.as_ref();
             if let Some(pages) = pages {
                 pages.check().map_err(|e| format!("segment {segment_id}: {e}"))?;
+                // The driver maps at its own page; tidepool's may be a multiple.
+                let driver_page = self.backend.vm_page_size(self.device).unwrap_or(pages.page_size());
                 ensure!(
-                    segment.base.is_multiple_of(pages.page_size()) && segment.size.is_multiple_of(pages.page_size()),
+                    segment.base.is_multiple_of(driver_page) && segment.size.is_multiple_of(pages.page_size()),
                     "expandable segment {segment_id} is not page-aligned"
                 );
             }

@@ -12,7 +12,13 @@
 //! cached whole segment and one retry before an OOM), with the settings the
 //! snapshot recorded (`max_split_size`, `roundup_power2_divisions`), and
 //! without tidepool's stash of the last freed block or its lending of
-//! blocks across streams.
+//! blocks across streams. A fourth, `pytorch-expandable`, models PyTorch
+//! with `expandable_segments:True`: the large pool grows in one range per
+//! stream, 20 MiB of physical memory at a time (`cuMemCreate` and
+//! `cuMemMap` each, `cuMemSetAccess` per run), whole 20 MiB pieces of free
+//! blocks are unmapped only when memory runs out or the cache is emptied,
+//! nothing moves, and the small pool keeps 2 MiB pieces (modelled as
+//! segments, counted as the three calls each takes there).
 #![forbid(unsafe_code)]
 
 use std::time::Instant;
@@ -28,16 +34,26 @@ pub enum Policy {
     /// tidepool with expandable segments (`expandable:true`).
     Expandable,
     Pytorch,
+    /// The model of PyTorch with `expandable_segments:True`.
+    PytorchExpandable,
 }
 
+/// What PyTorch's expandable segments map at a time in the large pool
+/// (its `kLargeBuffer`).
+const PYTORCH_EXPANDABLE_PAGE: u64 = 20 << 20;
+
 impl Policy {
+    /// The policies replay and plan compare by default.
     pub const ALL: [Policy; 3] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable];
+    /// Every policy, by name.
+    pub const NAMED: [Policy; 4] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable, Policy::PytorchExpandable];
 
     pub fn name(self) -> &'static str {
         match self {
             Policy::Tidepool => "tidepool",
             Policy::Expandable => "expandable",
             Policy::Pytorch => "pytorch",
+            Policy::PytorchExpandable => "pytorch-expandable",
         }
     }
 
@@ -47,6 +63,7 @@ impl Policy {
             Policy::Tidepool => "tidepool",
             Policy::Expandable => "tidepool expandable",
             Policy::Pytorch => "pytorch model",
+            Policy::PytorchExpandable => "pytorch expandable model",
         }
     }
 }
@@ -146,8 +163,9 @@ impl ReplayReport {
 pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, ConfigError> {
     // A replay has no wall clock: the time-driven release policies stay off.
     let mut builder = Config::builder().conf("release_after_ms:off,headroom_mb:0")?;
+    let pytorch = matches!(options.policy, Policy::Pytorch | Policy::PytorchExpandable);
     match options.policy {
-        Policy::Pytorch => builder = builder.conf(&trace.pytorch_conf)?,
+        Policy::Pytorch | Policy::PytorchExpandable => builder = builder.conf(&trace.pytorch_conf)?,
         Policy::Expandable => builder = builder.set("expandable", "true")?,
         Policy::Tidepool => {}
     }
@@ -155,12 +173,18 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
         builder = builder.trace(path);
     }
     builder = builder.conf(&options.conf)?;
-    if options.policy == Policy::Pytorch {
+    if pytorch {
         // PyTorch merges every free at once, never lends across streams and
-        // (by default) grows by whole segments, whatever `conf` says.
-        builder = builder.set("stash", "false")?.set("lend_across_streams", "false")?.set("expandable", "false")?;
+        // grows as its setting says, whatever `conf` says.
+        let expandable = options.policy == Policy::PytorchExpandable;
+        builder = builder.set("stash", "false")?.set("lend_across_streams", "false")?.set("expandable", &expandable.to_string())?;
     }
-    builder.host(trace.devices as usize, options.capacity).build()
+    let mut config = builder.host(trace.devices as usize, options.capacity).build()?;
+    if options.policy == Policy::PytorchExpandable {
+        config.expandable_page = Some(PYTORCH_EXPANDABLE_PAGE);
+        config.move_pages = false;
+    }
+    Ok(config)
 }
 
 /// Replays each device of `trace` on its own: one report per device, in
@@ -267,6 +291,12 @@ pub fn replay_with_progress(
     }
     let (map_calls, _) = backend.vm_calls();
     report.driver_calls += backend.allocate_calls() + backend.release_calls() + map_calls;
+    if options.policy == Policy::PytorchExpandable {
+        // Its small pool's 2 MiB pieces are mapped pages there too:
+        // cuMemCreate, cuMemMap and cuMemSetAccess each; cuMemUnmap and
+        // cuMemRelease to go back (segments here: one call each way).
+        report.driver_calls += 2 * backend.allocate_calls() + backend.release_calls();
+    }
     // A moved page counts as mapped and as unmapped: four calls above, two made.
     let (move_calls, moved_bytes) = backend.vm_moves();
     let moved_pages = moved_bytes / backend.vm_page_size(0).unwrap_or(u64::MAX);
