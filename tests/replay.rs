@@ -127,7 +127,12 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
         if device == 1 {
             assert!(error > 0.0 && error < 0.06, "device 1: {:.2} %", 100.0 * error);
         } else {
-            assert!(error.abs() <= 0.005, "device {device}: model {} vs recorded {recorded}: {:.2} %", report.peak_reserved_bytes, 100.0 * error);
+            assert!(
+                error.abs() <= 0.005,
+                "device {device}: model {} vs recorded {recorded}: {:.2} %",
+                report.peak_reserved_bytes,
+                100.0 * error
+            );
         }
         // Plain segments, PyTorch's default, miss by more on every card.
         let plain = replay_per_device(&trace, &options(Policy::Pytorch)).unwrap()[device].peak_reserved_bytes as f64;
@@ -251,7 +256,7 @@ fn child_replays_leave_no_mapping() {
     }
     let before = mappings();
     for _ in 0..50 {
-        for policy in Policy::NAMED {
+        for policy in Policy::ALL {
             replay(&trace, &options(policy)).unwrap();
         }
     }
@@ -437,6 +442,16 @@ fn plan_answers_in_plain_words_and_in_json() {
     assert!(less["event"].as_u64().unwrap() < 75 && less["message"].as_str().unwrap().contains("out of memory"), "{plan}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--step", "4MiB"]);
     assert!(ok && stdout.contains("(to 4 MiB)"), "{stdout}");
+}
+
+#[test]
+fn a_replay_of_every_policy_keeps_its_columns_apart() {
+    let path = write_small_csv();
+    let (ok, stdout, stderr) = tidepool_cli(&["replay", path.to_str().unwrap(), "--policy", "all"]);
+    assert!(ok, "{stderr}");
+    let header = stdout.lines().nth(1).unwrap();
+    let titles: Vec<&str> = header.split("  ").map(str::trim).filter(|t| !t.is_empty()).collect();
+    assert_eq!(titles, ["pytorch model", "tidepool", "tidepool expandable", "pytorch expandable model"], "{stdout}");
 }
 
 #[test]

@@ -112,7 +112,7 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
         files: Vec::new(),
         capacity: 1 << 50,
         conf: String::new(),
-        policies: Policy::ALL.to_vec(),
+        policies: Policy::DEFAULT.to_vec(),
         json: false,
         plot: None,
         step: None,
@@ -148,7 +148,7 @@ fn parse_policies(text: &str) -> Result<Vec<Policy>, String> {
     for name in text.split(',') {
         let policy = match name.trim() {
             "all" => {
-                policies.extend(Policy::NAMED);
+                policies.extend(Policy::ALL);
                 continue;
             }
             // Earlier releases' name for tidepool and pytorch.
@@ -156,7 +156,7 @@ fn parse_policies(text: &str) -> Result<Vec<Policy>, String> {
                 policies.extend([Policy::Tidepool, Policy::Pytorch]);
                 continue;
             }
-            other => Policy::NAMED.into_iter().find(|p| p.name() == other),
+            other => Policy::ALL.into_iter().find(|p| p.name() == other),
         };
         let expected = "pytorch, tidepool, expandable, pytorch-expandable or all";
         policies.push(policy.ok_or_else(|| format!("--policy: expected {expected}, got {name:?}"))?);
@@ -273,9 +273,11 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
         trace.allocs,
         human_bytes(trace.peak_requested())
     );
+    // Columns as wide as the longest title, and at least 21.
+    let width = reports.iter().map(|r| r.policy.title().len() + 2).max().unwrap_or(0).max(21);
     let mut header = format!("  {:<24}", "");
     for r in reports {
-        header += &format!("{:>21}", r.policy.title());
+        header += &format!("{:>width$}", r.policy.title());
     }
     if trace.pytorch_peak_reserved.is_some() {
         header += &format!("{:>18}", "pytorch recorded");
@@ -284,7 +286,7 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
     let row = |label: &str, cell: &dyn Fn(&ReplayReport) -> String, recorded: Option<String>| {
         let mut line = format!("  {label:<24}");
         for r in reports {
-            line += &format!("{:>21}", cell(r));
+            line += &format!("{:>width$}", cell(r));
         }
         if let Some(recorded) = recorded {
             line += &format!("{recorded:>18}");
@@ -355,7 +357,7 @@ fn run_plan(args: &[String]) -> Result<(), String> {
     let file = &options.files[0];
     let trace = load(file)?;
     let [pytorch, tidepool, expandable] =
-        Policy::ALL.map(|policy| smallest_capacity_per_device(&trace, policy, &options.conf, options.step));
+        Policy::DEFAULT.map(|policy| smallest_capacity_per_device(&trace, policy, &options.conf, options.step));
     let (pytorch, tidepool, expandable) = (pytorch?, tidepool?, expandable?);
     let peaks: Vec<u64> = {
         let all = trace.peak_requested_per_device();

@@ -44,9 +44,9 @@ const PYTORCH_EXPANDABLE_PAGE: u64 = 20 << 20;
 
 impl Policy {
     /// The policies replay and plan compare by default.
-    pub const ALL: [Policy; 3] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable];
-    /// Every policy, by name.
-    pub const NAMED: [Policy; 4] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable, Policy::PytorchExpandable];
+    pub const DEFAULT: [Policy; 3] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable];
+    /// Every policy (`--policy all`).
+    pub const ALL: [Policy; 4] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable, Policy::PytorchExpandable];
 
     pub fn name(self) -> &'static str {
         match self {
