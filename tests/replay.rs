@@ -420,6 +420,7 @@ fn plan_answers_in_plain_words_and_in_json() {
     // Sizes as precise as the 2 MiB step: in whole MiB, not hundredths of a GiB.
     let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
     assert!(needs.contains(" MiB with PyTorch's allocator") && needs.ends_with("(to 2 MiB)"), "{needs}");
+    assert!(needs.contains(" MiB with PyTorch's expandable_segments:True"), "{needs}");
     assert!(stdout.contains("(one step less), tidepool expandable:true runs out at event "), "{stdout}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--json"]);
     assert!(ok);
@@ -429,6 +430,7 @@ fn plan_answers_in_plain_words_and_in_json() {
         "\"tidepool\":{\"min_capacity_bytes\"",
         "\"pytorch\":{\"min_capacity_bytes\"",
         "\"expandable\":{\"min_capacity_bytes\"",
+        "\"pytorch_expandable\":{\"min_capacity_bytes\"",
         "\"step_bytes\":2097152",
         "\"devices\":[{\"device\":0",
     ] {

@@ -43,9 +43,10 @@ usage:
       the first three by default, all four with all; a trace of several GPUs gets figures
       per device
   tidepool plan FILE [--conf KEY:VAL,...] [--step SIZE] [--json]
-      the smallest device the trace fits, with PyTorch's allocator and with tidepool, found
-      to --step (default: the larger of 2 MiB and 0.25 % of the peak of live memory, in whole
-      MiB); a trace of several GPUs gets one answer per device
+      the smallest device the trace fits, with PyTorch's allocator (with and without its
+      expandable segments) and with tidepool (with and without its own), found to --step
+      (default: the larger of 2 MiB and 0.25 % of the peak of live memory, in whole MiB); a
+      trace of several GPUs gets one answer per device
   tidepool top [--once] [--json]
       the tidepool processes sharing devices on this machine, refreshed every second
       (--once: one table; --json: one JSON object)
@@ -356,9 +357,9 @@ fn run_plan(args: &[String]) -> Result<(), String> {
     }
     let file = &options.files[0];
     let trace = load(file)?;
-    let [pytorch, tidepool, expandable] =
-        Policy::DEFAULT.map(|policy| smallest_capacity_per_device(&trace, policy, &options.conf, options.step));
-    let (pytorch, tidepool, expandable) = (pytorch?, tidepool?, expandable?);
+    let [pytorch, tidepool, expandable, pytorch_expandable] =
+        Policy::ALL.map(|policy| smallest_capacity_per_device(&trace, policy, &options.conf, options.step));
+    let (pytorch, tidepool, expandable, pytorch_expandable) = (pytorch?, tidepool?, expandable?, pytorch_expandable?);
     let peaks: Vec<u64> = {
         let all = trace.peak_requested_per_device();
         pytorch.iter().map(|p| all.get(p.device as usize).copied().unwrap_or(0)).collect()
@@ -386,6 +387,7 @@ fn run_plan(args: &[String]) -> Result<(), String> {
                     "pytorch": policy(&pytorch[d]),
                     "tidepool": policy(&tidepool[d]),
                     "expandable": policy(&expandable[d]),
+                    "pytorch_expandable": policy(&pytorch_expandable[d]),
                 })
             })
             .collect();
@@ -397,6 +399,7 @@ fn run_plan(args: &[String]) -> Result<(), String> {
             "pytorch": card(&pytorch),
             "tidepool": card(&tidepool),
             "expandable": card(&expandable),
+            "pytorch_expandable": card(&pytorch_expandable),
             "devices": devices,
         });
         out!("{object}");
@@ -411,8 +414,10 @@ fn run_plan(args: &[String]) -> Result<(), String> {
             };
             let step = pytorch[d].step;
             out!(
-                "{prefix}needs {} with PyTorch's allocator, {} with tidepool, {} with tidepool expandable:true (to {})",
+                "{prefix}needs {} with PyTorch's allocator, {} with PyTorch's expandable_segments:True, \
+                 {} with tidepool, {} with tidepool expandable:true (to {})",
                 capacity_text(pytorch[d].min_capacity, step),
+                capacity_text(pytorch_expandable[d].min_capacity, step),
                 capacity_text(tidepool[d].min_capacity, step),
                 capacity_text(expandable[d].min_capacity, step),
                 step_text(step),
