@@ -87,7 +87,8 @@ class Sweep(unittest.TestCase):
         self.assertEqual(len(self.rows), 8)
         for r in self.rows:
             self.assertEqual(set(r), {"variant", "peak_live_bytes", "breakdown", "pytorch_min_capacity_bytes",
-                                      "tidepool_min_capacity_bytes", "fits", "trace"})
+                                      "pytorch_expandable_min_capacity_bytes", "tidepool_min_capacity_bytes",
+                                      "fits", "trace"})
             self.assertEqual(set(r["breakdown"]), {"weights_bytes", "gradients_bytes", "optimizer_bytes",
                                                    "activations_bytes"})
             self.assertIn("torch", r["variant"])
@@ -130,6 +131,7 @@ class Sweep(unittest.TestCase):
     def test_the_smallest_devices_hold_the_peak_and_fits_follows_tidepools(self):
         for r in self.rows:
             self.assertGreaterEqual(r["pytorch_min_capacity_bytes"], r["peak_live_bytes"])
+            self.assertGreaterEqual(r["pytorch_expandable_min_capacity_bytes"], r["peak_live_bytes"])
             self.assertGreaterEqual(r["tidepool_min_capacity_bytes"], r["peak_live_bytes"])
             self.assertEqual(r["fits"], [16, 24, 40, 48, 80, 96, 141])
 

@@ -322,6 +322,7 @@ def _finish(result, cards):
     try:
         plan = _plan_result(result.pop("process"))
         result["pytorch"] = plan["pytorch"]["min_capacity_bytes"]
+        result["pytorch_expandable"] = plan["pytorch_expandable"]["min_capacity_bytes"]
         result["tidepool"] = plan["expandable"]["min_capacity_bytes"]
         result["fits"] = _fits(result["tidepool"], cards)
         result["fits_pytorch"] = _fits(result["pytorch"], cards)
@@ -351,6 +352,7 @@ def _report(args, results, cards, sweeps):
                 "breakdown": {"weights_bytes": b["weights"], "gradients_bytes": b["gradients"],
                               "optimizer_bytes": b["optimizer"], "activations_bytes": b["activations"]},
                 "pytorch_min_capacity_bytes": r["pytorch"],
+                "pytorch_expandable_min_capacity_bytes": r["pytorch_expandable"],
                 "tidepool_min_capacity_bytes": r["tidepool"],
                 "fits": r["fits"],
                 "trace": r["trace"],
