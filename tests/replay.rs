@@ -116,7 +116,7 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
         return;
     };
     let trace = trace::load(&path).unwrap();
-    assert!(trace.warnings.first.iter().any(|w| w.contains("--policy pytorch-expandable")), "{:?}", trace.warnings.first);
+    assert!(trace.pytorch_expandable_segments, "the snapshot's settings say so");
     for report in replay_per_device(&trace, &options(Policy::PytorchExpandable)).unwrap() {
         let device = report.device as usize;
         let recorded = trace.pytorch_peak_reserved_per_device[device] as f64;
@@ -138,6 +138,12 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
         let plain = replay_per_device(&trace, &options(Policy::Pytorch)).unwrap()[device].peak_reserved_bytes as f64;
         assert!((plain / recorded - 1.0).abs() > error.abs(), "device {device}");
     }
+    // So it is the model `tidepool replay` puts beside the recorded figure.
+    let (ok, stdout, stderr) = tidepool_cli(&["replay", path.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    let header = stdout.lines().nth(1).unwrap();
+    assert!(header.contains("pytorch expandable model") && !header.contains("pytorch model"), "{stdout}");
+    assert!(!stderr.contains("expandable_segments"), "no warning left: {stderr}");
 }
 
 #[test]

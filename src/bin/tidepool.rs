@@ -40,8 +40,8 @@ usage:
       --capacity limits each device (default: unlimited); --policy picks from pytorch (the
       model of PyTorch's allocator), tidepool, expandable (tidepool with expandable:true) and
       pytorch-expandable (the model of PyTorch with expandable_segments:True), comma-separated;
-      the first three by default, all four with all; a trace of several GPUs gets figures
-      per device
+      by default PyTorch's model as the trace says it ran, tidepool and expandable; all four
+      with all; a trace of several GPUs gets figures per device
   tidepool plan FILE [--conf KEY:VAL,...] [--step SIZE] [--json]
       the smallest device the trace fits, with PyTorch's allocator (with and without its
       expandable segments) and with tidepool (with and without its own), found to --step
@@ -101,7 +101,8 @@ struct Options {
     files: Vec<PathBuf>,
     capacity: u64,
     conf: String,
-    policies: Vec<Policy>,
+    /// None: the default for each trace (`default_policies`).
+    policies: Option<Vec<Policy>>,
     json: bool,
     plot: Option<PathBuf>,
     /// plan's bisection step (None: its default for the trace).
@@ -113,7 +114,7 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
         files: Vec::new(),
         capacity: 1 << 50,
         conf: String::new(),
-        policies: Policy::DEFAULT.to_vec(),
+        policies: None,
         json: false,
         plot: None,
         step: None,
@@ -128,7 +129,7 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
             "--capacity" => options.capacity = parse_size(&value("--capacity")?)?,
             "--conf" => options.conf = value("--conf")?,
             "--policy" => {
-                options.policies = parse_policies(&value("--policy")?)?;
+                options.policies = Some(parse_policies(&value("--policy")?)?);
             }
             "--json" => options.json = true,
             "--plot" => options.plot = Some(PathBuf::from(value("--plot")?)),
@@ -141,6 +142,14 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
     }
     Config::builder().conf(&options.conf).map_err(|e| format!("--conf: {e}"))?;
     Ok(options)
+}
+
+/// What replay compares when --policy is not given: PyTorch's model as the
+/// trace says PyTorch ran (with expandable segments or not), and tidepool
+/// without and with its own.
+fn default_policies(trace: &Trace) -> Vec<Policy> {
+    let pytorch = if trace.pytorch_expandable_segments { Policy::PytorchExpandable } else { Policy::Pytorch };
+    vec![pytorch, Policy::Tidepool, Policy::Expandable]
 }
 
 /// "pytorch,expandable" -> the policies, in the order given.
@@ -206,12 +215,13 @@ fn run_replay(args: &[String]) -> Result<(), String> {
             eprint!("tidepool: reading {} ...\r", file.display());
         }
         let trace = load(file)?;
+        let policies = options.policies.clone().unwrap_or_else(|| default_policies(&trace));
         // Each device on its own: a card's figures, never sums over cards.
         let (devices, parts): (Vec<u32>, Vec<_>) = trace.per_device().into_iter().unzip();
         let mut by_device: Vec<Vec<ReplayReport>> = Vec::new();
         for (&device, part) in devices.iter().zip(&parts) {
             let mut reports = Vec::new();
-            for &policy in &options.policies {
+            for &policy in &policies {
                 let samples = if options.plot.is_some() { 2000 } else { 0 };
                 let replay_options =
                     ReplayOptions { capacity: options.capacity, policy, conf: options.conf.clone(), samples, record_to: None };
@@ -238,7 +248,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
             eprint!("{:80}\r", "");
         }
         if options.json {
-            for policy in 0..options.policies.len() {
+            for policy in 0..policies.len() {
                 let reports: Vec<&ReplayReport> = by_device.iter().map(|reports| &reports[policy]).collect();
                 out!("{}", policy_json(&reports));
             }

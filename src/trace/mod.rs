@@ -78,6 +78,9 @@ pub struct Trace {
     /// PyTorch's allocator settings as recorded (snapshots only), in
     /// TIDEPOOL_CONF syntax: what the PyTorch model replays with.
     pub pytorch_conf: String,
+    /// PyTorch ran with `expandable_segments:True` (snapshots only): its
+    /// model is `Policy::PytorchExpandable`.
+    pub pytorch_expandable_segments: bool,
     pub warnings: Warnings,
 }
 
@@ -93,6 +96,7 @@ impl Trace {
             pytorch_peak_reserved: None,
             pytorch_peak_reserved_per_device: Vec::new(),
             pytorch_conf: String::new(),
+            pytorch_expandable_segments: false,
             warnings: Warnings::default(),
         }
     }

@@ -43,8 +43,6 @@ pub enum Policy {
 const PYTORCH_EXPANDABLE_PAGE: u64 = 20 << 20;
 
 impl Policy {
-    /// The policies replay and plan compare by default.
-    pub const DEFAULT: [Policy; 3] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable];
     /// Every policy (`--policy all`).
     pub const ALL: [Policy; 4] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable, Policy::PytorchExpandable];
 

@@ -189,7 +189,7 @@ fn pytorch_conf(r: &Reader, root: NodeId, trace: &mut Trace) -> String {
         }
     }
     if doc.get(settings, "expandable_segments").and_then(|v| doc.int(v)) == Some(1) {
-        trace.warnings.add("PyTorch ran with expandable_segments: its model is --policy pytorch-expandable");
+        trace.pytorch_expandable_segments = true;
     }
     conf.join(",")
 }
