@@ -110,15 +110,8 @@ struct Options {
 }
 
 fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
-    let mut options = Options {
-        files: Vec::new(),
-        capacity: 1 << 50,
-        conf: String::new(),
-        policies: None,
-        json: false,
-        plot: None,
-        step: None,
-    };
+    let mut options =
+        Options { files: Vec::new(), capacity: 1 << 50, conf: String::new(), policies: None, json: false, plot: None, step: None };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value"));
