@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks of tidepool, for a machine with an NVIDIA GPU, nvcc, PyTorch
 # and transformers, but no cargo: build elsewhere first
-#   cargo build --release --lib && cargo test --release --test backends --no-run
+#   cargo build --release --lib --bin tidepool && cargo test --release --test backends --no-run
 #   cp target/release/deps/backends-<hash> target/release/backends-test
 #   cargo build --release --features cudarc --example rust_runtime
-# (carry target/release/libtidepool.so, target/release/backends-test and
-# target/release/examples/rust_runtime),
+# (carry target/release/libtidepool.so, target/release/tidepool,
+# target/release/backends-test and target/release/examples/rust_runtime),
 # then run this from the repository root. Prints a short table last.
 # Record what it prints in docs/gpu-results.md with the date, GPU and driver.
 set -uo pipefail
@@ -74,6 +74,18 @@ for a in native native-expandable tidepool tidepool-expandable; do
   timeout 240 python3 cuda/check/torch_e2e.py --allocator $a --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$a.json"
 done
 
+echo "== tidepool's models of PyTorch's allocator against PyTorch itself (the loop recorded, then replayed)"
+if [ -x target/release/tidepool ]; then
+  for a in native native-expandable; do
+    timeout 240 python3 cuda/check/torch_e2e.py --allocator $a --steps 10 --history "$OUT/history-$a.pickle" | tail -1
+  done
+  target/release/tidepool replay "$OUT/history-native.pickle" --policy pytorch --json | tee "$OUT/model-native.json"
+  target/release/tidepool replay "$OUT/history-native-expandable.pickle" --policy pytorch-expandable --json \
+    | tee "$OUT/model-native-expandable.json"
+else
+  echo "target/release/tidepool missing: the models are not checked"
+fi
+
 echo
 echo "== summary"
 python3 - "$OUT" "$check_rc" "$check_expandable_rc" "$runtime_rc" "$runtime_expandable_rc" "$tags_rc" <<'PY'
@@ -116,4 +128,12 @@ if "native" in runs and "tidepool" in runs:
         e = runs["tidepool-expandable"]
         print(f"expandable: losses identical {n['losses'] == e['losses']}, step time/native {e['median_step_s'] / n['median_step_s']:.3f}, "
               f"pages mapped/unmapped after warm-up {e.get('pages_mapped_after_warm_up')}/{e.get('pages_unmapped_after_warm_up')} (target 0/0)")
+for name in ["native", "native-expandable"]:
+    try:
+        m = json.loads((out / f"model-{name}.json").read_text().splitlines()[0])
+        recorded = m["pytorch_recorded_peak_reserved_bytes"]
+        print(f"model of {name}: peak reserved {m['peak_reserved_bytes'] / 2**30:.3f} GiB, PyTorch recorded "
+              f"{recorded / 2**30:.3f} GiB ({100 * (m['peak_reserved_bytes'] / recorded - 1):+.2f} %)")
+    except Exception as e:  # noqa: BLE001 - a missing file is reported, the summary goes on
+        print(f"model of {name}: no result ({e})")
 PY

@@ -6,7 +6,10 @@ match eager execution and the eager tensors must survive the replay (a graph
 replays into the blocks it freed during capture; an allocator that hands
 them out again corrupts them). Run once per allocator in fresh processes
 (`--allocator native|native-expandable|tidepool|tidepool-expandable`);
-prints one JSON line.
+prints one JSON line. With `--history PATH` (PyTorch's own allocator
+only) it records the training loop's allocations from an empty allocator
+into a snapshot at PATH and stops there: `tidepool replay` of it checks
+tidepool's models of PyTorch's allocator against what PyTorch did.
 
 Then, for every allocator alike (tidepool must behave as PyTorch's own):
 an allocation larger than the GPU raises "CUDA out of memory." where it is
@@ -26,7 +29,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--allocator", choices=["native", "native-expandable", "tidepool", "tidepool-expandable"], required=True)
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--snapshot", default=None)
+parser.add_argument("--history", default=None, help="native allocators: record the training loop to this snapshot, then stop")
 args = parser.parse_args()
+if args.history and args.allocator.startswith("tidepool"):
+    parser.error("--history records PyTorch's own allocator (native, native-expandable)")
 
 if args.allocator.startswith("tidepool"):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "ffi", "python"))
@@ -41,6 +47,10 @@ elif args.allocator == "native-expandable":
 
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+if args.history:
+    # From an empty allocator: the replay starts where PyTorch did.
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
 
 torch.manual_seed(0)
 torch.backends.cudnn.deterministic = True
@@ -75,6 +85,13 @@ for step in range(args.steps):
     times.append(time.perf_counter() - start)
     losses.append(round(loss.item(), 4))
     del shadow
+
+if args.history:
+    torch.cuda.memory._dump_snapshot(args.history)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    print(json.dumps({"allocator": args.allocator, "history": args.history, "steps": args.steps,
+                      "peak_reserved_bytes": torch.cuda.max_memory_reserved()}))
+    sys.exit(0)
 
 
 
