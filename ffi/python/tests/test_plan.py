@@ -146,6 +146,7 @@ class Plan(unittest.TestCase):
         status, out, err = plan(*LLAMA, "--sweep", "batch=1,2,4", "--cards", "0.06,0.1,24")
         self.assertEqual(status, 0, err)
         self.assertIn("peak live", out)
+        self.assertIn("PyTorch exp. needs", out)
         self.assertIn("torch 2.", out)
         line = [x for x in out.splitlines() if x.startswith("largest batch")]
         self.assertEqual(len(line), 1, out)

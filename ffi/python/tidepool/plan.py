@@ -364,7 +364,8 @@ def _report(args, results, cards, sweeps):
     print(f"{args.model}, task {first.get('task')}, recorded on the meta device with torch {torch.__version__}")
     swept = [k for k, _ in sweeps]
     head = [k.replace("_", "-") for k in swept] or ["variant"]
-    head += ["peak live", "weights", "grads", "optim", "activ", "PyTorch needs", "tidepool needs", "fits (GB)"]
+    head += ["peak live", "weights", "grads", "optim", "activ", "PyTorch needs", "PyTorch exp. needs", "tidepool needs",
+             "fits (GB)"]
     rows = []
     for r in results:
         cells = [str(r["label"][k]) for k in swept] or ["-"]
@@ -374,7 +375,8 @@ def _report(args, results, cards, sweeps):
         b = r["breakdown"]
         fits = ",".join(str(c) for c in r["fits"]) or "none"
         cells += [_human(r["peak"]), _human(b["weights"]), _human(b["gradients"]), _human(b["optimizer"]),
-                  _human(b["activations"]), _human(r["pytorch"]), _human(r["tidepool"]), fits]
+                  _human(b["activations"]), _human(r["pytorch"]), _human(r["pytorch_expandable"]), _human(r["tidepool"]),
+                  fits]
         rows.append(cells)
     widths = [max([len(head[i])] + [len(row[i]) for row in rows if len(row) == len(head)]) for i in range(len(head))]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
@@ -383,8 +385,8 @@ def _report(args, results, cards, sweeps):
             print("  ".join(c.rjust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
         else:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-    print("needs: the smallest device the step fits (PyTorch's caching allocator; tidepool with expandable "
-          "segments); fits: the cards it fits with tidepool")
+    print("needs: the smallest device the step fits (PyTorch's caching allocator, without and with "
+          "expandable_segments:True; tidepool with expandable segments); fits: the cards it fits with tidepool")
     for line in largest_batches(results, cards, swept):
         print(line)
     for r in results:
