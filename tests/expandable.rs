@@ -493,6 +493,24 @@ fn with_moves_off_a_growth_maps_new_pages_and_the_hole_keeps_its_own() {
 }
 
 #[test]
+fn with_pages_larger_than_the_drivers_nothing_moves_and_growth_maps_new_pages() {
+    // Donors and destinations must share one page size (tags' ranges keep
+    // the driver's): a heap with larger pages maps new ones instead.
+    let config = Config::builder().conf("release_after_ms:off,headroom_mb:0,expandable:true").unwrap().host(1, 1 << 30);
+    let config = Config { expandable_page: Some(20 * MIB), ..config.build().unwrap() };
+    let backend = Arc::new(HostBackend::new(1, 1 << 30));
+    let a = Allocator::with_backend(config, backend.clone());
+    let (_a, b, _c) = (alloc(&a, 20 * MIB), alloc(&a, 40 * MIB), alloc(&a, 20 * MIB));
+    a.free(0, b).unwrap();
+    let d = alloc(&a, 60 * MIB); // past the high-water mark, B's two pages idle
+    fill(d, 60 * MIB, 9);
+    assert_eq!(check(d, 60 * MIB, 9), Ok(()));
+    assert_eq!(backend.vm_moves(), (0, 0));
+    assert_eq!(reserved(&a), 140 * MIB);
+    a.validate().unwrap();
+}
+
+#[test]
 fn pages_larger_than_the_backends_map_that_much_at_a_time_and_bad_sizes_are_refused() {
     let backend = Arc::new(HostBackend::new(1, 1 << 30));
     let mut heap = DeviceHeap::new(0, Default::default(), backend.clone());

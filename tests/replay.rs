@@ -117,6 +117,7 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     };
     let trace = trace::load(&path).unwrap();
     assert!(trace.pytorch_expandable_segments, "the snapshot's settings say so");
+    assert!(trace.per_device().iter().all(|(_, part)| part.pytorch_expandable_segments), "and each card's part");
     for report in replay_per_device(&trace, &options(Policy::PytorchExpandable)).unwrap() {
         let device = report.device as usize;
         let recorded = trace.pytorch_peak_reserved_per_device[device] as f64;
@@ -144,6 +145,9 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     let header = stdout.lines().nth(1).unwrap();
     assert!(header.contains("pytorch expandable model") && !header.contains("pytorch model"), "{stdout}");
     assert!(!stderr.contains("expandable_segments"), "no warning left: {stderr}");
+    let (ok, stdout, stderr) = tidepool_cli(&["plan", path.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("PyTorch's allocator with expandable segments (as recorded): each card fits"), "{stdout}");
 }
 
 #[test]
@@ -185,6 +189,13 @@ fn driver_calls_count_two_per_page_mapped_one_per_run_and_one_per_segment() {
     trace.free(small);
     let pytorch = replay(&trace, &options(Policy::PytorchExpandable)).unwrap();
     assert_eq!((pytorch.driver_calls, pytorch.peak_reserved_bytes), (2 * 4 + 1 + 3, 82 << 20));
+    // A call that fails is one call: on a 1 MiB device the small piece
+    // fails, then again after the cache is released.
+    let mut tiny = Trace::new("tiny", trace::Format::RmmCsv);
+    let id = tiny.alloc(4096, 0, 0);
+    tiny.free(id);
+    let failed = replay(&tiny, &ReplayOptions { capacity: 1 << 20, ..options(Policy::PytorchExpandable) }).unwrap();
+    assert_eq!((failed.ooms, failed.driver_calls), (1, 2));
 }
 
 /// Every trace: examples/traces, and ../shared/traces when present.
@@ -450,6 +461,10 @@ fn plan_answers_in_plain_words_and_in_json() {
     assert!(less["event"].as_u64().unwrap() < 75 && less["message"].as_str().unwrap().contains("out of memory"), "{plan}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--step", "4MiB"]);
     assert!(ok && stdout.contains("(to 4 MiB)"), "{stdout}");
+    // A step of no whole MiB: sizes to the KiB.
+    let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--step", "1536KiB"]);
+    let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
+    assert!(ok && needs.ends_with("(to 1.50 MiB)") && needs.contains(".500 MiB with PyTorch's allocator"), "{needs}");
 }
 
 #[test]
@@ -460,6 +475,12 @@ fn a_replay_of_every_policy_keeps_its_columns_apart() {
     let header = stdout.lines().nth(1).unwrap();
     let titles: Vec<&str> = header.split("  ").map(str::trim).filter(|t| !t.is_empty()).collect();
     assert_eq!(titles, ["pytorch model", "tidepool", "tidepool expandable", "pytorch expandable model"], "{stdout}");
+    // A policy named twice is replayed once, where first named.
+    let (ok, stdout, _) = tidepool_cli(&["replay", path.to_str().unwrap(), "--policy", "expandable,all"]);
+    assert!(ok);
+    let header = stdout.lines().nth(1).unwrap();
+    let titles: Vec<&str> = header.split("  ").map(str::trim).filter(|t| !t.is_empty()).collect();
+    assert_eq!(titles, ["tidepool expandable", "pytorch model", "tidepool", "pytorch expandable model"], "{stdout}");
 }
 
 #[test]

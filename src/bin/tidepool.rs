@@ -164,8 +164,14 @@ fn parse_policies(text: &str) -> Result<Vec<Policy>, String> {
         let expected = "pytorch, tidepool, expandable, pytorch-expandable or all";
         policies.push(policy.ok_or_else(|| format!("--policy: expected {expected}, got {name:?}"))?);
     }
-    policies.dedup();
-    Ok(policies)
+    // Each once, where first named.
+    let mut unique = Vec::new();
+    for policy in policies {
+        if !unique.contains(&policy) {
+            unique.push(policy);
+        }
+    }
+    Ok(unique)
 }
 
 /// "24GiB", "512M", "1073741824" -> bytes.
@@ -437,21 +443,28 @@ fn run_plan(args: &[String]) -> Result<(), String> {
         }
         let best = need(&tidepool).min(need(&expandable));
         let each = if trace.devices > 1 { "each card " } else { "" };
-        out!("tidepool: {each}{}. PyTorch's allocator: {each}{}.", card_advice(best), card_advice(need(&pytorch)));
+        // PyTorch as the trace says it ran.
+        let (theirs, how) = if trace.pytorch_expandable_segments {
+            (&pytorch_expandable, " with expandable segments (as recorded)")
+        } else {
+            (&pytorch, "")
+        };
+        out!("tidepool: {each}{}. PyTorch's allocator{how}: {each}{}.", card_advice(best), card_advice(need(theirs)));
     }
     Ok(())
 }
 
 /// A device size `plan` found to `step` bytes, as precisely as the step
 /// makes it: GiB for steps of 16 MiB and more, MiB (and GiB beside them
-/// from 1 GiB on) for finer ones.
+/// from 1 GiB on) for finer ones, whole for a step of whole MiB, else to
+/// the KiB (JSON has the bytes).
 fn capacity_text(bytes: u64, step: u64) -> String {
     const MIB: f64 = (1u64 << 20) as f64;
     let gib = format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64);
     if step >= 16 << 20 {
         return gib;
     }
-    let decimals = if step >= 1 << 20 { 0 } else { 2 };
+    let decimals = if step.is_multiple_of(1 << 20) { 0 } else { 3 };
     let mib = format!("{:.*} MiB", decimals, bytes as f64 / MIB);
     if bytes >= 1 << 30 {
         format!("{gib} ({mib})")

@@ -67,7 +67,8 @@ impl DeviceHeap {
     /// Maps physical memory `page` bytes at a time in the expandable
     /// segments just turned on: a multiple of the backend's page (the
     /// replay's model of PyTorch maps 20 MiB at a time). Only before the
-    /// first allocation.
+    /// first allocation. With a page larger than the backend's, no cached
+    /// page moves (`recycle.rs`: pages move between ranges of one page size).
     pub fn set_expandable_page(&mut self, page: u64) -> Result<(), String> {
         let Some(vm) = self.vm else {
             return Err("expandable segments are off".into());

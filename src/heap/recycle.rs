@@ -69,7 +69,11 @@ impl DeviceHeap {
     /// among the holes. The caller moves or unmaps every donor.
     pub(super) fn recycle_before_growth(&mut self, bytes: u64) -> Vec<Donor> {
         let mut donors = Vec::new();
-        if self.vm.is_none() || self.recycling.off || !self.may_release() {
+        // Donors and their destinations must have pages of one size: the
+        // driver's, which tags' ranges always use (a heap mapping larger
+        // pages, `set_expandable_page`, moves nothing).
+        let driver_page = self.backend.vm_page_size(self.device);
+        if self.vm.is_none_or(|vm| Some(vm.page) != driver_page) || self.recycling.off || !self.may_release() {
             return donors;
         }
         let reserved = &self.stats.reserved_bytes;

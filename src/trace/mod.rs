@@ -175,6 +175,7 @@ impl Trace {
     pub fn on_device(&self, device: u32) -> Trace {
         let mut part = Trace::new(self.source.clone(), self.format);
         part.pytorch_conf = self.pytorch_conf.clone();
+        part.pytorch_expandable_segments = self.pytorch_expandable_segments;
         part.warnings = self.warnings.clone();
         part.pytorch_peak_reserved = self.pytorch_peak_reserved_per_device.get(device as usize).copied();
         if self.devices <= 1 {

@@ -100,9 +100,11 @@ pub fn card_advice(need: u64) -> String {
     const GIB: u64 = 1 << 30;
     let fits = CARDS_GIB.iter().find(|&&c| c * GIB >= need);
     let not = CARDS_GIB.iter().rev().find(|&&c| c * GIB < need);
+    // "an 8", "an 80": the article as the number is read.
+    let a = |gib: u64| if gib.to_string().starts_with('8') { "an" } else { "a" };
     match (fits, not) {
-        (Some(f), Some(n)) => format!("fits a {f} GiB card; not a {n} GiB one"),
-        (Some(f), None) => format!("fits a {f} GiB card"),
+        (Some(&f), Some(&n)) => format!("fits {} {f} GiB card; not {} {n} GiB one", a(f), a(n)),
+        (Some(&f), None) => format!("fits {} {f} GiB card", a(f)),
         (None, _) => format!("more than a {} GiB card holds", CARDS_GIB[CARDS_GIB.len() - 1]),
     }
 }
@@ -116,6 +118,8 @@ mod tests {
         const GIB: u64 = 1 << 30;
         assert_eq!(card_advice(29 * GIB + GIB / 10), "fits a 32 GiB card; not a 24 GiB one");
         assert_eq!(card_advice(3 * GIB), "fits a 4 GiB card");
+        assert_eq!(card_advice(70 * GIB), "fits an 80 GiB card; not a 48 GiB one");
+        assert_eq!(card_advice(7 * GIB), "fits an 8 GiB card; not a 6 GiB one");
         assert_eq!(card_advice(16 * GIB), "fits a 16 GiB card; not a 12 GiB one");
         assert!(card_advice(500 * GIB).starts_with("more than"));
     }

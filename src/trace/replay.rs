@@ -286,16 +286,18 @@ pub fn replay_with_progress(
         report.device_frees += s.events.num_device_free;
         report.driver_calls += 2 * (s.events.num_pages_mapped + s.events.num_pages_unmapped);
         report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
+        if options.policy == Policy::PytorchExpandable {
+            // Its small pool's 2 MiB pieces are mapped pages there too:
+            // cuMemCreate, cuMemMap and cuMemSetAccess each, cuMemUnmap and
+            // cuMemRelease to go back, where a segment here is one call
+            // each way (counted below with the backend's calls).
+            report.driver_calls += 2 * s.segment.small_pool.allocated + s.segment.small_pool.freed;
+        }
     }
     let (map_calls, _) = backend.vm_calls();
     report.driver_calls += backend.allocate_calls() + backend.release_calls() + map_calls;
-    if options.policy == Policy::PytorchExpandable {
-        // Its small pool's 2 MiB pieces are mapped pages there too:
-        // cuMemCreate, cuMemMap and cuMemSetAccess each; cuMemUnmap and
-        // cuMemRelease to go back (segments here: one call each way).
-        report.driver_calls += 2 * backend.allocate_calls() + backend.release_calls();
-    }
-    // A moved page counts as mapped and as unmapped: four calls above, two made.
+    // A moved page counts as mapped and as unmapped: four calls above, two
+    // made (pages move only where they are the driver's size).
     let (move_calls, moved_bytes) = backend.vm_moves();
     let moved_pages = moved_bytes / backend.vm_page_size(0).unwrap_or(u64::MAX);
     report.driver_calls = report.driver_calls + move_calls - 2 * moved_pages;
