@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use tidepool::trace::plan::{smallest_capacity, smallest_capacity_per_device};
-use tidepool::trace::replay::{replay, replay_per_device, Policy, ReplayOptions};
+use tidepool::trace::replay::{self, replay, replay_per_device, Policy, ReplayOptions};
 use tidepool::trace::{self, Trace};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -148,6 +148,37 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     let (ok, stdout, stderr) = tidepool_cli(&["plan", path.to_str().unwrap()]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("PyTorch's allocator with expandable segments (as recorded): each card fits"), "{stdout}");
+    // Device 1's run asked 4.94 GiB more than its 78.42 GiB held and 91 MiB free:
+    // live memory, which no policy serves (the models run out where PyTorch did).
+    let parts = trace.per_device();
+    let (_, card) = parts.iter().find(|(d, _)| *d == 1).unwrap();
+    let oom = card.pytorch_ooms[0];
+    assert_eq!((oom.requested, oom.device_free), (5_308_694_528, 95_682_560));
+    assert!(Policy::ALL.iter().all(|&p| !replay::serves_recorded_oom(card, &oom, p, "").unwrap()));
+    assert!(stdout.contains("PyTorch ran out of memory at event 287 asking 4.94 GiB"), "{stdout}");
+    assert!(stdout.contains("tidepool expandable:true runs out too"), "{stdout}");
+}
+
+#[test]
+fn a_recorded_out_of_memory_is_tried_again_with_each_policy_on_the_memory_pytorch_had() {
+    // Ten 4 MiB blocks in two 20 MiB segments, every other one freed: 20 MiB
+    // live, and PyTorch cannot give either segment back. Then 30 MiB asked
+    // with 60 MiB to use: PyTorch ran out (40 held + 30 > 60), and so would
+    // its expandable segments (no 20 MiB piece is wholly free); tidepool's
+    // give the holes' 2 MiB pages back.
+    let mut trace = Trace::new("fragmented", trace::Format::RmmCsv);
+    let ids: Vec<u32> = (0..10).map(|_| trace.alloc(4 << 20, 0, 0)).collect();
+    for id in ids.iter().skip(1).step_by(2) {
+        trace.free(*id);
+    }
+    let oom = trace::RecordedOom { device: 0, event: 15, requested: 30 << 20, stream: 0, reserved: 40 << 20, device_free: 20 << 20 };
+    let served = |policy| replay::serves_recorded_oom(&trace, &oom, policy, "").unwrap();
+    assert!(!served(Policy::Pytorch) && !served(Policy::Tidepool), "the model runs out where PyTorch did");
+    assert!(!served(Policy::PytorchExpandable));
+    assert!(served(Policy::Expandable));
+    // With less memory than live + asked, nobody serves it.
+    let tight = trace::RecordedOom { device_free: 8 << 20, ..oom };
+    assert!(Policy::ALL.iter().all(|&p| !replay::serves_recorded_oom(&trace, &tight, p, "").unwrap()));
 }
 
 #[test]
@@ -448,6 +479,7 @@ fn plan_answers_in_plain_words_and_in_json() {
         "\"pytorch\":{\"min_capacity_bytes\"",
         "\"expandable\":{\"min_capacity_bytes\"",
         "\"pytorch_expandable\":{\"min_capacity_bytes\"",
+        "\"pytorch_recorded_oom\":null",
         "\"step_bytes\":2097152",
         "\"devices\":[{\"device\":0",
     ] {

@@ -14,7 +14,7 @@ use tidepool::error::human_bytes;
 use tidepool::reclaim::policy::Reason;
 use tidepool::reclaim::registry;
 use tidepool::trace::plan::{card_advice, smallest_capacity_per_device, Plan};
-use tidepool::trace::replay::{replay_with_progress, Policy, ReplayOptions, ReplayReport};
+use tidepool::trace::replay::{replay_with_progress, serves_recorded_oom, Policy, ReplayOptions, ReplayReport};
 use tidepool::trace::{self, Trace};
 use tidepool::Config;
 
@@ -376,6 +376,22 @@ fn run_plan(args: &[String]) -> Result<(), String> {
     // The card: the largest device's need.
     let need = |plans: &[Plan]| plans.iter().map(|p| p.min_capacity).max().unwrap_or(0);
     let step = pytorch.iter().map(|p| p.step).max().unwrap_or(0);
+    // Per device, the first out-of-memory PyTorch recorded, and whether
+    // each policy would have served that request on the memory PyTorch had.
+    let parts = trace.per_device();
+    let mut recorded_ooms = Vec::new();
+    for plan in &pytorch {
+        let part = parts.iter().find(|(d, _)| *d == plan.device).map(|(_, part)| part);
+        let recorded = match part.and_then(|part| Some((part, *part.pytorch_ooms.first()?))) {
+            Some((part, oom)) => {
+                let served: Result<Vec<bool>, String> =
+                    Policy::ALL.iter().map(|&policy| serves_recorded_oom(part, &oom, policy, &options.conf)).collect();
+                Some((oom, served?))
+            }
+            None => None,
+        };
+        recorded_ooms.push(recorded);
+    }
     if options.json {
         let policy = |plan: &Plan| {
             serde_json::json!({
@@ -397,6 +413,14 @@ fn run_plan(args: &[String]) -> Result<(), String> {
                     "tidepool": policy(&tidepool[d]),
                     "expandable": policy(&expandable[d]),
                     "pytorch_expandable": policy(&pytorch_expandable[d]),
+                    "pytorch_recorded_oom": recorded_ooms[d].as_ref().map(|(oom, served)| serde_json::json!({
+                        "event": oom.event,
+                        "requested_bytes": oom.requested,
+                        "reserved_bytes": oom.reserved,
+                        "device_free_bytes": oom.device_free,
+                        "usable_bytes": oom.usable(),
+                        "served": Policy::ALL.iter().zip(served).map(|(p, &s)| (p.name().replace('-', "_"), s.into())).collect::<serde_json::Map<String, serde_json::Value>>(),
+                    })),
                 })
             })
             .collect();
@@ -431,6 +455,22 @@ fn run_plan(args: &[String]) -> Result<(), String> {
                 capacity_text(expandable[d].min_capacity, step),
                 step_text(step),
             );
+            if let Some((oom, served)) = &recorded_ooms[d] {
+                let verdict = |i: usize| if served[i] { "serves it" } else { "runs out too" };
+                out!(
+                    "  PyTorch ran out of memory at event {} asking {}, with {} to use ({} held, {} free): there, \
+                     PyTorch's allocator {}, with expandable_segments:True {}, tidepool {}, tidepool expandable:true {}",
+                    oom.event,
+                    human_bytes(oom.requested),
+                    human_bytes(oom.usable()),
+                    human_bytes(oom.reserved),
+                    human_bytes(oom.device_free),
+                    verdict(0),
+                    verdict(3),
+                    verdict(1),
+                    verdict(2)
+                );
+            }
             if let Some(oom) = &expandable[d].one_step_less {
                 let less = expandable[d].min_capacity - expandable[d].step;
                 out!(

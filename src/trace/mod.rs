@@ -81,7 +81,32 @@ pub struct Trace {
     /// PyTorch ran with `expandable_segments:True` (snapshots only): its
     /// model is `Policy::PytorchExpandable`.
     pub pytorch_expandable_segments: bool,
+    /// The out-of-memory errors PyTorch recorded (snapshots' `oom` entries).
+    pub pytorch_ooms: Vec<RecordedOom>,
     pub warnings: Warnings,
+}
+
+/// An allocation PyTorch could not serve, as its snapshot recorded it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordedOom {
+    pub device: u32,
+    /// How many of the device's events came before it: the request would
+    /// have been the next one.
+    pub event: usize,
+    /// Bytes asked for, and on which stream.
+    pub requested: u64,
+    pub stream: u64,
+    /// Bytes PyTorch held from the driver then (after it gave its cache back).
+    pub reserved: u64,
+    /// The device's free memory then (`cudaMemGetInfo`).
+    pub device_free: u64,
+}
+
+impl RecordedOom {
+    /// The memory the process could have had: what it held plus what was free.
+    pub fn usable(&self) -> u64 {
+        self.reserved.saturating_add(self.device_free)
+    }
 }
 
 impl Trace {
@@ -97,6 +122,7 @@ impl Trace {
             pytorch_peak_reserved_per_device: Vec::new(),
             pytorch_conf: String::new(),
             pytorch_expandable_segments: false,
+            pytorch_ooms: Vec::new(),
             warnings: Warnings::default(),
         }
     }
@@ -176,6 +202,9 @@ impl Trace {
         let mut part = Trace::new(self.source.clone(), self.format);
         part.pytorch_conf = self.pytorch_conf.clone();
         part.pytorch_expandable_segments = self.pytorch_expandable_segments;
+        // Their event counts are the device's own already.
+        part.pytorch_ooms =
+            self.pytorch_ooms.iter().filter(|oom| oom.device == device).map(|&oom| RecordedOom { device: 0, ..oom }).collect();
         part.warnings = self.warnings.clone();
         part.pytorch_peak_reserved = self.pytorch_peak_reserved_per_device.get(device as usize).copied();
         if self.devices <= 1 {

@@ -23,7 +23,7 @@
 
 use std::time::Instant;
 
-use super::{Event, Trace};
+use super::{Event, RecordedOom, Trace};
 use crate::backend::host::HostBackend;
 use crate::backend::Backend;
 use crate::{AllocError, Allocator, Config, ConfigError, DevicePtr, Stream};
@@ -197,6 +197,25 @@ pub fn replay_per_device(trace: &Trace, options: &ReplayOptions) -> Result<Vec<R
         reports.push(report);
     }
     Ok(reports)
+}
+
+/// Whether `policy` would have served the request PyTorch could not
+/// (`oom`, of this one-device trace) on the memory PyTorch had then: the
+/// trace up to that point replayed on `oom.usable()` bytes, then the
+/// request. False also when an earlier allocation runs out.
+pub fn serves_recorded_oom(trace: &Trace, oom: &RecordedOom, policy: Policy, conf: &str) -> Result<bool, String> {
+    let mut until = Trace::new(trace.source.clone(), trace.format);
+    until.pytorch_conf = trace.pytorch_conf.clone();
+    let mut ids = vec![u32::MAX; trace.allocs as usize];
+    for event in trace.events.iter().take(oom.event) {
+        match *event {
+            Event::Alloc { id, size, stream, .. } => ids[id as usize] = until.alloc(size, stream, 0),
+            Event::Free { id } => until.free(ids[id as usize]),
+        }
+    }
+    until.alloc(oom.requested.max(1), oom.stream, 0);
+    let options = ReplayOptions { capacity: oom.usable(), policy, conf: conf.to_string(), samples: 0, record_to: None };
+    Ok(replay(&until, &options)?.ooms == 0)
 }
 
 /// Replays `trace` once, all devices together (figures summed over

@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 
-use super::{Format, Trace, TraceError};
+use super::{Format, RecordedOom, Trace, TraceError};
 use crate::pickle::{NodeId, PickleDoc};
 
 struct Reader<'a> {
@@ -106,10 +106,19 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
             };
             let size = match action {
                 "snapshot" | "" => 0,
-                "oom" => 0,
+                "oom" => doc.get(event, "size").and_then(|s| doc.int(s)).and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
                 _ => r.uint(event, "size", "a trace entry")?,
             };
             let stream = doc.get(event, "stream").and_then(|s| doc.int(s)).and_then(|s| u64::try_from(s).ok()).unwrap_or(0);
+            // An `oom` entry carries the device's free memory (in `addr`
+            // before PyTorch 2.1).
+            let addr = match action {
+                "oom" => match doc.get(event, "device_free") {
+                    Some(_) => r.uint(event, "device_free", "an oom entry")?,
+                    None => doc.get(event, "addr").and_then(|a| doc.int(a)).and_then(|a| u64::try_from(a).ok()).unwrap_or(0),
+                },
+                _ => addr,
+            };
             parsed.push((action, addr, size, stream));
         }
         for &(action, addr, size, stream) in parsed.iter().rev() {
@@ -132,6 +141,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
         }
         let mut reserved = reserved_at_start.max(0) as u64;
         recorded_peaks[device] = reserved;
+        let first_event = trace.events.len();
         for &(action, addr, size, stream) in &parsed {
             match action {
                 "alloc" => {
@@ -151,6 +161,14 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
                     recorded_peaks[device] = recorded_peaks[device].max(reserved);
                 }
                 "segment_free" | "segment_unmap" => reserved = reserved.saturating_sub(size),
+                "oom" => trace.pytorch_ooms.push(RecordedOom {
+                    device: device as u32,
+                    event: trace.events.len() - first_event,
+                    requested: size,
+                    stream,
+                    reserved,
+                    device_free: addr,
+                }),
                 _ => {}
             }
         }
@@ -264,6 +282,32 @@ mod tests {
         let trace = read(&bytes[..], "t.pickle").unwrap();
         // 2 MiB at the end; a 20 MiB segment came and went: peak 22 MiB.
         assert_eq!(trace.pytorch_peak_reserved, Some((2 << 20) + seg));
+    }
+
+    #[test]
+    fn an_oom_entry_is_kept_with_what_pytorch_held_and_the_device_had_free() {
+        let seg = 20u64 << 20;
+        let oom = PyValue::dict([
+            ("action", PyValue::str("oom")),
+            ("size", PyValue::int(64u64 << 20)),
+            ("device_free", PyValue::int(5u64 << 20)),
+            ("stream", PyValue::int(7)),
+        ]);
+        let events = vec![
+            event("segment_alloc", 0x9000_0000, seg),
+            event("alloc", 0x3000, 100),
+            oom,
+            event("free_completed", 0x3000, 100),
+            event("segment_free", 0x9000_0000, seg),
+        ];
+        let trace = read(&snapshot(vec![], events)[..], "t.pickle").unwrap();
+        let expected = RecordedOom { device: 0, event: 1, requested: 64 << 20, stream: 7, reserved: (2 << 20) + seg, device_free: 5 << 20 };
+        assert_eq!(trace.pytorch_ooms, [expected]);
+        assert_eq!(expected.usable(), (27 << 20));
+        // Before PyTorch 2.1 the free memory was in `addr`.
+        let old = PyValue::dict([("action", PyValue::str("oom")), ("size", PyValue::int(1u64 << 20)), ("addr", PyValue::int(3u64 << 20))]);
+        let trace = read(&snapshot(vec![], vec![old])[..], "t.pickle").unwrap();
+        assert_eq!((trace.pytorch_ooms[0].device_free, trace.pytorch_ooms[0].event), (3 << 20, 0));
     }
 
     #[test]
