@@ -458,7 +458,7 @@ fn run_plan(args: &[String]) -> Result<(), String> {
             if let Some((oom, served)) = &recorded_ooms[d] {
                 let verdict = |i: usize| if served[i] { "serves it" } else { "runs out too" };
                 out!(
-                    "  PyTorch ran out of memory at event {} asking {}, with {} to use ({} held, {} free): there, \
+                    "  The recorded run ran out of memory at event {} asking {}, with {} to use ({} held, {} free): there, \
                      PyTorch's allocator {}, with expandable_segments:True {}, tidepool {}, tidepool expandable:true {}",
                     oom.event,
                     human_bytes(oom.requested),
