@@ -155,6 +155,8 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     let oom = card.pytorch_ooms[0];
     assert_eq!((oom.requested, oom.device_free), (5_308_694_528, 95_682_560));
     assert!(Policy::ALL.iter().all(|&p| !replay::serves_recorded_oom(card, &oom, p, "").unwrap()));
+    let err = replay::serves_recorded_oom(&trace, &oom, Policy::Expandable, "").unwrap_err();
+    assert!(err.contains("one device's part"), "{err}");
     assert!(stdout.contains("The recorded run ran out of memory at event 287 asking 4.94 GiB"), "{stdout}");
     assert!(stdout.contains("tidepool expandable:true runs out too"), "{stdout}");
 }

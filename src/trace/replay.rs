@@ -204,13 +204,17 @@ pub fn replay_per_device(trace: &Trace, options: &ReplayOptions) -> Result<Vec<R
 /// trace up to that point replayed on `oom.usable()` bytes, then the
 /// request. False also when an earlier allocation runs out.
 pub fn serves_recorded_oom(trace: &Trace, oom: &RecordedOom, policy: Policy, conf: &str) -> Result<bool, String> {
+    if trace.devices > 1 {
+        return Err(format!("{}: a recorded out-of-memory is tried on one device's part (Trace::per_device)", trace.source));
+    }
     let mut until = Trace::new(trace.source.clone(), trace.format);
     until.pytorch_conf = trace.pytorch_conf.clone();
     let mut ids = vec![u32::MAX; trace.allocs as usize];
     for event in trace.events.iter().take(oom.event) {
         match *event {
             Event::Alloc { id, size, stream, .. } => ids[id as usize] = until.alloc(size, stream, 0),
-            Event::Free { id } => until.free(ids[id as usize]),
+            Event::Free { id } if ids[id as usize] != u32::MAX => until.free(ids[id as usize]),
+            Event::Free { .. } => {}
         }
     }
     until.alloc(oom.requested.max(1), oom.stream, 0);
