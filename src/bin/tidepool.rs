@@ -15,7 +15,7 @@ use tidepool::reclaim::policy::Reason;
 use tidepool::reclaim::registry;
 use tidepool::trace::plan::{card_advice, smallest_capacity_per_device, Plan};
 use tidepool::trace::replay::{replay_with_progress, serves_recorded_oom, Policy, ReplayOptions, ReplayReport};
-use tidepool::trace::{self, Trace};
+use tidepool::trace::{self, RecordedOom, Trace};
 use tidepool::Config;
 
 /// `println!` that ends the process quietly when stdout is closed
@@ -378,20 +378,17 @@ fn run_plan(args: &[String]) -> Result<(), String> {
     let step = pytorch.iter().map(|p| p.step).max().unwrap_or(0);
     // Per device, the first out-of-memory PyTorch recorded, and whether
     // each policy would have served that request on the memory PyTorch had.
+    // (`served` in the order of Policy::ALL.)
     let parts = trace.per_device();
-    let mut recorded_ooms = Vec::new();
-    for plan in &pytorch {
-        let part = parts.iter().find(|(d, _)| *d == plan.device).map(|(_, part)| part);
-        let recorded = match part.and_then(|part| Some((part, *part.pytorch_ooms.first()?))) {
-            Some((part, oom)) => {
-                let served: Result<Vec<bool>, String> =
-                    Policy::ALL.iter().map(|&policy| serves_recorded_oom(part, &oom, policy, &options.conf)).collect();
-                Some((oom, served?))
-            }
-            None => None,
-        };
-        recorded_ooms.push(recorded);
-    }
+    let recorded_ooms: Vec<Option<(RecordedOom, Vec<bool>)>> = pytorch
+        .iter()
+        .map(|plan| {
+            let Some((_, part)) = parts.iter().find(|(d, _)| *d == plan.device) else { return Ok(None) };
+            let Some(&oom) = part.pytorch_ooms.first() else { return Ok(None) };
+            let served = Policy::ALL.iter().map(|&policy| serves_recorded_oom(part, &oom, policy, &options.conf));
+            Ok(Some((oom, served.collect::<Result<Vec<bool>, String>>()?)))
+        })
+        .collect::<Result<_, String>>()?;
     if options.json {
         let policy = |plan: &Plan| {
             serde_json::json!({
@@ -456,7 +453,14 @@ fn run_plan(args: &[String]) -> Result<(), String> {
                 step_text(step),
             );
             if let Some((oom, served)) = &recorded_ooms[d] {
-                let verdict = |i: usize| if served[i] { "serves it" } else { "runs out too" };
+                let verdict = |policy: Policy| {
+                    let i = Policy::ALL.iter().position(|&p| p == policy).unwrap_or(0);
+                    if served[i] {
+                        "serves it"
+                    } else {
+                        "runs out too"
+                    }
+                };
                 out!(
                     "  The recorded run ran out of memory at event {} asking {}, with {} to use ({} held, {} free): there, \
                      PyTorch's allocator {}, with expandable_segments:True {}, tidepool {}, tidepool expandable:true {}",
@@ -465,10 +469,10 @@ fn run_plan(args: &[String]) -> Result<(), String> {
                     human_bytes(oom.usable()),
                     human_bytes(oom.reserved),
                     human_bytes(oom.device_free),
-                    verdict(0),
-                    verdict(3),
-                    verdict(1),
-                    verdict(2)
+                    verdict(Policy::Pytorch),
+                    verdict(Policy::PytorchExpandable),
+                    verdict(Policy::Tidepool),
+                    verdict(Policy::Expandable)
                 );
             }
             if let Some(oom) = &expandable[d].one_step_less {
