@@ -40,6 +40,11 @@ impl Reader<'_> {
         }
     }
 
+    /// An optional non-negative integer field (None when absent or not one).
+    fn optional_uint(&self, dict: NodeId, key: &str) -> Option<u64> {
+        self.doc.get(dict, key).and_then(|v| self.doc.int(v)).and_then(|v| u64::try_from(v).ok())
+    }
+
     fn list(&self, id: NodeId, what: &str) -> Result<&[NodeId], TraceError> {
         match self.doc.items(id) {
             Some(items) => Ok(items),
@@ -100,25 +105,19 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
         let mut parsed = Vec::with_capacity(events.len());
         for &event in events {
             let action = doc.get(event, "action").and_then(|a| doc.str(a)).unwrap_or("");
+            // For an `oom` entry, `addr` is the device's free memory (in
+            // `device_free` from PyTorch 2.1 on).
             let addr = match action {
-                "oom" | "snapshot" | "" => 0,
+                "snapshot" | "" => 0,
+                "oom" => r.optional_uint(event, "device_free").or_else(|| r.optional_uint(event, "addr")).unwrap_or(0),
                 _ => r.uint(event, "addr", "a trace entry")?,
             };
             let size = match action {
                 "snapshot" | "" => 0,
-                "oom" => doc.get(event, "size").and_then(|s| doc.int(s)).and_then(|s| u64::try_from(s).ok()).unwrap_or(0),
+                "oom" => r.optional_uint(event, "size").unwrap_or(0),
                 _ => r.uint(event, "size", "a trace entry")?,
             };
-            let stream = doc.get(event, "stream").and_then(|s| doc.int(s)).and_then(|s| u64::try_from(s).ok()).unwrap_or(0);
-            // An `oom` entry carries the device's free memory (in `addr`
-            // before PyTorch 2.1).
-            let addr = match action {
-                "oom" => match doc.get(event, "device_free") {
-                    Some(_) => r.uint(event, "device_free", "an oom entry")?,
-                    None => doc.get(event, "addr").and_then(|a| doc.int(a)).and_then(|a| u64::try_from(a).ok()).unwrap_or(0),
-                },
-                _ => addr,
-            };
+            let stream = r.optional_uint(event, "stream").unwrap_or(0);
             parsed.push((action, addr, size, stream));
         }
         for &(action, addr, size, stream) in parsed.iter().rev() {
