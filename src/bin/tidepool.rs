@@ -138,11 +138,9 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
 }
 
 /// What replay compares when --policy is not given: PyTorch's model as the
-/// trace says PyTorch ran (with expandable segments or not), and tidepool
-/// without and with its own.
+/// trace says PyTorch ran, and tidepool without and with expandable segments.
 fn default_policies(trace: &Trace) -> Vec<Policy> {
-    let pytorch = if trace.pytorch_expandable_segments { Policy::PytorchExpandable } else { Policy::Pytorch };
-    vec![pytorch, Policy::Tidepool, Policy::Expandable]
+    vec![Policy::pytorch_as_recorded(trace), Policy::Tidepool, Policy::Expandable]
 }
 
 /// "pytorch,expandable" -> the policies, in the order given.
@@ -487,11 +485,9 @@ fn run_plan(args: &[String]) -> Result<(), String> {
         }
         let best = need(&tidepool).min(need(&expandable));
         let each = if trace.devices > 1 { "each card " } else { "" };
-        // PyTorch as the trace says it ran.
-        let (theirs, how) = if trace.pytorch_expandable_segments {
-            (&pytorch_expandable, " with expandable segments (as recorded)")
-        } else {
-            (&pytorch, "")
+        let (theirs, how) = match Policy::pytorch_as_recorded(&trace) {
+            Policy::PytorchExpandable => (&pytorch_expandable, " with expandable segments (as recorded)"),
+            _ => (&pytorch, ""),
         };
         out!("tidepool: {each}{}. PyTorch's allocator{how}: {each}{}.", card_advice(best), card_advice(need(theirs)));
     }

@@ -46,6 +46,16 @@ impl Policy {
     /// Every policy (`--policy all`).
     pub const ALL: [Policy; 4] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable, Policy::PytorchExpandable];
 
+    /// The model of PyTorch as `trace` says it ran: with expandable
+    /// segments or without.
+    pub fn pytorch_as_recorded(trace: &Trace) -> Policy {
+        if trace.pytorch_expandable_segments {
+            Policy::PytorchExpandable
+        } else {
+            Policy::Pytorch
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Policy::Tidepool => "tidepool",
