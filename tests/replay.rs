@@ -504,17 +504,16 @@ fn plan_answers_in_plain_words_and_in_json() {
 #[test]
 fn a_replay_of_every_policy_keeps_its_columns_apart() {
     let path = write_small_csv();
-    let (ok, stdout, stderr) = tidepool_cli(&["replay", path.to_str().unwrap(), "--policy", "all"]);
-    assert!(ok, "{stderr}");
-    let header = stdout.lines().nth(1).unwrap();
-    let titles: Vec<&str> = header.split("  ").map(str::trim).filter(|t| !t.is_empty()).collect();
-    assert_eq!(titles, ["pytorch model", "tidepool", "tidepool expandable", "pytorch expandable model"], "{stdout}");
+    // The column titles of `replay --policy POLICIES`, split where two spaces part them.
+    let titles = |policies: &str| {
+        let (ok, stdout, stderr) = tidepool_cli(&["replay", path.to_str().unwrap(), "--policy", policies]);
+        assert!(ok, "{stderr}");
+        let header = stdout.lines().nth(1).unwrap().to_string();
+        header.split("  ").map(str::trim).filter(|t| !t.is_empty()).map(String::from).collect::<Vec<_>>()
+    };
+    assert_eq!(titles("all"), ["pytorch model", "tidepool", "tidepool expandable", "pytorch expandable model"]);
     // A policy named twice is replayed once, where first named.
-    let (ok, stdout, _) = tidepool_cli(&["replay", path.to_str().unwrap(), "--policy", "expandable,all"]);
-    assert!(ok);
-    let header = stdout.lines().nth(1).unwrap();
-    let titles: Vec<&str> = header.split("  ").map(str::trim).filter(|t| !t.is_empty()).collect();
-    assert_eq!(titles, ["tidepool expandable", "pytorch model", "tidepool", "pytorch expandable model"], "{stdout}");
+    assert_eq!(titles("expandable,all"), ["tidepool expandable", "pytorch model", "tidepool", "pytorch expandable model"]);
 }
 
 #[test]
