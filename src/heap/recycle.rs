@@ -11,21 +11,36 @@
 //! Invariants:
 //! - below the high-water mark nothing moves, so a loop that has met its
 //!   largest step makes no driver call here;
-//! - over a heap's life, moving starts only while `Recycling::moved` is
-//!   below `MOVES_PER_HIGH_WATER` times the high-water mark: a workload
-//!   whose layout drifts from step to step pays a bounded number of driver
-//!   calls, once, and then holds its memory as it is.
+//! - over a heap's life, moving starts freely only while
+//!   `Recycling::moved` is below `MOVES_PER_HIGH_WATER` times the
+//!   high-water mark: a workload whose layout drifts from step to step
+//!   pays a bounded number of driver calls, once, and then holds its
+//!   memory as it is;
+//! - past that budget, pages move only for the part of a growth that would
+//!   take the heap more than `MOST_HELD_OVER_LIVE_PERCENT` above the most
+//!   it has had live: while cached pages can move, the heap does not grow
+//!   above that, and a layout that drifts by less costs no call.
 #![forbid(unsafe_code)]
 
 use super::block::{BlockId, BlockState, NIL};
 use super::DeviceHeap;
 
-/// How many times its high-water mark a heap moves over its life. Decoding
-/// (caches grown by `torch.cat`, every one replaced as it grows) needs
-/// about one for its first call to `generate` and a little more; GPT-2
-/// small decoding reserved 1.049x its peak of live bytes with one and
-/// 1.008x with two, after which it moved nothing more.
-const MOVES_PER_HIGH_WATER: u64 = 2;
+/// How many times its high-water mark a heap moves freely over its life.
+/// Decoding (caches grown by `torch.cat`, every one replaced as it grows)
+/// moves the most before its layout settles, more as the caches outweigh
+/// the model: GPT-2 small decoding (three calls to `generate`) settled
+/// after 1.9 times at batch 16, 2.8 at batch 32, 3.6 at batch 64, and
+/// reserved 1.054x / 1.068x its peak of live bytes at batch 32 / 64 with
+/// a budget of two, 1.007x / 1.005x with four.
+const MOVES_PER_HIGH_WATER: u64 = 4;
+
+/// Past its budget, a heap still moves pages rather than hold more than
+/// this many percent above the most it has had live. A generation that
+/// grows its caches every token never settles (120 tokens at batch 64:
+/// 27 times its high-water mark moved with no budget; 1.050x reserved
+/// with a budget of two and no bound, 1.053x with four, 1.029x with the
+/// bound, which moved 12.5 times).
+const MOST_HELD_OVER_LIVE_PERCENT: u64 = 4;
 
 /// What the heap knows of its moves over its life.
 #[derive(Clone, Copy, Debug, Default)]
@@ -36,6 +51,10 @@ pub(super) struct Recycling {
     /// Bytes taken from cached memory so that the heap would not grow past
     /// `high_water`.
     pub moved: u64,
+    /// The most bytes the heap has had allocated, as of its last growth
+    /// (counting the request that grows it; not lowered by
+    /// `reset_peak_stats` either).
+    pub live_high_water: u64,
     /// Frees and growths so far (counted in heaps with expandable
     /// segments; `DeviceHeap::stamp_freed`): the clock that orders free
     /// blocks by age, the same in a live run and a replay, stash or not.
@@ -61,13 +80,15 @@ impl DeviceHeap {
         self.recycling.off = !on;
     }
 
-    /// Before the heap takes `bytes` more from the device: when that would
-    /// take it past its high-water mark, releases whole free small segments
-    /// and returns the mapped pages of holes (as donors, ready to move) until
-    /// enough is found, longest free first, within the heap's budget of
-    /// moves. The block about to be mapped is not binned, so it is never
-    /// among the holes. The caller moves or unmaps every donor.
-    pub(super) fn recycle_before_growth(&mut self, bytes: u64) -> Vec<Donor> {
+    /// Before the heap takes `bytes` more from the device for a request of
+    /// `request` bytes: when that would take it past its high-water mark,
+    /// releases whole free small segments and returns the mapped pages of
+    /// holes (as donors, ready to move) until enough is found, longest free
+    /// first, within the heap's budget of moves, or past it as far as the
+    /// growth would take the heap above its bound over live memory. The
+    /// block about to be mapped is not binned, so it is never among the
+    /// holes. The caller moves or unmaps every donor.
+    pub(super) fn recycle_before_growth(&mut self, bytes: u64, request: u64) -> Vec<Donor> {
         let mut donors = Vec::new();
         // Donors and their destinations must have pages of one size: the
         // driver's, which tags' ranges always use (a heap mapping larger
@@ -76,11 +97,15 @@ impl DeviceHeap {
         if self.vm.is_none_or(|vm| Some(vm.page) != driver_page) || self.recycling.off || !self.may_release() {
             return donors;
         }
-        let reserved = &self.stats.reserved_bytes;
+        let (reserved, allocated) = (&self.stats.reserved_bytes, &self.stats.allocated_bytes);
         let recycling = &mut self.recycling;
         recycling.high_water = recycling.high_water.max(reserved.peak_total());
-        let past_peak = (reserved.total() + bytes).saturating_sub(recycling.high_water);
-        let mut want = past_peak.min((MOVES_PER_HIGH_WATER * recycling.high_water).saturating_sub(recycling.moved));
+        recycling.live_high_water = recycling.live_high_water.max(allocated.peak_total()).max(allocated.total() + request);
+        let after = reserved.total() + bytes;
+        let past_peak = after.saturating_sub(recycling.high_water);
+        let budget_left = (MOVES_PER_HIGH_WATER * recycling.high_water).saturating_sub(recycling.moved);
+        let bound = recycling.live_high_water + recycling.live_high_water * MOST_HELD_OVER_LIVE_PERCENT / 100;
+        let mut want = past_peak.min(budget_left.max(after.saturating_sub(bound)));
         if want == 0 {
             return donors;
         }
