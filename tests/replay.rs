@@ -155,6 +155,15 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     let oom = card.pytorch_ooms[0];
     assert_eq!((oom.requested, oom.device_free), (5_308_694_528, 95_682_560));
     assert!(Policy::ALL.iter().all(|&p| !replay::serves_recorded_oom(card, &oom, p, "").unwrap()));
+    // On the memory that run had (held + free at its OOM), the model lands
+    // on the recorded peak there too, giving memory back as often (six
+    // segment_unmap events in the snapshot).
+    let on_the_card = ReplayOptions { capacity: oom.usable(), ..options(Policy::PytorchExpandable) };
+    let report = replay(card, &on_the_card).unwrap();
+    let recorded = trace.pytorch_peak_reserved_per_device[1] as f64;
+    let error = report.peak_reserved_bytes as f64 / recorded - 1.0;
+    assert!(error.abs() <= 0.001, "device 1 on {} bytes: {:.3} %", oom.usable(), 100.0 * error);
+    assert_eq!((report.ooms, report.device_frees), (0, 6));
     let err = replay::serves_recorded_oom(&trace, &oom, Policy::Expandable, "").unwrap_err();
     assert!(err.contains("one device's part"), "{err}");
     assert!(stdout.contains("The recorded run ran out of memory at event 287 asking 4.94 GiB"), "{stdout}");
