@@ -18,6 +18,7 @@ import textwrap
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+GIB = 1 << 30
 NEEDED = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]
 BINARY = os.environ.get("TIDEPOOL_BIN") or shutil.which("tidepool")
 REQUIRED = os.environ.get("TIDEPOOL_REQUIRE_TORCH") == "1"
@@ -88,7 +89,7 @@ class Sweep(unittest.TestCase):
         for r in self.rows:
             self.assertEqual(set(r), {"variant", "peak_live_bytes", "breakdown", "pytorch_min_capacity_bytes",
                                       "pytorch_expandable_min_capacity_bytes", "tidepool_min_capacity_bytes",
-                                      "fits", "trace"})
+                                      "fits", "fits_pytorch", "fits_pytorch_expandable", "trace"})
             self.assertEqual(set(r["breakdown"]), {"weights_bytes", "gradients_bytes", "optimizer_bytes",
                                                    "activations_bytes"})
             self.assertIn("torch", r["variant"])
@@ -134,10 +135,37 @@ class Sweep(unittest.TestCase):
             self.assertGreaterEqual(r["pytorch_expandable_min_capacity_bytes"], r["peak_live_bytes"])
             self.assertGreaterEqual(r["tidepool_min_capacity_bytes"], r["peak_live_bytes"])
             self.assertEqual(r["fits"], [16, 24, 40, 48, 80, 96, 141])
+            self.assertEqual(r["fits_pytorch"], r["fits"])
+            self.assertEqual(r["fits_pytorch_expandable"], r["fits"])
 
     def test_a_progress_bar_runs_across_the_variants(self):
         self.assertIn("8/8", self.stderr)
         self.assertIn("1/8", self.stderr)
+
+
+class LargestBatches(unittest.TestCase):
+    """The largest-batch lines, from results as the sweep leaves them."""
+
+    @staticmethod
+    def result(batch, tidepool, pytorch, pytorch_expandable):
+        return {"options": {"batch": batch}, "label": {"batch": batch}, "tidepool": tidepool * GIB,
+                "pytorch": pytorch * GIB, "pytorch_expandable": pytorch_expandable * GIB}
+
+    def test_pytorchs_allocators_are_named_where_either_holds_another_batch(self):
+        from tidepool.plan import largest_batches
+
+        results = [self.result(1, 10, 11, 10), self.result(2, 20, 26, 23), self.result(4, 40, 50, 44)]
+        line, = largest_batches(results, [8, 24, 25, 48], ["batch"])
+        self.assertEqual(line, "largest batch: 8 GB: none; 24 GB: 2 (PyTorch 1, with expandable segments 2); "
+                               "25 GB: 2 (PyTorch 1, with expandable segments 2); "
+                               "48 GB: 4 (PyTorch 2, with expandable segments 4)")
+        same = [self.result(1, 10, 10, 10), self.result(2, 20, 20, 20)]
+        self.assertEqual(largest_batches(same, [24], ["batch"]), ["largest batch: 24 GB: 2"])
+        # Only its expandable segments hold less: PyTorch is named too.
+        one_less = [self.result(1, 10, 10, 10), self.result(2, 20, 20, 30)]
+        self.assertEqual(largest_batches(one_less, [24], ["batch"]),
+                         ["largest batch: 24 GB: 2 (PyTorch 2, with expandable segments 1)"])
+        self.assertEqual(largest_batches(results, [24], ["precision"]), [], "no batch sweep, no line")
 
 
 @unittest.skipIf(SKIP, SKIP)

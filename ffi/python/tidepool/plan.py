@@ -326,6 +326,7 @@ def _finish(result, cards):
         result["tidepool"] = plan["expandable"]["min_capacity_bytes"]
         result["fits"] = _fits(result["tidepool"], cards)
         result["fits_pytorch"] = _fits(result["pytorch"], cards)
+        result["fits_pytorch_expandable"] = _fits(result["pytorch_expandable"], cards)
     except (RuntimeError, ValueError, KeyError) as err:
         result["error"] = str(err)
 
@@ -355,6 +356,8 @@ def _report(args, results, cards, sweeps):
                 "pytorch_expandable_min_capacity_bytes": r["pytorch_expandable"],
                 "tidepool_min_capacity_bytes": r["tidepool"],
                 "fits": r["fits"],
+                "fits_pytorch": r["fits_pytorch"],
+                "fits_pytorch_expandable": r["fits_pytorch_expandable"],
                 "trace": r["trace"],
             }))
         return
@@ -395,7 +398,9 @@ def _report(args, results, cards, sweeps):
 
 
 def largest_batches(results, cards, swept):
-    """Per batch sweep (the other options fixed): the largest batch each card holds."""
+    """Per batch sweep (the other options fixed): the largest batch each card
+    holds with tidepool, and in parentheses PyTorch's where either of its
+    allocators (plain, expandable segments) holds another."""
     if "batch" not in swept:
         return []
     groups = {}
@@ -408,12 +413,17 @@ def largest_batches(results, cards, swept):
         where = " ".join(f"{k}={v}" for k, v in key)
         parts = []
         for card in cards:
-            best = max((r["options"]["batch"] for r in ok if r["tidepool"] <= card * GIB), default=None)
-            best_pt = max((r["options"]["batch"] for r in ok if r["pytorch"] <= card * GIB), default=None)
+            def largest(allocator):
+                return max((r["options"]["batch"] for r in ok if r[allocator] <= card * GIB), default=None)
+
+            best, best_pt, best_px = largest("tidepool"), largest("pytorch"), largest("pytorch_expandable")
             if best is None:
                 parts.append(f"{_card(card)} GB: none")
+            elif best_pt == best and best_px == best:
+                parts.append(f"{_card(card)} GB: {best}")
             else:
-                parts.append(f"{_card(card)} GB: {best}" + (f" (PyTorch {best_pt or 'none'})" if best_pt != best else ""))
+                parts.append(f"{_card(card)} GB: {best} (PyTorch {best_pt or 'none'}, "
+                             f"with expandable segments {best_px or 'none'})")
         lines.append(f"largest batch{' with ' + where if where else ''}: " + "; ".join(parts))
     return lines
 
