@@ -13,13 +13,14 @@
 //!   largest step makes no driver call here;
 //! - over a heap's life, moving starts freely only while
 //!   `Recycling::moved` is below `MOVES_PER_HIGH_WATER` times the
-//!   high-water mark: a workload whose layout drifts from step to step
-//!   pays a bounded number of driver calls, once, and then holds its
-//!   memory as it is;
+//!   high-water mark;
 //! - past that budget, pages move only for the part of a growth that would
-//!   take the heap more than `MOST_HELD_OVER_LIVE_PERCENT` above the most
-//!   it has had live: while cached pages can move, the heap does not grow
-//!   above that, and a layout that drifts by less costs no call.
+//!   take the heap above its bound: `MOST_HELD_OVER_LIVE_PERCENT` above the
+//!   most it has had live, and at least `LEAST_HELD_OVER_LIVE` (whole pages
+//!   and small segments make more than a few percent of a small heap). A
+//!   workload whose layout drifts from step to step within the bound pays
+//!   a bounded number of driver calls, once, and then holds its memory as
+//!   it is; one that drifts further pays moves to stay within it.
 #![forbid(unsafe_code)]
 
 use super::block::{BlockId, BlockState, NIL};
@@ -35,12 +36,19 @@ use super::DeviceHeap;
 const MOVES_PER_HIGH_WATER: u64 = 4;
 
 /// Past its budget, a heap still moves pages rather than hold more than
-/// this many percent above the most it has had live. A generation that
+/// this many percent above the most it has had live (or
+/// `LEAST_HELD_OVER_LIVE`, whichever is more). A generation that
 /// grows its caches every token never settles (120 tokens at batch 64:
 /// 27 times its high-water mark moved with no budget; 1.050x reserved
 /// with a budget of two and no bound, 1.053x with four, 1.029x with the
 /// bound, which moved 12.5 times).
 const MOST_HELD_OVER_LIVE_PERCENT: u64 = 4;
+
+/// The bound above live memory is never below this: a heap of a few
+/// hundred MiB holds more than 4 % in page and segment rounding that no
+/// move gives back (an 88 MiB training step: 96 MiB at best), and would
+/// otherwise move pages at every growth for ever.
+const LEAST_HELD_OVER_LIVE: u64 = 16 << 20;
 
 /// What the heap knows of its moves over its life.
 #[derive(Clone, Copy, Debug, Default)]
@@ -51,9 +59,9 @@ pub(super) struct Recycling {
     /// Bytes taken from cached memory so that the heap would not grow past
     /// `high_water`.
     pub moved: u64,
-    /// The most bytes the heap has had allocated, as of its last growth
-    /// (counting the request that grows it; not lowered by
-    /// `reset_peak_stats` either).
+    /// The most bytes the heap has had allocated, as the peak statistics
+    /// said at each growth (a reset between two growths can hide a peak;
+    /// no reset lowers this).
     pub live_high_water: u64,
     /// Frees and growths so far (counted in heaps with expandable
     /// segments; `DeviceHeap::stamp_freed`): the clock that orders free
@@ -100,11 +108,13 @@ impl DeviceHeap {
         let (reserved, allocated) = (&self.stats.reserved_bytes, &self.stats.allocated_bytes);
         let recycling = &mut self.recycling;
         recycling.high_water = recycling.high_water.max(reserved.peak_total());
-        recycling.live_high_water = recycling.live_high_water.max(allocated.peak_total()).max(allocated.total() + request);
+        recycling.live_high_water = recycling.live_high_water.max(allocated.peak_total());
+        // The request counts as live for this growth only: it may still fail.
+        let live = recycling.live_high_water.max(allocated.total() + request);
+        let bound = live + (live * MOST_HELD_OVER_LIVE_PERCENT / 100).max(LEAST_HELD_OVER_LIVE);
         let after = reserved.total() + bytes;
         let past_peak = after.saturating_sub(recycling.high_water);
         let budget_left = (MOVES_PER_HIGH_WATER * recycling.high_water).saturating_sub(recycling.moved);
-        let bound = recycling.live_high_water + recycling.live_high_water * MOST_HELD_OVER_LIVE_PERCENT / 100;
         let mut want = past_peak.min(budget_left.max(after.saturating_sub(bound)));
         if want == 0 {
             return donors;
