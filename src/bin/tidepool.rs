@@ -516,8 +516,8 @@ fn capacity_text(bytes: u64, step: u64) -> String {
 /// `plan`'s step: "4 MiB", "512 KiB", "6.40 MiB".
 fn step_text(step: u64) -> String {
     match step {
-        s if s % (1 << 20) == 0 => format!("{} MiB", s >> 20),
-        s if s % (1 << 10) == 0 && s < 1 << 20 => format!("{} KiB", s >> 10),
+        s if s.is_multiple_of(1 << 20) => format!("{} MiB", s >> 20),
+        s if s.is_multiple_of(1 << 10) && s < 1 << 20 => format!("{} KiB", s >> 10),
         s => human_bytes(s),
     }
 }

@@ -57,11 +57,16 @@ impl DeviceHeap {
             .vm_page_size(self.device)
             .filter(|p| p.is_power_of_two())
             .ok_or_else(|| format!("the {} backend cannot map pages; expandable segments stay off", self.backend.name()))?;
-        let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
-        let range = total.clamp(page, MAX_RANGE).next_multiple_of(page);
-        self.vm = Some(Vm { page, range });
-        self.refresh_pool_vms();
+        self.use_page(page);
         Ok(())
+    }
+
+    /// Expandable segments of `page` bytes, in ranges as large as the
+    /// device, for the default pools made so far and to come.
+    fn use_page(&mut self, page: u64) {
+        let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
+        self.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
+        self.refresh_pool_vms();
     }
 
     /// Maps physical memory `page` bytes at a time in the expandable
@@ -79,9 +84,7 @@ impl DeviceHeap {
         if page == 0 || !page.is_multiple_of(vm.page) {
             return Err(format!("an expandable page of {page} bytes is not a multiple of the backend's {}", vm.page));
         }
-        let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
-        self.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
-        self.refresh_pool_vms();
+        self.use_page(page);
         Ok(())
     }
 
