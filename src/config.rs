@@ -349,7 +349,7 @@ impl Config {
         let (mut config, warnings) = Config::parse(&text);
         config.trace_path = std::env::var_os("TIDEPOOL_TRACE").filter(|p| !p.is_empty()).map(Into::into);
         for warning in warnings {
-            eprintln!("tidepool: warning: TIDEPOOL_CONF: {warning}");
+            crate::log::log_line(format_args!("tidepool: warning: TIDEPOOL_CONF: {warning}"));
         }
         config
     }

@@ -52,7 +52,7 @@ impl Cooperation {
                 state: Mutex::new(State { registry, events: Events::default() }),
             }),
             Err(err) => {
-                eprintln!("tidepool: warning: cooperation off for device {device}: {err}");
+                crate::log::log_line(format_args!("tidepool: warning: cooperation off for device {device}: {err}"));
                 None
             }
         }

@@ -62,7 +62,7 @@ impl Device {
                 });
                 if let Err(err) = expandable {
                     if shard == 0 {
-                        eprintln!("tidepool: warning: device {index}: {err}");
+                        crate::log::log_line(format_args!("tidepool: warning: device {index}: {err}"));
                     }
                 }
                 heap.set_move_pages(config.move_pages);

@@ -23,6 +23,7 @@ use std::sync::Once;
 
 use parking_lot::Mutex;
 
+use crate::log::log_line;
 use crate::reclaim::policy::Reason;
 use crate::stats::{for_each_counter, Events, Stat, StatByPool, Stats};
 use crate::{AllocError, Allocator, DevicePtr, Frame, OomReport, PrivatePoolId, Stream};
@@ -158,9 +159,12 @@ thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
+/// Sets this thread's last error. Once the thread's locals are gone (a
+/// call from another library's thread-exit destructor) there is none to
+/// set, and nothing panics.
 fn set_last_error(message: impl Into<String>) {
     let message = message.into();
-    LAST_ERROR.with(|e| *e.borrow_mut() = message);
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = message);
 }
 
 /// Runs an export's body; a panic becomes `$on_panic` and a last error.
@@ -269,7 +273,7 @@ fn device_index(device: c_int) -> Result<usize, AllocError> {
 /// Logs `message` to stderr the first time `flag` is seen unset.
 fn log_once(flag: &AtomicBool, message: &str) {
     if !flag.swap(true, Ordering::Relaxed) {
-        eprintln!("{message} (further ones are only counted)");
+        log_line(format_args!("{message} (further ones are only counted)"));
     }
 }
 
@@ -317,7 +321,7 @@ fn malloc(size: usize, device: c_int, stream: *mut c_void, context: u64) -> *mut
 fn malloc_failed(err: AllocError) {
     set_last_error(err.to_string());
     if let (AllocError::OutOfMemory(report), Ok(allocator)) = (&err, allocator()) {
-        eprintln!("{err}");
+        log_line(&err);
         after_oom(allocator, report);
     }
 }
@@ -337,7 +341,7 @@ static OOM_SNAPSHOT_TRIED: AtomicBool = AtomicBool::new(false);
 /// process's first one, the `oom_snapshot`. The last error (the report)
 /// is what it was before, whatever they did.
 fn after_oom(allocator: &Allocator, report: &OomReport) {
-    let saved = LAST_ERROR.with(|e| e.borrow().clone());
+    let saved = LAST_ERROR.try_with(|e| e.borrow().clone()).unwrap_or_default();
     // A copy: an observer may attach another (it is called from the next OOM on).
     let observers = OOM_OBSERVERS.lock().clone();
     if !observers.is_empty() {
@@ -353,7 +357,7 @@ fn after_oom(allocator: &Allocator, report: &OomReport) {
     if let Some(path) = &allocator.config().oom_snapshot {
         if !OOM_SNAPSHOT_TRIED.swap(true, Ordering::AcqRel) {
             if let Err(err) = crate::snapshot::write_snapshot(allocator, path) {
-                eprintln!("tidepool: warning: oom_snapshot: cannot write {}: {err}", path.display());
+                log_line(format_args!("tidepool: warning: oom_snapshot: cannot write {}: {err}", path.display()));
             }
         }
     }
@@ -454,14 +458,14 @@ pub extern "C" fn tidepool_free(ptr: *mut c_void, size: usize, device: c_int, st
 pub extern "C" fn tidepool_init(device_count: c_int) {
     boundary!((), {
         match allocator() {
-            Ok(a) if device_count > a.device_count() as c_int => eprintln!(
+            Ok(a) if device_count > a.device_count() as c_int => log_line(format_args!(
                 "tidepool: warning: {device_count} devices visible but the {} backend has {}",
                 a.backend().name(),
                 a.device_count()
-            ),
+            )),
             Ok(_) => {}
             Err(err) => {
-                eprintln!("{err}");
+                log_line(&err);
                 set_last_error(err.to_string());
             }
         }
@@ -770,19 +774,21 @@ fn dump_snapshot(path: *const c_char) -> Result<(), Failure> {
 #[no_mangle]
 pub extern "C" fn tidepool_last_error(buf: *mut c_char, len: usize) -> usize {
     boundary!(0, {
-        LAST_ERROR.with(|e| {
-            let message = e.borrow();
-            if !buf.is_null() && len > 0 {
-                let n = message.len().min(len - 1);
-                // SAFETY: `buf` is non-null with room for `len` bytes per the
-                // contract; we write n + 1 <= len bytes and do not overlap `message`.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(message.as_ptr(), buf as *mut u8, n);
-                    *buf.add(n) = 0;
+        LAST_ERROR
+            .try_with(|e| {
+                let message = e.borrow();
+                if !buf.is_null() && len > 0 {
+                    let n = message.len().min(len - 1);
+                    // SAFETY: `buf` is non-null with room for `len` bytes per the
+                    // contract; we write n + 1 <= len bytes and do not overlap `message`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(message.as_ptr(), buf as *mut u8, n);
+                        *buf.add(n) = 0;
+                    }
                 }
-            }
-            message.len()
-        })
+                message.len()
+            })
+            .unwrap_or(0)
     })
 }
 

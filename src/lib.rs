@@ -44,6 +44,7 @@ pub mod exporter;
 pub mod ffi;
 pub mod frames;
 pub mod heap;
+mod log;
 pub mod pickle;
 pub mod reclaim;
 pub mod recording;
@@ -124,7 +125,7 @@ impl Allocator {
         let recorder = config.trace_path.as_ref().and_then(|path| match recording::Recorder::create(path) {
             Ok(recorder) => Some(recorder),
             Err(err) => {
-                eprintln!("tidepool: warning: TIDEPOOL_TRACE: cannot record to {}: {err}", path.display());
+                crate::log::log_line(format_args!("tidepool: warning: TIDEPOOL_TRACE: cannot record to {}: {err}", path.display()));
                 None
             }
         });
@@ -146,7 +147,9 @@ impl Allocator {
             match reclaim::Reclaimer::start(pass, clock, interval) {
                 Ok(reclaimer) => Some(reclaimer),
                 Err(err) => {
-                    eprintln!("tidepool: warning: cannot start the reclaimer thread ({err}); idle memory stays cached");
+                    crate::log::log_line(format_args!(
+                        "tidepool: warning: cannot start the reclaimer thread ({err}); idle memory stays cached"
+                    ));
                     None
                 }
             }
@@ -527,7 +530,7 @@ impl Drop for Allocator {
     /// pools still held and paused tags: whoever holds them may still use it.
     fn drop(&mut self) {
         if let Err(err) = self.finish_trace() {
-            eprintln!("tidepool: warning: TIDEPOOL_TRACE: writing the trace failed: {err}");
+            crate::log::log_line(format_args!("tidepool: warning: TIDEPOOL_TRACE: writing the trace failed: {err}"));
         }
         if !std::thread::panicking() {
             self.empty_cache();

@@ -752,6 +752,66 @@ fn a_driver_refusing_pages_midway_leaves_the_heap_consistent_and_leaks_nothing()
     child_prints("child_failing_page_maps", "256M", &[("SIMGPU_FAIL_EVERY", "5")], "failing page maps: ok");
 }
 
+/// The child side: with expandable segments, the driver fails every few
+/// `cuMemUnmap` calls (unmapping nothing), in empty_cache, in releases
+/// before growth and in page moves; every live block is written on the
+/// device after each step (a page unmapped under one would fault).
+#[test]
+#[ignore = "child process: run by a_driver_failing_unmaps_midway_leaves_every_live_page_mapped_and_leaks_nothing"]
+fn child_failing_page_unmaps() {
+    common::child_only();
+    let alloc = cuda_allocator("expandable:true,oom_wait_ms:0");
+    let sim = Simgpu::load();
+    let stream = tidepool::Stream(sim.stream());
+    let mut rng = common::Rng(0x0DD5);
+    let mut live = Vec::new();
+    for step in 0..400u64 {
+        if live.len() > 8 || (!live.is_empty() && rng.below(2) == 0) {
+            let (p, _) = live.swap_remove(rng.below(live.len() as u64) as usize);
+            alloc.free(0, p).unwrap();
+        } else {
+            let size = ((1 + rng.below(24)) << 20) as usize;
+            match alloc.allocate(0, size, stream) {
+                Ok(p) => live.push((p, size)),
+                Err(tidepool::AllocError::OutOfMemory(_)) => {}
+                Err(other) => panic!("{other}"),
+            }
+        }
+        if rng.below(8) == 0 {
+            alloc.empty_cache();
+        }
+        alloc.validate().unwrap();
+        // SAFETY: stream-ordered writes to live blocks of their sizes.
+        unsafe {
+            for &(p, size) in &live {
+                (sim.enqueue_fill)(stream.0, p.0, size, step as u8, 0);
+            }
+            (sim.stream_synchronize)(stream.0);
+        }
+    }
+    for (p, _) in live {
+        alloc.free(0, p).unwrap();
+    }
+    // What failed stays mapped and counted; later passes give it back.
+    for _ in 0..8 {
+        alloc.empty_cache();
+    }
+    alloc.validate().unwrap();
+    let stats = alloc.stats(0).unwrap();
+    assert_eq!((stats.reserved_bytes.all.current, stats.segment.all.current), (0, 0));
+    assert_eq!(alloc.backend().mem_info(0).unwrap().free, CAPACITY, "a page leaked in the driver");
+    let (mut maps, mut unmaps) = (0i64, 0i64);
+    // SAFETY: reads simgpu's counters.
+    unsafe { (sim.vm_calls)(&mut maps, &mut unmaps) };
+    assert!(unmaps >= 30, "the driver was asked to unmap {unmaps} times, so failed {} times", unmaps / 3);
+    println!("failing page unmaps: ok ({maps} maps, {unmaps} unmaps)");
+}
+
+#[test]
+fn a_driver_failing_unmaps_midway_leaves_every_live_page_mapped_and_leaks_nothing() {
+    child_prints("child_failing_page_unmaps", "256M", &[("SIMGPU_FAIL_UNMAP_EVERY", "3")], "failing page unmaps: ok");
+}
+
 /// The child side: events cannot be recorded; unknown streams.
 #[test]
 #[ignore = "child process: run by failing_events_and_unknown_streams_are_survived"]

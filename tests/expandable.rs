@@ -138,18 +138,36 @@ fn a_map_failing_midway_undoes_the_pages_it_mapped() {
 #[test]
 fn a_failed_unmap_keeps_the_page_mapped_and_counted() {
     let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    // A one-page hole whose unmap fails: the page stays mapped and counted.
     let _left = alloc(&a, 4 * MIB);
-    let hole = alloc(&a, 16 * MIB);
+    let hole = alloc(&a, 2 * MIB);
     let _right = alloc(&a, 4 * MIB);
     a.free(0, hole).unwrap();
     backend.faults().fail_nth_release(1);
     a.empty_cache();
-    // The hole's pages form one run: its unmap failed, so all stay.
-    assert_eq!(reserved(&a), 24 * MIB);
-    assert_eq!(backend.mem_info(0).unwrap().free, (1 << 30) - 24 * MIB);
+    assert_eq!(reserved(&a), 10 * MIB);
+    assert_eq!(backend.mem_info(0).unwrap().free, (1 << 30) - 10 * MIB);
     a.validate().unwrap();
     a.empty_cache();
     assert_eq!(reserved(&a), 8 * MIB);
+    a.validate().unwrap();
+}
+
+#[test]
+fn a_run_whose_unmap_fails_goes_back_page_by_page() {
+    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let _left = alloc(&a, 4 * MIB);
+    let hole = alloc(&a, 16 * MIB);
+    let _right = alloc(&a, 4 * MIB);
+    a.free(0, hole).unwrap();
+    let unmaps = backend.vm_calls().1;
+    backend.faults().fail_nth_release(1);
+    a.empty_cache();
+    // The hole's eight pages form one run: its unmap failed, and each page
+    // then went back on its own.
+    assert_eq!(backend.vm_calls().1 - unmaps, 1 + 8);
+    assert_eq!(reserved(&a), 8 * MIB);
+    assert_eq!(backend.mem_info(0).unwrap().free, (1 << 30) - 8 * MIB);
     a.validate().unwrap();
 }
 
@@ -520,6 +538,8 @@ fn pages_larger_than_the_backends_map_that_much_at_a_time_and_bad_sizes_are_refu
         let err = heap.set_expandable_page(bad).unwrap_err();
         assert!(err.contains("not a multiple of the backend's"), "{bad}: {err}");
     }
+    let err = heap.set_expandable_page(1 << 41).unwrap_err();
+    assert!(err.contains("larger than a range"), "{err}");
     heap.set_expandable_page(20 * MIB).unwrap();
     // 30 MiB takes two 20 MiB pages: two maps and their access in one run.
     let p = heap.allocate(30 * MIB, Stream::DEFAULT).unwrap();

@@ -140,3 +140,36 @@ fn child_resets_statistics() {
     }
     println!("child: ok");
 }
+
+static OBSERVED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+unsafe extern "C" fn count_oom(_device: i32, _requested: usize, _allocated: usize, _free: usize, _user: *mut std::ffi::c_void) {
+    OBSERVED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[test]
+fn an_out_of_memory_is_reported_as_one_when_stderr_cannot_be_written() {
+    // The child's stderr is a pipe nobody reads: writing the report fails
+    // (EPIPE), which must not turn the out-of-memory into another error.
+    let mut command = common::child_command("child_oom_with_a_closed_stderr");
+    command
+        .env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:64")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    drop(child.stderr.take());
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("child: ok"), "{stdout}");
+}
+
+#[test]
+#[ignore = "child process: run by an_out_of_memory_is_reported_as_one_when_stderr_cannot_be_written"]
+fn child_oom_with_a_closed_stderr() {
+    common::child_only();
+    assert_eq!(tidepool_attach_oom_observer(Some(count_oom), null_mut()), TIDEPOOL_OK);
+    assert!(tidepool_malloc(1 << 30, 0, null_mut()).is_null());
+    assert!(last_error().contains("out of memory"), "the report is the last error: {}", last_error());
+    assert_eq!(OBSERVED.load(std::sync::atomic::Ordering::Relaxed), 1, "the observers ran");
+    println!("child: ok");
+}

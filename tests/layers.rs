@@ -25,6 +25,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "pickle",
             "recording",
             "config",
+            "log",
         ],
     ),
     ("heap", &["heap"]),

@@ -37,7 +37,8 @@
  *     may be destroyed while streams still wait on it (cudarc's join);
  *   - latency (SIMGPU_LATENCY_US) and fault injection: SIMGPU_FAIL_EVERY=N
  *     (every Nth cuMemAlloc or cuMemCreate reports out of memory), SIMGPU_FAIL_FREE_EVERY=N
- *     (every Nth cuMemFree fails and frees nothing), SIMGPU_FAIL_EVENTS=1
+ *     (every Nth cuMemFree fails and frees nothing), SIMGPU_FAIL_UNMAP_EVERY=N
+ *     (every Nth cuMemUnmap fails and unmaps nothing), SIMGPU_FAIL_EVENTS=1
  *     (cuEventRecord fails), SIMGPU_FAIL_HOST_ALLOC=1 (cuMemHostAlloc
  *     reports out of memory);
  *   - pinned host memory (cuMemHostAlloc/cuMemFreeHost: anonymous memory,
@@ -78,6 +79,7 @@ enum {
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_UNKNOWN = 999,
 };
 
 #define MAX_DEVICES 16
@@ -113,7 +115,7 @@ static pid_t my_pid;
 static struct simgpu_ctx contexts[MAX_DEVICES];
 static __thread CUcontext current;
 static struct alloc_rec allocs[MAX_ALLOCS];
-static long fail_every, alloc_calls, fail_free_every, free_calls, fail_events, fail_host_alloc;
+static long fail_every, alloc_calls, fail_free_every, free_calls, fail_unmap_every, fail_events, fail_host_alloc;
 static long latency_us;
 
 /* Ownership of ranges, named by the tests, for the use-after-free detector. */
@@ -247,6 +249,8 @@ CUresult cuInit(unsigned int flags) {
         fail_every = f ? atol(f) : 0;
         const char *ff = getenv("SIMGPU_FAIL_FREE_EVERY");
         fail_free_every = ff ? atol(ff) : 0;
+        const char *fu = getenv("SIMGPU_FAIL_UNMAP_EVERY");
+        fail_unmap_every = fu ? atol(fu) : 0;
         const char *fe = getenv("SIMGPU_FAIL_EVENTS");
         fail_events = fe ? atol(fe) : 0;
         const char *fh = getenv("SIMGPU_FAIL_HOST_ALLOC");
@@ -1063,6 +1067,10 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     uintptr_t addr = (uintptr_t)ptr;
     pthread_mutex_lock(&lock);
     vm_unmap_calls++;
+    if (fail_unmap_every > 0 && vm_unmap_calls % fail_unmap_every == 0) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_UNKNOWN;
+    }
     if (!fully_mapped(addr, size)) {
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_INVALID_VALUE; /* only whole mappings can be unmapped */

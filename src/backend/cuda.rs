@@ -32,6 +32,7 @@ use parking_lot::Mutex;
 use cudarc::driver::sys;
 
 use super::{Backend, BackendError, HostMemory, MemInfo};
+use crate::log::log_line;
 use crate::types::Stream;
 
 /// One device: its ordinal, primary context, identity and (cuda_async) pool.
@@ -239,32 +240,74 @@ impl CudaBackend {
         }
     }
 
-    /// Unmaps and frees the pages at `pages` (addresses) of `device`; the
-    /// first failure is returned after trying them all.
+    /// The handle of the page mapped at `addr` of `device`, or the error
+    /// `call` gives for an address with none.
+    fn handle_at(&self, device: usize, addr: u64, call: &'static str) -> Result<sys::CUmemGenericAllocationHandle, BackendError> {
+        self.devices[device].vm_handles.lock().get(&addr).copied().ok_or_else(|| BackendError::Driver {
+            call,
+            code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i64,
+            message: format!("no page mapped at {addr:#x}"),
+        })
+    }
+
+    /// Unmaps and frees the pages at `pages` (addresses) of `device`. All
+    /// or nothing, as the engine counts on: when one cannot be unmapped, the
+    /// ones unmapped before it are mapped again with their memory and the
+    /// error is returned. A page whose memory the driver will not free once
+    /// unmapped counts as unmapped (its address is free again), with a
+    /// warning.
     fn unmap_pages(&self, device: usize, pages: impl Iterator<Item = u64>) -> Result<(), BackendError> {
-        let d = &self.devices[device];
-        let mut result = Ok(());
+        let page = self.devices[device].vm_page;
+        let mut unmapped = Vec::new();
         for addr in pages {
-            let Some(handle) = d.vm_handles.lock().get(&addr).copied() else {
-                result = result.and(Err(BackendError::Driver {
-                    call: "cuMemUnmap",
-                    code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i64,
-                    message: format!("no page mapped at {addr:#x}"),
-                }));
-                continue;
-            };
-            // SAFETY: `addr` is a page this backend mapped with `handle`, and
-            // the engine unmaps it only once no work uses it.
-            let unmapped = check(unsafe { sys::cuMemUnmap(addr, d.vm_page as usize) }, "cuMemUnmap");
-            if unmapped.is_err() {
-                result = result.and(unmapped);
-                continue;
+            let result = self.handle_at(device, addr, "cuMemUnmap").and_then(|handle| {
+                // SAFETY: `addr` is a page this backend mapped with `handle`,
+                // and the engine unmaps it only once no work uses it.
+                check(unsafe { sys::cuMemUnmap(addr, page as usize) }, "cuMemUnmap").map(|()| handle)
+            });
+            match result {
+                Ok(handle) => unmapped.push((addr, handle)),
+                Err(err) => {
+                    self.map_again(device, &unmapped);
+                    return Err(err);
+                }
             }
-            d.vm_handles.lock().remove(&addr);
-            // SAFETY: `handle` is no longer mapped anywhere; this is its one release.
-            result = result.and(check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease"));
         }
-        result
+        let mut handles = self.devices[device].vm_handles.lock();
+        for (addr, handle) in unmapped {
+            handles.remove(&addr);
+            // SAFETY: `handle` is no longer mapped anywhere; this is its one release.
+            if let Err(err) = check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease") {
+                log_line(format_args!("tidepool: warning: device {device}: the page unmapped at {addr:#x} was not freed: {err}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps each `(addr, handle)` of `device` again, readable and writable:
+    /// undoes unmaps that a failure made void.
+    fn map_again(&self, device: usize, pages: &[(u64, sys::CUmemGenericAllocationHandle)]) {
+        let d = &self.devices[device];
+        let prop = page_properties(d.ordinal);
+        for &(addr, handle) in pages {
+            // SAFETY: `addr` was unmapped just before from `handle`, which is
+            // still alive; nothing else maps there meanwhile (the heap's lock).
+            let result = check(unsafe { sys::cuMemMap(addr, d.vm_page as usize, 0, handle, 0) }, "cuMemMap")
+                .and_then(|()| grant_access(&prop, addr, d.vm_page));
+            if let Err(err) = result {
+                log_line(format_args!("tidepool: warning: device {device}: the page at {addr:#x} could not be mapped again: {err}"));
+            }
+        }
+    }
+
+    /// Unmaps what a failed `vm_map` mapped and frees it, as far as the
+    /// driver lets it: a page that stays mapped is reported and left there.
+    fn discard_pages(&self, device: usize, pages: &[u64]) {
+        for &addr in pages {
+            if let Err(err) = self.unmap_pages(device, std::iter::once(addr)) {
+                log_line(format_args!("tidepool: warning: device {device}: a page mapped at {addr:#x} could not be unmapped: {err}"));
+            }
+        }
     }
 
     fn device(&self, device: usize, call: &'static str) -> Result<&Device, BackendError> {
@@ -397,7 +440,7 @@ impl Backend for CudaBackend {
         }
         if result.is_err() {
             // All or nothing: the pages mapped so far go back.
-            let _ = self.unmap_pages(device, mapped.into_iter());
+            self.discard_pages(device, &mapped);
         }
         result
     }
@@ -408,47 +451,57 @@ impl Backend for CudaBackend {
         let page = d.vm_page;
         let prop = page_properties(d.ordinal);
         let _relaxed = RelaxedCapture::new(self);
-        // Each page's memory is mapped at `to` as well, then unmapped from
-        // `from`: a failure before the last step leaves `from` as it was.
+        // The pages are unmapped from `from` (their memory stays with its
+        // handles), then mapped at `to`. A failure undoes what was done
+        // before it, so that nothing has changed: unmaps by mapping again,
+        // maps by unmapping (the one undo that can itself fail, reported).
+        let mut unmapped = Vec::new();
+        for offset in (0..len).step_by(page as usize) {
+            let result = self.handle_at(device, from + offset, "cuMemUnmap").and_then(|handle| {
+                // SAFETY: `from + offset` is a page this backend mapped with
+                // `handle`, which the engine moves only once no work uses it;
+                // the handle is not released, so its memory stays.
+                check(unsafe { sys::cuMemUnmap(from + offset, page as usize) }, "cuMemUnmap").map(|()| handle)
+            });
+            match result {
+                Ok(handle) => unmapped.push((from + offset, handle)),
+                Err(err) => {
+                    self.map_again(device, &unmapped);
+                    return Err(err);
+                }
+            }
+        }
         let mut mapped = Vec::new();
         let mut result = Ok(());
-        for offset in (0..len).step_by(page as usize) {
-            let Some(handle) = d.vm_handles.lock().get(&(from + offset)).copied() else {
-                result = Err(BackendError::Driver {
-                    call: "cuMemMap",
-                    code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i64,
-                    message: format!("no page mapped at {:#x}", from + offset),
-                });
-                break;
-            };
-            // SAFETY: `to + offset` is an unmapped page of a range reserved by
-            // vm_reserve; `handle` is a live page of this device's memory.
-            result = check(unsafe { sys::cuMemMap(to + offset, page as usize, 0, handle, 0) }, "cuMemMap");
+        for &(at, handle) in &unmapped {
+            let to_page = to + (at - from);
+            // SAFETY: `to_page` is an unmapped page of a range reserved by
+            // vm_reserve; `handle` is a live page of this device's memory,
+            // mapped nowhere now.
+            result = check(unsafe { sys::cuMemMap(to_page, page as usize, 0, handle, 0) }, "cuMemMap");
             if result.is_err() {
                 break;
             }
-            mapped.push(to + offset);
+            mapped.push(to_page);
         }
-        if result.is_ok() {
-            result = grant_access(&prop, to, len);
-        }
+        let result = result.and_then(|()| grant_access(&prop, to, len));
         if let Err(err) = result {
             for at in mapped {
-                // SAFETY: `at` was mapped above by this call; its handle stays
-                // mapped at its old page, so nothing is released.
-                unsafe { sys::cuMemUnmap(at, page as usize) };
+                // SAFETY: mapped just above; its handle stays alive and is
+                // mapped at `from` again below.
+                if let Err(undo) = check(unsafe { sys::cuMemUnmap(at, page as usize) }, "cuMemUnmap") {
+                    log_line(format_args!(
+                        "tidepool: warning: device {device}: a page moved to {at:#x} could not be unmapped again: {undo}"
+                    ));
+                }
             }
+            self.map_again(device, &unmapped);
             return Err(err);
         }
         let mut handles = d.vm_handles.lock();
-        for offset in (0..len).step_by(page as usize) {
-            // SAFETY: `from + offset` is a page this backend mapped, which the
-            // engine moves only once no work uses it; its memory stays
-            // mapped at `to + offset`, so the handle is not released.
-            unsafe { sys::cuMemUnmap(from + offset, page as usize) };
-            if let Some(handle) = handles.remove(&(from + offset)) {
-                handles.insert(to + offset, handle);
-            }
+        for (at, handle) in unmapped {
+            handles.remove(&at);
+            handles.insert(to + (at - from), handle);
         }
         Ok(())
     }

@@ -65,7 +65,7 @@ impl DeviceHeap {
     /// device, for the default pools made so far and to come.
     fn use_page(&mut self, page: u64) {
         let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
-        self.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
+        self.vm = Some(Vm { page, range: total.min(MAX_RANGE).max(page).next_multiple_of(page) });
         self.refresh_pool_vms();
     }
 
@@ -83,6 +83,9 @@ impl DeviceHeap {
         }
         if page == 0 || !page.is_multiple_of(vm.page) {
             return Err(format!("an expandable page of {page} bytes is not a multiple of the backend's {}", vm.page));
+        }
+        if page > MAX_RANGE {
+            return Err(format!("an expandable page of {page} bytes is larger than a range ({MAX_RANGE} bytes at most)"));
         }
         self.use_page(page);
         Ok(())
@@ -321,15 +324,15 @@ impl DeviceHeap {
 
     /// Unmaps the `n` mapped pages from page `p` of the expandable segment
     /// `segment_id` (no work left on them) and frees their memory. Returns
-    /// the bytes unmapped: none when the backend refuses (they stay mapped
-    /// and counted).
+    /// the bytes unmapped. A run the backend refuses goes page by page, so
+    /// that only the pages it refuses stay mapped (and counted).
     pub(super) fn unmap_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
         let Some((base, page)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))
         else {
             return 0;
         };
         if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
-            return 0;
+            return if n > 1 { (p..p + n).map(|q| self.unmap_run(segment_id, q, 1)).sum() } else { 0 };
         }
         self.forget_mapped_run(segment_id, p, n);
         self.reserve.give_back(n * page);

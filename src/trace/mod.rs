@@ -90,8 +90,9 @@ pub struct Trace {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RecordedOom {
     pub device: u32,
-    /// How many of the device's events came before it: the request would
-    /// have been the next one.
+    /// How many of the device's events came before it (the allocations
+    /// live when recording began are its first): the request would have
+    /// been the next one.
     pub event: usize,
     /// Bytes asked for, and on which stream.
     pub requested: u64,

@@ -20,6 +20,7 @@ pub struct Simgpu {
     pub owner_overflows: unsafe extern "C" fn() -> i64,
     pub memory_calls: unsafe extern "C" fn() -> i64,
     pub host_allocs: unsafe extern "C" fn(*mut i64) -> i64,
+    pub vm_calls: unsafe extern "C" fn(*mut i64, *mut i64),
 }
 
 /// `name`'s address as the function pointer type `F`.
@@ -53,6 +54,7 @@ impl Simgpu {
                 owner_overflows: symbol(c"simgpu_owner_overflows"),
                 memory_calls: symbol(c"simgpu_memory_calls"),
                 host_allocs: symbol(c"simgpu_host_allocs"),
+                vm_calls: symbol(c"simgpu_vm_calls"),
             }
         }
     }
