@@ -215,6 +215,23 @@ class ResetStats(unittest.TestCase):
             tidepool.reset_accumulated_memory_stats(-5)
 
 
+class Devices(unittest.TestCase):
+    def test_a_device_is_taken_as_torch_cuda_takes_one(self):
+        ptr = malloc(MIB)
+        try:
+            expected = tidepool.memory_allocated(0)
+            self.assertGreaterEqual(expected, MIB)
+            cuda_device = types.SimpleNamespace(type="cuda", index=0)  # a torch.device's fields
+            for device in (None, "cuda", "cuda:0", cuda_device, types.SimpleNamespace(type="cuda", index=None)):
+                self.assertEqual(tidepool.memory_allocated(device), expected, repr(device))
+            self.assertEqual(tidepool.tag_stats("default", device="cuda:0")["allocated_bytes"], 0)
+        finally:
+            free(ptr, MIB)
+        for bad in ("cpu", "cuda:x", types.SimpleNamespace(type="cpu", index=None), 1.5):
+            with self.assertRaisesRegex(ValueError, "not a CUDA device", msg=repr(bad)):
+                tidepool.memory_allocated(bad)
+
+
 class OutOfMemoryObservers(unittest.TestCase):
     def test_an_observer_hears_each_out_of_memory_with_its_figures(self):
         heard = []
@@ -382,6 +399,17 @@ class LibraryChoice(unittest.TestCase):
             self.assertEqual(done.returncode, 0, done.stderr)
             self.assertEqual(done.stdout.split()[0], copy)
 
+    def test_a_package_installed_near_the_root_is_no_source_checkout(self):
+        saved_dir, saved_env = _native.PACKAGE_DIR, os.environ.pop("TIDEPOOL_LIBRARY", None)
+        try:
+            _native.PACKAGE_DIR = type(saved_dir)("/deps/tidepool")  # pip install --target /deps
+            with self.assertRaisesRegex(tidepool.TidepoolError, "libtidepool.so not found"):
+                _native.library_path()
+        finally:
+            _native.PACKAGE_DIR = saved_dir
+            if saved_env is not None:
+                os.environ["TIDEPOOL_LIBRARY"] = saved_env
+
     def test_a_missing_tidepool_library_is_a_clear_error(self):
         done = self.run_script("/nonexistent/libtidepool.so")
         self.assertNotEqual(done.returncode, 0)
@@ -423,6 +451,7 @@ class Install(unittest.TestCase):
     def setUp(self):
         self.saved = sys.modules.get("torch")
         tidepool._plug = None
+        tidepool._installed = False
 
     def tearDown(self):
         if self.saved is None:
@@ -430,6 +459,24 @@ class Install(unittest.TestCase):
         else:
             sys.modules["torch"] = self.saved
         tidepool._plug = None
+        tidepool._installed = False
+
+    def test_a_second_install_only_points_torch_cuda_here_again(self):
+        fake = FakeTorch()
+        sys.modules["torch"] = fake.module
+        tidepool.install(allow_host=True)
+        calls = len(fake.calls)
+        fake.module.cuda.is_initialized = lambda: True  # CUDA has started since
+        tidepool.install(allow_host=True)
+        self.assertEqual(len(fake.calls), calls, "PyTorch's allocator was not switched again")
+
+    def test_a_conf_after_tidepool_started_is_refused_with_a_warning(self):
+        sys.modules["torch"] = FakeTorch().module
+        tidepool.memory_allocated()  # the library starts, reading TIDEPOOL_CONF
+        before = os.environ.get("TIDEPOOL_CONF")
+        with self.assertWarnsRegex(RuntimeWarning, "already started"):
+            tidepool.install("expandable:true", allow_host=True)
+        self.assertEqual(os.environ.get("TIDEPOOL_CONF"), before)
 
     def test_install_hands_pytorch_the_library_and_every_hook(self):
         fake = FakeTorch()
@@ -460,8 +507,9 @@ class Install(unittest.TestCase):
     def test_install_refuses_to_give_pytorch_host_memory(self):
         fake = FakeTorch()
         sys.modules["torch"] = fake.module
-        with self.assertRaisesRegex(tidepool.TidepoolError, "CUDA kernels cannot use"):
-            tidepool.install(conf="backend:host")
+        for conf in ("backend:host", "backend:cuda,backend:host"):  # the last entry wins, as in the library
+            with self.assertRaisesRegex(tidepool.TidepoolError, "CUDA kernels cannot use"):
+                tidepool.install(conf=conf)
         self.assertEqual(fake.calls, [], "nothing was handed to PyTorch")
 
 

@@ -12,6 +12,7 @@ import pickle
 import sys
 import tempfile
 import threading
+import warnings
 
 from . import _native, _torch
 from ._native import GAUGES, POOLS, FIELDS, TidepoolError, library_path
@@ -47,6 +48,8 @@ __all__ = [
 ]
 
 _plug = None
+# PyTorch allocates through tidepool (set by install(); PyTorch cannot switch back).
+_installed = False
 
 
 def _pluggable(torch):
@@ -78,11 +81,13 @@ DEFAULT_BACKEND = "cuda"
 
 
 def _backend(conf):
+    # The last entry wins, as the library reads them.
+    backend = DEFAULT_BACKEND
     for entry in (conf or "").split(","):
         key, _, value = entry.partition(":")
         if key.strip() == "backend":
-            return value.strip()
-    return DEFAULT_BACKEND
+            backend = value.strip()
+    return backend
 
 
 def install(conf=None, allow_host=False):
@@ -101,20 +106,37 @@ def install(conf=None, allow_host=False):
     """
     import torch
 
+    global _installed
     effective = conf if conf is not None else os.environ.get("TIDEPOOL_CONF", "")
     if _backend(effective) == "host" and not allow_host:
         raise TidepoolError(
             "tidepool's backend is 'host' (host memory standing in for a GPU), which CUDA kernels cannot use: "
             "use backend:cuda (the default) in TIDEPOOL_CONF"
         )
+    # The library reads TIDEPOOL_CONF once, when it starts (at its first call).
+    started = _installed or _native.loaded()
+    if conf is not None and started and conf != os.environ.get("TIDEPOOL_CONF"):
+        warnings.warn(
+            f"tidepool.install({conf!r}): tidepool has already started with TIDEPOOL_CONF="
+            f"{os.environ.get('TIDEPOOL_CONF', '')!r}, so this configuration is ignored: "
+            "pass it to the first install(), or set TIDEPOOL_CONF before the process starts",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if _installed:
+        # PyTorch allocates through tidepool already: a second install()
+        # (or one after uninstall()) only points torch.cuda's functions here.
+        _torch.redirect(torch, sys.modules[__name__])
+        return
     if torch.cuda.is_initialized():
         raise TidepoolError(
             "CUDA is already initialised, so PyTorch can no longer change its allocator: "
             "call tidepool.install() first thing, before any tensor or model touches the GPU"
         )
-    if conf is not None:
+    if conf is not None and not started:
         os.environ["TIDEPOOL_CONF"] = conf
     torch.cuda.memory.change_current_allocator(_pluggable(torch))
+    _installed = True
     _torch.redirect(torch, sys.modules[__name__])
 
 
@@ -147,16 +169,7 @@ def mempool():
 
 
 def _device(device):
-    if device is None:
-        try:
-            import torch
-
-            return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-        except ImportError:
-            return 0
-    if hasattr(device, "index"):  # a torch.device
-        return device.index or 0
-    return int(device)
+    return _native.device_index(device)
 
 
 def memory_stats_as_nested_dict(device=None):

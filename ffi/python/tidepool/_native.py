@@ -138,6 +138,33 @@ def _packaged(stem):
     return None
 
 
+def current_device():
+    """PyTorch's current CUDA device, or 0 before CUDA starts (or without torch)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+
+
+def device_index(device):
+    """The index of `device`, given as torch.cuda's memory functions take
+    one: None or "cuda" (the current device), an int, "cuda:N", or a
+    torch.device."""
+    if isinstance(device, str):
+        kind, colon, index = device.partition(":")
+        if kind.strip() != "cuda" or (colon and not index.strip().isdigit()):
+            raise ValueError(f"not a CUDA device: {device!r} (expected an int, 'cuda', 'cuda:N' or a torch.device)")
+        return int(index) if colon else current_device()
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    if getattr(device, "type", None) == "cuda":  # a torch.device
+        return current_device() if device.index is None else device.index
+    raise ValueError(f"not a CUDA device: {device!r} (expected an int, 'cuda', 'cuda:N' or a torch.device)")
+
+
 def library_path():
     """Where libtidepool.so is: $TIDEPOOL_LIBRARY, the one built into this
     package, or the release build of a source checkout."""
@@ -146,7 +173,10 @@ def library_path():
         if not os.path.exists(explicit):
             raise TidepoolError(f"TIDEPOOL_LIBRARY={explicit} does not exist")
         return explicit
-    for candidate in (_packaged("libtidepool"), PACKAGE_DIR.parents[2] / "target" / "release" / "libtidepool.so"):
+    # A source checkout: ffi/python/tidepool/ is three levels below its root.
+    checkout = PACKAGE_DIR.parents[2] if len(PACKAGE_DIR.parents) > 2 else None
+    built = checkout / "target" / "release" / "libtidepool.so" if checkout else None
+    for candidate in (_packaged("libtidepool"), built):
         if candidate is not None and candidate.exists():
             return str(candidate)
     raise TidepoolError(
@@ -168,6 +198,11 @@ def torch_library_path():
 
 
 _lib = None
+
+
+def loaded():
+    """Whether the library is loaded (then it may have started, reading TIDEPOOL_CONF)."""
+    return _lib is not None
 
 
 def lib():

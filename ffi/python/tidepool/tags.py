@@ -35,11 +35,8 @@ def _encode(tag):
 
 
 def _device(device):
-    if device is None:
-        return -1
-    if hasattr(device, "index"):  # a torch.device
-        return device.index or 0
-    return int(device)
+    # None: every device (pause, resume); otherwise as torch.cuda takes one.
+    return -1 if device is None else _native.device_index(device)
 
 
 class region:
@@ -101,11 +98,7 @@ def tag_stats(tag, device=None):
     memory holding its contents), num_allocations, paused. All zeros for
     "default", which has no memory of its own (memory_stats() has what
     untagged tensors hold)."""
-    if device is None:
-        from . import _device as current_device
-
-        device = current_device(None)
-    s = _native.get_tag_stats(_encode(tag), _device(device))
+    s = _native.get_tag_stats(_encode(tag), _native.device_index(device))
     out = {name: getattr(s, name) for name in ("allocated_bytes", "reserved_bytes", "paused_bytes", "offloaded_bytes", "num_allocations")}
     out["paused"] = bool(s.paused)
     return out
