@@ -195,7 +195,9 @@ void tidepool_release_pool(int device, uint64_t id0, uint64_t id1);
 
 /* Keeps the last max_entries allocation and segment events of every device,
  * written as device_traces by tidepool_dump_snapshot (the timeline of
- * pytorch.org/memory_viz); 0 stops and forgets them. Returns TIDEPOOL_OK. */
+ * pytorch.org/memory_viz); 0 stops and forgets them. Returns TIDEPOOL_OK,
+ * or TIDEPOOL_ERR_INTERNAL when the allocator cannot be had (see
+ * tidepool_last_error). */
 int tidepool_record_history(size_t max_entries);
 
 /* The base of the segment holding ptr, its size in *size; NULL if none. */

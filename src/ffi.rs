@@ -267,7 +267,8 @@ fn allocator() -> Result<&'static Allocator, AllocError> {
 }
 
 fn device_index(device: c_int) -> Result<usize, AllocError> {
-    usize::try_from(device).map_err(|_| AllocError::InvalidDevice { device: device as i64, device_count: 0 })
+    usize::try_from(device)
+        .map_err(|_| AllocError::InvalidDevice { device: device as i64, device_count: allocator().map_or(0, |a| a.device_count()) })
 }
 
 /// Logs `message` to stderr the first time `flag` is seen unset.

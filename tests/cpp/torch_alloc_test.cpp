@@ -97,6 +97,14 @@ int main() {
               message.find("no device 42") != std::string::npos,
           "a bad device raises its own error");
 
+    // Nor is a paused tag, whatever its name says.
+    check(tidepool_set_tag("out of memory tests") == TIDEPOOL_OK && tidepool_pause("out of memory tests", 0, 0) == TIDEPOOL_OK,
+          "a tag named \"out of memory tests\", paused");
+    check(call(alloc, 4096, 0, &message) == nullptr && !starts_with(message, "CUDA out of memory") &&
+              message.find("is paused") != std::string::npos,
+          "an allocation under a paused tag raises its own error");
+    check(tidepool_set_tag(nullptr) == TIDEPOOL_OK, "back to the default tag");
+
     free_fn(small, 1 << 20, 0, nullptr);
     free_fn(after, 8 << 20, 0, nullptr);
     tidepool_stats stats;

@@ -112,8 +112,10 @@ void* tidepool_torch_malloc(size_t size, int device, void* stream) {
     }
     if (ptr == nullptr && size != 0) {
         std::string error = last_error();
-        // Other refusals (no such device, a fork child) are errors of their own.
-        if (!error.empty() && error.find("out of memory") == std::string::npos) {
+        // Other refusals (no such device, a fork child, a paused tag) are
+        // errors of their own. The report's first words say which it is: a
+        // tag's name, in other messages, can say anything.
+        if (!error.empty() && error.rfind("tidepool: out of memory", 0) != 0) {
             throw std::runtime_error(error);
         }
         // The report says what was asked, held and free, and what to do.
