@@ -461,6 +461,9 @@ fn a_replay_that_runs_out_says_where_and_why() {
     assert!(ok, "{stderr}");
     let line = stdout.lines().find(|l| l.contains("first OOM")).unwrap_or_else(|| panic!("no first OOM line:\n{stdout}"));
     assert!(line.contains("tidepool expandable: event ") && line.contains("tried to allocate"), "{line}");
+    // It served less than the trace asks: no ratio of reserved to requested.
+    let ratio = stdout.lines().find(|l| l.contains("reserved / requested")).unwrap();
+    assert!(ratio.trim_end().ends_with("ran out"), "{ratio}");
     let (ok, stdout, _) = tidepool_cli(&[&args[..], &["--json"]].concat());
     assert!(ok);
     let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
@@ -468,6 +471,7 @@ fn a_replay_that_runs_out_says_where_and_why() {
     assert!(event < 50, "an allocation fails before the frees: {event}");
     assert!(report["first_oom"]["message"].as_str().unwrap().contains("out of memory on device 0"), "{report}");
     assert!(report["ooms"].as_u64().unwrap() > 0);
+    assert!(report["reserved_over_requested"].is_null(), "{report}");
 }
 
 #[test]

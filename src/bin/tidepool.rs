@@ -306,7 +306,7 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
     row("peak reserved", &|r| human_bytes(r.peak_reserved_bytes), recorded.map(human_bytes));
     row(
         "reserved / requested",
-        &|r| format!("{:.3}", r.reserved_over_requested()),
+        &|r| r.reserved_over_requested().map_or_else(|| "ran out".to_string(), |ratio| format!("{ratio:.3}")),
         recorded.map(|p| format!("{:.3}", p as f64 / trace.peak_requested().max(1) as f64)),
     );
     row("device allocs", &|r| r.device_allocs.to_string(), None);
@@ -332,7 +332,7 @@ fn report_json(r: &ReplayReport) -> serde_json::Value {
         "peak_requested_bytes": r.peak_requested_bytes,
         "peak_allocated_bytes": r.peak_allocated_bytes,
         "peak_reserved_bytes": r.peak_reserved_bytes,
-        "reserved_over_requested": (r.reserved_over_requested() * 1e6).round() / 1e6,
+        "reserved_over_requested": r.reserved_over_requested().map(|ratio| (ratio * 1e6).round() / 1e6),
         "device_allocs": r.device_allocs,
         "device_frees": r.device_frees,
         "driver_calls": r.driver_calls,

@@ -144,12 +144,10 @@ pub struct ReplayReport {
 }
 
 impl ReplayReport {
-    pub fn reserved_over_requested(&self) -> f64 {
-        if self.peak_requested_bytes == 0 {
-            0.0
-        } else {
-            self.peak_reserved_bytes as f64 / self.peak_requested_bytes as f64
-        }
+    /// Peak reserved over peak requested; None when the replay ran out of
+    /// memory (it served less than the trace asks) or requested nothing.
+    pub fn reserved_over_requested(&self) -> Option<f64> {
+        (self.ooms == 0 && self.peak_requested_bytes > 0).then(|| self.peak_reserved_bytes as f64 / self.peak_requested_bytes as f64)
     }
 
     /// Fragmentation at the peaks: peak inactive split bytes over peak
