@@ -432,11 +432,10 @@ fn run_plan(args: &[String]) -> Result<(), String> {
         });
         out!("{object}");
     } else {
-        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
-        out!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), gib(trace.peak_requested()));
+        out!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), human_bytes(trace.peak_requested()));
         for d in 0..pytorch.len() {
             let prefix = if trace.devices > 1 {
-                format!("device {}: peak of live memory {}; ", pytorch[d].device, gib(peaks[d]))
+                format!("device {}: peak of live memory {}; ", pytorch[d].device, human_bytes(peaks[d]))
             } else {
                 String::new()
             };

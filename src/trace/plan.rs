@@ -59,6 +59,10 @@ pub fn smallest_capacity_in_steps(trace: &Trace, policy: Policy, conf: &str, ste
     // device of that size fits it (tried first, doubling if ever not).
     let options = ReplayOptions { capacity: 1 << 50, policy, conf: conf.to_string(), samples: 0, record_to: None };
     let unconstrained = replay(trace, &options)?.peak_reserved_bytes;
+    if unconstrained == 0 {
+        // Nothing to hold (no allocation, or only empty ones): no device needed.
+        return Ok(Plan { policy, device: 0, min_capacity: 0, step, replays: 1, one_step_less: None });
+    }
     let mut replays = 1;
     // The first OOM of a replay on `capacity`; None when the trace fits.
     let mut runs_out = |capacity: u64| -> Result<Option<FirstOom>, String> {
@@ -153,6 +157,17 @@ mod tests {
         let oom = plan.one_step_less.expect("the device one step smaller runs out");
         assert_eq!(oom.event, 1, "at the 300 MiB request");
         assert!(oom.message.contains("tried to allocate 300.00 MiB"), "{}", oom.message);
+    }
+
+    #[test]
+    fn a_trace_that_holds_nothing_needs_no_device() {
+        let mut trace = Trace::new("t", crate::trace::Format::RmmCsv);
+        let empty = trace.alloc(0, 0, 0);
+        trace.free(empty);
+        for t in [Trace::new("t", crate::trace::Format::RmmCsv), trace] {
+            let plan = smallest_capacity(&t, Policy::Expandable, "").unwrap();
+            assert_eq!((plan.min_capacity, plan.one_step_less.is_none()), (0, true));
+        }
     }
 
     #[test]
