@@ -42,14 +42,13 @@ impl Reserve {
 
     /// Counts `size` more bytes reserved, unless the total would pass the
     /// limit or `cap` (the release policy's budget): then nothing changes.
+    /// The count never shows a claim that is refused, so a refused claim
+    /// cannot make another shard's fail.
     pub fn claim(&self, size: u64, cap: u64) -> bool {
         let limit = self.limit().min(cap);
-        let before = self.bytes.fetch_add(size, Ordering::SeqCst);
-        if before.checked_add(size).is_none_or(|total| total > limit) {
-            self.bytes.fetch_sub(size, Ordering::SeqCst);
-            return false;
-        }
-        true
+        self.bytes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |before| before.checked_add(size).filter(|&total| total <= limit))
+            .is_ok()
     }
 
     /// Counts `size` bytes given back to the driver.
@@ -91,6 +90,24 @@ mod tests {
         reserve.give_back(100);
         assert_eq!(reserve.bytes(), 0);
         assert!(!reserve.claim(u64::MAX, u64::MAX), "an overflowing claim is refused");
+    }
+
+    #[test]
+    fn a_refused_claim_never_makes_another_shards_claim_fail() {
+        let reserve = Reserve::default();
+        reserve.set_limit(Some(1000));
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                for _ in 0..200_000 {
+                    assert!(!reserve.claim(1 << 40, u64::MAX));
+                }
+            });
+            for _ in 0..200_000 {
+                assert!(reserve.claim(10, u64::MAX), "a claim within the limit was refused");
+                reserve.give_back(10);
+            }
+        });
+        assert_eq!(reserve.bytes(), 0);
     }
 
     #[test]
