@@ -527,6 +527,14 @@ fn a_replay_of_every_policy_keeps_its_columns_apart() {
     assert_eq!(titles("all"), ["pytorch model", "tidepool", "tidepool expandable", "pytorch expandable model"]);
     // A policy named twice is replayed once, where first named.
     assert_eq!(titles("expandable,all"), ["tidepool expandable", "pytorch model", "tidepool", "pytorch expandable model"]);
+    // Given twice, --policy and --conf add up rather than the last replacing the first.
+    let (ok, stdout, stderr) =
+        tidepool_cli(&["replay", path.to_str().unwrap(), "--policy", "expandable", "--policy", "pytorch,expandable"]);
+    assert!(ok && stdout.lines().nth(1).unwrap().contains("pytorch model"), "{stdout}{stderr}");
+    for confs in [["bogus:1", "stash:false"], ["stash:false", "bogus:1"]] {
+        let (ok, _, stderr) = tidepool_cli(&["replay", path.to_str().unwrap(), "--conf", confs[0], "--conf", confs[1]]);
+        assert!(!ok && stderr.contains("bogus"), "{confs:?}: {stderr}");
+    }
 }
 
 #[test]

@@ -112,6 +112,7 @@ struct Options {
 fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
     let mut options =
         Options { files: Vec::new(), capacity: 1 << 50, conf: String::new(), policies: None, json: false, plot: None, step: None };
+    let mut policies: Option<String> = None;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value"));
@@ -120,9 +121,14 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
         }
         match arg.as_str() {
             "--capacity" => options.capacity = parse_size(&value("--capacity")?)?,
-            "--conf" => options.conf = value("--conf")?,
+            // Given twice, they add up (later keys win, as in TIDEPOOL_CONF).
+            "--conf" => {
+                let more = value("--conf")?;
+                options.conf = if options.conf.is_empty() { more } else { format!("{},{more}", options.conf) };
+            }
             "--policy" => {
-                options.policies = Some(parse_policies(&value("--policy")?)?);
+                let more = value("--policy")?;
+                policies = Some(policies.map_or(more.clone(), |earlier| format!("{earlier},{more}")));
             }
             "--json" => options.json = true,
             "--plot" => options.plot = Some(PathBuf::from(value("--plot")?)),
@@ -133,6 +139,7 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
     if options.files.is_empty() {
         return Err(format!("no trace file given\n\n{USAGE}"));
     }
+    options.policies = policies.as_deref().map(parse_policies).transpose()?;
     Config::builder().conf(&options.conf).map_err(|e| format!("--conf: {e}"))?;
     Ok(options)
 }
