@@ -34,6 +34,23 @@ pub(crate) struct Cooperation {
 struct State {
     registry: Registry,
     events: Events,
+    /// Threads of this process waiting on its posted request (one request
+    /// per process: withdrawn when the last of them is done).
+    askers: u32,
+}
+
+/// Withdraws the process's request once its last asker is done, however
+/// it is done (a retry that panics included).
+struct Asking<'a>(&'a Cooperation);
+
+impl Drop for Asking<'_> {
+    fn drop(&mut self) {
+        let mut state = self.0.state.lock();
+        state.askers -= 1;
+        if state.askers == 0 {
+            let _ = state.registry.request(0);
+        }
+    }
 }
 
 impl Cooperation {
@@ -49,7 +66,7 @@ impl Cooperation {
         match Registry::join(&dir, &key) {
             Ok(registry) => Some(Cooperation {
                 oom_wait: Duration::from_millis(config.oom_wait_ms),
-                state: Mutex::new(State { registry, events: Events::default() }),
+                state: Mutex::new(State { registry, events: Events::default(), askers: 0 }),
             }),
             Err(err) => {
                 crate::log::log_line(format_args!("tidepool: warning: cooperation off for device {device}: {err}"));
@@ -100,8 +117,10 @@ impl Cooperation {
             let mut state = self.state.lock();
             let asked = state.registry.ask(need).ok()??;
             state.events.num_coop_requests += 1;
+            state.askers += 1;
             asked
         };
+        let asking = Asking(self);
         let start = Instant::now();
         let result = loop {
             std::thread::sleep(POLL);
@@ -113,12 +132,84 @@ impl Cooperation {
                 other => break other,
             }
         };
-        let mut state = self.state.lock();
         if result.is_ok() {
+            let mut state = self.state.lock();
             state.events.num_coop_satisfied += 1;
             state.events.coop_last_wait_ms = start.elapsed().as_millis() as u64;
         }
-        let _ = state.registry.request(0);
+        drop(asking);
         Some(result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::OomReport;
+    use std::sync::mpsc;
+
+    fn oom() -> AllocError {
+        AllocError::OutOfMemory(Box::new(OomReport {
+            device: 0,
+            requested: 0,
+            allocated: 0,
+            reserved: 0,
+            cached_free: 0,
+            largest_free_block: 0,
+            inactive_split: 0,
+            fragmentation: 0.0,
+            device_free: None,
+            device_total: None,
+            reserved_limit: None,
+            limit_is_budget: false,
+            expandable: false,
+            capturing: false,
+            need_from_others: 0,
+        }))
+    }
+
+    #[test]
+    fn two_threads_asking_at_once_share_the_request_until_the_last_is_done() {
+        let dir = std::env::temp_dir().join(format!("tidepool-coop-askers-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let registry = Registry::join(&dir, "dev").unwrap();
+        // Another process's slot (the same pid: alive) with cache to give back.
+        let mut helper = Registry::join(&dir, "dev").unwrap();
+        helper.publish(Entry { cached_free: 1 << 20, ..Entry::default() }).unwrap();
+        let coop =
+            Cooperation { oom_wait: Duration::from_secs(5), state: Mutex::new(State { registry, events: Events::default(), askers: 0 }) };
+        let (a_waits, b_posted) = (mpsc::channel::<()>(), mpsc::channel::<()>());
+        let (a_done, seen_after_a) = (mpsc::channel::<()>(), mpsc::channel::<u64>());
+        std::thread::scope(|scope| {
+            let coop = &coop;
+            scope.spawn(move || {
+                let result = coop.ask_and_retry(100, || {
+                    a_waits.0.send(()).unwrap();
+                    b_posted.1.recv().unwrap();
+                    Ok(())
+                });
+                assert!(matches!(result, Some(Ok(()))));
+                a_done.0.send(()).unwrap();
+            });
+            a_waits.1.recv().unwrap();
+            let mut calls = 0;
+            let result = coop.ask_and_retry(200, || {
+                calls += 1;
+                if calls == 1 {
+                    b_posted.0.send(()).unwrap();
+                    return Err(oom());
+                }
+                // A is done: this thread's request must still be posted.
+                a_done.1.recv().unwrap();
+                seen_after_a.0.send(helper.publish(Entry { cached_free: 1 << 20, ..Entry::default() }).unwrap()).unwrap();
+                Ok(())
+            });
+            assert!(matches!(result, Some(Ok(()))));
+        });
+        assert_eq!(seen_after_a.1.recv().unwrap(), 200, "the first asker to finish withdrew the other's request");
+        // Both done: withdrawn.
+        assert_eq!(helper.publish(Entry::default()).unwrap(), 0);
+        drop((coop, helper));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

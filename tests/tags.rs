@@ -351,7 +351,7 @@ fn an_offload_without_host_memory_fails_whole_and_releases_nothing() {
 }
 
 #[test]
-fn a_pause_is_refused_while_a_private_pool_is_open() {
+fn a_pause_and_a_resume_are_refused_while_a_private_pool_is_open() {
     let (alloc, _) = host_allocator(1, 1 << 30, "");
     let blocks = tagged_blocks(&alloc, "i13-graph", 7);
     let pool = PrivatePoolId(1, 2);
@@ -362,6 +362,13 @@ fn a_pause_is_refused_while_a_private_pool_is_open() {
     alloc.end_private(0, pool).unwrap();
     alloc.release_private(0, pool).unwrap();
     alloc.pause("i13-graph", None, true).unwrap();
+    // Nor a resume: its copies (and unmaps, should it fail) are what a capture forbids.
+    alloc.begin_private(0, pool).unwrap();
+    let err = alloc.resume("i13-graph", None).unwrap_err();
+    assert!(matches!(&err, AllocError::Tag(m) if m.contains("cannot be resumed while a private pool is open")), "{err}");
+    assert!(alloc.tag_stats("i13-graph", 0).unwrap().paused);
+    alloc.end_private(0, pool).unwrap();
+    alloc.release_private(0, pool).unwrap();
     alloc.resume("i13-graph", None).unwrap();
     all_intact(&blocks);
     for (p, ..) in blocks {

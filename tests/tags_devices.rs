@@ -182,6 +182,125 @@ fn a_pause_waits_for_the_work_queued_on_the_tags_streams_over_simgpu() {
     assert!(ok && text.contains("child: stream work waited for"), "{text}");
 }
 
+/// The child side over simgpu failing every third `cuMemUnmap`: a tag
+/// paused and resumed again and again keeps every live block mapped and
+/// every byte (a run the driver would not unmap keeps its contents in
+/// place; one it unmapped comes back from host memory).
+#[test]
+#[ignore = "child process: run by pauses_and_resumes_with_unmaps_failing_keep_every_byte_over_simgpu"]
+fn child_pause_resume_with_failing_unmaps() {
+    common::child_only();
+    let alloc = conf_allocator("backend:cuda,release_after_ms:off,headroom_mb:0");
+    let sim = Simgpu::load();
+    let mut stream = 0u64;
+    // SAFETY: simgpu writes a new stream handle into a local.
+    assert_eq!(unsafe { (sim.stream_create)(&mut stream, 0) }, 0);
+    let sizes = [6 * MIB, 3 * MIB, 8 * MIB, MIB / 2, 5 * MIB];
+    let blocks: Vec<(DevicePtr, usize)> = {
+        let _r = region("flaky").unwrap();
+        sizes.iter().map(|&size| (alloc.allocate(0, size as usize, Stream(stream)).unwrap(), size as usize)).collect()
+    };
+    // Holes between live blocks: runs of pages of several shapes.
+    alloc.free_on_stream(0, blocks[1].0, Stream(stream)).unwrap();
+    let live: Vec<(DevicePtr, usize)> = blocks.iter().enumerate().filter(|&(i, _)| i != 1).map(|(_, &b)| b).collect();
+    for round in 0..12u8 {
+        for (i, &(p, size)) in live.iter().enumerate() {
+            // SAFETY: stream-ordered writes to live blocks of their sizes.
+            unsafe { assert_eq!((sim.enqueue_fill)(stream, p.0, size, round.wrapping_mul(7).wrapping_add(i as u8), 0), 0) };
+        }
+        // SAFETY: waits for the stream's work.
+        unsafe { (sim.stream_synchronize)(stream) };
+        if alloc.pause("flaky", Some(0), true).is_ok() {
+            alloc.validate().unwrap();
+            // A failed resume (its undo refused too) is tried again.
+            while alloc.resume("flaky", Some(0)).is_err() {
+                alloc.validate().unwrap();
+            }
+        }
+        alloc.validate().unwrap();
+        for (i, &(p, size)) in live.iter().enumerate() {
+            let mut back = vec![0u8; size];
+            alloc.backend().copy_to_host(0, p.0, &mut back, Stream(stream)).unwrap();
+            let want = round.wrapping_mul(7).wrapping_add(i as u8);
+            assert!(back.iter().all(|&b| b == want), "round {round}: block {i} lost its bytes");
+        }
+    }
+    for (p, _) in live {
+        alloc.free_on_stream(0, p, Stream(stream)).unwrap();
+    }
+    alloc.validate().unwrap();
+    println!("child: every byte kept");
+}
+
+#[test]
+fn pauses_and_resumes_with_unmaps_failing_keep_every_byte_over_simgpu() {
+    let dir = common::simgpu_dir();
+    let (ok, text) = common::child_output(
+        common::child_command("child_pause_resume_with_failing_unmaps")
+            .env("LD_LIBRARY_PATH", &dir)
+            .env("SIMGPU_CAPACITY", "256M")
+            .env("SIMGPU_FAIL_UNMAP_EVERY", "3"),
+    );
+    assert!(ok && text.contains("child: every byte kept"), "{text}");
+}
+
+/// The child side over simgpu: a paused tag's block freed while another
+/// stream still uses it waits on its event; a resume that finds the device
+/// full of other cache releases it (which completes that free, merging the
+/// tag's free blocks) and maps again.
+#[test]
+#[ignore = "child process: run by a_resume_that_must_release_cache_first_survives_a_free_completing_meanwhile"]
+fn child_resume_after_a_pending_free() {
+    common::child_only();
+    let alloc = conf_allocator("backend:cuda,release_after_ms:off,headroom_mb:0,oom_wait_ms:0");
+    let sim = Simgpu::load();
+    let (mut one, mut two) = (0u64, 0u64);
+    // SAFETY: simgpu writes new stream handles into locals.
+    unsafe { assert_eq!((sim.stream_create)(&mut one, 0) | (sim.stream_create)(&mut two, 0), 0) };
+    let size = (8 * MIB) as usize;
+    let (kept, used_elsewhere) = {
+        let _r = region("pending").unwrap();
+        (alloc.allocate(0, size, Stream(one)).unwrap(), alloc.allocate(0, size, Stream(one)).unwrap())
+    };
+    // SAFETY: stream-ordered work on live blocks.
+    unsafe { assert_eq!((sim.enqueue_fill)(one, kept.0, size, 0x5a, 0), 0) };
+    alloc.record_stream(used_elsewhere, Stream(two)).unwrap();
+    alloc.pause("pending", Some(0), true).unwrap();
+    // The device fills with other cache.
+    let others: Vec<_> = std::iter::from_fn(|| alloc.allocate(0, (4 * MIB) as usize, Stream(one)).ok()).take(64).collect();
+    for p in others {
+        alloc.free_on_stream(0, p, Stream(one)).unwrap();
+    }
+    // Stream two is busy for a while: the free waits on its event, and
+    // still waits when the resume starts.
+    // SAFETY: as above.
+    unsafe { assert_eq!((sim.enqueue_sleep)(two, 300_000), 0) };
+    alloc.free_on_stream(0, used_elsewhere, Stream(one)).unwrap();
+    alloc.validate().unwrap();
+    let retries = alloc.stats(0).unwrap().events.num_alloc_retries;
+    alloc.resume("pending", Some(0)).unwrap();
+    assert_eq!(alloc.stats(0).unwrap().events.num_alloc_retries, retries + 1, "the resume released the cache and retried");
+    alloc.validate().unwrap();
+    let mut back = vec![0u8; size];
+    alloc.backend().copy_to_host(0, kept.0, &mut back, Stream(one)).unwrap();
+    assert!(back.iter().all(|&b| b == 0x5a), "the kept block's bytes came back");
+    // The heap still serves and frees correctly.
+    let again = alloc.allocate(0, size, Stream(one)).unwrap();
+    alloc.free_on_stream(0, again, Stream(one)).unwrap();
+    alloc.free_on_stream(0, kept, Stream(one)).unwrap();
+    alloc.validate().unwrap();
+    println!("child: resumed after the pending free");
+}
+
+#[test]
+fn a_resume_that_must_release_cache_first_survives_a_free_completing_meanwhile() {
+    let dir = common::simgpu_dir();
+    let (ok, text) = common::child_output(
+        common::child_command("child_resume_after_a_pending_free").env("LD_LIBRARY_PATH", &dir).env("SIMGPU_CAPACITY", "64M"),
+    );
+    assert!(ok && text.contains("child: resumed after the pending free"), "{text}");
+}
+
 #[test]
 fn top_shows_the_memory_a_paused_tag_gave_back() {
     let scratch = common::scratch_dir("tags-top");

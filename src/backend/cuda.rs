@@ -579,7 +579,11 @@ impl Backend for CudaBackend {
             }
         };
         // SAFETY: `event` belongs to this device's context; `stream` is the caller's.
-        check(unsafe { sys::cuEventRecord(event, stream.0 as sys::CUstream) }, "cuEventRecord")?;
+        if let Err(err) = check(unsafe { sys::cuEventRecord(event, stream.0 as sys::CUstream) }, "cuEventRecord") {
+            // Not recorded: the event goes back to the pool for the next try.
+            self.devices[device].events.lock().push(event as usize);
+            return Err(err);
+        }
         Ok(Some(event as u64))
     }
 

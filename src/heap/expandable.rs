@@ -327,12 +327,21 @@ impl DeviceHeap {
     /// the bytes unmapped. A run the backend refuses goes page by page, so
     /// that only the pages it refuses stay mapped (and counted).
     pub(super) fn unmap_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
+        match self.unmap_whole_run(segment_id, p, n) {
+            0 if n > 1 => (p..p + n).map(|q| self.unmap_whole_run(segment_id, q, 1)).sum(),
+            bytes => bytes,
+        }
+    }
+
+    /// `unmap_run`, all or nothing: a run the backend refuses stays mapped
+    /// and counted whole (0 bytes returned).
+    pub(super) fn unmap_whole_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
         let Some((base, page)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))
         else {
             return 0;
         };
         if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
-            return if n > 1 { (p..p + n).map(|q| self.unmap_run(segment_id, q, 1)).sum() } else { 0 };
+            return 0;
         }
         self.forget_mapped_run(segment_id, p, n);
         self.reserve.give_back(n * page);

@@ -27,8 +27,8 @@
 //! completes, so that reading figures never copies memory); pausing a
 //! paused tag, an unknown one, while a private pool is open (a CUDA graph
 //! capture may be underway) or while a stream that used the tag is being
-//! captured, and resuming one that is not paused, are errors that change
-//! nothing; an offload that cannot get host memory fails whole, with
+//! captured, and resuming one that is not paused or while a private pool is
+//! open, are errors that change nothing; an offload that cannot get host memory fails whole, with
 //! nothing released. A paused tag's ranges stay reserved: the release
 //! policies leave them alone (`keeps_memory`).
 //!
@@ -353,8 +353,10 @@ impl DeviceHeap {
         for &id in &segments {
             let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("tagged pools grow in ranges");
             for (p, n) in pages.runs(0, pages.end_bytes() / page, true) {
-                // A run the backend refuses stays mapped and counted, contents in place.
-                given_back += self.unmap_run(id, p, n);
+                // A run the backend refuses stays mapped and counted, contents
+                // in place: whole, so that each saved run (inside one mapped
+                // run) is unmapped whole or kept whole.
+                given_back += self.unmap_whole_run(id, p, n);
             }
         }
         self.rebin(free);
@@ -501,25 +503,32 @@ impl DeviceHeap {
         if !self.tags.is_paused(tag.0) {
             return Err(tag_error(tag.0, "is not paused"));
         }
+        if !self.may_release() {
+            // Its copies and, should it fail, its unmaps are what a capture forbids.
+            return Err(tag_error(tag.0, "cannot be resumed while a private pool is open (a CUDA graph capture may be underway)"));
+        }
         let page = self.tags.vm.map_or(1, |vm| vm.page);
         let segments = self.tag_segments(tag.0);
-        let state = &self.tags.paused[&tag.0];
-        let runs: Vec<(u64, u64, u64)> = state.runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect();
-        let need: u64 = runs.iter().map(|r| r.2 * page).sum();
-
-        let free = self.unbin(&segments);
+        let saved_runs = |heap: &Self| -> Vec<(u64, u64, u64)> {
+            heap.tags.paused[&tag.0].runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect()
+        };
+        let mut runs = saved_runs(self);
+        let mut free = self.unbin(&segments);
         let mut mapped = self.map_saved(&runs, page);
         if mapped == Err(BackendError::OutOfMemory) {
-            self.rebin(free.clone());
+            self.rebin(free);
             self.release_free_segments(Reason::OutOfMemory, |_, _| true);
             if !self.retrying {
                 self.stats.events.num_alloc_retries += 1;
             }
-            for &id in &free {
-                self.remove_free(id);
-            }
+            // The release completes frees that waited on events, the tag's
+            // too: its free blocks may have merged and its saved pages
+            // shrunk (`drop_unneeded_runs`). Both are taken afresh.
+            runs = saved_runs(self);
+            free = self.unbin(&segments);
             mapped = self.map_saved(&runs, page);
         }
+        let need: u64 = runs.iter().map(|r| r.2 * page).sum();
         if let Err(err) = mapped {
             self.rebin(free);
             return Err(match err {

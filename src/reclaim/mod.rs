@@ -88,14 +88,18 @@ impl Reclaimer {
 
 impl Drop for Reclaimer {
     fn drop(&mut self) {
+        // In a fork child the thread does not exist: nothing to stop or join,
+        // and its stop flag's lock may have been held by it at the fork.
+        if self.pid != std::process::id() {
+            // Not even detached: the handle names a thread of the parent.
+            std::mem::forget(self.handle.take());
+            return;
+        }
         let (lock, wake) = &*self.stop;
         *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
         wake.notify_all();
-        // In a fork child the thread does not exist: there is nothing to join.
         if let Some(handle) = self.handle.take() {
-            if self.pid == std::process::id() {
-                let _ = handle.join();
-            }
+            let _ = handle.join();
         }
     }
 }

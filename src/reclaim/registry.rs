@@ -30,7 +30,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
-use std::os::unix::fs::{DirBuilderExt, FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -50,6 +50,11 @@ const CHECKSUM_AT: usize = SLOT as usize - 8;
 const V1_SLOT: u64 = 112;
 /// How long to wait for the registry's lock before giving up this time.
 const LOCK_WAIT: Duration = Duration::from_millis(50);
+/// A request counts only while its process showed life this recently: one
+/// that waits refreshes its heartbeat as it polls (`answered`), so a
+/// request left by a process stopped mid-wait (SIGSTOP, a frozen cgroup)
+/// stops making the others release their cache.
+pub const REQUEST_FRESH_MS: u64 = 10_000;
 /// Files `scan` reads in one directory at most (the rest are counted).
 pub const MAX_FILES: usize = 256;
 
@@ -177,6 +182,12 @@ impl Entry {
         String::from_utf8_lossy(&self.comm[..end]).into_owned()
     }
 
+    /// Cached bytes a release could give back: those outside partly used
+    /// segments (whole free segments, free pages inside holes).
+    pub fn releasable(&self) -> u64 {
+        self.cached_free.saturating_sub(self.inactive_split)
+    }
+
     /// `inactive_split / reserved` ([`crate::Stats::fragmentation`]).
     pub fn fragmentation(&self) -> f64 {
         crate::stats::fragmentation(self.inactive_split, self.reserved)
@@ -213,15 +224,16 @@ pub fn alive(pid: u32) -> bool {
     pid != 0 && Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// This process's user: the owner of its own /proc entry.
+fn own_uid() -> std::io::Result<u32> {
+    std::fs::metadata("/proc/self").map(|m| m.uid())
+}
+
 /// The default directory: `$XDG_RUNTIME_DIR/tidepool`, else `/tmp/tidepool-<uid>`.
 pub fn default_dir() -> PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR") {
         Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("tidepool"),
-        _ => {
-            // The owner of our own /proc entry is our uid.
-            let uid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap_or(0);
-            PathBuf::from(format!("/tmp/tidepool-{uid}"))
-        }
+        _ => PathBuf::from(format!("/tmp/tidepool-{}", own_uid().unwrap_or(0))),
     }
 }
 
@@ -251,6 +263,19 @@ impl Registry {
     pub fn join(dir: &Path, key: &str) -> Result<Registry, RegistryError> {
         let fail = |what: &str, e: std::io::Error| RegistryError(format!("registry {}: {what}: {e}", dir.display()));
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| fail("cannot create", e))?;
+        // A directory made in advance by someone else (in /tmp, say) would
+        // let them read and write every slot: it must be this user's alone.
+        let me = own_uid().map_err(|e| fail("cannot tell this user", e))?;
+        let meta = std::fs::symlink_metadata(dir).map_err(|e| fail("cannot stat", e))?;
+        if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o077 != 0 {
+            return Err(RegistryError(format!(
+                "registry {}: not a directory that only this user (uid {me}) can use (owner {}, mode {:o}); \
+                 remove it, or set registry_dir",
+                dir.display(),
+                meta.uid(),
+                meta.mode() & 0o7777
+            )));
+        }
         let path = dir.join(format!("{key}.registry"));
         let file = OpenOptions::new()
             .read(true)
@@ -261,8 +286,12 @@ impl Registry {
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| fail("cannot open", e))?;
-        if !file.metadata().map_err(|e| fail("cannot stat", e))?.file_type().is_file() {
+        let meta = file.metadata().map_err(|e| fail("cannot stat", e))?;
+        if !meta.file_type().is_file() {
             return Err(RegistryError(format!("{} is not a regular file", path.display())));
+        }
+        if meta.uid() != me {
+            return Err(RegistryError(format!("{} belongs to uid {}, not this user ({me})", path.display(), meta.uid())));
         }
         let comm = own_comm();
         let mut registry = Registry { file, path, slot: 0, pid: std::process::id(), comm, saw_request_ms: 0 };
@@ -372,7 +401,11 @@ impl Registry {
             for slot in (0..SLOTS).filter(|&s| s != r.slot) {
                 match r.read_slot(slot) {
                     Some(other) if other.pid == 0 => {}
-                    Some(other) if alive(other.pid) => asked = asked.saturating_add(other.request_bytes),
+                    Some(other) if alive(other.pid) => {
+                        if mine.heartbeat_ms.saturating_sub(other.heartbeat_ms) <= REQUEST_FRESH_MS {
+                            asked = asked.saturating_add(other.request_bytes);
+                        }
+                    }
                     _ => r.write_slot(slot, &Entry::default())?,
                 }
             }
@@ -408,7 +441,7 @@ impl Registry {
             let helpers: Vec<(usize, u32)> = (0..SLOTS)
                 .filter(|&s| s != r.slot)
                 .filter_map(|s| r.read_slot(s).map(|e| (s, e)))
-                .filter(|(_, e)| e.pid != 0 && e.cached_free > 0 && alive(e.pid))
+                .filter(|(_, e)| e.pid != 0 && e.releasable() > 0 && alive(e.pid))
                 .map(|(s, e)| (s, e.pid))
                 .collect();
             if helpers.is_empty() {
@@ -424,6 +457,11 @@ impl Registry {
     /// after the request, its cache given back since) or is gone.
     pub fn answered(&mut self, asked: &Asked) -> Result<bool, RegistryError> {
         self.with_lock(|r| {
+            // Still waiting: the request stays fresh (`REQUEST_FRESH_MS`).
+            if let Some(mut mine) = r.read_slot(r.slot).filter(|e| e.pid == r.pid) {
+                mine.heartbeat_ms = now_ms();
+                r.write_slot(r.slot, &mine)?;
+            }
             Ok(asked.helpers.iter().all(|&(slot, pid)| match r.read_slot(slot) {
                 Some(e) if e.pid == pid => e.answered_ms > asked.posted_ms || !alive(pid),
                 _ => true, // the slot was left or taken over: that process is gone
@@ -442,6 +480,7 @@ impl Registry {
         mine.pid = self.pid;
         mine.comm = self.comm;
         mine.request_bytes = bytes;
+        mine.heartbeat_ms = now_ms();
         self.write_slot(self.slot, &mine)
     }
 
@@ -658,6 +697,33 @@ mod tests {
         dir
     }
 
+    /// Makes `dir` as `join` would: this user's alone.
+    fn make_private(dir: &Path) {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).unwrap();
+    }
+
+    #[test]
+    fn a_directory_others_can_use_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = dir("shared");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = Registry::join(&dir, "dev").unwrap_err().0;
+        assert!(err.contains("only this user") && err.contains("mode 777"), "{err}");
+        assert!(!dir.join("dev.registry").exists(), "nothing was created in it");
+        // A link to a private directory is not one either.
+        let private = dir.with_extension("private");
+        make_private(&private);
+        let link = dir.with_extension("link");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&private, &link).unwrap();
+        assert!(Registry::join(&link, "dev").unwrap_err().0.contains("only this user"));
+        for path in [&dir, &private] {
+            let _ = std::fs::remove_dir_all(path);
+        }
+        let _ = std::fs::remove_file(&link);
+    }
+
     #[test]
     fn entries_round_trip_through_their_encoding() {
         let mut comm = [0u8; 16];
@@ -718,6 +784,8 @@ mod tests {
         let mut b = Registry::join(&dir, "dev").unwrap();
         b.publish(Entry { allocated: 5, ..Entry::default() }).unwrap();
         assert!(a.ask(100).unwrap().is_none(), "b holds no cache: nothing posted");
+        b.publish(Entry { cached_free: 7, inactive_split: 7, ..Entry::default() }).unwrap();
+        assert!(a.ask(100).unwrap().is_none(), "b's cache is all inside partly used segments: nothing it could give back");
         assert_eq!(b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap(), 0);
         let asked = a.ask(100).unwrap().expect("b shows cache");
         assert_eq!(asked.helpers, [(b.slot, std::process::id())]);
@@ -772,7 +840,7 @@ mod tests {
     #[test]
     fn a_hostile_registry_is_refused_or_harmless() {
         let dir = dir("hostile");
-        std::fs::create_dir_all(&dir).unwrap();
+        make_private(&dir);
         // Random bytes: wrong magic, refused.
         let path = dir.join("junk.registry");
         std::fs::write(&path, (0..5000u32).map(|i| (i * 7919 % 251) as u8).collect::<Vec<_>>()).unwrap();
@@ -786,13 +854,23 @@ mod tests {
         // Right header, huge counts and a live pid (ours) asking for everything:
         // the worst outcome is a request to release cache.
         let mut a = Registry::join(&dir, "huge").unwrap();
-        let liar = Entry { pid: std::process::id(), request_bytes: u64::MAX, reserved: u64::MAX, ..Entry::default() };
+        let liar =
+            Entry { pid: std::process::id(), request_bytes: u64::MAX, reserved: u64::MAX, heartbeat_ms: now_ms(), ..Entry::default() };
         for slot in 0..SLOTS {
             if slot != a.slot {
                 a.write_slot(slot, &liar).unwrap();
             }
         }
         assert_eq!(a.publish(Entry::default()).unwrap(), u64::MAX, "saturates, no overflow");
+        // The same requests from processes that showed no life for longer
+        // than REQUEST_FRESH_MS (stopped mid-wait): not honoured.
+        let stale = Entry { heartbeat_ms: now_ms() - REQUEST_FRESH_MS - 1000, ..liar };
+        for slot in 0..SLOTS {
+            if slot != a.slot {
+                a.write_slot(slot, &stale).unwrap();
+            }
+        }
+        assert_eq!(a.publish(Entry::default()).unwrap(), 0);
         // A truncated file reads as empty slots, not a crash.
         a.file.set_len(HEADER + 3).unwrap();
         assert!(a.publish(Entry::default()).is_ok());
@@ -863,7 +941,7 @@ mod tests {
     #[test]
     fn a_version_1_file_is_taken_over_once_its_processes_are_gone() {
         let dir = dir("v1");
-        std::fs::create_dir_all(&dir).unwrap();
+        make_private(&dir);
         let mut v1 = a_header(1);
         v1.resize((HEADER + V1_SLOT * SLOTS as u64) as usize, 0);
         // A live process (this one) in slot 3: refused.
