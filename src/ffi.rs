@@ -199,7 +199,9 @@ extern "C" fn finish_trace_at_exit() {
     let current = ALLOCATOR.load(Ordering::Acquire);
     if !current.is_null() {
         // SAFETY: a published allocator is never freed (see `allocator`).
-        let _ = catch_unwind(AssertUnwindSafe(|| unsafe { &*current }.finish_trace()));
+        if let Ok(Err(err)) = catch_unwind(AssertUnwindSafe(|| unsafe { &*current }.finish_trace())) {
+            log_line(format_args!("tidepool: warning: TIDEPOOL_TRACE: writing the trace failed: {err}"));
+        }
     }
 }
 

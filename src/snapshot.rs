@@ -11,7 +11,7 @@ use std::path::Path;
 use crate::heap::BlockSnapshot;
 use crate::pickle::{dumps, PyValue};
 use crate::size_class::PoolKind;
-use crate::Allocator;
+use crate::{Allocator, HistoryAction};
 
 /// The snapshot of every device as a Python value:
 /// `{"segments": [...], "device_traces": [[], ...]}`.
@@ -68,9 +68,12 @@ fn device_trace(alloc: &Allocator, device: usize) -> Vec<PyValue> {
     entries
         .iter()
         .map(|e| {
+            // An out-of-memory's `addr` is the device's free bytes, which
+            // PyTorch (2.1 on) and memory_viz read as `device_free`.
+            let addr_key = if e.action == HistoryAction::Oom { "device_free" } else { "addr" };
             PyValue::dict([
                 ("action", PyValue::str(e.action.name())),
-                ("addr", PyValue::int(e.addr)),
+                (addr_key, PyValue::int(e.addr)),
                 ("size", PyValue::int(e.size)),
                 ("stream", PyValue::int(e.stream.0)),
                 ("time_us", PyValue::int(e.time_us)),

@@ -368,6 +368,42 @@ fn a_recorded_replay_replays_to_the_same_peaks() {
 }
 
 #[test]
+fn a_trace_the_disk_cannot_hold_ends_at_its_last_whole_row_and_says_so() {
+    let path = tmp("file-size-limit.csv");
+    let (ok, text) = common::child_output(common::child_command("child_records_past_a_file_size_limit").env("TIDEPOOL_TEST_TRACE", &path));
+    assert!(ok && text.contains("child: ok"), "{text}");
+    // Cut back to the last whole row: it still reads, and replays.
+    let recorded = trace::load(&path).expect("every row whole");
+    assert!(recorded.events.len() > 1000 && recorded.events.len() < 40_000, "{} events", recorded.events.len());
+    replay(&recorded, &options(Policy::Tidepool)).unwrap();
+}
+
+#[test]
+#[ignore = "child process: run by a_trace_the_disk_cannot_hold_ends_at_its_last_whole_row_and_says_so"]
+fn child_records_past_a_file_size_limit() {
+    common::child_only();
+    // SAFETY: settings of this child process alone: a write past 256 KiB
+    // fails (EFBIG) rather than the signal ending the process.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        assert_eq!(libc::getrlimit(libc::RLIMIT_FSIZE, &mut limit), 0);
+        limit.rlim_cur = 256 << 10;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &limit), 0);
+    }
+    let path = std::env::var("TIDEPOOL_TEST_TRACE").unwrap();
+    let config = tidepool::Config::builder().conf("release_after_ms:off").unwrap().trace(&path).host(1, 1 << 30).build().unwrap();
+    let alloc = tidepool::Allocator::new(config).unwrap();
+    for i in 0..20_000usize {
+        let p = alloc.allocate(0, 4096 + i % 7 * 512, tidepool::Stream::DEFAULT).unwrap();
+        alloc.free(0, p).unwrap();
+    }
+    let err = alloc.finish_trace().unwrap_err().to_string();
+    assert!(err.contains("the trace ends at the last whole row") && err.contains("rows after it were not written"), "{err}");
+    println!("child: ok");
+}
+
+#[test]
 fn bad_files_are_clear_errors_that_name_the_file_and_place() {
     let write = |name: &str, bytes: &[u8]| {
         let path = tmp(name);
@@ -554,6 +590,29 @@ fn the_plot_is_an_svg_with_every_series() {
     // Well formed: every element that opens closes.
     let opens = text.matches("<text").count();
     assert_eq!(opens, text.matches("</text>").count());
+}
+
+#[test]
+fn output_that_cannot_be_written_ends_the_command_quietly() {
+    // stdout on a full device: every write fails (ENOSPC), and no command panics.
+    let path = write_small_csv();
+    let empty_registry = tmp("no-registry-here");
+    for args in [
+        vec!["help"],
+        vec!["top", "--once"],
+        vec!["top", "--once", "--json"],
+        vec!["replay", path.to_str().unwrap()],
+        vec!["plan", path.to_str().unwrap()],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+            .args(&args)
+            .env("TIDEPOOL_CONF", format!("registry_dir:{}", empty_registry.display()))
+            .stdout(std::fs::File::create("/dev/full").unwrap())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && !stderr.contains("panicked"), "{args:?}: {:?} {stderr}", out.status);
+    }
 }
 
 #[test]

@@ -5,7 +5,7 @@
 #[path = "tidepool/serve.rs"]
 mod serve;
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -82,7 +82,7 @@ fn main() -> ExitCode {
             Ok(())
         }
         Some("help") | Some("--help") | Some("-h") | None => {
-            print!("{USAGE}");
+            out!("{}", USAGE.trim_end_matches('\n'));
             Ok(())
         }
         Some(other) => Err(format!("unknown command {other:?}\n\n{USAGE}")),
@@ -546,11 +546,13 @@ fn run_top(args: &[String]) -> Result<(), String> {
     loop {
         let table = top_table(&dir);
         if once {
-            print!("{table}");
+            out!("{}", table.trim_end_matches('\n'));
             return Ok(());
         }
-        print!("\x1b[2J\x1b[H{table}");
-        let _ = std::io::Write::flush(&mut std::io::stdout());
+        let mut stdout = std::io::stdout();
+        if write!(stdout, "\x1b[2J\x1b[H{table}").and_then(|()| stdout.flush()).is_err() {
+            return Ok(()); // stdout closed: nothing left to show it to
+        }
         std::thread::sleep(std::time::Duration::from_secs(1));
     }
 }

@@ -378,16 +378,17 @@ impl Registry {
         self.file.write_all_at(&raw, HEADER + SLOT * slot as u64).map_err(|e| RegistryError(format!("registry write: {e}")))
     }
 
-    /// Publishes this process's figures (its request and service counts
-    /// are kept from the slot), clears dead processes' and corrupt slots,
-    /// and returns the bytes other live processes are asking for.
+    /// Publishes this process's figures (its posted request and answer
+    /// stamp are kept from the slot; its counters are the device's, which
+    /// restart at `reset_accumulated_memory_stats` as every counter does),
+    /// clears dead processes' and corrupt slots, and returns the bytes other
+    /// live processes are asking for.
     pub fn publish(&mut self, mut mine: Entry) -> Result<u64, RegistryError> {
         self.with_lock(|r| {
             r.check_or_init_header()?;
             match r.read_slot(r.slot) {
                 Some(previous) if previous.pid == r.pid => {
                     mine.request_bytes = previous.request_bytes;
-                    mine.requests_served = mine.requests_served.max(previous.requests_served);
                     mine.answered_ms = previous.answered_ms;
                 }
                 // Our slot was taken over or damaged (a hostile or confused writer): claim it again.
@@ -576,7 +577,16 @@ pub struct Scan {
 /// empty scan (no process has made it yet).
 pub fn scan(dir: &Path) -> Scan {
     let mut out = Scan::default();
-    let Ok(listing) = std::fs::read_dir(dir) else { return out };
+    let listing = match std::fs::read_dir(dir) {
+        Ok(listing) => listing,
+        // No process has made it yet: nothing to show.
+        Err(e) if e.kind() == ErrorKind::NotFound => return out,
+        // Another user's, or not a directory: an error to show, not "no processes".
+        Err(_) => {
+            out.errors.push((dir.to_path_buf(), ScanError::Unreadable));
+            return out;
+        }
+    };
     let mut paths: Vec<PathBuf> =
         listing.flatten().map(|item| item.path()).filter(|path| path.extension().is_some_and(|e| e == "registry")).collect();
     paths.sort();
@@ -700,6 +710,19 @@ mod tests {
     /// Makes `dir` as `join` would: this user's alone.
     fn make_private(dir: &Path) {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).unwrap();
+    }
+
+    #[test]
+    fn counters_are_published_as_the_device_counts_them_reset_included() {
+        let dir = dir("counters");
+        let mut a = Registry::join(&dir, "dev").unwrap();
+        let served = |a: &mut Registry| a.entries().unwrap().into_iter().find(|e| e.pid == a.pid).unwrap().requests_served;
+        a.publish(Entry { requests_served: 5, ..Entry::default() }).unwrap();
+        assert_eq!(served(&mut a), 5);
+        a.publish(Entry { requests_served: 0, ..Entry::default() }).unwrap(); // reset_accumulated_memory_stats
+        assert_eq!(served(&mut a), 0);
+        drop(a);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -928,6 +951,12 @@ mod tests {
         assert!(!good[0].comm().is_empty(), "the process's name is published");
         drop(a);
         assert!(scan(&dir).registries.iter().all(|r| r.entries.is_empty()), "a process that left is gone");
+        // A directory that is not there yet shows nothing; one that cannot
+        // be read (here: a file) is an error, not "no processes".
+        let missing = scan(&dir.join("nobody-yet"));
+        assert!(missing.registries.is_empty() && missing.errors.is_empty());
+        let not_a_dir = scan(&dir.join("not-a-registry.txt"));
+        assert_eq!(not_a_dir.errors, [(dir.join("not-a-registry.txt"), ScanError::Unreadable)]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -15,7 +15,7 @@ pub mod rows;
 
 use std::cell::Cell;
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
@@ -64,7 +64,7 @@ pub struct Recorder {
 impl Recorder {
     /// Creates `path` (truncating it), writes the header and starts the writer.
     pub fn create(path: &Path) -> std::io::Result<Arc<Recorder>> {
-        let mut out = BufWriter::with_capacity(1 << 16, File::create(path)?);
+        let mut out = File::create(path)?;
         writeln!(out, "{HEADER}")?;
         let (sender, full) = sync_channel::<Vec<Row>>(BUFFERS);
         let (give_back, empties) = sync_channel::<Vec<Row>>(BUFFERS);
@@ -74,12 +74,34 @@ impl Recorder {
         let writer = std::thread::Builder::new().name("tidepool-trace".into()).spawn(move || {
             let mut text = Vec::new();
             let mut formatter = RowWriter::default();
+            // Bytes of whole rows in the file; after a failed write, the
+            // rows that could not be written (the file is cut back to the
+            // last whole row, so that it still reads as a trace).
+            let mut whole = (HEADER.len() + 1) as u64;
+            let mut failed: Option<(std::io::Error, u64)> = None;
             for mut rows in full {
-                out.write_all(formatter.format(&rows, &mut text))?;
+                if let Some((_, lost)) = &mut failed {
+                    *lost += rows.len() as u64;
+                } else {
+                    let batch = formatter.format(&rows, &mut text);
+                    match out.write_all(batch) {
+                        Ok(()) => whole += batch.len() as u64,
+                        Err(err) => {
+                            let _ = out.set_len(whole);
+                            failed = Some((err, rows.len() as u64));
+                        }
+                    }
+                }
                 rows.clear();
                 let _ = give_back.try_send(rows);
             }
-            out.flush()
+            match failed {
+                None => Ok(()),
+                Some((err, lost)) => Err(std::io::Error::new(
+                    err.kind(),
+                    format!("{err}: the trace ends at the last whole row, {lost} rows after it were not written"),
+                )),
+            }
         })?;
         Ok(Arc::new(Recorder {
             path: path.to_path_buf(),

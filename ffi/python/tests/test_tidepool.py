@@ -286,6 +286,11 @@ class OutOfMemorySnapshot(unittest.TestCase):
             actions = [e["action"] for e in snap["device_traces"][0]]
             self.assertIn("alloc", actions)
             self.assertEqual(actions[-1], "oom")
+            # As PyTorch writes it (memory_viz reads the device's free bytes there).
+            oom = snap["device_traces"][0][-1]
+            self.assertEqual(set(oom) - {"frames"}, {"action", "device_free", "size", "stream", "time_us"})
+            self.assertEqual(oom["size"], 1 << 30)
+            self.assertGreater(oom["device_free"], 0)
 
     def test_an_unwritable_path_warns_and_loses_nothing_else(self):
         done = self.run_script("oom_snapshot:/nonexistent-dir/oom.pickle", (
