@@ -101,13 +101,25 @@ fn block_state(block: &BlockSnapshot) -> &'static str {
     }
 }
 
-/// Writes the snapshot as a pickle to `path` (via a temporary file, so a
-/// reader never sees half a file).
+/// Writes the snapshot as a pickle to `path` (via a temporary file of
+/// this writer's own beside it, so a reader never sees half a file and two
+/// writers never write into one).
 pub fn write_snapshot(alloc: &Allocator, path: &Path) -> std::io::Result<()> {
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let bytes = dumps(&pytorch_snapshot(alloc));
-    let tmp = path.with_extension("tidepool-tmp");
-    let mut file = std::fs::File::create(&tmp)?;
-    file.write_all(&bytes)?;
-    file.sync_all()?;
-    std::fs::rename(&tmp, path)
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.{n}.tidepool-tmp", std::process::id()));
+    let tmp = std::path::PathBuf::from(tmp);
+    let written = std::fs::File::create(&tmp).and_then(|mut file| {
+        file.write_all(&bytes)?;
+        file.sync_all()
+    });
+    match written.and_then(|()| std::fs::rename(&tmp, path)) {
+        Ok(()) => Ok(()),
+        Err(err) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(err)
+        }
+    }
 }

@@ -118,3 +118,37 @@ fn a_snapshot_with_history_replays_to_the_run_it_recorded() {
 fn with_expandable_segments_pages_mapped_and_unmapped_are_in_the_history() {
     round_trip("transformer-varlen-train.csv", "expandable:true");
 }
+
+#[test]
+fn snapshots_written_at_once_to_neighbouring_names_are_each_whole_and_a_failed_one_leaves_nothing() {
+    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    alloc.record_history(Some(1000)).unwrap();
+    let p = alloc.allocate(0, 1 << 20, Stream::DEFAULT).unwrap();
+    let dir = common::scratch_dir("snapshot-names");
+    // a.pickle and a.pkl: one temporary name each would have been a.tidepool-tmp.
+    let names = [dir.path().join("a.pickle"), dir.path().join("a.pkl")];
+    std::thread::scope(|scope| {
+        for path in &names {
+            let alloc = &alloc;
+            scope.spawn(move || {
+                for _ in 0..50 {
+                    tidepool::snapshot::write_snapshot(alloc, path).unwrap();
+                }
+            });
+        }
+    });
+    for path in &names {
+        let back = tidepool::trace::load(path).unwrap();
+        assert_eq!(back.peak_requested(), 1 << 20, "{}", path.display());
+    }
+    // A path that is a directory: the rename fails, and no temporary file stays.
+    let err = tidepool::snapshot::write_snapshot(&alloc, dir.path()).unwrap_err();
+    assert!(err.kind() != std::io::ErrorKind::NotFound, "{err}");
+    let left: Vec<_> = std::fs::read_dir(dir.path().parent().unwrap())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tidepool-tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    alloc.free(0, p).unwrap();
+}
