@@ -182,12 +182,6 @@ impl Entry {
         String::from_utf8_lossy(&self.comm[..end]).into_owned()
     }
 
-    /// Cached bytes a release could give back: those outside partly used
-    /// segments (whole free segments, free pages inside holes).
-    pub fn releasable(&self) -> u64 {
-        self.cached_free.saturating_sub(self.inactive_split)
-    }
-
     /// `inactive_split / reserved` ([`crate::Stats::fragmentation`]).
     pub fn fragmentation(&self) -> f64 {
         crate::stats::fragmentation(self.inactive_split, self.reserved)
@@ -442,7 +436,7 @@ impl Registry {
             let helpers: Vec<(usize, u32)> = (0..SLOTS)
                 .filter(|&s| s != r.slot)
                 .filter_map(|s| r.read_slot(s).map(|e| (s, e)))
-                .filter(|(_, e)| e.pid != 0 && e.releasable() > 0 && alive(e.pid))
+                .filter(|(_, e)| e.pid != 0 && e.cached_free > 0 && alive(e.pid))
                 .map(|(s, e)| (s, e.pid))
                 .collect();
             if helpers.is_empty() {
@@ -807,8 +801,6 @@ mod tests {
         let mut b = Registry::join(&dir, "dev").unwrap();
         b.publish(Entry { allocated: 5, ..Entry::default() }).unwrap();
         assert!(a.ask(100).unwrap().is_none(), "b holds no cache: nothing posted");
-        b.publish(Entry { cached_free: 7, inactive_split: 7, ..Entry::default() }).unwrap();
-        assert!(a.ask(100).unwrap().is_none(), "b's cache is all inside partly used segments: nothing it could give back");
         assert_eq!(b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap(), 0);
         let asked = a.ask(100).unwrap().expect("b shows cache");
         assert_eq!(asked.helpers, [(b.slot, std::process::id())]);
