@@ -173,13 +173,18 @@ fn child_pause_waits_for_the_streams_work() {
     println!("child: stream work waited for");
 }
 
+/// Runs the child test `name` over simgpu with `env` and asserts that it
+/// passed and printed `expected`.
+fn child_on_simgpu(name: &str, env: &[(&str, &str)], expected: &str) {
+    let mut command = common::child_command(name);
+    command.env("LD_LIBRARY_PATH", common::simgpu_dir()).envs(env.iter().copied());
+    let (ok, text) = common::child_output(&mut command);
+    assert!(ok && text.contains(expected), "{name}: {expected:?} not printed:\n{text}");
+}
+
 #[test]
 fn a_pause_waits_for_the_work_queued_on_the_tags_streams_over_simgpu() {
-    let dir = common::simgpu_dir();
-    let (ok, text) = common::child_output(
-        common::child_command("child_pause_waits_for_the_streams_work").env("LD_LIBRARY_PATH", &dir).env("SIMGPU_CAPACITY", "256M"),
-    );
-    assert!(ok && text.contains("child: stream work waited for"), "{text}");
+    child_on_simgpu("child_pause_waits_for_the_streams_work", &[("SIMGPU_CAPACITY", "256M")], "child: stream work waited for");
 }
 
 /// The child side over simgpu failing every third `cuMemUnmap`: a tag
@@ -234,14 +239,8 @@ fn child_pause_resume_with_failing_unmaps() {
 
 #[test]
 fn pauses_and_resumes_with_unmaps_failing_keep_every_byte_over_simgpu() {
-    let dir = common::simgpu_dir();
-    let (ok, text) = common::child_output(
-        common::child_command("child_pause_resume_with_failing_unmaps")
-            .env("LD_LIBRARY_PATH", &dir)
-            .env("SIMGPU_CAPACITY", "256M")
-            .env("SIMGPU_FAIL_UNMAP_EVERY", "3"),
-    );
-    assert!(ok && text.contains("child: every byte kept"), "{text}");
+    let env = [("SIMGPU_CAPACITY", "256M"), ("SIMGPU_FAIL_UNMAP_EVERY", "3")];
+    child_on_simgpu("child_pause_resume_with_failing_unmaps", &env, "child: every byte kept");
 }
 
 /// The child side over simgpu: a paused tag's block freed while another
@@ -294,11 +293,7 @@ fn child_resume_after_a_pending_free() {
 
 #[test]
 fn a_resume_that_must_release_cache_first_survives_a_free_completing_meanwhile() {
-    let dir = common::simgpu_dir();
-    let (ok, text) = common::child_output(
-        common::child_command("child_resume_after_a_pending_free").env("LD_LIBRARY_PATH", &dir).env("SIMGPU_CAPACITY", "64M"),
-    );
-    assert!(ok && text.contains("child: resumed after the pending free"), "{text}");
+    child_on_simgpu("child_resume_after_a_pending_free", &[("SIMGPU_CAPACITY", "64M")], "child: resumed after the pending free");
 }
 
 #[test]
@@ -365,7 +360,5 @@ fn child_tags_need_virtual_memory() {
 
 #[test]
 fn tags_on_the_cuda_async_backend_are_a_clear_error() {
-    let (ok, text) =
-        common::child_output(common::child_command("child_tags_need_virtual_memory").env("LD_LIBRARY_PATH", common::simgpu_dir()));
-    assert!(ok && text.contains("child: tags refused on cuda_async"), "{text}");
+    child_on_simgpu("child_tags_need_virtual_memory", &[], "child: tags refused on cuda_async");
 }
