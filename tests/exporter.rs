@@ -431,6 +431,14 @@ fn the_exporter_output_passes_promtool_and_escapes_label_values() {
     assert_eq!(sample(&written, "tidepool_processes", &[]), Some(3.0));
     let left: Vec<_> = std::fs::read_dir(textfile.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left, ["tidepool.prom"], "only the finished file");
+    // --once serves nothing: with --listen it is refused rather than binding and leaving.
+    let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .args(["exporter", "--once", "--listen", "127.0.0.1:0", "--textfile"])
+        .arg(&textfile)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("give no --listen") && out.stdout.is_empty(), "{stderr}");
 }
 
 #[test]

@@ -681,6 +681,9 @@ fn run_exporter(args: &[String]) -> Result<(), String> {
     if once && textfile.is_none() {
         return Err("exporter: --once writes the textfile once: give --textfile".into());
     }
+    if once && listen.is_some() {
+        return Err("exporter: --once writes the textfile once and exits: it serves nothing, so give no --listen".into());
+    }
     if dirs.is_empty() {
         dirs.push(Config::from_env().registry_dir.unwrap_or_else(registry::default_dir));
     }
