@@ -428,8 +428,22 @@ fn top_lists_the_processes_of_the_registry() {
     assert!(entry["comm"].as_str().unwrap().starts_with("cooperation-"), "{json}");
     assert_eq!(json["skipped"], serde_json::json!([]), "{json}");
     assert_eq!(json["registry_dir"], dir.join("registry").display().to_string(), "{json}");
+    // A GPU's key is 40 characters ("GPU-" and its UUID): another device's registry of this process.
+    let gpu_key = "GPU-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718";
+    let mut gpu = tidepool::reclaim::registry::Registry::join(&dir.join("registry"), gpu_key).unwrap();
+    gpu.publish(tidepool::reclaim::registry::Entry { allocated: 3 * MIB, ..Default::default() }).unwrap();
     let table = top(&["--once"]);
     assert!(table.contains(&std::process::id().to_string()) && table.contains("5.00 MiB"), "{table}");
+    // Columns line up: the header's "pid" ends where each row's pid does, whatever the key's length.
+    let lines: Vec<&str> = table.lines().collect();
+    let pid = format!(" {} ", std::process::id());
+    let pid_end = |line: &str, text: &str| line.find(text).map(|at| at + text.trim_end().len());
+    let rows: Vec<&&str> = lines.iter().filter(|l| l.contains(&pid)).collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    for row in rows {
+        assert_eq!(pid_end(lines[1], " pid"), pid_end(row, &pid), "{table}");
+    }
+    drop(gpu);
     alloc.free(0, p).unwrap();
     drop(alloc);
     // The process left: its slot is gone.

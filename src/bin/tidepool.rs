@@ -558,9 +558,12 @@ fn run_top(args: &[String]) -> Result<(), String> {
 }
 
 fn top_table(dir: &Path) -> String {
+    let found = registry::scan(dir);
+    // The device column as wide as its longest key (a GPU's is 40 characters).
+    let width = found.registries.iter().map(|r| r.key.len()).max().unwrap_or(0).max("device".len());
     let mut out = format!("tidepool processes ({})\n", dir.display());
     out += &format!(
-        "{:<28} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+        "{:<width$} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
         "device",
         "pid",
         "comm",
@@ -576,7 +579,6 @@ fn top_table(dir: &Path) -> String {
         "requesting",
         "paused"
     );
-    let found = registry::scan(dir);
     if found.registries.iter().all(|r| r.entries.is_empty()) {
         out += "(none)\n";
     }
@@ -584,7 +586,7 @@ fn top_table(dir: &Path) -> String {
         for e in &r.entries {
             let released = |reason: Reason| human_bytes(e.released[reason as usize]);
             out += &format!(
-                "{:<28} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>5.1}% {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+                "{:<width$} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>5.1}% {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
                 r.key,
                 e.pid,
                 e.comm(),
