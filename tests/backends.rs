@@ -812,6 +812,50 @@ fn a_driver_failing_unmaps_midway_leaves_every_live_page_mapped_and_leaks_nothin
     child_prints("child_failing_page_unmaps", "256M", &[("SIMGPU_FAIL_UNMAP_EVERY", "3")], "failing page unmaps: ok");
 }
 
+/// The child side: a reclaimer pass that gives back an idle segment while
+/// a free waits on a long kernel of another stream does not wait for that
+/// kernel (the heap stays locked during a pass: every allocation would).
+#[test]
+#[ignore = "child process: run by a_reclaimer_pass_does_not_wait_for_other_streams_work"]
+fn child_reclaim_beside_a_pending_free() {
+    common::child_only();
+    let alloc = cuda_allocator("release_after_ms:50,reclaim_interval_ms:10");
+    let sim = Simgpu::load();
+    let [one, two] = [sim.stream(), sim.stream()];
+    let used_elsewhere = alloc.allocate(0, 4 << 20, tidepool::Stream(one)).unwrap();
+    let idle = alloc.allocate(0, 30 << 20, tidepool::Stream(one)).unwrap(); // a segment of its own
+    let reserved = alloc.stats(0).unwrap().reserved_bytes.all.current;
+    alloc.record_stream(used_elsewhere, tidepool::Stream(two)).unwrap();
+    // SAFETY: stream-ordered work: a long kernel on stream two.
+    unsafe { (sim.enqueue_sleep)(two, 2_000_000) };
+    alloc.free(0, used_elsewhere).unwrap(); // waits on stream two's event
+    alloc.free(0, idle).unwrap();
+    // The reclaimer gives the idle segment back after 50 ms...
+    std::thread::sleep(Duration::from_millis(300));
+    // ...and meanwhile this thread reads the figures and allocates (both
+    // lock the heap) without waiting for stream two.
+    let start = Instant::now();
+    let now = alloc.stats(0).unwrap().reserved_bytes.all.current;
+    let p = alloc.allocate(0, 1 << 20, tidepool::Stream(one)).unwrap();
+    let took = start.elapsed();
+    assert_eq!(now, reserved - (30 << 20), "the idle segment went back");
+    alloc.free(0, p).unwrap();
+    assert!(took < Duration::from_millis(1000), "the heap waited {took:?} for stream two's kernel");
+    // SAFETY: waits for stream two.
+    unsafe { (sim.stream_synchronize)(two) };
+    alloc.validate().unwrap();
+    println!("reclaim beside a pending free: the figures and an allocation took {took:?}");
+}
+
+#[test]
+fn a_reclaimer_pass_does_not_wait_for_other_streams_work() {
+    // Not on `cuda`: there cuMemFree itself waits for every stream, as the driver's does.
+    for (backend, conf) in [("cuda_async", ""), ("cuda", "expandable:true")] {
+        let env = [("TIDEPOOL_TEST_BACKEND", backend), ("TIDEPOOL_TEST_CONF", conf)];
+        child_prints("child_reclaim_beside_a_pending_free", "256M", &env, "reclaim beside a pending free");
+    }
+}
+
 /// The child side: events cannot be recorded; unknown streams.
 #[test]
 #[ignore = "child process: run by failing_events_and_unknown_streams_are_survived"]

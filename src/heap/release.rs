@@ -142,7 +142,9 @@ impl DeviceHeap {
             let mut released = Released::default();
             let whole: Vec<u32> = ids.iter().copied().filter(|&id| id < segment_count).collect();
             if !whole.is_empty() {
-                released += self.release_segments_where(|id, _| whole.contains(&id));
+                // Chosen as whole free segments: no pending free is in them,
+                // so none is waited for (the heap stays locked meanwhile).
+                released += self.release_segments_where(false, |id, _| whole.contains(&id));
             }
             for id in ids.into_iter().filter(|&id| id >= segment_count) {
                 released.bytes += self.release_hole(holes[(id - segment_count) as usize].0);
@@ -158,19 +160,21 @@ impl DeviceHeap {
     /// page lying entirely inside free blocks. A segment the backend fails
     /// to release stays cached, whole and consistent.
     pub fn release_free_segments(&mut self, reason: Reason, select: impl FnMut(u32, &Segment) -> bool) -> Released {
-        let released = self.release_segments_where(select);
+        let released = self.release_segments_where(true, select);
         self.stats.events.released[reason as usize] += released;
         released
     }
 
     /// `release_free_segments` without counting the release under a reason.
+    /// Frees waiting on other streams' events complete first: waited for
+    /// (`wait`, so that their blocks can go back too), or only those done.
     /// Nothing while a private pool is open; nothing of private pools while
     /// they keep their memory (`private.rs`).
-    fn release_segments_where(&mut self, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
+    fn release_segments_where(&mut self, wait: bool, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
         if !self.may_release() {
             return Released::default();
         }
-        self.process_pending(true);
+        self.process_pending(wait);
         self.flush_stashes();
         let mut released = Released::default();
         for segment_id in 0..self.segments.len() as u32 {
