@@ -296,6 +296,56 @@ fn a_resume_that_must_release_cache_first_survives_a_free_completing_meanwhile()
     child_on_simgpu("child_resume_after_a_pending_free", &[("SIMGPU_CAPACITY", "64M")], "child: resumed after the pending free");
 }
 
+/// The child side over simgpu: with two shards, a pause without offload
+/// that one shard must refuse (a stream that used the tag is being
+/// captured) is refused before any shard gives its pages back, so every
+/// block keeps its bytes.
+#[test]
+#[ignore = "child process: run by a_pause_refused_on_one_shard_discards_nothing_on_the_others"]
+fn child_refused_pause_across_shards() {
+    common::child_only();
+    let alloc = conf_allocator("backend:cuda,release_after_ms:off,headroom_mb:0,stream_shards:2");
+    let sim = Simgpu::load();
+    let streams: Vec<u64> = (0..4).map(|_| sim.stream()).collect();
+    let size = 4 * MIB as usize;
+    let blocks: Vec<DevicePtr> = {
+        let _r = region("shards").unwrap();
+        streams.iter().map(|&s| alloc.allocate(0, size, Stream(s)).unwrap()).collect()
+    };
+    for (i, (&p, &s)) in blocks.iter().zip(&streams).enumerate() {
+        // SAFETY: stream-ordered writes to live blocks of `size` bytes.
+        unsafe {
+            assert_eq!((sim.enqueue_fill)(s, p.0, size, 0x30 + i as u8, 0), 0);
+            (sim.stream_synchronize)(s);
+        }
+    }
+    // Whichever shard the captured stream is on, no shard pauses.
+    for &captured in &streams {
+        // SAFETY: simgpu marks a stream it made as capturing, then not.
+        assert_eq!(unsafe { (sim.set_capturing)(captured, 1) }, 0);
+        let err = alloc.pause("shards", Some(0), false).unwrap_err();
+        assert!(matches!(&err, AllocError::Tag(m) if m.contains("captured")), "{err}");
+        // SAFETY: as above.
+        assert_eq!(unsafe { (sim.set_capturing)(captured, 0) }, 0);
+        assert!(!alloc.tag_stats("shards", 0).unwrap().paused);
+        for (i, (&p, &s)) in blocks.iter().zip(&streams).enumerate() {
+            let mut back = vec![0u8; size];
+            alloc.backend().copy_to_host(0, p.0, &mut back, Stream(s)).unwrap();
+            assert!(back.iter().all(|&b| b == 0x30 + i as u8), "block {i} lost its bytes");
+        }
+    }
+    for (&p, &s) in blocks.iter().zip(&streams) {
+        alloc.free_on_stream(0, p, Stream(s)).unwrap();
+    }
+    alloc.validate().unwrap();
+    println!("child: nothing discarded");
+}
+
+#[test]
+fn a_pause_refused_on_one_shard_discards_nothing_on_the_others() {
+    child_on_simgpu("child_refused_pause_across_shards", &[("SIMGPU_CAPACITY", "256M")], "child: nothing discarded");
+}
+
 #[test]
 fn top_shows_the_memory_a_paused_tag_gave_back() {
     let scratch = common::scratch_dir("tags-top");

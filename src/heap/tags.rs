@@ -203,8 +203,11 @@ impl DeviceHeap {
         self.with_context(context, |heap| heap.allocate_in(pool, rounded, size, stream))
     }
 
-    /// Whether `tag` could be paused now: it is not paused and no private
-    /// pool is open (a capture may be underway: unmapping is forbidden).
+    /// Whether `tag` could be paused now: it is not paused, no private pool
+    /// is open (a capture may be underway: unmapping is forbidden), and no
+    /// stream that used it is being captured. Checked on every shard and
+    /// device before any pauses, so that a pause refused for these reasons
+    /// changes nothing even without offload (whose contents would be gone).
     pub fn check_pausable(&self, tag: TagId) -> Result<(), AllocError> {
         if tag == TagId::DEFAULT {
             return Err(tag_error(0, "cannot be paused: pause a tag of your own (tidepool.region)"));
@@ -214,6 +217,12 @@ impl DeviceHeap {
         }
         if self.tags.is_paused(tag.0) {
             return Err(tag_error(tag.0, "is already paused"));
+        }
+        if let Some(s) = self.tag_streams(tag).into_iter().find(|&s| self.backend.stream_capturing(self.device, s)) {
+            return Err(tag_error(
+                tag.0,
+                &format!("cannot be paused while stream {:#x}, which used it, is being captured into a CUDA graph", s.0),
+            ));
         }
         Ok(())
     }
@@ -296,16 +305,11 @@ impl DeviceHeap {
         }
     }
 
-    /// Gives back every page of `tag`'s ranges, saving the contents of those
-    /// under live blocks to host memory first when `offload`. Returns the
-    /// device bytes given back. See the top of this file for the rules.
-    pub fn pause_tag(&mut self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
-        self.check_pausable(tag)?;
-        let pools = self.tag_pools(tag.0);
-        let segments = self.tag_segments(tag.0);
-        // The work queued on every stream that used the tag's blocks.
-        let mut streams: Vec<Stream> = pools.iter().map(|&p| self.pools[p as usize].stream).collect();
-        for &id in &segments {
+    /// Every stream that used `tag`'s blocks: its pools' and the streams
+    /// recorded for its live blocks (`record_stream`).
+    fn tag_streams(&self, tag: TagId) -> Vec<Stream> {
+        let mut streams: Vec<Stream> = self.tag_pools(tag.0).iter().map(|&p| self.pools[p as usize].stream).collect();
+        for id in self.tag_segments(tag.0) {
             let mut cur = self.segments[id as usize].as_ref().map_or(NIL, |s| s.first_block);
             while cur != NIL {
                 if let Some(recorded) = self.recorded_streams.get(&self.blocks[cur].addr) {
@@ -316,13 +320,18 @@ impl DeviceHeap {
         }
         streams.sort();
         streams.dedup();
-        if let Some(s) = streams.iter().find(|&&s| self.backend.stream_capturing(self.device, s)) {
-            return Err(tag_error(
-                tag.0,
-                &format!("cannot be paused while stream {:#x}, which used it, is being captured into a CUDA graph", s.0),
-            ));
-        }
-        for stream in streams {
+        streams
+    }
+
+    /// Gives back every page of `tag`'s ranges, saving the contents of those
+    /// under live blocks to host memory first when `offload`. Returns the
+    /// device bytes given back. See the top of this file for the rules.
+    pub fn pause_tag(&mut self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
+        self.check_pausable(tag)?;
+        let pools = self.tag_pools(tag.0);
+        let segments = self.tag_segments(tag.0);
+        // The work queued on every stream that used the tag's blocks.
+        for stream in self.tag_streams(tag) {
             self.backend.synchronize_stream(self.device, stream).map_err(AllocError::Backend)?;
         }
         self.process_pending(true);
