@@ -261,7 +261,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     OptionSpec {
         key: "max_split_size_mb",
         default: "unlimited",
-        help: "blocks at least this large are never split and only serve requests within 20 MiB of their size (whole segments only: expandable segments split any block)",
+        help: "blocks at least this large are never split and only serve requests within 20 MiB of their size (above 20 and above large_segment_mb and small_segment_mb; whole segments only: expandable segments split any block)",
         apply: |c, v| {
             if v.trim() == "unlimited" {
                 c.rules.max_split_size = u64::MAX;
@@ -332,12 +332,11 @@ impl Config {
         }
         if let Err(msg) = config.rules.check() {
             warnings.push(format!("ignoring the size options: {msg}; using the defaults"));
-            // Splitting and rounding options are checked on their own and kept.
-            config.rules = SizeRules {
-                max_split_size: config.rules.max_split_size,
-                roundup_power2_divisions: config.rules.roundup_power2_divisions,
-                ..SizeRules::default()
-            };
+            // Splitting and rounding options are checked on their own and
+            // kept, max_split_size_mb while the default segments allow it.
+            let rounding = SizeRules { roundup_power2_divisions: config.rules.roundup_power2_divisions, ..SizeRules::default() };
+            let splitting = SizeRules { max_split_size: config.rules.max_split_size, ..rounding };
+            config.rules = if splitting.check().is_ok() { splitting } else { rounding };
         }
         (config, warnings)
     }

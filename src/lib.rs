@@ -407,7 +407,11 @@ impl Allocator {
 
     /// Notes that the live block at `ptr` is used on `stream` too (PyTorch's
     /// `record_stream`); it is not reused until that stream's work is done.
+    /// NULL (an empty tensor's storage) holds no block: nothing to note.
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<(), AllocError> {
+        if ptr.0 == 0 {
+            return Ok(());
+        }
         self.devices()?
             .iter()
             .find_map(|device| device.record_stream(ptr, stream))

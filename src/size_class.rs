@@ -180,6 +180,7 @@ impl SizeRules {
 
     /// Checks the relations between the fields; the message names the broken one.
     pub fn check(&self) -> Result<(), String> {
+        // Named by their TIDEPOOL_CONF keys.
         let pow2 = |name: &str, v: u64| {
             if v.is_power_of_two() {
                 Ok(())
@@ -187,28 +188,37 @@ impl SizeRules {
                 Err(format!("{name} must be a power of two, got {v}"))
             }
         };
-        pow2("min_block", self.min_block)?;
-        pow2("large_round", self.large_round)?;
+        pow2("min_block_bytes", self.min_block)?;
+        pow2("large_round_mb", self.large_round)?;
         if self.roundup_power2_divisions > 1 {
             pow2("roundup_power2_divisions", self.roundup_power2_divisions)?;
         }
         if self.min_block < 256 {
-            return Err(format!("min_block must be at least 256 bytes, got {}", self.min_block));
+            return Err(format!("min_block_bytes must be at least 256, got {}", self.min_block));
         }
         if self.small_size < self.min_block || !self.small_size.is_multiple_of(self.min_block) {
-            return Err("small_size must be a multiple of min_block".into());
+            return Err("small_size_kb must be a multiple of min_block_bytes".into());
         }
         if self.small_segment < self.small_size || !self.small_segment.is_multiple_of(self.min_block) {
-            return Err("small_segment must be a multiple of min_block and at least small_size".into());
+            return Err("small_segment_mb must be a multiple of min_block_bytes and at least small_size_kb".into());
         }
         if self.large_segment < self.min_large_alloc || !self.large_segment.is_multiple_of(self.min_block) {
-            return Err("large_segment must be a multiple of min_block and at least min_large_alloc".into());
+            return Err("large_segment_mb must be a multiple of min_block_bytes and at least min_large_alloc_mb".into());
         }
         if self.min_large_alloc <= self.small_size {
-            return Err("min_large_alloc must be above small_size".into());
+            return Err("min_large_alloc_mb must be above small_size_kb".into());
         }
         if self.large_round < self.min_block {
-            return Err("large_round must be at least min_block".into());
+            return Err("large_round_mb must be at least min_block_bytes".into());
+        }
+        if self.max_split_size <= self.large_segment.max(self.small_segment) {
+            // A whole free segment would then be a block no request below
+            // max_split_size may split: every such request a new segment.
+            return Err(format!(
+                "max_split_size_mb must be above large_segment_mb and small_segment_mb ({} MiB), got {} MiB",
+                self.large_segment.max(self.small_segment) >> 20,
+                self.max_split_size >> 20
+            ));
         }
         Ok(())
     }
@@ -347,5 +357,11 @@ mod tests {
         assert!(bad.check().unwrap_err().contains("small_segment"));
         let bad = SizeRules { roundup_power2_divisions: 3, ..SizeRules::default() };
         assert!(bad.check().unwrap_err().contains("roundup_power2_divisions"));
+        // A segment at least max_split_size could serve no smaller request.
+        let mib = 1u64 << 20;
+        let bad = SizeRules { max_split_size: 32 * mib, large_segment: 64 * mib, ..SizeRules::default() };
+        assert!(bad.check().unwrap_err().contains("max_split_size_mb must be above large_segment_mb"));
+        assert!(SizeRules { max_split_size: 20 * mib, ..SizeRules::default() }.check().is_err());
+        assert!(SizeRules { max_split_size: 22 * mib, ..SizeRules::default() }.check().is_ok());
     }
 }

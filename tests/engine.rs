@@ -444,7 +444,12 @@ fn a_memory_fraction_outside_zero_to_one_is_refused() {
 #[test]
 fn record_stream_needs_a_live_block_and_is_forgotten_at_free() {
     let (alloc, _) = host_allocator(2, 1 << 30, "");
+    // NULL (an empty tensor's storage, which PyTorch passes on) holds no
+    // block: nothing to note, before the first allocation and after.
+    assert_eq!(alloc.record_stream(DevicePtr(0), Stream(9)), Ok(()));
     let a = alloc.allocate(1, 4096, Stream(5)).unwrap();
+    assert_eq!(alloc.record_stream(DevicePtr(0), Stream(9)), Ok(()));
+    assert!(alloc.device(1).unwrap().recorded_streams(DevicePtr(0)).is_empty());
     alloc.record_stream(a, Stream(9)).unwrap();
     alloc.record_stream(a, Stream(9)).unwrap();
     alloc.record_stream(a, Stream(5)).unwrap(); // its own stream: nothing to record

@@ -50,8 +50,13 @@ impl AddrMap {
         self.len == 0
     }
 
+    /// The value of `key`; None for 0, which marks empty slots and is
+    /// never a key.
     #[inline]
     pub fn get(&self, key: u64) -> Option<u32> {
+        if key == EMPTY {
+            return None;
+        }
         let mask = self.mask();
         let mut slot = self.home(key);
         loop {
@@ -185,8 +190,10 @@ mod tests {
     fn missing_and_zero_keys_are_absent() {
         let mut map = AddrMap::default();
         assert_eq!(map.get(512), None);
+        assert_eq!(map.get(0), None, "0 marks empty slots: never a key");
         assert_eq!(map.remove(0), None);
         map.insert(512, 1);
+        assert_eq!(map.get(0), None);
         assert_eq!(map.remove(1024), None);
         assert_eq!(map.remove(512), Some(1));
         assert!(map.is_empty());
