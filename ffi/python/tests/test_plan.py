@@ -456,6 +456,44 @@ class BadInput(unittest.TestCase):
         self.assertIn("--sweep precision", self.fails(*LLAMA, "--sweep", "precision=fp8"))
         self.assertIn("--batch", self.fails(*LLAMA, "--batch", "0"))
         self.assertIn("--cards", self.fails(*LLAMA, "--cards", "big"))
+        # A sweep of no values would plan nothing and say nothing.
+        self.assertIn("expected KEY=V1,V2", self.fails(*LLAMA, "--sweep", "batch=,"))
+
+    def test_a_combination_one_variant_cannot_have_fails_that_row_only(self):
+        # Checkpointing is for training: the forward variant's row says so, the others are planned.
+        status, out, err = plan(*LLAMA, "--json", "--sweep", "task=train,forward", "--sweep", "checkpointing=false,true")
+        self.assertEqual(status, 1, err)
+        results = rows(out)
+        self.assertEqual(len(results), 4, out)
+        failed = [r for r in results if "error" in r]
+        self.assertEqual(len(failed), 1, out)
+        self.assertIn("--checkpointing", failed[0]["error"])
+        self.assertTrue(all("peak_live_bytes" in r for r in results if "error" not in r))
+
+    def test_a_plan_binary_that_answers_nothing_useful_is_named(self):
+        from tidepool.plan import _plan_result
+
+        class Done:
+            def __init__(self, code, out, err=""):
+                self.returncode, self.out, self.err = code, out, err
+
+            def communicate(self):
+                return self.out, self.err
+
+        for process, said in [(Done(0, ""), "printed no JSON"), (Done(0, "not json\n"), "printed no JSON: 'not json'"),
+                              (Done(1, ""), "exit status 1): no output"), (Done(-9, ""), "killed by signal 9")]:
+            with self.assertRaisesRegex(RuntimeError, said.replace("(", "\\(").replace(")", "\\)")):
+                _plan_result(process)
+
+    def test_the_recorder_refuses_sizes_and_paths_before_recording(self):
+        from tidepool.record import main
+
+        for argv in (["mlp", "--out", "t.csv", "--batch", "0"], ["mlp", "--out", "t.csv", "--steps", "-1"],
+                     ["mlp", "--out", "/nonexistent-dir/t.csv"]):
+            with contextlib.redirect_stderr(io.StringIO()) as said, self.assertRaises(SystemExit) as ended:
+                main(argv)
+            self.assertEqual(ended.exception.code, 2, argv)
+            self.assertTrue("positive integer" in said.getvalue() or "no directory" in said.getvalue(), said.getvalue())
 
 
 if __name__ == "__main__":

@@ -156,6 +156,8 @@ def parse_args(argv):
         if not sep or not values.strip():
             raise Exit(f"--sweep {item!r}: expected KEY=V1,V2,...")
         texts = [v.strip() for v in values.split(",") if v.strip()]
+        if not texts:
+            raise Exit(f"--sweep {item!r}: expected KEY=V1,V2,...")
         if key.startswith("set."):
             parsed = [_coerce(v) for v in texts]
         elif key in parsers:
@@ -217,9 +219,15 @@ def _plan_process(binary, trace):
 
 def _plan_result(process):
     out, err = process.communicate()
-    if process.returncode != 0:
-        raise RuntimeError(f"tidepool plan failed: {err.strip() or out.strip()}")
-    return json.loads(out.strip().splitlines()[-1])
+    code = process.returncode
+    if code != 0:
+        how = f"exit status {code}" if code > 0 else f"killed by signal {-code}"
+        raise RuntimeError(f"tidepool plan failed ({how}): {err.strip() or out.strip() or 'no output'}")
+    lines = out.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError(f"tidepool plan printed no JSON: {(lines or [''])[-1][:200]!r}") from None
 
 
 def _fits(need, cards):
@@ -293,8 +301,14 @@ def run(argv=None):
                 del rec
                 result["process"] = _plan_process(binary, trace)
                 result["seq"] = seq
-            except (workload.PlanError, workload.FactoryError):
+            except workload.FactoryError:
                 raise
+            except workload.PlanError as err:
+                # An option combination this variant cannot have: an error of
+                # the run when it is the only variant, else of its row.
+                if len(todo) == 1:
+                    raise
+                result["error"] = str(err)
             except step.MissingMetaKernel as err:
                 result["error"] = f"no meta kernel for {err}"
             except Exception as err:  # noqa: BLE001 - a failing variant is reported, the others go on
@@ -307,6 +321,10 @@ def run(argv=None):
             _finish(pending, cards)
         progress.show(len(todo), "done")
     finally:
+        if pending is not None and "process" in pending:
+            # Left by an error: its trace is about to go.
+            pending["process"].kill()
+            pending["process"].wait()
         shutil.rmtree(scratch, ignore_errors=True)
     _report(args, results, cards, sweeps)
     if args.plot:

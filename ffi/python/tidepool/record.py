@@ -664,14 +664,25 @@ def record_training(workload, path, steps=4, batch=16, inference=False):
     return rec.allocs
 
 
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workload", choices=sorted(WORKLOADS))
     parser.add_argument("--out", required=True, help="the CSV to write")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=_positive, default=4)
+    parser.add_argument("--batch", type=_positive, default=16)
     parser.add_argument("--inference", action="store_true", help="forward passes only, no gradients (always for kv-generate)")
     args = parser.parse_args(argv)
+    # Before the recording, not after it: a directory that is not there.
+    directory = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(directory):
+        parser.error(f"--out {args.out}: no directory {directory}")
     allocs = record_training(args.workload, args.out, args.steps, args.batch, args.inference)
     print(f"{args.out}: {allocs} allocations (torch {torch.__version__})")
 
