@@ -456,6 +456,8 @@ class BadInput(unittest.TestCase):
         self.assertIn("--sweep precision", self.fails(*LLAMA, "--sweep", "precision=fp8"))
         self.assertIn("--batch", self.fails(*LLAMA, "--batch", "0"))
         self.assertIn("--cards", self.fails(*LLAMA, "--cards", "big"))
+        for cards in ("nan,24", "24,inf", "0"):
+            self.assertIn("expected positive sizes", self.fails(*LLAMA, "--cards", cards))
         # A sweep of no values would plan nothing and say nothing.
         self.assertIn("expected KEY=V1,V2", self.fails(*LLAMA, "--sweep", "batch=,"))
 

@@ -174,7 +174,8 @@ def parse_args(argv):
         cards = sorted({float(c) for c in args.cards.split(",") if c.strip()})
     except ValueError:
         raise Exit(f"--cards {args.cards!r}: expected sizes in GB separated by commas") from None
-    if not cards or cards[0] <= 0:
+    # (NaN sorts anywhere and compares false: it is refused by name.)
+    if not cards or not all(0 < c < float("inf") for c in cards):
         raise Exit(f"--cards {args.cards!r}: expected positive sizes in GB")
     return args, base, overrides, sweeps, cards
 
