@@ -325,6 +325,12 @@ class Plan(unittest.TestCase):
         self.assertIn("peak_live_bytes", one)
         self.assertIn("peak_live_bytes", three)
 
+    def test_the_variant_names_the_length_used_when_seq_is_the_models_default(self):
+        # LLAMA without its --seq: the model's default, min(512, max_position_embeddings) = 64 here.
+        status, out, err = plan(*LLAMA[:-2], "--set", "max_position_embeddings=64", "--json", "--steps", "1")
+        self.assertEqual(status, 0, err)
+        self.assertEqual(rows(out)[0]["variant"]["seq"], 64)
+
     def test_nothing_touches_the_network(self):
         prelude = textwrap.dedent("""
             import sys

@@ -292,7 +292,7 @@ def run(argv=None):
             started = time.perf_counter()
             try:
                 rec = step.record(args.model, sets, options, trace)
-                seq = options["seq"]
+                seq = rec.seq
                 result["peak"], _ = rec.peak()
                 result["breakdown"] = rec.breakdown_at_peak()
                 result["record_seconds"] = time.perf_counter() - started
@@ -354,6 +354,8 @@ def _variant_json(args, result):
     import torch
 
     options = dict(result["options"])
+    if options.get("seq") is None and result.get("seq") is not None:
+        options["seq"] = result["seq"]  # the model's default length, which was used
     variant = {"model": args.model, **{k: v for k, v in options.items()}, "set": result["sets"],
                "torch": torch.__version__}
     return variant

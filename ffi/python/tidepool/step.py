@@ -145,6 +145,7 @@ def record(spec, overrides, options, path):
     if options.get("ddp") and options.get("fsdp"):
         raise wl.PlanError("--ddp and --fsdp: choose one")
     rec = _NoMetaKernel(path)
+    rec.seq = seq  # the length used, --seq or the model's default
     with contextlib.ExitStack() as stack:
         stack.enter_context(rec)
         if options.get("fsdp"):
