@@ -453,6 +453,7 @@ class BadInput(unittest.TestCase):
         self.assertIn("--new-tokens is for --task generate", self.fails(*LLAMA, "--new-tokens", "4"))
         self.assertIn("--ddp replicates a training step", self.fails(*LLAMA, "--task", "forward", "--ddp", "2"))
         self.assertIn("--ddp and --fsdp: choose one", self.fails(*LLAMA, "--ddp", "2", "--fsdp", "2"))
+        self.assertIn("a Workload's inputs are its own", self.fails("module:plan_models:image_workload", "--task", "generate"))
         self.assertIn("no linear layers peft can wrap",
                       self.fails("module:plan_models:embedding_only", "--lora-rank", "4"))
 

@@ -115,6 +115,9 @@ def record(spec, overrides, options, path):
     """Builds and records one variant; returns the Recorder (events in memory)."""
     task = options["task"]
     work = wl.build(spec, overrides, task)
+    if task == "generate" and work.kind == "custom":
+        # Its inputs are its own (make_batch): there are no token ids to extend.
+        raise wl.PlanError("--task generate needs a model that takes token ids; a Workload's inputs are its own")
     if options["lora_rank"]:
         if task != "train":
             raise wl.PlanError("--lora-rank trains adapters: use it with --task train")
