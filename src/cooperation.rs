@@ -39,6 +39,12 @@ struct State {
     askers: u32,
 }
 
+impl State {
+    fn new(registry: Registry) -> State {
+        State { registry, events: Events::default(), askers: 0 }
+    }
+}
+
 /// Withdraws the process's request once its last asker is done, however
 /// it is done (a retry that panics included).
 struct Asking<'a>(&'a Cooperation);
@@ -64,10 +70,9 @@ impl Cooperation {
         let key = backend.shared_device_key(device)?;
         let dir = config.registry_dir.clone().unwrap_or_else(registry::default_dir);
         match Registry::join(&dir, &key) {
-            Ok(registry) => Some(Cooperation {
-                oom_wait: Duration::from_millis(config.oom_wait_ms),
-                state: Mutex::new(State { registry, events: Events::default(), askers: 0 }),
-            }),
+            Ok(registry) => {
+                Some(Cooperation { oom_wait: Duration::from_millis(config.oom_wait_ms), state: Mutex::new(State::new(registry)) })
+            }
             Err(err) => {
                 crate::log::log_line(format_args!("tidepool: warning: cooperation off for device {device}: {err}"));
                 None
@@ -145,27 +150,10 @@ impl Cooperation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::OomReport;
     use std::sync::mpsc;
 
     fn oom() -> AllocError {
-        AllocError::OutOfMemory(Box::new(OomReport {
-            device: 0,
-            requested: 0,
-            allocated: 0,
-            reserved: 0,
-            cached_free: 0,
-            largest_free_block: 0,
-            inactive_split: 0,
-            fragmentation: 0.0,
-            device_free: None,
-            device_total: None,
-            reserved_limit: None,
-            limit_is_budget: false,
-            expandable: false,
-            capturing: false,
-            need_from_others: 0,
-        }))
+        AllocError::OutOfMemory(Box::default())
     }
 
     #[test]
@@ -176,8 +164,7 @@ mod tests {
         // Another process's slot (the same pid: alive) with cache to give back.
         let mut helper = Registry::join(&dir, "dev").unwrap();
         helper.publish(Entry { cached_free: 1 << 20, ..Entry::default() }).unwrap();
-        let coop =
-            Cooperation { oom_wait: Duration::from_secs(5), state: Mutex::new(State { registry, events: Events::default(), askers: 0 }) };
+        let coop = Cooperation { oom_wait: Duration::from_secs(5), state: Mutex::new(State::new(registry)) };
         let (a_waits, b_posted) = (mpsc::channel::<()>(), mpsc::channel::<()>());
         let (a_done, seen_after_a) = (mpsc::channel::<()>(), mpsc::channel::<u64>());
         std::thread::scope(|scope| {

@@ -81,7 +81,7 @@ impl std::error::Error for AllocError {}
 
 /// What a person needs to act on an out-of-memory: what was asked, what is
 /// held, and whether fragmentation is to blame.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct OomReport {
     pub device: usize,
     /// Bytes asked for.

@@ -28,9 +28,9 @@
 //! paused tag, an unknown one, while a private pool is open (a CUDA graph
 //! capture may be underway) or while a stream that used the tag is being
 //! captured, and resuming one that is not paused or while a private pool is
-//! open, are errors that change nothing; an offload that cannot get host memory fails whole, with
-//! nothing released. A paused tag's ranges stay reserved: the release
-//! policies leave them alone (`keeps_memory`).
+//! open, are errors that change nothing; an offload that cannot get host
+//! memory fails whole, with nothing released. A paused tag's ranges stay
+//! reserved: the release policies leave them alone (`keeps_memory`).
 //!
 //! A tag's pools are the pools whose `tag` is it (the heap files every
 //! pool under its key, tag included); only paused tags keep state here.
