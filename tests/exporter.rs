@@ -442,6 +442,49 @@ fn the_exporter_output_passes_promtool_and_escapes_label_values() {
 }
 
 #[test]
+fn two_allocators_in_one_process_are_one_series_with_their_figures_added() {
+    let scratch = common::scratch_dir("exporter-one-process");
+    let dir = scratch.path();
+    let sleeper = Guard { child: Command::new("sleep").arg("300").spawn().unwrap(), name: "sleep" };
+    let mut comm = [0u8; 16];
+    comm[..7].copy_from_slice(b"python3");
+    let slot = |allocated: u64, largest: u64, heartbeat_ms: u64, ooms: u64| Entry {
+        pid: sleeper.pid(),
+        heartbeat_ms,
+        reserved: allocated + 10 * MIB,
+        allocated,
+        cached_free: 10 * MIB,
+        inactive_split: 2 * MIB,
+        largest_free_block: largest,
+        ooms,
+        device_total: 80 << 30,
+        device_free: heartbeat_ms,
+        released: [1, 2, 3, 4, 5, 6],
+        comm,
+        ..Entry::default()
+    };
+    let entries = [slot(100 * MIB, 8 * MIB, 1_700_000_000_000, 1), slot(300 * MIB, 6 * MIB, 1_700_000_005_000, 2)];
+    registry::write_file(&dir.join(format!("cuda-{:032x}.registry", 0x77u128)), &entries).unwrap();
+    let (_exporter, addr) = exporter(&[dir], &[]);
+    let text = metrics(addr);
+    well_formed(&text).unwrap_or_else(|problem| panic!("{problem}\n{text}"));
+    let pid = sleeper.pid().to_string();
+    let this = [("pid", pid.as_str())];
+    assert_eq!(sample(&text, "tidepool_allocated_bytes", &this), Some((400 * MIB) as f64));
+    assert_eq!(sample(&text, "tidepool_reserved_bytes", &this), Some((420 * MIB) as f64));
+    assert_eq!(sample(&text, "tidepool_largest_free_block_bytes", &this), Some((8 * MIB) as f64));
+    assert_eq!(sample(&text, "tidepool_fragmentation_ratio", &this), Some(4.0 / 420.0));
+    assert_eq!(sample(&text, "tidepool_ooms_total", &this), Some(3.0));
+    assert_eq!(sample(&text, "tidepool_released_bytes_total", &[this[0], ("reason", "cooperation")]), Some(12.0));
+    assert_eq!(sample(&text, "tidepool_last_publish_timestamp_seconds", &this), Some(1_700_000_005.0));
+    assert_eq!(sample(&text, "tidepool_device_free_bytes", &[]), Some(1_700_000_005_000.0), "as the latest publisher saw it");
+    assert_eq!(sample(&text, "tidepool_processes", &[]), Some(1.0));
+    if let Some(promtool) = tool("promtool") {
+        promtool_check(&promtool, &text).unwrap_or_else(|problems| panic!("promtool check metrics:\n{problems}\n{text}"));
+    }
+}
+
+#[test]
 fn registry_files_that_are_truncated_corrupt_or_of_another_version_are_skipped_and_counted() {
     let scratch = common::scratch_dir("exporter-bad-input");
     let dir = scratch.path();
@@ -563,7 +606,7 @@ fn connections_past_the_bound_wait_until_one_closes() {
 /// Whether `text` is a well-formed text exposition: every line a comment
 /// or `name{labels} value`, every sample's family described, the scrape whole.
 fn well_formed(text: &str) -> Result<(), String> {
-    let mut described = std::collections::HashSet::new();
+    let (mut described, mut series_seen) = (std::collections::HashSet::new(), std::collections::HashSet::new());
     for line in text.lines() {
         if let Some(rest) = line.strip_prefix("# TYPE ") {
             described.insert(rest.split(' ').next().unwrap_or("").to_string());
@@ -580,6 +623,9 @@ fn well_formed(text: &str) -> Result<(), String> {
         }
         if series.contains('{') && !series.ends_with('}') {
             return Err(format!("unclosed labels: {line:?}"));
+        }
+        if !series_seen.insert(series) {
+            return Err(format!("duplicate series: {line:?}"));
         }
     }
     if !text.ends_with('\n') || !text.contains("tidepool_exporter_scrape_duration_seconds{") {

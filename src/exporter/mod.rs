@@ -7,7 +7,9 @@
 //! Series of a process on a device carry `device` (the GPU's UUID as
 //! nvidia-smi and the DCGM exporter print it, `GPU-xxxxxxxx-...`; for
 //! devices without one the registry key), `device_index` (the device's
-//! index in that process), `pid`, `comm` and `hostname`. A process that
+//! index in that process), `pid`, `comm` and `hostname`; slots of one
+//! label set (two allocators in one process) are one series, their figures
+//! added (`one_per_series`). A process that
 //! exits disappears from the next scrape, so Prometheus marks its series
 //! stale. Registry files and slots that cannot be used are skipped and
 //! counted in `tidepool_exporter_registry_errors_total{reason}`.
@@ -93,9 +95,12 @@ impl Exporter {
 
     fn render(&self, scans: &[Scan], errors: &[u64], format: Format, start: Instant) -> String {
         // Devices by label (one device may have registries in several directories).
-        let mut devices: BTreeMap<String, Vec<&Entry>> = BTreeMap::new();
+        let mut devices: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
         for registry in scans.iter().flat_map(|s| &s.registries) {
-            devices.entry(device_label(&registry.key)).or_default().extend(registry.entries.iter());
+            devices.entry(device_label(&registry.key)).or_default().extend(registry.entries.iter().copied());
+        }
+        for entries in devices.values_mut() {
+            *entries = one_per_series(std::mem::take(entries));
         }
         let hostname = self.hostname.as_str();
         let series: Vec<(Labels, &Entry)> = devices
@@ -109,7 +114,7 @@ impl Exporter {
                         ("comm", &e.comm()),
                         ("hostname", hostname),
                     ]);
-                    (labels, *e)
+                    (labels, e)
                 })
             })
             .collect();
@@ -153,7 +158,7 @@ impl Exporter {
         }
         // The device's memory as its most recent publisher saw it.
         let memory: Vec<Option<&Entry>> =
-            devices.values().map(|entries| entries.iter().copied().filter(|e| e.device_total > 0).max_by_key(|e| e.heartbeat_ms)).collect();
+            devices.values().map(|entries| entries.iter().filter(|e| e.device_total > 0).max_by_key(|e| e.heartbeat_ms)).collect();
         for (name, help, value) in [
             ("tidepool_device_total_bytes", "The device's memory.", (|e: &Entry| e.device_total) as fn(&Entry) -> u64),
             ("tidepool_device_free_bytes", "The device's free memory, as the driver reported it to a tidepool process.", |e| e.device_free),
@@ -179,6 +184,43 @@ impl Exporter {
         w.sample(&host, start.elapsed().as_secs_f64());
         w.finish()
     }
+}
+
+/// The entries of one device, one per label set: slots that share device
+/// index, pid and name (two allocators in one process; two processes of
+/// one pid in different pid namespaces) would otherwise be duplicate
+/// series, which a scraper rejects. They become one: bytes and counts
+/// added, the largest free block and the last publication the largest of
+/// theirs, the device's memory as the latest of them saw it.
+fn one_per_series(entries: Vec<Entry>) -> Vec<Entry> {
+    let mut merged: BTreeMap<(u32, u32, [u8; 16]), Entry> = BTreeMap::new();
+    for e in entries {
+        let Some(into) = merged.get_mut(&(e.device, e.pid, e.comm)) else {
+            merged.insert((e.device, e.pid, e.comm), e);
+            continue;
+        };
+        if e.heartbeat_ms > into.heartbeat_ms {
+            (into.heartbeat_ms, into.device_total, into.device_free) = (e.heartbeat_ms, e.device_total, e.device_free);
+        }
+        into.largest_free_block = into.largest_free_block.max(e.largest_free_block);
+        for (sum, add) in [
+            (&mut into.reserved, e.reserved),
+            (&mut into.allocated, e.allocated),
+            (&mut into.cached_free, e.cached_free),
+            (&mut into.inactive_split, e.inactive_split),
+            (&mut into.request_bytes, e.request_bytes),
+            (&mut into.requests_served, e.requests_served),
+            (&mut into.requests_posted, e.requests_posted),
+            (&mut into.ooms, e.ooms),
+            (&mut into.paused, e.paused),
+        ] {
+            *sum = sum.saturating_add(add);
+        }
+        for (sum, add) in into.released.iter_mut().zip(e.released) {
+            *sum = sum.saturating_add(add);
+        }
+    }
+    merged.into_values().collect()
 }
 
 /// The `device` label of a registry key: a CUDA device's UUID as
