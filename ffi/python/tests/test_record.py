@@ -260,6 +260,27 @@ class RecorderMechanisms(unittest.TestCase):
         self.assertEqual([(e[1], e[3]) for e in rec.events], [("allocate", 400), ("free", 400), ("allocate", 400)])
         self.assertEqual(rec.marks[0][1], 2)
 
+    def test_a_tensor_given_another_storage_frees_its_old_one(self):
+        kept = []
+
+        def body(rec):
+            layer = torch.nn.Linear(256, 256, bias=False, device="meta")
+            rec.track(layer)
+            rec.mark("fp32")
+            layer.to(torch.bfloat16)  # Module._apply: `param.data = converted`
+            rec.mark("bf16")
+            with torch.no_grad():
+                layer.weight.set_(torch.empty(64, device="meta").untyped_storage())  # aten::set_, a dispatched operator
+            rec.mark("set")
+            kept.append(layer)
+        rec = self.record(body)
+        live = lambda upto: sum(e[3] if e[1] == "allocate" else -e[3] for e in rec.events[:upto])  # noqa: E731
+        (_, fp32), (_, bf16), (_, after_set) = rec.marks
+        self.assertEqual(live(fp32), 256 * 256 * 4)
+        self.assertEqual(live(bf16), 256 * 256 * 2, "the fp32 weight is freed once the parameter holds its bf16 copy")
+        self.assertEqual(live(after_set), 64 * 4)
+        self.assertEqual(live(len(rec.events)), 64 * 4)
+
     def test_a_copy_to_the_cpu_is_an_uninitialised_cpu_tensor(self):
         seen = []
         self.record(lambda rec: seen.append(torch.ones(3, 4, device="meta", dtype=torch.float16).cpu()))

@@ -25,6 +25,9 @@ What the recorder does so that the trace is what CUDA would allocate:
   device memory;
 - a storage resized in place (`untyped_storage().resize_()`, as FSDP
   frees and refills its all-gathered weights) is a free and an allocation;
+- a tensor given another storage (`set_`, `tensor.data = other`, as
+  `Module.to(dtype)` converts parameters) lets go of its old one, which is
+  freed when nothing else holds it;
 - a cuBLAS workspace is allocated for each thread that runs a matmul (the
   calling thread, and autograd's device thread for backward), as PyTorch's
   cuBLAS handle pool does on CUDA;
@@ -131,7 +134,7 @@ class Recorder(TorchDispatchMode):
         self.marks = []  # (label, index into events)
         self.labels = {}  # pointer -> category (unlabelled: activations and temporaries)
         self.live = {}  # storage key -> _Live
-        self.objects = {}  # id(tensor) -> (weak reference, storage key)
+        self.objects = {}  # id(tensor) -> (weak reference, [storage key])
         self.suspects = set()  # storage keys whose tensor objects all died: look at them next
         self.workspaces = {}  # thread name -> pointer
         self.next_pointer = 0x1000
@@ -203,24 +206,44 @@ class Recorder(TorchDispatchMode):
         tid = id(tensor)
         known = self.objects.get(tid)
         if known is not None and known[0]() is tensor:
+            held = known[1]
+            if held[0] != key:
+                # The tensor was given another storage (`set_`, `.data =`):
+                # it holds the old one no more.
+                self._let_go(held[0])
+                held[0] = key
+                entry.objects += 1
+                self.suspects.discard(key)
             return
-        self.objects[tid] = (weakref.ref(tensor, self._object_died(tid, key)), key)
+        held = [key]
+        self.objects[tid] = (weakref.ref(tensor, self._object_died(tid, held)), held)
         entry.objects += 1
         self.suspects.discard(key)
 
-    def _object_died(self, tid, key):
+    def _let_go(self, key):
+        """One tensor object of ours holds the storage `key` no more."""
+        entry = self.live.get(key)
+        if entry is not None:
+            entry.objects -= 1
+            if entry.objects <= 0:
+                # Freed when the storage is: at the next look, unless
+                # C++ (autograd's saved tensors, a view) still holds it.
+                self.suspects.add(key)
+
+    def _object_died(self, tid, held):
         def died(_ref):
             known = self.objects.get(tid)
             if known is not None and known[0] is _ref:
                 del self.objects[tid]
-            entry = self.live.get(key)
-            if entry is not None:
-                entry.objects -= 1
-                if entry.objects <= 0:
-                    # Freed when the storage is: at the next look, unless
-                    # C++ (autograd's saved tensors, a view) still holds it.
-                    self.suspects.add(key)
+            self._let_go(held[0])
         return died
+
+    def _data_set(self, tensor):
+        """`tensor.data = other` reaches no operator: the tensor, if it is
+        one of ours, now holds `other`'s storage."""
+        known = self.objects.get(id(tensor))
+        if known is not None and known[0]() is tensor:
+            self._track(tensor, "set_data")
 
     def _free(self, key):
         entry = self.live.pop(key)
@@ -381,6 +404,20 @@ class Recorder(TorchDispatchMode):
 
         torch.UntypedStorage.resize_ = resize_
         self._patches.callback(setattr, torch.UntypedStorage, "resize_", resize)
+        # `tensor.data = other` (Module.to and .half convert parameters this
+        # way) gives a tensor another storage without an operator either.
+        own = torch.Tensor.__dict__.get("data")  # None: inherited from the C base
+        data = torch.Tensor.data if own is None else own
+
+        def set_data(tensor, other):
+            data.__set__(tensor, other)
+            recorder._data_set(tensor)
+
+        torch.Tensor.data = property(data.__get__, set_data, doc=data.__doc__)
+        if own is None:
+            self._patches.callback(delattr, torch.Tensor, "data")
+        else:
+            self._patches.callback(setattr, torch.Tensor, "data", own)
         return super().__enter__()
 
     def _resized(self, storage):
