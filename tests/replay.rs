@@ -435,6 +435,27 @@ fn bad_files_are_clear_errors_that_name_the_file_and_place() {
     assert!(trace::load(&write("garbage.csv", &as_text)).is_err());
 }
 
+#[test]
+fn cards_lists_each_cards_memory_and_what_an_allocator_gets() {
+    use tidepool::trace::cards::{CARDS, CONTEXT_BYTES};
+    let (ok, stdout, stderr) = tidepool_cli(&["cards"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("L40S         46068 MiB           44.0 GiB"), "{stdout}");
+    assert_eq!(stdout.lines().count(), 2 + CARDS.len(), "{stdout}");
+    let (ok, stdout, _) = tidepool_cli(&["cards", "--json"]);
+    assert!(ok);
+    let listed: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(listed["context_bytes"], CONTEXT_BYTES);
+    let cards = listed["cards"].as_array().unwrap();
+    assert_eq!(cards.len(), CARDS.len());
+    for (json, card) in cards.iter().zip(CARDS) {
+        assert_eq!(json["name"], card.name);
+        assert_eq!(json["usable_bytes"].as_u64().unwrap(), (card.total_mib << 20) - CONTEXT_BYTES);
+    }
+    let (ok, _, stderr) = tidepool_cli(&["cards", "--all"]);
+    assert!(!ok && stderr.contains("cards: unknown arguments"), "{stderr}");
+}
+
 fn tidepool_cli(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_tidepool")).args(args).output().unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
@@ -515,7 +536,9 @@ fn plan_answers_in_plain_words_and_in_json() {
     let path = write_small_csv();
     let (ok, stdout, stderr) = tidepool_cli(&["plan", path.to_str().unwrap()]);
     assert!(ok, "{stderr}");
-    assert!(stdout.contains("with PyTorch's allocator") && stdout.contains("with tidepool") && stdout.contains("card"), "{stdout}");
+    assert!(stdout.contains("with PyTorch's allocator") && stdout.contains("with tidepool"), "{stdout}");
+    // A small trace: the smallest card named, with what it gives an allocator.
+    assert!(stdout.contains("tidepool: fits a T4 (14.0 GiB for the allocator)."), "{stdout}");
     // Sizes as precise as the 2 MiB step: in whole MiB, not hundredths of a GiB.
     let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
     assert!(needs.contains(" MiB with PyTorch's allocator") && needs.ends_with("(to 2 MiB)"), "{needs}");

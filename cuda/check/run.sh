@@ -64,6 +64,21 @@ else
   runtime_rc=missing runtime_expandable_rc=missing
 fi
 
+echo "== what the card gives an allocator (tidepool cards assumes nvidia-smi's total less 1 GiB)"
+timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/card.txt"
+import subprocess
+import torch
+a = torch.randn(1024, 1024, device="cuda")
+(a @ a).sum().item()  # cuBLAS and its kernels loaded, as in a training process
+free, total = torch.cuda.mem_get_info()
+available = (free + torch.cuda.memory_reserved()) >> 20  # what PyTorch's own cache holds counts as available
+smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                     capture_output=True, text=True).stdout.split()
+smi = int(smi[0]) if smi else total >> 20
+print(f"card: nvidia-smi total {smi} MiB, CUDA total {total >> 20} MiB, available to an allocator after init and a "
+      f"matmul {available} MiB: {smi - available} MiB kept (tidepool cards assumes 1024)")
+PY
+
 echo "== PyTorch end to end"
 # The C++ entry points PyTorch calls and the frame capture, built in place
 # (pip builds them into the package where cargo is at hand).
@@ -94,6 +109,8 @@ out, check_rc, check_expandable_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 runtime_rcs = sys.argv[4:6]
 tags_rc = sys.argv[6]
 print("gpu:", (out / "gpu.txt").read_text().strip())
+card = (out / "card.txt").read_text().strip().splitlines() if (out / "card.txt").exists() else []
+print(card[-1] if card else "card: no result")
 for name in ["conformance", "conformance-expandable"]:
     print(f"{name} on the driver:", "ok" if "cuda conformance: ok" in (out / f"{name}.txt").read_text() else "not ok")
 print("patterns/latency check:", "ok" if check_rc == 0 else f"FAILED ({check_rc})")

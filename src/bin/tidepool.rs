@@ -13,7 +13,8 @@ use tidepool::config::OPTIONS;
 use tidepool::error::human_bytes;
 use tidepool::reclaim::policy::Reason;
 use tidepool::reclaim::registry;
-use tidepool::trace::plan::{card_advice, smallest_capacity_per_device, Plan};
+use tidepool::trace::cards::{self, card_advice};
+use tidepool::trace::plan::{smallest_capacity_per_device, Plan};
 use tidepool::trace::replay::{replay_with_progress, serves_recorded_oom, Policy, ReplayOptions, ReplayReport};
 use tidepool::trace::{self, RecordedOom, Trace};
 use tidepool::Config;
@@ -59,6 +60,7 @@ usage:
       once, then exits); with --textfile and no --listen there is no server. --timeout
       (default 10) bounds the wait for a request; --max-connections (default 64) the
       connections served at once
+  tidepool cards [--json]    the GPU cards plans name, their memory and what an allocator gets of it
   tidepool config            the options of TIDEPOOL_CONF, their defaults and current values
   tidepool --version         the version
   tidepool help              this text
@@ -73,6 +75,7 @@ fn main() -> ExitCode {
         Some("plan") => run_plan(&args[1..]),
         Some("top") => run_top(&args[1..]),
         Some("exporter") => run_exporter(&args[1..]),
+        Some("cards") => run_cards(&args[1..]),
         Some("config") => {
             print_config();
             Ok(())
@@ -555,6 +558,34 @@ fn run_top(args: &[String]) -> Result<(), String> {
         }
         std::thread::sleep(std::time::Duration::from_secs(1));
     }
+}
+
+/// `tidepool cards`: the cards `plan` names, as a table or one JSON object.
+fn run_cards(args: &[String]) -> Result<(), String> {
+    let json = match args {
+        [] => false,
+        [flag] if flag == "--json" => true,
+        _ => return Err(format!("cards: unknown arguments {args:?}\n\n{USAGE}")),
+    };
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    if json {
+        let list: Vec<serde_json::Value> = cards::CARDS
+            .iter()
+            .map(|card| serde_json::json!({ "name": card.name, "total_mib": card.total_mib, "usable_bytes": card.usable() }))
+            .collect();
+        out!("{}", serde_json::json!({ "context_bytes": cards::CONTEXT_BYTES, "cards": list }));
+        return Ok(());
+    }
+    out!(
+        "The cards plans name: their memory as nvidia-smi shows its total, and what an allocator gets of it \
+         ({:.1} GiB less, for the driver and the CUDA context).",
+        gib(cards::CONTEXT_BYTES)
+    );
+    out!("{:<10} {:>11} {:>18}", "card", "memory", "for the allocator");
+    for card in cards::CARDS {
+        out!("{:<10} {:>7} MiB {:>14.1} GiB", card.name, card.total_mib, gib(card.usable()));
+    }
+    Ok(())
 }
 
 fn top_table(dir: &Path) -> String {

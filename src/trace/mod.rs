@@ -4,10 +4,12 @@
 //!
 //! Readers turn files into a `Trace`: RMM's logging CSV (`rmm_csv`) and
 //! PyTorch's memory snapshots (`torch_snapshot`). `replay` runs a trace,
-//! `plan` finds the smallest device it fits, `plot` draws it. (A live
+//! `plan` finds the smallest device it fits, `cards` says which GPUs
+//! that is, `plot` draws it. (A live
 //! process's recording is written by `crate::recording`, below the heap.)
 #![forbid(unsafe_code)]
 
+pub mod cards;
 pub mod plan;
 pub mod plot;
 pub mod replay;

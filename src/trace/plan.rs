@@ -96,37 +96,9 @@ pub fn smallest_capacity_in_steps(trace: &Trace, policy: Policy, conf: &str, ste
     Ok(Plan { policy, device: 0, min_capacity: hi, step, replays, one_step_less: below })
 }
 
-/// Common GPU memory sizes, in GiB, for the plain answer.
-pub const CARDS_GIB: [u64; 14] = [4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 80, 96, 141];
-
-/// "fits a 32 GiB card; not a 24 GiB one" for the larger of the needs.
-pub fn card_advice(need: u64) -> String {
-    const GIB: u64 = 1 << 30;
-    let fits = CARDS_GIB.iter().find(|&&c| c * GIB >= need);
-    let not = CARDS_GIB.iter().rev().find(|&&c| c * GIB < need);
-    // "an 8", "an 80": the article as the number is read.
-    let a = |gib: u64| if gib.to_string().starts_with('8') { "an" } else { "a" };
-    match (fits, not) {
-        (Some(&f), Some(&n)) => format!("fits {} {f} GiB card; not {} {n} GiB one", a(f), a(n)),
-        (Some(&f), None) => format!("fits {} {f} GiB card", a(f)),
-        (None, _) => format!("more than a {} GiB card holds", CARDS_GIB[CARDS_GIB.len() - 1]),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn card_advice_names_the_nearest_cards() {
-        const GIB: u64 = 1 << 30;
-        assert_eq!(card_advice(29 * GIB + GIB / 10), "fits a 32 GiB card; not a 24 GiB one");
-        assert_eq!(card_advice(3 * GIB), "fits a 4 GiB card");
-        assert_eq!(card_advice(70 * GIB), "fits an 80 GiB card; not a 48 GiB one");
-        assert_eq!(card_advice(7 * GIB), "fits an 8 GiB card; not a 6 GiB one");
-        assert_eq!(card_advice(16 * GIB), "fits a 16 GiB card; not a 12 GiB one");
-        assert!(card_advice(500 * GIB).starts_with("more than"));
-    }
 
     #[test]
     fn bisection_finds_the_least_capacity_that_fits() {

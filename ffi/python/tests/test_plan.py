@@ -134,7 +134,7 @@ class Sweep(unittest.TestCase):
             self.assertGreaterEqual(r["pytorch_min_capacity_bytes"], r["peak_live_bytes"])
             self.assertGreaterEqual(r["pytorch_expandable_min_capacity_bytes"], r["peak_live_bytes"])
             self.assertGreaterEqual(r["tidepool_min_capacity_bytes"], r["peak_live_bytes"])
-            self.assertEqual(r["fits"], [16, 24, 40, 48, 80, 96, 141])
+            self.assertEqual(r["fits"], ["T4", "L4", "RTX 4090", "A100 40GB", "L40S", "H100", "H200", "B200"])
             self.assertEqual(r["fits_pytorch"], r["fits"])
             self.assertEqual(r["fits_pytorch_expandable"], r["fits"])
 
@@ -155,31 +155,34 @@ class LargestBatches(unittest.TestCase):
         from tidepool.plan import largest_batches
 
         results = [self.result(1, 10, 11, 10), self.result(2, 20, 26, 23), self.result(4, 40, 50, 44)]
-        line, = largest_batches(results, [8, 24, 25, 48], ["batch"])
-        self.assertEqual(line, "largest batch: 8 GB: none; 24 GB: 2 (PyTorch 1, with expandable segments 2); "
-                               "25 GB: 2 (PyTorch 1, with expandable segments 2); "
-                               "48 GB: 4 (PyTorch 2, with expandable segments 4)")
+        cards = [("8 GiB", 8 * GIB), ("L4", 24 * GIB), ("25 GiB", 25 * GIB), ("H100", 48 * GIB)]
+        line, = largest_batches(results, cards, ["batch"])
+        self.assertEqual(line, "largest batch: 8 GiB: none; L4: 2 (PyTorch 1, with expandable segments 2); "
+                               "25 GiB: 2 (PyTorch 1, with expandable segments 2); "
+                               "H100: 4 (PyTorch 2, with expandable segments 4)")
         same = [self.result(1, 10, 10, 10), self.result(2, 20, 20, 20)]
-        self.assertEqual(largest_batches(same, [24], ["batch"]), ["largest batch: 24 GB: 2"])
+        self.assertEqual(largest_batches(same, cards[1:2], ["batch"]), ["largest batch: L4: 2"])
         # Only its expandable segments hold less: PyTorch is named too.
         one_less = [self.result(1, 10, 10, 10), self.result(2, 20, 20, 30)]
-        self.assertEqual(largest_batches(one_less, [24], ["batch"]),
-                         ["largest batch: 24 GB: 2 (PyTorch 2, with expandable segments 1)"])
-        self.assertEqual(largest_batches(results, [24], ["precision"]), [], "no batch sweep, no line")
+        self.assertEqual(largest_batches(one_less, cards[1:2], ["batch"]),
+                         ["largest batch: L4: 2 (PyTorch 2, with expandable segments 1)"])
+        self.assertEqual(largest_batches(results, cards, ["precision"]), [], "no batch sweep, no line")
 
 
 @unittest.skipIf(SKIP, SKIP)
 class Plan(unittest.TestCase):
     def test_the_table_names_the_largest_batch_per_card(self):
-        status, out, err = plan(*LLAMA, "--sweep", "batch=1,2,4", "--cards", "0.06,0.1,24")
+        status, out, err = plan(*LLAMA, "--sweep", "batch=1,2,4", "--cards", "h200,0.06,0.1,24")
         self.assertEqual(status, 0, err)
         self.assertIn("peak live", out)
         self.assertIn("PyTorch exp. needs", out)
         self.assertIn("torch 2.", out)
         line = [x for x in out.splitlines() if x.startswith("largest batch")]
         self.assertEqual(len(line), 1, out)
-        self.assertIn("24 GB: 4", line[0])
-        self.assertIn("0.06 GB: none", line[0])
+        self.assertIn("0.06 GiB: none; 0.1 GiB: ", line[0])
+        self.assertTrue(line[0].endswith("; 24 GiB: 4; H200: 4"), line[0])
+        # The smallest card is the table's last column: none of 0.06 GiB holds any batch, 24 GiB every one.
+        self.assertIn("smallest card", out)
 
     def test_generate_grows_with_new_tokens(self):
         status, out, err = plan(*LLAMA, "--task", "generate", "--json", "--steps", "1", "--seq", "8", "--sweep",
@@ -462,9 +465,9 @@ class BadInput(unittest.TestCase):
         self.assertIn("--sweep batch", self.fails(*LLAMA, "--sweep", "batch=1,two"))
         self.assertIn("--sweep precision", self.fails(*LLAMA, "--sweep", "precision=fp8"))
         self.assertIn("--batch", self.fails(*LLAMA, "--batch", "0"))
-        self.assertIn("--cards", self.fails(*LLAMA, "--cards", "big"))
+        self.assertIn("--cards 'big,h100': 'big' is neither a card (T4, A10G,", self.fails(*LLAMA, "--cards", "big,h100"))
         for cards in ("nan,24", "24,inf", "0"):
-            self.assertIn("expected positive sizes", self.fails(*LLAMA, "--cards", cards))
+            self.assertIn("expected cards or positive sizes in GiB", self.fails(*LLAMA, "--cards", cards))
         # A sweep of no values would plan nothing and say nothing.
         self.assertIn("expected KEY=V1,V2", self.fails(*LLAMA, "--sweep", "batch=,"))
 

@@ -29,7 +29,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 GIB = 1 << 30
-DEFAULT_CARDS = "16,24,40,48,80,96,141"
+DEFAULT_CARDS = "T4,L4,RTX 4090,A100 40GB,L40S,H100,H200,B200"
 
 # Sweepable options: name -> parser of one value.
 _INT_OPTIONS = ("batch", "seq", "accumulation", "steps", "lora_rank", "new_tokens", "ddp", "fsdp")
@@ -120,7 +120,9 @@ def parse_args(argv):
                         help="record one variant per value (repeatable: the product of all); KEY is an option "
                              "(batch, seq, precision, checkpointing, accumulation, optimizer, steps, lora-rank, "
                              "new-tokens, ddp, fsdp, task) or set.FIELD for a configuration field")
-    parser.add_argument("--cards", default=DEFAULT_CARDS, help=f"card sizes in GB (default {DEFAULT_CARDS})")
+    parser.add_argument("--cards", default=DEFAULT_CARDS,
+                        help="cards by name (`tidepool cards` lists them and what an allocator gets of each) or "
+                             f"sizes in GiB an allocator gets, comma-separated (default {DEFAULT_CARDS})")
     parser.add_argument("--json", action="store_true", help="one JSON object per variant, one per line")
     parser.add_argument("--keep-traces", metavar="DIR", help="keep each variant's trace (RMM CSV) in DIR")
     parser.add_argument("--plot", metavar="OUT.svg", help="memory by category over the step, and the smallest "
@@ -170,14 +172,7 @@ def parse_args(argv):
         if any(key == k for k, _ in sweeps):
             raise Exit(f"--sweep {key} given twice")
         sweeps.append((key, parsed))
-    try:
-        cards = sorted({float(c) for c in args.cards.split(",") if c.strip()})
-    except ValueError:
-        raise Exit(f"--cards {args.cards!r}: expected sizes in GB separated by commas") from None
-    # (NaN sorts anywhere and compares false: it is refused by name.)
-    if not cards or not all(0 < c < float("inf") for c in cards):
-        raise Exit(f"--cards {args.cards!r}: expected positive sizes in GB")
-    return args, base, overrides, sweeps, cards
+    return args, base, overrides, sweeps
 
 
 def variants(base, overrides, sweeps):
@@ -231,12 +226,43 @@ def _plan_result(process):
         raise RuntimeError(f"tidepool plan printed no JSON: {(lines or [''])[-1][:200]!r}") from None
 
 
+def _card_key(name):
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
+def resolve_cards(binary, text):
+    """The cards of --cards, smallest first: [(name, bytes an allocator gets)].
+    An entry is a card the tidepool command knows (`tidepool cards`: its
+    total as nvidia-smi shows it, less the driver's and the CUDA context's
+    share) or a number of GiB an allocator gets."""
+    try:
+        listed = subprocess.run([binary, "cards", "--json"], capture_output=True, text=True, check=True).stdout
+        known = {_card_key(c["name"]): (c["name"], c["usable_bytes"]) for c in json.loads(listed)["cards"]}
+    except (OSError, subprocess.CalledProcessError, ValueError, KeyError, TypeError) as err:
+        raise Exit(f"{binary} cards --json failed ({err}): is it an older tidepool command?") from None
+    cards = {}
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        card = known.get(_card_key(entry))
+        if card is None:
+            try:
+                gib = float(entry)
+            except ValueError:
+                names = ", ".join(name for name, _ in known.values())
+                raise Exit(f"--cards {text!r}: {entry!r} is neither a card ({names}) nor a size in GiB") from None
+            # (NaN compares false: refused here by name.)
+            if not 0 < gib < float("inf"):
+                raise Exit(f"--cards {text!r}: expected cards or positive sizes in GiB")
+            card = (f"{int(gib) if gib.is_integer() else gib} GiB", int(gib * GIB))
+        cards[card[0]] = card[1]
+    if not cards:
+        raise Exit(f"--cards {text!r}: expected cards or positive sizes in GiB")
+    return sorted(cards.items(), key=lambda card: card[1])
+
+
 def _fits(need, cards):
-    return [_card(c) for c in cards if need <= c * GIB]
-
-
-def _card(c):
-    return int(c) if float(c).is_integer() else c
+    return [name for name, usable in cards if need <= usable]
 
 
 class _Progress:
@@ -265,8 +291,9 @@ def _human(n):
 
 
 def run(argv=None):
-    args, base, overrides, sweeps, cards = parse_args(argv)
+    args, base, overrides, sweeps = parse_args(argv)
     binary = find_tidepool(args.tidepool)
+    cards = resolve_cards(binary, args.cards)
     import torch
 
     from . import step, workload
@@ -389,7 +416,7 @@ def _report(args, results, cards, sweeps):
     swept = [k for k, _ in sweeps]
     head = [k.replace("_", "-") for k in swept] or ["variant"]
     head += ["peak live", "weights", "grads", "optim", "activ", "PyTorch needs", "PyTorch exp. needs", "tidepool needs",
-             "fits (GB)"]
+             "smallest card"]
     rows = []
     for r in results:
         cells = [str(r["label"][k]) for k in swept] or ["-"]
@@ -397,7 +424,7 @@ def _report(args, results, cards, sweeps):
             rows.append(cells + [f"failed: {r['error']}"])
             continue
         b = r["breakdown"]
-        fits = ",".join(str(c) for c in r["fits"]) or "none"
+        fits = r["fits"][0] if r["fits"] else "none"
         cells += [_human(r["peak"]), _human(b["weights"]), _human(b["gradients"]), _human(b["optimizer"]),
                   _human(b["activations"]), _human(r["pytorch"]), _human(r["pytorch_expandable"]), _human(r["tidepool"]),
                   fits]
@@ -410,7 +437,8 @@ def _report(args, results, cards, sweeps):
         else:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     print("needs: the smallest device the step fits (PyTorch's caching allocator, without and with "
-          "expandable_segments:True; tidepool with expandable segments); fits: the cards it fits with tidepool")
+          "expandable_segments:True; tidepool with expandable segments); smallest card: the smallest of --cards "
+          "that holds it with tidepool (what a card gives an allocator: `tidepool cards`)")
     for line in largest_batches(results, cards, swept):
         print(line)
     for r in results:
@@ -433,17 +461,17 @@ def largest_batches(results, cards, swept):
         ok = [r for r in members if "error" not in r]
         where = " ".join(f"{k}={v}" for k, v in key)
         parts = []
-        for card in cards:
+        for name, usable in cards:
             def largest(allocator):
-                return max((r["options"]["batch"] for r in ok if r[allocator] <= card * GIB), default=None)
+                return max((r["options"]["batch"] for r in ok if r[allocator] <= usable), default=None)
 
             best, best_pt, best_px = largest("tidepool"), largest("pytorch"), largest("pytorch_expandable")
             if best is None:
-                parts.append(f"{_card(card)} GB: none")
+                parts.append(f"{name}: none")
             elif best_pt == best and best_px == best:
-                parts.append(f"{_card(card)} GB: {best}")
+                parts.append(f"{name}: {best}")
             else:
-                parts.append(f"{_card(card)} GB: {best} (PyTorch {best_pt or 'none'}, "
+                parts.append(f"{name}: {best} (PyTorch {best_pt or 'none'}, "
                              f"with expandable segments {best_px or 'none'})")
         lines.append(f"largest batch{' with ' + where if where else ''}: " + "; ".join(parts))
     return lines
