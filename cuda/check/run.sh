@@ -64,7 +64,7 @@ else
   runtime_rc=missing runtime_expandable_rc=missing
 fi
 
-echo "== what the card gives an allocator (tidepool cards assumes nvidia-smi's total less 1 GiB)"
+echo "== what the card gives an allocator (tidepool cards assumes nvidia-smi's total less 1.5 GiB)"
 timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/card.txt"
 import subprocess
 import torch
@@ -76,7 +76,7 @@ smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,no
                      capture_output=True, text=True).stdout.split()
 smi = int(smi[0]) if smi else total >> 20
 print(f"card: nvidia-smi total {smi} MiB, CUDA total {total >> 20} MiB, available to an allocator after init and a "
-      f"matmul {available} MiB: {smi - available} MiB kept (tidepool cards assumes 1024)")
+      f"matmul {available} MiB: {smi - available} MiB kept (tidepool cards assumes 1536)")
 PY
 
 echo "== PyTorch end to end"

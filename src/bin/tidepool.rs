@@ -498,7 +498,12 @@ fn run_plan(args: &[String]) -> Result<(), String> {
             Policy::PytorchExpandable => (&pytorch_expandable, " with expandable segments (as recorded)"),
             _ => (&pytorch, ""),
         };
-        out!("tidepool: {each}{}. PyTorch's allocator{how}: {each}{}.", card_advice(best), card_advice(need(theirs)));
+        let (ours, theirs) = (card_advice(best), card_advice(need(theirs)));
+        if ours == theirs {
+            out!("tidepool and PyTorch's allocator{how}: {each}{ours}.");
+        } else {
+            out!("tidepool: {each}{ours}. PyTorch's allocator{how}: {each}{theirs}.");
+        }
     }
     Ok(())
 }
