@@ -248,8 +248,9 @@ pub struct Registry {
 #[derive(Clone, Debug)]
 pub struct Asked {
     pub posted_ms: u64,
-    /// (slot, pid) of each live process that showed memory to give back.
-    pub helpers: Vec<(usize, u32)>,
+    /// (slot, pid, answer stamp at the time of asking) of each live
+    /// process that showed memory to give back.
+    pub helpers: Vec<(usize, u32, u64)>,
 }
 
 impl Registry {
@@ -421,7 +422,9 @@ impl Registry {
         }
         self.with_lock(|r| match r.read_slot(r.slot) {
             Some(mut mine) if mine.pid == r.pid => {
-                mine.answered_ms = mine.answered_ms.max(seen);
+                // The stamp of this answer, even below the last one's: the
+                // wall clock may have stepped back in between.
+                mine.answered_ms = seen;
                 r.write_slot(r.slot, &mine)
             }
             _ => Ok(()),
@@ -433,11 +436,11 @@ impl Registry {
     /// pages of holes); `None`, and nothing posted, when no one can help.
     pub fn ask(&mut self, bytes: u64) -> Result<Option<Asked>, RegistryError> {
         self.with_lock(|r| {
-            let helpers: Vec<(usize, u32)> = (0..SLOTS)
+            let helpers: Vec<(usize, u32, u64)> = (0..SLOTS)
                 .filter(|&s| s != r.slot)
                 .filter_map(|s| r.read_slot(s).map(|e| (s, e)))
                 .filter(|(_, e)| e.pid != 0 && e.cached_free > 0 && alive(e.pid))
-                .map(|(s, e)| (s, e.pid))
+                .map(|(s, e)| (s, e.pid, e.answered_ms))
                 .collect();
             if helpers.is_empty() {
                 return Ok(None);
@@ -449,7 +452,10 @@ impl Registry {
     }
 
     /// Whether every helper of `asked` has answered it (a publication
-    /// after the request, its cache given back since) or is gone.
+    /// after the request, its cache given back since) or is gone. An answer
+    /// is a new stamp later than the request: a stamp left from before it
+    /// never counts, even one that looks later because the wall clock
+    /// stepped back since.
     pub fn answered(&mut self, asked: &Asked) -> Result<bool, RegistryError> {
         self.with_lock(|r| {
             // Still waiting: the request stays fresh (`REQUEST_FRESH_MS`).
@@ -457,8 +463,8 @@ impl Registry {
                 mine.heartbeat_ms = now_ms();
                 r.write_slot(r.slot, &mine)?;
             }
-            Ok(asked.helpers.iter().all(|&(slot, pid)| match r.read_slot(slot) {
-                Some(e) if e.pid == pid => e.answered_ms > asked.posted_ms || !alive(pid),
+            Ok(asked.helpers.iter().all(|&(slot, pid, before)| match r.read_slot(slot) {
+                Some(e) if e.pid == pid => (e.answered_ms != before && e.answered_ms > asked.posted_ms) || !alive(pid),
                 _ => true, // the slot was left or taken over: that process is gone
             }))
         })
@@ -803,7 +809,7 @@ mod tests {
         assert!(a.ask(100).unwrap().is_none(), "b holds no cache: nothing posted");
         assert_eq!(b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap(), 0);
         let asked = a.ask(100).unwrap().expect("b shows cache");
-        assert_eq!(asked.helpers, [(b.slot, std::process::id())]);
+        assert_eq!(asked.helpers, [(b.slot, std::process::id(), 0)]);
         assert!(!a.answered(&asked).unwrap(), "b has not seen it yet");
         std::thread::sleep(Duration::from_millis(3));
         assert_eq!(b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap(), 100);
@@ -818,6 +824,26 @@ mod tests {
         drop(b);
         assert!(a.answered(&asked_again).unwrap());
         drop(a);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_answer_stamped_before_the_request_never_counts_even_after_the_clock_steps_back() {
+        let dir = dir("clock-step");
+        let mut a = Registry::join(&dir, "dev").unwrap();
+        let mut b = Registry::join(&dir, "dev").unwrap();
+        b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap();
+        // b answered an earlier request an hour "ahead": the wall clock has since stepped back.
+        let mut slot = b.read_slot(b.slot).unwrap();
+        slot.answered_ms = now_ms() + 3_600_000;
+        b.write_slot(b.slot, &slot).unwrap();
+        let asked = a.ask(100).unwrap().expect("b shows cache");
+        assert!(!a.answered(&asked).unwrap(), "the old answer is not this one");
+        std::thread::sleep(Duration::from_millis(3));
+        assert_eq!(b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap(), 100);
+        b.mark_answered().unwrap();
+        assert!(a.answered(&asked).unwrap(), "b's new answer, stamped after the request, counts");
+        drop((a, b));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
