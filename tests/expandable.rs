@@ -463,6 +463,36 @@ fn growing_past_the_high_water_mark_takes_the_pages_of_the_pools_own_older_holes
     a.validate().unwrap();
 }
 
+#[test]
+fn a_request_carved_from_a_free_block_takes_the_cached_pages_further_in_it_before_growing() {
+    // [A 4][X 16 unmapped][C 4 mapped][Y 48 mapped][the range's tail], all
+    // but A one free block: 56 MiB reserved, the high-water mark. A 24 MiB
+    // request lands at X, whose 8 pages must be mapped, while the block it
+    // is carved from caches 44 MiB of pages past where it ends.
+    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let _a = alloc(&a, 4 * MIB);
+    let x = alloc(&a, 16 * MIB);
+    let c = alloc(&a, 4 * MIB);
+    a.free(0, x).unwrap();
+    a.empty_cache();
+    let y = alloc(&a, 48 * MIB);
+    a.free(0, c).unwrap();
+    a.free(0, y).unwrap();
+    assert_eq!(reserved(&a), 56 * MIB);
+    let free_before = backend.mem_info(0).unwrap().free;
+    let carved = alloc(&a, 24 * MIB);
+    assert_eq!(carved, x);
+    let stats = a.stats(0).unwrap();
+    assert_eq!(stats.reserved_bytes.all.peak, 56 * MIB, "the peak did not rise");
+    assert_eq!(backend.vm_moves(), (1, 16 * MIB), "X's 8 pages took the memory of 8 of Y's");
+    // The rest of Y's whole pages went back, as a hole's unused donors do.
+    assert_eq!(reserved(&a), 28 * MIB);
+    assert_eq!(backend.mem_info(0).unwrap().free, free_before + 28 * MIB);
+    fill(carved, 24 * MIB, 5);
+    assert_eq!(check(carved, 24 * MIB, 5), Ok(()), "the moved pages are usable");
+    a.validate().unwrap();
+}
+
 /// [A 4][B 12 unmapped][C 4][D 16 mapped, free][E 14]: the high-water mark
 /// is 38 MiB, and a 12 MiB request lands on B.
 fn a_hole_with_pages_and_a_hole_without(a: &Allocator) -> DevicePtr {

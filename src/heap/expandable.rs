@@ -159,7 +159,7 @@ impl DeviceHeap {
             return Ok(());
         }
         let page = pages.page_size();
-        let mut donors = self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum(), used);
+        let mut donors = self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum(), used, Some((id, used)));
         // Each run's pages come from the donors first (their memory moves
         // here), then from the device. `mapped`: the runs done so far.
         let mut mapped: Vec<(u64, u64)> = Vec::new();
@@ -315,11 +315,17 @@ impl DeviceHeap {
     /// are shared with its neighbours.
     pub(super) fn mapped_runs_inside(&self, id: BlockId) -> Vec<(u32, u64, u64)> {
         let b = &self.blocks[id];
-        let Some((base, pages)) = self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
+        self.mapped_runs_within(b.segment, b.addr, b.addr + b.size)
+    }
+
+    /// The runs of mapped pages lying entirely inside [start, end) of the
+    /// expandable segment `segment_id`, as (segment, first page, pages).
+    pub(super) fn mapped_runs_within(&self, segment_id: u32, start: u64, end: u64) -> Vec<(u32, u64, u64)> {
+        let Some((base, pages)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
             return Vec::new();
         };
-        let (first, count) = pages.inside(b.addr - base, b.addr - base + b.size);
-        pages.runs(first, count, true).into_iter().map(|(p, n)| (b.segment, p, n)).collect()
+        let (first, count) = pages.inside(start - base, end - base);
+        pages.runs(first, count, true).into_iter().map(|(p, n)| (segment_id, p, n)).collect()
     }
 
     /// Unmaps the `n` mapped pages from page `p` of the expandable segment

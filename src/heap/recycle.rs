@@ -2,8 +2,9 @@
 //! with expandable segments): when a heap is about to take memory from the
 //! device past its high-water mark, the memory it caches and does not use
 //! goes first, longest free first: the free pages inside holes of every
-//! pool's ranges, and the small pools' segments that are one whole free
-//! block. Pages of holes become donors: the physical memory under them is
+//! pool's ranges (the free block the growing request is carved from
+//! included: it may cache pages past where the request lands), and the
+//! small pools' segments that are one whole free block. Pages of holes become donors: the physical memory under them is
 //! moved (`Backend::vm_move`: one unmap and one map per page, where giving
 //! it back and taking new memory would be four driver calls) to the pages
 //! the growth needs; donors left over are unmapped.
@@ -30,9 +31,10 @@ use super::DeviceHeap;
 /// Decoding (caches grown by `torch.cat`, every one replaced as it grows)
 /// moves the most before its layout settles, more as the caches outweigh
 /// the model: GPT-2 small decoding (three calls to `generate`) settled
-/// after 1.9 times at batch 16, 2.8 at batch 32, 3.6 at batch 64, and
+/// after 1.8 times at batch 16, 2.6 at batch 32, 3.5 at batch 64, and
 /// reserved 1.054x / 1.068x its peak of live bytes at batch 32 / 64 with
-/// a budget of two, 1.007x / 1.005x with four.
+/// a budget of two (measured before the carved block's pages could
+/// move), 1.007x / 1.005x with four.
 const MOVES_PER_HIGH_WATER: u64 = 4;
 
 /// Past its budget, a heap still moves pages rather than hold more than
@@ -41,7 +43,7 @@ const MOVES_PER_HIGH_WATER: u64 = 4;
 /// grows its caches every token never settles (120 tokens at batch 64:
 /// 27 times its high-water mark moved with no budget; 1.050x reserved
 /// with a budget of two and no bound, 1.053x with four, 1.029x with the
-/// bound, which moved 12.5 times).
+/// bound, which moves 10.1 times).
 const MOST_HELD_OVER_LIVE_PERCENT: u64 = 4;
 
 /// The bound above live memory is never below this: a heap of a few
@@ -72,6 +74,17 @@ pub(super) struct Recycling {
     pub off: bool,
 }
 
+/// Where cached memory can come from before a growth.
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    /// The mapped pages inside a free block of an expandable segment.
+    Hole(BlockId),
+    /// Those of the block a request is being carved from, past `from`.
+    Rest { block: BlockId, from: u64 },
+    /// A small pool's segment that is one whole free block.
+    Segment(u32),
+}
+
 /// Mapped pages of a hole whose stream has no work left on them, about to
 /// move or be unmapped: `pages` pages from page `first` of the expandable
 /// segment `segment`.
@@ -95,8 +108,11 @@ impl DeviceHeap {
     /// first, within the heap's budget of moves, or past it as far as the
     /// growth would take the heap above its bound over live memory. The
     /// block about to be mapped is not binned, so it is never among the
-    /// holes. The caller moves or unmaps every donor.
-    pub(super) fn recycle_before_growth(&mut self, bytes: u64, request: u64) -> Vec<Donor> {
+    /// holes; `carved` names it and the bytes the request takes of its
+    /// start, so that the mapped pages of the rest of it (the free block
+    /// the request is carved from may hold cached pages past where it
+    /// lands) are donors too. The caller moves or unmaps every donor.
+    pub(super) fn recycle_before_growth(&mut self, bytes: u64, request: u64, carved: Option<(BlockId, u64)>) -> Vec<Donor> {
         let mut donors = Vec::new();
         // Donors and their destinations must have pages of one size: the
         // driver's, which tags' ranges always use (a heap mapping larger
@@ -122,8 +138,11 @@ impl DeviceHeap {
         let page = self.vm.map_or(0, |vm| vm.page);
         // A stashed block is a hole too.
         self.flush_stashes();
-        // (freed at, the hole's block, or the whole segment's id)
-        let mut candidates: Vec<(u64, Result<BlockId, u32>)> = Vec::new();
+        let mut candidates: Vec<(u64, Source)> = Vec::new();
+        if let Some((block, used)) = carved {
+            let b = &self.blocks[block];
+            candidates.push((b.freed_at, Source::Rest { block, from: b.addr + used }));
+        }
         let mut holes = Vec::new();
         for (id, segment) in self.segments.iter().enumerate() {
             let Some(segment) = segment.as_ref() else { continue };
@@ -133,24 +152,26 @@ impl DeviceHeap {
             }
             let b = &self.blocks[segment.first_block];
             if b.state == BlockState::Binned && b.next == NIL && !self.keeps_memory(segment.pool) {
-                candidates.push((b.freed_at, Err(id as u32)));
+                candidates.push((b.freed_at, Source::Segment(id as u32)));
             }
         }
-        candidates.extend(holes.iter().map(|&(id, _)| (self.blocks[id].freed_at, Ok(id))));
+        candidates.extend(holes.iter().map(|&(id, _)| (self.blocks[id].freed_at, Source::Hole(id))));
         candidates.sort_by_key(|&(freed_at, _)| freed_at);
         for (_, candidate) in candidates {
             let got = match candidate {
-                Ok(hole) => {
-                    let stream = self.pools[self.blocks[hole].pool as usize].stream;
+                Source::Hole(block) | Source::Rest { block, .. } => {
+                    let stream = self.pools[self.blocks[block].pool as usize].stream;
                     if self.backend.synchronize_stream(self.device, stream).is_err() {
                         self.stats.events.num_stream_sync_errors += 1;
                         continue;
                     }
-                    let runs = self.mapped_runs_inside(hole);
+                    let b = &self.blocks[block];
+                    let from = if let Source::Rest { from, .. } = candidate { from } else { b.addr };
+                    let runs = self.mapped_runs_within(b.segment, from, b.addr + b.size);
                     donors.extend(runs.iter().map(|&(segment, first, pages)| Donor { segment, first, pages }));
                     runs.iter().map(|&(_, _, n)| n * page).sum()
                 }
-                Err(segment) => self.release_whole_segment(segment).bytes,
+                Source::Segment(segment) => self.release_whole_segment(segment).bytes,
             };
             self.recycling.moved += got;
             want = want.saturating_sub(got);
