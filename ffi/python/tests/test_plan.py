@@ -263,6 +263,15 @@ class Plan(unittest.TestCase):
             self.assertGreater(train["breakdown"]["gradients_bytes"] + train["breakdown"]["optimizer_bytes"], 0)
             self.assertLess(forward["peak_live_bytes"], train["peak_live_bytes"], model)
 
+    def test_a_vision_model_cast_to_bf16_takes_images_in_bf16(self):
+        status, out, err = plan("hf:convnext", "--set", "hidden_sizes=[8,16,16,16]", "--set", "depths=[1,1,1,1]",
+                                "--seq", "32", "--batch", "2", "--steps", "1", "--json", "--sweep", "task=train,forward",
+                                "--sweep", "precision=fp32,bf16")
+        self.assertEqual(status, 0, f"{out} {err}")
+        train32, train16, forward32, forward16 = rows(out)
+        self.assertEqual(train16["breakdown"]["weights_bytes"] * 2, train32["breakdown"]["weights_bytes"])
+        self.assertLess(forward16["peak_live_bytes"], forward32["peak_live_bytes"])
+
     def test_ddp_keeps_a_whole_replica_per_rank_and_adds_gradient_buckets(self):
         status, out, err = plan(*LLAMA, "--json", "--batch", "2", "--sweep", "ddp=0,2")
         self.assertEqual(status, 0, err)

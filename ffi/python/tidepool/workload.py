@@ -109,7 +109,10 @@ class _HuggingFace(Workload):
     def inputs(self, batch, seq):
         if self.kind == "image-classification":
             channels = getattr(self.config, "num_channels", 3)
-            return dict(pixel_values=torch.randn(batch, channels, seq, seq, device="meta"),
+            # In the model's type, as pipelines pass images to a model cast
+            # to bf16 or fp16 (a convolution refuses float32 input then).
+            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+            return dict(pixel_values=torch.randn(batch, channels, seq, seq, device="meta", dtype=dtype),
                         labels=torch.zeros(batch, dtype=torch.long, device="meta"))
         ids = _ids(batch, seq, self.vocab or 2)
         if self.kind == "sequence-classification":
