@@ -252,6 +252,9 @@ class Plan(unittest.TestCase):
                         "decoder_attention_heads=2", "encoder_ffn_dim=128", "decoder_ffn_dim=128"],
             "hf:vit": ["hidden_size=64", "num_hidden_layers=2", "num_attention_heads=2", "intermediate_size=128",
                        "image_size=32", "patch_size=8"],
+            # Two image classification classes in transformers' mapping (with and without a teacher).
+            "hf:deit": ["hidden_size=64", "num_hidden_layers=2", "num_attention_heads=2", "intermediate_size=128",
+                        "image_size=32", "patch_size=8"],
         }
         for model, sets in tiny.items():
             args = [model, "--json", "--steps", "1", "--seq", "32", "--sweep", "task=train,forward"]

@@ -222,6 +222,10 @@ def build(spec, overrides, task):
         "image-classification": transformers.AutoModelForImageClassification,
         "sequence-classification": transformers.AutoModelForSequenceClassification,
     }[kind]
+    if getattr(config, "architectures", None) is None:
+        # transformers iterates it to choose among several classes of one
+        # task (DeiT's two image classifiers) and fails on None: [] takes the first.
+        config.architectures = []
     try:
         with torch.device("meta"):
             model = auto.from_config(config)
