@@ -140,8 +140,12 @@ impl DeviceHeap {
         self.flush_stashes();
         let mut candidates: Vec<(u64, Source)> = Vec::new();
         if let Some((block, used)) = carved {
+            // (A held private pool's free blocks keep their memory: a graph
+            // replay still writes to them.)
             let b = &self.blocks[block];
-            candidates.push((b.freed_at, Source::Rest { block, from: b.addr + used }));
+            if !self.keeps_memory(b.pool) {
+                candidates.push((b.freed_at, Source::Rest { block, from: b.addr + used }));
+            }
         }
         let mut holes = Vec::new();
         for (id, segment) in self.segments.iter().enumerate() {
