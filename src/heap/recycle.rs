@@ -4,8 +4,8 @@
 //! goes first, longest free first: the free pages inside holes of every
 //! pool's ranges (the free block the growing request is carved from
 //! included: it may cache pages past where the request lands), and the
-//! small pools' segments that are one whole free block. Pages of holes become donors: the physical memory under them is
-//! moved (`Backend::vm_move`: one unmap and one map per page, where giving
+//! small pools' segments that are one whole free block. Pages of holes
+//! become donors: the physical memory under them is moved (`Backend::vm_move`: one unmap and one map per page, where giving
 //! it back and taking new memory would be four driver calls) to the pages
 //! the growth needs; donors left over are unmapped.
 //!
@@ -77,10 +77,10 @@ pub(super) struct Recycling {
 /// Where cached memory can come from before a growth.
 #[derive(Clone, Copy, Debug)]
 enum Source {
-    /// The mapped pages inside a free block of an expandable segment.
-    Hole(BlockId),
-    /// Those of the block a request is being carved from, past `from`.
-    Rest { block: BlockId, from: u64 },
+    /// The mapped pages of a free block of an expandable segment from
+    /// `from` on: a hole's from its start, those of the block a request
+    /// is being carved from past the request.
+    Pages { block: BlockId, from: u64 },
     /// A small pool's segment that is one whole free block.
     Segment(u32),
 }
@@ -144,7 +144,7 @@ impl DeviceHeap {
             // replay still writes to them.)
             let b = &self.blocks[block];
             if !self.keeps_memory(b.pool) {
-                candidates.push((b.freed_at, Source::Rest { block, from: b.addr + used }));
+                candidates.push((b.freed_at, Source::Pages { block, from: b.addr + used }));
             }
         }
         let mut holes = Vec::new();
@@ -159,18 +159,17 @@ impl DeviceHeap {
                 candidates.push((b.freed_at, Source::Segment(id as u32)));
             }
         }
-        candidates.extend(holes.iter().map(|&(id, _)| (self.blocks[id].freed_at, Source::Hole(id))));
+        candidates.extend(holes.iter().map(|&(id, _)| (self.blocks[id].freed_at, Source::Pages { block: id, from: self.blocks[id].addr })));
         candidates.sort_by_key(|&(freed_at, _)| freed_at);
         for (_, candidate) in candidates {
             let got = match candidate {
-                Source::Hole(block) | Source::Rest { block, .. } => {
+                Source::Pages { block, from } => {
                     let stream = self.pools[self.blocks[block].pool as usize].stream;
                     if self.backend.synchronize_stream(self.device, stream).is_err() {
                         self.stats.events.num_stream_sync_errors += 1;
                         continue;
                     }
                     let b = &self.blocks[block];
-                    let from = if let Source::Rest { from, .. } = candidate { from } else { b.addr };
                     let runs = self.mapped_runs_within(b.segment, from, b.addr + b.size);
                     donors.extend(runs.iter().map(|&(segment, first, pages)| Donor { segment, first, pages }));
                     runs.iter().map(|&(_, _, n)| n * page).sum()
