@@ -5,9 +5,12 @@
 //! pool's ranges (the free block the growing request is carved from
 //! included: it may cache pages past where the request lands), and the
 //! small pools' segments that are one whole free block. Pages of holes
-//! become donors: the physical memory under them is moved (`Backend::vm_move`: one unmap and one map per page, where giving
-//! it back and taking new memory would be four driver calls) to the pages
-//! the growth needs; donors left over are unmapped.
+//! become donors: the physical memory under them is moved
+//! (`Backend::vm_move`: one unmap and one map per page, where giving it
+//! back and taking new memory would be four driver calls) to the pages the
+//! growth needs. Within the budget below, a hole donates only the pages
+//! the growth needs and keeps the rest cached (no driver call); past it, a
+//! hole's pages go whole and those the growth leaves are unmapped.
 //!
 //! Invariants:
 //! - below the high-water mark nothing moves, so a loop that has met its
@@ -31,7 +34,7 @@ use super::DeviceHeap;
 /// Decoding (caches grown by `torch.cat`, every one replaced as it grows)
 /// moves the most before its layout settles, more as the caches outweigh
 /// the model: GPT-2 small decoding (three calls to `generate`) settled
-/// after 1.8 times at batch 16, 2.6 at batch 32, 3.5 at batch 64, and
+/// after 1.7 times at batch 16, 2.3 at batch 32, 3.1 at batch 64, and
 /// reserved 1.054x / 1.068x its peak of live bytes at batch 32 / 64 with
 /// a budget of two (measured before the carved block's pages could
 /// move), 1.007x / 1.005x with four.
@@ -43,7 +46,7 @@ const MOVES_PER_HIGH_WATER: u64 = 4;
 /// grows its caches every token never settles (120 tokens at batch 64:
 /// 27 times its high-water mark moved with no budget; 1.050x reserved
 /// with a budget of two and no bound, 1.053x with four, 1.029x with the
-/// bound, which moves 10.1 times).
+/// bound, which moves 9.9 times).
 const MOST_HELD_OVER_LIVE_PERCENT: u64 = 4;
 
 /// The bound above live memory is never below this: a heap of a few
@@ -132,6 +135,9 @@ impl DeviceHeap {
         let past_peak = after.saturating_sub(recycling.high_water);
         let budget_left = (MOVES_PER_HIGH_WATER * recycling.high_water).saturating_sub(recycling.moved);
         let mut want = past_peak.min(budget_left.max(after.saturating_sub(bound)));
+        // What the growth needs past the high-water mark: within the budget,
+        // no hole gives more.
+        let mut need = past_peak;
         if want == 0 {
             return donors;
         }
@@ -170,14 +176,28 @@ impl DeviceHeap {
                         continue;
                     }
                     let b = &self.blocks[block];
-                    let runs = self.mapped_runs_within(b.segment, from, b.addr + b.size);
-                    donors.extend(runs.iter().map(|&(segment, first, pages)| Donor { segment, first, pages }));
-                    runs.iter().map(|&(_, _, n)| n * page).sum()
+                    // Within the budget a growth takes only the pages it
+                    // needs and the rest stay cached; past it, whole runs,
+                    // and what the growth leaves goes back, so that a heap
+                    // that keeps drifting holds no more than it must.
+                    let mut left = if budget_left > 0 { need.div_ceil(page) } else { u64::MAX };
+                    let mut got = 0;
+                    for (segment, first, pages) in self.mapped_runs_within(b.segment, from, b.addr + b.size) {
+                        if left == 0 {
+                            break;
+                        }
+                        let pages = pages.min(left);
+                        left -= pages;
+                        donors.push(Donor { segment, first, pages });
+                        got += pages * page;
+                    }
+                    got
                 }
                 Source::Segment(segment) => self.release_whole_segment(segment).bytes,
             };
             self.recycling.moved += got;
             want = want.saturating_sub(got);
+            need = need.saturating_sub(got);
             if want == 0 {
                 break;
             }
