@@ -572,7 +572,6 @@ fn run_cards(args: &[String]) -> Result<(), String> {
         [flag] if flag == "--json" => true,
         _ => return Err(format!("cards: unknown arguments {args:?}\n\n{USAGE}")),
     };
-    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
     if json {
         let list: Vec<serde_json::Value> = cards::CARDS
             .iter()
@@ -584,11 +583,11 @@ fn run_cards(args: &[String]) -> Result<(), String> {
     out!(
         "The cards plans name: their memory as nvidia-smi shows its total, and what an allocator gets of it \
          ({:.1} GiB less, for the driver and the CUDA context).",
-        gib(cards::CONTEXT_BYTES)
+        cards::CONTEXT_BYTES as f64 / (1u64 << 30) as f64
     );
     out!("{:<10} {:>11} {:>18}", "card", "memory", "for the allocator");
     for card in cards::CARDS {
-        out!("{:<10} {:>7} MiB {:>14.1} GiB", card.name, card.total_mib, gib(card.usable()));
+        out!("{:<10} {:>7} MiB {:>14.1} GiB", card.name, card.total_mib, card.usable_gib());
     }
     Ok(())
 }

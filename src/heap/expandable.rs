@@ -159,7 +159,7 @@ impl DeviceHeap {
             return Ok(());
         }
         let page = pages.page_size();
-        let mut donors = self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum(), used, Some((id, used)));
+        let mut donors = self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum(), used, Some(id));
         // Each run's pages come from the donors first (their memory moves
         // here), then from the device. `mapped`: the runs done so far.
         let mut mapped: Vec<(u64, u64)> = Vec::new();

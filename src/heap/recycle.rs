@@ -111,11 +111,11 @@ impl DeviceHeap {
     /// first, within the heap's budget of moves, or past it as far as the
     /// growth would take the heap above its bound over live memory. The
     /// block about to be mapped is not binned, so it is never among the
-    /// holes; `carved` names it and the bytes the request takes of its
-    /// start, so that the mapped pages of the rest of it (the free block
+    /// holes; `carved` names it (the request takes its first `request`
+    /// bytes), so that the mapped pages of the rest of it (the free block
     /// the request is carved from may hold cached pages past where it
     /// lands) are donors too. The caller moves or unmaps every donor.
-    pub(super) fn recycle_before_growth(&mut self, bytes: u64, request: u64, carved: Option<(BlockId, u64)>) -> Vec<Donor> {
+    pub(super) fn recycle_before_growth(&mut self, bytes: u64, request: u64, carved: Option<BlockId>) -> Vec<Donor> {
         let mut donors = Vec::new();
         // Donors and their destinations must have pages of one size: the
         // driver's, which tags' ranges always use (a heap mapping larger
@@ -145,12 +145,12 @@ impl DeviceHeap {
         // A stashed block is a hole too.
         self.flush_stashes();
         let mut candidates: Vec<(u64, Source)> = Vec::new();
-        if let Some((block, used)) = carved {
+        if let Some(block) = carved {
             // (A held private pool's free blocks keep their memory: a graph
             // replay still writes to them.)
             let b = &self.blocks[block];
             if !self.keeps_memory(b.pool) {
-                candidates.push((b.freed_at, Source::Pages { block, from: b.addr + used }));
+                candidates.push((b.freed_at, Source::Pages { block, from: b.addr + request }));
             }
         }
         let mut holes = Vec::new();

@@ -34,6 +34,11 @@ impl Card {
     pub fn usable(&self) -> u64 {
         (self.total_mib << 20).saturating_sub(CONTEXT_BYTES)
     }
+
+    /// `usable` in GiB, for people.
+    pub fn usable_gib(&self) -> f64 {
+        self.usable() as f64 / (1u64 << 30) as f64
+    }
 }
 
 const fn card(name: &'static str, total_mib: u64) -> Card {
@@ -75,11 +80,11 @@ fn article(name: &str) -> &'static str {
     }
 }
 
-/// "fits an L40S (44.0 GiB for the allocator); not an RTX 4090 (23.0 GiB)":
+/// "fits an L40S (43.5 GiB for the allocator); not an RTX 4090 (22.5 GiB)":
 /// the smallest card of `CARDS` that holds `need` bytes and the largest that
 /// does not.
 pub fn card_advice(need: u64) -> String {
-    let gib = |card: &Card| format!("{:.1} GiB", card.usable() as f64 / (1u64 << 30) as f64);
+    let gib = |card: &Card| format!("{:.1} GiB", card.usable_gib());
     let fits = CARDS.iter().find(|card| card.usable() >= need);
     let not = CARDS.iter().rev().find(|card| card.usable() < need);
     match (fits, not) {
