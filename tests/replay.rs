@@ -653,6 +653,14 @@ fn the_command_line_refuses_bad_arguments_clearly() {
 }
 
 #[test]
+fn help_after_a_command_prints_the_usage_and_succeeds() {
+    for args in [vec!["--help"], vec!["-h"], vec!["plan", "--help"], vec!["replay", "trace.csv", "-h"], vec!["exporter", "--help"]] {
+        let (ok, stdout, stderr) = tidepool_cli(&args);
+        assert!(ok && stdout.contains("usage:") && stderr.is_empty(), "{args:?}: {stdout} {stderr}");
+    }
+}
+
+#[test]
 fn a_closed_stdout_ends_the_command_quietly() {
     // `tidepool replay ... | head -1`: the reader goes away after one line.
     let path = write_small_csv();

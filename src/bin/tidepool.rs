@@ -70,7 +70,13 @@ SIZE: bytes, or a number with KiB, MiB, GiB, TiB (K, M, G, T: the same).
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // `tidepool plan --help` is a question, not a mistake.
+    let asks_help = args.iter().any(|arg| arg == "--help" || arg == "-h");
     let result = match args.first().map(String::as_str) {
+        _ if asks_help => {
+            out!("{}", USAGE.trim_end_matches('\n'));
+            Ok(())
+        }
         Some("replay") => run_replay(&args[1..]),
         Some("plan") => run_plan(&args[1..]),
         Some("top") => run_top(&args[1..]),
@@ -84,7 +90,7 @@ fn main() -> ExitCode {
             out!("tidepool {}", env!("CARGO_PKG_VERSION"));
             Ok(())
         }
-        Some("help") | Some("--help") | Some("-h") | None => {
+        Some("help") | None => {
             out!("{}", USAGE.trim_end_matches('\n'));
             Ok(())
         }
