@@ -53,7 +53,9 @@ const LOCK_WAIT: Duration = Duration::from_millis(50);
 /// A request counts only while its process showed life this recently: one
 /// that waits refreshes its heartbeat as it polls (`answered`), so a
 /// request left by a process stopped mid-wait (SIGSTOP, a frozen cgroup)
-/// stops making the others release their cache.
+/// stops making the others release their cache. A heartbeat ahead of the
+/// reader's clock (written before the wall clock stepped back) shows no
+/// life: a stopped asker's request does not outlive a step back.
 pub const REQUEST_FRESH_MS: u64 = 10_000;
 /// Files `scan` reads in one directory at most (the rest are counted).
 pub const MAX_FILES: usize = 256;
@@ -398,7 +400,12 @@ impl Registry {
                 match r.read_slot(slot) {
                     Some(other) if other.pid == 0 => {}
                     Some(other) if alive(other.pid) => {
-                        if mine.heartbeat_ms.saturating_sub(other.heartbeat_ms) <= REQUEST_FRESH_MS {
+                        // A heartbeat later than ours was written before the wall
+                        // clock stepped back (we hold the lock, so no writer is
+                        // newer): no life since, as far as this clock can tell. A
+                        // waiting asker refreshes it at its next poll.
+                        let since = mine.heartbeat_ms.checked_sub(other.heartbeat_ms);
+                        if since.is_some_and(|ms| ms <= REQUEST_FRESH_MS) {
                             asked = asked.saturating_add(other.request_bytes);
                         }
                     }
@@ -909,6 +916,15 @@ mod tests {
         for slot in 0..SLOTS {
             if slot != a.slot {
                 a.write_slot(slot, &stale).unwrap();
+            }
+        }
+        assert_eq!(a.publish(Entry::default()).unwrap(), 0);
+        // Heartbeats from before the wall clock stepped back an hour look an
+        // hour ahead: those requests are not honoured either.
+        let ahead = Entry { heartbeat_ms: now_ms() + 3_600_000, ..liar };
+        for slot in 0..SLOTS {
+            if slot != a.slot {
+                a.write_slot(slot, &ahead).unwrap();
             }
         }
         assert_eq!(a.publish(Entry::default()).unwrap(), 0);
