@@ -110,6 +110,33 @@ fn a_trace_of_several_gpus_gets_each_cards_figures_not_their_sum() {
 }
 
 #[test]
+fn a_plan_serves_the_request_the_recorded_run_could_not_and_names_each_device_in_its_messages() {
+    // Device 1 holds 2 MiB (a 20 MiB segment), then PyTorch recorded a
+    // failed request of 300 MiB there (its part's event 1), then the 2 MiB went.
+    let mut trace = trace::Trace::new("two cards", trace::Format::TorchSnapshot);
+    let a = trace.alloc(40 << 20, 0, 0);
+    let b = trace.alloc(2 << 20, 0, 1);
+    trace.free(b);
+    trace.free(a);
+    let oom = trace::RecordedOom { device: 1, event: 1, requested: 300 << 20, stream: 0, reserved: 20 << 20, device_free: 0 };
+    trace.pytorch_ooms.push(oom);
+    let (whole, origin) = trace.on_device(1).with_failed_requests();
+    assert_eq!((whole.events.len(), whole.peak_requested()), (4, 302 << 20));
+    assert_eq!(origin, [0, 1, 1, 1], "each event's index in the recorded part");
+    let plans = smallest_capacity_per_device(&trace, Policy::Tidepool, "", Some(2 << 20)).unwrap();
+    assert_eq!((plans[1].device, plans[1].min_capacity), (1, 320 << 20), "the 2 MiB block's segment and the request");
+    let less = plans[1].one_step_less.as_ref().unwrap();
+    assert_eq!(less.event, 1, "the failed request, numbered as the trace numbers it");
+    assert!(less.message.contains("on device 1:") && less.message.contains("300.00 MiB"), "{}", less.message);
+    assert_eq!(plans[0].min_capacity, 40 << 20, "device 0 recorded no failure");
+    // The replay of what ran names the device too.
+    let small = ReplayOptions { capacity: 1 << 20, ..options(Policy::Tidepool) };
+    let reports = replay_per_device(&trace, &small).unwrap();
+    let first = reports[1].first_oom.as_ref().unwrap();
+    assert!(first.message.contains("on device 1:"), "{}", first.message);
+}
+
+#[test]
 fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded_with_them() {
     // This snapshot's run set expandable_segments:True.
     let Some(path) = shared("pytorch-snapshots/constructorsun_two_gpus.pickle") else {
@@ -147,7 +174,11 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     assert!(!stderr.contains("expandable_segments"), "no warning left: {stderr}");
     let (ok, stdout, stderr) = tidepool_cli(&["plan", path.to_str().unwrap()]);
     assert!(ok, "{stderr}");
-    assert!(stdout.contains("PyTorch's allocator with expandable segments (as recorded): each card fits"), "{stdout}");
+    // The need serves device 1's failed request too: 78.29 GiB live and the 4.94 GiB more it asked.
+    assert!(
+        stdout.contains("PyTorch's allocator with expandable segments (as recorded): each of the 3 devices fits an H100 NVL"),
+        "{stdout}"
+    );
     // Device 1's run asked 4.94 GiB more than its 78.42 GiB held and 91 MiB free:
     // live memory, which no policy serves (the models run out where PyTorch did).
     let parts = trace.per_device();
@@ -166,7 +197,7 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     assert_eq!((report.ooms, report.device_frees), (0, 6));
     let err = replay::serves_recorded_oom(&trace, &oom, Policy::Expandable, "").unwrap_err();
     assert!(err.contains("one device's part"), "{err}");
-    assert!(stdout.contains("The recorded run ran out of memory at event 287 asking 4.94 GiB"), "{stdout}");
+    assert!(stdout.contains("The recorded run ran out of memory at event 287 asking 4.94 GiB (the needs above serve it too)"), "{stdout}");
     assert!(stdout.contains("tidepool expandable:true runs out too"), "{stdout}");
 }
 
@@ -538,7 +569,7 @@ fn plan_answers_in_plain_words_and_in_json() {
     assert!(ok, "{stderr}");
     assert!(stdout.contains("with PyTorch's allocator") && stdout.contains("with tidepool"), "{stdout}");
     // A small trace: the smallest card named, with what it gives an allocator.
-    assert!(stdout.contains("tidepool and PyTorch's allocator: fits a T4 (13.5 GiB for the allocator)."), "{stdout}");
+    assert!(stdout.contains("tidepool expandable:true and PyTorch's allocator: fits a T4 (13.5 GiB for the allocator)."), "{stdout}");
     // Sizes as precise as the 2 MiB step: in whole MiB, not hundredths of a GiB.
     let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
     assert!(needs.contains(" MiB with PyTorch's allocator") && needs.ends_with("(to 2 MiB)"), "{needs}");

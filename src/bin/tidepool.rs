@@ -475,8 +475,9 @@ fn run_plan(args: &[String]) -> Result<(), String> {
                     }
                 };
                 out!(
-                    "  The recorded run ran out of memory at event {} asking {}, with {} to use ({} held, {} free): there, \
-                     PyTorch's allocator {}, with expandable_segments:True {}, tidepool {}, tidepool expandable:true {}",
+                    "  The recorded run ran out of memory at event {} asking {} (the needs above serve it too), with {} to use \
+                     ({} held, {} free): there, PyTorch's allocator {}, with expandable_segments:True {}, tidepool {}, \
+                     tidepool expandable:true {}",
                     oom.event,
                     human_bytes(oom.requested),
                     human_bytes(oom.usable()),
@@ -499,16 +500,17 @@ fn run_plan(args: &[String]) -> Result<(), String> {
             }
         }
         let best = need(&tidepool).min(need(&expandable));
-        let each = if trace.devices > 1 { "each card " } else { "" };
+        let ours_name = if need(&expandable) < need(&tidepool) { "tidepool expandable:true" } else { "tidepool" };
+        let each = if pytorch.len() > 1 { format!("each of the {} devices ", pytorch.len()) } else { String::new() };
         let (theirs, how) = match Policy::pytorch_as_recorded(&trace) {
             Policy::PytorchExpandable => (&pytorch_expandable, " with expandable segments (as recorded)"),
             _ => (&pytorch, ""),
         };
         let (ours, theirs) = (card_advice(best), card_advice(need(theirs)));
         if ours == theirs {
-            out!("tidepool and PyTorch's allocator{how}: {each}{ours}.");
+            out!("{ours_name} and PyTorch's allocator{how}: {each}{ours}.");
         } else {
-            out!("tidepool: {each}{ours}. PyTorch's allocator{how}: {each}{theirs}.");
+            out!("{ours_name}: {each}{ours}. PyTorch's allocator{how}: {each}{theirs}.");
         }
     }
     Ok(())

@@ -198,6 +198,36 @@ impl Trace {
         self.used_devices().into_iter().map(|d| (d, std::borrow::Cow::Owned(self.on_device(d)))).collect()
     }
 
+    /// This one-device trace with each request PyTorch recorded as failing
+    /// (`pytorch_ooms`) put back where it was asked, allocated and freed at
+    /// once: what the workload asked for includes it, though the recorded
+    /// run could not serve it. Returns also, for each event of the result,
+    /// its index in this trace (a put-back request: the index it would have
+    /// had, `RecordedOom::event`).
+    pub fn with_failed_requests(&self) -> (Trace, Vec<u64>) {
+        let mut whole = self.clone();
+        whole.events.clear();
+        whole.allocs = 0;
+        let mut ooms: Vec<&RecordedOom> = self.pytorch_ooms.iter().filter(|oom| oom.device == 0).collect();
+        ooms.sort_by_key(|oom| oom.event);
+        let (mut ids, mut origin) = (vec![u32::MAX; self.allocs as usize], Vec::with_capacity(self.events.len()));
+        let mut next_oom = ooms.into_iter().peekable();
+        for index in 0..=self.events.len() {
+            while let Some(oom) = next_oom.next_if(|oom| oom.event <= index) {
+                let id = whole.alloc(oom.requested.max(1), oom.stream, 0);
+                whole.free(id);
+                origin.extend([index as u64; 2]);
+            }
+            match self.events.get(index) {
+                Some(&Event::Alloc { id, size, stream, .. }) => ids[id as usize] = whole.alloc(size, stream, 0),
+                Some(&Event::Free { id }) if ids[id as usize] != u32::MAX => whole.free(ids[id as usize]),
+                Some(Event::Free { .. }) | None => continue,
+            }
+            origin.push(index as u64);
+        }
+        (whole, origin)
+    }
+
     /// The part of the trace on `device`, as a one-device trace (device 0),
     /// with PyTorch's recorded peak of that device. Devices share nothing in
     /// an allocator, so replaying each alone gives each card's figures.

@@ -4,7 +4,7 @@
 //! OOM; each device of a trace on its own.
 #![forbid(unsafe_code)]
 
-use super::replay::{replay, FirstOom, Policy, ReplayOptions};
+use super::replay::{name_device, replay, FirstOom, Policy, ReplayOptions};
 use super::Trace;
 
 /// The step of the search when none is given: the larger of 2 MiB and
@@ -41,13 +41,21 @@ pub fn smallest_capacity(trace: &Trace, policy: Policy, conf: &str) -> Result<Pl
 
 /// The smallest capacity of each device of `trace`, each replayed on its
 /// own, in `step` (None: the default step of each device's peak);
-/// devices that allocate nothing are left out.
+/// devices that allocate nothing are left out. A request PyTorch recorded
+/// as failing counts as asked (`Trace::with_failed_requests`): the device
+/// must serve it too. Events and messages are the trace's own: its
+/// numbering, its device.
 pub fn smallest_capacity_per_device(trace: &Trace, policy: Policy, conf: &str, step: Option<u64>) -> Result<Vec<Plan>, String> {
     let mut plans = Vec::new();
     for (device, part) in trace.per_device() {
-        let step = step.unwrap_or_else(|| default_step(part.peak_requested()));
-        let mut plan = smallest_capacity_in_steps(&part, policy, conf, step)?;
+        let (whole, origin) = part.with_failed_requests();
+        let step = step.unwrap_or_else(|| default_step(whole.peak_requested()));
+        let mut plan = smallest_capacity_in_steps(&whole, policy, conf, step)?;
         plan.device = device;
+        if let Some(oom) = &mut plan.one_step_less {
+            oom.event = origin.get(oom.event as usize).copied().unwrap_or(oom.event);
+            oom.message = name_device(&oom.message, device);
+        }
         plans.push(plan);
     }
     Ok(plans)

@@ -202,9 +202,18 @@ pub fn replay_per_device(trace: &Trace, options: &ReplayOptions) -> Result<Vec<R
     for (device, part) in trace.per_device() {
         let mut report = replay(&part, options)?;
         report.device = device;
+        if let Some(oom) = &mut report.first_oom {
+            oom.message = name_device(&oom.message, device);
+        }
         reports.push(report);
     }
     Ok(reports)
+}
+
+/// An allocator's message from the replay of one device's part (replayed
+/// as device 0), naming the trace's device `device` instead.
+pub fn name_device(message: &str, device: u32) -> String {
+    message.replacen("on device 0:", &format!("on device {device}:"), 1)
 }
 
 /// Whether `policy` would have served the request PyTorch could not
