@@ -282,32 +282,64 @@ fn a_resume_refused_by_the_heaps_own_cap_asks_nothing_of_other_processes() {
 
 #[test]
 fn a_resume_whose_undo_cannot_unmap_keeps_the_stuck_pages_counted_and_resumes_later() {
-    let (alloc, backend) = host_allocator(1, 1 << 30, "");
-    // Two runs of pages: a freed block between two live ones leaves a gap.
-    let (left, gap, right) = {
-        let _region = region("i13-stuck").unwrap();
-        let left = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
-        let gap = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
-        let right = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
-        (left, gap, right)
-    };
-    alloc.free(0, gap).unwrap();
-    fill(left, 8 * MIB, 1);
-    fill(right, 8 * MIB, 2);
-    alloc.pause("i13-stuck", None, true).unwrap();
-    // The second run's map fails; undoing the first, its unmap fails too.
-    backend.faults().fail_nth_allocate(2);
-    backend.faults().fail_nth_release(1);
-    let resumed = alloc.resume("i13-stuck", None);
-    alloc.validate().unwrap(); // the device's reserved count is the heap's
-    if resumed.is_err() {
-        alloc.resume("i13-stuck", None).unwrap();
+    for offload in [true, false] {
+        let (alloc, backend) = host_allocator(1, 1 << 30, "");
+        // Two runs of pages: a freed block between two live ones leaves a gap.
+        let (left, gap, right) = {
+            let _region = region("i13-stuck").unwrap();
+            let left = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
+            let gap = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
+            let right = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
+            (left, gap, right)
+        };
+        alloc.free(0, gap).unwrap();
+        fill(left, 8 * MIB, 1);
+        fill(right, 8 * MIB, 2);
+        let given = alloc.pause("i13-stuck", None, offload).unwrap();
+        assert_eq!(given, 24 * MIB, "the gap's cached pages too");
+        // The second run's map fails (a driver error: no retry after
+        // releasing cache); undoing the first, its unmap fails too.
+        backend.faults().set_kind(tidepool::backend::host::FaultKind::DriverError);
+        backend.faults().fail_nth_allocate(2);
+        backend.faults().fail_nth_release(1);
+        alloc.resume("i13-stuck", None).unwrap_err();
+        alloc.validate().unwrap(); // the device's reserved count is the heap's
+                                   // The first run's 8 MiB are mapped again: no longer given back.
+        let stuck = alloc.tag_stats("i13-stuck", 0).unwrap();
+        assert_eq!((stuck.reserved_bytes, stuck.paused_bytes), (8 * MIB, 16 * MIB), "offload {offload}");
+        assert!(stuck.paused);
+        // The next resume maps what is missing, and writes every saved byte back.
+        assert_eq!(alloc.resume("i13-stuck", None).unwrap(), 8 * MIB);
+        if offload {
+            assert_eq!((check(left, 8 * MIB, 1), check(right, 8 * MIB, 2)), (Ok(()), Ok(())));
+        }
+        alloc.validate().unwrap();
+        alloc.free(0, left).unwrap();
+        alloc.free(0, right).unwrap();
+        alloc.validate().unwrap();
     }
-    assert_eq!((check(left, 8 * MIB, 1), check(right, 8 * MIB, 2)), (Ok(()), Ok(())));
-    alloc.validate().unwrap();
-    alloc.free(0, left).unwrap();
-    alloc.free(0, right).unwrap();
-    alloc.validate().unwrap();
+}
+
+#[test]
+fn the_release_policies_give_back_the_pages_of_a_tags_holes_whether_or_not_expandable_is_on() {
+    for expandable in ["expandable:false", "expandable:true"] {
+        // Idle decay: a hole idle for 50 ms goes, while live blocks sit on both sides.
+        let (alloc, _) = host_allocator(1, 1 << 30, &format!("{expandable},release_after_ms:50,reclaim_interval_ms:10"));
+        let (left, hole, right) = {
+            let _region = region("i13-holes").unwrap();
+            let blocks = [4, 64, 4].map(|mib| alloc.allocate(0, (mib * MIB) as usize, S).unwrap());
+            (blocks[0], blocks[1], blocks[2])
+        };
+        alloc.free(0, hole).unwrap();
+        assert!(
+            common::eventually(std::time::Duration::from_secs(5), || alloc.tag_stats("i13-holes", 0).unwrap().reserved_bytes == 8 * MIB),
+            "{expandable}: {}",
+            alloc.tag_stats("i13-holes", 0).unwrap().reserved_bytes
+        );
+        alloc.validate().unwrap();
+        alloc.free(0, left).unwrap();
+        alloc.free(0, right).unwrap();
+    }
 }
 
 #[test]
@@ -537,4 +569,70 @@ fn random_steps_across_tags(conf: &str) {
         alloc.free(0, p).unwrap();
     }
     alloc.validate().unwrap();
+}
+
+/// The host backend, but the events of other streams' work never finish
+/// and waiting for them fails (a driver error).
+struct EventsThatFail(std::sync::Arc<tidepool::backend::host::HostBackend>);
+
+impl Backend for EventsThatFail {
+    fn name(&self) -> &'static str {
+        "host with failing events"
+    }
+    fn device_count(&self) -> usize {
+        1
+    }
+    fn allocate(&self, d: usize, size: u64, s: Stream) -> Result<u64, tidepool::backend::BackendError> {
+        self.0.allocate(d, size, s)
+    }
+    fn release(&self, d: usize, base: u64, size: u64, s: Stream) -> Result<(), tidepool::backend::BackendError> {
+        self.0.release(d, base, size, s)
+    }
+    fn mem_info(&self, d: usize) -> Result<tidepool::backend::MemInfo, tidepool::backend::BackendError> {
+        self.0.mem_info(d)
+    }
+    fn shared_device_key(&self, _: usize) -> Option<String> {
+        None
+    }
+    fn record_event(&self, _: usize, _: Stream) -> Result<Option<u64>, tidepool::backend::BackendError> {
+        Ok(Some(1))
+    }
+    fn event_done(&self, _: usize, _: u64) -> Result<bool, tidepool::backend::BackendError> {
+        Ok(false)
+    }
+    fn wait_event(&self, _: usize, _: u64) -> Result<(), tidepool::backend::BackendError> {
+        Err(tidepool::backend::BackendError::Driver { call: "cuEventSynchronize", code: 999, message: "injected".into() })
+    }
+    fn vm_page_size(&self, d: usize) -> Option<u64> {
+        self.0.vm_page_size(d)
+    }
+    fn vm_reserve(&self, d: usize, size: u64) -> Result<u64, tidepool::backend::BackendError> {
+        self.0.vm_reserve(d, size)
+    }
+    fn vm_free(&self, d: usize, base: u64, size: u64) -> Result<(), tidepool::backend::BackendError> {
+        self.0.vm_free(d, base, size)
+    }
+    fn vm_map(&self, d: usize, addr: u64, len: u64) -> Result<(), tidepool::backend::BackendError> {
+        self.0.vm_map(d, addr, len)
+    }
+    fn vm_unmap(&self, d: usize, addr: u64, len: u64) -> Result<(), tidepool::backend::BackendError> {
+        self.0.vm_unmap(d, addr, len)
+    }
+}
+
+#[test]
+fn a_pause_that_cannot_wait_for_a_freed_blocks_other_streams_fails_and_unmaps_nothing() {
+    let host = std::sync::Arc::new(tidepool::backend::host::HostBackend::new(1, 1 << 30));
+    let mut heap = tidepool::heap::DeviceHeap::new(0, Default::default(), std::sync::Arc::new(EventsThatFail(host)));
+    let tag = tidepool::TagId(1);
+    let _kept = heap.allocate_tagged(4 * MIB, S, tag, 0).unwrap();
+    let used_elsewhere = heap.allocate_tagged(8 * MIB, S, tag, 0).unwrap();
+    heap.record_stream(used_elsewhere, Stream(7)).unwrap();
+    heap.free(used_elsewhere).unwrap(); // waits for stream 7's work
+    let reserved = heap.tag_stats(tag).reserved_bytes;
+    let err = heap.pause_tag(tag, false).unwrap_err();
+    assert!(err.to_string().contains("could not be waited for"), "{err}");
+    assert!(!heap.tag_paused(tag));
+    assert_eq!(heap.tag_stats(tag).reserved_bytes, reserved, "nothing unmapped");
+    heap.validate().unwrap();
 }

@@ -26,8 +26,9 @@
 //! saved pages no live block touches any more are dropped as the free
 //! completes, so that reading figures never copies memory); pausing a
 //! paused tag, an unknown one, while a private pool is open (a CUDA graph
-//! capture may be underway) or while a stream that used the tag is being
-//! captured, and resuming one that is not paused or while a private pool is
+//! capture may be underway), while a stream that used the tag is being
+//! captured or when the work other streams queued on a block freed from it
+//! cannot be waited for (a driver error), and resuming one that is not paused or while a private pool is
 //! open, are errors that change nothing; an offload that cannot get host
 //! memory fails whole, with nothing released. A paused tag's ranges stay
 //! reserved: the release policies leave them alone (`keeps_memory`).
@@ -39,11 +40,13 @@
 //! - "default" is never paused, and a paused tag's pools stash nothing;
 //! - in a paused tag, every page touched by an active block is mapped or
 //!   lies in a saved run of its range; saved runs lie in ranges of the
-//!   tag, on unmapped pages, each touched by an active block (a free drops
-//!   what no block needs), and hold host memory of their size exactly when
-//!   the pause offloaded;
+//!   tag, on unmapped pages (but those a failed resume mapped and could not
+//!   unmap again: the next resume writes them as the others), each touched
+//!   by an active block (a free drops what no block needs), and hold host
+//!   memory of their size exactly when the pause offloaded;
 //! - `paused_bytes` and `offloaded_bytes` of a tag are what its pause gave
-//!   back and the host bytes its saved runs hold.
+//!   back (less what a failed resume left mapped) and the host bytes its
+//!   saved runs hold.
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -335,6 +338,11 @@ impl DeviceHeap {
             self.backend.synchronize_stream(self.device, stream).map_err(AllocError::Backend)?;
         }
         self.process_pending(true);
+        // A freed block whose other streams' work could not be waited for
+        // (the driver failed the wait) may still be written: its pages stay.
+        if segments.iter().any(|&id| self.holds_pending_block(id)) {
+            return Err(tag_error(tag.0, "cannot be paused: the work of another stream on a block freed from it could not be waited for"));
+        }
         // After the pending frees: one of them may have gone to a stash.
         for &pool in &pools {
             self.flush_stash(pool);
@@ -373,6 +381,18 @@ impl DeviceHeap {
         runs.retain(|r| self.segment_pages(r.base).is_some_and(|pages| !pages.is_mapped(r.first_page)));
         self.tags.paused.insert(tag.0, Paused { offload, given_back, runs });
         Ok(given_back)
+    }
+
+    /// Whether a block of segment `id` waits for other streams' work.
+    fn holds_pending_block(&self, id: u32) -> bool {
+        let mut cur = self.segments[id as usize].as_ref().map_or(NIL, |s| s.first_block);
+        while cur != NIL {
+            if self.blocks[cur].state == BlockState::Pending {
+                return true;
+            }
+            cur = self.blocks[cur].next;
+        }
+        false
     }
 
     fn segment_pages(&self, base: u64) -> Option<&super::pages::PageMap> {
@@ -522,6 +542,8 @@ impl DeviceHeap {
             heap.tags.paused[&tag.0].runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect()
         };
         let mut runs = saved_runs(self);
+        // Pages a failed attempt leaves mapped are no longer given back.
+        let mapped_before = self.tag_mapped_bytes(&segments);
         let mut free = self.unbin(&segments);
         let mut mapped = self.map_saved(&runs, page);
         if mapped == Err(BackendError::OutOfMemory) {
@@ -540,6 +562,7 @@ impl DeviceHeap {
         let need: u64 = runs.iter().map(|r| r.2 * page).sum();
         if let Err(err) = mapped {
             self.rebin(free);
+            self.recount_given_back(tag.0, &segments, mapped_before);
             return Err(match err {
                 BackendError::OutOfMemory => {
                     // The device layer may ask the other processes and retry.
@@ -566,11 +589,26 @@ impl DeviceHeap {
         if let Err(err) = copied {
             self.unmap_saved(&runs);
             self.rebin(free);
+            self.recount_given_back(tag.0, &segments, mapped_before);
             return Err(AllocError::Backend(err));
         }
         self.rebin(free);
         self.tags.paused.remove(&tag.0);
-        Ok(need)
+        Ok(self.tag_mapped_bytes(&segments) - mapped_before)
+    }
+
+    /// Bytes mapped in the ranges `segments` (a tag's).
+    fn tag_mapped_bytes(&self, segments: &[u32]) -> u64 {
+        segments.iter().filter_map(|&id| self.segments[id as usize].as_ref()?.pages.as_ref()).map(|p| p.mapped_bytes()).sum()
+    }
+
+    /// After a resume of `tag` that failed: the pages it left mapped (an
+    /// undo the backend refused) are no longer what the pause gave back,
+    /// and those it unmapped that an earlier failure had left are again.
+    fn recount_given_back(&mut self, tag: u32, segments: &[u32], mapped_before: u64) {
+        let mapped_after = self.tag_mapped_bytes(segments);
+        let paused = self.tags.paused_mut(tag);
+        paused.given_back = (paused.given_back + mapped_before).saturating_sub(mapped_after);
     }
 
     /// What `tag` holds on this heap; nothing for "default", which has no
@@ -666,15 +704,11 @@ impl DeviceHeap {
         let page = self.tags.vm.map_or(1, |vm| vm.page);
         for (&tag, paused) in &self.tags.paused {
             for run in &paused.runs {
-                let pages =
-                    self.segment_pages(run.base).ok_or_else(|| format!("tag {tag}: a saved run names no range at {:#x}", run.base))?;
+                self.segment_pages(run.base).ok_or_else(|| format!("tag {tag}: a saved run names no range at {:#x}", run.base))?;
                 let owner = self.segment_by_base[&run.base];
                 let pool = self.segments[owner as usize].as_ref().expect("indexed").pool;
                 if self.pools[pool as usize].tag != tag {
                     return Err(format!("tag {tag}: a saved run lies in a range of another tag"));
-                }
-                if (run.first_page..run.first_page + run.pages).any(|p| pages.is_mapped(p)) {
-                    return Err(format!("tag {tag}: a saved run at {:#x} covers mapped pages", run.base + run.first_page * page));
                 }
                 let (_, touched) = self.touched_pages(owner);
                 if !touched.iter().any(|&(s, e)| s < run.first_page + run.pages && run.first_page < e) {
