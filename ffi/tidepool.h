@@ -225,6 +225,12 @@ int tidepool_dump_snapshot(const char* path);
  * bytes); returns its full length (0: none). buf may be NULL to ask the length. */
 size_t tidepool_last_error(char* buf, size_t len);
 
+/* Checks a TIDEPOOL_CONF string without starting anything: writes its
+ * problems into buf as tidepool_last_error does (one a line, worded as the
+ * warnings TIDEPOOL_CONF would print) and returns how many there are (0:
+ * none); -1 when conf is NULL or not UTF-8. */
+int tidepool_check_conf(const char* conf, char* buf, size_t len);
+
 /* Tags, for sleep and wake: every allocation carries the calling thread's
  * tag ("default" unless set). A tag's memory comes from pages of its own, so
  * it can be paused (every page given back to the device, addresses kept

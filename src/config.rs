@@ -143,10 +143,11 @@ fn number(value: &str) -> Result<u64, String> {
     value.trim().parse::<u64>().map_err(|_| format!("expected a non-negative integer, got {value:?}"))
 }
 
+/// `true` or `false`, in any case (PyTorch's settings write `True`).
 fn boolean(value: &str) -> Result<bool, String> {
     match value.trim() {
-        "true" => Ok(true),
-        "false" => Ok(false),
+        v if v.eq_ignore_ascii_case("true") => Ok(true),
+        v if v.eq_ignore_ascii_case("false") => Ok(false),
         other => Err(format!("expected true or false, got {other:?}")),
     }
 }
@@ -359,7 +360,12 @@ impl Config {
     }
 }
 
+/// PyTorch's names (PYTORCH_CUDA_ALLOC_CONF) for options tidepool calls
+/// otherwise.
+const PYTORCH_NAMES: &[(&str, &str)] = &[("expandable_segments", "expandable")];
+
 fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError> {
+    let key = PYTORCH_NAMES.iter().find(|(pytorch, _)| *pytorch == key).map_or(key, |(_, ours)| ours);
     let spec = OPTIONS
         .iter()
         .find(|o| o.key == key)
@@ -429,6 +435,16 @@ mod tests {
         assert_eq!(c.rules.max_split_size, 256 << 20);
         assert_eq!(c.rules.roundup_power2_divisions, 4);
         assert_eq!(c.host_devices, 2);
+    }
+
+    #[test]
+    fn pytorchs_spelling_of_expandable_segments_works_as_is() {
+        let (c, warnings) = Config::parse("expandable_segments:True");
+        assert!(warnings.is_empty() && c.expandable, "{warnings:?}");
+        let (c, warnings) = Config::parse("expandable:TRUE,stash:False");
+        assert!(warnings.is_empty() && c.expandable && !c.stash, "{warnings:?}");
+        let (_, warnings) = Config::parse("expandable:yes");
+        assert!(warnings[0].contains("expected true or false"), "{warnings:?}");
     }
 
     #[test]

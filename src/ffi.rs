@@ -23,6 +23,7 @@ use std::sync::Once;
 
 use parking_lot::Mutex;
 
+use crate::config::Config;
 use crate::log::log_line;
 use crate::reclaim::policy::Reason;
 use crate::stats::{for_each_counter, Events, Stat, StatByPool, Stats};
@@ -776,22 +777,42 @@ fn dump_snapshot(path: *const c_char) -> Result<(), Failure> {
 /// or `len` 0, only the length. 0: no error yet.
 #[no_mangle]
 pub extern "C" fn tidepool_last_error(buf: *mut c_char, len: usize) -> usize {
-    boundary!(0, {
-        LAST_ERROR
-            .try_with(|e| {
-                let message = e.borrow();
-                if !buf.is_null() && len > 0 {
-                    let n = message.len().min(len - 1);
-                    // SAFETY: `buf` is non-null with room for `len` bytes per the
-                    // contract; we write n + 1 <= len bytes and do not overlap `message`.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(message.as_ptr(), buf as *mut u8, n);
-                        *buf.add(n) = 0;
-                    }
-                }
-                message.len()
-            })
-            .unwrap_or(0)
+    boundary!(0, LAST_ERROR.try_with(|e| copy_out(&e.borrow(), buf, len)).unwrap_or(0))
+}
+
+/// Copies `message` into `buf` as the functions that fill a caller's
+/// buffer do (NUL-terminated, cut to `len - 1` bytes; nothing with a NULL
+/// `buf` or `len` 0) and returns its full length.
+fn copy_out(message: &str, buf: *mut c_char, len: usize) -> usize {
+    if !buf.is_null() && len > 0 {
+        let n = message.len().min(len - 1);
+        // SAFETY: `buf` is non-null with room for `len` bytes per the
+        // contract; we write n + 1 <= len bytes and do not overlap `message`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(message.as_ptr(), buf as *mut u8, n);
+            *buf.add(n) = 0;
+        }
+    }
+    message.len()
+}
+
+/// Checks a TIDEPOOL_CONF string without starting anything: writes what is
+/// wrong with it into `buf` as `tidepool_last_error` does (one problem a
+/// line, as the warnings TIDEPOOL_CONF would print say them) and returns how
+/// many problems there are (0: none); -1 when `conf` is NULL or not UTF-8.
+#[no_mangle]
+pub extern "C" fn tidepool_check_conf(conf: *const c_char, buf: *mut c_char, len: usize) -> c_int {
+    boundary!(-1, {
+        if conf.is_null() {
+            return -1;
+        }
+        // SAFETY: `conf` is non-null and, per the contract, a NUL-terminated string.
+        let Ok(text) = unsafe { CStr::from_ptr(conf) }.to_str() else {
+            return -1;
+        };
+        let (_, problems) = Config::parse(text);
+        copy_out(&problems.join("\n"), buf, len);
+        problems.len().min(c_int::MAX as usize) as c_int
     })
 }
 

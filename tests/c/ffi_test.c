@@ -132,6 +132,12 @@ static void bad_input(void) {
     size_t len = tidepool_last_error(NULL, 0);
     char tiny[8];
     CHECK(tidepool_last_error(tiny, sizeof tiny) == len && strlen(tiny) == 7, "truncated to 7 bytes");
+    /* A configuration checked before anything starts. */
+    char problems[512];
+    CHECK(tidepool_check_conf("expandable_segments:True,max_split_size_mb:256", problems, sizeof problems) == 0, "%s", problems);
+    CHECK(tidepool_check_conf("colour:blue,expandable:maybe", problems, sizeof problems) == 2, "two problems");
+    CHECK(strstr(problems, "colour") != NULL && strstr(problems, "expected true or false") != NULL, "%s", problems);
+    CHECK(tidepool_check_conf(NULL, problems, sizeof problems) == -1, "NULL");
 }
 
 static void segments_and_streams(void) {

@@ -509,6 +509,27 @@ class Install(unittest.TestCase):
         with self.assertRaisesRegex(tidepool.TidepoolError, "first thing"):
             tidepool.install(allow_host=True)
 
+    def test_install_refuses_a_bad_conf_at_once_and_takes_pytorchs_spelling(self):
+        # In a process of its own: the library must not have started yet.
+        script = (
+            "import sys, types\n"
+            "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: False))\n"
+            "import tidepool\n"
+            "try:\n"
+            "    tidepool.install('backend:host,expandable:maybe,colour:blue', allow_host=True)\n"
+            "except tidepool.TidepoolError as err:\n"
+            "    print('refused:', err)\n"
+            "print(tidepool._native.conf_problems('expandable_segments:True,max_split_size_mb:256'))\n"
+        )
+        env = dict(os.environ, TIDEPOOL_CONF="")
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        refused, problems = done.stdout.splitlines()[:2]
+        self.assertIn("expected true or false", refused)
+        self.assertIn('unknown option \"colour\"', refused)
+        self.assertEqual(problems, "[]", "PyTorch's name and its True are understood")
+        self.assertEqual(done.stderr, "", "no warning later: the install refused first")
+
     def test_install_refuses_to_give_pytorch_host_memory(self):
         fake = FakeTorch()
         sys.modules["torch"] = fake.module

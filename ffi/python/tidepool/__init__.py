@@ -111,7 +111,7 @@ def install(conf=None, allow_host=False):
     if _backend(effective) == "host" and not allow_host:
         raise TidepoolError(
             "tidepool's backend is 'host' (host memory standing in for a GPU), which CUDA kernels cannot use: "
-            "use backend:cuda (the default) in TIDEPOOL_CONF"
+            "use backend:cuda (the default) in TIDEPOOL_CONF, or install(..., allow_host=True) to test the wiring"
         )
     # The library reads TIDEPOOL_CONF once, when it starts (at its first call).
     started = _installed or _native.loaded()
@@ -134,6 +134,10 @@ def install(conf=None, allow_host=False):
             "call tidepool.install() first thing, before any tensor or model touches the GPU"
         )
     if conf is not None and not started:
+        # Checked here, where the mistake is made, not at the first allocation.
+        problems = _native.conf_problems(conf)
+        if problems:
+            raise TidepoolError(f"tidepool.install({conf!r}): " + "; ".join(problems) + " (tidepool config lists the options)")
         os.environ["TIDEPOOL_CONF"] = conf
     torch.cuda.memory.change_current_allocator(_pluggable(torch))
     _installed = True

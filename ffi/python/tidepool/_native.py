@@ -222,6 +222,7 @@ def lib():
             "tidepool_dump_snapshot": (ctypes.c_int, [ctypes.c_char_p]),
             "tidepool_record_history": (ctypes.c_int, [ctypes.c_size_t]),
             "tidepool_last_error": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
+            "tidepool_check_conf": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
             "tidepool_reset_peak_stats": (ctypes.c_int, [ctypes.c_int]),
             "tidepool_reset_accumulated_stats": (ctypes.c_int, [ctypes.c_int]),
             "tidepool_attach_oom_observer": (ctypes.c_int, [OOM_OBSERVER, ctypes.c_void_p]),
@@ -249,6 +250,17 @@ def last_error():
     buf = ctypes.create_string_buffer(n + 1)
     lib().tidepool_last_error(buf, n + 1)
     return buf.value.decode("utf-8", "replace")
+
+
+def conf_problems(conf):
+    """What is wrong with a TIDEPOOL_CONF string, one message each (none:
+    []), checked by the library without starting it."""
+    buf = ctypes.create_string_buffer(4096)
+    count = lib().tidepool_check_conf(conf.encode("utf-8"), buf, len(buf))
+    if count < 0:
+        return [f"not a configuration string: {conf!r}"]
+    text = buf.value.decode("utf-8", "replace")
+    return text.split("\n")[:count] if count else []
 
 
 def get_stats(device):
