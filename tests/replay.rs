@@ -484,7 +484,7 @@ fn cards_lists_each_cards_memory_and_what_an_allocator_gets() {
         assert_eq!(json["usable_bytes"].as_u64().unwrap(), (card.total_mib << 20) - CONTEXT_BYTES);
     }
     let (ok, _, stderr) = tidepool_cli(&["cards", "--all"]);
-    assert!(!ok && stderr.contains("cards: unknown arguments"), "{stderr}");
+    assert!(!ok && stderr.contains("cards: unknown option --all"), "{stderr}");
 }
 
 fn tidepool_cli(args: &[&str]) -> (bool, String, String) {
@@ -681,6 +681,21 @@ fn the_command_line_refuses_bad_arguments_clearly() {
     assert!(!ok && stderr.contains("colour"), "{stderr}");
     let (ok, _, stderr) = tidepool_cli(&["frobnicate"]);
     assert!(!ok && stderr.contains("unknown command"), "{stderr}");
+    // One line that says what is wrong, not the whole usage.
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    // `--capacity 8 GiB`, unquoted: 8 alone would be bytes.
+    let trace = write_small_csv();
+    let trace = trace.to_str().unwrap();
+    let (ok, stdout, stderr) = tidepool_cli(&["replay", trace, "--capacity", "8", "GiB"]);
+    assert!(!ok && stdout.is_empty() && stderr.contains("write its unit"), "{stderr}");
+    assert!(tidepool_cli(&["replay", trace, "--capacity", "2097152"]).0, "bytes from 1 MiB");
+    // Every file is opened before the first is replayed.
+    let (ok, stdout, stderr) = tidepool_cli(&["replay", trace, "/nonexistent.csv"]);
+    assert!(!ok && stdout.is_empty() && stderr.contains("/nonexistent.csv: cannot open"), "{stdout} {stderr}");
+    let (ok, stdout, stderr) = tidepool_cli(&["replay", trace, "--plot", "/nonexistent/p.svg"]);
+    assert!(!ok && stdout.is_empty() && stderr.contains("no folder /nonexistent"), "{stderr}");
+    let (ok, _, stderr) = tidepool_cli(&["cards", "--bogus"]);
+    assert!(!ok && stderr.contains("unknown option --bogus") && !stderr.contains('['), "{stderr}");
 }
 
 #[test]

@@ -15,7 +15,7 @@ use tidepool::reclaim::policy::Reason;
 use tidepool::reclaim::registry;
 use tidepool::trace::cards::{self, card_advice};
 use tidepool::trace::plan::{smallest_capacity_per_device, Plan};
-use tidepool::trace::replay::{replay_with_progress, serves_recorded_oom, Policy, ReplayOptions, ReplayReport};
+use tidepool::trace::replay::{name_device, replay_with_progress, serves_recorded_oom, Policy, ReplayOptions, ReplayReport};
 use tidepool::trace::{self, RecordedOom, Trace};
 use tidepool::Config;
 
@@ -65,8 +65,12 @@ usage:
   tidepool --version         the version
   tidepool help              this text
 
-SIZE: bytes, or a number with KiB, MiB, GiB, TiB (K, M, G, T: the same).
+SIZE: a number with its unit, KiB, MiB, GiB or TiB (K, M, G, T and KB, MB, GB, TB: the same,
+powers of 1024), or bytes (from 1 MiB).
 ";
+
+/// Appended to a refused command line: one line, not the whole usage.
+const SEE_HELP: &str = " (`tidepool help` lists the commands and their options)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -94,7 +98,7 @@ fn main() -> ExitCode {
             out!("{}", USAGE.trim_end_matches('\n'));
             Ok(())
         }
-        Some(other) => Err(format!("unknown command {other:?}\n\n{USAGE}")),
+        Some(other) => Err(format!("unknown command {other:?}{SEE_HELP}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -104,6 +108,9 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// The capacity of a replay given none: more than any device.
+const UNLIMITED: u64 = 1 << 50;
 
 /// Parsed options of replay and plan.
 struct Options {
@@ -120,13 +127,13 @@ struct Options {
 
 fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
     let mut options =
-        Options { files: Vec::new(), capacity: 1 << 50, conf: String::new(), policies: None, json: false, plot: None, step: None };
+        Options { files: Vec::new(), capacity: UNLIMITED, conf: String::new(), policies: None, json: false, plot: None, step: None };
     let mut policies: Option<String> = None;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value"));
         if arg.starts_with("--") && !allow.contains(&arg.as_str()) {
-            return Err(format!("unknown option {arg}\n\n{USAGE}"));
+            return Err(format!("unknown option {arg}{SEE_HELP}"));
         }
         match arg.as_str() {
             "--capacity" => options.capacity = parse_size(&value("--capacity")?)?,
@@ -146,10 +153,19 @@ fn parse_options(args: &[String], allow: &[&str]) -> Result<Options, String> {
         }
     }
     if options.files.is_empty() {
-        return Err(format!("no trace file given\n\n{USAGE}"));
+        return Err(format!("no trace file given{SEE_HELP}"));
     }
     options.policies = policies.as_deref().map(parse_policies).transpose()?;
     Config::builder().conf(&options.conf).map_err(|e| format!("--conf: {e}"))?;
+    // Every file, and where the plot goes, before any replay takes time.
+    for file in &options.files {
+        std::fs::File::open(file).map_err(|err| format!("{}: cannot open: {err}", file.display()))?;
+    }
+    if let Some(parent) = options.plot.as_ref().and_then(|p| p.parent()).filter(|p| !p.as_os_str().is_empty()) {
+        if !parent.is_dir() {
+            return Err(format!("--plot: no folder {}", parent.display()));
+        }
+    }
     Ok(options)
 }
 
@@ -206,13 +222,20 @@ fn parse_size(text: &str) -> Result<u64, String> {
     if !(bytes.is_finite() && bytes >= 1.0 && bytes < 2f64.powi(62)) {
         return Err(format!("bad size {text:?}"));
     }
+    // "--capacity 8 GiB" reads 8 bytes and a file named GiB: no one means
+    // a device or a step of a few bytes.
+    if unit.trim().is_empty() && bytes < (1u64 << 20) as f64 {
+        return Err(format!("bad size {text:?}: a number alone is bytes; write its unit, in one word (\"{text}GiB\", \"{text}MiB\")"));
+    }
     Ok(bytes as u64)
 }
 
 fn load(path: &Path) -> Result<Trace, String> {
     let trace = trace::load(path).map_err(|e| e.to_string())?;
     if trace.warnings.count > 0 {
-        eprintln!("tidepool: {}: {} warnings, first: {}", path.display(), trace.warnings.count, trace.warnings.first[0]);
+        let count = trace.warnings.count;
+        let noun = if count == 1 { "warning" } else { "warnings" };
+        eprintln!("tidepool: {}: {count} {noun}, first: {}", path.display(), trace.warnings.first[0]);
     }
     Ok(trace)
 }
@@ -253,6 +276,9 @@ fn run_replay(args: &[String]) -> Result<(), String> {
                 };
                 let mut report = replay_with_progress(part, &replay_options, bar)?;
                 report.device = device;
+                if let Some(oom) = &mut report.first_oom {
+                    oom.message = name_device(&oom.message, device);
+                }
                 reports.push(report);
             }
             by_device.push(reports);
@@ -342,7 +368,7 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
 fn report_json(r: &ReplayReport) -> serde_json::Value {
     serde_json::json!({
         "device": r.device,
-        "capacity_bytes": r.capacity,
+        "capacity_bytes": (r.capacity < UNLIMITED).then_some(r.capacity),
         "events": r.events,
         "allocs": r.allocs,
         "peak_requested_bytes": r.peak_requested_bytes,
@@ -550,7 +576,7 @@ fn run_top(args: &[String]) -> Result<(), String> {
         match arg.as_str() {
             "--once" => once = true,
             "--json" => json = true,
-            other => return Err(format!("top: unknown option {other}\n\n{USAGE}")),
+            other => return Err(format!("top: unknown option {other}{SEE_HELP}")),
         }
     }
     let config = Config::from_env();
@@ -578,7 +604,7 @@ fn run_cards(args: &[String]) -> Result<(), String> {
     let json = match args {
         [] => false,
         [flag] if flag == "--json" => true,
-        _ => return Err(format!("cards: unknown arguments {args:?}\n\n{USAGE}")),
+        _ => return Err(format!("cards: unknown option {}{SEE_HELP}", args.join(" "))),
     };
     if json {
         let list: Vec<serde_json::Value> = cards::CARDS
@@ -720,7 +746,7 @@ fn run_exporter(args: &[String]) -> Result<(), String> {
                     .ok_or_else(|| format!("exporter: --max-connections: expected 1 to 4096, got {text:?}"))?;
             }
             "--once" => once = true,
-            other => return Err(format!("exporter: unknown option {other}\n\n{USAGE}")),
+            other => return Err(format!("exporter: unknown option {other}{SEE_HELP}")),
         }
     }
     if once && textfile.is_none() {
