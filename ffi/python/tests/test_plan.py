@@ -483,6 +483,19 @@ class BadInput(unittest.TestCase):
         # A sweep of no values would plan nothing and say nothing.
         self.assertIn("expected KEY=V1,V2", self.fails(*LLAMA, "--sweep", "batch=,"))
 
+    def test_cards_by_the_end_of_their_name_and_sizes_with_their_unit(self):
+        from tidepool.plan import Exit, find_tidepool, resolve_cards
+
+        cards = dict(resolve_cards(BINARY, "4090,22.5GiB,a6000,30 GB"))
+        self.assertEqual(sorted(cards), ["22.5 GiB", "30 GiB", "RTX 4090", "RTX A6000"], cards)
+        self.assertEqual(cards["22.5 GiB"], int(22.5 * 2**30))
+        # "a100" ends no name alone (A100 40GB, A100 80GB): refused, with the list.
+        with self.assertRaisesRegex(Exit, "'a100' is neither a card"):
+            resolve_cards(BINARY, "a100")
+        # A binary named but missing is an error, not a fall back to another build.
+        with self.assertRaisesRegex(Exit, "--tidepool /nonexistent/tidepool: not an executable"):
+            find_tidepool("/nonexistent/tidepool")
+
     def test_a_combination_one_variant_cannot_have_fails_that_row_only(self):
         # Checkpointing is for training: the forward variant's row says so, the others are planned.
         status, out, err = plan(*LLAMA, "--json", "--sweep", "task=train,forward", "--sweep", "checkpointing=false,true")

@@ -195,15 +195,21 @@ def find_tidepool(explicit=None):
     # The wheel installs it into the environment's bin directory, which is
     # on PATH only in an activated environment.
     installed = os.path.join(sysconfig.get_path("scripts"), "tidepool")
-    candidates = [explicit, os.environ.get("TIDEPOOL_BIN"), shutil.which("tidepool"), installed]
+    # One named by --tidepool or TIDEPOOL_BIN is the one: a typo is an error,
+    # not a silent fall back to another (perhaps older) build.
+    for how, named in ((f"--tidepool {explicit}", explicit), (f"TIDEPOOL_BIN={os.environ.get('TIDEPOOL_BIN')}",
+                                                            os.environ.get("TIDEPOOL_BIN"))):
+        if named:
+            if os.path.isfile(named) and os.access(named, os.X_OK):
+                return named
+            raise Exit(f"{how}: not an executable")
+    candidates = [shutil.which("tidepool"), installed]
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.normpath(os.path.join(here, "..", "..", ".."))
     candidates += [os.path.join(root, "target", kind, "tidepool") for kind in ("release", "debug")]
     for path in candidates:
         if path and os.path.isfile(path) and os.access(path, os.X_OK):
             return path
-    if explicit:
-        raise Exit(f"--tidepool {explicit}: not an executable")
     raise Exit("the tidepool command is not found: build it (cargo build --release in a tidepool checkout, or "
                "cargo install --path .), put it on PATH or name it with --tidepool or TIDEPOOL_BIN")
 
@@ -244,10 +250,18 @@ def resolve_cards(binary, text):
     for entry in (e.strip() for e in text.split(",")):
         if not entry:
             continue
-        card = known.get(_card_key(entry))
+        key = _card_key(entry)
+        # A name in full, or the end of exactly one ("4090": the RTX 4090).
+        ends = [card for name, card in known.items() if name.endswith(key)] if key else []
+        card = known.get(key) or (ends[0] if len(ends) == 1 else None)
         if card is None:
+            number = entry.rstrip()
+            for unit in ("gib", "gb", "g"):
+                if number.lower().endswith(unit):
+                    number = number[: -len(unit)]
+                    break
             try:
-                gib = float(entry)
+                gib = float(number)
             except ValueError:
                 names = ", ".join(name for name, _ in known.values())
                 raise Exit(f"--cards {text!r}: {entry!r} is neither a card ({names}) nor a size in GiB") from None
