@@ -615,7 +615,7 @@ fn run_cards(args: &[String]) -> Result<(), String> {
         return Ok(());
     }
     out!(
-        "The cards plans name: their memory as nvidia-smi shows its total, and what an allocator gets of it \
+        "The cards `tidepool plan` names: their memory as nvidia-smi shows its total, and what an allocator gets of it \
          ({:.1} GiB less, for the driver and the CUDA context).",
         cards::CONTEXT_BYTES as f64 / (1u64 << 30) as f64
     );
