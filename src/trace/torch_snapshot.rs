@@ -184,6 +184,14 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
         trace.warnings.add("the snapshot has no allocation history (torch.cuda.memory._record_memory_history() before the run records it): only the blocks live when it was taken are replayed");
     }
     trace.devices = trace.devices.max(devices as u32);
+    // PyTorch held at least what was live at every moment: segments that
+    // hold less at their peak (a snapshot whose segments are not the
+    // allocator's, such as `tidepool.record`'s) say nothing of PyTorch.
+    let live = trace.peak_requested_per_device();
+    if any_segment_info && recorded_peaks.iter().zip(&live).any(|(&held, &live)| held < live) {
+        trace.warnings.add("the snapshot's segments hold less than its peak of live memory: no PyTorch figure recorded");
+        any_segment_info = false;
+    }
     if any_segment_info {
         trace.pytorch_peak_reserved_per_device = recorded_peaks;
     }
@@ -282,6 +290,16 @@ mod tests {
             ]
         );
         assert_eq!(trace.pytorch_peak_reserved, Some(2 << 20));
+    }
+
+    #[test]
+    fn segments_that_hold_less_than_was_live_are_no_recorded_figure() {
+        // 3 MiB came and went inside a snapshot whose one segment holds 2 MiB
+        // and no segment event says more: not what PyTorch held.
+        let bytes = snapshot(vec![], vec![event("alloc", 0x9000_0000, 3 << 20), event("free_completed", 0x9000_0000, 3 << 20)]);
+        let trace = read(&bytes[..], "t.pickle").unwrap();
+        assert_eq!((trace.pytorch_peak_reserved, trace.pytorch_peak_reserved_per_device.len()), (None, 0));
+        assert!(trace.warnings.first.iter().any(|w| w.contains("hold less than its peak of live memory")), "{:?}", trace.warnings);
     }
 
     #[test]
