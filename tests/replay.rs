@@ -572,7 +572,7 @@ fn plan_answers_in_plain_words_and_in_json() {
     assert!(stdout.contains("tidepool expandable:true and PyTorch's allocator: fits a T4 (13.5 GiB for the allocator)."), "{stdout}");
     // Sizes as precise as the 2 MiB step: in whole MiB, not hundredths of a GiB.
     let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
-    assert!(needs.contains(" MiB with PyTorch's allocator") && needs.ends_with("(to 2 MiB)"), "{needs}");
+    assert!(needs.contains(" MiB with PyTorch's allocator") && needs.ends_with("(in steps of 2 MiB)"), "{needs}");
     assert!(needs.contains(" MiB with PyTorch's expandable_segments:True"), "{needs}");
     assert!(stdout.contains("(one step less), tidepool expandable:true runs out at event "), "{stdout}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--json"]);
@@ -597,11 +597,11 @@ fn plan_answers_in_plain_words_and_in_json() {
     assert_eq!(less["capacity_bytes"].as_u64(), Some(need - step), "{plan}");
     assert!(less["event"].as_u64().unwrap() < 75 && less["message"].as_str().unwrap().contains("out of memory"), "{plan}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--step", "4MiB"]);
-    assert!(ok && stdout.contains("(to 4 MiB)"), "{stdout}");
+    assert!(ok && stdout.contains("(in steps of 4 MiB)"), "{stdout}");
     // A step of no whole MiB: sizes to the KiB.
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--step", "1536KiB"]);
     let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
-    assert!(ok && needs.ends_with("(to 1.50 MiB)") && needs.contains(".500 MiB with PyTorch's allocator"), "{needs}");
+    assert!(ok && needs.ends_with("(in steps of 1.50 MiB)") && needs.contains(".500 MiB with PyTorch's allocator"), "{needs}");
 }
 
 #[test]

@@ -484,7 +484,7 @@ fn run_plan(args: &[String]) -> Result<(), String> {
             let step = pytorch[d].step;
             out!(
                 "{prefix}needs {} with PyTorch's allocator, {} with PyTorch's expandable_segments:True, \
-                 {} with tidepool, {} with tidepool expandable:true (to {})",
+                 {} with tidepool, {} with tidepool expandable:true (in steps of {})",
                 capacity_text(pytorch[d].min_capacity, step),
                 capacity_text(pytorch_expandable[d].min_capacity, step),
                 capacity_text(tidepool[d].min_capacity, step),
