@@ -47,9 +47,11 @@ impl fmt::Display for AllocError {
         match self {
             AllocError::OutOfMemory(report) => report.fmt(f),
             AllocError::TooLarge { size } => write!(f, "tidepool: a request of {size} bytes is too large to represent"),
-            AllocError::InvalidDevice { device, device_count } => {
-                write!(f, "tidepool: no device {device}; devices are 0..{device_count}")
-            }
+            AllocError::InvalidDevice { device, device_count } => match device_count {
+                0 => write!(f, "tidepool: no device {device}; this process has none"),
+                1 => write!(f, "tidepool: no device {device}; this process has one, device 0"),
+                n => write!(f, "tidepool: no device {device}; this process has {n}, devices 0 to {}", n - 1),
+            },
             AllocError::InvalidFree { ptr, reason } => match reason {
                 InvalidFree::Foreign => write!(f, "tidepool: free of {ptr:#x}, which tidepool never allocated"),
                 InvalidFree::NotLive => {
@@ -201,6 +203,14 @@ impl fmt::Display for OomReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_device_is_named_with_the_devices_there_are() {
+        let message = |device_count| AllocError::InvalidDevice { device: 5, device_count }.to_string();
+        assert_eq!(message(0), "tidepool: no device 5; this process has none");
+        assert_eq!(message(1), "tidepool: no device 5; this process has one, device 0");
+        assert_eq!(message(4), "tidepool: no device 5; this process has 4, devices 0 to 3");
+    }
 
     #[test]
     fn bytes_read_as_a_person_would() {
