@@ -699,6 +699,16 @@ fn the_command_line_refuses_bad_arguments_clearly() {
 }
 
 #[test]
+fn a_trace_that_allocates_nothing_needs_no_device() {
+    let path = tmp("header_only.csv");
+    std::fs::write(&path, "Thread,Time,Action,Pointer,Size,Stream\n").unwrap();
+    let (ok, stdout, stderr) = tidepool_cli(&["replay", path.to_str().unwrap()]);
+    assert!(ok && !stdout.contains("ran out"), "{stdout} {stderr}");
+    let (ok, stdout, stderr) = tidepool_cli(&["plan", path.to_str().unwrap()]);
+    assert!(ok && stdout.contains("allocates nothing: no device needed") && !stdout.contains("fits"), "{stdout} {stderr}");
+}
+
+#[test]
 fn help_after_a_command_prints_the_usage_and_succeeds() {
     for args in [vec!["--help"], vec!["-h"], vec!["plan", "--help"], vec!["replay", "trace.csv", "-h"], vec!["exporter", "--help"]] {
         let (ok, stdout, stderr) = tidepool_cli(&args);

@@ -348,7 +348,11 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
     row("peak reserved", &|r| human_bytes(r.peak_reserved_bytes), recorded.map(human_bytes));
     row(
         "reserved / requested",
-        &|r| r.reserved_over_requested().map_or_else(|| "ran out".to_string(), |ratio| format!("{ratio:.3}")),
+        &|r| match r.reserved_over_requested() {
+            Some(ratio) => format!("{ratio:.3}"),
+            None if r.ooms > 0 => "ran out".to_string(),
+            None => "-".to_string(), // nothing requested
+        },
         recorded.map(|p| format!("{:.3}", p as f64 / trace.peak_requested().max(1) as f64)),
     );
     row("device allocs", &|r| r.device_allocs.to_string(), None);
@@ -524,6 +528,10 @@ fn run_plan(args: &[String]) -> Result<(), String> {
                     oom.message
                 );
             }
+        }
+        if trace.allocs == 0 {
+            out!("The trace allocates nothing: no device needed.");
+            return Ok(());
         }
         let best = need(&tidepool).min(need(&expandable));
         let ours_name = if need(&expandable) < need(&tidepool) { "tidepool expandable:true" } else { "tidepool" };
