@@ -428,6 +428,15 @@ fn top_lists_the_processes_of_the_registry() {
     assert!(entry["comm"].as_str().unwrap().starts_with("cooperation-"), "{json}");
     assert_eq!(json["skipped"], serde_json::json!([]), "{json}");
     assert_eq!(json["registry_dir"], dir.join("registry").display().to_string(), "{json}");
+    // --registry-dir names the folder as TIDEPOOL_CONF's registry_dir does, and wins over it.
+    let named = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .args(["top", "--once", "--json", "--registry-dir"])
+        .arg(dir.join("registry"))
+        .env("TIDEPOOL_CONF", "registry_dir:/nonexistent")
+        .output()
+        .unwrap();
+    let named: serde_json::Value = serde_json::from_slice(&named.stdout).unwrap();
+    assert!(me(&named).is_some(), "{named}");
     // A GPU's key is 40 characters ("GPU-" and its UUID): another device's registry of this process.
     let gpu_key = "GPU-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718";
     let mut gpu = tidepool::reclaim::registry::Registry::join(&dir.join("registry"), gpu_key).unwrap();

@@ -789,3 +789,24 @@ fn the_guides_scrape_config_and_alert_rules_pass_promtool_and_the_alerts_fire_wh
         );
     }
 }
+
+#[test]
+fn listen_takes_a_host_name() {
+    let empty = std::env::temp_dir().join(format!("tidepool-listen-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .args(["exporter", "--listen", "localhost:0", "--registry-dir"])
+        .arg(&empty)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let _guard = Guard { child, name: "tidepool exporter" };
+    assert!(line.starts_with("tidepool exporter: listening on ") && line.contains("/metrics"), "{line:?}");
+    let refused = Command::new(env!("CARGO_BIN_EXE_tidepool")).args(["exporter", "--listen", "no port here"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("expected ADDR:PORT or HOST:PORT"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&empty);
+}

@@ -48,9 +48,10 @@ usage:
       expandable segments) and with tidepool (with and without its own), found to --step
       (default: the larger of 2 MiB and 0.25 % of the peak of live memory, in whole MiB); a
       trace of several GPUs gets one answer per device
-  tidepool top [--once] [--json]
+  tidepool top [--once] [--json] [--registry-dir DIR]
       the tidepool processes sharing devices on this machine, refreshed every second
-      (--once: one table; --json: one JSON object)
+      (--once: one table; --json: one JSON object; --registry-dir: the registries' folder, by
+      default TIDEPOOL_CONF's registry_dir)
   tidepool exporter [--listen ADDR:PORT] [--registry-dir DIR]... [--textfile PATH [--interval SECS] [--once]]
                     [--timeout SECS] [--max-connections N]
       serves the figures of every tidepool process on this machine at http://ADDR:PORT/metrics
@@ -579,16 +580,18 @@ fn step_text(step: u64) -> String {
 }
 
 fn run_top(args: &[String]) -> Result<(), String> {
-    let (mut once, mut json) = (false, false);
-    for arg in args {
+    let (mut once, mut json, mut named_dir) = (false, false, None);
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
         match arg.as_str() {
             "--once" => once = true,
             "--json" => json = true,
+            "--registry-dir" => named_dir = Some(PathBuf::from(it.next().ok_or("top: --registry-dir needs a value")?)),
             other => return Err(format!("top: unknown option {other}{SEE_HELP}")),
         }
     }
     let config = Config::from_env();
-    let dir = config.registry_dir.clone().unwrap_or_else(registry::default_dir);
+    let dir = named_dir.or_else(|| config.registry_dir.clone()).unwrap_or_else(registry::default_dir);
     if json {
         out!("{}", top_json(&dir));
         return Ok(());
@@ -770,7 +773,11 @@ fn run_exporter(args: &[String]) -> Result<(), String> {
     let serving = listen.is_some() || textfile.is_none();
     let listener = if serving {
         let listen = listen.unwrap_or_else(|| "127.0.0.1:9464".into());
-        let addr: std::net::SocketAddr = listen.parse().map_err(|_| format!("exporter: --listen: expected ADDR:PORT, got {listen:?}"))?;
+        // An address or a host name ("localhost:9464"): its first address.
+        let addr = std::net::ToSocketAddrs::to_socket_addrs(listen.as_str())
+            .ok()
+            .and_then(|mut addrs| addrs.next())
+            .ok_or_else(|| format!("exporter: --listen: expected ADDR:PORT or HOST:PORT, got {listen:?}"))?;
         let listener = std::net::TcpListener::bind(addr).map_err(|e| format!("exporter: cannot listen on {addr}: {e}"))?;
         let bound = listener.local_addr().map_err(|e| e.to_string())?;
         if !bound.ip().is_loopback() {
