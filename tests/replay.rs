@@ -699,6 +699,19 @@ fn the_command_line_refuses_bad_arguments_clearly() {
 }
 
 #[test]
+fn files_taken_for_traces_are_named_for_what_they_are() {
+    for (name, bytes, said) in [
+        ("trace.csv.gz", &[0x1f, 0x8b, 8, 0, 0][..], "a gzip file, not a trace: gunzip it first"),
+        ("model.pt", &b"PK\x03\x04rest"[..], "a zip archive (torch.save writes those)"),
+    ] {
+        let path = tmp(name);
+        std::fs::write(&path, bytes).unwrap();
+        let err = trace::load(&path).unwrap_err().to_string();
+        assert!(err.contains(said) && err.contains("_dump_snapshot"), "{err}");
+    }
+}
+
+#[test]
 fn a_trace_that_allocates_nothing_needs_no_device() {
     let path = tmp("header_only.csv");
     std::fs::write(&path, "Thread,Time,Action,Pointer,Size,Stream\n").unwrap();

@@ -287,10 +287,18 @@ pub fn load(path: &Path) -> Result<Trace, TraceError> {
     let name = path.display().to_string();
     let error = |message: String| TraceError { file: name.clone(), location: String::new(), message };
     let mut file = std::fs::File::open(path).map_err(|e| error(format!("cannot open: {e}")))?;
-    let mut first = [0u8; 1];
+    let mut first = [0u8; 4];
     let n = file.read(&mut first).map_err(|e| error(format!("cannot read: {e}")))?;
     if n == 0 {
         return Err(error("the file is empty".into()));
+    }
+    // Two files people take for traces: say what they are.
+    const SNAPSHOT: &str = "a PyTorch memory snapshot is the pickle torch.cuda.memory._dump_snapshot(path) writes";
+    if first.starts_with(&[0x1f, 0x8b]) {
+        return Err(error(format!("a gzip file, not a trace: gunzip it first ({SNAPSHOT}, or an RMM log's CSV)")));
+    }
+    if first.starts_with(b"PK\x03\x04") {
+        return Err(error(format!("a zip archive (torch.save writes those), not a trace: {SNAPSHOT}")));
     }
     let file = std::fs::File::open(path).map_err(|e| error(format!("cannot open: {e}")))?;
     if first[0] == 0x80 {
