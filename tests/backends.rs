@@ -533,6 +533,21 @@ fn child_growth_in_relaxed_capture_mode() {
     let after = unsafe { (sim.relaxed_allocs)(&mut mode) };
     assert_eq!(after - before, 1, "cuMemAlloc ran outside relaxed mode: a global-mode capture would be invalidated");
     assert_eq!(mode, 0, "the thread's capture mode was not put back");
+    // Unmapping too: a growth in a private pool that fails midway unmaps
+    // the pages it had mapped, during the capture.
+    let backend = alloc.backend();
+    let page = backend.vm_page_size(0).unwrap();
+    let base = backend.vm_reserve(0, page).unwrap();
+    backend.vm_map(0, base, page).unwrap();
+    // SAFETY: reads a counter of the loaded simgpu.
+    let unmaps = unsafe { (sim.relaxed_unmaps)() };
+    backend.vm_unmap(0, base, page).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { (sim.relaxed_unmaps)() } - unmaps, 1, "cuMemUnmap ran outside relaxed mode");
+    // SAFETY: as above.
+    unsafe { (sim.relaxed_allocs)(&mut mode) };
+    assert_eq!(mode, 0, "the thread's capture mode was not put back");
+    backend.vm_free(0, base, page).unwrap();
     alloc.free(0, ptr).unwrap();
     alloc.end_private(0, tidepool::PrivatePoolId(8, 0)).unwrap();
     alloc.release_private(0, tidepool::PrivatePoolId(8, 0)).unwrap();

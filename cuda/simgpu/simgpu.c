@@ -15,7 +15,7 @@
  *     waits for every stream, like the driver;
  *   - test entry points (simgpu_*) to queue sleeps, fills and checks of
  *     memory on a stream, to name which allocation owns a range, to count
- *     driver calls (VMM maps, event queries, allocations in relaxed capture
+ *     driver calls (VMM maps, event queries, allocations and unmaps in relaxed capture
  *     mode), and to read the
  *     use-after-free detector: a queued write that lands in a
  *     range owned by another allocation by the time it runs is counted;
@@ -360,9 +360,9 @@ static int claim(int device, size_t bytes) {
 }
 
 /* Stream capture modes: this thread's (0 global, the default; 2 relaxed),
- * and how many cuMemAlloc calls ran in relaxed mode. */
+ * and how many cuMemAlloc and cuMemUnmap calls ran in relaxed mode. */
 static __thread int capture_mode;
-static long relaxed_allocs;
+static long relaxed_allocs, relaxed_unmaps;
 
 /* Calls that take or give back device memory (cuMemAlloc, cuMemFree,
  * cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease), as
@@ -1064,6 +1064,7 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t c
 
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     COUNT_MEMORY_CALL();
+    if (capture_mode == 2) __atomic_fetch_add(&relaxed_unmaps, 1, __ATOMIC_RELAXED);
     uintptr_t addr = (uintptr_t)ptr;
     pthread_mutex_lock(&lock);
     vm_unmap_calls++;
@@ -1113,6 +1114,11 @@ CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
 long simgpu_relaxed_allocs(int *mode_now) {
     if (mode_now) *mode_now = capture_mode;
     return __atomic_load_n(&relaxed_allocs, __ATOMIC_RELAXED);
+}
+
+/* Test entry point: cuMemUnmap calls made in relaxed capture mode so far. */
+long simgpu_relaxed_unmaps(void) {
+    return __atomic_load_n(&relaxed_unmaps, __ATOMIC_RELAXED);
 }
 
 /* Nothing is ever captured; a test marks a stream as capturing to see how

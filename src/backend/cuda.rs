@@ -508,6 +508,9 @@ impl Backend for CudaBackend {
 
     fn vm_unmap(&self, device: usize, addr: u64, len: u64) -> Result<(), BackendError> {
         self.enter(device, "cuMemUnmap")?;
+        // The engine unmaps during a capture only to undo a growth that
+        // failed midway (pages no work has used), as vm_map maps: relaxed.
+        let _relaxed = RelaxedCapture::new(self);
         let page = self.devices[device].vm_page;
         self.unmap_pages(device, (addr..addr + len).step_by(page as usize))
     }
