@@ -727,6 +727,11 @@ fn help_after_a_command_prints_the_usage_and_succeeds() {
         let (ok, stdout, stderr) = tidepool_cli(&args);
         assert!(ok && stdout.contains("usage:") && stderr.is_empty(), "{args:?}: {stdout} {stderr}");
     }
+    // A command's help is that command's usage (and what a SIZE is, where it takes one).
+    let (_, plan, _) = tidepool_cli(&["plan", "--help"]);
+    assert!(plan.contains("tidepool plan FILE") && plan.contains("SIZE:") && !plan.contains("tidepool replay"), "{plan}");
+    let (_, replay, _) = tidepool_cli(&["replay", "-h"]);
+    assert!(replay.contains("[--plot OUT.svg]") && !replay.contains("tidepool top"), "{replay}");
 }
 
 #[test]

@@ -61,7 +61,7 @@ usage:
       once, then exits); with --textfile and no --listen there is no server. --timeout
       (default 10) bounds the wait for a request; --max-connections (default 64) the
       connections served at once
-  tidepool cards [--json]    the GPU cards plans name, their memory and what an allocator gets of it
+  tidepool cards [--json]    the GPU cards `tidepool plan` names, their memory and what an allocator gets of it
   tidepool config            the options of TIDEPOOL_CONF, their defaults and current values
   tidepool --version         the version
   tidepool help              this text
@@ -69,6 +69,23 @@ usage:
 SIZE: a number with its unit, KiB, MiB, GiB or TiB (K, M, G, T and KB, MB, GB, TB: the same,
 powers of 1024), or bytes (from 1 MiB).
 ";
+
+/// The usage of `command` alone (its lines of USAGE, and the note on sizes
+/// where it takes one); the whole usage for anything else.
+fn usage_of(command: &str) -> String {
+    let head = format!("  tidepool {command} ");
+    let mut lines = USAGE.lines().skip_while(|line| !line.starts_with(&head));
+    let Some(first) = lines.next() else { return USAGE.trim_end_matches('\n').to_string() };
+    let mut text = format!("usage:\n{first}");
+    for line in lines.take_while(|line| line.starts_with("      ") || line.starts_with("                ")) {
+        text += &format!("\n{line}");
+    }
+    if first.contains("SIZE") {
+        let sizes: Vec<&str> = USAGE.lines().skip_while(|line| !line.starts_with("SIZE:")).collect();
+        text += &format!("\n\n{}", sizes.join("\n"));
+    }
+    text
+}
 
 /// Appended to a refused command line: one line, not the whole usage.
 const SEE_HELP: &str = " (`tidepool help` lists the commands and their options)";
@@ -79,7 +96,7 @@ fn main() -> ExitCode {
     let asks_help = args.iter().any(|arg| arg == "--help" || arg == "-h");
     let result = match args.first().map(String::as_str) {
         _ if asks_help => {
-            out!("{}", USAGE.trim_end_matches('\n'));
+            out!("{}", usage_of(args.first().map(String::as_str).unwrap_or("")));
             Ok(())
         }
         Some("replay") => run_replay(&args[1..]),
