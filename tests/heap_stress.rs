@@ -29,7 +29,7 @@ use common::{Rng, MIB};
 /// The host backend, with events of other streams' work that finish at
 /// random, and (`chaos`) calls that fail at random where the host backend
 /// has no fault of its own to inject.
-pub struct EvBackend {
+pub struct RandomBackend {
     pub host: Arc<HostBackend>,
     next_event: AtomicU64,
     rng: Mutex<Rng>,
@@ -39,7 +39,7 @@ pub struct EvBackend {
     pub chaos: u64,
 }
 
-impl EvBackend {
+impl RandomBackend {
     fn fail(&self, call: &'static str) -> Result<(), BackendError> {
         if self.chaos > 0 && self.rng.lock().chance(self.chaos) {
             return Err(BackendError::Driver { call, code: -7, message: "chaos".into() });
@@ -48,9 +48,9 @@ impl EvBackend {
     }
 }
 
-impl Backend for EvBackend {
+impl Backend for RandomBackend {
     fn name(&self) -> &'static str {
-        "ev"
+        "host with random events and failures"
     }
     fn device_count(&self) -> usize {
         1
@@ -132,18 +132,31 @@ impl Backend for EvBackend {
 }
 
 #[derive(Clone, Copy, Debug)]
+/// One configuration of the random steps.
 pub struct Opts {
+    /// Expandable segments (else whole segments).
     pub expandable: bool,
+    /// The device's memory.
     pub capacity: u64,
+    /// Steps that make the backend fail its next allocations or releases.
     pub faults: bool,
+    /// Allocations under tags 1 and 2, and steps that pause and resume them.
     pub tags: bool,
+    /// Steps that begin, end and release private pools.
     pub private: bool,
+    /// Frees recorded on another stream (events that finish at random).
     pub events: bool,
+    /// Budgets (`max_reserved`, the shared reserve's limit) as well as idle decay.
     pub budget: bool,
+    /// The largest request.
     pub max_size: u64,
+    /// Each pool's stash of its last freed block.
     pub stash: bool,
+    /// Expandable segments' page (0: the backend's).
     pub page: u64,
+    /// Percent of the calls the host backend cannot fail that fail.
     pub chaos: u64,
+    /// max_split_size and roundup_power2_divisions as PyTorch's settings write them.
     pub split_rules: bool,
 }
 
@@ -210,7 +223,7 @@ unsafe fn check_pattern(addr: u64, size: u64) -> bool {
 
 pub fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
     let host = Arc::new(HostBackend::new(1, o.capacity));
-    let ev = Arc::new(EvBackend {
+    let backend = Arc::new(RandomBackend {
         host: host.clone(),
         next_event: AtomicU64::new(0),
         rng: Mutex::new(Rng(seed ^ 0x1234_5678_9abc)),
@@ -223,7 +236,7 @@ pub fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
         rules.max_split_size = 8 * MIB;
         rules.roundup_power2_divisions = 4;
     }
-    let mut heap = DeviceHeap::new(0, rules, ev.clone());
+    let mut heap = DeviceHeap::new(0, rules, backend.clone());
     let reserve = Arc::new(Reserve::default());
     heap.share_reserve(reserve.clone());
     if o.expandable {
