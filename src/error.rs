@@ -141,7 +141,7 @@ impl fmt::Display for OomReport {
         write!(
             f,
             "tidepool: out of memory on device {}: tried to allocate {}; {} allocated, {} reserved, \
-             of which {} cached free (largest free block {}; fragmentation {:.0} %: {} free inside \
+             of which {} cached free (largest free block {}; fragmentation {:.1} %: {} free inside \
              partly used segments)",
             self.device,
             human_bytes(self.requested),
@@ -247,7 +247,7 @@ mod tests {
             "13.00 GiB reserved",
             "3.00 GiB cached free",
             "largest free block 1.00 GiB",
-            "fragmentation 15 %: 2.00 GiB free inside partly used segments",
+            "fragmentation 15.4 %: 2.00 GiB free inside partly used segments",
             "expandable:true",
             "max_split_size_mb",
             "batch size",
