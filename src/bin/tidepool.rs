@@ -15,7 +15,7 @@ use tidepool::reclaim::policy::Reason;
 use tidepool::reclaim::registry;
 use tidepool::trace::cards::{self, card_advice};
 use tidepool::trace::plan::{smallest_capacity_per_device, Plan};
-use tidepool::trace::replay::{name_device, replay_with_progress, serves_recorded_oom, Policy, ReplayOptions, ReplayReport};
+use tidepool::trace::replay::{replay_device, serves_recorded_oom, Policy, ReplayOptions, ReplayReport};
 use tidepool::trace::{self, RecordedOom, Trace};
 use tidepool::Config;
 
@@ -292,12 +292,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
                         );
                     }
                 };
-                let mut report = replay_with_progress(part, &replay_options, bar)?;
-                report.device = device;
-                if let Some(oom) = &mut report.first_oom {
-                    oom.message = name_device(&oom.message, device);
-                }
-                reports.push(report);
+                reports.push(replay_device(device, part, &replay_options, bar)?);
             }
             by_device.push(reports);
         }

@@ -198,16 +198,23 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
 /// nothing are left out). A device's figures are one
 /// card's, never sums over cards.
 pub fn replay_per_device(trace: &Trace, options: &ReplayOptions) -> Result<Vec<ReplayReport>, String> {
-    let mut reports = Vec::new();
-    for (device, part) in trace.per_device() {
-        let mut report = replay(&part, options)?;
-        report.device = device;
-        if let Some(oom) = &mut report.first_oom {
-            oom.message = name_device(&oom.message, device);
-        }
-        reports.push(report);
+    trace.per_device().into_iter().map(|(device, part)| replay_device(device, &part, options, |_, _| {})).collect()
+}
+
+/// `replay_with_progress` of `part`, the part of a trace on `device`
+/// (`Trace::per_device`): its report is that device's, and names it.
+pub fn replay_device(
+    device: u32,
+    part: &Trace,
+    options: &ReplayOptions,
+    progress: impl FnMut(usize, usize),
+) -> Result<ReplayReport, String> {
+    let mut report = replay_with_progress(part, options, progress)?;
+    report.device = device;
+    if let Some(oom) = &mut report.first_oom {
+        oom.message = name_device(&oom.message, device);
     }
-    Ok(reports)
+    Ok(report)
 }
 
 /// An allocator's message from the replay of one device's part (replayed
