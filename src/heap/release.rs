@@ -119,9 +119,9 @@ impl DeviceHeap {
         // walk (under the heap's lock) looks at no others.
         let under_pressure = pressure.reserved > policy.max_reserved || pressure.device_free < policy.headroom;
         let idle_before = if under_pressure { u64::MAX } else { self.clock.now_ms().saturating_sub(policy.release_after_ms) };
-        // Holes hold pages in expandable segments and in tags' ranges (paged
-        // whatever `expandable` says).
-        let paged = self.vm.is_some() || self.pools.iter().any(|p| p.vm.is_some());
+        // Holes hold pages in any pool that grows by pages: expandable
+        // segments', and tags' (paged whatever `expandable` says).
+        let paged = self.pools.iter().any(|p| p.vm.is_some());
         let holes = if paged && (under_pressure || policy.release_after_ms != u64::MAX) {
             self.holes_with_free_pages(idle_before)
         } else {
