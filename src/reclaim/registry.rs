@@ -904,30 +904,21 @@ mod tests {
         let mut a = Registry::join(&dir, "huge").unwrap();
         let liar =
             Entry { pid: std::process::id(), request_bytes: u64::MAX, reserved: u64::MAX, heartbeat_ms: now_ms(), ..Entry::default() };
-        for slot in 0..SLOTS {
-            if slot != a.slot {
-                a.write_slot(slot, &liar).unwrap();
+        let others_publish = |a: &mut Registry, entry: &Entry| {
+            for slot in (0..SLOTS).filter(|&slot| slot != a.slot) {
+                a.write_slot(slot, entry).unwrap();
             }
-        }
-        assert_eq!(a.publish(Entry::default()).unwrap(), u64::MAX, "saturates, no overflow");
+            a.publish(Entry::default()).unwrap()
+        };
+        assert_eq!(others_publish(&mut a, &liar), u64::MAX, "saturates, no overflow");
         // The same requests from processes that showed no life for longer
         // than REQUEST_FRESH_MS (stopped mid-wait): not honoured.
         let stale = Entry { heartbeat_ms: now_ms() - REQUEST_FRESH_MS - 1000, ..liar };
-        for slot in 0..SLOTS {
-            if slot != a.slot {
-                a.write_slot(slot, &stale).unwrap();
-            }
-        }
-        assert_eq!(a.publish(Entry::default()).unwrap(), 0);
+        assert_eq!(others_publish(&mut a, &stale), 0);
         // Heartbeats from before the wall clock stepped back an hour look an
         // hour ahead: those requests are not honoured either.
         let ahead = Entry { heartbeat_ms: now_ms() + 3_600_000, ..liar };
-        for slot in 0..SLOTS {
-            if slot != a.slot {
-                a.write_slot(slot, &ahead).unwrap();
-            }
-        }
-        assert_eq!(a.publish(Entry::default()).unwrap(), 0);
+        assert_eq!(others_publish(&mut a, &ahead), 0);
         // A truncated file reads as empty slots, not a crash.
         a.file.set_len(HEADER + 3).unwrap();
         assert!(a.publish(Entry::default()).is_ok());
