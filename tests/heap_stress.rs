@@ -29,14 +29,14 @@ use common::{Rng, MIB};
 /// The host backend, with events of other streams' work that finish at
 /// random, and (`chaos`) calls that fail at random where the host backend
 /// has no fault of its own to inject.
-pub struct RandomBackend {
-    pub host: Arc<HostBackend>,
+struct RandomBackend {
+    host: Arc<HostBackend>,
     next_event: AtomicU64,
     rng: Mutex<Rng>,
-    pub events_on: bool,
-    pub outstanding: Mutex<HashSet<u64>>,
+    events_on: bool,
+    outstanding: Mutex<HashSet<u64>>,
     /// Percent chance that a call the host backend cannot fail fails.
-    pub chaos: u64,
+    chaos: u64,
 }
 
 impl RandomBackend {
@@ -133,31 +133,31 @@ impl Backend for RandomBackend {
 
 #[derive(Clone, Copy, Debug)]
 /// One configuration of the random steps.
-pub struct Opts {
+struct Opts {
     /// Expandable segments (else whole segments).
-    pub expandable: bool,
+    expandable: bool,
     /// The device's memory.
-    pub capacity: u64,
+    capacity: u64,
     /// Steps that make the backend fail its next allocations or releases.
-    pub faults: bool,
+    faults: bool,
     /// Allocations under tags 1 and 2, and steps that pause and resume them.
-    pub tags: bool,
+    tags: bool,
     /// Steps that begin, end and release private pools.
-    pub private: bool,
+    private: bool,
     /// Frees recorded on another stream (events that finish at random).
-    pub events: bool,
+    events: bool,
     /// Budgets (`max_reserved`, the shared reserve's limit) as well as idle decay.
-    pub budget: bool,
+    budget: bool,
     /// The largest request.
-    pub max_size: u64,
+    max_size: u64,
     /// Each pool's stash of its last freed block.
-    pub stash: bool,
+    stash: bool,
     /// Expandable segments' page (0: the backend's).
-    pub page: u64,
+    page: u64,
     /// Percent of the calls the host backend cannot fail that fail.
-    pub chaos: u64,
+    chaos: u64,
     /// max_split_size and roundup_power2_divisions as PyTorch's settings write them.
-    pub split_rules: bool,
+    split_rules: bool,
 }
 
 impl Default for Opts {
@@ -221,7 +221,7 @@ unsafe fn check_pattern(addr: u64, size: u64) -> bool {
     }
 }
 
-pub fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
+fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
     let host = Arc::new(HostBackend::new(1, o.capacity));
     let backend = Arc::new(RandomBackend {
         host: host.clone(),
@@ -472,108 +472,98 @@ fn sweep(name: &str, o: Opts) {
     assert!(failures.is_empty(), "{name}: {} failures, first: {:?}", failures.len(), failures[0]);
 }
 
-const CONFIGURATIONS: [&str; 23] = [
-    "plain",
-    "expandable",
-    "expandable_budget",
-    "plain_budget",
-    "faults_plain",
-    "faults_expandable",
-    "tags",
-    "tags_faults",
-    "private",
-    "events",
-    "events_plain",
-    "all",
-    "all_plain",
-    "big_page",
-    "nostash",
-    "tight",
-    "tight_faults",
-    "tight_plain",
-    "chaos",
-    "chaos_plain",
-    "split",
-    "split_plain",
-    "split_nostash",
-];
+/// Every configuration, by name.
+fn configurations() -> Vec<(&'static str, Opts)> {
+    vec![
+        ("plain", Opts { expandable: false, ..Opts::default() }),
+        ("expandable_budget", Opts { budget: true, capacity: 256 * MIB, ..Opts::default() }),
+        ("plain_budget", Opts { expandable: false, budget: true, capacity: 256 * MIB, ..Opts::default() }),
+        ("faults_plain", Opts { expandable: false, faults: true, ..Opts::default() }),
+        ("faults_expandable", Opts { faults: true, ..Opts::default() }),
+        ("tags", Opts { tags: true, ..Opts::default() }),
+        ("tags_faults", Opts { tags: true, faults: true, budget: true, ..Opts::default() }),
+        ("private", Opts { private: true, tags: true, ..Opts::default() }),
+        ("events", Opts { events: true, ..Opts::default() }),
+        ("events_plain", Opts { events: true, expandable: false, ..Opts::default() }),
+        ("all", Opts { events: true, tags: true, private: true, faults: true, budget: true, capacity: 384 * MIB, ..Opts::default() }),
+        (
+            "all_plain",
+            Opts {
+                expandable: false,
+                events: true,
+                tags: true,
+                private: true,
+                faults: true,
+                budget: true,
+                capacity: 384 * MIB,
+                ..Opts::default()
+            },
+        ),
+        ("big_page", Opts { page: 8 * MIB, budget: true, tags: true, ..Opts::default() }),
+        ("nostash", Opts { stash: false, events: true, tags: true, budget: true, ..Opts::default() }),
+        ("expandable", Opts::default()),
+        ("tight", Opts { capacity: 96 * MIB, budget: true, tags: true, events: true, ..Opts::default() }),
+        (
+            "tight_faults",
+            Opts { capacity: 96 * MIB, budget: true, tags: true, events: true, faults: true, private: true, ..Opts::default() },
+        ),
+        (
+            "tight_plain",
+            Opts {
+                expandable: false,
+                capacity: 96 * MIB,
+                budget: true,
+                tags: true,
+                events: true,
+                faults: true,
+                private: true,
+                ..Opts::default()
+            },
+        ),
+        (
+            "chaos",
+            Opts { chaos: 5, faults: true, tags: true, events: true, private: true, budget: true, capacity: 256 * MIB, ..Opts::default() },
+        ),
+        (
+            "chaos_plain",
+            Opts {
+                expandable: false,
+                chaos: 5,
+                faults: true,
+                tags: true,
+                events: true,
+                private: true,
+                budget: true,
+                capacity: 256 * MIB,
+                ..Opts::default()
+            },
+        ),
+        ("split", Opts { split_rules: true, tags: true, events: true, budget: true, ..Opts::default() }),
+        (
+            "split_plain",
+            Opts { expandable: false, split_rules: true, tags: true, events: true, budget: true, faults: true, ..Opts::default() },
+        ),
+        ("split_nostash", Opts { stash: false, split_rules: true, events: true, ..Opts::default() }),
+    ]
+}
 
-pub fn opts_by_name(name: &str) -> Opts {
-    match name {
-        "plain" => Opts { expandable: false, ..Opts::default() },
-        "expandable_budget" => Opts { budget: true, capacity: 256 * MIB, ..Opts::default() },
-        "plain_budget" => Opts { expandable: false, budget: true, capacity: 256 * MIB, ..Opts::default() },
-        "faults_plain" => Opts { expandable: false, faults: true, ..Opts::default() },
-        "faults_expandable" => Opts { faults: true, ..Opts::default() },
-        "tags" => Opts { tags: true, ..Opts::default() },
-        "tags_faults" => Opts { tags: true, faults: true, budget: true, ..Opts::default() },
-        "private" => Opts { private: true, tags: true, ..Opts::default() },
-        "events" => Opts { events: true, ..Opts::default() },
-        "events_plain" => Opts { events: true, expandable: false, ..Opts::default() },
-        "all" => Opts { events: true, tags: true, private: true, faults: true, budget: true, capacity: 384 * MIB, ..Opts::default() },
-        "all_plain" => Opts {
-            expandable: false,
-            events: true,
-            tags: true,
-            private: true,
-            faults: true,
-            budget: true,
-            capacity: 384 * MIB,
-            ..Opts::default()
-        },
-        "big_page" => Opts { page: 8 * MIB, budget: true, tags: true, ..Opts::default() },
-        "nostash" => Opts { stash: false, events: true, tags: true, budget: true, ..Opts::default() },
-        "expandable" => Opts::default(),
-        "tight" => Opts { capacity: 96 * MIB, budget: true, tags: true, events: true, ..Opts::default() },
-        "tight_faults" => {
-            Opts { capacity: 96 * MIB, budget: true, tags: true, events: true, faults: true, private: true, ..Opts::default() }
-        }
-        "tight_plain" => Opts {
-            expandable: false,
-            capacity: 96 * MIB,
-            budget: true,
-            tags: true,
-            events: true,
-            faults: true,
-            private: true,
-            ..Opts::default()
-        },
-        "chaos" => {
-            Opts { chaos: 5, faults: true, tags: true, events: true, private: true, budget: true, capacity: 256 * MIB, ..Opts::default() }
-        }
-        "chaos_plain" => Opts {
-            expandable: false,
-            chaos: 5,
-            faults: true,
-            tags: true,
-            events: true,
-            private: true,
-            budget: true,
-            capacity: 256 * MIB,
-            ..Opts::default()
-        },
-        "split" => Opts { split_rules: true, tags: true, events: true, budget: true, ..Opts::default() },
-        "split_plain" => {
-            Opts { expandable: false, split_rules: true, tags: true, events: true, budget: true, faults: true, ..Opts::default() }
-        }
-        "split_nostash" => Opts { stash: false, split_rules: true, events: true, ..Opts::default() },
-        _ => panic!("unknown {name}"),
-    }
+fn opts_by_name(name: &str) -> Opts {
+    configurations().into_iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no configuration {name}")).1
 }
 
 /// Every configuration with expandable segments, each on its seeds.
 #[test]
 fn random_steps_keep_every_invariant_with_expandable_segments() {
-    for name in CONFIGURATIONS.into_iter().filter(|name| opts_by_name(name).expandable) {
-        sweep(name, opts_by_name(name));
+    for (name, opts) in configurations().into_iter().filter(|(_, opts)| opts.expandable) {
+        sweep(name, opts);
     }
 }
 
 /// Every configuration without, each on its seeds (a test of its own: the two run side by side).
 #[test]
 fn random_steps_keep_every_invariant_with_whole_segments() {
-    for name in CONFIGURATIONS.into_iter().filter(|name| !opts_by_name(name).expandable) {
-        sweep(name, opts_by_name(name));
+    for (name, opts) in configurations().into_iter().filter(|(_, opts)| !opts.expandable) {
+        sweep(name, opts);
     }
 }
 
