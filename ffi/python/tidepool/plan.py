@@ -195,20 +195,23 @@ def find_tidepool(explicit=None):
     # The wheel installs it into the environment's bin directory, which is
     # on PATH only in an activated environment.
     installed = os.path.join(sysconfig.get_path("scripts"), "tidepool")
+
+    def runnable(path):
+        return path and os.path.isfile(path) and os.access(path, os.X_OK)
+
     # One named by --tidepool or TIDEPOOL_BIN is the one: a typo is an error,
     # not a silent fall back to another (perhaps older) build.
-    for how, named in ((f"--tidepool {explicit}", explicit), (f"TIDEPOOL_BIN={os.environ.get('TIDEPOOL_BIN')}",
-                                                            os.environ.get("TIDEPOOL_BIN"))):
+    for how, named in (("--tidepool ", explicit), ("TIDEPOOL_BIN=", os.environ.get("TIDEPOOL_BIN"))):
         if named:
-            if os.path.isfile(named) and os.access(named, os.X_OK):
+            if runnable(named):
                 return named
-            raise Exit(f"{how}: not an executable")
-    candidates = [shutil.which("tidepool"), installed]
+            raise Exit(f"{how}{named}: not an executable")
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.normpath(os.path.join(here, "..", "..", ".."))
+    candidates = [shutil.which("tidepool"), installed]
     candidates += [os.path.join(root, "target", kind, "tidepool") for kind in ("release", "debug")]
     for path in candidates:
-        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+        if runnable(path):
             return path
     raise Exit("the tidepool command is not found: build it (cargo build --release in a tidepool checkout, or "
                "cargo install --path .), put it on PATH or name it with --tidepool or TIDEPOOL_BIN")
