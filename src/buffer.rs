@@ -8,7 +8,7 @@
 //!   It costs nothing per buffer (no reference count touched on every
 //!   allocation and drop, the cached pair stays as cheap as `allocate` +
 //!   `free`), and it works with every way an allocator is held: a local
-//!   one, one in an `Arc`, and the process-wide [`crate::global()`], whose
+//!   one, one in an `Arc`, and the process-wide [`crate::process::global()`], whose
 //!   buffers are `Buffer<'static, T>` and can be stored anywhere and sent
 //!   to any thread. The borrow checker, not a count, proves that no buffer
 //!   outlives its allocator.
@@ -31,7 +31,9 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use crate::{AllocError, Allocator, DevicePtr, Stream};
+use crate::allocator::Allocator;
+use crate::error::AllocError;
+use crate::types::{DevicePtr, Stream};
 
 /// `len` elements of `T` in device memory on `device`, for use on
 /// `stream`; freed on that stream when dropped. Made by

@@ -52,7 +52,7 @@ pub struct Config {
     /// The longest a request waits for the other processes' answer before
     /// OOM (only when one shows cache to give back; less once all answered).
     pub oom_wait_ms: u64,
-    /// Where the registries live (None: `reclaim::registry::default_dir()`).
+    /// Where the registries live (None: `registry::default_dir()`).
     pub registry_dir: Option<std::path::PathBuf>,
     /// Host backend: a file that makes every process naming it share the capacity.
     pub host_shared: Option<std::path::PathBuf>,

@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::error::AllocError;
-use crate::reclaim::registry::{self, Entry, Registry};
+use crate::registry::{self, Entry, Registry};
 use crate::stats::{Events, Released};
 
 /// How long the asking thread sleeps between two tries.

@@ -32,8 +32,11 @@ use cudarc::driver::{
 };
 use parking_lot::Mutex;
 
+use crate::allocator::Allocator;
 use crate::backend::BackendError;
-use crate::{AllocError, Allocator, Buffer, Stream};
+use crate::buffer::Buffer;
+use crate::error::AllocError;
+use crate::types::Stream;
 
 impl From<&CudaStream> for Stream {
     /// The stream's `CUstream` handle (0: the legacy default stream).

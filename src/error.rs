@@ -98,7 +98,7 @@ pub struct OomReport {
     /// Of `cached_free`, the bytes inside partly used segments: they can
     /// neither go back to the driver nor serve a request larger than their hole.
     pub inactive_split: u64,
-    /// `inactive_split / reserved` ([`crate::Stats::fragmentation`]).
+    /// `inactive_split / reserved` ([`crate::stats::Stats::fragmentation`]).
     pub fragmentation: f64,
     /// The device's free and total bytes, when the backend could tell.
     pub device_free: Option<u64>,

@@ -8,10 +8,11 @@
 use std::io::Write;
 use std::path::Path;
 
+use crate::allocator::Allocator;
+use crate::heap::history::HistoryAction;
 use crate::heap::BlockSnapshot;
 use crate::pickle::{dumps, PyValue};
 use crate::size_class::PoolKind;
-use crate::{Allocator, HistoryAction};
 
 /// The snapshot of every device as a Python value:
 /// `{"segments": [...], "device_traces": [[], ...]}`.
@@ -86,7 +87,7 @@ fn device_trace(alloc: &Allocator, device: usize) -> Vec<PyValue> {
 /// The frames of `context` as PyTorch lists them: `[{"filename", "line", "name"}, ...]`.
 fn frames(alloc: &Allocator, context: u64) -> PyValue {
     let frames = alloc.context_frames(context);
-    let frame = |f: &crate::Frame| {
+    let frame = |f: &crate::frames::Frame| {
         PyValue::dict([("filename", PyValue::str(&f.filename)), ("line", PyValue::int(f.line)), ("name", PyValue::str(&f.name))])
     };
     PyValue::List(frames.iter().map(frame).collect())

@@ -11,7 +11,7 @@ impl Stream {
     pub const DEFAULT: Stream = Stream(0);
 }
 
-/// A device address returned by [`crate::Allocator::allocate`]; 0 for a 0-byte request.
+/// A device address returned by [`crate::allocator::Allocator::allocate`]; 0 for a 0-byte request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DevicePtr(pub u64);
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks of tidepool, for a machine with an NVIDIA GPU, nvcc, PyTorch
 # and transformers, but no cargo: build elsewhere first
-#   cargo build --release --lib --bin tidepool && cargo test --release --test backends --no-run
-#   cp target/release/deps/backends-<hash> target/release/backends-test
+#   cargo build --release -p tidepool --lib && cargo build --release -p tidepool-tools --bin tidepool
+#   cargo test --release -p tidepool --test engine --no-run
+#   cp target/release/deps/engine-<hash> target/release/backends-test
 #   cargo build --release --features cudarc --example rust_runtime
 # (carry target/release/libtidepool.so, target/release/tidepool,
 # target/release/backends-test and target/release/examples/rust_runtime),
@@ -30,10 +31,10 @@ nvcc -O2 -I ffi cuda/check/tidepool_check.cu -L target/release -ltidepool -lcuda
 echo "== conformance suite on the real driver"
 if [ -x target/release/backends-test ]; then
   TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda timeout 120 \
-    target/release/backends-test --ignored --exact child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance.txt"
+    target/release/backends-test --ignored --exact backends::child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance.txt"
   echo "-- with expandable segments"
   TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda TIDEPOOL_TEST_CONF=expandable:true timeout 120 \
-    target/release/backends-test --ignored --exact child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance-expandable.txt"
+    target/release/backends-test --ignored --exact backends::child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance-expandable.txt"
 else
   echo "target/release/backends-test missing: conformance skipped" | tee "$OUT/conformance.txt" "$OUT/conformance-expandable.txt"
 fi

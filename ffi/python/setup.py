@@ -2,13 +2,15 @@
 
 Three shared libraries go into the package beside its Python modules, and
 the `tidepool` command into the environment's bin directory:
-- libtidepool.so, the allocator, built by cargo from ../../Cargo.toml
-  (setuptools-rust, as a plain cdylib: Python loads it with ctypes);
+- libtidepool.so, the allocator, built by cargo from ../../Cargo.toml (the
+  `tidepool` crate; setuptools-rust, as a plain cdylib: Python loads it
+  with ctypes);
 - libtidepool_torch.so, the C++ entry points PyTorch calls, which turn an
   out-of-memory into a C++ exception PyTorch raises in Python;
 - _stacks, a small extension module that captures Python frames for
   record_memory_history(stacks="python");
-- the tidepool command (replay, plan, top, exporter), a cargo binary.
+- the tidepool command (replay, plan, top, exporter), a cargo binary of the
+  `tidepool-tools` crate (../../tools/Cargo.toml).
 """
 import os
 import pathlib
@@ -19,6 +21,7 @@ from setuptools import Extension, setup
 
 HERE = pathlib.Path(__file__).resolve().parent
 CRATE = HERE.parents[1] / "Cargo.toml"
+TOOLS = HERE.parents[1] / "tools" / "Cargo.toml"
 CARGO_HOME_BIN = pathlib.Path.home() / ".cargo" / "bin"
 
 
@@ -52,7 +55,7 @@ def rust_extensions():
         ),
         # The tidepool command (replay, plan, top, exporter), installed into
         # the environment's bin directory: `python -m tidepool.plan` runs it.
-        RustBin("tidepool", path=str(CRATE), args=["--locked"]),
+        RustBin("tidepool", path=str(TOOLS), args=["--locked"]),
     ]
 
 

@@ -10,7 +10,6 @@
 #![forbid(unsafe_code)]
 
 pub mod policy;
-pub mod registry;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};

@@ -24,6 +24,17 @@ pub fn host_allocator(devices: usize, capacity: u64, conf: &str) -> (Allocator, 
     (Allocator::with_backend(config, backend.clone()), backend)
 }
 
+/// The configuration of a process sharing a 1 GiB host device and its
+/// registry under `dir` with other processes, publishing every 20 ms.
+pub fn shared_host_conf(dir: &std::path::Path, cooperative: bool) -> String {
+    format!(
+        "backend:host,host_shared:{},registry_dir:{},host_capacity_mb:1024,release_after_ms:off,headroom_mb:0,\
+         reclaim_interval_ms:20,cooperative:{cooperative},oom_wait_ms:5000",
+        dir.join("capacity").display(),
+        dir.join("registry").display()
+    )
+}
+
 /// Bytes device 0 reserves now.
 pub fn reserved(alloc: &Allocator) -> u64 {
     alloc.stats(0).unwrap().reserved_bytes.all.current
@@ -99,6 +110,13 @@ fn pattern_word(tag: u64, index: u64) -> u64 {
     (tag ^ 0xA5A5_5A5A_0F0F_F0F0).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(index.wrapping_mul(0x1000_0000_0000_0001))
 }
 
+/// The repository's root, where the workspace's Cargo.lock is (the
+/// allocator's tests run from it, the tools' from tools/).
+pub fn repo_root() -> &'static std::path::Path {
+    let crate_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    crate_dir.ancestors().find(|dir| dir.join("Cargo.lock").is_file()).expect("the workspace's Cargo.lock")
+}
+
 /// The C library (libtidepool.so) of this build, built on first use:
 /// `cargo test` builds the crate as a Rust library only.
 pub fn cdylib() -> std::path::PathBuf {
@@ -108,7 +126,7 @@ pub fn cdylib() -> std::path::PathBuf {
     let release = profile_dir.file_name().is_some_and(|n| n == "release");
     BUILD.call_once(|| {
         let mut build = std::process::Command::new(env!("CARGO"));
-        build.args(["build", "--lib", "--quiet", "--manifest-path", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")]);
+        build.args(["build", "--lib", "--quiet", "-p", "tidepool", "--manifest-path"]).arg(repo_root().join("Cargo.toml"));
         if release {
             build.arg("--release");
         }
@@ -122,7 +140,7 @@ pub fn cdylib() -> std::path::PathBuf {
 /// `flags` against this build's cdylib and ffi/tidepool.h, into the test
 /// scratch directory as `name` (one name per test: tests run in parallel).
 pub fn build_against_cdylib(compiler: &str, flags: &[&str], sources: &[&str], name: &str) -> std::path::PathBuf {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = repo_root();
     let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let lib = cdylib().parent().unwrap().to_path_buf();
     let status = std::process::Command::new(compiler)
@@ -160,7 +178,7 @@ pub fn simgpu_symbol(name: &std::ffi::CStr) -> *mut libc::c_void {
 /// Builds cuda/simgpu (the stand-in libcuda.so) into a directory of its
 /// own and returns that directory, for LD_LIBRARY_PATH.
 pub fn simgpu_dir() -> std::path::PathBuf {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = repo_root();
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("simgpu");
     std::fs::create_dir_all(&dir).unwrap();
     // Built under a name of its own, then renamed: tests build it in parallel.
@@ -228,8 +246,28 @@ pub fn wait_for_file(path: &std::path::Path, timeout: std::time::Duration) -> bo
 /// environment and runs it (`child_output`) or spawns it.
 pub fn child_command(name: &str) -> std::process::Command {
     let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-    command.args(["--ignored", "--exact", name, "--test-threads=1", "--nocapture"]).env("TIDEPOOL_TEST_CHILD", "1");
+    command.args(["--ignored", "--exact", &test_path(name), "--test-threads=1", "--nocapture"]).env("TIDEPOOL_TEST_CHILD", "1");
     command
+}
+
+/// The full name (`module::name`) of the one ignored test of this binary
+/// called `name`: a binary groups several files, each a module.
+fn test_path(name: &str) -> String {
+    static LIST: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let list = LIST.get_or_init(|| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--list", "--ignored"])
+            .output()
+            .expect("the test binary lists its tests");
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines().filter_map(|line| line.strip_suffix(": test")).map(str::to_string).collect()
+    });
+    let suffix = format!("::{name}");
+    let found: Vec<&String> = list.iter().filter(|path| *path == name || path.ends_with(&suffix)).collect();
+    match found.as_slice() {
+        [path] => path.to_string(),
+        _ => panic!("child test {name:?}: {} tests of this binary have that name: {found:?}", found.len()),
+    }
 }
 
 /// Starts the child test `name` of this binary with `env`, its stdout piped.

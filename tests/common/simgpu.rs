@@ -1,6 +1,7 @@
 //! simgpu's streams, events and test entry points, looked up in the
 //! libcuda.so a child test process loaded (simgpu, through LD_LIBRARY_PATH)
-//! and cast to the C signatures cuda/simgpu/simgpu.c declares.
+//! and cast to the C signatures cuda/simgpu/simgpu.c declares; and the
+//! child tests that run over it.
 
 use std::ffi::{c_void, CStr};
 
@@ -68,4 +69,43 @@ impl Simgpu {
         assert_eq!(unsafe { (self.stream_create)(&mut s, 0) }, 0);
         s
     }
+}
+
+// ---- child tests over simgpu ----------------------------------------------
+
+/// Runs the (ignored) child test `name` of this binary in a child process
+/// with `env`: whether it ran and passed, and what it printed.
+pub fn child(name: &str, env: &[(&str, &str)]) -> (bool, String) {
+    super::child_output(super::child_command(name).envs(env.iter().copied()))
+}
+
+/// Runs the child test `name` over simgpu (a device of `capacity`, plus
+/// `env`); asserts that it passed and returns what it printed.
+pub fn on_simgpu(name: &str, capacity: &str, env: &[(&str, &str)]) -> String {
+    let dir = super::simgpu_dir();
+    let mut all = vec![("LD_LIBRARY_PATH", dir.to_str().unwrap()), ("SIMGPU_CAPACITY", capacity)];
+    all.extend_from_slice(env);
+    let (ok, text) = child(name, &all);
+    assert!(ok, "{name} failed:\n{text}");
+    text
+}
+
+/// Runs the child test `name` over simgpu (as `on_simgpu`) and asserts
+/// that it printed `expected`.
+pub fn child_prints(name: &str, capacity: &str, env: &[(&str, &str)], expected: &str) {
+    let text = on_simgpu(name, capacity, env);
+    assert!(text.contains(expected), "{name} with {env:?}: {expected:?} not printed:\n{text}");
+}
+
+/// The backend a child runs on: TIDEPOOL_TEST_BACKEND, `cuda` by default.
+pub fn child_backend() -> String {
+    std::env::var("TIDEPOOL_TEST_BACKEND").unwrap_or_else(|_| "cuda".into())
+}
+
+/// An allocator over the child's CUDA backend, with TIDEPOOL_TEST_CONF and `conf`.
+pub fn cuda_allocator(conf: &str) -> tidepool::Allocator {
+    let base = format!("backend:{},release_after_ms:off,headroom_mb:0", child_backend());
+    let extra = std::env::var("TIDEPOOL_TEST_CONF").unwrap_or_default();
+    let config = tidepool::Config::builder().conf(&base).unwrap().conf(&extra).unwrap().conf(conf).unwrap().build().unwrap();
+    tidepool::Allocator::new(config).unwrap()
 }

@@ -1,0 +1,345 @@
+//! This process's slot in one device's registry: joining (a private
+//! folder, a file of the right version), the file's lock, publishing the
+//! process's figures, and asking the others for memory.
+
+use std::fs::{File, OpenOptions};
+use std::io::ErrorKind;
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::format::{own_comm, Entry, FILE_BYTES, HEADER, MAGIC, SLOT, SLOTS, V1_SLOT, VERSION};
+
+/// How long to wait for the registry's lock before giving up this time.
+pub(super) const LOCK_WAIT: Duration = Duration::from_millis(50);
+/// A request counts only while its process showed life this recently: one
+/// that waits refreshes its heartbeat as it polls (`answered`), so a
+/// request left by a process stopped mid-wait (SIGSTOP, a frozen cgroup)
+/// stops making the others release their cache. A heartbeat ahead of the
+/// reader's clock (written before the wall clock stepped back) shows no
+/// life: a stopped asker's request does not outlive a step back.
+pub const REQUEST_FRESH_MS: u64 = 10_000;
+/// Why the registry could not be used (cooperation is then off for it).
+#[derive(Debug)]
+pub struct RegistryError(pub String);
+
+impl std::fmt::Display for RegistryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+pub(super) fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Whether a process with this pid runs (on this machine).
+pub fn alive(pid: u32) -> bool {
+    pid != 0 && Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// This process's user: the owner of its own /proc entry.
+pub(super) fn own_uid() -> std::io::Result<u32> {
+    std::fs::metadata("/proc/self").map(|m| m.uid())
+}
+
+/// The default directory: `$XDG_RUNTIME_DIR/tidepool`, else `/tmp/tidepool-<uid>`.
+pub fn default_dir() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("tidepool"),
+        _ => PathBuf::from(format!("/tmp/tidepool-{}", own_uid().unwrap_or(0))),
+    }
+}
+
+/// This process's slot in one device's registry.
+#[derive(Debug)]
+pub struct Registry {
+    pub(super) file: File,
+    path: PathBuf,
+    pub(super) slot: usize,
+    pub(super) pid: u32,
+    comm: [u8; 16],
+    /// The heartbeat of the last publication that saw a request (0: none
+    /// since the last `mark_answered`).
+    saw_request_ms: u64,
+}
+
+/// A request posted by `Registry::ask`: when, and which slots could help.
+#[derive(Clone, Debug)]
+pub struct Asked {
+    pub posted_ms: u64,
+    /// (slot, pid, answer stamp at the time of asking) of each live
+    /// process that showed memory to give back.
+    pub helpers: Vec<(usize, u32, u64)>,
+}
+
+impl Registry {
+    /// Opens (creating if needed) the registry of `key` in `dir` and claims a slot.
+    pub fn join(dir: &Path, key: &str) -> Result<Registry, RegistryError> {
+        let fail = |what: &str, e: std::io::Error| RegistryError(format!("registry {}: {what}: {e}", dir.display()));
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| fail("cannot create", e))?;
+        // A directory made in advance by someone else (in /tmp, say) would
+        // let them read and write every slot: it must be this user's alone.
+        let me = own_uid().map_err(|e| fail("cannot tell this user", e))?;
+        let meta = std::fs::symlink_metadata(dir).map_err(|e| fail("cannot stat", e))?;
+        if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o077 != 0 {
+            return Err(RegistryError(format!(
+                "registry {}: not a directory that only this user (uid {me}) can use (owner {}, mode {:o}); \
+                 remove it, or set registry_dir",
+                dir.display(),
+                meta.uid(),
+                meta.mode() & 0o7777
+            )));
+        }
+        let path = dir.join(format!("{key}.registry"));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(|e| fail("cannot open", e))?;
+        let meta = file.metadata().map_err(|e| fail("cannot stat", e))?;
+        if !meta.file_type().is_file() {
+            return Err(RegistryError(format!("{} is not a regular file", path.display())));
+        }
+        if meta.uid() != me {
+            return Err(RegistryError(format!("{} belongs to uid {}, not this user ({me})", path.display(), meta.uid())));
+        }
+        let comm = own_comm();
+        let mut registry = Registry { file, path, slot: 0, pid: std::process::id(), comm, saw_request_ms: 0 };
+        registry.with_lock(|r| {
+            r.check_or_init_header()?;
+            let slot = (0..SLOTS)
+                .find(|&i| match r.read_slot(i) {
+                    Some(e) => e.pid == 0 || !alive(e.pid),
+                    None => true, // a corrupt slot is nobody's
+                })
+                .ok_or_else(|| RegistryError("registry full: 64 processes on one device".into()))?;
+            r.slot = slot;
+            r.write_slot(slot, &Entry { pid: r.pid, heartbeat_ms: now_ms(), comm: r.comm, ..Entry::default() })
+        })?;
+        Ok(registry)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` under the registry's exclusive lock, waiting at most LOCK_WAIT.
+    fn with_lock<T>(&mut self, f: impl FnOnce(&mut Registry) -> Result<T, RegistryError>) -> Result<T, RegistryError> {
+        if !lock_within(&self.file, LOCK_WAIT, false) {
+            return Err(RegistryError("registry locked by another process for too long".into()));
+        }
+        let result = f(self);
+        let _ = self.file.unlock();
+        result
+    }
+
+    fn write_header(&mut self) -> Result<(), RegistryError> {
+        let mut fresh = [0u8; FILE_BYTES as usize];
+        fresh[0..8].copy_from_slice(MAGIC);
+        fresh[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        fresh[12..16].copy_from_slice(&(SLOTS as u32).to_le_bytes());
+        self.file.write_all_at(&fresh, 0).map_err(|e| RegistryError(format!("registry write: {e}")))?;
+        self.file.set_len(FILE_BYTES).map_err(|e| RegistryError(format!("registry size: {e}")))
+    }
+
+    fn check_or_init_header(&mut self) -> Result<(), RegistryError> {
+        let mut header = [0u8; HEADER as usize];
+        match self.file.read_exact_at(&mut header, 0) {
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => self.write_header(),
+            Err(e) => Err(RegistryError(format!("registry read: {e}"))),
+            Ok(()) => {
+                let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+                let slots = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes"));
+                if &header[0..8] == MAGIC && version == VERSION && slots as usize == SLOTS {
+                    return Ok(());
+                }
+                if &header[0..8] == MAGIC && version == 1 && !self.v1_in_use() {
+                    // Left by an earlier release whose processes are gone: take it over.
+                    return self.write_header();
+                }
+                Err(RegistryError(format!(
+                    "{} is not a version {VERSION} tidepool registry (found version {version}, {slots} slots)",
+                    self.path.display()
+                )))
+            }
+        }
+    }
+
+    /// Whether a live process holds a slot of this version 1 file.
+    fn v1_in_use(&self) -> bool {
+        (0..SLOTS as u64).any(|slot| {
+            let mut pid = [0u8; 4];
+            self.file.read_exact_at(&mut pid, HEADER + V1_SLOT * slot).is_ok() && alive(u32::from_le_bytes(pid))
+        })
+    }
+
+    /// A slot: `None` when its checksum is wrong, a free entry when the file
+    /// is short or unreadable.
+    pub(super) fn read_slot(&self, slot: usize) -> Option<Entry> {
+        let mut raw = [0u8; SLOT as usize];
+        match self.file.read_exact_at(&mut raw, HEADER + SLOT * slot as u64) {
+            Ok(()) => Entry::decode(&raw),
+            Err(_) => Some(Entry::default()),
+        }
+    }
+
+    pub(super) fn write_slot(&self, slot: usize, entry: &Entry) -> Result<(), RegistryError> {
+        let raw = if entry.pid == 0 { [0u8; SLOT as usize] } else { entry.encode() };
+        self.file.write_all_at(&raw, HEADER + SLOT * slot as u64).map_err(|e| RegistryError(format!("registry write: {e}")))
+    }
+
+    /// Publishes this process's figures (its posted request and answer
+    /// stamp are kept from the slot; its counters are the device's, which
+    /// restart at `reset_accumulated_memory_stats` as every counter does),
+    /// clears dead processes' and corrupt slots, and returns the bytes other
+    /// live processes are asking for.
+    pub fn publish(&mut self, mut mine: Entry) -> Result<u64, RegistryError> {
+        self.with_lock(|r| {
+            r.check_or_init_header()?;
+            match r.read_slot(r.slot) {
+                Some(previous) if previous.pid == r.pid => {
+                    mine.request_bytes = previous.request_bytes;
+                    mine.answered_ms = previous.answered_ms;
+                }
+                // Our slot was taken over or damaged (a hostile or confused writer): claim it again.
+                _ => mine.request_bytes = 0,
+            }
+            mine.pid = r.pid;
+            mine.comm = r.comm;
+            mine.heartbeat_ms = now_ms();
+            r.write_slot(r.slot, &mine)?;
+            let mut asked = 0u64;
+            for slot in (0..SLOTS).filter(|&s| s != r.slot) {
+                match r.read_slot(slot) {
+                    Some(other) if other.pid == 0 => {}
+                    Some(other) if alive(other.pid) => {
+                        // A heartbeat later than ours was written before the wall
+                        // clock stepped back (we hold the lock, so no writer is
+                        // newer): no life since, as far as this clock can tell. A
+                        // waiting asker refreshes it at its next poll.
+                        let since = mine.heartbeat_ms.checked_sub(other.heartbeat_ms);
+                        if since.is_some_and(|ms| ms <= REQUEST_FRESH_MS) {
+                            asked = asked.saturating_add(other.request_bytes);
+                        }
+                    }
+                    _ => r.write_slot(slot, &Entry::default())?,
+                }
+            }
+            if asked > 0 {
+                r.saw_request_ms = mine.heartbeat_ms;
+            }
+            Ok(asked)
+        })
+    }
+
+    /// Stamps this slot as having answered the requests the last
+    /// publication saw (call once the cache is given back). Nothing when
+    /// that publication saw none.
+    pub fn mark_answered(&mut self) -> Result<(), RegistryError> {
+        let seen = std::mem::take(&mut self.saw_request_ms);
+        if seen == 0 {
+            return Ok(());
+        }
+        self.with_lock(|r| match r.read_slot(r.slot) {
+            Some(mut mine) if mine.pid == r.pid => {
+                // The stamp of this answer, even below the last one's: the
+                // wall clock may have stepped back in between.
+                mine.answered_ms = seen;
+                r.write_slot(r.slot, &mine)
+            }
+            _ => Ok(()),
+        })
+    }
+
+    /// Posts a request for `bytes`, if any other live slot shows memory it
+    /// could give back (cached free bytes: whole free segments, or free
+    /// pages of holes); `None`, and nothing posted, when no one can help.
+    pub fn ask(&mut self, bytes: u64) -> Result<Option<Asked>, RegistryError> {
+        self.with_lock(|r| {
+            let helpers: Vec<(usize, u32, u64)> = (0..SLOTS)
+                .filter(|&s| s != r.slot)
+                .filter_map(|s| r.read_slot(s).map(|e| (s, e)))
+                .filter(|(_, e)| e.pid != 0 && e.cached_free > 0 && alive(e.pid))
+                .map(|(s, e)| (s, e.pid, e.answered_ms))
+                .collect();
+            if helpers.is_empty() {
+                return Ok(None);
+            }
+            r.write_request(bytes)?;
+            // After the write: a publication stamped later has seen the request.
+            Ok(Some(Asked { posted_ms: now_ms(), helpers }))
+        })
+    }
+
+    /// Whether every helper of `asked` has answered it (a publication
+    /// after the request, its cache given back since) or is gone. An answer
+    /// is a new stamp later than the request: a stamp left from before it
+    /// never counts, even one that looks later because the wall clock
+    /// stepped back since.
+    pub fn answered(&mut self, asked: &Asked) -> Result<bool, RegistryError> {
+        self.with_lock(|r| {
+            // Still waiting: the request stays fresh (`REQUEST_FRESH_MS`).
+            if let Some(mut mine) = r.read_slot(r.slot).filter(|e| e.pid == r.pid) {
+                mine.heartbeat_ms = now_ms();
+                r.write_slot(r.slot, &mine)?;
+            }
+            Ok(asked.helpers.iter().all(|&(slot, pid, before)| match r.read_slot(slot) {
+                Some(e) if e.pid == pid => (e.answered_ms != before && e.answered_ms > asked.posted_ms) || !alive(pid),
+                _ => true, // the slot was left or taken over: that process is gone
+            }))
+        })
+    }
+
+    /// Posts (or, with 0, withdraws) this process's request for memory.
+    pub fn request(&mut self, bytes: u64) -> Result<(), RegistryError> {
+        self.with_lock(|r| r.write_request(bytes))
+    }
+
+    /// Writes `bytes` as this slot's request (the lock held).
+    fn write_request(&self, bytes: u64) -> Result<(), RegistryError> {
+        let mut mine = self.read_slot(self.slot).filter(|e| e.pid == self.pid).unwrap_or_default();
+        mine.pid = self.pid;
+        mine.comm = self.comm;
+        mine.request_bytes = bytes;
+        mine.heartbeat_ms = now_ms();
+        self.write_slot(self.slot, &mine)
+    }
+
+    /// Every live entry (for tests; tools use `scan`).
+    pub fn entries(&mut self) -> Result<Vec<Entry>, RegistryError> {
+        self.with_lock(|r| Ok((0..SLOTS).filter_map(|s| r.read_slot(s)).filter(|e| alive(e.pid)).collect()))
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let pid = self.pid;
+        if pid != std::process::id() {
+            return; // a fork child: the slot is the parent's
+        }
+        let _ = self.with_lock(|r| {
+            if r.read_slot(r.slot).is_some_and(|e| e.pid == pid) {
+                r.write_slot(r.slot, &Entry::default())?;
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Takes `file`'s lock (shared or exclusive), trying for at most `wait`.
+pub(super) fn lock_within(file: &File, wait: Duration, shared: bool) -> bool {
+    let start = Instant::now();
+    loop {
+        let attempt = if shared { file.try_lock_shared() } else { file.try_lock() };
+        match attempt {
+            Ok(()) => return true,
+            Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < wait => std::thread::sleep(Duration::from_millis(1)),
+            Err(_) => return false,
+        }
+    }
+}

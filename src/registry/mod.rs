@@ -1,0 +1,45 @@
+//! The registry that lets tidepool processes on one device help each other
+//! and be watched (`tidepool top`, `tidepool exporter`).
+//!
+//! One small file per device (named by a key all processes agree on, such
+//! as a GPU's UUID) in a directory only this user can read (mode 0700/0600).
+//! Each process owns a slot and, at every reclaimer pass, publishes its pid,
+//! name, a heartbeat and its figures, and reads the others' slots. A process
+//! about to fail posts the bytes it needs, but only when another live slot
+//! shows memory it could give back (`Registry::ask`); the others'
+//! reclaimers see the request within one interval, give back their idle
+//! cached segments and stamp their slot as answered, so the asking process
+//! knows when waiting longer is for nothing (`Registry::answered`).
+//!
+//! The file is untrusted input: every read is bounds-checked, the header is
+//! versioned, each slot carries a checksum, a lock that is not granted
+//! within `LOCK_WAIT` is given up. The worst a corrupt or hostile file can
+//! do is make a process release cache it holds: never free live memory,
+//! crash or hang. Readers that only watch (`scan`) skip and name what they
+//! cannot use.
+//!
+//! Layout, version 2 (little endian): a 16-byte header (`TIDEPOOL`,
+//! version u32, slot count u32), then `SLOTS` slots of `SLOT` bytes: pid
+//! u32, device u32, the `U64_FIELDS` u64 figures of `Entry` in its order,
+//! the process name (16 bytes, NUL padded), `answered_ms` u64 (once the
+//! spare bytes: 0 from writers that predate it), and the FNV-1a checksum of
+//! everything before it. A slot whose pid is 0 is free.
+//! Version 1 (112-byte slots without name, checksum or the newer figures)
+//! is refused while one of its processes lives and rewritten once none does.
+//!
+//! Three files: format.rs (the layout of a file and a slot, entries
+//! encoded and checked), file.rs (this process's slot: joining, locking,
+//! publishing, asking), scan.rs (reading every registry of a folder for
+//! `top` and the exporter). Cooperation, which decides when to publish and
+//! ask, is beside it (src/cooperation.rs).
+#![forbid(unsafe_code)]
+
+mod file;
+mod format;
+mod scan;
+#[cfg(test)]
+mod tests;
+
+pub use file::{alive, default_dir, Asked, Registry, RegistryError, REQUEST_FRESH_MS};
+pub use format::{write_file, Entry, FILE_BYTES, SLOTS, VERSION};
+pub use scan::{scan, slot_pids, DeviceRegistry, Scan, ScanError, MAX_FILES};

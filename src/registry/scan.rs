@@ -1,0 +1,163 @@
+//! Reading every registry of a folder without joining (`tidepool top`,
+//! the exporter): the live entries of each device, and what was skipped.
+
+use std::fs::OpenOptions;
+use std::io::ErrorKind;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use super::file::{alive, lock_within, LOCK_WAIT};
+use super::format::{read_all_at, Entry, FILE_BYTES, HEADER, MAGIC, SLOT, SLOTS, VERSION};
+
+/// Files `scan` reads in one directory at most (the rest are counted).
+pub const MAX_FILES: usize = 256;
+
+/// Why `scan` skipped a registry file or a slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ScanError {
+    /// Not a regular file, or it could not be opened or read.
+    Unreadable,
+    /// Shorter than a whole registry.
+    Truncated,
+    /// Not a tidepool registry, or of another version or slot count.
+    Version,
+    /// A slot whose checksum does not match.
+    Corrupt,
+    /// Locked by a writer for longer than the lock wait.
+    Locked,
+    /// Past `MAX_FILES` in one directory.
+    TooMany,
+}
+
+impl ScanError {
+    pub const ALL: [ScanError; 6] =
+        [ScanError::Unreadable, ScanError::Truncated, ScanError::Version, ScanError::Corrupt, ScanError::Locked, ScanError::TooMany];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ScanError::Unreadable => "unreadable",
+            ScanError::Truncated => "truncated",
+            ScanError::Version => "version",
+            ScanError::Corrupt => "corrupt",
+            ScanError::Locked => "locked",
+            ScanError::TooMany => "too_many",
+        }
+    }
+}
+
+/// One device's registry as `scan` read it.
+#[derive(Clone, Debug)]
+pub struct DeviceRegistry {
+    pub path: PathBuf,
+    /// The device's key: the file name without `.registry`.
+    pub key: String,
+    /// The entries of live processes.
+    pub entries: Vec<Entry>,
+}
+
+/// What `scan` found in a directory.
+#[derive(Clone, Debug, Default)]
+pub struct Scan {
+    /// Registries by path.
+    pub registries: Vec<DeviceRegistry>,
+    /// What was skipped, and why (a file, or one slot of it).
+    pub errors: Vec<(PathBuf, ScanError)>,
+}
+
+/// Reads the live entries of every registry in `dir` without joining,
+/// each file in one read under a shared lock; files and slots that cannot
+/// be used are skipped and named in `errors`. A missing directory is an
+/// empty scan (no process has made it yet).
+pub fn scan(dir: &Path) -> Scan {
+    let mut out = Scan::default();
+    let listing = match std::fs::read_dir(dir) {
+        Ok(listing) => listing,
+        // No process has made it yet: nothing to show.
+        Err(e) if e.kind() == ErrorKind::NotFound => return out,
+        // Another user's, or not a directory: an error to show, not "no processes".
+        Err(_) => {
+            out.errors.push((dir.to_path_buf(), ScanError::Unreadable));
+            return out;
+        }
+    };
+    let mut paths: Vec<PathBuf> =
+        listing.flatten().map(|item| item.path()).filter(|path| path.extension().is_some_and(|e| e == "registry")).collect();
+    paths.sort();
+    for (index, path) in paths.into_iter().enumerate() {
+        if index >= MAX_FILES {
+            out.errors.push((path, ScanError::TooMany));
+            continue;
+        }
+        match read_registry(&path) {
+            Ok((entries, corrupt)) => {
+                out.errors.extend(std::iter::repeat_n((path.clone(), ScanError::Corrupt), corrupt));
+                let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+                out.registries.push(DeviceRegistry { path, key, entries });
+            }
+            Err(error) => out.errors.push((path, error)),
+        }
+    }
+    out
+}
+
+/// The live entries of one registry file and the count of corrupt slots.
+fn read_registry(path: &Path) -> Result<(Vec<Entry>, usize), ScanError> {
+    let (entries, corrupt) = read_slots(path)?;
+    Ok((entries.into_iter().filter(|e| alive(e.pid)).collect(), corrupt))
+}
+
+/// The pid of every slot of the registry file at `path` that names a
+/// process, live or dead: a dead one's slot is cleared by the next live
+/// process that publishes (tests and diagnostics).
+pub fn slot_pids(path: &Path) -> Result<Vec<u32>, ScanError> {
+    Ok(read_slots(path)?.0.into_iter().map(|e| e.pid).collect())
+}
+
+/// Every occupied slot of one registry file, live or dead, and the count
+/// of corrupt slots.
+fn read_slots(path: &Path) -> Result<(Vec<Entry>, usize), ScanError> {
+    // Never follow a link nor wait on a FIFO someone named *.registry.
+    let file =
+        OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path).map_err(|_| ScanError::Unreadable)?;
+    let meta = file.metadata().map_err(|_| ScanError::Unreadable)?;
+    if !meta.file_type().is_file() || meta.file_type().is_fifo() {
+        return Err(ScanError::Unreadable);
+    }
+    if !lock_within(&file, LOCK_WAIT, true) {
+        return Err(ScanError::Locked);
+    }
+    let mut raw = vec![0u8; FILE_BYTES as usize];
+    let read = read_all_at(&file, &mut raw);
+    let _ = file.unlock();
+    let read = read.map_err(|_| ScanError::Unreadable)?;
+    if read == 0 {
+        return Ok((Vec::new(), 0)); // just created: its first process is writing the header
+    }
+    if read < MAGIC.len() {
+        return Err(ScanError::Truncated);
+    }
+    if &raw[0..8] != MAGIC {
+        return Err(ScanError::Version);
+    }
+    if read < HEADER as usize {
+        return Err(ScanError::Truncated);
+    }
+    let version = u32::from_le_bytes(raw[8..12].try_into().expect("4 bytes"));
+    let slots = u32::from_le_bytes(raw[12..16].try_into().expect("4 bytes"));
+    if version != VERSION || slots as usize != SLOTS {
+        return Err(ScanError::Version);
+    }
+    if read < FILE_BYTES as usize {
+        return Err(ScanError::Truncated);
+    }
+    let mut corrupt = 0;
+    let mut entries = Vec::new();
+    for slot in raw[HEADER as usize..].chunks_exact(SLOT as usize) {
+        match Entry::decode(slot) {
+            Some(entry) if entry.pid != 0 => entries.push(entry),
+            Some(_) => {}
+            None => corrupt += 1,
+        }
+    }
+    Ok((entries, corrupt))
+}

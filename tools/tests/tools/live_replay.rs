@@ -1,0 +1,46 @@
+//! Replay's driver calls are the backend's: a trace played live on the
+//! `cuda` backend over simgpu makes exactly the calls `tidepool replay`
+//! reports for it, with and without expandable segments.
+
+use tidepool_tools::trace::replay::{replay, Policy, ReplayOptions};
+use tidepool_tools::trace::Event;
+
+use crate::common;
+use crate::common::simgpu::{child_prints, cuda_allocator, Simgpu};
+
+/// The child side: a trace played on the `cuda` backend over simgpu makes
+/// exactly the driver calls that `tidepool replay` reports for it.
+#[test]
+#[ignore = "child process: run by replay_counts_the_driver_calls_the_cuda_backend_makes"]
+fn child_replay_driver_calls() {
+    common::child_only();
+    let file = common::repo_root().join("examples/traces/transformer-varlen-train.csv");
+    let trace = tidepool_tools::trace::load(&file).unwrap();
+    let expandable = std::env::var("TIDEPOOL_TEST_CONF").is_ok_and(|c| c.contains("expandable:true"));
+    let policy = if expandable { Policy::Expandable } else { Policy::Tidepool };
+    let options = ReplayOptions { capacity: 1 << 40, policy, conf: String::new(), samples: 0, record_to: None };
+    let replayed = replay(&trace, &options).unwrap().driver_calls;
+
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    // SAFETY: a simgpu entry point with no arguments.
+    let before = unsafe { (sim.memory_calls)() };
+    let mut ptrs = vec![0u64; trace.allocs as usize];
+    for event in &trace.events {
+        match *event {
+            Event::Alloc { id, size, .. } => ptrs[id as usize] = alloc.allocate(0, size as usize, tidepool::Stream::DEFAULT).unwrap().0,
+            Event::Free { id } => alloc.free(0, tidepool::DevicePtr(ptrs[id as usize])).unwrap(),
+        }
+    }
+    // SAFETY: as above.
+    let live = unsafe { (sim.memory_calls)() } - before;
+    println!("driver calls: live {live}, replay {replayed}");
+    assert_eq!(live as u64, replayed);
+}
+
+#[test]
+fn replay_counts_the_driver_calls_the_cuda_backend_makes() {
+    for conf in ["", "expandable:true"] {
+        child_prints("child_replay_driver_calls", "8G", &[("TIDEPOOL_TEST_CONF", conf)], "driver calls: live");
+    }
+}

@@ -1,0 +1,17 @@
+//! The tools: replay and plan of traces (and their driver calls against a
+//! live run over simgpu), expandable segments on every trace, snapshots
+//! read back, `tidepool top`, the exporter with a real Prometheus, and the
+//! Python package built and installed as a user would.
+//!
+//! One test binary, one module per file (cargo links each binary once).
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+
+mod expandable;
+mod exporter;
+mod live_replay;
+mod python;
+mod replay;
+mod snapshots;
+mod top;

@@ -1,0 +1,121 @@
+//! `tidepool top`: the processes of a registry folder, their figures as a
+//! table and as JSON, with a paused tag's memory.
+
+use std::process::Command;
+use std::time::Duration;
+
+use tidepool::tag::region;
+use tidepool::Stream;
+
+use crate::common;
+use crate::common::{conf_allocator, MIB};
+
+const S: Stream = Stream::DEFAULT;
+
+#[test]
+fn top_lists_the_processes_of_the_registry() {
+    let scratch = common::scratch_dir("coop-top");
+    let dir = scratch.path();
+    let conf = common::shared_host_conf(dir, true);
+    let alloc = common::conf_allocator(&conf);
+    let p = alloc.allocate(0, (5 * MIB) as usize, Stream::DEFAULT).unwrap();
+    // One reclaimer pass (20 ms) publishes the figures.
+    std::thread::sleep(Duration::from_millis(200));
+    let top = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+            .arg("top")
+            .args(args)
+            .env("TIDEPOOL_CONF", format!("registry_dir:{}", dir.join("registry").display()))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let me = |json: &serde_json::Value| json["processes"].as_array().unwrap().iter().find(|p| p["pid"] == std::process::id()).cloned();
+    let json: serde_json::Value = serde_json::from_str(&top(&["--once", "--json"])).unwrap();
+    let entry = me(&json).unwrap_or_else(|| panic!("{json}"));
+    assert_eq!(entry["allocated_bytes"], 5 * MIB, "{json}");
+    assert_eq!(entry["released_bytes"]["idle_decay"], 0, "{json}");
+    // A 5 MiB block in a 20 MiB segment: the 15 MiB tail is free inside a
+    // partly used segment (fragmentation 0.75), and the process is named.
+    assert_eq!(entry["inactive_split_bytes"], 15 * MIB, "{json}");
+    assert_eq!(entry["largest_free_block_bytes"], 15 * MIB, "{json}");
+    assert_eq!(entry["fragmentation"], 0.75, "{json}");
+    let exe = std::env::current_exe().unwrap().file_name().unwrap().to_string_lossy().into_owned();
+    assert_eq!(entry["comm"].as_str().unwrap(), &exe[..exe.len().min(15)], "{json}");
+    assert_eq!(json["skipped"], serde_json::json!([]), "{json}");
+    assert_eq!(json["registry_dir"], dir.join("registry").display().to_string(), "{json}");
+    // --registry-dir names the folder as TIDEPOOL_CONF's registry_dir does, and wins over it.
+    let named = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .args(["top", "--once", "--json", "--registry-dir"])
+        .arg(dir.join("registry"))
+        .env("TIDEPOOL_CONF", "registry_dir:/nonexistent")
+        .output()
+        .unwrap();
+    let named: serde_json::Value = serde_json::from_slice(&named.stdout).unwrap();
+    assert!(me(&named).is_some(), "{named}");
+    // A GPU's key is 40 characters ("GPU-" and its UUID): another device's registry of this process.
+    let gpu_key = "GPU-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718";
+    let mut gpu = tidepool::registry::Registry::join(&dir.join("registry"), gpu_key).unwrap();
+    gpu.publish(tidepool::registry::Entry { allocated: 3 * MIB, ..Default::default() }).unwrap();
+    let table = top(&["--once"]);
+    assert!(table.contains(&std::process::id().to_string()) && table.contains("5.00 MiB"), "{table}");
+    // Columns line up: the header's "pid" ends where each row's pid does, whatever the key's length.
+    let lines: Vec<&str> = table.lines().collect();
+    let pid = format!(" {} ", std::process::id());
+    let pid_end = |line: &str, text: &str| line.find(text).map(|at| at + text.trim_end().len());
+    let rows: Vec<&&str> = lines.iter().filter(|l| l.contains(&pid)).collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    for row in rows {
+        assert_eq!(pid_end(lines[1], " pid"), pid_end(row, &pid), "{table}");
+    }
+    drop(gpu);
+    alloc.free(0, p).unwrap();
+    drop(alloc);
+    // The process left: its slot is gone.
+    assert!(me(&serde_json::from_str(&top(&["--once", "--json"])).unwrap()).is_none());
+}
+
+#[test]
+fn top_shows_the_memory_a_paused_tag_gave_back() {
+    let scratch = common::scratch_dir("tags-top");
+    let dir = scratch.path();
+    let conf = format!(
+        "backend:host,host_shared:{},registry_dir:{},host_capacity_mb:256,release_after_ms:off,headroom_mb:0,\
+         reclaim_interval_ms:20,cooperative:true",
+        dir.join("capacity").display(),
+        dir.join("registry").display()
+    );
+    let alloc = conf_allocator(&conf);
+    let p = {
+        let _r = region("i13-top").unwrap();
+        alloc.allocate(0, (8 * MIB) as usize, S).unwrap()
+    };
+    let top = |args: &[&str]| {
+        std::thread::sleep(Duration::from_millis(200)); // a reclaimer pass publishes
+        let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+            .arg("top")
+            .args(args)
+            .env("TIDEPOOL_CONF", format!("registry_dir:{}", dir.join("registry").display()))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // This process's (reserved, paused) bytes as `top --json` shows them.
+    let figures = || {
+        let json: serde_json::Value = serde_json::from_str(&top(&["--once", "--json"])).unwrap();
+        let me = json["processes"].as_array().unwrap().iter().find(|p| p["pid"] == std::process::id()).cloned();
+        let me = me.unwrap_or_else(|| panic!("{json}"));
+        (me["reserved_bytes"].as_u64().unwrap(), me["paused_bytes"].as_u64().unwrap())
+    };
+    assert_eq!(figures(), (8 * MIB, 0));
+    alloc.pause("i13-top", None, false).unwrap();
+    assert_eq!(figures(), (0, 8 * MIB));
+    let table = top(&["--once"]);
+    assert!(table.lines().next().is_some() && table.contains("paused") && table.trim_end().ends_with("8.00 MiB"), "{table}");
+    alloc.resume("i13-top", None).unwrap();
+    assert_eq!(figures(), (8 * MIB, 0));
+    alloc.free(0, p).unwrap();
+    drop(alloc);
+}
