@@ -53,7 +53,7 @@ const UNITS: &[Unit] = &[
         unsafe_allowed: &["backend", "process", "cudarc_interop", "ffi"],
     },
     Unit { name: "tidepool-tools", dir: "tools/src", root: "lib.rs", modules: &["pickle", "trace", "exporter"], unsafe_allowed: &[] },
-    Unit { name: "the tidepool command", dir: "tools/src", root: "main.rs", modules: &["serve"], unsafe_allowed: &[] },
+    Unit { name: "the tidepool command", dir: "tools/src", root: "main.rs", modules: &["cli"], unsafe_allowed: &[] },
 ];
 
 /// The module a file belongs to: its first path component under the

@@ -1,8 +1,8 @@
 //! What `tidepool exporter` serves: every tidepool process of this host,
 //! read from the device registries at each scrape, as Prometheus metric
-//! families (`tidepool_*`). The HTTP server and the textfile writer live
-//! with the command line; this module only reads and renders, so a
-//! benchmark or a test can scrape without a socket.
+//! families (`tidepool_*`). `Exporter::scrape` only reads and renders, so
+//! a benchmark or a test can scrape without a socket; `serve` is the HTTP
+//! server and `write_textfile` the textfile writer of `tidepool exporter`.
 //!
 //! Series of a process on a device carry `device` (the GPU's UUID as
 //! nvidia-smi and the DCGM exporter print it, `GPU-xxxxxxxx-...`; for
@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod exposition;
+pub mod serve;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -255,4 +256,25 @@ mod tests {
         assert_eq!(device_label("host-7a841ef7f782f82d-0"), "host-7a841ef7f782f82d-0");
         assert_eq!(device_label("cuda-zz"), "cuda-zz");
     }
+}
+
+/// Writes a scrape in the text format to `path`: to a hidden temporary file
+/// in the same directory first, then renamed over `path`, so a reader
+/// (node_exporter's textfile collector reads `*.prom`) never sees half a file.
+pub fn write_textfile(exporter: &Exporter, path: &std::path::Path) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let text = exporter.scrape(Format::Text);
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let name = path.file_name().ok_or_else(|| std::io::Error::other("no file name"))?.to_string_lossy();
+    let temporary = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let result = (|| {
+        let mut file = std::fs::File::create(&temporary)?;
+        file.write_all(text.as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&temporary, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    result
 }

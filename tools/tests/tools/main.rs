@@ -8,6 +8,7 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+mod docs;
 mod expandable;
 mod exporter;
 mod live_replay;

@@ -774,3 +774,18 @@ fn a_replay_with_stream_shards_counts_every_shard() {
     assert_eq!(most(&four), (60 * MIB, 60 * MIB));
     assert_eq!(most(&four), most(&one));
 }
+
+#[test]
+fn options_take_their_value_after_an_equals_sign_and_shells_get_completions() {
+    let trace = write_small_csv();
+    let (ok, stdout, stderr) = tidepool_cli(&["replay", trace.to_str().unwrap(), "--capacity=1GiB", "--policy=tidepool", "--json"]);
+    assert!(ok && stdout.contains("\"capacity_bytes\":1073741824"), "{stdout} {stderr}");
+    let (ok, _, stderr) = tidepool_cli(&["replay", trace.to_str().unwrap(), "--capacity=8"]);
+    assert!(!ok && stderr.contains("write its unit") && stderr.lines().count() == 1, "{stderr}");
+    for shell in ["bash", "zsh", "fish"] {
+        let (ok, stdout, stderr) = tidepool_cli(&["completions", shell]);
+        assert!(ok && stdout.contains("replay") && stdout.contains("capacity"), "{shell}: {stderr}");
+    }
+    let (ok, _, stderr) = tidepool_cli(&["completions", "tcsh"]);
+    assert!(!ok && stderr.contains("tcsh") && stderr.lines().count() == 1, "{stderr}");
+}

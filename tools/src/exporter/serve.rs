@@ -13,12 +13,12 @@
 //! at most two threads at once, the rest queue: memory stays flat however
 //! many clients scrape together.
 
-#![forbid(unsafe_code)]
-
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::exposition::Format;
+use super::Exporter;
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{HeaderValue, ACCEPT, ALLOW, CONTENT_TYPE};
@@ -26,8 +26,6 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tidepool_tools::exporter::exposition::Format;
-use tidepool_tools::exporter::Exporter;
 
 /// How many timeouts a connection may live.
 const MAX_AGE_TIMEOUTS: u32 = 6;

@@ -1,0 +1,100 @@
+//! What replay and plan share: sizes as a person writes them, the
+//! policies to compare, the configuration and the trace files, each
+//! checked before any replay takes time.
+
+use std::path::{Path, PathBuf};
+
+use tidepool::Config;
+use tidepool_tools::trace::replay::Policy;
+use tidepool_tools::trace::{self, Trace};
+
+/// "24GiB", "512M", "1073741824" -> bytes.
+pub fn size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.parse().map_err(|_| format!("bad size {text:?}"))?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        "g" | "gib" | "gb" => 1 << 30,
+        "t" | "tib" | "tb" => 1 << 40,
+        _ => return Err(format!("bad size {text:?}: unknown unit {unit:?}")),
+    };
+    let bytes = number * scale as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < 2f64.powi(62)) {
+        return Err(format!("bad size {text:?}"));
+    }
+    // "--capacity 8 GiB" reads 8 bytes and a file named GiB: no one means
+    // a device or a step of a few bytes.
+    if unit.trim().is_empty() && bytes < (1u64 << 20) as f64 {
+        return Err(format!("bad size {text:?}: a number alone is bytes; write its unit, in one word (\"{text}GiB\", \"{text}MiB\")"));
+    }
+    Ok(bytes as u64)
+}
+
+/// "pytorch,expandable" (each `--policy` given) -> the policies, each once,
+/// where first named.
+pub fn policies(given: &[String]) -> Result<Vec<Policy>, String> {
+    let mut policies = Vec::new();
+    for name in given.iter().flat_map(|text| text.split(',')) {
+        let policy = match name.trim() {
+            "all" => {
+                policies.extend(Policy::ALL);
+                continue;
+            }
+            // Earlier releases' name for tidepool and pytorch.
+            "both" => {
+                policies.extend([Policy::Tidepool, Policy::Pytorch]);
+                continue;
+            }
+            other => Policy::ALL.into_iter().find(|p| p.name() == other),
+        };
+        let expected = "pytorch, tidepool, expandable, pytorch-expandable or all";
+        policies.push(policy.ok_or_else(|| format!("--policy: expected {expected}, got {name:?}"))?);
+    }
+    let mut unique = Vec::new();
+    for policy in policies {
+        if !unique.contains(&policy) {
+            unique.push(policy);
+        }
+    }
+    Ok(unique)
+}
+
+/// Each `--conf` given, as one configuration (later keys win, as in
+/// TIDEPOOL_CONF), checked.
+pub fn conf(given: &[String]) -> Result<String, String> {
+    let conf = given.join(",");
+    Config::builder().conf(&conf).map_err(|e| format!("--conf: {e}"))?;
+    Ok(conf)
+}
+
+/// Every trace file opens, and the plot's folder exists, before the first
+/// replay takes time.
+pub fn check_files(files: &[PathBuf], plot: Option<&Path>) -> Result<(), String> {
+    if files.is_empty() {
+        return Err("no trace file given (`tidepool help` lists the commands and their options)".into());
+    }
+    for file in files {
+        std::fs::File::open(file).map_err(|err| format!("{}: cannot open: {err}", file.display()))?;
+    }
+    if let Some(parent) = plot.and_then(Path::parent).filter(|p| !p.as_os_str().is_empty()) {
+        if !parent.is_dir() {
+            return Err(format!("--plot: no folder {}", parent.display()));
+        }
+    }
+    Ok(())
+}
+
+/// Reads a trace; what its reader stepped over is one line on stderr.
+pub fn load(path: &Path) -> Result<Trace, String> {
+    let trace = trace::load(path).map_err(|e| e.to_string())?;
+    if trace.warnings.count > 0 {
+        let count = trace.warnings.count;
+        let noun = if count == 1 { "warning" } else { "warnings" };
+        eprintln!("tidepool: {}: {count} {noun}, first: {}", path.display(), trace.warnings.first[0]);
+    }
+    Ok(trace)
+}
