@@ -12,39 +12,7 @@ use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use tidepool::{Allocator, Config, Stream};
 
 /// The layer kernel of examples/rust_runtime.rs (simgpu runs it on the host).
-const LAYER_PTX: &str = r#"
-.version 7.0
-.target sm_70
-.address_size 64
-.visible .entry tidepool_layer(.param .u64 in_ptr, .param .u64 out_ptr, .param .f32 w, .param .f32 b, .param .u32 n)
-{
-    .reg .pred %p<2>;
-    .reg .b32 %r<6>;
-    .reg .f32 %f<5>;
-    .reg .b64 %rd<8>;
-    ld.param.u64 %rd1, [in_ptr];
-    ld.param.u64 %rd2, [out_ptr];
-    ld.param.f32 %f1, [w];
-    ld.param.f32 %f2, [b];
-    ld.param.u32 %r1, [n];
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %ntid.x;
-    mov.u32 %r4, %tid.x;
-    mad.lo.s32 %r5, %r2, %r3, %r4;
-    setp.ge.u32 %p1, %r5, %r1;
-    @%p1 bra DONE;
-    cvta.to.global.u64 %rd3, %rd1;
-    cvta.to.global.u64 %rd4, %rd2;
-    mul.wide.u32 %rd5, %r5, 4;
-    add.s64 %rd6, %rd3, %rd5;
-    add.s64 %rd7, %rd4, %rd5;
-    ld.global.f32 %f3, [%rd6];
-    fma.rn.f32 %f4, %f3, %f1, %f2;
-    st.global.f32 [%rd7], %f4;
-DONE:
-    ret;
-}
-"#;
+const LAYER_PTX: &str = include_str!("../examples/layer.ptx");
 
 /// Runs the (ignored) child test `name` over simgpu; asserts it ran, passed
 /// and printed `expected`.

@@ -24,14 +24,7 @@
 
 #include "tidepool.h"
 
-#define CHECK_CUDA(x)                                                              \
-    do {                                                                           \
-        cudaError_t e = (x);                                                       \
-        if (e != cudaSuccess) {                                                    \
-            fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e));       \
-            exit(1);                                                               \
-        }                                                                          \
-    } while (0)
+#include "check_cuda.h"
 
 static int failures;
 

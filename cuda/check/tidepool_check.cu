@@ -18,14 +18,7 @@
 
 #include "tidepool.h"
 
-#define CHECK_CUDA(x)                                                              \
-    do {                                                                           \
-        cudaError_t e = (x);                                                       \
-        if (e != cudaSuccess) {                                                    \
-            fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e));       \
-            exit(1);                                                               \
-        }                                                                          \
-    } while (0)
+#include "check_cuda.h"
 
 __global__ void fill(unsigned char* p, size_t n, unsigned char v) {
     for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = v;

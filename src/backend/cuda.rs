@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 
 use cudarc::driver::sys;
 
-use super::{Backend, BackendError, HostMemory, MemInfo};
+use super::{Backend, BackendError, HostMemory, HostRegion, MemInfo};
 use crate::log::log_line;
 use crate::types::Stream;
 
@@ -565,7 +565,10 @@ impl Backend for CudaBackend {
         if ptr.is_null() {
             return Err(BackendError::OutOfMemory);
         }
-        Ok(Box::new(PinnedHost { addr: ptr as usize, len: bytes, context: self.devices[0].context }))
+        // SAFETY: cuMemHostAlloc gave `bytes` bytes at `ptr`, which the
+        // PinnedHost owns until it frees them on drop.
+        let region = unsafe { HostRegion::new(ptr as usize, bytes) };
+        Ok(Box::new(PinnedHost { region, context: self.devices[0].context }))
     }
 
     fn record_event(&self, device: usize, stream: Stream) -> Result<Option<u64>, BackendError> {
@@ -629,21 +632,17 @@ impl Backend for CudaBackend {
 /// Pinned host memory from `cuMemHostAlloc`, freed in the context that
 /// allocated it.
 struct PinnedHost {
-    addr: usize,
-    len: usize,
+    region: HostRegion,
     context: usize,
 }
 
 impl HostMemory for PinnedHost {
     fn bytes(&self) -> &[u8] {
-        // SAFETY: [addr, addr + len) is pinned host memory this value owns
-        // until drop; the borrow of self keeps it alive.
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+        self.region.bytes()
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, and `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+        self.region.bytes_mut()
     }
 }
 
@@ -653,7 +652,7 @@ impl Drop for PinnedHost {
         // life; `addr` came from cuMemHostAlloc in it and is freed once.
         unsafe {
             sys::cuCtxSetCurrent(self.context as sys::CUcontext);
-            sys::cuMemFreeHost(self.addr as *mut std::ffi::c_void);
+            sys::cuMemFreeHost(self.region.addr as *mut std::ffi::c_void);
         }
     }
 }

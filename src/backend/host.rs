@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::{Backend, BackendError, HostMemory, MemInfo};
+use super::{Backend, BackendError, HostMemory, HostRegion, MemInfo};
 use crate::types::Stream;
 
 /// How an injected failure presents itself.
@@ -493,8 +493,7 @@ unsafe fn map_anonymous(fixed: Option<u64>, len: usize, prot: libc::c_int) -> Op
 /// Host memory from an anonymous private mapping (zero pages until
 /// written), unmapped when dropped.
 pub struct HostBuffer {
-    addr: u64,
-    len: usize,
+    region: HostRegion,
 }
 
 impl HostBuffer {
@@ -507,20 +506,19 @@ impl HostBuffer {
         // 2 MiB instead of per 4 KiB (a hint; refused, nothing changes).
         // SAFETY: advice on the mapping just made, which this buffer owns.
         unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
-        Ok(HostBuffer { addr, len })
+        // SAFETY: the mapping just made is read-write and this buffer's
+        // alone until it unmaps it on drop.
+        Ok(HostBuffer { region: unsafe { HostRegion::new(addr as usize, len) } })
     }
 }
 
 impl HostMemory for HostBuffer {
     fn bytes(&self) -> &[u8] {
-        // SAFETY: [addr, addr + len) is a read-write mapping this buffer owns
-        // until drop; the borrow of self keeps it alive and unaliased by &mut.
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+        self.region.bytes()
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, and `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+        self.region.bytes_mut()
     }
 }
 
@@ -528,7 +526,7 @@ impl Drop for HostBuffer {
     fn drop(&mut self) {
         // SAFETY: the mapping was made in `new`, is unmapped once, and no
         // slice into it outlives the borrow of self that made it.
-        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+        unsafe { libc::munmap(self.region.addr as *mut libc::c_void, self.region.len) };
     }
 }
 

@@ -49,6 +49,33 @@ pub trait HostMemory: Send {
     fn bytes_mut(&mut self) -> &mut [u8];
 }
 
+/// The bytes of a host allocation a backend owns (pinned memory, a
+/// mapping), as slices: what each `HostMemory` hands out.
+struct HostRegion {
+    addr: usize,
+    len: usize,
+}
+
+impl HostRegion {
+    /// # Safety
+    /// `[addr, addr + len)` must be readable and writable host memory that
+    /// the owner of the region keeps, unaliased, for as long as the region.
+    unsafe fn new(addr: usize, len: usize) -> HostRegion {
+        HostRegion { addr, len }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `new`'s contract: the memory lives and is ours while the
+        // region does; the borrow of self keeps it unaliased by `&mut`.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
 /// A source of device memory segments. Implementations are thread-safe: the
 /// engine calls them from any thread, under the lock of one device's heap.
 pub trait Backend: Send + Sync {

@@ -1,8 +1,11 @@
 /* The C ABI exercised from C, on the host backend: normal use, every bad
  * input the ABI handles, 16 threads at once, fork, resetting statistics,
- * OOM observers and allocation contexts. Run by tests/ffi_c.rs; prints
+ * OOM observers and allocation contexts. Run by tests/cabi/c.rs; prints
  * "ffi_test: N passed, 0 failed" and exits 0. */
 #include "tidepool.h"
+
+#define TEST_NAME "ffi_test"
+#include "check.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -11,21 +14,6 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-static int passed;
-
-#define CHECK(cond, ...)                                                    \
-    do {                                                                    \
-        if (!(cond)) {                                                      \
-            fprintf(stderr, "ffi_test: FAILED at line %d: ", __LINE__);     \
-            fprintf(stderr, __VA_ARGS__);                                   \
-            fprintf(stderr, "\n");                                          \
-            exit(1);                                                        \
-        }                                                                   \
-        passed++;                                                           \
-    } while (0)
-
-#define MIB ((size_t)1 << 20)
 
 static tidepool_stats stats_of(int device) {
     tidepool_stats s;

@@ -3,9 +3,12 @@
  * with its code and nothing changed, a paused block freed, a pause refused
  * while a private pool is open, and a fork child whose tags are its own.
  * Runs on the host backend or the cuda backend over simgpu (the memory is
- * host-addressable in both). Run by tests/ffi_tags.rs; prints
+ * host-addressable in both). Run by tests/cabi/tags.rs; prints
  * "tags_test: N passed, 0 failed" and exits 0. */
 #include "tidepool.h"
+
+#define TEST_NAME "tags_test"
+#include "check.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -14,20 +17,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-static int passed;
-
-#define CHECK(cond, ...)                                                    \
-    do {                                                                    \
-        if (!(cond)) {                                                      \
-            fprintf(stderr, "tags_test: FAILED at line %d: ", __LINE__);    \
-            fprintf(stderr, __VA_ARGS__);                                   \
-            fprintf(stderr, "\n");                                          \
-            exit(1);                                                        \
-        }                                                                   \
-        passed++;                                                           \
-    } while (0)
-
-#define MIB ((size_t)1 << 20)
 #define BLOCKS 6
 
 static const char* last_error(void) {

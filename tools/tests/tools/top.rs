@@ -12,6 +12,19 @@ use crate::common::{conf_allocator, MIB};
 
 const S: Stream = Stream::DEFAULT;
 
+/// What `tidepool top ARGS` prints for the registries under `dir`
+/// (TIDEPOOL_CONF names the folder); it must succeed.
+fn top(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .arg("top")
+        .args(args)
+        .env("TIDEPOOL_CONF", format!("registry_dir:{}", dir.join("registry").display()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[test]
 fn top_lists_the_processes_of_the_registry() {
     let scratch = common::scratch_dir("coop-top");
@@ -21,16 +34,7 @@ fn top_lists_the_processes_of_the_registry() {
     let p = alloc.allocate(0, (5 * MIB) as usize, Stream::DEFAULT).unwrap();
     // One reclaimer pass (20 ms) publishes the figures.
     std::thread::sleep(Duration::from_millis(200));
-    let top = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
-            .arg("top")
-            .args(args)
-            .env("TIDEPOOL_CONF", format!("registry_dir:{}", dir.join("registry").display()))
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let top = |args: &[&str]| top(dir, args);
     let me = |json: &serde_json::Value| json["processes"].as_array().unwrap().iter().find(|p| p["pid"] == std::process::id()).cloned();
     let json: serde_json::Value = serde_json::from_str(&top(&["--once", "--json"])).unwrap();
     let entry = me(&json).unwrap_or_else(|| panic!("{json}"));
@@ -93,14 +97,7 @@ fn top_shows_the_memory_a_paused_tag_gave_back() {
     };
     let top = |args: &[&str]| {
         std::thread::sleep(Duration::from_millis(200)); // a reclaimer pass publishes
-        let out = Command::new(env!("CARGO_BIN_EXE_tidepool"))
-            .arg("top")
-            .args(args)
-            .env("TIDEPOOL_CONF", format!("registry_dir:{}", dir.join("registry").display()))
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        top(dir, args)
     };
     // This process's (reserved, paused) bytes as `top --json` shows them.
     let figures = || {
