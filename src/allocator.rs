@@ -13,7 +13,7 @@ use crate::backend::host::HostBackend;
 use crate::backend::{self, Backend};
 use crate::config::{BackendKind, Config};
 use crate::device::Device;
-use crate::error::AllocError;
+use crate::error::{AllocError, InvalidArgument, TagError, TagState};
 use crate::frames::{self, Frame};
 use crate::heap::history::HistoryEntry;
 use crate::heap::private::PrivatePoolId;
@@ -49,7 +49,7 @@ impl Allocator {
             (BackendKind::Host, None) => Arc::new(HostBackend::new(config.host_devices, config.host_capacity)),
             (BackendKind::Host, Some(path)) => Arc::new(
                 HostBackend::shared(config.host_devices, config.host_capacity, path)
-                    .map_err(|e| AllocError::InvalidArgument(format!("host_shared: cannot open {}: {e}", path.display())))?,
+                    .map_err(|e| AllocError::InvalidArgument(InvalidArgument::HostShared { path: path.clone(), error: e.to_string() }))?,
             ),
             (BackendKind::Cuda, _) => Arc::new(backend::cuda::CudaBackend::new(false).map_err(AllocError::Backend)?),
             (BackendKind::CudaAsync, _) => Arc::new(backend::cuda::CudaBackend::new(true).map_err(AllocError::Backend)?),
@@ -230,8 +230,8 @@ impl Allocator {
     }
 
     /// After a request to `heap`, a shard of `dev`, failed: an
-    /// out-of-memory goes to the device (`Device::after_oom`: the other
-    /// shards, then the other processes).
+    /// out-of-memory goes to the device's ladder (`Device::after_oom`: the
+    /// cache released, the other shards', the other processes asked).
     #[cold]
     fn allocate_after(
         err: AllocError,
@@ -245,8 +245,8 @@ impl Allocator {
             return Err(err);
         }
         let tag = tag::current();
-        let retry = || heap.lock().retry_allocate(size as u64, stream, tag, context).map(DevicePtr);
-        dev.after_oom(err, heap, retry)
+        let attempt = |heap: &mut DeviceHeap| heap.allocate_tagged(size as u64, stream, tag, context).map(DevicePtr);
+        dev.after_oom(heap, attempt, Some((size as u64, stream)))
     }
 
     /// Frees a pointer returned by `allocate` on `device`. Freeing NULL does nothing.
@@ -322,7 +322,7 @@ impl Allocator {
     /// as out of memory after the cache is released. 1.0 lifts the limit.
     pub fn set_memory_fraction(&self, device: usize, fraction: f64) -> Result<(), AllocError> {
         if !(0.0..=1.0).contains(&fraction) {
-            return Err(AllocError::InvalidArgument(format!("memory fraction must be between 0 and 1, got {fraction}")));
+            return Err(AllocError::InvalidArgument(InvalidArgument::MemoryFraction(fraction)));
         }
         let target = self.device(device)?;
         let total = self.backend.mem_info(device).map_err(AllocError::Backend)?.total;
@@ -408,7 +408,7 @@ impl Allocator {
     /// The id of a tag some thread of this process has used.
     fn known_tag(name: &str) -> Result<TagId, AllocError> {
         tag::check_name(name)?;
-        tag::lookup(name).ok_or_else(|| AllocError::Tag(format!("tag {name:?} is unknown: no thread of this process ever set it")))
+        tag::lookup(name).ok_or_else(|| AllocError::Tag(TagError { tag: name.into(), state: TagState::Unknown }))
     }
 
     /// Pauses `tag` on `device` (None: every device): waits for the work
@@ -456,7 +456,7 @@ impl Allocator {
         let id = Self::known_tag(tag)?;
         let devices = self.devices_of(device)?;
         if !devices.iter().any(|device| device.tag_paused(id)) {
-            return Err(AllocError::Tag(format!("tag {tag:?} is not paused")));
+            return Err(AllocError::Tag(TagError { tag: tag.into(), state: TagState::NotPaused }));
         }
         devices.iter().try_fold(0, |mapped, device| Ok(mapped + device.resume(id)?))
     }

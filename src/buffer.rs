@@ -32,7 +32,7 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use crate::allocator::Allocator;
-use crate::error::AllocError;
+use crate::error::{AllocError, InvalidArgument};
 use crate::types::{DevicePtr, Stream};
 
 /// `len` elements of `T` in device memory on `device`, for use on
@@ -92,10 +92,7 @@ impl Allocator {
 #[cold]
 fn overflow<T>(len: usize) -> AllocError {
     let size = std::mem::size_of::<T>();
-    AllocError::InvalidArgument(format!(
-        "tidepool: a buffer of {len} elements of {} ({size} bytes each) is larger than the address space",
-        std::any::type_name::<T>()
-    ))
+    AllocError::InvalidArgument(InvalidArgument::BufferTooLarge { len, element: std::any::type_name::<T>(), element_size: size })
 }
 
 impl<'a, T> Buffer<'a, T> {
@@ -208,10 +205,7 @@ impl<'a, T> Buffer<'a, T> {
 
     fn check_fits(&self, elements: usize) -> Result<(), AllocError> {
         if elements > self.len {
-            return Err(AllocError::InvalidArgument(format!(
-                "tidepool: a copy of {elements} elements does not fit a buffer of {}",
-                self.len
-            )));
+            return Err(AllocError::InvalidArgument(InvalidArgument::CopyTooLarge { elements, len: self.len }));
         }
         Ok(())
     }

@@ -302,13 +302,31 @@ pub static OPTIONS: &[OptionSpec] = &[
     size!("large_round_mb", "2", "a request of min_large_alloc_mb or more gets a segment rounded up to this (MiB)", rules.large_round, MIB),
 ];
 
-/// A rejected option, from the strict builder.
+/// A rejected configuration entry (the strict builder's error; from
+/// TIDEPOOL_CONF, a warning).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError(pub String);
+pub enum ConfigError {
+    /// A key that is no option (nor PyTorch's name for one).
+    UnknownOption { key: String },
+    /// A value the option refuses, with the option's reason.
+    BadValue { key: String, why: String },
+    /// An entry with no `:` between key and value.
+    NotKeyValue { entry: String },
+    /// Size options that contradict each other (`SizeRules::check`).
+    SizeRules(String),
+    /// No device for the host backend to simulate.
+    NoHostDevices,
+}
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            ConfigError::UnknownOption { key } => write!(f, "unknown option {key:?}; run `tidepool config` for the list"),
+            ConfigError::BadValue { key, why } => write!(f, "{key}: {why}"),
+            ConfigError::NotKeyValue { entry } => write!(f, "{entry:?}: expected key:value"),
+            ConfigError::SizeRules(why) => f.write_str(why),
+            ConfigError::NoHostDevices => f.write_str("host_devices must be at least 1"),
+        }
     }
 }
 
@@ -328,7 +346,7 @@ impl Config {
             let mut trial = config.clone();
             match apply(&mut trial, key.trim(), value) {
                 Ok(()) => config = trial,
-                Err(ConfigError(msg)) => warnings.push(format!("ignoring {entry:?}: {msg}")),
+                Err(err) => warnings.push(format!("ignoring {entry:?}: {err}")),
             }
         }
         if let Err(msg) = config.rules.check() {
@@ -366,11 +384,8 @@ const PYTORCH_NAMES: &[(&str, &str)] = &[("expandable_segments", "expandable")];
 
 fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError> {
     let key = PYTORCH_NAMES.iter().find(|(pytorch, _)| *pytorch == key).map_or(key, |(_, ours)| ours);
-    let spec = OPTIONS
-        .iter()
-        .find(|o| o.key == key)
-        .ok_or_else(|| ConfigError(format!("unknown option {key:?}; run `tidepool config` for the list")))?;
-    (spec.apply)(config, value).map_err(|msg| ConfigError(format!("{key}: {msg}")))
+    let spec = OPTIONS.iter().find(|o| o.key == key).ok_or_else(|| ConfigError::UnknownOption { key: key.into() })?;
+    (spec.apply)(config, value).map_err(|why| ConfigError::BadValue { key: key.into(), why })
 }
 
 /// Builds a configuration in code; every bad value is an error.
@@ -389,7 +404,7 @@ impl ConfigBuilder {
     /// Applies a whole `key:value,...` string, failing on the first bad entry.
     pub fn conf(mut self, text: &str) -> Result<Self, ConfigError> {
         for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let (key, value) = entry.split_once(':').ok_or_else(|| ConfigError(format!("{entry:?}: expected key:value")))?;
+            let (key, value) = entry.split_once(':').ok_or_else(|| ConfigError::NotKeyValue { entry: entry.into() })?;
             self = self.set(key.trim(), value)?;
         }
         Ok(self)
@@ -416,9 +431,9 @@ impl ConfigBuilder {
     }
 
     pub fn build(self) -> Result<Config, ConfigError> {
-        self.config.rules.check().map_err(ConfigError)?;
+        self.config.rules.check().map_err(ConfigError::SizeRules)?;
         if self.config.host_devices == 0 {
-            return Err(ConfigError("host_devices must be at least 1".into()));
+            return Err(ConfigError::NoHostDevices);
         }
         Ok(self.config)
     }

@@ -114,37 +114,48 @@ impl Device {
         f(&mut first.lock())
     }
 
-    /// After `heap` (a shard of this device) failed a request with `err`:
-    /// the other shards may cache what this one could not get;
-    /// they release their whole free segments and `retry` runs once more.
-    /// Then, if other processes on the device hold memory they could give
-    /// back, they are asked, with no heap locked while they answer
-    /// (`cooperation.rs`).
+    /// The out-of-memory ladder, run here and nowhere else: `attempt` (an
+    /// allocation or a resume on `heap`, a shard of this device) found the
+    /// heap exhausted. The heap's cache goes back and the attempt runs again
+    /// (a retry, counted once as PyTorch counts `num_alloc_retries`); then
+    /// the other shards' cache; then the other processes are asked for what
+    /// the last failure says they would have to give back, and the attempt
+    /// runs as they answer. A request that still fails is one out-of-memory,
+    /// counted once; an allocation (`failed_allocation`: its size and
+    /// stream) is recorded too.
     #[cold]
     pub(crate) fn after_oom<T>(
         &self,
-        mut err: AllocError,
         heap: &Mutex<DeviceHeap>,
-        mut retry: impl FnMut() -> Result<T, AllocError>,
+        mut attempt: impl FnMut(&mut DeviceHeap) -> Result<T, AllocError>,
+        failed_allocation: Option<(u64, Stream)>,
     ) -> Result<T, AllocError> {
-        if self.shards.len() > 1 {
+        {
+            let mut locked = heap.lock();
+            locked.count_alloc_retry();
+            locked.release_free_segments(Reason::OutOfMemory, |_, _| true);
+        }
+        let mut retry = || attempt(&mut heap.lock());
+        let out_of_memory = |result: &Result<T, AllocError>| matches!(result, Err(AllocError::OutOfMemory(_)));
+        let mut result = retry();
+        if out_of_memory(&result) && self.shards.len() > 1 {
             for other in self.shards.iter().filter(|h| !std::ptr::eq(*h, heap)) {
                 other.lock().release_free_segments(Reason::OutOfMemory, |_, _| true);
             }
-            match retry() {
-                Err(again @ AllocError::OutOfMemory(_)) => err = again,
-                other => return other,
+            result = retry();
+        }
+        if let (Err(AllocError::OutOfMemory(report)), Some(cooperation)) = (&result, self.cooperation.as_ref()) {
+            let need = report.need_from_others;
+            if need > 0 {
+                if let Some(answered) = cooperation.ask_and_retry(need, &mut retry) {
+                    result = answered;
+                }
             }
         }
-        // What the other processes would have to give back, as the last failure saw it.
-        let need = match &err {
-            AllocError::OutOfMemory(report) => report.need_from_others,
-            _ => 0,
-        };
-        let Some(cooperation) = self.cooperation.as_ref().filter(|_| need > 0) else {
-            return Err(err);
-        };
-        cooperation.ask_and_retry(need, retry).unwrap_or(Err(err))
+        if out_of_memory(&result) {
+            heap.lock().count_oom(failed_allocation);
+        }
+        result
     }
 
     /// One reclaimer pass: each shard applies the release policy; then the
@@ -274,11 +285,8 @@ impl Device {
 
     /// Applies `change` to every shard (they keep the same private pools,
     /// so the first refusal stops them all).
-    pub(crate) fn on_shards(&self, mut change: impl FnMut(&mut DeviceHeap) -> Result<(), String>) -> Result<(), AllocError> {
-        for heap in self.shards.iter() {
-            change(&mut heap.lock()).map_err(|e| AllocError::InvalidArgument(format!("tidepool: {e}")))?;
-        }
-        Ok(())
+    pub(crate) fn on_shards(&self, mut change: impl FnMut(&mut DeviceHeap) -> Result<(), AllocError>) -> Result<(), AllocError> {
+        self.shards.iter().try_for_each(|heap| change(&mut heap.lock()))
     }
 
     pub(crate) fn begin_private(&self, id: PrivatePoolId) -> Result<(), AllocError> {
@@ -350,7 +358,7 @@ impl Device {
                 locked.resume_tag(tag)
             };
             mapped += match result {
-                Err(err @ AllocError::OutOfMemory(_)) => self.after_oom(err, heap, || heap.lock().retry_resume_tag(tag))?,
+                Err(AllocError::OutOfMemory(_)) => self.after_oom(heap, |heap| heap.resume_tag(tag), None)?,
                 result => result?,
             };
         }

@@ -18,17 +18,133 @@ pub enum AllocError {
     InvalidFree { ptr: u64, reason: InvalidFree },
     /// A pointer that is not a live allocation, given where one is needed.
     UnknownPointer { ptr: u64 },
-    /// An argument out of its range, named with the reason.
-    InvalidArgument(String),
+    /// An argument out of its range, or a call out of order.
+    InvalidArgument(InvalidArgument),
     /// The allocator belongs to the parent of this forked process.
     Forked { parent: u32 },
     /// The backend failed for a reason other than lack of memory.
     Backend(BackendError),
     /// A tag in the wrong state for the call (paused, not paused, unknown),
-    /// or a pause refused now; the message names the tag.
-    Tag(String),
+    /// or a pause refused now.
+    Tag(TagError),
     /// Host memory for an offload could not be had; nothing was released.
     HostOutOfMemory { bytes: u64 },
+}
+
+/// What was wrong with an argument.
+#[derive(Clone, Debug, PartialEq)]
+pub enum InvalidArgument {
+    /// The file `host_shared` names could not be opened.
+    HostShared { path: std::path::PathBuf, error: String },
+    /// A memory fraction outside [0, 1].
+    MemoryFraction(f64),
+    /// Context 0, which means none, given to be registered.
+    ContextZero,
+    /// An empty tag name.
+    EmptyTag,
+    /// A tag name longer than `max` bytes (`start`: its first characters).
+    TagTooLong { start: String, len: usize, max: usize },
+    /// A tag name holding a NUL byte.
+    TagWithNul { tag: String },
+    /// Tags map pages into reserved ranges; the backend cannot.
+    TagsNeedVirtualMemory { backend: &'static str },
+    /// A buffer of more bytes than the address space has.
+    BufferTooLarge { len: usize, element: &'static str, element_size: usize },
+    /// A copy of more elements than the buffer holds.
+    CopyTooLarge { elements: usize, len: usize },
+    /// A private pool (its id's two words) named out of order.
+    PrivatePool { id: (u64, u64), misuse: PrivatePoolMisuse },
+}
+
+/// How a private pool was named out of order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrivatePoolMisuse {
+    /// Ended while not open.
+    NotOpen,
+    /// Released more often than begun.
+    NeverBegun,
+    /// Released for the last time while still open.
+    ReleasedWhileOpen,
+}
+
+impl fmt::Display for InvalidArgument {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            InvalidArgument::HostShared { path, error } => write!(f, "host_shared: cannot open {}: {error}", path.display()),
+            InvalidArgument::MemoryFraction(fraction) => write!(f, "memory fraction must be between 0 and 1, got {fraction}"),
+            InvalidArgument::ContextZero => f.write_str("context 0 means none and cannot be registered"),
+            InvalidArgument::EmptyTag => f.write_str("a tag cannot be empty (use \"default\", or NULL in C)"),
+            InvalidArgument::TagTooLong { start, len, max } => write!(f, "tag {start:?}... is {len} bytes long; a tag has at most {max}"),
+            InvalidArgument::TagWithNul { tag } => write!(f, "tag {tag:?} contains a NUL byte"),
+            InvalidArgument::TagsNeedVirtualMemory { backend } => {
+                write!(f, "tags need virtual memory (reserved ranges mapped page by page); the {backend} backend has none")
+            }
+            InvalidArgument::BufferTooLarge { len, element, element_size } => {
+                write!(f, "a buffer of {len} elements of {element} ({element_size} bytes each) is larger than the address space")
+            }
+            InvalidArgument::CopyTooLarge { elements, len } => write!(f, "a copy of {elements} elements does not fit a buffer of {len}"),
+            InvalidArgument::PrivatePool { id: (a, b), misuse } => {
+                let what = match misuse {
+                    PrivatePoolMisuse::NotOpen => "is not open",
+                    PrivatePoolMisuse::NeverBegun => "was never begun, or was released as often",
+                    PrivatePoolMisuse::ReleasedWhileOpen => "is released while still open",
+                };
+                write!(f, "private pool PrivatePoolId({a}, {b}) {what}")
+            }
+        }
+    }
+}
+
+/// A tag in the wrong state for a call; nothing changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TagError {
+    pub tag: String,
+    pub state: TagState,
+}
+
+/// Why a call refused a tag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TagState {
+    /// No thread of this process ever set it.
+    Unknown,
+    /// Paused: nothing is allocated under it until it is resumed.
+    Paused,
+    /// Paused already.
+    AlreadyPaused,
+    /// Resumed, or never paused.
+    NotPaused,
+    /// "default", which cannot be paused.
+    Default,
+    /// A private pool is open (a CUDA graph capture may be underway).
+    PrivatePoolOpen { resuming: bool },
+    /// A stream that used it is being captured into a CUDA graph.
+    StreamCapturing { stream: u64 },
+    /// The work of another stream on a block freed from it could not be waited for.
+    WorkNotWaited,
+}
+
+impl fmt::Display for TagError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tag {:?} ", self.tag)?;
+        match self.state {
+            TagState::Unknown => f.write_str("is unknown: no thread of this process ever set it"),
+            TagState::Paused => f.write_str("is paused: resume it before allocating under it"),
+            TagState::AlreadyPaused => f.write_str("is already paused"),
+            TagState::NotPaused => f.write_str("is not paused"),
+            TagState::Default => f.write_str("cannot be paused: pause a tag of your own (tidepool.region)"),
+            TagState::PrivatePoolOpen { resuming } => write!(
+                f,
+                "cannot be {} while a private pool is open (a CUDA graph capture may be underway)",
+                if resuming { "resumed" } else { "paused" }
+            ),
+            TagState::StreamCapturing { stream } => {
+                write!(f, "cannot be paused while stream {stream:#x}, which used it, is being captured into a CUDA graph")
+            }
+            TagState::WorkNotWaited => {
+                f.write_str("cannot be paused: the work of another stream on a block freed from it could not be waited for")
+            }
+        }
+    }
 }
 
 /// What was wrong with a freed pointer.
@@ -62,14 +178,14 @@ impl fmt::Display for AllocError {
                 }
             },
             AllocError::UnknownPointer { ptr } => write!(f, "tidepool: {ptr:#x} is not a live allocation"),
-            AllocError::InvalidArgument(msg) => write!(f, "tidepool: {msg}"),
+            AllocError::InvalidArgument(why) => write!(f, "tidepool: {why}"),
             AllocError::Forked { parent } => write!(
                 f,
                 "tidepool: this allocator belongs to process {parent}, which forked this one; \
                  a forked child creates an allocator of its own (the C ABI does so by itself)"
             ),
             AllocError::Backend(err) => write!(f, "tidepool: {err}"),
-            AllocError::Tag(msg) => write!(f, "tidepool: {msg}"),
+            AllocError::Tag(err) => write!(f, "tidepool: {err}"),
             AllocError::HostOutOfMemory { bytes } => write!(
                 f,
                 "tidepool: cannot offload: {} of host memory could not be had; the tag was not paused and nothing was released",

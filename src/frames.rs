@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::error::AllocError;
+use crate::error::{AllocError, InvalidArgument};
 
 /// One stack frame, as PyTorch's snapshots list it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,7 +31,7 @@ impl Contexts {
     /// registered before. Context 0 means "none" and is refused.
     pub fn register(&self, context: u64, frames: Vec<Frame>) -> Result<(), AllocError> {
         if context == 0 {
-            return Err(AllocError::InvalidArgument("context 0 means none and cannot be registered".into()));
+            return Err(AllocError::InvalidArgument(InvalidArgument::ContextZero));
         }
         self.frames.lock().insert(context, frames.into());
         Ok(())

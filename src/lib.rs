@@ -68,7 +68,7 @@ pub mod cudarc_interop;
 pub use allocator::Allocator;
 pub use buffer::{Buffer, Plain};
 pub use config::{BackendKind, Config, ConfigError};
-pub use error::{AllocError, InvalidFree, OomReport};
+pub use error::{AllocError, InvalidArgument, InvalidFree, OomReport, PrivatePoolMisuse, TagError, TagState};
 pub use frames::Frame;
 pub use heap::history::{HistoryAction, HistoryEntry};
 pub use heap::private::PrivatePoolId;

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::error::AllocError;
+use crate::error::{AllocError, InvalidArgument};
 
 /// The longest tag name, in bytes (the C ABI's limit: 63 plus the NUL).
 pub const MAX_TAG_LEN: usize = 63;
@@ -51,17 +51,14 @@ const TAGGED_BIAS: usize = 1 << (usize::BITS - 2);
 /// Checks that `name` can be a tag: 1 to 63 bytes, no NUL.
 pub fn check_name(name: &str) -> Result<(), AllocError> {
     if name.is_empty() {
-        return Err(AllocError::InvalidArgument("a tag cannot be empty (use \"default\", or NULL in C)".into()));
+        return Err(AllocError::InvalidArgument(InvalidArgument::EmptyTag));
     }
     if name.len() > MAX_TAG_LEN {
-        return Err(AllocError::InvalidArgument(format!(
-            "tag {:?}... is {} bytes long; a tag has at most {MAX_TAG_LEN}",
-            name.chars().take(16).collect::<String>(),
-            name.len()
-        )));
+        let start = name.chars().take(16).collect();
+        return Err(AllocError::InvalidArgument(InvalidArgument::TagTooLong { start, len: name.len(), max: MAX_TAG_LEN }));
     }
     if name.contains('\0') {
-        return Err(AllocError::InvalidArgument(format!("tag {name:?} contains a NUL byte")));
+        return Err(AllocError::InvalidArgument(InvalidArgument::TagWithNul { tag: name.into() }));
     }
     Ok(())
 }

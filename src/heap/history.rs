@@ -75,18 +75,18 @@ impl DeviceHeap {
     /// and forgets them).
     pub fn record_history(&mut self, max_entries: Option<usize>) {
         let started_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
-        self.history = max_entries.filter(|&n| n > 0).map(|max_entries| History {
+        self.observers.history = max_entries.filter(|&n| n > 0).map(|max_entries| History {
             entries: VecDeque::new(),
             max_entries,
             started: Instant::now(),
             started_us,
         });
-        self.observed = self.trace.is_some() || self.history.is_some() || self.with_contexts;
+        self.observers.observed = self.observers.trace.is_some() || self.observers.history.is_some() || self.observers.with_contexts;
     }
 
     /// The events kept, oldest first.
     pub fn history(&self) -> Vec<HistoryEntry> {
-        self.history.as_ref().map_or_else(Vec::new, |h| h.entries.iter().copied().collect())
+        self.observers.history.as_ref().map_or_else(Vec::new, |h| h.entries.iter().copied().collect())
     }
 
     /// Adds the event of a trace row.
@@ -108,11 +108,11 @@ impl DeviceHeap {
     #[inline(never)]
     pub(super) fn note(&mut self, action: HistoryAction, addr: u64, size: u64, stream: Stream) {
         let context = match action {
-            HistoryAction::Alloc => self.allocating_context,
+            HistoryAction::Alloc => self.observers.allocating_context,
             HistoryAction::FreeRequested | HistoryAction::FreeCompleted => self.context_of(addr),
             _ => 0,
         };
-        let Some(history) = self.history.as_mut() else { return };
+        let Some(history) = self.observers.history.as_mut() else { return };
         if history.entries.len() == history.max_entries {
             history.entries.pop_front();
         }

@@ -33,6 +33,7 @@
 use std::collections::HashMap;
 
 use super::DeviceHeap;
+use crate::error::{AllocError, InvalidArgument, PrivatePoolMisuse};
 
 /// A private pool's identity: PyTorch's `MempoolId_t`, a pair of integers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -83,9 +84,9 @@ impl DeviceHeap {
 
     /// Stops routing allocations to `id` (PyTorch's `endAllocateToPool`).
     /// Frees that waited for the last open pool to close record their events now.
-    pub fn end_private(&mut self, id: PrivatePoolId) -> Result<(), String> {
+    pub fn end_private(&mut self, id: PrivatePoolId) -> Result<(), AllocError> {
         let Some(at) = self.private.open.iter().rposition(|&open| open == id) else {
-            return Err(format!("private pool {id:?} is not open"));
+            return Err(misuse(id, PrivatePoolMisuse::NotOpen));
         };
         self.private.open.remove(at);
         self.last_stream = None;
@@ -98,10 +99,10 @@ impl DeviceHeap {
     /// Drops one use of `id` (PyTorch's `releasePool`, when a graph or a
     /// `MemPool` goes); once no private pool is held, their free memory is
     /// the release policies' again (`empty_cache` gives it back).
-    pub fn release_private(&mut self, id: PrivatePoolId) -> Result<(), String> {
+    pub fn release_private(&mut self, id: PrivatePoolId) -> Result<(), AllocError> {
         match self.private.uses.get(&id).copied() {
-            None => Err(format!("private pool {id:?} was never begun, or was released as often")),
-            Some(1) if self.private.open.contains(&id) => Err(format!("private pool {id:?} is released while still open")),
+            None => Err(misuse(id, PrivatePoolMisuse::NeverBegun)),
+            Some(1) if self.private.open.contains(&id) => Err(misuse(id, PrivatePoolMisuse::ReleasedWhileOpen)),
             Some(1) => {
                 self.private.uses.remove(&id);
                 Ok(())
@@ -124,4 +125,9 @@ impl DeviceHeap {
     pub(super) fn may_release(&self) -> bool {
         !self.private.any_open()
     }
+}
+
+/// The error of a private pool named out of order.
+fn misuse(id: PrivatePoolId, misuse: PrivatePoolMisuse) -> AllocError {
+    AllocError::InvalidArgument(InvalidArgument::PrivatePool { id: (id.0, id.1), misuse })
 }

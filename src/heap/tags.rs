@@ -55,8 +55,7 @@ use super::block::{BlockId, BlockState, NIL};
 use super::expandable::Vm;
 use super::{DeviceHeap, PoolKey};
 use crate::backend::{BackendError, HostMemory};
-use crate::error::AllocError;
-use crate::reclaim::policy::Reason;
+use crate::error::{AllocError, InvalidArgument, TagError, TagState};
 use crate::size_class::PoolKind;
 use crate::tag::{name_of, TagId};
 use crate::types::Stream;
@@ -133,8 +132,8 @@ impl Tags {
     }
 }
 
-fn tag_error(tag: u32, what: &str) -> AllocError {
-    AllocError::Tag(format!("tag {:?} {what}", &*name_of(TagId(tag))))
+fn tag_error(tag: u32, state: TagState) -> AllocError {
+    AllocError::Tag(TagError { tag: name_of(TagId(tag)).to_string(), state })
 }
 
 impl DeviceHeap {
@@ -175,12 +174,11 @@ impl DeviceHeap {
     /// The pool of (stream, tag, kind), created on first use.
     fn tag_pool_id(&mut self, stream: Stream, tag: u32, kind: PoolKind) -> Result<u32, AllocError> {
         if self.tags.vm.is_none() {
-            let page = self.backend.vm_page_size(self.device).filter(|p| p.is_power_of_two()).ok_or_else(|| {
-                AllocError::InvalidArgument(format!(
-                    "tags need virtual memory (reserved ranges mapped page by page); the {} backend has none",
-                    self.backend.name()
-                ))
-            })?;
+            let page = self
+                .backend
+                .vm_page_size(self.device)
+                .filter(|p| p.is_power_of_two())
+                .ok_or_else(|| AllocError::InvalidArgument(InvalidArgument::TagsNeedVirtualMemory { backend: self.backend.name() }))?;
             let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
             self.tags.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
         }
@@ -199,7 +197,7 @@ impl DeviceHeap {
             return Ok(0);
         }
         if self.tags.is_paused(tag.0) {
-            return Err(tag_error(tag.0, "is paused: resume it before allocating under it"));
+            return Err(tag_error(tag.0, TagState::Paused));
         }
         let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
         let pool = self.tag_pool_id(stream, tag.0, self.rules.kind(rounded))?;
@@ -213,19 +211,16 @@ impl DeviceHeap {
     /// changes nothing even without offload (whose contents would be gone).
     pub fn check_pausable(&self, tag: TagId) -> Result<(), AllocError> {
         if tag == TagId::DEFAULT {
-            return Err(tag_error(0, "cannot be paused: pause a tag of your own (tidepool.region)"));
+            return Err(tag_error(0, TagState::Default));
         }
         if !self.may_release() {
-            return Err(tag_error(tag.0, "cannot be paused while a private pool is open (a CUDA graph capture may be underway)"));
+            return Err(tag_error(tag.0, TagState::PrivatePoolOpen { resuming: false }));
         }
         if self.tags.is_paused(tag.0) {
-            return Err(tag_error(tag.0, "is already paused"));
+            return Err(tag_error(tag.0, TagState::AlreadyPaused));
         }
         if let Some(s) = self.tag_streams(tag).into_iter().find(|&s| self.backend.stream_capturing(self.device, s)) {
-            return Err(tag_error(
-                tag.0,
-                &format!("cannot be paused while stream {:#x}, which used it, is being captured into a CUDA graph", s.0),
-            ));
+            return Err(tag_error(tag.0, TagState::StreamCapturing { stream: s.0 }));
         }
         Ok(())
     }
@@ -341,7 +336,7 @@ impl DeviceHeap {
         // A freed block whose other streams' work could not be waited for
         // (the driver failed the wait) may still be written: its pages stay.
         if segments.iter().any(|&id| self.holds_pending_block(id)) {
-            return Err(tag_error(tag.0, "cannot be paused: the work of another stream on a block freed from it could not be waited for"));
+            return Err(tag_error(tag.0, TagState::WorkNotWaited));
         }
         // After the pending frees: one of them may have gone to a stash.
         for &pool in &pools {
@@ -524,51 +519,40 @@ impl DeviceHeap {
     }
 
     /// Maps `tag`'s saved pages again at their addresses and copies their
-    /// contents back (offload). When the device has no room: this heap's
-    /// other cache goes, then the other processes are asked; failing that,
-    /// nothing stays mapped and the tag stays paused, its saved bytes
-    /// intact. Returns the device bytes mapped.
+    /// contents back (offload). When the device has no room, nothing stays
+    /// mapped and the tag stays paused, its saved bytes intact: an
+    /// out-of-memory for the device's ladder (which releases the cache,
+    /// asks the other processes and calls this again). Returns the device
+    /// bytes mapped.
     pub fn resume_tag(&mut self, tag: TagId) -> Result<u64, AllocError> {
         if !self.tags.is_paused(tag.0) {
-            return Err(tag_error(tag.0, "is not paused"));
+            return Err(tag_error(tag.0, TagState::NotPaused));
         }
         if !self.may_release() {
             // Its copies and, should it fail, its unmaps are what a capture forbids.
-            return Err(tag_error(tag.0, "cannot be resumed while a private pool is open (a CUDA graph capture may be underway)"));
+            return Err(tag_error(tag.0, TagState::PrivatePoolOpen { resuming: true }));
         }
         let page = self.tags.vm.map_or(1, |vm| vm.page);
         let segments = self.tag_segments(tag.0);
         let saved_runs = |heap: &Self| -> Vec<(u64, u64, u64)> {
             heap.tags.paused[&tag.0].runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect()
         };
-        let mut runs = saved_runs(self);
+        // Taken afresh at each attempt: a release between two (the device's
+        // out-of-memory ladder) completes frees that waited on events, the
+        // tag's too, so its free blocks may have merged and its saved pages
+        // shrunk (`drop_unneeded_runs`).
+        let runs = saved_runs(self);
         // Pages a failed attempt leaves mapped are no longer given back.
         let mapped_before = self.tag_mapped_bytes(&segments);
-        let mut free = self.unbin(&segments);
-        let mut mapped = self.map_saved(&runs, page);
-        if mapped == Err(BackendError::OutOfMemory) {
-            self.rebin(free);
-            self.release_free_segments(Reason::OutOfMemory, |_, _| true);
-            if !self.retrying {
-                self.stats.events.num_alloc_retries += 1;
-            }
-            // The release completes frees that waited on events, the tag's
-            // too: its free blocks may have merged and its saved pages
-            // shrunk (`drop_unneeded_runs`). Both are taken afresh.
-            runs = saved_runs(self);
-            free = self.unbin(&segments);
-            mapped = self.map_saved(&runs, page);
-        }
+        let free = self.unbin(&segments);
+        let mapped = self.map_saved(&runs, page);
         let need: u64 = runs.iter().map(|r| r.2 * page).sum();
         if let Err(err) = mapped {
             self.rebin(free);
             self.recount_given_back(tag.0, &segments, mapped_before);
             return Err(match err {
+                // The device releases, asks the other processes and retries.
                 BackendError::OutOfMemory => {
-                    // The device layer may ask the other processes and retry.
-                    if !self.retrying {
-                        self.stats.events.num_ooms += 1;
-                    }
                     let from_others = self.need_within_cap(need);
                     AllocError::OutOfMemory(Box::new(self.oom_report(need, from_others)))
                 }

@@ -186,11 +186,14 @@ impl DeviceHeap {
             stashed.len()
         );
 
-        for &addr in self.contexts.keys() {
+        for &addr in self.observers.contexts.keys() {
             let live = self.by_addr.get(addr).is_some_and(|id| self.blocks[id].is_active());
             ensure!(live, "a context is kept for {addr:#x}, which is no allocated or pending block");
         }
-        ensure!(self.contexts.is_empty() || self.observed, "contexts are kept but frees are not observed: they would go stale");
+        ensure!(
+            self.observers.contexts.is_empty() || self.observers.observed,
+            "contexts are kept but frees are not observed: they would go stale"
+        );
 
         for &id in &pending {
             ensure!(self.blocks[id].state == BlockState::Pending, "block {id} waits for events but is {:?}", self.blocks[id].state);
@@ -338,7 +341,7 @@ mod tests {
         heap.validate().unwrap();
         heap.free(p).unwrap();
         heap.validate().unwrap();
-        heap.contexts.insert(p, 9); // freed (and stashed): no longer live
+        heap.observers.contexts.insert(p, 9); // freed (and stashed): no longer live
         assert!(heap.validate().unwrap_err().contains("no allocated or pending block"));
     }
 }

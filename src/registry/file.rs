@@ -21,12 +21,51 @@ pub(super) const LOCK_WAIT: Duration = Duration::from_millis(50);
 pub const REQUEST_FRESH_MS: u64 = 10_000;
 /// Why the registry could not be used (cooperation is then off for it).
 #[derive(Debug)]
-pub struct RegistryError(pub String);
+pub enum RegistryError {
+    /// An operation on the registry's folder (`path`) or file failed.
+    Io { operation: &'static str, path: Option<PathBuf>, error: std::io::Error },
+    /// A folder others could read or write: every slot would be theirs.
+    NotPrivate { dir: PathBuf, uid: u32, owner: u32, mode: u32 },
+    /// A registry name that is not a regular file.
+    NotRegularFile { path: PathBuf },
+    /// A registry file of another user.
+    NotOwned { path: PathBuf, owner: u32, uid: u32 },
+    /// Every slot is taken by a live process.
+    Full,
+    /// Another process held the lock for longer than the wait.
+    Locked,
+    /// A file that is not a registry of this version.
+    Version { path: PathBuf, version: u32, slots: u32 },
+}
 
 impl std::fmt::Display for RegistryError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            RegistryError::Io { operation, path: Some(path), error } => write!(f, "registry {}: {operation}: {error}", path.display()),
+            RegistryError::Io { operation, path: None, error } => write!(f, "registry {operation}: {error}"),
+            RegistryError::NotPrivate { dir, uid, owner, mode } => write!(
+                f,
+                "registry {}: not a directory that only this user (uid {uid}) can use (owner {owner}, mode {mode:o}); \
+                 remove it, or set registry_dir",
+                dir.display()
+            ),
+            RegistryError::NotRegularFile { path } => write!(f, "{} is not a regular file", path.display()),
+            RegistryError::NotOwned { path, owner, uid } => write!(f, "{} belongs to uid {owner}, not this user ({uid})", path.display()),
+            RegistryError::Full => write!(f, "registry full: {SLOTS} processes on one device"),
+            RegistryError::Locked => f.write_str("registry locked by another process for too long"),
+            RegistryError::Version { path, version, slots } => {
+                write!(f, "{} is not a version {VERSION} tidepool registry (found version {version}, {slots} slots)", path.display())
+            }
+        }
     }
+}
+
+impl std::error::Error for RegistryError {}
+
+/// The error of a read or write of the registry file (its path is known
+/// to whoever reports it).
+fn io(operation: &'static str) -> impl Fn(std::io::Error) -> RegistryError {
+    move |error| RegistryError::Io { operation, path: None, error }
 }
 
 pub(super) fn now_ms() -> u64 {
@@ -76,20 +115,14 @@ pub struct Asked {
 impl Registry {
     /// Opens (creating if needed) the registry of `key` in `dir` and claims a slot.
     pub fn join(dir: &Path, key: &str) -> Result<Registry, RegistryError> {
-        let fail = |what: &str, e: std::io::Error| RegistryError(format!("registry {}: {what}: {e}", dir.display()));
+        let fail = |operation: &'static str, error| RegistryError::Io { operation, path: Some(dir.to_path_buf()), error };
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| fail("cannot create", e))?;
         // A directory made in advance by someone else (in /tmp, say) would
         // let them read and write every slot: it must be this user's alone.
         let me = own_uid().map_err(|e| fail("cannot tell this user", e))?;
         let meta = std::fs::symlink_metadata(dir).map_err(|e| fail("cannot stat", e))?;
         if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o077 != 0 {
-            return Err(RegistryError(format!(
-                "registry {}: not a directory that only this user (uid {me}) can use (owner {}, mode {:o}); \
-                 remove it, or set registry_dir",
-                dir.display(),
-                meta.uid(),
-                meta.mode() & 0o7777
-            )));
+            return Err(RegistryError::NotPrivate { dir: dir.to_path_buf(), uid: me, owner: meta.uid(), mode: meta.mode() & 0o7777 });
         }
         let path = dir.join(format!("{key}.registry"));
         let file = OpenOptions::new()
@@ -103,10 +136,10 @@ impl Registry {
             .map_err(|e| fail("cannot open", e))?;
         let meta = file.metadata().map_err(|e| fail("cannot stat", e))?;
         if !meta.file_type().is_file() {
-            return Err(RegistryError(format!("{} is not a regular file", path.display())));
+            return Err(RegistryError::NotRegularFile { path });
         }
         if meta.uid() != me {
-            return Err(RegistryError(format!("{} belongs to uid {}, not this user ({me})", path.display(), meta.uid())));
+            return Err(RegistryError::NotOwned { path, owner: meta.uid(), uid: me });
         }
         let comm = own_comm();
         let mut registry = Registry { file, path, slot: 0, pid: std::process::id(), comm, saw_request_ms: 0 };
@@ -117,7 +150,7 @@ impl Registry {
                     Some(e) => e.pid == 0 || !alive(e.pid),
                     None => true, // a corrupt slot is nobody's
                 })
-                .ok_or_else(|| RegistryError("registry full: 64 processes on one device".into()))?;
+                .ok_or(RegistryError::Full)?;
             r.slot = slot;
             r.write_slot(slot, &Entry { pid: r.pid, heartbeat_ms: now_ms(), comm: r.comm, ..Entry::default() })
         })?;
@@ -131,7 +164,7 @@ impl Registry {
     /// Runs `f` under the registry's exclusive lock, waiting at most LOCK_WAIT.
     fn with_lock<T>(&mut self, f: impl FnOnce(&mut Registry) -> Result<T, RegistryError>) -> Result<T, RegistryError> {
         if !lock_within(&self.file, LOCK_WAIT, false) {
-            return Err(RegistryError("registry locked by another process for too long".into()));
+            return Err(RegistryError::Locked);
         }
         let result = f(self);
         let _ = self.file.unlock();
@@ -143,15 +176,15 @@ impl Registry {
         fresh[0..8].copy_from_slice(MAGIC);
         fresh[8..12].copy_from_slice(&VERSION.to_le_bytes());
         fresh[12..16].copy_from_slice(&(SLOTS as u32).to_le_bytes());
-        self.file.write_all_at(&fresh, 0).map_err(|e| RegistryError(format!("registry write: {e}")))?;
-        self.file.set_len(FILE_BYTES).map_err(|e| RegistryError(format!("registry size: {e}")))
+        self.file.write_all_at(&fresh, 0).map_err(io("write"))?;
+        self.file.set_len(FILE_BYTES).map_err(io("size"))
     }
 
     fn check_or_init_header(&mut self) -> Result<(), RegistryError> {
         let mut header = [0u8; HEADER as usize];
         match self.file.read_exact_at(&mut header, 0) {
             Err(e) if e.kind() == ErrorKind::UnexpectedEof => self.write_header(),
-            Err(e) => Err(RegistryError(format!("registry read: {e}"))),
+            Err(e) => Err(io("read")(e)),
             Ok(()) => {
                 let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
                 let slots = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes"));
@@ -162,10 +195,7 @@ impl Registry {
                     // Left by an earlier release whose processes are gone: take it over.
                     return self.write_header();
                 }
-                Err(RegistryError(format!(
-                    "{} is not a version {VERSION} tidepool registry (found version {version}, {slots} slots)",
-                    self.path.display()
-                )))
+                Err(RegistryError::Version { path: self.path.clone(), version, slots })
             }
         }
     }
@@ -190,7 +220,7 @@ impl Registry {
 
     pub(super) fn write_slot(&self, slot: usize, entry: &Entry) -> Result<(), RegistryError> {
         let raw = if entry.pid == 0 { [0u8; SLOT as usize] } else { entry.encode() };
-        self.file.write_all_at(&raw, HEADER + SLOT * slot as u64).map_err(|e| RegistryError(format!("registry write: {e}")))
+        self.file.write_all_at(&raw, HEADER + SLOT * slot as u64).map_err(io("write"))
     }
 
     /// Publishes this process's figures (its posted request and answer

@@ -40,7 +40,7 @@ fn a_directory_others_can_use_is_refused() {
     let dir = dir("shared");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let err = Registry::join(&dir, "dev").unwrap_err().0;
+    let err = Registry::join(&dir, "dev").unwrap_err().to_string();
     assert!(err.contains("only this user") && err.contains("mode 777"), "{err}");
     assert!(!dir.join("dev.registry").exists(), "nothing was created in it");
     // A link to a private directory is not one either.
@@ -49,7 +49,7 @@ fn a_directory_others_can_use_is_refused() {
     let link = dir.with_extension("link");
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(&private, &link).unwrap();
-    assert!(Registry::join(&link, "dev").unwrap_err().0.contains("only this user"));
+    assert!(Registry::join(&link, "dev").unwrap_err().to_string().contains("only this user"));
     for path in [&dir, &private] {
         let _ = std::fs::remove_dir_all(path);
     }
@@ -178,7 +178,7 @@ fn a_registry_locked_forever_by_another_process_does_not_hang() {
     let squatter = File::open(a.path()).unwrap();
     squatter.lock().unwrap();
     let start = Instant::now();
-    assert!(a.publish(Entry::default()).unwrap_err().0.contains("locked"));
+    assert!(a.publish(Entry::default()).unwrap_err().to_string().contains("locked"));
     // LOCK_WAIT is 50 ms; the bound leaves room for a loaded machine.
     assert!(start.elapsed() < Duration::from_secs(2));
     squatter.unlock().unwrap();
@@ -194,7 +194,7 @@ fn a_hostile_registry_is_refused_or_harmless() {
     // Random bytes: wrong magic, refused.
     let path = dir.join("junk.registry");
     std::fs::write(&path, (0..5000u32).map(|i| (i * 7919 % 251) as u8).collect::<Vec<_>>()).unwrap();
-    assert!(Registry::join(&dir, "junk").unwrap_err().0.contains("not a version"));
+    assert!(Registry::join(&dir, "junk").unwrap_err().to_string().contains("not a version"));
     // Right header, wrong version: refused.
     let mut bad = Vec::from(&MAGIC[..]);
     bad.extend_from_slice(&99u32.to_le_bytes());
@@ -302,7 +302,7 @@ fn a_version_1_file_is_taken_over_once_its_processes_are_gone() {
     // A live process (this one) in slot 3: refused.
     v1[(HEADER + V1_SLOT * 3) as usize..][..4].copy_from_slice(&std::process::id().to_le_bytes());
     std::fs::write(dir.join("dev.registry"), &v1).unwrap();
-    assert!(Registry::join(&dir, "dev").unwrap_err().0.contains("not a version 2"));
+    assert!(Registry::join(&dir, "dev").unwrap_err().to_string().contains("not a version 2"));
     // Only dead processes: rewritten as version 2.
     v1[(HEADER + V1_SLOT * 3) as usize..][..4].copy_from_slice(&(u32::MAX - 1).to_le_bytes());
     std::fs::write(dir.join("dev.registry"), &v1).unwrap();

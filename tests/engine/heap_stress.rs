@@ -267,7 +267,22 @@ fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
                 let stream = streams[rng.below(3) as usize];
                 let tag = if o.tags && rng.chance(30) { 1 + rng.below(2) as u32 } else { 0 };
                 desc = format!("allocate({size}, {stream:?}, tag {tag})");
-                let r = if tag == 0 { heap.allocate(size, stream) } else { heap.allocate_tagged(size, stream, TagId(tag), 0) };
+                let attempt = |heap: &mut DeviceHeap| {
+                    if tag == 0 {
+                        heap.allocate(size, stream)
+                    } else {
+                        heap.allocate_tagged(size, stream, TagId(tag), 0)
+                    }
+                };
+                // An exhausted heap: the first rung of the device's ladder
+                // (its cache released, the request tried again).
+                let r = match attempt(&mut heap) {
+                    Err(AllocError::OutOfMemory(_)) => {
+                        heap.release_free_segments(Reason::OutOfMemory, |_, _| true);
+                        attempt(&mut heap)
+                    }
+                    r => r,
+                };
                 match r {
                     Ok(addr) => {
                         desc += &format!(" = {addr:#x}");

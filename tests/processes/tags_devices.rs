@@ -143,7 +143,7 @@ fn child_pause_waits_for_the_streams_work() {
     // SAFETY: simgpu marks the stream it made as capturing.
     assert_eq!(unsafe { (sim.set_capturing)(stream, 1) }, 0);
     let err = alloc.pause("i13-stream", Some(0), true).unwrap_err();
-    assert!(matches!(&err, AllocError::Tag(m) if m.contains("captured into a CUDA graph")), "{err}");
+    assert!(matches!(&err, AllocError::Tag(m) if m.to_string().contains("captured into a CUDA graph")), "{err}");
     assert!(!alloc.tag_stats("i13-stream", 0).unwrap().paused);
     // SAFETY: as above, the capture ends.
     assert_eq!(unsafe { (sim.set_capturing)(stream, 0) }, 0);
@@ -323,7 +323,7 @@ fn child_refused_pause_across_shards() {
         // SAFETY: simgpu marks a stream it made as capturing, then not.
         assert_eq!(unsafe { (sim.set_capturing)(captured, 1) }, 0);
         let err = alloc.pause("shards", Some(0), false).unwrap_err();
-        assert!(matches!(&err, AllocError::Tag(m) if m.contains("captured")), "{err}");
+        assert!(matches!(&err, AllocError::Tag(m) if m.to_string().contains("captured")), "{err}");
         // SAFETY: as above.
         assert_eq!(unsafe { (sim.set_capturing)(captured, 0) }, 0);
         assert!(!alloc.tag_stats("shards", 0).unwrap().paused);
@@ -356,7 +356,7 @@ fn child_tags_need_virtual_memory() {
         let _r = region("i13-async").unwrap();
         alloc.allocate(0, 4096, S).unwrap_err()
     };
-    assert!(matches!(&err, AllocError::InvalidArgument(m) if m.contains("virtual memory")), "{err}");
+    assert!(matches!(&err, AllocError::InvalidArgument(m) if m.to_string().contains("virtual memory")), "{err}");
     assert_eq!(alloc.stats(0).unwrap().allocated_bytes.all.current, 0);
     let p = alloc.allocate(0, 4096, S).unwrap();
     alloc.free(0, p).unwrap();

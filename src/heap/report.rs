@@ -1,0 +1,176 @@
+//! What the heap reports without changing what it holds: statistics,
+//! snapshots of its segments and blocks, the segment of a pointer, the
+//! report of an out-of-memory.
+
+use super::*;
+
+/// The three byte counts a replay follows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub requested: u64,
+    pub allocated: u64,
+    pub reserved: u64,
+}
+
+/// One segment as a snapshot shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentSnapshot {
+    pub address: u64,
+    pub size: u64,
+    pub stream: Stream,
+    pub kind: PoolKind,
+    /// Part of an expandable segment (a run of its mapped pages).
+    pub expandable: bool,
+    /// The private pool (graph pool, `MemPool`) it belongs to, if any.
+    pub private: Option<PrivatePoolId>,
+    /// The tag of its blocks (`crate::tag`).
+    pub tag: crate::tag::TagId,
+    /// Its tag is paused: the segment is a run of pages that resume maps
+    /// again, holding no device memory now.
+    pub paused: bool,
+    pub blocks: Vec<BlockSnapshot>,
+}
+
+/// One block of a segment snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockSnapshot {
+    pub address: u64,
+    pub size: u64,
+    /// Bytes asked for; 0 for a free block.
+    pub requested: u64,
+    /// Held by its caller.
+    pub allocated: bool,
+    /// Freed by its caller, waiting for other streams' work (PyTorch's
+    /// `active_pending_free`).
+    pub pending: bool,
+    /// The context it was allocated with (0: none; see `crate::frames`).
+    pub context: u64,
+}
+
+impl DeviceHeap {
+    /// The segment holding `ptr`: its base and size.
+    pub fn segment_of(&self, ptr: u64) -> Option<(u64, u64)> {
+        let (_, &id) = self.segment_by_base.range(..=ptr).next_back()?;
+        let segment = self.segments[id as usize].as_ref()?;
+        let size = segment.pages.as_ref().map_or(segment.size, PageMap::end_bytes);
+        (ptr < segment.base + size).then_some((segment.base, size))
+    }
+
+    /// Every segment with its blocks in address order, for snapshots. An
+    /// expandable segment shows as one segment per run of mapped pages
+    /// (as PyTorch shows its own), its blocks cut to the run; a paused
+    /// tag's range, as the runs resume maps again, marked paused.
+    pub fn snapshot(&mut self) -> Vec<SegmentSnapshot> {
+        self.flush_stashes();
+        let paused = self.paused_ranges();
+        let mut out = Vec::new();
+        for segment in self.segments.iter().flatten() {
+            let saved = paused.get(&segment.base);
+            let runs = match &segment.pages {
+                Some(_) if saved.is_some() => saved.into_iter().flatten().map(|&(a, n)| (a - segment.base, a - segment.base + n)).collect(),
+                Some(pages) => {
+                    let page = pages.page_size();
+                    pages.runs(0, pages.end_bytes() / page, true).into_iter().map(|(p, n)| (p * page, (p + n) * page)).collect()
+                }
+                None => vec![(0, segment.size)],
+            };
+            let pool = &self.pools[segment.pool as usize];
+            // Blocks and runs both ascend: one walk over the blocks.
+            let mut cur = segment.first_block;
+            for (start, end) in runs {
+                let (start, end) = (segment.base + start, segment.base + end);
+                let mut blocks = Vec::new();
+                while cur != NIL && self.blocks[cur].addr < end {
+                    let b = &self.blocks[cur];
+                    let (from, to) = (b.addr.max(start), (b.addr + b.size).min(end));
+                    if from < to {
+                        let (address, size, requested, context) = (from, to - from, b.requested, self.context_of(b.addr));
+                        let (allocated, pending) = (b.is_allocated(), b.state == BlockState::Pending);
+                        blocks.push(BlockSnapshot { address, size, requested, allocated, pending, context });
+                    }
+                    if b.addr + b.size > end {
+                        break; // the block goes on into the next run
+                    }
+                    cur = b.next;
+                }
+                out.push(SegmentSnapshot {
+                    address: start,
+                    size: end - start,
+                    stream: pool.stream,
+                    kind: pool.kind,
+                    expandable: segment.pages.is_some(),
+                    private: pool.private,
+                    tag: crate::tag::TagId(pool.tag),
+                    paused: saved.is_some(),
+                    blocks,
+                });
+            }
+        }
+        out.sort_by_key(|s| s.address);
+        out
+    }
+
+    /// The size of the live block at `ptr`, if there is one.
+    pub fn live_size(&self, ptr: u64) -> Option<u64> {
+        self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated()).map(|id| self.blocks[id].size)
+    }
+
+    /// The statistics, with the cache figures computed now (stashed
+    /// blocks are merged first, so the figures are those of a merged heap).
+    pub fn stats(&mut self) -> Stats {
+        self.process_pending(false);
+        self.flush_stashes();
+        let mut stats = self.stats.report();
+        let (paused, offloaded, unmapped_active) = self.paused_totals();
+        (stats.paused_bytes, stats.offloaded_bytes) = (paused, offloaded);
+        // With the stashes merged, every reserved byte not active (allocated,
+        // or freed but pending) is cached; paused tags' blocks hold none.
+        stats.cached_free_bytes = stats.reserved_bytes.all.current - (stats.active_bytes.all.current - unmapped_active);
+        let classic =
+            (0..self.pools.len() as u32).filter(|&p| self.pool_vm(p).is_none()).map(|p| self.pools[p as usize].largest(&self.blocks));
+        stats.largest_free_block_bytes = classic.max().unwrap_or(0).max(self.largest_mapped_free_run());
+        stats
+    }
+
+    pub fn reset_peak_stats(&mut self) {
+        self.stats.reset_peaks();
+    }
+
+    pub fn reset_accumulated_stats(&mut self) {
+        self.stats.reset_accumulated();
+    }
+
+    /// The report of an out-of-memory for `requested` bytes, which the
+    /// other processes could serve by giving back `need_from_others`.
+    pub(super) fn oom_report(&mut self, requested: u64, need_from_others: u64) -> OomReport {
+        let stats = self.stats();
+        let info = self.backend.mem_info(self.device).ok();
+        OomReport {
+            device: self.device,
+            requested,
+            allocated: stats.allocated_bytes.all.current,
+            reserved: stats.reserved_bytes.all.current,
+            cached_free: stats.cached_free_bytes,
+            largest_free_block: stats.largest_free_block_bytes,
+            inactive_split: stats.inactive_split_bytes.all.current,
+            fragmentation: stats.fragmentation(),
+            device_free: info.map(|i| i.free),
+            device_total: info.map(|i| i.total),
+            reserved_limit: self.reserved_limit(),
+            limit_is_budget: self.policy.max_reserved < self.reserve.limit(),
+            expandable: self.vm.is_some(),
+            capturing: !self.may_release(),
+            need_from_others,
+        }
+    }
+
+    /// Requested, allocated and reserved bytes now, over both pool kinds.
+    /// Unlike `stats()`, merges nothing: watching does not change the heap.
+    pub fn totals(&self) -> Totals {
+        Totals {
+            requested: self.stats.requested_bytes.total(),
+            allocated: self.stats.allocated_bytes.total(),
+            reserved: self.stats.reserved_bytes.total(),
+        }
+    }
+}
