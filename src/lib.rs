@@ -43,7 +43,7 @@ pub mod backend;
 pub mod buffer;
 pub mod config;
 mod cooperation;
-pub mod device;
+mod device;
 pub mod error;
 #[allow(non_camel_case_types)]
 pub mod ffi;
@@ -68,6 +68,7 @@ pub mod cudarc_interop;
 pub use allocator::Allocator;
 pub use buffer::{Buffer, Plain};
 pub use config::{BackendKind, Config, ConfigError};
+pub use device::Device;
 pub use error::{AllocError, InvalidArgument, InvalidFree, OomReport, PrivatePoolMisuse, TagError, TagState};
 pub use frames::Frame;
 pub use heap::history::{HistoryAction, HistoryEntry};

@@ -8,8 +8,8 @@
 //! physical pages into them one run of pages at a time (the `vm_*` calls):
 //! the expandable segments of `heap/expandable.rs`.
 
-pub mod cuda;
-pub mod fork;
+pub(crate) mod cuda;
+pub(crate) mod fork;
 pub mod host;
 
 use std::fmt;

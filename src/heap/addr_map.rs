@@ -46,6 +46,7 @@ impl AddrMap {
         self.len
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -145,6 +146,7 @@ impl AddrMap {
     }
 
     /// Every (key, value), in no particular order.
+    #[cfg(test)]
     pub fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
         self.slots.iter().copied().filter(|&(k, _)| k != EMPTY)
     }

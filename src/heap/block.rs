@@ -138,10 +138,6 @@ impl BlockArena {
     pub fn len(&self) -> usize {
         self.in_use
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.in_use == 0
-    }
 }
 
 impl std::ops::Index<BlockId> for BlockArena {

@@ -66,22 +66,22 @@
 //!   block at its address, and the heap is `observed` while one is kept.
 #![forbid(unsafe_code)]
 
-pub mod addr_map;
+pub(crate) mod addr_map;
 mod allocate;
-pub mod block;
+pub(crate) mod block;
 mod expandable;
 mod free;
-pub mod history;
+pub(crate) mod history;
 mod observe;
-pub mod pages;
-pub mod pool;
-pub mod private;
+pub(crate) mod pages;
+pub(crate) mod pool;
+pub(crate) mod private;
 mod recycle;
 mod release;
 mod report;
 pub mod reserve;
 mod streams;
-pub mod tags;
+pub(crate) mod tags;
 mod validate;
 
 use std::collections::{BTreeMap, HashMap};

@@ -26,7 +26,7 @@ pub(super) struct Observers {
 
 impl DeviceHeap {
     /// Records every allocation and free from now on into `recorder`.
-    pub fn record_to(&mut self, recorder: Arc<Recorder>) {
+    pub(crate) fn record_to(&mut self, recorder: Arc<Recorder>) {
         self.observers.trace = Some(TraceBuffer::new(recorder));
         self.observers.observed = true;
     }

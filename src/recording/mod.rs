@@ -16,7 +16,7 @@ pub mod rows;
 use std::cell::Cell;
 use std::fs::File;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
@@ -51,8 +51,7 @@ fn thread_number() -> u64 {
 }
 
 /// One recording: the file and its writer thread.
-pub struct Recorder {
-    path: PathBuf,
+pub(crate) struct Recorder {
     start: Instant,
     /// Full buffers to the writer.
     sender: Mutex<Option<SyncSender<Vec<Row>>>>,
@@ -104,16 +103,11 @@ impl Recorder {
             }
         })?;
         Ok(Arc::new(Recorder {
-            path: path.to_path_buf(),
             start: Instant::now(),
             sender: Mutex::new(Some(sender)),
             empties: Mutex::new(empties),
             writer: Mutex::new(Some(writer)),
         }))
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 
     /// Hands `rows` to the writer and returns an empty buffer (waiting for
@@ -142,7 +136,7 @@ impl Recorder {
 }
 
 /// The rows one heap has not yet handed to the writer.
-pub struct TraceBuffer {
+pub(crate) struct TraceBuffer {
     recorder: Arc<Recorder>,
     rows: Vec<Row>,
     micros: u64,

@@ -245,19 +245,6 @@ pub fn hostname() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_cuda_uuid_key_becomes_the_uuid_nvidia_smi_prints() {
-        assert_eq!(device_label("cuda-73696d67707500000000000000000000"), "GPU-73696d67-7075-0000-0000-000000000000");
-        assert_eq!(device_label("cuda-ordinal-3"), "cuda-ordinal-3");
-        assert_eq!(device_label("host-7a841ef7f782f82d-0"), "host-7a841ef7f782f82d-0");
-        assert_eq!(device_label("cuda-zz"), "cuda-zz");
-    }
-}
-
 /// Writes a scrape in the text format to `path`: to a hidden temporary file
 /// in the same directory first, then renamed over `path`, so a reader
 /// (node_exporter's textfile collector reads `*.prom`) never sees half a file.
@@ -278,3 +265,17 @@ pub fn write_textfile(exporter: &Exporter, path: &std::path::Path) -> std::io::R
     }
     result
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cuda_uuid_key_becomes_the_uuid_nvidia_smi_prints() {
+        assert_eq!(device_label("cuda-73696d67707500000000000000000000"), "GPU-73696d67-7075-0000-0000-000000000000");
+        assert_eq!(device_label("cuda-ordinal-3"), "cuda-ordinal-3");
+        assert_eq!(device_label("host-7a841ef7f782f82d-0"), "host-7a841ef7f782f82d-0");
+        assert_eq!(device_label("cuda-zz"), "cuda-zz");
+    }
+}
+
