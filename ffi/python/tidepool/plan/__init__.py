@@ -1,6 +1,7 @@
 """tidepool.plan: will a model fit, on which card, at what batch, answered
 without a GPU. Gathers the names of `python -m tidepool.plan` (command.py);
-torch, transformers and peft are imported only when a model is recorded.
+importing it needs none of torch, transformers and peft (the command
+imports them when it runs).
 
 The planner never touches libtidepool: it records a model's allocations on
 the meta device and hands the trace to the `tidepool` command. Its modules:
