@@ -289,7 +289,7 @@ class Plan(unittest.TestCase):
         self.assertGreater(ddp["peak_live_bytes"], alone["peak_live_bytes"])
 
     def test_fsdp_over_n_ranks_divides_weights_gradients_and_optimizer_state_by_about_n(self):
-        from tidepool import step
+        from tidepool.plan import step
 
         sets = {k: int(v) for k, v in (item.split("=") for item in LLAMA[2:13:2])}
         base = dict(task="train", batch=2, seq=256, precision="fp32", checkpointing=False, accumulation=1,
@@ -406,7 +406,7 @@ class RealSnapshots(unittest.TestCase):
     README.md, as module: factories in plan_models.py)."""
 
     def recorded_peak(self, factory, **options):
-        from tidepool import step
+        from tidepool.plan import step
 
         if HERE not in sys.path:
             sys.path.insert(0, HERE)
@@ -511,7 +511,7 @@ class BadInput(unittest.TestCase):
         self.assertTrue(all("peak_live_bytes" in r for r in results if "error" not in r))
 
     def test_a_plan_binary_that_answers_nothing_useful_is_named(self):
-        from tidepool.plan import _plan_result
+        from tidepool.plan.command import _plan_result
 
         class Done:
             def __init__(self, code, out, err=""):

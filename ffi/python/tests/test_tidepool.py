@@ -14,7 +14,7 @@ import types
 import unittest
 
 import tidepool
-from tidepool import _native
+from tidepool import _install, _native
 
 MIB = 1 << 20
 
@@ -455,16 +455,16 @@ class FakeTorch:
 class Install(unittest.TestCase):
     def setUp(self):
         self.saved = sys.modules.get("torch")
-        tidepool._plug = None
-        tidepool._installed = False
+        _install._plug = None
+        _install._installed = False
 
     def tearDown(self):
         if self.saved is None:
             sys.modules.pop("torch", None)
         else:
             sys.modules["torch"] = self.saved
-        tidepool._plug = None
-        tidepool._installed = False
+        _install._plug = None
+        _install._installed = False
 
     def test_a_second_install_only_points_torch_cuda_here_again(self):
         fake = FakeTorch()

@@ -56,7 +56,7 @@ class InTorch(unittest.TestCase):
         # capture and use_mem_pool call) reach tidepool with the pool's id
         # intact: the C++ call and tidepool's C signature agree.
         self.run_script("""
-            assert torch._C._cuda_getAllocator() is tidepool._plug.allocator(), 'not the current allocator'
+            assert torch._C._cuda_getAllocator() is tidepool._install._plug.allocator(), 'not the current allocator'
             torch._C._cuda_beginAllocateToPool(0, (9, 4))
             ptr = lib.tidepool_malloc(1 << 20, 0, None)
             torch._C._cuda_endAllocateToPool(0, (9, 4))

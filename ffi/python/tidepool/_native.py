@@ -21,7 +21,7 @@ RELEASE_REASONS = ("idle_decay", "budget", "headroom", "out_of_memory", "empty_c
 FIELDS = ("current", "peak", "allocated", "freed")
 # The event counters, as src/stats.rs lists them (Events::COUNTERS): the key
 # memory_stats gives each (PyTorch's name, or tidepool.*) and its field in
-# tidepool_stats. tests/ffi_header.rs checks this list, Stats below and
+# tidepool_stats. tests/cabi/header.rs checks this list, Stats below and
 # GAUGES above against the library's.
 COUNTERS = (
     ("num_device_alloc", "num_device_allocs"),
@@ -136,33 +136,6 @@ def _packaged(stem):
     for candidate in sorted(PACKAGE_DIR.glob(f"{stem}.*so")):
         return candidate
     return None
-
-
-def current_device():
-    """PyTorch's current CUDA device, or 0 before CUDA starts (or without torch)."""
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-
-
-def device_index(device):
-    """The index of `device`, given as torch.cuda's memory functions take
-    one: None or "cuda" (the current device), an int, "cuda:N", or a
-    torch.device."""
-    if isinstance(device, str):
-        kind, colon, index = device.partition(":")
-        if kind.strip() != "cuda" or (colon and not index.strip().isdigit()):
-            raise ValueError(f"not a CUDA device: {device!r} (expected an int, 'cuda', 'cuda:N' or a torch.device)")
-        return int(index) if colon else current_device()
-    if device is None:
-        return current_device()
-    if isinstance(device, int):
-        return device
-    if getattr(device, "type", None) == "cuda":  # a torch.device
-        return current_device() if device.index is None else device.index
-    raise ValueError(f"not a CUDA device: {device!r} (expected an int, 'cuda', 'cuda:N' or a torch.device)")
 
 
 def library_path():

@@ -11,27 +11,71 @@ PyTorch's own Python code — its keys, its summary table, its pickle — runs
 unchanged over tidepool's figures, including in code that imported the
 torch.cuda functions by name before install(). restore() puts PyTorch's back.
 """
-# torch._C function -> the tidepool function (in tidepool/__init__.py) that answers it.
+import sys
+
+from ._memory import memory_stats_as_nested_dict, reset_accumulated_memory_stats, reset_peak_memory_stats
+from ._observers import attach_oom_observer
+from ._snapshots import record_memory_history, snapshot
+
+
+def _memory_snapshot(arg=None):
+    """torch._C._cuda_memorySnapshot, redirected: arg is None, a pool id, or
+    (id0, id1, include_traces); pool (0, 0) means every pool."""
+    snap = snapshot()
+    pool, include_traces = None, True
+    if isinstance(arg, (tuple, list)):
+        pool = tuple(arg[:2])
+        if len(arg) > 2:
+            include_traces = bool(arg[2])
+    if pool and pool != (0, 0):
+        snap["segments"] = [s for s in snap["segments"] if tuple(s["segment_pool_id"]) == pool]
+    if not include_traces:
+        snap["device_traces"] = [[] for _ in snap["device_traces"]]
+    return snap
+
+
+def _record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, clear_history=False,
+                           *_rest):
+    """torch._C._cuda_record_memory_history, redirected (the options after
+    clear_history concern PyTorch's own allocators)."""
+    record_memory_history(enabled, context, stacks, max_entries, clear_history)
+
+
+def _legacy_history_options(enabled, record_context=True, trace_alloc_max_entries=1, *_rest, **_ignored):
+    """The (enabled, context, stacks, max_entries) the boolean form of
+    _record_memory_history means."""
+    if not enabled:
+        return None, None, "python", 0
+    return "all", ("all" if record_context else None), "python", max(int(trace_alloc_max_entries), 1)
+
+
+def _record_memory_history_legacy(*args, **kwargs):
+    """torch._C._cuda_record_memory_history_legacy (enabled as a bool), redirected."""
+    enabled, context, stacks, max_entries = _legacy_history_options(*args, **kwargs)
+    record_memory_history(enabled, context, stacks, max_entries)
+
+
+# torch._C function -> the tidepool function that answers it.
 REDIRECTS = {
-    "_cuda_memoryStats": "memory_stats_as_nested_dict",
-    "_cuda_resetPeakMemoryStats": "reset_peak_memory_stats",
-    "_cuda_resetAccumulatedMemoryStats": "reset_accumulated_memory_stats",
-    "_cuda_memorySnapshot": "_torch_memory_snapshot",
-    "_cuda_record_memory_history": "_torch_record_memory_history",
-    "_cuda_record_memory_history_legacy": "_torch_record_memory_history_legacy",
-    "_cuda_attach_out_of_memory_observer": "attach_oom_observer",
+    "_cuda_memoryStats": memory_stats_as_nested_dict,
+    "_cuda_resetPeakMemoryStats": reset_peak_memory_stats,
+    "_cuda_resetAccumulatedMemoryStats": reset_accumulated_memory_stats,
+    "_cuda_memorySnapshot": _memory_snapshot,
+    "_cuda_record_memory_history": _record_memory_history,
+    "_cuda_record_memory_history_legacy": _record_memory_history_legacy,
+    "_cuda_attach_out_of_memory_observer": attach_oom_observer,
 }
 
 # PyTorch's originals, while redirected.
 _saved = {}
 
 
-def redirect(torch, tidepool):
+def redirect(torch):
     """Points the torch._C functions this torch has at tidepool's."""
     for name, target in REDIRECTS.items():
         if hasattr(torch._C, name) and name not in _saved:
             _saved[name] = getattr(torch._C, name)
-            setattr(torch._C, name, getattr(tidepool, target))
+            setattr(torch._C, name, target)
 
 
 def restore(torch):
@@ -44,22 +88,3 @@ def restore(torch):
 def redirected():
     """The torch._C functions now answered by tidepool."""
     return sorted(_saved)
-
-
-def check_history_options(enabled, context, stacks):
-    """PyTorch's checks of _record_memory_history's options, with its messages."""
-    if enabled not in (None, "state", "all"):
-        raise RuntimeError("expected state to be 'state', 'all', or None")
-    if context not in (None, "state", "alloc", "all"):
-        raise RuntimeError("expected context to be 'state', 'alloc', 'all', or None")
-    if stacks not in ("python", "all"):
-        raise RuntimeError("expected stacks to be 'python', or 'all'")
-
-
-def legacy_history_options(enabled, record_context=True, trace_alloc_max_entries=1, *_rest, **_ignored):
-    """The (enabled, context, stacks, max_entries) the boolean form of
-    _record_memory_history means."""
-    if not enabled:
-        return None, None, "python", 0
-    return "all", ("all" if record_context else None), "python", max(int(trace_alloc_max_entries), 1)
-

@@ -17,6 +17,7 @@ resume.
 import threading
 
 from . import _native
+from ._devices import device_index
 from ._native import TidepoolError
 
 _local = threading.local()
@@ -36,7 +37,7 @@ def _encode(tag):
 
 def _device(device):
     # None: every device (pause, resume); otherwise as torch.cuda takes one.
-    return -1 if device is None else _native.device_index(device)
+    return -1 if device is None else device_index(device)
 
 
 class region:
@@ -98,7 +99,7 @@ def tag_stats(tag, device=None):
     memory holding its contents), num_allocations, paused. All zeros for
     "default", which has no memory of its own (memory_stats() has what
     untagged tensors hold)."""
-    s = _native.get_tag_stats(_encode(tag), _native.device_index(device))
+    s = _native.get_tag_stats(_encode(tag), device_index(device))
     out = {name: getattr(s, name) for name in ("allocated_bytes", "reserved_bytes", "paused_bytes", "offloaded_bytes", "num_allocations")}
     out["paused"] = bool(s.paused)
     return out

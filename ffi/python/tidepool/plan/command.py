@@ -25,9 +25,6 @@ import sysconfig
 import tempfile
 import time
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
 GIB = 1 << 30
 DEFAULT_CARDS = "T4,L4,RTX 4090,A100 40GB,L40S,H100,H200,B200"
 
@@ -206,8 +203,9 @@ def find_tidepool(explicit=None):
             if runnable(named):
                 return named
             raise Exit(f"{how}{named}: not an executable")
+    # A source checkout: ffi/python/tidepool/plan/ is four levels below its root.
     here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.normpath(os.path.join(here, "..", "..", ".."))
+    root = os.path.normpath(os.path.join(here, "..", "..", "..", ".."))
     candidates = [shutil.which("tidepool"), installed]
     candidates += [os.path.join(root, "target", kind, "tidepool") for kind in ("release", "debug")]
     for path in candidates:
@@ -308,6 +306,11 @@ def _human(n):
 
 
 def run(argv=None):
+    # Nothing is downloaded. Set when the command runs, before transformers
+    # is first imported (it reads them then), not when tidepool.plan is
+    # imported: a program that only records keeps its own settings.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
     args, base, overrides, sweeps = parse_args(argv)
     binary = find_tidepool(args.tidepool)
     cards = resolve_cards(binary, args.cards)
@@ -373,7 +376,7 @@ def run(argv=None):
         shutil.rmtree(scratch, ignore_errors=True)
     _report(args, results, cards, sweeps)
     if args.plot:
-        from .plan_plot import write_svg
+        from .plot import write_svg
 
         write_svg(args.plot, args.model, timelines, results)
         if not args.json:
@@ -514,7 +517,3 @@ def main(argv=None):
         else:
             raise
     sys.exit(status)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,46 @@
+"""tidepool.plan: will a model fit, on which card, at what batch, answered
+without a GPU. Gathers the names of `python -m tidepool.plan` (command.py);
+importing it needs none of torch, transformers and peft (the command
+imports them when it runs).
+
+The planner never touches libtidepool: it records a model's allocations on
+the meta device and hands the trace to the `tidepool` command. Its modules:
+- command.py: the command line, the variants of a sweep, the tidepool
+  command it runs (`tidepool cards`, `tidepool plan`), the report;
+- record.py: the Recorder, a model's allocation trace on the meta device
+  (also `python -m tidepool.record`);
+- step.py: one variant's recorded run (precision, adapters,
+  checkpointing, sharding, then its task's steps);
+- workload.py: the model a MODEL spec names and the batches it is fed;
+- autocast.py, attention.py: CUDA's autocast rules and attention kernels,
+  emulated on the meta device;
+- ddp.py, fsdp.py: data parallelism and sharding over a fake process group;
+- plot.py: the --plot picture.
+tidepool.record, tidepool.workload, tidepool.autocast and
+tidepool.attention are these modules under the names documented first.
+"""
+from .command import (
+    DEFAULT_CARDS,
+    GIB,
+    Exit,
+    find_tidepool,
+    largest_batches,
+    main,
+    parse_args,
+    resolve_cards,
+    run,
+    variants,
+)
+
+__all__ = [
+    "main",
+    "run",
+    "parse_args",
+    "variants",
+    "find_tidepool",
+    "resolve_cards",
+    "largest_batches",
+    "Exit",
+    "DEFAULT_CARDS",
+    "GIB",
+]
