@@ -62,6 +62,10 @@ def rust_extensions():
 cxx_flags = ["-std=c++17", "-O2", "-fvisibility=hidden"]
 
 require_cargo()
+# pip builds in this folder: a module renamed or removed since an earlier
+# build must not reach the wheel from build/lib.
+for stale in HERE.glob("build/lib*/tidepool"):
+    shutil.rmtree(stale)
 setup(
     rust_extensions=rust_extensions(),
     ext_modules=[
