@@ -9,9 +9,32 @@
 # target/release/backends-test and target/release/examples/rust_runtime),
 # then run this from the repository root. Prints a short table last.
 # Record what it prints in docs/gpu-results.md with the date, GPU and driver.
+#
+# The whole script finishes within BUDGET seconds (default 450: a device
+# lent for 10 minutes a command, start-up included): each section runs
+# under `timeout` with its own limit, cut to what is left of the budget
+# (less what the summary needs), writes its results under $OUT as it
+# goes, and a section that times out leaves the others' figures; the
+# summary is printed whatever happened.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(mktemp -d)}
+BUDGET=${BUDGET:-450}
+START=$SECONDS
+# limit SECONDS: the seconds a section may take, at most SECONDS and what
+# the budget has left (20 s kept for the summary); 0 when none is left.
+limit() {
+  local left=$(( BUDGET - 20 - (SECONDS - START) ))
+  (( left < 0 )) && left=0
+  echo $(( $1 < left ? $1 : left ))
+}
+# bounded SECONDS CMD...: runs CMD under timeout (limit SECONDS); a section
+# with no time left is skipped with exit status 124, as a timeout.
+bounded() {
+  local seconds; seconds=$(limit "$1"); shift
+  if (( seconds == 0 )); then echo "run.sh: out of time budget: skipped: $*"; return 124; fi
+  timeout "$seconds" "$@"
+}
 LIB=target/release/libtidepool.so
 [ -f "$LIB" ] || { echo "run.sh: $LIB missing: build it with cargo first" >&2; exit 2; }
 export TIDEPOOL_LIBRARY=$PWD/$LIB TIDEPOOL_CONF=${TIDEPOOL_CONF:-backend:cuda}
@@ -30,35 +53,35 @@ nvcc -O2 -I ffi cuda/check/tidepool_check.cu -L target/release -ltidepool -lcuda
 
 echo "== conformance suite on the real driver"
 if [ -x target/release/backends-test ]; then
-  TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda timeout 120 \
+  TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda bounded 45 \
     target/release/backends-test --ignored --exact backends::child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance.txt"
   echo "-- with expandable segments"
-  TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda TIDEPOOL_TEST_CONF=expandable:true timeout 120 \
+  TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda TIDEPOOL_TEST_CONF=expandable:true bounded 45 \
     target/release/backends-test --ignored --exact backends::child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance-expandable.txt"
 else
   echo "target/release/backends-test missing: conformance skipped" | tee "$OUT/conformance.txt" "$OUT/conformance-expandable.txt"
 fi
 
 echo "== patterns across streams, and latency"
-timeout 240 "$OUT/tidepool_check" 20000 | tee "$OUT/check.txt"
+bounded 60 "$OUT/tidepool_check" 10000 | tee "$OUT/check.txt"
 check_rc=${PIPESTATUS[0]}
 echo "-- with expandable segments (kernels write into pages tidepool mapped)"
-TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" timeout 120 "$OUT/tidepool_check" 5000 | tee "$OUT/check-expandable.txt"
+TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" bounded 30 "$OUT/tidepool_check" 3000 | tee "$OUT/check-expandable.txt"
 check_expandable_rc=${PIPESTATUS[0]}
 
 echo "== tags: a CUDA graph across pause and resume, offload bandwidth, pause/resume latency"
 nvcc -O2 -I ffi cuda/check/tags_check.cu -L target/release -ltidepool -lcuda \
   -Xlinker -rpath -Xlinker "$PWD/target/release" -o "$OUT/tags_check" || exit 1
-timeout 480 "$OUT/tags_check" 4 | tee "$OUT/tags.txt"
+bounded 60 "$OUT/tags_check" 2 | tee "$OUT/tags.txt"
 tags_rc=${PIPESTATUS[0]}
 
 echo "== Rust runtime: Buffer<T> through cudarc, a PTX kernel per layer, results against the host"
 RUNTIME=target/release/examples/rust_runtime
 if [ -x "$RUNTIME" ]; then
-  timeout 120 "$RUNTIME" 48 8 2>&1 | tee "$OUT/rust-runtime.txt"
+  bounded 30 "$RUNTIME" 48 8 2>&1 | tee "$OUT/rust-runtime.txt"
   runtime_rc=${PIPESTATUS[0]}
   echo "-- with expandable segments"
-  TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" timeout 120 "$RUNTIME" 48 8 2>&1 | tee "$OUT/rust-runtime-expandable.txt"
+  TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" bounded 30 "$RUNTIME" 48 8 2>&1 | tee "$OUT/rust-runtime-expandable.txt"
   runtime_expandable_rc=${PIPESTATUS[0]}
 else
   echo "$RUNTIME missing: build it with --features cudarc; skipped" | tee "$OUT/rust-runtime.txt"
@@ -66,7 +89,7 @@ else
 fi
 
 echo "== what the card gives an allocator (tidepool cards assumes nvidia-smi's total less 1.5 GiB)"
-timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/card.txt"
+bounded 30 python3 - <<'PY' 2>&1 | tee "$OUT/card.txt"
 import subprocess
 import torch
 a = torch.randn(1024, 1024, device="cuda")
@@ -87,23 +110,23 @@ c++ -std=c++17 -O2 -shared -fPIC ffi/python/csrc/torch_alloc.cpp -o ffi/python/t
 c++ -std=c++17 -O2 -shared -fPIC "-I$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
   ffi/python/csrc/stacks.cpp -o "ffi/python/tidepool/_stacks$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || exit 1
 for a in native native-expandable tidepool tidepool-expandable; do
-  timeout 240 python3 cuda/check/torch_e2e.py --allocator $a --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$a.json"
+  bounded 45 python3 cuda/check/torch_e2e.py --allocator $a --steps 20 --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$a.json"
 done
 
 echo "== tidepool's models of PyTorch's allocator against PyTorch itself (the loop recorded, then replayed)"
 if [ -x target/release/tidepool ]; then
   for a in native native-expandable; do
-    timeout 240 python3 cuda/check/torch_e2e.py --allocator $a --steps 10 --history "$OUT/history-$a.pickle" | tail -1
+    bounded 30 python3 cuda/check/torch_e2e.py --allocator $a --steps 10 --history "$OUT/history-$a.pickle" | tail -1
   done
-  target/release/tidepool replay "$OUT/history-native.pickle" --policy pytorch --json | tee "$OUT/model-native.json"
-  target/release/tidepool replay "$OUT/history-native-expandable.pickle" --policy pytorch-expandable --json \
+  bounded 15 target/release/tidepool replay "$OUT/history-native.pickle" --policy pytorch --json | tee "$OUT/model-native.json"
+  bounded 15 target/release/tidepool replay "$OUT/history-native-expandable.pickle" --policy pytorch-expandable --json \
     | tee "$OUT/model-native-expandable.json"
 else
   echo "target/release/tidepool missing: the models are not checked"
 fi
 
 echo
-echo "== summary"
+echo "== summary (after $(( SECONDS - START )) s of a $BUDGET s budget)"
 python3 - "$OUT" "$check_rc" "$check_expandable_rc" "$runtime_rc" "$runtime_expandable_rc" "$tags_rc" <<'PY'
 import json, sys, pathlib
 out, check_rc, check_expandable_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
