@@ -187,17 +187,29 @@ macro_rules! bounded {
     };
 }
 
-/// A size written in units of `$unit` bytes (KiB, MiB) and stored in bytes.
+/// A size written in units of `$unit` bytes (KiB, MiB) and stored in
+/// bytes; with `at least $min`, smaller values are refused.
 macro_rules! size {
     ($key:literal, $default:literal, $help:literal, $($field:ident).+, $unit:expr) => {
+        size!($key, $default, $help, $($field).+, $unit, at least 0)
+    };
+    ($key:literal, $default:literal, $help:literal, $($field:ident).+, $unit:expr, at least $min:literal) => {
         OptionSpec {
             key: $key,
             default: $default,
             help: $help,
-            apply: |c, v| Ok(c.$($field).+ = scaled(v, $unit)?),
+            apply: |c, v| Ok(c.$($field).+ = at_least(scaled(v, $unit)?, $min, $unit)?),
             show: |c| (c.$($field).+ / $unit).to_string(),
         }
     };
+}
+
+/// `bytes`, unless it is below `min` units of `unit` bytes.
+fn at_least(bytes: u64, min: u64, unit: u64) -> Result<u64, String> {
+    if bytes < min * unit {
+        return Err(format!("must be at least {min}, got {}", bytes / unit));
+    }
+    Ok(bytes)
 }
 
 /// A value or the word `$none` for none: `$parse` reads the value, `$show`
@@ -244,14 +256,14 @@ pub static OPTIONS: &[OptionSpec] = &[
         },
     },
     bounded!("host_devices", "1", "number of devices the host backend simulates", host_devices: usize, 1..=64),
-    size!("host_capacity_mb", "16384", "memory of each simulated device, in MiB (address space only: untouched memory costs nothing)", host_capacity, MIB),
+    size!("host_capacity_mb", "16384", "memory of each simulated device, in MiB (address space only: untouched memory costs nothing)", host_capacity, MIB, at least 1),
     bounded!("stream_shards", "1", "heaps per device, streams spread over them: threads on different streams stop contending (1 to 64; above 1, peaks are summed over heaps)", stream_shards: usize, 1..=64),
     flag!("lend_across_streams", "true", "when the device is full, serve a stream from blocks cached for another (after a device-side wait on that stream)", lend_across_streams),
     flag!("expandable", "false", "grow the large pool inside one reserved range of address space, mapping pages as blocks need them and unmapping pages inside free blocks when memory is released (cuda and host backends)", expandable),
     flag!("stash", "true", "keep each pool's last freed block unmerged until the next request, which takes it back if it is the same size; only a block where best fit would put that request, so it never changes placement", stash),
     optional!("release_after_ms", "10000", "a whole free segment idle this long goes back to the driver; reuse restarts the wait (off: never)", release_after_ms or "off", number, |ms| ms.to_string()),
     size!("headroom_mb", "256", "while the device (every process counted) has less free memory than this, idle cache goes back, longest idle first (0: off)", headroom, MIB),
-    optional!("max_reserved_mb", "unlimited", "reserve at most this much per device: cache goes first, and only live memory beyond it fails", max_reserved or "unlimited", |v| scaled(v, MIB), |bytes| (bytes / MIB).to_string()),
+    optional!("max_reserved_mb", "unlimited", "reserve at most this much per device: cache goes first, and only live memory beyond it fails", max_reserved or "unlimited", |v| at_least(scaled(v, MIB)?, 1, MIB), |bytes| (bytes / MIB).to_string()),
     bounded!("reclaim_interval_ms", "100", "how often the background reclaimer wakes (10 to 60000)", reclaim_interval_ms: u64, 10..=60_000),
     flag!("cooperative", "true", "processes on one device help each other: one about to fail asks, the others give back idle cache", cooperative),
     bounded!("oom_wait_ms", "2000", "the longest a request waits for the other processes' answer before out of memory (only when one of them shows cache it could give back; it stops as soon as all have answered)", oom_wait_ms: u64, 0..=600_000),
@@ -336,9 +348,24 @@ impl Config {
     /// Parses `key:value,key:value`. Returns the configuration and one
     /// warning per entry that was ignored; ignored entries keep defaults.
     pub fn parse(text: &str) -> (Config, Vec<String>) {
+        Config::parse_bytes(text.as_bytes())
+    }
+
+    /// `parse` of bytes that may not be UTF-8 (an environment variable): an
+    /// entry that is not is ignored with a warning naming it, as any bad
+    /// entry is, and the others are kept.
+    pub fn parse_bytes(text: &[u8]) -> (Config, Vec<String>) {
         let mut config = Config::default();
         let mut warnings = Vec::new();
-        for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        for raw in text.split(|&byte| byte == b',') {
+            let Ok(entry) = std::str::from_utf8(raw) else {
+                warnings.push(format!("ignoring {:?}: not UTF-8", String::from_utf8_lossy(raw).trim()));
+                continue;
+            };
+            let entry = entry.trim();
+            if entry.is_empty() {
+                continue;
+            }
             let Some((key, value)) = entry.split_once(':') else {
                 warnings.push(format!("ignoring {entry:?}: expected key:value"));
                 continue;
@@ -361,15 +388,20 @@ impl Config {
     }
 
     /// The configuration from `TIDEPOOL_CONF` (defaults when unset) and
-    /// `TIDEPOOL_TRACE`, with each warning printed to stderr.
+    /// `TIDEPOOL_TRACE`, with its warnings printed to stderr: each once in
+    /// the process, however often the environment is read.
     pub fn from_env() -> Config {
-        let text = std::env::var("TIDEPOOL_CONF").unwrap_or_default();
-        let (mut config, warnings) = Config::parse(&text);
+        let (mut config, warnings) = Config::from_env_with_warnings();
+        crate::log::warn_once("TIDEPOOL_CONF", &warnings);
         config.trace_path = std::env::var_os("TIDEPOOL_TRACE").filter(|p| !p.is_empty()).map(Into::into);
-        for warning in warnings {
-            crate::log::log_line(format_args!("tidepool: warning: TIDEPOOL_CONF: {warning}"));
-        }
         config
+    }
+
+    /// The configuration `TIDEPOOL_CONF` gives, and what was wrong with it
+    /// (not printed): for callers that refuse a bad configuration.
+    pub fn from_env_with_warnings() -> (Config, Vec<String>) {
+        let text = std::env::var_os("TIDEPOOL_CONF").unwrap_or_default();
+        Config::parse_bytes(text.as_encoded_bytes())
     }
 
     /// A strict builder starting from the defaults.
@@ -442,6 +474,27 @@ impl ConfigBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_entry_that_is_not_utf8_is_ignored_by_name_and_the_others_are_kept() {
+        let (c, warnings) = Config::parse_bytes(b"backend:host,expandable:true,x:\xff,stash:false");
+        assert_eq!((c.backend, c.expandable, c.stash), (BackendKind::Host, true, false));
+        assert_eq!(warnings, vec!["ignoring \"x:\u{fffd}\": not UTF-8".to_string()]);
+    }
+
+    #[test]
+    fn sizes_below_an_options_minimum_are_refused_with_the_minimum() {
+        for (entry, said) in [
+            ("host_capacity_mb:0", "host_capacity_mb: must be at least 1, got 0"),
+            ("max_reserved_mb:0", "max_reserved_mb: must be at least 1, got 0"),
+        ] {
+            let (c, warnings) = Config::parse(entry);
+            assert_eq!(c, Config::default(), "{entry}");
+            assert!(warnings.len() == 1 && warnings[0].ends_with(said), "{warnings:?}");
+            assert_eq!(Config::builder().conf(entry).unwrap_err().to_string(), said);
+        }
+        assert_eq!(Config::parse("host_capacity_mb:1").0.host_capacity, MIB);
+    }
 
     #[test]
     fn pytorch_syntax_sets_the_named_options() {

@@ -509,3 +509,36 @@ fn lending_across_streams_can_be_turned_off() {
     let s = alloc.stats(0).unwrap();
     assert_eq!((s.events.num_cross_stream_reuses, s.events.num_device_free, s.events.num_alloc_retries), (0, 1, 1));
 }
+
+/// The child side: reads TIDEPOOL_CONF as every allocator does, 1,000 times.
+#[test]
+#[ignore = "child process: run by a_bad_configuration_warns_once_and_at_most_about_twenty_lines"]
+fn child_reads_the_configuration_a_thousand_times() {
+    common::child_only();
+    for _ in 0..1000 {
+        let _ = tidepool::Config::from_env();
+    }
+    println!("child: read");
+}
+
+#[test]
+fn a_bad_configuration_warns_once_and_at_most_about_twenty_lines() {
+    let warnings = |conf: &str| {
+        let mut command = common::child_command("child_reads_the_configuration_a_thousand_times");
+        let (ok, text) = common::child_output(command.env("TIDEPOOL_CONF", conf));
+        assert!(ok, "{text}");
+        text.lines().filter(|l| l.starts_with("tidepool: warning: TIDEPOOL_CONF:")).map(str::to_string).collect::<Vec<_>>()
+    };
+    // One typo, read a thousand times: one line.
+    assert_eq!(
+        warnings("colour:blue,expandable:true"),
+        ["tidepool: warning: TIDEPOOL_CONF: ignoring \"colour:blue\": unknown option \"colour\"; run `tidepool config` for the list"]
+    );
+    // 10 KB of unknown keys: twenty lines and one that counts the rest.
+    let junk: Vec<String> = (0..1000).map(|i| format!("junk_key_{i}:1")).collect();
+    let junk = junk.join(",");
+    assert!(junk.len() >= 10_000);
+    let lines = warnings(&junk);
+    assert_eq!(lines.len(), 21, "{lines:?}");
+    assert_eq!(lines[20], "tidepool: warning: TIDEPOOL_CONF: and 980 more");
+}

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tidepool::Config;
+use tidepool::{registry, Config};
 use tidepool_tools::trace::replay::Policy;
 use tidepool_tools::trace::{self, Trace};
 
@@ -86,6 +86,32 @@ pub fn check_files(files: &[PathBuf], plot: Option<&Path>) -> Result<(), String>
         }
     }
     Ok(())
+}
+
+/// The registries' folder: the one given, else TIDEPOOL_CONF's
+/// `registry_dir`, else the default; a TIDEPOOL_CONF with a problem is
+/// refused (the command would not do what it says).
+pub fn registry_dir(given: Option<PathBuf>) -> Result<PathBuf, String> {
+    if let Some(dir) = given {
+        return Ok(dir);
+    }
+    let (config, problems) = Config::from_env_with_warnings();
+    if !problems.is_empty() {
+        return Err(problems_text(&problems));
+    }
+    Ok(config.registry_dir.unwrap_or_else(registry::default_dir))
+}
+
+/// What is wrong with TIDEPOOL_CONF, a line each as the allocator's
+/// warnings say it (`tidepool: ` before each): at most as many lines as the
+/// allocator prints, then how many more.
+pub fn problems_text(problems: &[String]) -> String {
+    const MAX: usize = 20;
+    let mut lines: Vec<String> = problems.iter().take(MAX).map(|p| format!("TIDEPOOL_CONF: {p}")).collect();
+    if problems.len() > MAX {
+        lines.push(format!("TIDEPOOL_CONF: and {} more", problems.len() - MAX));
+    }
+    lines.join("\ntidepool: ")
 }
 
 /// Reads a trace; what its reader stepped over is one line on stderr.

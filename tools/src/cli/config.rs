@@ -5,7 +5,7 @@
 use tidepool::config::OPTIONS;
 use tidepool::Config;
 
-use super::out;
+use super::{args, out};
 
 /// The options of TIDEPOOL_CONF, their defaults and current values
 #[derive(clap::Args)]
@@ -21,17 +21,18 @@ pub fn run(args: Args) -> Result<(), String> {
         out!("{}", markdown());
         return Ok(());
     }
-    let text = std::env::var("TIDEPOOL_CONF").unwrap_or_default();
-    let (config, warnings) = Config::parse(&text);
-    for warning in &warnings {
-        eprintln!("tidepool: warning: TIDEPOOL_CONF: {warning}");
-    }
-    out!("TIDEPOOL_CONF={text:?}\n");
+    let text = std::env::var_os("TIDEPOOL_CONF").unwrap_or_default();
+    let (config, problems) = Config::from_env_with_warnings();
+    out!("TIDEPOOL_CONF={:?}\n", text.to_string_lossy());
     out!("{:<26} {:<10} {:<10} meaning", "key", "default", "current");
     for spec in OPTIONS {
         out!("{:<26} {:<10} {:<10} {}", spec.key, spec.default, (spec.show)(&config), spec.help);
     }
-    Ok(())
+    // The table shows what the process would run with; the problems make it an error.
+    match problems.is_empty() {
+        true => Ok(()),
+        false => Err(args::problems_text(&problems)),
+    }
 }
 
 /// How a configuration is given, before the table of docs/configuration.md.

@@ -4,11 +4,10 @@
 
 use std::path::PathBuf;
 
-use tidepool::{registry, Config};
 use tidepool_tools::exporter::serve::{serve, ServeOptions};
 use tidepool_tools::exporter::{self, Exporter};
 
-use super::out;
+use super::{args, out};
 
 /// Serves the figures of every tidepool process on this machine at
 /// http://ADDR:PORT/metrics (Prometheus text, or OpenMetrics when the
@@ -62,7 +61,7 @@ pub fn run(args: Args) -> Result<(), String> {
         return Err("exporter: --once writes the textfile once and exits: it serves nothing, so give no --listen".into());
     }
     if dirs.is_empty() {
-        dirs.push(Config::from_env().registry_dir.unwrap_or_else(registry::default_dir));
+        dirs.push(args::registry_dir(None)?);
     }
     let exporter = std::sync::Arc::new(Exporter::new(dirs, exporter::hostname()));
     let serving = listen.is_some() || textfile.is_none();

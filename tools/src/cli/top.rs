@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 
 use tidepool::error::human_bytes;
 use tidepool::reclaim::policy::Reason;
-use tidepool::{registry, Config};
+use tidepool::registry;
 
-use super::out;
+use super::{args, out};
 
 /// The tidepool processes sharing devices on this machine, refreshed every second
 #[derive(clap::Args)]
@@ -27,8 +27,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<(), String> {
     let Args { once, json, registry_dir } = args;
-    let config = Config::from_env();
-    let dir = registry_dir.or_else(|| config.registry_dir.clone()).unwrap_or_else(registry::default_dir);
+    let dir = args::registry_dir(registry_dir)?;
     if json {
         out!("{}", top_json(&dir));
         return Ok(());

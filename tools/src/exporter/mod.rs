@@ -278,4 +278,3 @@ mod tests {
         assert_eq!(device_label("cuda-zz"), "cuda-zz");
     }
 }
-

@@ -8,6 +8,7 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+mod config;
 mod docs;
 mod expandable;
 mod exporter;
