@@ -139,10 +139,12 @@ impl Entry {
         })
     }
 
-    /// The process name as text (invalid UTF-8 replaced).
+    /// The process name as text, safe to print: invalid UTF-8 replaced,
+    /// control characters escaped (`printable`). A process names itself,
+    /// escape sequences included.
     pub fn comm(&self) -> String {
         let end = self.comm.iter().position(|&b| b == 0).unwrap_or(self.comm.len());
-        String::from_utf8_lossy(&self.comm[..end]).into_owned()
+        printable(&String::from_utf8_lossy(&self.comm[..end]))
     }
 
     /// `inactive_split / reserved` ([`crate::stats::Stats::fragmentation`]).
@@ -188,4 +190,19 @@ pub(super) fn read_all_at(file: &File, buf: &mut [u8]) -> std::io::Result<usize>
         }
     }
     Ok(done)
+}
+
+/// `text` safe to print on a terminal, as `ps` shows names: each control
+/// character (escape sequences, newlines) as `\xNN`, everything else as
+/// it is. For what other processes write: their names, and the names of
+/// files in a shared folder.
+pub fn printable(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            c if c.is_control() => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
 }

@@ -41,5 +41,5 @@ mod scan;
 mod tests;
 
 pub use file::{alive, default_dir, Asked, Registry, RegistryError, REQUEST_FRESH_MS};
-pub use format::{write_file, Entry, FILE_BYTES, SLOTS, VERSION};
+pub use format::{printable, write_file, Entry, FILE_BYTES, SLOTS, VERSION};
 pub use scan::{scan, slot_pids, DeviceRegistry, Scan, ScanError, MAX_FILES};

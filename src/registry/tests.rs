@@ -312,3 +312,13 @@ fn a_version_1_file_is_taken_over_once_its_processes_are_gone() {
     drop(a);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn names_are_printable_whatever_a_process_calls_itself() {
+    assert_eq!(printable("\x1b[2J\x1b[31mx"), "\\x1b[2J\\x1b[31mx");
+    assert_eq!(printable("a\nb\t\u{7f}\u{9b}c"), "a\\x0ab\\x09\\x7f\\x9bc");
+    assert_eq!(printable("python3 é ü"), "python3 é ü");
+    let mut comm = [0u8; 16];
+    comm[..4].copy_from_slice(b"\x1b]0;");
+    assert_eq!(Entry { comm, ..Entry::default() }.comm(), "\\x1b]0;");
+}

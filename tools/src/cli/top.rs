@@ -50,7 +50,7 @@ fn top_table(dir: &Path) -> String {
     let found = registry::scan(dir);
     // The device column as wide as its longest key (a GPU's is 40 characters).
     let width = found.registries.iter().map(|r| r.key.len()).max().unwrap_or(0).max("device".len());
-    let mut out = format!("tidepool processes ({})\n", dir.display());
+    let mut out = format!("tidepool processes ({})\n", registry::printable(&dir.display().to_string()));
     out += &format!(
         "{:<width$} {:>8} {:<15} {:>4} {:>11} {:>11} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
         "device",
@@ -94,7 +94,7 @@ fn top_table(dir: &Path) -> String {
         }
     }
     for (path, error) in &found.errors {
-        out += &format!("skipped {}: {}\n", path.display(), error.name());
+        out += &format!("skipped {}: {}\n", registry::printable(&path.display().to_string()), error.name());
     }
     out
 }
@@ -132,7 +132,8 @@ fn top_json(dir: &Path) -> String {
     let skipped: Vec<serde_json::Value> = found
         .errors
         .iter()
-        .map(|(path, error)| serde_json::json!({ "file": path.display().to_string(), "reason": error.name() }))
+        .map(|(path, error)| serde_json::json!({ "file": registry::printable(&path.display().to_string()), "reason": error.name() }))
         .collect();
-    serde_json::json!({ "registry_dir": dir.display().to_string(), "processes": processes, "skipped": skipped }).to_string()
+    let dir = registry::printable(&dir.display().to_string());
+    serde_json::json!({ "registry_dir": dir, "processes": processes, "skipped": skipped }).to_string()
 }

@@ -402,7 +402,8 @@ fn the_exporter_output_passes_promtool_and_escapes_label_values() {
     let sleepers = busy_registry(dir, 3);
     let (_exporter, addr) = exporter(&[dir], &[]);
     let text = metrics(addr);
-    assert!(text.contains(r#"comm="we\"ird\\na\nme""#), "{text}");
+    // The name's newline is escaped as every control character is (`printable`).
+    assert!(text.contains(r#"comm="we\"ird\\na\\x0ame""#), "{text}");
     let second = [("pid", sleepers[1].pid().to_string())];
     let second: Vec<(&str, &str)> = second.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let fragmentation = sample(&text, "tidepool_fragmentation_ratio", &second).unwrap();

@@ -116,3 +116,43 @@ fn top_shows_the_memory_a_paused_tag_gave_back() {
     alloc.free(0, p).unwrap();
     drop(alloc);
 }
+
+/// The name a process gives itself below: terminal escapes that would
+/// clear the screen and turn what follows red.
+const HOSTILE_NAME: &str = "\x1b[2J\x1b[31mx";
+
+/// The child side: a process that names itself `HOSTILE_NAME`, holds 1 MiB
+/// on the shared host device under TIDEPOOL_TEST_DIR, says so in `ready`
+/// and lives until `done` appears.
+#[test]
+#[ignore = "child process: run by a_process_named_with_terminal_escapes_is_shown_escaped"]
+fn child_names_itself_with_escapes() {
+    common::child_only();
+    let dir = std::path::PathBuf::from(std::env::var("TIDEPOOL_TEST_DIR").unwrap());
+    std::fs::write("/proc/self/comm", HOSTILE_NAME).unwrap();
+    let alloc = conf_allocator(&common::shared_host_conf(&dir, true));
+    let p = alloc.allocate(0, MIB as usize, S).unwrap();
+    std::thread::sleep(Duration::from_millis(200)); // a reclaimer pass publishes
+    common::write_whole(&dir.join("ready"), "");
+    assert!(common::wait_for_file(&dir.join("done"), Duration::from_secs(60)));
+    alloc.free(0, p).unwrap();
+}
+
+#[test]
+fn a_process_named_with_terminal_escapes_is_shown_escaped() {
+    let scratch = common::scratch_dir("top-escapes");
+    let dir = scratch.path();
+    let mut child = common::child_command("child_names_itself_with_escapes").env("TIDEPOOL_TEST_DIR", dir).spawn().unwrap();
+    assert!(common::wait_for_file(&dir.join("ready"), Duration::from_secs(30)), "the child did not start");
+    let shown = "\\x1b[2J\\x1b[31mx";
+    let table = top(dir, &["--once"]);
+    assert!(table.contains(shown) && !table.contains('\x1b'), "{table:?}");
+    let json: serde_json::Value = serde_json::from_str(&top(dir, &["--once", "--json"])).unwrap();
+    assert_eq!(json["processes"][0]["comm"], shown, "{json}");
+    let exporter = tidepool_tools::exporter::Exporter::new(vec![dir.join("registry")], "host".into());
+    let scrape = exporter.scrape(tidepool_tools::exporter::exposition::Format::Text);
+    // The label value escapes the backslash of the escape once more.
+    assert!(scrape.contains("comm=\"\\\\x1b[2J\\\\x1b[31mx\"") && !scrape.contains('\x1b'), "{scrape}");
+    common::write_whole(&dir.join("done"), "");
+    assert!(child.wait().unwrap().success());
+}
