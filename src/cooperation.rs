@@ -9,8 +9,14 @@
 //! freeing, and this process's reclaimer keeps answering the others),
 //! retakes the lock to retry, and stops as soon as every process asked has
 //! answered (one reclaim interval of theirs) or `oom_wait_ms` has passed.
+//!
+//! A registry that cannot be joined when the allocator starts (locked for
+//! a moment by another process, a folder being made) is joined at a later
+//! reclaimer pass, backing off up to `JOIN_BACKOFF_MAX`: until then this
+//! process neither publishes nor asks, and says so once.
 #![forbid(unsafe_code)]
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -24,25 +30,30 @@ use crate::stats::{Events, Released};
 /// How long the asking thread sleeps between two tries.
 const POLL: Duration = Duration::from_millis(5);
 
+/// The longest wait between two tries to join a registry that could not
+/// be joined (the waits double from one reclaimer pass up to this).
+const JOIN_BACKOFF_MAX: Duration = Duration::from_millis(400);
+
 /// One device's registry slot and the cooperation counters it keeps
 /// (`num_coop_*`, `coop_last_wait_ms`: added to the device's statistics).
 pub(crate) struct Cooperation {
     oom_wait: Duration,
+    /// The registry's folder and key.
+    dir: PathBuf,
+    key: String,
     state: Mutex<State>,
 }
 
 struct State {
-    registry: Registry,
+    /// None until joined (`join_again`).
+    registry: Option<Registry>,
+    /// When to try to join next, and the wait after that one fails.
+    next_join: Instant,
+    join_backoff: Duration,
     events: Events,
     /// Threads of this process waiting on its posted request (one request
     /// per process: withdrawn when the last of them is done).
     askers: u32,
-}
-
-impl State {
-    fn new(registry: Registry) -> State {
-        State { registry, events: Events::default(), askers: 0 }
-    }
 }
 
 /// Withdraws the process's request once its last asker is done, however
@@ -53,31 +64,57 @@ impl Drop for Asking<'_> {
     fn drop(&mut self) {
         let mut state = self.0.state.lock();
         state.askers -= 1;
-        if state.askers == 0 {
-            let _ = state.registry.request(0);
+        if let (0, Some(registry)) = (state.askers, state.registry.as_mut()) {
+            let _ = registry.request(0);
         }
     }
 }
 
 impl Cooperation {
     /// The slot of this process for `device`, when cooperation is on and
-    /// the device can be shared; a registry that cannot be used is reported
-    /// and cooperation stays off for the device.
+    /// the device can be shared. A registry that cannot be joined now is
+    /// reported once and joined at a later reclaimer pass.
     pub fn join(config: &Config, backend: &dyn Backend, device: usize) -> Option<Cooperation> {
         if !config.cooperative {
             return None;
         }
         let key = backend.shared_device_key(device)?;
         let dir = config.registry_dir.clone().unwrap_or_else(registry::default_dir);
-        match Registry::join(&dir, &key) {
+        let backoff = Duration::from_millis(config.reclaim_interval_ms);
+        let state = State { registry: None, next_join: Instant::now(), join_backoff: backoff, events: Events::default(), askers: 0 };
+        let cooperation = Cooperation { oom_wait: Duration::from_millis(config.oom_wait_ms), dir, key, state: Mutex::new(state) };
+        if let Err(err) = cooperation.join_again(&mut cooperation.state.lock()) {
+            crate::log::warn_once(
+                "cooperation",
+                &[format!("device {device}: off until its registry can be joined (tried again as the reclaimer runs): {err}")],
+            );
+        }
+        Some(cooperation)
+    }
+
+    /// Joins the registry when it is not joined and a try is due; a failure
+    /// puts the next try further off (up to `JOIN_BACKOFF_MAX`).
+    fn join_again(&self, state: &mut State) -> Result<(), registry::RegistryError> {
+        if state.registry.is_some() || Instant::now() < state.next_join {
+            return Ok(());
+        }
+        match Registry::join(&self.dir, &self.key) {
             Ok(registry) => {
-                Some(Cooperation { oom_wait: Duration::from_millis(config.oom_wait_ms), state: Mutex::new(State::new(registry)) })
+                state.registry = Some(registry);
+                Ok(())
             }
             Err(err) => {
-                crate::log::log_line(format_args!("tidepool: warning: cooperation off for device {device}: {err}"));
-                None
+                state.next_join = Instant::now() + state.join_backoff;
+                state.join_backoff = (state.join_backoff * 2).min(JOIN_BACKOFF_MAX);
+                Err(err)
             }
         }
+    }
+
+    /// Whether this process holds its slot (tests).
+    #[cfg(test)]
+    fn joined(&self) -> bool {
+        self.state.lock().registry.is_some()
     }
 
     /// The counters kept here.
@@ -95,7 +132,11 @@ impl Cooperation {
     /// `give_back` releases this process's idle cache of the device and the
     /// askers are told that this process has answered.
     pub fn publish_and_answer(&self, entry: Entry, give_back: impl FnOnce() -> Released) -> Released {
-        let asked = self.state.lock().registry.publish(entry).unwrap_or(0);
+        let asked = {
+            let mut state = self.state.lock();
+            let _ = self.join_again(&mut state);
+            state.registry.as_mut().map_or(0, |registry| registry.publish(entry).unwrap_or(0))
+        };
         if asked == 0 {
             return Released::default();
         }
@@ -104,7 +145,9 @@ impl Cooperation {
         if answer.bytes > 0 || answer.segments > 0 {
             state.events.num_coop_served += 1;
         }
-        let _ = state.registry.mark_answered();
+        if let Some(registry) = state.registry.as_mut() {
+            let _ = registry.mark_answered();
+        }
         answer
     }
 
@@ -120,7 +163,7 @@ impl Cooperation {
         }
         let asked = {
             let mut state = self.state.lock();
-            let asked = state.registry.ask(need).ok()??;
+            let asked = state.registry.as_mut()?.ask(need).ok()??;
             state.events.num_coop_requests += 1;
             state.askers += 1;
             asked
@@ -131,7 +174,7 @@ impl Cooperation {
             std::thread::sleep(POLL);
             // Read before the retry: an answer seen here is in what the retry
             // finds. A registry that cannot be read counts as answered.
-            let answered = self.state.lock().registry.answered(&asked).unwrap_or(true);
+            let answered = self.state.lock().registry.as_mut().is_none_or(|registry| registry.answered(&asked).unwrap_or(true));
             match retry() {
                 Err(AllocError::OutOfMemory(_)) if !answered && start.elapsed() < self.oom_wait => continue,
                 other => break other,
@@ -164,7 +207,8 @@ mod tests {
         // Another process's slot (the same pid: alive) with cache to give back.
         let mut helper = Registry::join(&dir, "dev").unwrap();
         helper.publish(Entry { cached_free: 1 << 20, ..Entry::default() }).unwrap();
-        let coop = Cooperation { oom_wait: Duration::from_secs(5), state: Mutex::new(State::new(registry)) };
+        let state = State { registry: Some(registry), next_join: Instant::now(), join_backoff: POLL, events: Events::default(), askers: 0 };
+        let coop = Cooperation { oom_wait: Duration::from_secs(5), dir: dir.clone(), key: "dev".into(), state: Mutex::new(state) };
         let (a_waits, b_posted) = (mpsc::channel::<()>(), mpsc::channel::<()>());
         let (a_done, seen_after_a) = (mpsc::channel::<()>(), mpsc::channel::<u64>());
         std::thread::scope(|scope| {

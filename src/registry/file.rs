@@ -8,7 +8,7 @@ use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::format::{own_comm, Entry, FILE_BYTES, HEADER, MAGIC, SLOT, SLOTS, V1_SLOT, VERSION};
+use super::format::{own_comm, process_start, Entry, FILE_BYTES, HEADER, MAGIC, OLD_SLOTS, SLOT, SLOTS, VERSION};
 
 /// How long to wait for the registry's lock before giving up this time.
 pub(super) const LOCK_WAIT: Duration = Duration::from_millis(50);
@@ -72,11 +72,6 @@ pub(super) fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Whether a process with this pid runs (on this machine).
-pub fn alive(pid: u32) -> bool {
-    pid != 0 && Path::new(&format!("/proc/{pid}")).exists()
-}
-
 /// This process's user: the owner of its own /proc entry.
 pub(super) fn own_uid() -> std::io::Result<u32> {
     std::fs::metadata("/proc/self").map(|m| m.uid())
@@ -98,6 +93,8 @@ pub struct Registry {
     pub(super) slot: usize,
     pub(super) pid: u32,
     comm: [u8; 16],
+    /// When this process started (`Entry::start_ticks`).
+    start_ticks: u64,
     /// The heartbeat of the last publication that saw a request (0: none
     /// since the last `mark_answered`).
     saw_request_ms: u64,
@@ -141,20 +138,31 @@ impl Registry {
         if meta.uid() != me {
             return Err(RegistryError::NotOwned { path, owner: meta.uid(), uid: me });
         }
-        let comm = own_comm();
-        let mut registry = Registry { file, path, slot: 0, pid: std::process::id(), comm, saw_request_ms: 0 };
+        let (pid, comm) = (std::process::id(), own_comm());
+        let start_ticks = process_start(pid).unwrap_or(0);
+        let mut registry = Registry { file, path, slot: 0, pid, comm, start_ticks, saw_request_ms: 0 };
         registry.with_lock(|r| {
-            r.check_or_init_header()?;
-            let slot = (0..SLOTS)
-                .find(|&i| match r.read_slot(i) {
-                    Some(e) => e.pid == 0 || !alive(e.pid),
-                    None => true, // a corrupt slot is nobody's
-                })
-                .ok_or(RegistryError::Full)?;
-            r.slot = slot;
-            r.write_slot(slot, &Entry { pid: r.pid, heartbeat_ms: now_ms(), comm: r.comm, ..Entry::default() })
+            r.heal()?;
+            r.slot = r.free_slot()?;
+            r.write_slot(r.slot, &r.own_entry(Entry { heartbeat_ms: now_ms(), ..Entry::default() }))
         })?;
         Ok(registry)
+    }
+
+    /// A slot no live process holds: free, dead, forged or corrupt (the
+    /// lock held).
+    fn free_slot(&self) -> Result<usize, RegistryError> {
+        (0..SLOTS)
+            .find(|&i| match self.read_slot(i) {
+                Some(e) => e.pid == 0 || !e.is_live(),
+                None => true, // a corrupt slot is nobody's
+            })
+            .ok_or(RegistryError::Full)
+    }
+
+    /// `entry` as this process's: its pid, name and start time.
+    fn own_entry(&self, entry: Entry) -> Entry {
+        Entry { pid: self.pid, comm: self.comm, start_ticks: self.start_ticks, ..entry }
     }
 
     pub fn path(&self) -> &Path {
@@ -171,6 +179,9 @@ impl Registry {
         result
     }
 
+    /// Writes a fresh header and clears every slot: a new file, or one
+    /// rebuilt (its live processes claim their slots again at their next
+    /// publication, within one reclaim interval).
     fn write_header(&mut self) -> Result<(), RegistryError> {
         let mut fresh = [0u8; FILE_BYTES as usize];
         fresh[0..8].copy_from_slice(MAGIC);
@@ -180,31 +191,44 @@ impl Registry {
         self.file.set_len(FILE_BYTES).map_err(io("size"))
     }
 
-    fn check_or_init_header(&mut self) -> Result<(), RegistryError> {
+    /// Makes the file a whole registry of this version (the lock held):
+    /// a new or damaged file (shorter than its header, a header that is no
+    /// tidepool registry's) is rebuilt, a short one extended (its slots
+    /// kept), an older version's rewritten once none of its processes
+    /// lives. A newer version's, or an older one in use, is refused.
+    fn heal(&mut self) -> Result<(), RegistryError> {
         let mut header = [0u8; HEADER as usize];
         match self.file.read_exact_at(&mut header, 0) {
-            Err(e) if e.kind() == ErrorKind::UnexpectedEof => self.write_header(),
-            Err(e) => Err(io("read")(e)),
-            Ok(()) => {
-                let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-                let slots = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes"));
-                if &header[0..8] == MAGIC && version == VERSION && slots as usize == SLOTS {
-                    return Ok(());
-                }
-                if &header[0..8] == MAGIC && version == 1 && !self.v1_in_use() {
-                    // Left by an earlier release whose processes are gone: take it over.
-                    return self.write_header();
-                }
-                Err(RegistryError::Version { path: self.path.clone(), version, slots })
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => return self.write_header(),
+            Err(e) => return Err(io("read")(e)),
+            Ok(()) => {}
+        }
+        let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+        let slots = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes"));
+        if &header[0..8] != MAGIC {
+            return self.write_header(); // damaged: not a header at all
+        }
+        if version == VERSION && slots as usize == SLOTS {
+            let len = self.file.metadata().map_err(io("stat"))?.len();
+            if len < FILE_BYTES {
+                self.file.set_len(FILE_BYTES).map_err(io("size"))?; // truncated: the missing slots are free
             }
+            return Ok(());
+        }
+        match OLD_SLOTS.iter().find(|(old, _)| *old == version) {
+            // Left by an earlier release whose processes are gone: take it over.
+            Some(&(_, slot)) if !self.old_version_in_use(slot) => self.write_header(),
+            _ => Err(RegistryError::Version { path: self.path.clone(), version, slots }),
         }
     }
 
-    /// Whether a live process holds a slot of this version 1 file.
-    fn v1_in_use(&self) -> bool {
-        (0..SLOTS as u64).any(|slot| {
+    /// Whether a live process holds a slot of this older file, whose slots
+    /// are `slot` bytes (each starts with its pid in every version).
+    fn old_version_in_use(&self, slot: u64) -> bool {
+        (0..SLOTS as u64).any(|i| {
             let mut pid = [0u8; 4];
-            self.file.read_exact_at(&mut pid, HEADER + V1_SLOT * slot).is_ok() && alive(u32::from_le_bytes(pid))
+            let pid = self.file.read_exact_at(&mut pid, HEADER + slot * i).is_ok().then(|| u32::from_le_bytes(pid));
+            pid.is_some_and(|pid| pid != 0 && process_start(pid).is_some())
         })
     }
 
@@ -230,24 +254,29 @@ impl Registry {
     /// live processes are asking for.
     pub fn publish(&mut self, mut mine: Entry) -> Result<u64, RegistryError> {
         self.with_lock(|r| {
-            r.check_or_init_header()?;
+            r.heal()?;
             match r.read_slot(r.slot) {
                 Some(previous) if previous.pid == r.pid => {
                     mine.request_bytes = previous.request_bytes;
                     mine.answered_ms = previous.answered_ms;
                 }
-                // Our slot was taken over or damaged (a hostile or confused writer): claim it again.
+                // Another live process took the slot (it found it free after
+                // the file was rebuilt): this process moves to a free one.
+                Some(other) if other.pid != 0 && other.is_live() => {
+                    r.slot = r.free_slot()?;
+                    mine.request_bytes = 0;
+                }
+                // Our slot was cleared, taken over or damaged (a rebuild, a
+                // hostile or confused writer): claim it again.
                 _ => mine.request_bytes = 0,
             }
-            mine.pid = r.pid;
-            mine.comm = r.comm;
-            mine.heartbeat_ms = now_ms();
+            let mine = r.own_entry(Entry { heartbeat_ms: now_ms(), ..mine });
             r.write_slot(r.slot, &mine)?;
             let mut asked = 0u64;
             for slot in (0..SLOTS).filter(|&s| s != r.slot) {
                 match r.read_slot(slot) {
                     Some(other) if other.pid == 0 => {}
-                    Some(other) if alive(other.pid) => {
+                    Some(other) if other.is_live() => {
                         // A heartbeat later than ours was written before the wall
                         // clock stepped back (we hold the lock, so no writer is
                         // newer): no life since, as far as this clock can tell. A
@@ -294,7 +323,7 @@ impl Registry {
             let helpers: Vec<(usize, u32, u64)> = (0..SLOTS)
                 .filter(|&s| s != r.slot)
                 .filter_map(|s| r.read_slot(s).map(|e| (s, e)))
-                .filter(|(_, e)| e.pid != 0 && e.cached_free > 0 && alive(e.pid))
+                .filter(|(_, e)| e.pid != 0 && e.cached_free > 0 && e.is_live())
                 .map(|(s, e)| (s, e.pid, e.answered_ms))
                 .collect();
             if helpers.is_empty() {
@@ -319,7 +348,7 @@ impl Registry {
                 r.write_slot(r.slot, &mine)?;
             }
             Ok(asked.helpers.iter().all(|&(slot, pid, before)| match r.read_slot(slot) {
-                Some(e) if e.pid == pid => (e.answered_ms != before && e.answered_ms > asked.posted_ms) || !alive(pid),
+                Some(e) if e.pid == pid => (e.answered_ms != before && e.answered_ms > asked.posted_ms) || !e.is_live(),
                 _ => true, // the slot was left or taken over: that process is gone
             }))
         })
@@ -332,17 +361,13 @@ impl Registry {
 
     /// Writes `bytes` as this slot's request (the lock held).
     fn write_request(&self, bytes: u64) -> Result<(), RegistryError> {
-        let mut mine = self.read_slot(self.slot).filter(|e| e.pid == self.pid).unwrap_or_default();
-        mine.pid = self.pid;
-        mine.comm = self.comm;
-        mine.request_bytes = bytes;
-        mine.heartbeat_ms = now_ms();
-        self.write_slot(self.slot, &mine)
+        let mine = self.read_slot(self.slot).filter(|e| e.pid == self.pid).unwrap_or_default();
+        self.write_slot(self.slot, &self.own_entry(Entry { request_bytes: bytes, heartbeat_ms: now_ms(), ..mine }))
     }
 
     /// Every live entry (for tests; tools use `scan`).
     pub fn entries(&mut self) -> Result<Vec<Entry>, RegistryError> {
-        self.with_lock(|r| Ok((0..SLOTS).filter_map(|s| r.read_slot(s)).filter(|e| alive(e.pid)).collect()))
+        self.with_lock(|r| Ok((0..SLOTS).filter_map(|s| r.read_slot(s)).filter(Entry::is_live).collect()))
     }
 }
 

@@ -1,6 +1,16 @@
 //! The layout of a registry file (little endian): a 16-byte header
 //! (`TIDEPOOL`, version u32, slot count u32), then `SLOTS` slots of `SLOT`
-//! bytes, each an `Entry` with its checksum; and reading a file whole.
+//! bytes, each an `Entry` with its checksum; the names registry files
+//! have; whether the process of a slot lives; reading a file whole.
+//!
+//! A slot, version 3: pid u32, device u32, the `U64_FIELDS` u64 figures of
+//! `Entry` in its order, the process name (16 bytes, NUL padded),
+//! `answered_ms` u64, the process's start time u64 (clock ticks after
+//! boot, as /proc/PID/stat gives it: a pid reused by another process does
+//! not match), and the FNV-1a checksum of everything before it. A slot
+//! whose pid is 0 is free. Older versions (1: 112-byte slots, 2: 192 bytes
+//! without the start time) are refused while one of their processes lives
+//! and rewritten once none does.
 
 use std::fs::File;
 use std::io::ErrorKind;
@@ -8,19 +18,21 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 pub(super) const MAGIC: &[u8; 8] = b"TIDEPOOL";
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 pub const SLOTS: usize = 64;
 pub(super) const HEADER: u64 = 16;
-pub(super) const SLOT: u64 = 192;
+pub(super) const SLOT: u64 = 200;
 /// The bytes of a whole registry file.
 pub const FILE_BYTES: u64 = HEADER + SLOT * SLOTS as u64;
 /// The u64 figures of a slot, after pid and device.
 pub(super) const U64_FIELDS: usize = 19;
 pub(super) const COMM_AT: usize = 8 + 8 * U64_FIELDS;
 pub(super) const ANSWERED_AT: usize = COMM_AT + 16;
+pub(super) const START_AT: usize = ANSWERED_AT + 8;
 pub(super) const CHECKSUM_AT: usize = SLOT as usize - 8;
-/// Version 1's slot size, to tell whether an old file is still in use.
-pub(super) const V1_SLOT: u64 = 112;
+/// The slot size of each older version, to tell whether an old file is
+/// still in use (a slot's pid comes first in every version).
+pub(super) const OLD_SLOTS: [(u32, u64); 2] = [(1, 112), (2, 192)];
 /// One process's entry, as published.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Entry {
@@ -56,6 +68,9 @@ pub struct Entry {
     /// The heartbeat of the last publication that saw another process's
     /// request, stamped once the cache was given back (0: never).
     pub answered_ms: u64,
+    /// When the process started (clock ticks after boot, /proc/PID/stat):
+    /// with the pid, which process this is.
+    pub start_ticks: u64,
 }
 
 /// FNV-1a, 64 bits: the slot checksum.
@@ -98,6 +113,7 @@ impl Entry {
         }
         out[COMM_AT..COMM_AT + 16].copy_from_slice(&self.comm);
         out[ANSWERED_AT..ANSWERED_AT + 8].copy_from_slice(&self.answered_ms.to_le_bytes());
+        out[START_AT..START_AT + 8].copy_from_slice(&self.start_ticks.to_le_bytes());
         let sum = fnv1a(&out[..CHECKSUM_AT]);
         out[CHECKSUM_AT..].copy_from_slice(&sum.to_le_bytes());
         out
@@ -136,7 +152,15 @@ impl Entry {
             released: [f[13], f[14], f[15], f[16], f[17], f[18]],
             comm: raw[COMM_AT..COMM_AT + 16].try_into().expect("16 bytes"),
             answered_ms: u64_at(ANSWERED_AT),
+            start_ticks: u64_at(START_AT),
         })
+    }
+
+    /// Whether the process that wrote this slot still runs: its pid lives
+    /// and started when the slot says (not a reused pid, not a forgery
+    /// naming another process).
+    pub fn is_live(&self) -> bool {
+        self.pid != 0 && process_start(self.pid) == Some(self.start_ticks)
     }
 
     /// The process name as text, safe to print: invalid UTF-8 replaced,
@@ -205,4 +229,37 @@ pub fn printable(text: &str) -> String {
         }
     }
     out
+}
+
+/// When process `pid` started, in clock ticks after boot (field 22 of
+/// /proc/PID/stat); None when there is no such process.
+pub fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The name (field 2) is in parentheses and may hold spaces and ")":
+    // the fields after it start at the last ")".
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether `key` is a device key as tidepool names registries (`scan`
+/// reads only those): `cuda-` and 32 hex digits, `cuda-ordinal-` and a
+/// number, `host-`, 16 hex digits, `-` and a number, or a GPU's UUID as
+/// nvidia-smi prints it (`GPU-` and 8-4-4-4-12 hex digits).
+pub fn is_device_key(key: &str) -> bool {
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let number = |s: &str| !s.is_empty() && s.len() <= 6 && s.bytes().all(|b| b.is_ascii_digit());
+    if let Some(rest) = key.strip_prefix("cuda-ordinal-") {
+        return number(rest);
+    }
+    if let Some(rest) = key.strip_prefix("cuda-") {
+        return hex(rest, 32);
+    }
+    if let Some(rest) = key.strip_prefix("host-") {
+        return rest.split_once('-').is_some_and(|(hash, device)| hex(hash, 16) && number(device));
+    }
+    if let Some(rest) = key.strip_prefix("GPU-") {
+        let parts: Vec<&str> = rest.split('-').collect();
+        return parts.len() == 5 && parts.iter().zip([8, 4, 4, 4, 12]).all(|(part, n)| hex(part, n));
+    }
+    false
 }

@@ -12,20 +12,16 @@
 //! knows when waiting longer is for nothing (`Registry::answered`).
 //!
 //! The file is untrusted input: every read is bounds-checked, the header is
-//! versioned, each slot carries a checksum, a lock that is not granted
-//! within `LOCK_WAIT` is given up. The worst a corrupt or hostile file can
-//! do is make a process release cache it holds: never free live memory,
-//! crash or hang. Readers that only watch (`scan`) skip and name what they
-//! cannot use.
-//!
-//! Layout, version 2 (little endian): a 16-byte header (`TIDEPOOL`,
-//! version u32, slot count u32), then `SLOTS` slots of `SLOT` bytes: pid
-//! u32, device u32, the `U64_FIELDS` u64 figures of `Entry` in its order,
-//! the process name (16 bytes, NUL padded), `answered_ms` u64 (once the
-//! spare bytes: 0 from writers that predate it), and the FNV-1a checksum of
-//! everything before it. A slot whose pid is 0 is free.
-//! Version 1 (112-byte slots without name, checksum or the newer figures)
-//! is refused while one of its processes lives and rewritten once none does.
+//! versioned, each slot carries a checksum and its process's start time, a
+//! lock that is not granted within `LOCK_WAIT` is given up. The worst a
+//! corrupt or hostile file can do is make a process release cache it
+//! holds: never free live memory, crash or hang. And it heals: a process
+//! that finds the file truncated, its header damaged or its own slot
+//! corrupt rebuilds what is missing under the lock at its next publication,
+//! and every live process claims its slot again at its own (one reclaim
+//! interval); slots of dead, reused or forged pids are cleared by the next
+//! writer and never shown. Readers that only watch (`scan`) skip and name
+//! what they cannot use.
 //!
 //! Three files: format.rs (the layout of a file and a slot, entries
 //! encoded and checked), file.rs (this process's slot: joining, locking,
@@ -40,6 +36,6 @@ mod scan;
 #[cfg(test)]
 mod tests;
 
-pub use file::{alive, default_dir, Asked, Registry, RegistryError, REQUEST_FRESH_MS};
-pub use format::{printable, write_file, Entry, FILE_BYTES, SLOTS, VERSION};
+pub use file::{default_dir, Asked, Registry, RegistryError, REQUEST_FRESH_MS};
+pub use format::{is_device_key, printable, process_start, write_file, Entry, FILE_BYTES, SLOTS, VERSION};
 pub use scan::{scan, slot_pids, DeviceRegistry, Scan, ScanError, MAX_FILES};

@@ -6,10 +6,12 @@ use std::io::ErrorKind;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use super::file::{alive, lock_within, LOCK_WAIT};
-use super::format::{read_all_at, Entry, FILE_BYTES, HEADER, MAGIC, SLOT, SLOTS, VERSION};
+use super::file::{lock_within, LOCK_WAIT};
+use super::format::{is_device_key, read_all_at, Entry, FILE_BYTES, HEADER, MAGIC, SLOT, SLOTS, VERSION};
 
-/// Files `scan` reads in one directory at most (the rest are counted).
+/// Registry files `scan` reads in one directory at most: the most
+/// recently written (every live process writes its device's at each
+/// reclaimer pass); the rest are named once, as one `TooMany`.
 pub const MAX_FILES: usize = 256;
 
 /// Why `scan` skipped a registry file or a slot.
@@ -66,8 +68,11 @@ pub struct Scan {
 
 /// Reads the live entries of every registry in `dir` without joining,
 /// each file in one read under a shared lock; files and slots that cannot
-/// be used are skipped and named in `errors`. A missing directory is an
-/// empty scan (no process has made it yet).
+/// be used are skipped and named in `errors`. Only files named as tidepool
+/// names registries (`<device key>.registry`, `is_device_key`) are read,
+/// the most recently written first and at most `MAX_FILES`: a folder
+/// filled with junk neither hides a device nor makes the scan slow. A
+/// missing directory is an empty scan (no process has made it yet).
 pub fn scan(dir: &Path) -> Scan {
     let mut out = Scan::default();
     let listing = match std::fs::read_dir(dir) {
@@ -80,14 +85,23 @@ pub fn scan(dir: &Path) -> Scan {
             return out;
         }
     };
-    let mut paths: Vec<PathBuf> =
-        listing.flatten().map(|item| item.path()).filter(|path| path.extension().is_some_and(|e| e == "registry")).collect();
-    paths.sort();
-    for (index, path) in paths.into_iter().enumerate() {
-        if index >= MAX_FILES {
-            out.errors.push((path, ScanError::TooMany));
-            continue;
-        }
+    let mut files: Vec<(std::time::SystemTime, PathBuf)> = listing
+        .flatten()
+        .filter(|item| {
+            let name = item.file_name();
+            let name = name.to_str().unwrap_or("");
+            name.strip_suffix(".registry").is_some_and(is_device_key)
+        })
+        .map(|item| (item.metadata().and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH), item.path()))
+        .collect();
+    // Newest first; ties (and the list shown) in name order.
+    files.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    if files.len() > MAX_FILES {
+        files.truncate(MAX_FILES);
+        out.errors.push((dir.to_path_buf(), ScanError::TooMany));
+    }
+    files.sort_by(|a, b| a.1.cmp(&b.1));
+    for (_, path) in files {
         match read_registry(&path) {
             Ok((entries, corrupt)) => {
                 out.errors.extend(std::iter::repeat_n((path.clone(), ScanError::Corrupt), corrupt));
@@ -103,7 +117,7 @@ pub fn scan(dir: &Path) -> Scan {
 /// The live entries of one registry file and the count of corrupt slots.
 fn read_registry(path: &Path) -> Result<(Vec<Entry>, usize), ScanError> {
     let (entries, corrupt) = read_slots(path)?;
-    Ok((entries.into_iter().filter(|e| alive(e.pid)).collect(), corrupt))
+    Ok((entries.into_iter().filter(Entry::is_live).collect(), corrupt))
 }
 
 /// The pid of every slot of the registry file at `path` that names a

@@ -10,6 +10,14 @@ use super::file::*;
 use super::format::*;
 use super::scan::*;
 
+/// A device key as a host backend names one (`scan` reads only such names).
+const KEY: &str = "host-0000000000000abc-0";
+
+/// Another device's key, `n`.
+fn key(n: u32) -> String {
+    format!("host-0000000000000abc-{n}")
+}
+
 fn dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tidepool-registry-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -79,6 +87,7 @@ fn entries_round_trip_through_their_encoding() {
         released: [10, 11, 12, 13, 14, 15],
         comm,
         answered_ms: 22,
+        start_ticks: 23,
     };
     assert_eq!(Entry::decode(&e.encode()), Some(e));
     assert_eq!(e.comm(), "python");
@@ -191,11 +200,14 @@ fn a_registry_locked_forever_by_another_process_does_not_hang() {
 fn a_hostile_registry_is_refused_or_harmless() {
     let dir = dir("hostile");
     make_private(&dir);
-    // Random bytes: wrong magic, refused.
+    // Random bytes: no header at all, so the file is rebuilt, whole.
     let path = dir.join("junk.registry");
     std::fs::write(&path, (0..5000u32).map(|i| (i * 7919 % 251) as u8).collect::<Vec<_>>()).unwrap();
-    assert!(Registry::join(&dir, "junk").unwrap_err().to_string().contains("not a version"));
-    // Right header, wrong version: refused.
+    let rebuilt = Registry::join(&dir, "junk").unwrap();
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), FILE_BYTES);
+    assert_eq!(slot_pids(&path).unwrap(), [std::process::id()]);
+    drop(rebuilt);
+    // Right header, a version still to come: refused (a newer tidepool's).
     let mut bad = Vec::from(&MAGIC[..]);
     bad.extend_from_slice(&99u32.to_le_bytes());
     bad.extend_from_slice(&64u32.to_le_bytes());
@@ -204,7 +216,8 @@ fn a_hostile_registry_is_refused_or_harmless() {
     // Right header, huge counts and a live pid (ours) asking for everything:
     // the worst outcome is a request to release cache.
     let mut a = Registry::join(&dir, "huge").unwrap();
-    let liar = Entry { pid: std::process::id(), request_bytes: u64::MAX, reserved: u64::MAX, heartbeat_ms: now_ms(), ..Entry::default() };
+    let (pid, start_ticks) = (std::process::id(), process_start(std::process::id()).unwrap());
+    let liar = Entry { pid, start_ticks, request_bytes: u64::MAX, reserved: u64::MAX, heartbeat_ms: now_ms(), ..Entry::default() };
     let others_publish = |a: &mut Registry, entry: &Entry| {
         for slot in (0..SLOTS).filter(|&slot| slot != a.slot) {
             a.write_slot(slot, entry).unwrap();
@@ -231,46 +244,48 @@ fn a_hostile_registry_is_refused_or_harmless() {
 #[test]
 fn scan_reads_live_entries_and_names_every_file_it_skips() {
     let dir = dir("scan");
-    let mut a = Registry::join(&dir, "good").unwrap();
+    let mut a = Registry::join(&dir, KEY).unwrap();
     a.publish(Entry { allocated: 5, reserved: 10, inactive_split: 2, ..Entry::default() }).unwrap();
     // A slot of ours with a damaged checksum is skipped and counted.
     let mut raw = Entry { pid: std::process::id(), reserved: 1, ..Entry::default() }.encode();
     raw[20] ^= 1;
     a.file.write_all_at(&raw, HEADER + SLOT * 9).unwrap();
-    std::fs::write(dir.join("junk.registry"), b"not a registry at all, just some text").unwrap();
-    std::fs::write(dir.join("short.registry"), &a_header(VERSION)[..5]).unwrap();
+    let file = |n: u32| dir.join(format!("{}.registry", key(n)));
+    std::fs::write(file(1), b"not a registry at all, just some text").unwrap();
+    std::fs::write(file(2), &a_header(VERSION)[..5]).unwrap();
     let mut truncated = a_header(VERSION);
     truncated.resize(HEADER as usize + 100, 0);
-    std::fs::write(dir.join("truncated.registry"), truncated).unwrap();
-    std::fs::write(dir.join("v1.registry"), a_header(1)).unwrap();
-    std::fs::write(dir.join("v3.registry"), a_header(3)).unwrap();
-    std::fs::write(dir.join("empty.registry"), b"").unwrap();
+    std::fs::write(file(3), truncated).unwrap();
+    std::fs::write(file(4), a_header(1)).unwrap();
+    std::fs::write(file(5), a_header(VERSION + 1)).unwrap();
+    std::fs::write(file(6), b"").unwrap();
+    std::os::unix::fs::symlink(a.path(), file(7)).unwrap();
+    assert!(std::process::Command::new("mkfifo").arg(file(8)).status().unwrap().success());
+    // Not named as tidepool names registries: not read, not named.
+    std::fs::write(dir.join("junk.registry"), b"ignored").unwrap();
     std::fs::write(dir.join("not-a-registry.txt"), b"ignored").unwrap();
-    std::os::unix::fs::symlink(a.path(), dir.join("link.registry")).unwrap();
-    let fifo = dir.join("fifo.registry");
-    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
     let start = Instant::now();
     let found = scan(&dir);
     assert!(start.elapsed() < Duration::from_secs(5), "a FIFO does not block the scan");
     let mut errors: Vec<(String, ScanError)> =
-        found.errors.iter().map(|(p, e)| (p.file_name().unwrap().to_string_lossy().into_owned(), *e)).collect();
+        found.errors.iter().map(|(p, e)| (p.file_stem().unwrap().to_string_lossy().into_owned(), *e)).collect();
     errors.sort();
     assert_eq!(
         errors,
         [
-            ("fifo.registry".to_string(), ScanError::Unreadable),
-            ("good.registry".to_string(), ScanError::Corrupt),
-            ("junk.registry".to_string(), ScanError::Version),
-            ("link.registry".to_string(), ScanError::Unreadable),
-            ("short.registry".to_string(), ScanError::Truncated),
-            ("truncated.registry".to_string(), ScanError::Truncated),
-            ("v1.registry".to_string(), ScanError::Version),
-            ("v3.registry".to_string(), ScanError::Version),
+            (key(0), ScanError::Corrupt),
+            (key(1), ScanError::Version),
+            (key(2), ScanError::Truncated),
+            (key(3), ScanError::Truncated),
+            (key(4), ScanError::Version),
+            (key(5), ScanError::Version),
+            (key(7), ScanError::Unreadable),
+            (key(8), ScanError::Unreadable),
         ]
     );
     let keys: Vec<&str> = found.registries.iter().map(|r| r.key.as_str()).collect();
-    assert_eq!(keys, ["empty", "good"]);
-    let good = &found.registries[1].entries;
+    assert_eq!(keys, [key(0), key(6)]);
+    let good = &found.registries[0].entries;
     assert_eq!(good.len(), 1);
     assert_eq!((good[0].pid, good[0].allocated, good[0].reserved), (std::process::id(), 5, 10));
     assert_eq!(good[0].fragmentation(), 0.2);
@@ -286,6 +301,96 @@ fn scan_reads_live_entries_and_names_every_file_it_skips() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn device_keys_are_the_names_tidepool_gives_registries() {
+    for good in
+        ["cuda-0123456789abcdef0123456789abcdef", "cuda-ordinal-3", "host-00000000deadbeef-0", "GPU-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"]
+    {
+        assert!(is_device_key(good), "{good}");
+    }
+    for bad in ["", "dev", "junk", "cuda-12", "cuda-ordinal-", "host-xyz-0", "host-00000000deadbeef", "GPU-1f2e3d4c", "../cuda-ordinal-1"] {
+        assert!(!is_device_key(bad), "{bad}");
+    }
+}
+
+#[test]
+fn ten_thousand_junk_files_hide_no_device_and_keep_the_scan_fast() {
+    let dir = dir("junk-files");
+    let mut a = Registry::join(&dir, KEY).unwrap();
+    // Written long ago: older than the device's file, which its process rewrites.
+    let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+    for i in 0..10_000u32 {
+        let name = if i % 2 == 0 { format!("junk-{i}.registry") } else { format!("{}.registry", key(1000 + i)) };
+        let file = File::create(dir.join(name)).unwrap();
+        file.set_modified(old).unwrap();
+    }
+    a.publish(Entry { allocated: 7, ..Entry::default() }).unwrap();
+    let start = Instant::now();
+    let found = scan(&dir);
+    let took = start.elapsed();
+    let mine: Vec<&Entry> = found.registries.iter().flat_map(|r| &r.entries).collect();
+    assert!(mine.len() == 1 && mine[0].allocated == 7, "the device is shown");
+    // The key-shaped junk past MAX_FILES is named once, as the folder's.
+    assert_eq!(found.errors.iter().filter(|(_, e)| *e == ScanError::TooMany).count(), 1);
+    assert!(found.errors.len() <= MAX_FILES + 1, "{}", found.errors.len());
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    drop(a);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_slot_whose_pid_was_reused_or_forged_is_neither_shown_nor_kept() {
+    let dir = dir("forged");
+    let mut a = Registry::join(&dir, KEY).unwrap();
+    let me = std::process::id();
+    let start = process_start(me).unwrap();
+    // A dead pid; this process's pid with another start time (a reused
+    // pid, or a forgery naming a live process).
+    let dead = Entry { pid: u32::MAX - 1, start_ticks: 1, heartbeat_ms: now_ms(), ..Entry::default() };
+    let forged = Entry { pid: me, start_ticks: start + 1, heartbeat_ms: now_ms(), request_bytes: 1 << 30, ..Entry::default() };
+    a.write_slot(10, &dead).unwrap();
+    a.write_slot(11, &forged).unwrap();
+    let shown: Vec<u64> = scan(&dir).registries.iter().flat_map(|r| r.entries.iter().map(|e| e.start_ticks)).collect();
+    assert_eq!(shown, [start], "only this process's own slot");
+    assert_eq!(a.publish(Entry::default()).unwrap(), 0, "the forged request is not honoured");
+    assert_eq!(slot_pids(a.path()).unwrap(), [me], "the next writer cleared both");
+    drop(a);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_damaged_file_is_rebuilt_by_its_next_writer_and_every_process_claims_its_slot_again() {
+    let dir = dir("heal");
+    let mut a = Registry::join(&dir, KEY).unwrap();
+    let mut b = Registry::join(&dir, KEY).unwrap();
+    let publish_both = |a: &mut Registry, b: &mut Registry| {
+        a.publish(Entry { allocated: 1, ..Entry::default() }).unwrap();
+        b.publish(Entry { allocated: 2, ..Entry::default() }).unwrap();
+    };
+    let shown = || {
+        let found = scan(&dir);
+        let mut figures: Vec<u64> = found.registries.iter().flat_map(|r| r.entries.iter().map(|e| e.allocated)).collect();
+        figures.sort();
+        (figures, found.errors)
+    };
+    publish_both(&mut a, &mut b);
+    assert_eq!(shown(), (vec![1, 2], vec![]));
+    let slot_of_a = HEADER + SLOT * a.slot as u64;
+    let damages: [(&str, &dyn Fn(&File)); 4] = [
+        ("truncated to nothing", &|f| f.set_len(0).unwrap()),
+        ("truncated to 100 bytes", &|f| f.set_len(100).unwrap()),
+        ("its header overwritten", &|f| f.write_all_at(b"GARBAGE!GARBAGE!", 0).unwrap()),
+        ("a slot overwritten", &|f| f.write_all_at(&[0x5a; SLOT as usize], slot_of_a).unwrap()),
+    ];
+    for (what, damage) in damages {
+        damage(&File::options().write(true).open(a.path()).unwrap());
+        publish_both(&mut a, &mut b);
+        assert_eq!(shown(), (vec![1, 2], vec![]), "after the file was {what}");
+    }
+    drop((a, b));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn a_header(version: u32) -> Vec<u8> {
     let mut header = Vec::from(&MAGIC[..]);
     header.extend_from_slice(&version.to_le_bytes());
@@ -294,23 +399,25 @@ fn a_header(version: u32) -> Vec<u8> {
 }
 
 #[test]
-fn a_version_1_file_is_taken_over_once_its_processes_are_gone() {
-    let dir = dir("v1");
-    make_private(&dir);
-    let mut v1 = a_header(1);
-    v1.resize((HEADER + V1_SLOT * SLOTS as u64) as usize, 0);
-    // A live process (this one) in slot 3: refused.
-    v1[(HEADER + V1_SLOT * 3) as usize..][..4].copy_from_slice(&std::process::id().to_le_bytes());
-    std::fs::write(dir.join("dev.registry"), &v1).unwrap();
-    assert!(Registry::join(&dir, "dev").unwrap_err().to_string().contains("not a version 2"));
-    // Only dead processes: rewritten as version 2.
-    v1[(HEADER + V1_SLOT * 3) as usize..][..4].copy_from_slice(&(u32::MAX - 1).to_le_bytes());
-    std::fs::write(dir.join("dev.registry"), &v1).unwrap();
-    let a = Registry::join(&dir, "dev").unwrap();
-    assert_eq!(std::fs::metadata(a.path()).unwrap().len(), FILE_BYTES);
-    assert_eq!(scan(&dir).registries[0].entries.len(), 1);
-    drop(a);
-    let _ = std::fs::remove_dir_all(&dir);
+fn an_older_version_is_taken_over_once_its_processes_are_gone() {
+    for (version, slot) in OLD_SLOTS {
+        let dir = dir(&format!("v{version}"));
+        make_private(&dir);
+        let mut old = a_header(version);
+        old.resize((HEADER + slot * SLOTS as u64) as usize, 0);
+        // A live process (this one) in slot 3: refused.
+        old[(HEADER + slot * 3) as usize..][..4].copy_from_slice(&std::process::id().to_le_bytes());
+        std::fs::write(dir.join(format!("{KEY}.registry")), &old).unwrap();
+        assert!(Registry::join(&dir, KEY).unwrap_err().to_string().contains("not a version 3"), "version {version}");
+        // Only dead processes: rewritten as this version.
+        old[(HEADER + slot * 3) as usize..][..4].copy_from_slice(&(u32::MAX - 1).to_le_bytes());
+        std::fs::write(dir.join(format!("{KEY}.registry")), &old).unwrap();
+        let a = Registry::join(&dir, KEY).unwrap();
+        assert_eq!(std::fs::metadata(a.path()).unwrap().len(), FILE_BYTES);
+        assert_eq!(scan(&dir).registries[0].entries.len(), 1, "version {version}");
+        drop(a);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 #[test]

@@ -41,6 +41,7 @@ fn node(dir: &std::path::Path) -> Sleepers {
                 let gib = 1u64 << 30;
                 Entry {
                     pid: child.id(),
+                    start_ticks: registry::process_start(child.id()).unwrap(),
                     device: device as u32,
                     heartbeat_ms: 1_700_000_000_000 + i as u64,
                     reserved: 10 * gib + i as u64 * 4096,

@@ -375,6 +375,7 @@ fn busy_registry(dir: &Path, n: usize) -> Vec<Guard> {
             comm[..name.len()].copy_from_slice(name);
             Entry {
                 pid: s.pid(),
+                start_ticks: registry::process_start(s.pid()).unwrap(),
                 heartbeat_ms: 1_700_000_000_000,
                 reserved: (i as u64 + 2) * 100 * MIB,
                 allocated: (i as u64 + 1) * 100 * MIB,
@@ -451,6 +452,7 @@ fn two_allocators_in_one_process_are_one_series_with_their_figures_added() {
     comm[..7].copy_from_slice(b"python3");
     let slot = |allocated: u64, largest: u64, heartbeat_ms: u64, ooms: u64| Entry {
         pid: sleeper.pid(),
+        start_ticks: registry::process_start(sleeper.pid()).unwrap(),
         heartbeat_ms,
         reserved: allocated + 10 * MIB,
         allocated,
@@ -490,19 +492,23 @@ fn registry_files_that_are_truncated_corrupt_or_of_another_version_are_skipped_a
     let scratch = common::scratch_dir("exporter-bad-input");
     let dir = scratch.path();
     let _sleepers = busy_registry(dir, 2);
+    // Registries of other devices (named as tidepool names them), each damaged.
+    let device = |n: u128| dir.join(format!("cuda-{n:032x}.registry"));
     let mut header = b"TIDEPOOL".to_vec();
-    header.extend_from_slice(&2u32.to_le_bytes());
+    header.extend_from_slice(&registry::VERSION.to_le_bytes());
     header.extend_from_slice(&64u32.to_le_bytes());
-    std::fs::write(dir.join("truncated.registry"), &header[..]).unwrap();
+    std::fs::write(device(1), &header[..]).unwrap();
     let mut future = b"TIDEPOOL".to_vec();
     future.extend_from_slice(&7u32.to_le_bytes());
     future.resize(64 << 10, 0xff);
-    std::fs::write(dir.join("future.registry"), future).unwrap();
-    std::fs::write(dir.join("garbage.registry"), (0..20_000u32).map(|i| (i * 7919 % 251) as u8).collect::<Vec<_>>()).unwrap();
+    std::fs::write(device(2), future).unwrap();
+    std::fs::write(device(3), (0..20_000u32).map(|i| (i * 7919 % 251) as u8).collect::<Vec<_>>()).unwrap();
     // A whole file of the right version whose live slot's bytes were damaged.
-    let mut damaged = std::fs::read(dir.join(format!("cuda-{:032x}.registry", 0x1234u128))).unwrap();
+    let mut damaged = std::fs::read(device(0x1234)).unwrap();
     damaged[16 + 40] ^= 0xff; // slot 0, a figure
-    std::fs::write(dir.join("damaged.registry"), damaged).unwrap();
+    std::fs::write(device(4), damaged).unwrap();
+    // Not named as a registry: not read at all.
+    std::fs::write(dir.join("garbage.registry"), b"junk").unwrap();
 
     let (mut exporter, addr) = exporter(&[dir, &dir.join("missing")], &[]);
     let errors = |text: &str, reason: &str| sample(text, "tidepool_exporter_registry_errors_total", &[("reason", reason)]);
@@ -513,7 +519,7 @@ fn registry_files_that_are_truncated_corrupt_or_of_another_version_are_skipped_a
     assert_eq!(errors(&first, "locked"), Some(0.0));
     // The good file's processes are served; the damaged copy's other slot too.
     assert_eq!(sample(&first, "tidepool_processes", &[("device", "GPU-00000000-0000-0000-0000-000000001234")]), Some(2.0));
-    assert_eq!(sample(&first, "tidepool_processes", &[("device", "damaged")]), Some(1.0), "{first}");
+    assert_eq!(sample(&first, "tidepool_processes", &[("device", "GPU-00000000-0000-0000-0000-000000000004")]), Some(1.0), "{first}");
     assert_eq!(first.lines().filter(|l| l.starts_with("tidepool_allocated_bytes{")).count(), 3, "{first}");
     // Counted again at each scrape that meets them; the exporter keeps going.
     let second = metrics(addr);

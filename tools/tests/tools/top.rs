@@ -156,3 +156,139 @@ fn a_process_named_with_terminal_escapes_is_shown_escaped() {
     common::write_whole(&dir.join("done"), "");
     assert!(child.wait().unwrap().success());
 }
+
+/// The child side: a process sharing the host device under
+/// TIDEPOOL_TEST_DIR that holds 4 MiB live and keeps idle cache for the
+/// others to ask for (made again whenever it gave it back), until `done`.
+#[test]
+#[ignore = "child process: run by the_registry_heals_and_every_process_is_seen_and_cooperates_again"]
+fn child_shares_the_device() {
+    common::child_only();
+    let dir = std::path::PathBuf::from(std::env::var("TIDEPOOL_TEST_DIR").unwrap());
+    let alloc = conf_allocator(&common::shared_host_conf(&dir, true));
+    let live = alloc.allocate(0, (4 * MIB) as usize, S).unwrap();
+    common::write_whole(&dir.join(format!("ready-{}", std::process::id())), "");
+    while !dir.join("done").exists() {
+        if alloc.stats(0).unwrap().cached_free_bytes == 0 {
+            let idle = alloc.allocate(0, (8 * MIB) as usize, S).unwrap();
+            alloc.free(0, idle).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    alloc.free(0, live).unwrap();
+}
+
+#[test]
+fn the_registry_heals_and_every_process_is_seen_and_cooperates_again() {
+    use std::os::unix::fs::FileExt;
+    use tidepool::registry::{self, Entry, Registry};
+
+    let scratch = common::scratch_dir("registry-heals");
+    let dir = scratch.path();
+    let registries = dir.join("registry");
+    let spawn = || common::child_command("child_shares_the_device").env("TIDEPOOL_TEST_DIR", dir).spawn().unwrap();
+    let ready = |child: &std::process::Child| common::wait_for_file(&dir.join(format!("ready-{}", child.id())), Duration::from_secs(30));
+    let mut children: Vec<std::process::Child> = (0..3).map(|_| spawn()).collect();
+    assert!(children.iter().all(ready), "the children did not start");
+    let file = std::fs::read_dir(&registries)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "registry"))
+        .unwrap();
+    let key = file.file_stem().unwrap().to_str().unwrap().to_string();
+    // The pids `top --json` lists with memory reserved.
+    let listed = || -> Vec<u32> {
+        let json: serde_json::Value = serde_json::from_str(&top(dir, &["--once", "--json"])).unwrap();
+        let processes = json["processes"].as_array().unwrap().iter();
+        processes.filter(|p| p["reserved_bytes"].as_u64() > Some(0)).map(|p| p["pid"].as_u64().unwrap() as u32).collect()
+    };
+    // This test is a fourth process: its request for memory is answered by the children.
+    let mut asker = Registry::join(&registries, &key).unwrap();
+    let mut answered = || -> bool {
+        let _ = asker.publish(Entry::default());
+        let Ok(Some(asked)) = asker.ask(MIB) else { return false };
+        let done = common::eventually(Duration::from_secs(1), || asker.answered(&asked).unwrap_or(false));
+        let _ = asker.request(0);
+        done
+    };
+    let all_seen = |pids: &[u32]| {
+        let mut want: Vec<u32> = pids.to_vec();
+        want.sort();
+        move || {
+            let mut got = listed();
+            got.sort();
+            got == want
+        }
+    };
+    let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
+    assert!(common::eventually(Duration::from_secs(2), all_seen(&pids)), "{:?}", listed());
+    assert!(answered(), "a request is answered before any damage");
+
+    let slot = 16 + 200 * 1; // a slot (the second) in version 3's layout
+    let damages: [(&str, &dyn Fn(&std::fs::File)); 4] = [
+        ("truncated to nothing", &|f| f.set_len(0).unwrap()),
+        ("truncated to 100 bytes", &|f| f.set_len(100).unwrap()),
+        ("with its header overwritten", &|f| f.write_all_at(b"GARBAGE!GARBAGE!", 0).unwrap()),
+        ("with a slot of random bytes", &|f| {
+            f.write_all_at(&(0..200u32).map(|i| (i * 7919 % 251) as u8).collect::<Vec<_>>(), slot).unwrap()
+        }),
+    ];
+    for (what, damage) in damages {
+        damage(&std::fs::File::options().write(true).open(&file).unwrap());
+        let start = std::time::Instant::now();
+        assert!(common::eventually(Duration::from_secs(2), all_seen(&pids)), "the file {what}: {:?}", listed());
+        assert!(answered(), "the file {what}: no answer");
+        eprintln!("the file {what}: every process listed and a request answered after {:?}", start.elapsed());
+    }
+
+    // 10,000 junk files, half of them named as registries are, all older.
+    let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+    for i in 0..10_000u32 {
+        let name = if i % 2 == 0 { format!("junk-{i}.registry") } else { format!("cuda-{:032x}.registry", i) };
+        std::fs::File::create(registries.join(name)).unwrap().set_modified(old).unwrap();
+    }
+    let start = std::time::Instant::now();
+    assert_eq!(
+        {
+            let mut got = listed();
+            got.sort();
+            got
+        },
+        {
+            let mut want = pids.clone();
+            want.sort();
+            want
+        },
+        "junk hid a device"
+    );
+    eprintln!("top --json with 10,000 junk files: {:?}", start.elapsed());
+
+    // A forged slot of a dead process (in a registry of its own) is not listed.
+    registry::write_file(
+        &registries.join(format!("cuda-{:032x}.registry", 0xdeadu128)),
+        &[Entry { pid: u32::MAX - 7, start_ticks: 1, reserved: MIB, ..Entry::default() }],
+    )
+    .unwrap();
+    assert!(!listed().contains(&(u32::MAX - 7)));
+
+    // A process that starts while the file is locked for 1 s is listed,
+    // and cooperates, within 2 s of the lock's release.
+    let locker = std::fs::File::open(&file).unwrap();
+    locker.lock().unwrap();
+    let late = spawn();
+    assert!(ready(&late));
+    std::thread::sleep(Duration::from_secs(1));
+    locker.unlock().unwrap();
+    let mut with_late = pids.clone();
+    with_late.push(late.id());
+    assert!(common::eventually(Duration::from_secs(2), all_seen(&with_late)), "{:?}", listed());
+    assert!(answered(), "no answer after the lock's release");
+    children.push(late);
+
+    drop(asker);
+    common::write_whole(&dir.join("done"), "");
+    for mut child in children {
+        assert!(child.wait().unwrap().success());
+    }
+}
