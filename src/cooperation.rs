@@ -111,12 +111,6 @@ impl Cooperation {
         }
     }
 
-    /// Whether this process holds its slot (tests).
-    #[cfg(test)]
-    fn joined(&self) -> bool {
-        self.state.lock().registry.is_some()
-    }
-
     /// The counters kept here.
     pub fn events(&self) -> Events {
         self.state.lock().events

@@ -376,7 +376,8 @@ fn a_damaged_file_is_rebuilt_by_its_next_writer_and_every_process_claims_its_slo
     publish_both(&mut a, &mut b);
     assert_eq!(shown(), (vec![1, 2], vec![]));
     let slot_of_a = HEADER + SLOT * a.slot as u64;
-    let damages: [(&str, &dyn Fn(&File)); 4] = [
+    type Damage<'a> = &'a dyn Fn(&File);
+    let damages: [(&str, Damage); 4] = [
         ("truncated to nothing", &|f| f.set_len(0).unwrap()),
         ("truncated to 100 bytes", &|f| f.set_len(100).unwrap()),
         ("its header overwritten", &|f| f.write_all_at(b"GARBAGE!GARBAGE!", 0).unwrap()),

@@ -225,8 +225,9 @@ fn the_registry_heals_and_every_process_is_seen_and_cooperates_again() {
     assert!(common::eventually(Duration::from_secs(2), all_seen(&pids)), "{:?}", listed());
     assert!(answered(), "a request is answered before any damage");
 
-    let slot = 16 + 200 * 1; // a slot (the second) in version 3's layout
-    let damages: [(&str, &dyn Fn(&std::fs::File)); 4] = [
+    let slot = 16 + 200; // the second slot in version 3's layout
+    type Damage<'a> = &'a dyn Fn(&std::fs::File);
+    let damages: [(&str, Damage); 4] = [
         ("truncated to nothing", &|f| f.set_len(0).unwrap()),
         ("truncated to 100 bytes", &|f| f.set_len(100).unwrap()),
         ("with its header overwritten", &|f| f.write_all_at(b"GARBAGE!GARBAGE!", 0).unwrap()),
