@@ -6,7 +6,7 @@
 //! many free holes between them (every other block of 2N freed), so the
 //! pools are full of blocks: the case that makes list-based pools slow.
 //!
-//! `python3 benches/table.py` turns the medians into README's table.
+//! `python3 benches/table.py` turns the medians into docs/benchmarks.md's table.
 
 use std::hint::black_box;
 use std::time::Duration;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prints README's benchmark table from criterion's medians (target/criterion).
+"""Prints docs/benchmarks.md's cached-pair table from criterion's medians (target/criterion).
 
 Usage: python3 benches/table.py [target/criterion]
 Ratios are computed between figures of the same run.

@@ -234,7 +234,7 @@ fn show_path(path: &impl AsRef<std::path::Path>) -> String {
     path.as_ref().display().to_string()
 }
 
-/// The options table. README's configuration section lists the same rows.
+/// The options table; `tidepool config --markdown` writes docs/configuration.md from it.
 pub static OPTIONS: &[OptionSpec] = &[
     OptionSpec {
         key: "backend",

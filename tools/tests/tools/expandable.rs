@@ -28,7 +28,7 @@ fn traces() -> Vec<PathBuf> {
     files
 }
 
-/// Shared traces that miss the smallest-device target, with why (README:
+/// Shared traces that miss the smallest-device target, with why (docs/benchmarks.md:
 /// "One target is not met"); on them that figure is only held to "never
 /// above PyTorch's model" (every other target holds). Named one by one so
 /// that any other trace, shared or held out, meets every target.

@@ -1,7 +1,8 @@
 //! The tools: replay and plan of traces (and their driver calls against a
 //! live run over simgpu), expandable segments on every trace, snapshots
-//! read back, `tidepool top`, the exporter with a real Prometheus, and the
-//! Python package built and installed as a user would.
+//! read back, `tidepool top`, the exporter with a real Prometheus, the
+//! documentation (the configuration page; README's and docs/' commands and
+//! links), and the Python package built and installed as a user would.
 //!
 //! One test binary, one module per file (cargo links each binary once).
 
@@ -14,6 +15,7 @@ mod expandable;
 mod exporter;
 mod live_replay;
 mod python;
+mod readme;
 mod replay;
 mod snapshots;
 mod top;
