@@ -9,7 +9,7 @@
  * unwinds into the caller: on failure it returns NULL or an error code and
  * sets a per-thread last error (tidepool_last_error).
  *
- * tests/ffi_header.rs checks this file against src/ffi.rs, and the event
+ * tests/cabi/header.rs checks this file against src/ffi/, and the event
  * counters and gauges of tidepool_stats against the library's one list of
  * them (Events::COUNTERS, Stats::GAUGES in src/stats.rs).
  */

@@ -146,8 +146,8 @@ impl Gauge {
 /// accumulated counts keeps it), its key in [`Stats::to_pytorch_keys`] and
 /// Python's `tidepool.memory_stats` (PyTorch's own name, or `tidepool.*`),
 /// and its field in the C struct `tidepool_stats`. The struct, its sum, its
-/// reset, the keys and the C fill (src/ffi.rs) are generated from it;
-/// tests/ffi_header.rs checks ffi/tidepool.h and the Python package
+/// reset, the keys and the C fill (src/ffi/stats.rs) are generated from it;
+/// tests/cabi/header.rs checks ffi/tidepool.h and the Python package
 /// against [`Events::COUNTERS`]. A new counter goes here, at the end of
 /// `tidepool_stats` (a version bump), in the header, and in
 /// ffi/python/tidepool/_native.py (`Stats` and `COUNTERS`).
@@ -372,7 +372,7 @@ impl Counters {
 
 /// Generates [`Stats`] from its list of gauges (PyTorch's names, in
 /// PyTorch's order), with [`Stats::GAUGES`], `gauges()` and `gauges_mut()`.
-/// tests/ffi_header.rs checks the C struct's `gauges` array, the header's
+/// tests/cabi/header.rs checks the C struct's `gauges` array, the header's
 /// list of them and Python's `GAUGES` against [`Stats::GAUGES`].
 macro_rules! define_stats {
     ($( $(#[doc = $doc:literal])* $gauge:ident, )*) => {

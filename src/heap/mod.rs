@@ -20,7 +20,7 @@
 //! none elsewhere that fits such a request better, and a free neighbour
 //! after it that would be split off again to the same place in its bin),
 //! so the stash saves work and never moves a block, nor changes the age of
-//! one (tests/model.rs compares every placement and driver call with the
+//! one (tests/engine/model.rs compares every placement and driver call with the
 //! stash off). A request of exactly that size takes it back with no split
 //! and no merge; anything else merges it first (`flush_stash`), and so
 //! does every operation that looks at the whole heap (release,

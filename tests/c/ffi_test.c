@@ -265,7 +265,7 @@ static void oom_observers(void) {
 static void snapshot(const char* path) {
     CHECK(tidepool_record_history(1000) == TIDEPOOL_OK, "record_history: %s", last_error());
     void* live = tidepool_malloc(12345, 0, (void*)5);
-    /* Allocation contexts: the snapshot shows the frames (tests/ffi_c.rs reads them). */
+    /* Allocation contexts: the snapshot shows the frames (tests/cabi/c.rs reads them). */
     tidepool_frame frames[2] = {{"model.py", "forward", 42}, {"train.py", "main", 7}};
     CHECK(tidepool_register_context(42, frames, 2) == TIDEPOOL_OK, "register_context: %s", last_error());
     void* framed = tidepool_malloc_with_context(54321, 0, (void*)5, 42);

@@ -288,7 +288,7 @@ fn every_counter_is_in_the_c_struct_the_header_and_the_python_key_list() {
         assert!(python_fields.contains(&counter.c_field.to_string()), "{PYTHON}: Stats has no field {}", counter.c_field);
     }
     // (The Rust struct tidepool_stats is the header's, by the test above,
-    // and src/ffi.rs fills it from the list: a counter without a field
+    // and src/ffi/stats.rs fills it from the list: a counter without a field
     // there does not compile.)
     let listed = quoted(python_block(&python, "COUNTERS = ("));
     let pairs: Vec<(String, String)> = listed.chunks(2).map(|pair| (pair[0].clone(), pair[1].clone())).collect();

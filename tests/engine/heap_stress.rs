@@ -584,7 +584,7 @@ fn random_steps_keep_every_invariant_with_whole_segments() {
 
 /// `STRESS_ONE=name:seed` replays one run, printing every step (to read a failure).
 #[test]
-#[ignore = "run by hand: STRESS_ONE=name:seed cargo test --release --test heap_stress -- --ignored"]
+#[ignore = "run by hand: STRESS_ONE=name:seed cargo test --release -p tidepool --test engine -- --ignored heap_stress::"]
 fn one_run_step_by_step() {
     let spec = std::env::var("STRESS_ONE").expect("STRESS_ONE=name:seed");
     let (name, seed) = spec.split_once(':').expect("STRESS_ONE=name:seed");

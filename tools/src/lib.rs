@@ -4,7 +4,7 @@
 //! `tidepool` command (src/main.rs) is built on them; the allocator crate
 //! (`tidepool`) knows nothing of them.
 //!
-//! Modules, lowest first (tests/layers.rs checks that imports point only
+//! Modules, lowest first (tests/engine/layers.rs checks that imports point only
 //! to modules earlier in this list): `pickle`, `trace`, `exporter`.
 
 pub mod exporter;

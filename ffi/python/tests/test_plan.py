@@ -1,6 +1,6 @@
 """python -m tidepool.plan over real transformers and peft models on tiny
 configurations, with the real tidepool command (TIDEPOOL_BIN, which
-tests/python.rs sets to the one cargo built).
+tools/tests/tools/python.rs sets to the one cargo built).
 
 Skipped without torch, transformers, peft or the tidepool command, except
 when TIDEPOOL_REQUIRE_TORCH=1 (CI), where their absence fails.
@@ -23,7 +23,7 @@ NEEDED = [m for m in ("torch", "transformers", "peft") if importlib.util.find_sp
 BINARY = os.environ.get("TIDEPOOL_BIN") or shutil.which("tidepool")
 REQUIRED = os.environ.get("TIDEPOOL_REQUIRE_TORCH") == "1"
 if os.environ.get("TIDEPOOL_SKIP_PLAN") == "1":
-    # tests/python.rs runs this file in a test of its own, once.
+    # tools/tests/tools/python.rs runs this file in a test of its own, once.
     NEEDED, REQUIRED = ["its own run (TIDEPOOL_SKIP_PLAN=1)"], False
 if REQUIRED and (NEEDED or not BINARY):
     raise RuntimeError(f"TIDEPOOL_REQUIRE_TORCH=1 but missing: {NEEDED or 'the tidepool command (TIDEPOOL_BIN)'}")

@@ -1,6 +1,6 @@
 """The Python package over the real library (ctypes), without torch.
 
-Run over the installed package (tests/python.rs installs the wheel pip
+Run over the installed package (tools/tests/tools/python.rs installs the wheel pip
 builds) with TIDEPOOL_CONF selecting the host backend with 1 GiB.
 """
 import ctypes
@@ -36,7 +36,7 @@ class MemoryStats(unittest.TestCase):
                     self.assertIn(f"{gauge}.{pool}.{field}", stats)
         for key in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams"):
             self.assertIn(key, stats)
-        # Every event counter of the library's list (tests/ffi_header.rs
+        # Every event counter of the library's list (tests/cabi/header.rs
         # checks _native.COUNTERS against it), under its key.
         # (The reclaimer may count a pass between the two reads.)
         raw = _native.get_stats(0)
