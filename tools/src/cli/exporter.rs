@@ -35,7 +35,7 @@ pub struct Args {
     /// Seconds a connection may take to send its request
     #[arg(long, value_name = "SECS", default_value = "10", value_parser = seconds)]
     timeout: f64,
-    /// Connections served at once
+    /// Connections open at once; at the bound the oldest idle one is closed to make room
     #[arg(long, value_name = "N", default_value = "64", value_parser = connections)]
     max_connections: usize,
 }

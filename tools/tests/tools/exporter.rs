@@ -55,6 +55,10 @@ impl Guard {
         line.split_whitespace().nth(1).unwrap().parse().unwrap()
     }
 
+    fn open_files(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).unwrap().count()
+    }
+
     fn assert_running(&mut self) {
         assert!(self.child.try_wait().unwrap().is_none(), "{} exited", self.name);
     }
@@ -591,23 +595,91 @@ fn a_client_that_connects_and_sends_nothing_is_dropped_at_the_timeout() {
 }
 
 #[test]
-fn connections_past_the_bound_wait_until_one_closes() {
+fn past_the_bound_the_oldest_idle_connection_makes_room_and_a_scrape_is_served_at_once() {
     let scratch = common::scratch_dir("exporter-bound");
     let dir = scratch.path();
-    // The idle clients are dropped at the 2 s timeout: a request served
-    // before that found a free slot; one served after waited for them.
-    let (_exporter, addr) = exporter(&[dir], &["--timeout", "2", "--max-connections", "4"]);
+    let (_exporter, addr) = exporter(&[dir], &["--timeout", "5", "--max-connections", "4"]);
     let idle: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
     std::thread::sleep(Duration::from_millis(100));
     let start = Instant::now();
-    let response = request(addr, "GET", "/metrics", &[]).unwrap();
-    let waited = start.elapsed();
-    assert_eq!(response.status, 200);
-    assert!(waited >= Duration::from_millis(1500), "served at once ({waited:?}): the bound of 4 did not hold");
-    drop(idle);
-    let start = Instant::now();
     assert_eq!(request(addr, "GET", "/metrics", &[]).unwrap().status, 200);
-    assert!(start.elapsed() < Duration::from_millis(1500), "with the idle clients gone it answers at once");
+    let waited = start.elapsed();
+    assert!(waited < Duration::from_millis(1000), "waited {waited:?} behind idle connections");
+    // The oldest idle connection was closed to make room; the others are still open.
+    let closed = |mut stream: &TcpStream| {
+        stream.set_nonblocking(true).unwrap();
+        matches!(stream.read(&mut [0u8; 16]), Ok(0))
+    };
+    let states: Vec<bool> = idle.iter().map(closed).collect();
+    assert_eq!(states, [true, false, false, false], "the oldest idle connection goes first");
+}
+
+/// Raises this process's open-file limit to at least `wanted` where the
+/// hard limit allows; what it is now.
+fn open_files_limit(wanted: u64) -> u64 {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read and write the struct given.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+        if limit.rlim_cur < wanted {
+            limit.rlim_cur = wanted.min(limit.rlim_max);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+    limit.rlim_cur
+}
+
+#[test]
+fn a_thousand_idle_connections_and_twenty_slow_clients_do_not_delay_a_scrape() {
+    let scratch = common::scratch_dir("exporter-starved");
+    let dir = scratch.path();
+    let _sleepers = busy_registry(dir, 4);
+    let (mut exporter, addr) = exporter(&[dir], &[]);
+    let (before_rss, before_files) = (exporter.rss_kib(), exporter.open_files());
+    // 1,000 connections that send nothing (fewer where this process may not open so many files).
+    let idle_count = (open_files_limit(1300).saturating_sub(200) as usize).min(1000);
+    let idle: Vec<TcpStream> = (0..idle_count).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    // 20 clients sending their headers a byte a second, held open.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let slow: Vec<_> = (0..20)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                for byte in b"GET /metrics HTTP/1.1\r\nX-Slow: ".iter().cycle() {
+                    // Reconnect when dropped: the attack goes on.
+                    let Ok(mut stream) = TcpStream::connect(addr) else { return };
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) && stream.write_all(&[*byte]).is_ok() {
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        return;
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut slowest = Duration::ZERO;
+    for _ in 0..100 {
+        let start = Instant::now();
+        let text = metrics(addr);
+        slowest = slowest.max(start.elapsed());
+        assert_eq!(text.lines().filter(|l| l.starts_with("tidepool_allocated_bytes{")).count(), 4, "every process present");
+    }
+    let (rss, files) = (exporter.rss_kib(), exporter.open_files());
+    eprintln!(
+        "100 scrapes beside {idle_count} idle connections and 20 slow clients: slowest {slowest:?}; exporter RSS {before_rss} -> {rss} KiB, \
+         open files {before_files} -> {files}"
+    );
+    assert!(slowest < Duration::from_millis(100), "a scrape took {slowest:?}");
+    assert!(files <= before_files + 64 + 2, "open files grew from {before_files} to {files}: past --max-connections");
+    assert!(rss <= before_rss + 16 * 1024, "memory grew from {before_rss} KiB to {rss} KiB");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    drop(idle);
+    for thread in slow {
+        thread.join().unwrap();
+    }
+    exporter.assert_running();
 }
 
 /// Whether `text` is a well-formed text exposition: every line a comment
