@@ -195,8 +195,8 @@ mod tests {
 
     #[test]
     fn two_threads_asking_at_once_share_the_request_until_the_last_is_done() {
-        let dir = std::env::temp_dir().join(format!("tidepool-coop-askers-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::Builder::new().prefix("tidepool-coop-askers-").tempdir().unwrap();
+        let dir = scratch.path().join("registry");
         let registry = Registry::join(&dir, "dev").unwrap();
         // Another process's slot (the same pid: alive) with cache to give back.
         let mut helper = Registry::join(&dir, "dev").unwrap();
@@ -235,6 +235,5 @@ mod tests {
         // Both done: withdrawn.
         assert_eq!(helper.publish(Entry::default()).unwrap(), 0);
         drop((coop, helper));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

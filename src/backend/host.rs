@@ -574,8 +574,8 @@ mod tests {
 
     #[test]
     fn a_shared_capacity_is_counted_across_backends() {
-        let path = std::env::temp_dir().join(format!("tidepool-shared-test-{}", std::process::id()));
-        let _ = std::fs::remove_file(&path);
+        let scratch = tempfile::Builder::new().prefix("tidepool-shared-test-").tempdir().unwrap();
+        let path = scratch.path().join("capacity");
         let a = HostBackend::shared(1, 8 << 20, &path).unwrap();
         let b = HostBackend::shared(1, 8 << 20, &path).unwrap();
         let x = a.allocate(0, 6 << 20, Stream::DEFAULT).unwrap();
@@ -587,7 +587,6 @@ mod tests {
         b.release(0, y, 4 << 20, Stream::DEFAULT).unwrap();
         assert_eq!(a.shared_device_key(0), b.shared_device_key(0));
         assert!(HostBackend::new(1, 1).shared_device_key(0).is_none());
-        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

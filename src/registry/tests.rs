@@ -18,10 +18,12 @@ fn key(n: u32) -> String {
     format!("host-0000000000000abc-{n}")
 }
 
-fn dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tidepool-registry-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+/// A folder `name` for one test (not made yet), inside a temporary folder
+/// removed with everything in it when the returned guard drops.
+fn dir(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let scratch = tempfile::Builder::new().prefix("tidepool-registry-").tempdir().unwrap();
+    let dir = scratch.path().join(name);
+    (scratch, dir)
 }
 
 /// Makes `dir` as `join` would: this user's alone.
@@ -31,7 +33,7 @@ fn make_private(dir: &Path) {
 
 #[test]
 fn counters_are_published_as_the_device_counts_them_reset_included() {
-    let dir = dir("counters");
+    let (_scratch, dir) = dir("counters");
     let mut a = Registry::join(&dir, "dev").unwrap();
     let served = |a: &mut Registry| a.entries().unwrap().into_iter().find(|e| e.pid == a.pid).unwrap().requests_served;
     a.publish(Entry { requests_served: 5, ..Entry::default() }).unwrap();
@@ -39,13 +41,12 @@ fn counters_are_published_as_the_device_counts_them_reset_included() {
     a.publish(Entry { requests_served: 0, ..Entry::default() }).unwrap(); // reset_accumulated_memory_stats
     assert_eq!(served(&mut a), 0);
     drop(a);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_directory_others_can_use_is_refused() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = dir("shared");
+    let (_scratch, dir) = dir("shared");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     let err = Registry::join(&dir, "dev").unwrap_err().to_string();
@@ -103,7 +104,7 @@ fn entries_round_trip_through_their_encoding() {
 
 #[test]
 fn a_request_is_seen_by_the_other_processes() {
-    let dir = dir("request");
+    let (_scratch, dir) = dir("request");
     let mut a = Registry::join(&dir, "dev").unwrap();
     let mut b = Registry::join(&dir, "dev").unwrap();
     // Both slots belong to this pid here; slots differ.
@@ -115,12 +116,11 @@ fn a_request_is_seen_by_the_other_processes() {
     let mode = std::fs::metadata(a.path()).unwrap().permissions();
     assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
     drop((a, b));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_request_is_posted_only_when_someone_can_help_and_answered_once() {
-    let dir = dir("ask");
+    let (_scratch, dir) = dir("ask");
     let mut a = Registry::join(&dir, "dev").unwrap();
     let mut b = Registry::join(&dir, "dev").unwrap();
     b.publish(Entry { allocated: 5, ..Entry::default() }).unwrap();
@@ -142,12 +142,11 @@ fn a_request_is_posted_only_when_someone_can_help_and_answered_once() {
     drop(b);
     assert!(a.answered(&asked_again).unwrap());
     drop(a);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn an_answer_stamped_before_the_request_never_counts_even_after_the_clock_steps_back() {
-    let dir = dir("clock-step");
+    let (_scratch, dir) = dir("clock-step");
     let mut a = Registry::join(&dir, "dev").unwrap();
     let mut b = Registry::join(&dir, "dev").unwrap();
     b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap();
@@ -162,12 +161,11 @@ fn an_answer_stamped_before_the_request_never_counts_even_after_the_clock_steps_
     b.mark_answered().unwrap();
     assert!(a.answered(&asked).unwrap(), "b's new answer, stamped after the request, counts");
     drop((a, b));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn dead_processes_are_cleared() {
-    let dir = dir("dead");
+    let (_scratch, dir) = dir("dead");
     let mut a = Registry::join(&dir, "dev").unwrap();
     // A slot of a process that no longer exists, asking for memory.
     let ghost = Entry { pid: u32::MAX - 1, request_bytes: 1 << 30, ..Entry::default() };
@@ -177,12 +175,11 @@ fn dead_processes_are_cleared() {
     assert_eq!(a.read_slot(5), Some(Entry::default()), "and its slot cleared");
     assert_eq!(slot_pids(a.path()).unwrap(), vec![std::process::id()], "only this process's slot is left");
     drop(a);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_registry_locked_forever_by_another_process_does_not_hang() {
-    let dir = dir("locked");
+    let (_scratch, dir) = dir("locked");
     let mut a = Registry::join(&dir, "dev").unwrap();
     let squatter = File::open(a.path()).unwrap();
     squatter.lock().unwrap();
@@ -193,12 +190,11 @@ fn a_registry_locked_forever_by_another_process_does_not_hang() {
     squatter.unlock().unwrap();
     assert!(a.publish(Entry::default()).is_ok());
     drop(a);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_hostile_registry_is_refused_or_harmless() {
-    let dir = dir("hostile");
+    let (_scratch, dir) = dir("hostile");
     make_private(&dir);
     // Random bytes: no header at all, so the file is rebuilt, whole.
     let path = dir.join("junk.registry");
@@ -238,12 +234,11 @@ fn a_hostile_registry_is_refused_or_harmless() {
     assert!(a.publish(Entry::default()).is_ok());
     assert!(scan(&dir).registries.iter().all(|r| r.entries.len() <= SLOTS));
     drop(a);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn scan_reads_live_entries_and_names_every_file_it_skips() {
-    let dir = dir("scan");
+    let (_scratch, dir) = dir("scan");
     let mut a = Registry::join(&dir, KEY).unwrap();
     a.publish(Entry { allocated: 5, reserved: 10, inactive_split: 2, ..Entry::default() }).unwrap();
     // A slot of ours with a damaged checksum is skipped and counted.
@@ -298,7 +293,6 @@ fn scan_reads_live_entries_and_names_every_file_it_skips() {
     assert!(missing.registries.is_empty() && missing.errors.is_empty());
     let not_a_dir = scan(&dir.join("not-a-registry.txt"));
     assert_eq!(not_a_dir.errors, [(dir.join("not-a-registry.txt"), ScanError::Unreadable)]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -315,7 +309,7 @@ fn device_keys_are_the_names_tidepool_gives_registries() {
 
 #[test]
 fn ten_thousand_junk_files_hide_no_device_and_keep_the_scan_fast() {
-    let dir = dir("junk-files");
+    let (_scratch, dir) = dir("junk-files");
     let mut a = Registry::join(&dir, KEY).unwrap();
     // Written long ago: older than the device's file, which its process rewrites.
     let old = std::time::SystemTime::now() - Duration::from_secs(3600);
@@ -335,12 +329,11 @@ fn ten_thousand_junk_files_hide_no_device_and_keep_the_scan_fast() {
     assert!(found.errors.len() <= MAX_FILES + 1, "{}", found.errors.len());
     assert!(took < Duration::from_secs(2), "{took:?}");
     drop(a);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_slot_whose_pid_was_reused_or_forged_is_neither_shown_nor_kept() {
-    let dir = dir("forged");
+    let (_scratch, dir) = dir("forged");
     let mut a = Registry::join(&dir, KEY).unwrap();
     let me = std::process::id();
     let start = process_start(me).unwrap();
@@ -355,12 +348,11 @@ fn a_slot_whose_pid_was_reused_or_forged_is_neither_shown_nor_kept() {
     assert_eq!(a.publish(Entry::default()).unwrap(), 0, "the forged request is not honoured");
     assert_eq!(slot_pids(a.path()).unwrap(), [me], "the next writer cleared both");
     drop(a);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_damaged_file_is_rebuilt_by_its_next_writer_and_every_process_claims_its_slot_again() {
-    let dir = dir("heal");
+    let (_scratch, dir) = dir("heal");
     let mut a = Registry::join(&dir, KEY).unwrap();
     let mut b = Registry::join(&dir, KEY).unwrap();
     let publish_both = |a: &mut Registry, b: &mut Registry| {
@@ -389,7 +381,6 @@ fn a_damaged_file_is_rebuilt_by_its_next_writer_and_every_process_claims_its_slo
         assert_eq!(shown(), (vec![1, 2], vec![]), "after the file was {what}");
     }
     drop((a, b));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn a_header(version: u32) -> Vec<u8> {
@@ -402,7 +393,7 @@ fn a_header(version: u32) -> Vec<u8> {
 #[test]
 fn an_older_version_is_taken_over_once_its_processes_are_gone() {
     for (version, slot) in OLD_SLOTS {
-        let dir = dir(&format!("v{version}"));
+        let (_scratch, dir) = dir(&format!("v{version}"));
         make_private(&dir);
         let mut old = a_header(version);
         old.resize((HEADER + slot * SLOTS as u64) as usize, 0);
@@ -417,7 +408,6 @@ fn an_older_version_is_taken_over_once_its_processes_are_gone() {
         assert_eq!(std::fs::metadata(a.path()).unwrap().len(), FILE_BYTES);
         assert_eq!(scan(&dir).registries[0].entries.len(), 1, "version {version}");
         drop(a);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 

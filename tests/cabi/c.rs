@@ -31,6 +31,7 @@ fn run_with(program: &Path, wrapper: &[&str], iterations: &str, env: &[(&str, &s
         None => Command::new(program),
     };
     command.arg(&snapshot).arg(iterations);
+    common::contained(&mut command);
     for (key, value) in env {
         command.env(key, value);
     }

@@ -14,7 +14,7 @@ fn build(name: &str) -> PathBuf {
 }
 
 fn run(program: &PathBuf, env: &[(&str, &str)]) -> (bool, String) {
-    let output = Command::new(program).envs(env.iter().copied()).output().unwrap();
+    let output = common::contained(Command::new(program).envs(env.iter().copied())).output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     (output.status.success(), text)
 }
@@ -37,7 +37,7 @@ fn tags_pause_and_resume_through_the_c_abi_on_the_cuda_backend_over_simgpu() {
 
 #[test]
 fn an_offload_without_pinned_host_memory_is_refused_with_its_code_over_simgpu() {
-    let source = std::env::temp_dir().join(format!("tidepool_tags_nohost_{}.c", std::process::id()));
+    let source = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("tidepool_tags_nohost.c");
     std::fs::write(
         &source,
         r#"#include "tidepool.h"
@@ -78,12 +78,12 @@ fn the_tag_calls_are_clean_under_valgrind_memcheck() {
         return;
     }
     let program = build("tags_test_valgrind");
-    let output = Command::new("valgrind")
+    let mut valgrind = Command::new("valgrind");
+    valgrind
         .args(["--error-exitcode=99", "--leak-check=no", "-q"])
         .arg(&program)
-        .env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:1024")
-        .output()
-        .unwrap();
+        .env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:1024");
+    let output = common::contained(&mut valgrind).output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success() && text.contains(" passed, 0 failed"), "tags_test under valgrind failed:\n{text}");
     assert!(!text.contains("Invalid read") && !text.contains("Invalid write"), "{text}");

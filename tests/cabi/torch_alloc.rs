@@ -12,7 +12,7 @@ fn out_of_memory_reaches_pytorch_as_a_cpp_exception() {
     let flags = ["-std=c++17", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread"];
     let sources = ["tests/cpp/torch_alloc_test.cpp", "ffi/python/csrc/torch_alloc.cpp"];
     let out = common::build_against_cdylib("c++", &flags, &sources, "torch_alloc_test");
-    let output = Command::new(&out).env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:64").output().unwrap();
+    let output = common::contained(Command::new(&out).env("TIDEPOOL_CONF", "backend:host,host_capacity_mb:64")).output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "{text}");
     assert!(text.contains(" passed, 0 failed"), "{text}");

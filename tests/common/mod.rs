@@ -117,6 +117,21 @@ pub fn repo_root() -> &'static std::path::Path {
     crate_dir.ancestors().find(|dir| dir.join("Cargo.lock").is_file()).expect("the workspace's Cargo.lock")
 }
 
+/// `../shared/traces/RELATIVE`, the real traces beside the repository,
+/// when there. Where `../shared` is but that trace is not (an incomplete
+/// copy), a test under `CI=true` fails; where there is no `../shared` at
+/// all, the test names on stderr what it did not check.
+pub fn shared_traces(relative: &str) -> Option<std::path::PathBuf> {
+    let shared = repo_root().join("../shared");
+    let path = shared.join("traces").join(relative);
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(!(in_ci() && shared.is_dir()), "CI=true: {} is missing: an incomplete copy of ../shared/traces", path.display());
+    eprintln!("{} not found: not checked (the real traces sit beside the repository, in ../shared/traces)", path.display());
+    None
+}
+
 /// The C library (libtidepool.so) of this build, built on first use:
 /// `cargo test` builds the crate as a Rust library only.
 pub fn cdylib() -> std::path::PathBuf {
@@ -247,7 +262,21 @@ pub fn wait_for_file(path: &std::path::Path, timeout: std::time::Duration) -> bo
 pub fn child_command(name: &str) -> std::process::Command {
     let mut command = std::process::Command::new(std::env::current_exe().unwrap());
     command.args(["--ignored", "--exact", &test_path(name), "--test-threads=1", "--nocapture"]).env("TIDEPOOL_TEST_CHILD", "1");
+    contained(&mut command);
     command
+}
+
+/// `command`, whose files stay under target/: the registries of a process
+/// that names no folder (`$XDG_RUNTIME_DIR/tidepool`) and temporary files
+/// (TMPDIR: pip's, Python's), so that a test run leaves nothing in /tmp.
+pub fn contained(command: &mut std::process::Command) -> &mut std::process::Command {
+    use std::os::unix::fs::DirBuilderExt;
+    let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let (runtime, tmp) = (base.join("xdg-runtime"), base.join("tmp"));
+    for dir in [&runtime, &tmp] {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).unwrap();
+    }
+    command.env("XDG_RUNTIME_DIR", runtime).env("TMPDIR", tmp)
 }
 
 /// The full name (`module::name`) of the one ignored test of this binary

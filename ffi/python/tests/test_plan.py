@@ -365,7 +365,11 @@ class Plan(unittest.TestCase):
         self.assertEqual(len(rows(out)), 1)
 
 
-SNAPSHOTS = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "shared", "traces", "pytorch-snapshots"))
+SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "shared"))
+SNAPSHOTS = os.path.join(SHARED, "traces", "pytorch-snapshots")
+# Under CI, a ../shared without its snapshots is an incomplete copy: a failure.
+if os.environ.get("CI") == "true" and os.path.isdir(SHARED) and not os.path.isdir(SNAPSHOTS):
+    raise RuntimeError(f"CI=true: {SNAPSHOTS} is missing: an incomplete copy of ../shared/traces")
 
 
 def snapshot_peak(name):

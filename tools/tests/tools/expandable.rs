@@ -13,16 +13,15 @@ use crate::common::MIB;
 /// The traces the targets are checked on: examples/traces (always there)
 /// and ../shared/traces (when present).
 fn traces() -> Vec<PathBuf> {
-    let root = common::repo_root();
-    let dirs = [root.join("examples/traces"), root.join("../shared/traces/pytorch-snapshots"), root.join("../shared/traces/rmm-csv")];
-    let readable = |dir: &PathBuf| {
-        let entries = std::fs::read_dir(dir);
-        if entries.is_err() {
-            eprintln!("{} not found: its traces skipped", dir.display());
-        }
-        entries.ok()
-    };
-    let mut files: Vec<PathBuf> = dirs.iter().filter_map(readable).flatten().filter_map(|entry| entry.ok().map(|e| e.path())).collect();
+    let dirs =
+        [Some(common::repo_root().join("examples/traces")), common::shared_traces("pytorch-snapshots"), common::shared_traces("rmm-csv")];
+    let mut files: Vec<PathBuf> = dirs
+        .iter()
+        .flatten()
+        .filter_map(|dir| std::fs::read_dir(dir).ok())
+        .flatten()
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .collect();
     files.sort();
     assert!(files.len() >= 5, "examples/traces is missing");
     files

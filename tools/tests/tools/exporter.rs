@@ -871,8 +871,8 @@ fn the_guides_scrape_config_and_alert_rules_pass_promtool_and_the_alerts_fire_wh
 
 #[test]
 fn listen_takes_a_host_name() {
-    let empty = std::env::temp_dir().join(format!("tidepool-listen-{}", std::process::id()));
-    std::fs::create_dir_all(&empty).unwrap();
+    let scratch = common::scratch_dir("exporter-listen");
+    let empty = scratch.path();
     let mut child = Command::new(env!("CARGO_BIN_EXE_tidepool"))
         .args(["exporter", "--listen", "localhost:0", "--registry-dir"])
         .arg(&empty)
@@ -887,5 +887,4 @@ fn listen_takes_a_host_name() {
     let refused = Command::new(env!("CARGO_BIN_EXE_tidepool")).args(["exporter", "--listen", "no port here"]).output().unwrap();
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && stderr.contains("expected ADDR:PORT or HOST:PORT"), "{stderr}");
-    let _ = std::fs::remove_dir_all(&empty);
 }

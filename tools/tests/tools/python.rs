@@ -36,7 +36,7 @@ fn text(output: &Output) -> String {
 }
 
 fn run(command: &mut Command) -> Output {
-    command.output().unwrap_or_else(|err| panic!("cannot run {command:?}: {err}"))
+    common::contained(command).output().unwrap_or_else(|err| panic!("cannot run {command:?}: {err}"))
 }
 
 /// Whether `python` can import `module`.

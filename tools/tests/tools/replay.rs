@@ -16,13 +16,7 @@ use tidepool_tools::trace::{self, Trace};
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn shared(relative: &str) -> Option<PathBuf> {
-    let path = common::repo_root().join("../shared/traces").join(relative);
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!("{} not found: skipped", path.display());
-        None
-    }
+    common::shared_traces(relative)
 }
 
 fn options(policy: Policy) -> ReplayOptions {
@@ -274,10 +268,10 @@ fn driver_calls_count_two_per_page_mapped_one_per_run_and_one_per_segment() {
 
 /// Every trace: examples/traces, and ../shared/traces when present.
 fn all_traces() -> Vec<PathBuf> {
-    let root = common::repo_root();
-    let dirs = [root.join("examples/traces"), root.join("../shared/traces/pytorch-snapshots"), root.join("../shared/traces/rmm-csv")];
+    let dirs = [Some(common::repo_root().join("examples/traces")), shared("pytorch-snapshots"), shared("rmm-csv")];
     let mut files: Vec<PathBuf> = dirs
         .iter()
+        .flatten()
         .filter_map(|dir| std::fs::read_dir(dir).ok())
         .flatten()
         .filter_map(|entry| entry.ok().map(|e| e.path()))
