@@ -361,7 +361,7 @@ fn the_rust_runtime_example_computes_what_the_host_does() {
         command.env("TIDEPOOL_CONF", "backend:host");
         "on backend host"
     };
-    let out = command.args(["--", "12", "4"]).output().unwrap();
+    let out = common::contained(command.args(["--", "12", "4"])).output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "rust_runtime failed:\n{text}");
     assert!(text.contains(expected) && text.contains("equal to the host's"), "{text}");

@@ -232,7 +232,8 @@ fn python_dir(python: &Path) -> PathBuf {
 }
 
 /// The folder the documentation's commands keep their registries in
-/// (XDG_RUNTIME_DIR), so that they do not join the user's.
+/// (XDG_RUNTIME_DIR), so that they join neither the user's nor those of
+/// the tests' child processes.
 fn runtime_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -257,6 +258,7 @@ fn run(page: &Path, command: &str, python: Option<&Path>) -> String {
     let tidepool = Path::new(env!("CARGO_BIN_EXE_tidepool"));
     let mut path = vec![tidepool.parent().unwrap().to_path_buf(), Path::new(env!("CARGO")).parent().unwrap().to_path_buf()];
     let mut sh = Command::new("sh");
+    common::contained(&mut sh); // TMPDIR; the registries go to a folder of their own, below
     sh.args(["-c", command])
         .current_dir(common::repo_root())
         .env_remove("TIDEPOOL_CONF")
