@@ -7,22 +7,12 @@ use std::path::{Path, PathBuf};
 use tidepool_tools::trace::plan::smallest_capacity_in_steps;
 use tidepool_tools::trace::replay::{replay, Policy, ReplayOptions};
 
-use crate::common;
 use crate::common::MIB;
 
 /// The traces the targets are checked on: examples/traces (always there)
 /// and ../shared/traces (when present).
 fn traces() -> Vec<PathBuf> {
-    let dirs =
-        [Some(common::repo_root().join("examples/traces")), common::shared_traces("pytorch-snapshots"), common::shared_traces("rmm-csv")];
-    let mut files: Vec<PathBuf> = dirs
-        .iter()
-        .flatten()
-        .filter_map(|dir| std::fs::read_dir(dir).ok())
-        .flatten()
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .collect();
-    files.sort();
+    let files = crate::replay::all_traces();
     assert!(files.len() >= 5, "examples/traces is missing");
     files
 }

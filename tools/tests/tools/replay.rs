@@ -267,7 +267,7 @@ fn driver_calls_count_two_per_page_mapped_one_per_run_and_one_per_segment() {
 }
 
 /// Every trace: examples/traces, and ../shared/traces when present.
-fn all_traces() -> Vec<PathBuf> {
+pub(crate) fn all_traces() -> Vec<PathBuf> {
     let dirs = [Some(common::repo_root().join("examples/traces")), shared("pytorch-snapshots"), shared("rmm-csv")];
     let mut files: Vec<PathBuf> = dirs
         .iter()
