@@ -227,8 +227,8 @@ size_t tidepool_last_error(char* buf, size_t len);
 
 /* Checks a TIDEPOOL_CONF string without starting anything: writes its
  * problems into buf as tidepool_last_error does (one a line, worded as the
- * warnings TIDEPOOL_CONF would print) and returns how many there are (0:
- * none); -1 when conf is NULL or not UTF-8. */
+ * warnings TIDEPOOL_CONF would print; an entry that is not UTF-8 is one)
+ * and returns how many there are (0: none); -1 when conf is NULL. */
 int tidepool_check_conf(const char* conf, char* buf, size_t len);
 
 /* Tags, for sleep and wake: every allocation carries the calling thread's

@@ -250,8 +250,9 @@ pub extern "C" fn tidepool_base_alloc(ptr: *mut c_void, size: *mut usize) -> *mu
 
 /// Checks a TIDEPOOL_CONF string without starting anything: writes what is
 /// wrong with it into `buf` as `tidepool_last_error` does (one problem a
-/// line, as the warnings TIDEPOOL_CONF would print say them) and returns how
-/// many problems there are (0: none); -1 when `conf` is NULL or not UTF-8.
+/// line, as the warnings TIDEPOOL_CONF would print say them: an entry that
+/// is not UTF-8 is one) and returns how many problems there are (0: none);
+/// -1 when `conf` is NULL.
 #[no_mangle]
 pub extern "C" fn tidepool_check_conf(conf: *const c_char, buf: *mut c_char, len: usize) -> c_int {
     boundary!(-1, {
@@ -259,10 +260,8 @@ pub extern "C" fn tidepool_check_conf(conf: *const c_char, buf: *mut c_char, len
             return -1;
         }
         // SAFETY: `conf` is non-null and, per the contract, a NUL-terminated string.
-        let Ok(text) = unsafe { CStr::from_ptr(conf) }.to_str() else {
-            return -1;
-        };
-        let (_, problems) = Config::parse(text);
+        let text = unsafe { CStr::from_ptr(conf) }.to_bytes();
+        let (_, problems) = Config::parse_bytes(text);
         copy_out(&problems.join("\n"), buf, len);
         problems.len().min(c_int::MAX as usize) as c_int
     })

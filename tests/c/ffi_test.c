@@ -126,6 +126,9 @@ static void bad_input(void) {
     CHECK(tidepool_check_conf("colour:blue,expandable:maybe", problems, sizeof problems) == 2, "two problems");
     CHECK(strstr(problems, "colour") != NULL && strstr(problems, "expected true or false") != NULL, "%s", problems);
     CHECK(tidepool_check_conf(NULL, problems, sizeof problems) == -1, "NULL");
+    /* A byte that is not UTF-8 costs its entry only. */
+    CHECK(tidepool_check_conf("backend:host,x:\xff,stash:false", problems, sizeof problems) == 1, "%s", problems);
+    CHECK(strstr(problems, "not UTF-8") != NULL, "%s", problems);
 }
 
 static void segments_and_streams(void) {

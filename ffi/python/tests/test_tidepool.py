@@ -530,6 +530,25 @@ class Install(unittest.TestCase):
         self.assertEqual(problems, "[]", "PyTorch's name and its True are understood")
         self.assertEqual(done.stderr, "", "no warning later: the install refused first")
 
+    def test_install_refuses_a_bad_environment_in_the_librarys_words(self):
+        # In a process of its own: the library must not have started yet.
+        script = (
+            "import sys, types\n"
+            "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: False))\n"
+            "import tidepool\n"
+            "try:\n"
+            "    tidepool.install(allow_host=True)\n"
+            "except tidepool.TidepoolError as err:\n"
+            "    print('refused:', err)\n"
+        )
+        env = {os.fsencode(k): os.fsencode(v) for k, v in os.environ.items()}
+        env[b"TIDEPOOL_CONF"] = b"backend:host,colour:blue,x:\xff"  # a byte that is not UTF-8
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn('refused: TIDEPOOL_CONF: ignoring "colour:blue": unknown option "colour"', done.stdout)
+        self.assertIn('ignoring "x:\ufffd": not UTF-8', done.stdout)
+        self.assertEqual(done.stderr, "", "the library did not start: no warning")
+
     def test_install_refuses_to_give_pytorch_host_memory(self):
         fake = FakeTorch()
         sys.modules["torch"] = fake.module

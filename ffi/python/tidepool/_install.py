@@ -61,7 +61,10 @@ def install(conf=None, allow_host=False):
     functions answer from tidepool (see _torch.py for which, and how).
 
     conf: a TIDEPOOL_CONF string ("max_split_size_mb:256,..."); it sets the
-    environment variable the library reads when it starts.
+    environment variable the library reads when it starts. The
+    configuration (this one, else the environment's TIDEPOOL_CONF) is
+    checked first: a problem raises TidepoolError, worded as the library's
+    warnings are.
     allow_host: let the `host` backend (host memory standing in for a GPU)
     serve PyTorch. Its memory is not device memory, so CUDA kernels cannot
     use it: only for testing the wiring.
@@ -95,11 +98,15 @@ def install(conf=None, allow_host=False):
             "CUDA is already initialised, so PyTorch can no longer change its allocator: "
             "call tidepool.install() first thing, before any tensor or model touches the GPU"
         )
-    if conf is not None and not started:
-        # Checked here, where the mistake is made, not at the first allocation.
-        problems = _native.conf_problems(conf)
+    if not started:
+        # Checked here, where the mistake is made, not at the first
+        # allocation: the configuration given, else the environment's.
+        checked = conf if conf is not None else os.environb.get(b"TIDEPOOL_CONF", b"")
+        problems = _native.conf_problems(checked)
         if problems:
-            raise TidepoolError(f"tidepool.install({conf!r}): " + "; ".join(problems) + " (tidepool config lists the options)")
+            where = f"tidepool.install({conf!r})" if conf is not None else "TIDEPOOL_CONF"
+            raise TidepoolError(f"{where}: " + "; ".join(problems) + " (tidepool config lists the options)")
+    if conf is not None and not started:
         os.environ["TIDEPOOL_CONF"] = conf
     torch.cuda.memory.change_current_allocator(_pluggable(torch))
     _installed = True

@@ -226,14 +226,15 @@ def last_error():
 
 
 def conf_problems(conf):
-    """What is wrong with a TIDEPOOL_CONF string, one message each (none:
-    []), checked by the library without starting it."""
+    """What is wrong with a TIDEPOOL_CONF string (str, or bytes as the
+    environment holds it), one message each (none: []), checked by the
+    library without starting it."""
+    if isinstance(conf, str):
+        conf = conf.encode("utf-8", "surrogateescape")  # bytes os.environ could not decode go back as they were
     buf = ctypes.create_string_buffer(4096)
-    count = lib().tidepool_check_conf(conf.encode("utf-8"), buf, len(buf))
-    if count < 0:
-        return [f"not a configuration string: {conf!r}"]
+    count = lib().tidepool_check_conf(conf, buf, len(buf))
     text = buf.value.decode("utf-8", "replace")
-    return text.split("\n")[:count] if count else []
+    return text.split("\n")[:count] if count > 0 else []
 
 
 def get_stats(device):
