@@ -5,6 +5,8 @@
 position embeddings, SwiGLU feed-forward, untied output layer, vocabulary
 10,000), written from that description: attention by hand (scores, a
 causal mask, softmax, weighted sum), RMSNorm computed in float32.
+`BasicsLM` is the same architecture with the operators of the course code
+most of those snapshots ran (einsum linear layers, a softmax written out).
 """
 import math
 
@@ -98,6 +100,116 @@ def wed_medium():
 
 def niu_small():
     return LM(512, 1344, 4, 16, context=256)
+
+
+# The same architecture as the course code most of the real snapshots ran
+# it: every linear layer an einsum over a [out, in] weight, the
+# embedding an index into its weight, RMSNorm upcast to float32, rotary
+# embedding on the halves of each pair then concatenated, attention scores
+# masked with torch.where and a softmax written out (max, exp, sum), SiLU
+# as x * sigmoid(x).
+class EinsumLinear(nn.Module):
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+
+    def forward(self, x):
+        return torch.einsum("...i,oi->...o", x, self.weight)
+
+
+class IndexEmbedding(nn.Module):
+    def __init__(self, vocab, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, d))
+
+    def forward(self, ids):
+        return self.weight[ids, :]
+
+
+class PairRope(nn.Module):
+    def __init__(self, d_head, context, theta=10000.0):
+        super().__init__()
+        angles = torch.outer(torch.arange(context).float(), theta ** -(torch.arange(0, d_head, 2) / d_head))
+        self.register_buffer("cos_sin", torch.stack((angles.cos(), angles.sin())), persistent=False)
+
+    def forward(self, x):
+        first, second = x.unflatten(-1, (-1, 2)).movedim(-1, 0).unbind(0)
+        cos, sin = self.cos_sin[:, : x.size(-2)].unbind(0)
+        return torch.concat((cos * first - sin * second, sin * first + cos * second), dim=-1)
+
+
+def written_softmax(x, dim):
+    shifted = x - x.max(dim=dim, keepdim=True)[0]
+    exps = shifted.exp()
+    return exps / exps.sum(dim=dim, keepdim=True)
+
+
+class BasicsBlock(nn.Module):
+    def __init__(self, d_model, d_ff, heads, rope):
+        super().__init__()
+        self.heads, self.rope = heads, rope
+        self.ln1, self.ln2 = RMSNorm(d_model), RMSNorm(d_model)
+        self.q_proj, self.k_proj, self.v_proj, self.output_proj = (EinsumLinear(d_model, d_model) for _ in range(4))
+        self.w1, self.w3, self.w2 = EinsumLinear(d_model, d_ff), EinsumLinear(d_model, d_ff), EinsumLinear(d_ff, d_model)
+
+    def attention(self, x):
+        b, s, d = x.shape
+        q, k, v = (p(x).unflatten(-1, (self.heads, -1)).transpose(-3, -2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.rope(q), self.rope(k)
+        positions = torch.arange(s, device=x.device)
+        causal = (positions[:, None] >= positions[None, :])[None, None]
+        scores = torch.einsum("...qd,...kd->...qk", q, k) / math.sqrt(d // self.heads)
+        weights = written_softmax(torch.where(causal, scores, float("-inf")), dim=-1)
+        out = torch.einsum("...qk,...kd->...qd", weights, v)
+        return self.output_proj(out.transpose(-3, -2).flatten(-2).contiguous())
+
+    def forward(self, x):
+        x = x + self.attention(self.ln1(x))
+        h = self.ln2(x)
+        gate = self.w1(h)
+        return x + self.w2(gate * torch.sigmoid(gate) * self.w3(h))
+
+
+class BasicsLM(nn.Module):
+    def __init__(self, d_model, d_ff, layers, heads, vocab=10_000, context_length=512):
+        super().__init__()
+        self.context_length = context_length
+        rope = PairRope(d_model // heads, context_length)
+        self.token_embeddings = IndexEmbedding(vocab, d_model)
+        self.layers = nn.ModuleList(BasicsBlock(d_model, d_ff, heads, rope) for _ in range(layers))
+        self.ln_final = RMSNorm(d_model)
+        self.lm_head = EinsumLinear(d_model, vocab)
+
+    def forward(self, ids):
+        x = self.token_embeddings(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.ln_final(x))
+
+
+def basics_xl():
+    return BasicsLM(2560, 10240, 32, 32)
+
+
+def basics_tiny():
+    """Says its context length (64), as the course code's model does."""
+    return BasicsLM(64, 256, 2, 4, vocab=256, context_length=64)
+
+
+class LearnedPositions(nn.Module):
+    """64 learned positions, and no attribute that says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(256, 32), nn.Embedding(64, 32)
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, ids):
+        return self.head(self.tokens(ids) + self.positions.weight[: ids.size(1)])
+
+
+def learned_positions():
+    return LearnedPositions()
 
 
 class Bincount(nn.Module):

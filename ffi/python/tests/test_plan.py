@@ -91,7 +91,7 @@ class Sweep(unittest.TestCase):
                                       "pytorch_expandable_min_capacity_bytes", "tidepool_min_capacity_bytes",
                                       "fits", "fits_pytorch", "fits_pytorch_expandable", "trace"})
             self.assertEqual(set(r["breakdown"]), {"weights_bytes", "gradients_bytes", "optimizer_bytes",
-                                                   "activations_bytes"})
+                                                   "precision_copies_bytes", "activations_bytes"})
             self.assertIn("torch", r["variant"])
             self.assertIsNone(r["trace"], "traces are not kept without --keep-traces")
 
@@ -128,6 +128,17 @@ class Sweep(unittest.TestCase):
         fp32 = self.find(batch=2, checkpointing=False, precision="fp32")
         mixed = self.find(batch=2, checkpointing=False, precision="bf16-mixed")
         self.assertLess(mixed["breakdown"]["activations_bytes"], fp32["breakdown"]["activations_bytes"])
+
+    def test_autocasts_weight_copies_have_their_own_column(self):
+        fp32 = self.find(batch=2, checkpointing=False, precision="fp32")
+        mixed = self.find(batch=2, checkpointing=False, precision="bf16-mixed")
+        self.assertEqual(fp32["breakdown"]["precision_copies_bytes"], 0)
+        # The bf16 copies of the linear layers' weights (all but the embedding, the norms and the
+        # rotary buffer), cached for the autocast region: half their fp32 bytes at most.
+        linear = 4 * (512 * 256 + 2 * (4 * 256 * 256 + 3 * 256 * 1024))
+        copies = mixed["breakdown"]["precision_copies_bytes"]
+        self.assertGreater(copies, 0)
+        self.assertLessEqual(copies, linear // 2)
 
     def test_the_smallest_devices_hold_the_peak_and_fits_follows_tidepools(self):
         for r in self.rows:
@@ -242,10 +253,10 @@ class Plan(unittest.TestCase):
             self.assertIn(f"plot written to {svg}", out)
             root = ElementTree.parse(svg).getroot()
         texts = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
-        for word in ("batch=1", "batch=2", "weights", "gradients", "optimizer", "activations", "tidepool needs"):
+        for word in ("batch=1", "batch=2", "weights", "gradients", "optimizer", "copies", "activations", "tidepool needs"):
             self.assertIn(word, texts)
         polygons = list(root.iter("{http://www.w3.org/2000/svg}polygon"))
-        self.assertEqual(len(polygons), 2 * 4, "four categories per variant")
+        self.assertEqual(len(polygons), 2 * 5, "five categories per variant")
 
     def test_masked_lm_seq2seq_and_vision_architectures_plan_too(self):
         tiny = {
@@ -260,7 +271,7 @@ class Plan(unittest.TestCase):
                         "image_size=32", "patch_size=8"],
         }
         for model, sets in tiny.items():
-            args = [model, "--json", "--steps", "1", "--seq", "32", "--sweep", "task=train,forward"]
+            args = [model, "--json", "--steps", "1", "--seq", "32", "--sweep", "task=train,inference"]
             for item in sets:
                 args += ["--set", item]
             status, out, err = plan(*args)
@@ -271,7 +282,7 @@ class Plan(unittest.TestCase):
 
     def test_a_vision_model_cast_to_bf16_takes_images_in_bf16(self):
         status, out, err = plan("hf:convnext", "--set", "hidden_sizes=[8,16,16,16]", "--set", "depths=[1,1,1,1]",
-                                "--seq", "32", "--batch", "2", "--steps", "1", "--json", "--sweep", "task=train,forward",
+                                "--seq", "32", "--batch", "2", "--steps", "1", "--json", "--sweep", "task=train,inference",
                                 "--sweep", "precision=fp32,bf16")
         self.assertEqual(status, 0, f"{out} {err}")
         train32, train16, forward32, forward16 = rows(out)
@@ -365,6 +376,94 @@ class Plan(unittest.TestCase):
         self.assertEqual(len(rows(out)), 1)
 
 
+@unittest.skipIf(SKIP, SKIP)
+class ScriptShapes(unittest.TestCase):
+    """The tasks, loops, defaults and sharding of the scripts people write."""
+
+    def test_forward_grad_keeps_the_graph_that_inference_does_not(self):
+        status, out, err = plan(*LLAMA, "--json", "--batch", "2", "--steps", "1",
+                                "--sweep", "task=forward-grad,inference,forward")
+        self.assertEqual(status, 0, err)
+        grad, inference, alias = rows(out)
+        self.assertEqual(alias["variant"]["task"], "inference", "'forward' is read as inference")
+        self.assertEqual(alias["peak_live_bytes"], inference["peak_live_bytes"])
+        for r in (grad, inference):
+            self.assertEqual(r["breakdown"]["gradients_bytes"] + r["breakdown"]["optimizer_bytes"], 0, r["variant"])
+        # Every block's saved activations, where inference frees each block's as it goes.
+        self.assertGreater(grad["breakdown"]["activations_bytes"], 1.5 * inference["breakdown"]["activations_bytes"])
+
+    def test_the_plain_loop_holds_the_logits_through_backward_and_the_trainer_loop_does_not(self):
+        status, out, err = plan("module:plan_models:tiny_lm", "--seq", "256", "--batch", "4", "--json",
+                                "--sweep", "loop=plain,trainer")
+        self.assertEqual(status, 0, err)
+        plain, trainer = rows(out)
+        self.assertEqual(plain["peak_live_bytes"] - trainer["peak_live_bytes"], 4 * 256 * 512 * 4, "the fp32 logits")
+        # Each source's default, said in the variant.
+        status, out, err = plan("module:plan_models:tiny_lm", "--seq", "64", "--json", "--steps", "1")
+        self.assertEqual(rows(out)[0]["variant"]["loop"], "plain", err)
+        status, out, err = plan(*LLAMA, "--json", "--steps", "1", "--sweep", "task=train,inference")
+        train, inference = rows(out)
+        self.assertEqual((train["variant"]["loop"], inference["variant"]["loop"]), ("trainer", None), err)
+
+    def test_seq_defaults_to_the_context_length_a_module_says(self):
+        status, out, err = plan("module:plan_models:basics_tiny", "--json", "--steps", "1")
+        self.assertEqual(status, 0, err)
+        self.assertEqual(rows(out)[0]["variant"]["seq"], 64)
+
+    def test_a_shape_the_model_refuses_names_the_options(self):
+        status, out, err = plan("module:plan_models:basics_tiny", "--seq", "128", "--batch", "3")
+        self.assertEqual(status, 2, out + err)
+        self.assertIn("the model refused inputs of --batch 3 and --seq 128: ", err)
+        self.assertNotIn("Traceback", err)
+        # A default the model cannot take says it was the default.
+        status, out, err = plan("module:plan_models:learned_positions")
+        self.assertEqual(status, 2, out + err)
+        self.assertIn("--batch 1 and --seq 512 (the default): ", err)
+
+    def test_zero1_divides_the_optimizer_state_and_zero2_the_gradients_too(self):
+        from tidepool.plan import step
+
+        sets = {k: int(v) for k, v in (item.split("=") for item in LLAMA[2:13:2])}
+        base = dict(task="train", batch=2, seq=256, precision="fp32", checkpointing=False, accumulation=1,
+                    optimizer="adamw", steps=2, lora_rank=0, new_tokens=0)
+        held, peaks = {}, {}
+        for way in ("alone", "ddp", "zero1", "zero2", "fsdp"):
+            rec = step.record("hf:llama", sets, dict(base, **({} if way == "alone" else {way: 4})), None)
+            # What a rank holds as the second optimizer step begins, and at its peak.
+            held[way] = rec.breakdown_at(dict(rec.marks)["step 2: optimizer"] - 1)
+            peaks[way] = rec.breakdown_at_peak()
+        whole = held["alone"]
+
+        def ratio(way, category):
+            return whole[category] / held[way][category]
+
+        self.assertAlmostEqual(ratio("zero1", "optimizer"), 4, delta=0.4)
+        self.assertAlmostEqual(ratio("zero1", "weights"), 1, delta=0.05)
+        self.assertEqual(held["zero1"]["gradients"], held["ddp"]["gradients"], "every gradient, in DDP's buckets too")
+        for category in ("optimizer", "gradients"):
+            self.assertAlmostEqual(ratio("zero2", category), 4, delta=0.4, msg=category)
+        # ZeRO-2 keeps every block's weights whole from its forward to its backward; FSDP (ZeRO-3)
+        # gathers a block (and prefetches the next) at a time.
+        self.assertGreaterEqual(peaks["zero2"]["weights"], whole["weights"])
+        self.assertGreater(peaks["zero2"]["weights"], peaks["fsdp"]["weights"])
+
+    def test_help_says_every_default(self):
+        status, out, err = plan("--help")
+        self.assertEqual(status, 0, err)
+        text = " ".join(out.split())
+        for said in ("micro-batch (default: 1)", "(default: train)", "(default: fp32)", "(default: adamw)",
+                     "(default: 2)", "default: trainer for hf: models", "default: the model's context length"):
+            self.assertIn(said, text)
+        self.assertNotIn("default: None", text)
+
+    def test_a_table_without_a_sweep_has_no_variant_column(self):
+        status, out, err = plan(*LLAMA, "--steps", "1", "--cards", "24")
+        self.assertEqual(status, 0, err)
+        head = out.splitlines()[1].split()
+        self.assertEqual(head[:2], ["peak", "live"], out)
+        self.assertIn("copies", head)
+
+
 SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "shared"))
 SNAPSHOTS = os.path.join(SHARED, "traces", "pytorch-snapshots")
 # Under CI, a ../shared without its snapshots is an incomplete copy: a failure.
@@ -420,7 +519,13 @@ class RealSnapshots(unittest.TestCase):
 
     def test_medium_inference_in_fp32(self):
         real = snapshot_peak("wed_medium_128_inference.pickle")
-        ours = self.recorded_peak("wed_medium", task="forward", batch=4, seq=128)
+        ours = self.recorded_peak("wed_medium", task="inference", batch=4, seq=128)
+        self.assertAlmostEqual(ours / real, 1.0, delta=0.01, msg=f"recorded {ours}, PyTorch {real}")
+
+    def test_xl_forward_with_gradients_under_bf16_autocast(self):
+        # The course code's model (einsum linears), its logits kept, no loss, no backward.
+        real = snapshot_peak("kk_memory_ctx256_forward_mixed.pickle")
+        ours = self.recorded_peak("basics_xl", task="forward-grad", batch=4, seq=256, precision="bf16-mixed")
         self.assertAlmostEqual(ours / real, 1.0, delta=0.01, msg=f"recorded {ours}, PyTorch {real}")
 
     def test_xl_full_step_with_bf16_autocast_and_foreach_adamw(self):
@@ -475,6 +580,13 @@ class BadInput(unittest.TestCase):
         self.assertIn("--new-tokens is for --task generate", self.fails(*LLAMA, "--new-tokens", "4"))
         self.assertIn("--ddp replicates a training step", self.fails(*LLAMA, "--task", "forward", "--ddp", "2"))
         self.assertIn("--ddp and --fsdp: choose one", self.fails(*LLAMA, "--ddp", "2", "--fsdp", "2"))
+        self.assertIn("--zero1 and --zero2: choose one", self.fails(*LLAMA, "--zero1", "2", "--zero2", "2"))
+        self.assertIn("--zero2 shards what training keeps", self.fails(*LLAMA, "--task", "inference", "--zero2", "2"))
+        self.assertIn("--loop plain: the loop's shape is a training loop's",
+                      self.fails(*LLAMA, "--task", "forward-grad", "--loop", "plain"))
+        self.assertIn("--checkpointing saves activations for backward: --task inference has none",
+                      self.fails(*LLAMA, "--task", "inference", "--checkpointing"))
+        self.assertIn("invalid choice: 'backward'", self.fails(*LLAMA, "--task", "backward"))
         self.assertIn("a Workload's inputs are its own", self.fails("module:plan_models:image_workload", "--task", "generate"))
         self.assertIn("no linear layers peft can wrap",
                       self.fails("module:plan_models:embedding_only", "--lora-rank", "4"))
@@ -483,6 +595,7 @@ class BadInput(unittest.TestCase):
         self.assertIn("--sweep colour: not a sweepable option", self.fails(*LLAMA, "--sweep", "colour=red"))
         self.assertIn("--sweep batch", self.fails(*LLAMA, "--sweep", "batch=1,two"))
         self.assertIn("--sweep precision", self.fails(*LLAMA, "--sweep", "precision=fp8"))
+        self.assertIn("--sweep task: invalid choice: 'backward'", self.fails(*LLAMA, "--sweep", "task=train,backward"))
         self.assertIn("--batch", self.fails(*LLAMA, "--batch", "0"))
         self.assertIn("--cards 'big,h100': 'big' is neither a card (T4, A10G,", self.fails(*LLAMA, "--cards", "big,h100"))
         for cards in ("nan,24", "24,inf", "0"):
@@ -504,8 +617,8 @@ class BadInput(unittest.TestCase):
             find_tidepool("/nonexistent/tidepool")
 
     def test_a_combination_one_variant_cannot_have_fails_that_row_only(self):
-        # Checkpointing is for training: the forward variant's row says so, the others are planned.
-        status, out, err = plan(*LLAMA, "--json", "--sweep", "task=train,forward", "--sweep", "checkpointing=false,true")
+        # Checkpointing is for backward: the inference variant's row says so, the others are planned.
+        status, out, err = plan(*LLAMA, "--json", "--sweep", "task=train,inference", "--sweep", "checkpointing=false,true")
         self.assertEqual(status, 1, err)
         results = rows(out)
         self.assertEqual(len(results), 4, out)

@@ -210,6 +210,25 @@ class RecorderMechanisms(unittest.TestCase):
             del os.environ["CUBLAS_WORKSPACE_CONFIG"]
         self.assertEqual([e[3] for e in rec.events if e[4] == "cublas_workspace"], [32 << 20])
 
+    def test_composite_matmuls_take_a_workspace_under_inference_mode_too(self):
+        from tidepool.record import Recorder
+
+        a, b = torch.randn(4, 8, 16, device="meta"), torch.randn(16, 8, device="meta")
+        products = {
+            "einsum": lambda: torch.einsum("bsi,io->bso", a, b),
+            "tensordot": lambda: torch.tensordot(a, b, dims=1),
+            "chain_matmul": lambda: torch.linalg.multi_dot([a[0], b, b.T]),
+            "bilinear": lambda: torch.nn.functional.bilinear(a, a, torch.randn(3, 16, 16, device="meta")),
+        }
+        for name, product in products.items():
+            # Composite operators reach the recorder whole under inference_mode (and decomposed
+            # into mm/bmm under autograd): either way the thread's workspace is allocated.
+            for inference in (True, False):
+                with Recorder(None) as rec, torch.inference_mode(inference):
+                    product()
+                spaces = [e[3] for e in rec.events if e[4] == "cublas_workspace"]
+                self.assertEqual(spaces, [8_519_680], f"{name}, inference_mode={inference}")
+
     def test_gather_and_index_backward_allocate_as_without_a_dispatch_mode(self):
         def body(rec):
             x = torch.randn(64, 1024, device="meta", requires_grad=True)

@@ -29,7 +29,7 @@ GIB = 1 << 30
 DEFAULT_CARDS = "T4,L4,RTX 4090,A100 40GB,L40S,H100,H200,B200"
 
 # Sweepable options: name -> parser of one value.
-_INT_OPTIONS = ("batch", "seq", "accumulation", "steps", "lora_rank", "new_tokens", "ddp", "fsdp")
+_INT_OPTIONS = ("batch", "seq", "accumulation", "steps", "lora_rank", "new_tokens", "ddp", "fsdp", "zero1", "zero2")
 
 
 def _bool(text):
@@ -63,14 +63,24 @@ def _choice(choices):
     return parse
 
 
+def _task(text):
+    """A task by name, or by the name it had ('forward': inference)."""
+    from .step import TASK_ALIASES, TASKS
+
+    task = TASK_ALIASES.get(text, text)
+    if task not in TASKS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(TASKS)})")
+    return task
+
+
 def _parsers():
-    from .step import OPTIMIZERS, PRECISIONS, TASKS
+    from .step import LOOPS, OPTIMIZERS, PRECISIONS
 
     return {
-        "task": _choice(TASKS), "batch": _positive, "seq": _positive, "precision": _choice(PRECISIONS),
+        "task": _task, "loop": _choice(LOOPS), "batch": _positive, "seq": _positive, "precision": _choice(PRECISIONS),
         "checkpointing": _bool, "accumulation": _positive, "optimizer": _choice(OPTIMIZERS), "steps": _positive,
         "lora_rank": _non_negative, "new_tokens": _non_negative, "ddp": _non_negative,
-        "fsdp": _non_negative,
+        "fsdp": _non_negative, "zero1": _non_negative, "zero2": _non_negative,
     }
 
 
@@ -82,44 +92,71 @@ class Exit(Exception):
         self.status = status
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and every option's default said (an
+    option whose default depends on the model says how in its help)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        unsaid = default is None or default is False or default == [] or default == argparse.SUPPRESS or "%(default)" in text
+        return text if unsaid or not action.option_strings else f"{text} (default: %(default)s)"
+
+
 def parse_args(argv):
-    from .step import OPTIMIZERS, PRECISIONS, TASKS
+    from .step import LOOPS, OPTIMIZERS, PRECISIONS, TASKS
 
     parser = argparse.ArgumentParser(
         prog="python -m tidepool.plan", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Help,
         epilog="MODEL: hf:TYPE (a transformers model_type, e.g. hf:gpt2, hf:llama, hf:bert, hf:vit), a config.json, "
                "or module:pkg.mod:factory (an nn.Module from token ids to logits, or a tidepool.workload.Workload).")
     parser.add_argument("model", metavar="MODEL")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the transformers configuration (repeatable)")
-    parser.add_argument("--task", default="train", choices=TASKS,
-                        help="train: forward, backward and optimizer step; forward: inference; generate: a prompt "
-                             "of --seq tokens then --new-tokens with the model's KV cache")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--task", default="train", type=_task, choices=TASKS,
+                        help="train: forward, loss, backward and optimizer step; forward-grad: the forward with the "
+                             "autograd graph kept and its output held, no backward (the loss only where the model or "
+                             "a Workload computes one); inference: forward under "
+                             "torch.inference_mode() (no graph; 'forward' is read as it); generate: a prompt of --seq "
+                             "tokens then --new-tokens with the model's KV cache")
+    parser.add_argument("--loop", default=None, choices=LOOPS,
+                        help="the training loop's shape: plain (`logits = model(x); loss = loss_fn(logits, y); "
+                             "loss.backward()`: the output held through backward and the optimizer step) or trainer "
+                             "(Hugging Face Trainer's compute_loss: the output dropped before backward); default: "
+                             "trainer for hf: models and config.json files, plain for module: factories")
+    parser.add_argument("--batch", type=int, default=1, help="sequences (or images) per micro-batch")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (image size for vision models); "
-                        "default: 512 or the model's maximum, the configured image size for vision")
+                        "default: the model's context length where its configuration or module states one "
+                        "(max_position_embeddings, n_positions, block_size, ...), else 512; the configured image "
+                        "size for vision")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
                         help="fp32; bf16-mixed / fp16-mixed: autocast as on CUDA (weights stay fp32); "
                              "bf16 / fp16: the whole model in that type")
     parser.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing per block")
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches of --batch per optimizer step")
-    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (peft), base frozen")
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="the optimizer of --task train")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (peft), base frozen; 0: none")
     parser.add_argument("--ddp", type=int, default=0, metavar="N",
-                        help="DistributedDataParallel over N ranks (PyTorch's fake process group), one rank recorded")
+                        help="DistributedDataParallel over N ranks (PyTorch's fake process group), one rank recorded; 0: none")
     parser.add_argument("--fsdp", type=int, default=0, metavar="N",
-                        help="FSDP2 fully_shard over N ranks (PyTorch's fake process group), one rank recorded")
-    parser.add_argument("--new-tokens", type=int, default=0, help="tokens generated by --task generate (default 32)")
+                        help="FSDP2 fully_shard over N ranks (PyTorch's fake process group), one rank recorded; 0: none")
+    parser.add_argument("--zero2", type=int, default=0, metavar="N",
+                        help="ZeRO-2 over N ranks: gradients and optimizer state sharded, each block's weights whole "
+                             "from its forward to its backward (FSDP2 with reshard_after_forward=False); 0: none")
+    parser.add_argument("--zero1", type=int, default=0, metavar="N",
+                        help="ZeRO-1 over N ranks: the optimizer state alone sharded (DDP with PyTorch's "
+                             "ZeroRedundancyOptimizer); 0: none")
+    parser.add_argument("--new-tokens", type=int, default=0, help="tokens generated by --task generate; 0 means 32")
     parser.add_argument("--steps", type=int, default=2,
-                        help="steps recorded (default 2: the optimizer state appears in the first)")
+                        help="steps recorded (the optimizer state appears in the first)")
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="record one variant per value (repeatable: the product of all); KEY is an option "
                              "(batch, seq, precision, checkpointing, accumulation, optimizer, steps, lora-rank, "
-                             "new-tokens, ddp, fsdp, task) or set.FIELD for a configuration field")
+                             "new-tokens, ddp, fsdp, zero1, zero2, task, loop) or set.FIELD for a configuration field")
     parser.add_argument("--cards", default=DEFAULT_CARDS,
                         help="cards by name (`tidepool cards` lists them and what an allocator gets of each) or "
-                             f"sizes in GiB an allocator gets, comma-separated (default {DEFAULT_CARDS})")
+                             "sizes in GiB an allocator gets, comma-separated")
     parser.add_argument("--json", action="store_true", help="one JSON object per variant, one per line")
     parser.add_argument("--keep-traces", metavar="DIR", help="keep each variant's trace (RMM CSV) in DIR")
     parser.add_argument("--plot", metavar="OUT.svg", help="memory by category over the step, and the smallest "
@@ -128,16 +165,16 @@ def parse_args(argv):
                         "tidepool on PATH, then this checkout's target/release or target/debug build)")
     args = parser.parse_args(argv)
 
-    base = {"task": args.task, "batch": args.batch, "seq": args.seq, "precision": args.precision,
+    base = {"task": args.task, "loop": args.loop, "batch": args.batch, "seq": args.seq, "precision": args.precision,
             "checkpointing": args.checkpointing, "accumulation": args.accumulation, "optimizer": args.optimizer,
             "steps": args.steps, "lora_rank": args.lora_rank, "new_tokens": args.new_tokens, "ddp": args.ddp,
-            "fsdp": args.fsdp}
+            "fsdp": args.fsdp, "zero1": args.zero1, "zero2": args.zero2}
     parsers = _parsers()
     for key in _INT_OPTIONS:
         value = base[key]
         if value is not None:
             try:
-                (_non_negative if key in ("lora_rank", "new_tokens", "ddp", "fsdp") else _positive)(str(value))
+                (_non_negative if key in ("lora_rank", "new_tokens", "ddp", "fsdp", "zero1", "zero2") else _positive)(str(value))
             except ValueError as err:
                 raise Exit(f"--{key.replace('_', '-')}: {err}") from None
     overrides = {}
@@ -162,7 +199,7 @@ def parse_args(argv):
         elif key in parsers:
             try:
                 parsed = [parsers[key](v) for v in texts]
-            except ValueError as err:
+            except (ValueError, argparse.ArgumentTypeError) as err:
                 raise Exit(f"--sweep {key}: {err}") from None
         else:
             raise Exit(f"--sweep {key}: not a sweepable option (one of {', '.join(sorted(parsers))}, or set.FIELD)")
@@ -339,7 +376,7 @@ def run(argv=None):
             started = time.perf_counter()
             try:
                 rec = step.record(args.model, sets, options, trace)
-                seq = rec.seq
+                seq, result["loop"] = rec.seq, rec.loop
                 result["peak"], _ = rec.peak()
                 result["breakdown"] = rec.breakdown_at_peak()
                 result["record_seconds"] = time.perf_counter() - started
@@ -403,6 +440,8 @@ def _variant_json(args, result):
     options = dict(result["options"])
     if options.get("seq") is None and result.get("seq") is not None:
         options["seq"] = result["seq"]  # the model's default length, which was used
+    if options.get("loop") is None:
+        options["loop"] = result.get("loop")  # the model's default shape (None: not a training loop)
     variant = {"model": args.model, **{k: v for k, v in options.items()}, "set": result["sets"],
                "torch": torch.__version__}
     return variant
@@ -419,7 +458,8 @@ def _report(args, results, cards, sweeps):
                 "variant": _variant_json(args, r),
                 "peak_live_bytes": r["peak"],
                 "breakdown": {"weights_bytes": b["weights"], "gradients_bytes": b["gradients"],
-                              "optimizer_bytes": b["optimizer"], "activations_bytes": b["activations"]},
+                              "optimizer_bytes": b["optimizer"], "precision_copies_bytes": b["copies"],
+                              "activations_bytes": b["activations"]},
                 "pytorch_min_capacity_bytes": r["pytorch"],
                 "pytorch_expandable_min_capacity_bytes": r["pytorch_expandable"],
                 "tidepool_min_capacity_bytes": r["tidepool"],
@@ -434,20 +474,20 @@ def _report(args, results, cards, sweeps):
     first = results[0]["options"] if results else {}
     print(f"{args.model}, task {first.get('task')}, recorded on the meta device with torch {torch.__version__}")
     swept = [k for k, _ in sweeps]
-    head = [k.replace("_", "-") for k in swept] or ["variant"]
-    head += ["peak live", "weights", "grads", "optim", "activ", "PyTorch needs", "PyTorch exp. needs", "tidepool needs",
-             "smallest card"]
+    head = [k.replace("_", "-") for k in swept]
+    head += ["peak live", "weights", "grads", "optim", "copies", "activ", "PyTorch needs", "PyTorch exp. needs",
+             "tidepool needs", "smallest card"]
     rows = []
     for r in results:
-        cells = [str(r["label"][k]) for k in swept] or ["-"]
+        cells = [str(r["label"][k]) for k in swept]
         if "error" in r:
             rows.append(cells + [f"failed: {r['error']}"])
             continue
         b = r["breakdown"]
         fits = r["fits"][0] if r["fits"] else "none"
         cells += [_human(r["peak"]), _human(b["weights"]), _human(b["gradients"]), _human(b["optimizer"]),
-                  _human(b["activations"]), _human(r["pytorch"]), _human(r["pytorch_expandable"]), _human(r["tidepool"]),
-                  fits]
+                  _human(b["copies"]), _human(b["activations"]), _human(r["pytorch"]), _human(r["pytorch_expandable"]),
+                  _human(r["tidepool"]), fits]
         rows.append(cells)
     widths = [max([len(head[i])] + [len(row[i]) for row in rows if len(row) == len(head)]) for i in range(len(head))]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
@@ -456,9 +496,9 @@ def _report(args, results, cards, sweeps):
             print("  ".join(c.rjust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
         else:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-    print("needs: the smallest device the step fits (PyTorch's caching allocator, without and with "
-          "expandable_segments:True; tidepool with expandable segments); smallest card: the smallest of --cards "
-          "that holds it with tidepool (what a card gives an allocator: `tidepool cards`)")
+    print("copies: weights cast to another type (autocast's); needs: the smallest device the step fits (PyTorch's "
+          "caching allocator, without and with expandable_segments:True; tidepool with expandable segments); smallest "
+          "card: the smallest of --cards that holds it with tidepool (what a card gives an allocator: `tidepool cards`)")
     for line in largest_batches(results, cards, swept):
         print(line)
     for r in results:

@@ -1,11 +1,13 @@
-"""Data parallelism for `tidepool.plan --ddp N`: the model wrapped in
-PyTorch's DistributedDataParallel over N ranks of PyTorch's fake process
-group, recorded for one rank in this process. What a rank holds is a
-whole replica (weights, gradients, optimizer state) plus DDP's gradient
-buckets, the flat tensors gradients are copied into and all-reduced in;
-the fake group's collectives move no data, so the all-reduce is done in
-place on the bucket (as NCCL's is), divided by N as DDP's default hook
-does."""
+"""Data parallelism for `tidepool.plan --ddp N` and `--zero1 N`: the model
+wrapped in PyTorch's DistributedDataParallel over N ranks of PyTorch's
+fake process group, recorded for one rank in this process. What a rank
+holds is a whole replica (weights, gradients, optimizer state) plus DDP's
+gradient buckets, the flat tensors gradients are copied into and
+all-reduced in; the fake group's collectives move no data, so the
+all-reduce is done in place on the bucket (as NCCL's is), divided by N as
+DDP's default hook does. With --zero1 (ZeRO-1) the optimizer is PyTorch's
+ZeroRedundancyOptimizer around the same one: each rank keeps the state of
+its 1/N of the parameters (by size, as it partitions them)."""
 import torch
 import torch.distributed as dist
 
@@ -46,3 +48,19 @@ def wrap(model, world_size, rec):
 
     wrapped.register_comm_hook(None, allreduce_in_place)
     return wrapped
+
+
+def zero_redundancy(optimizer):
+    """`optimizer` as ZeRO-1 runs it: the same class and settings, its state
+    kept for this rank's share of the parameters only."""
+    import inspect
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # The settings its constructor takes (`defaults` may hold more: torch's
+    # AdamW keeps `decoupled_weight_decay` there, which AdamW() refuses).
+    accepted = inspect.signature(type(optimizer)).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    settings = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **settings)

@@ -1,11 +1,14 @@
-"""Sharded data parallelism for `tidepool.plan --fsdp N`: FSDP2's
-`fully_shard` on every repeated block and on the root, over N ranks of
-PyTorch's fake process group, recorded for rank 0 in this process. A rank
-holds 1/N of the weights, gradients and optimizer state, and a block's
-whole weights while it runs (the all-gathered copy, freed after the
-block's forward and backward, counted as weights) and, in its backward,
-its whole gradients until they are reduce-scattered (counted as
-gradients); the fake group's collectives move no data.
+"""Sharded data parallelism for `tidepool.plan --fsdp N` and `--zero2 N`:
+FSDP2's `fully_shard` on every repeated block and on the root, over N
+ranks of PyTorch's fake process group, recorded for rank 0 in this
+process. A rank holds 1/N of the weights, gradients and optimizer state,
+and a block's whole weights while it runs (the all-gathered copy, counted
+as weights: with --fsdp, ZeRO-3, freed after the block's forward and
+again after its backward; with --zero2, reshard_after_forward=False as
+ZeRO-2 keeps parameters whole between forward and backward, held from
+the block's forward to the end of its backward) and, in its backward, its
+whole gradients until they are reduce-scattered (counted as gradients);
+the fake group's collectives move no data.
 
 FSDP wants a GPU where the meta device has none: its check that no
 parameter is still on meta is lifted while recording, and its mesh on
@@ -109,13 +112,13 @@ def sharding(world_size, rec):
             torch.meta = had
 
 
-def shard(model, world_size, layers=None):
+def shard(model, world_size, layers=None, reshard_after_forward=True):
     """fully_shard on each block, then on the root (inside sharding())."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("meta", (world_size,))
     for block in blocks(model, layers):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model

@@ -1,11 +1,12 @@
 """The picture `python -m tidepool.plan --plot OUT.svg` draws: for each
 variant, live memory by category over its recorded steps (stacked:
-weights, gradients, optimizer, activations) with the smallest device each
+weights, gradients, optimizer, precision copies, activations) with the smallest device each
 allocator needs; below, those devices side by side for every variant."""
 from xml.sax.saxutils import escape
 
 GIB = 1 << 30
-COLOURS = {"weights": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759", "activations": "#76b7b2"}
+COLOURS = {"weights": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759", "copies": "#edc948",
+           "activations": "#76b7b2"}
 PYTORCH, TIDEPOOL = "#b07aa1", "#59a14f"
 WIDTH, LEFT, RIGHT, PANEL, GAP = 960, 230, 20, 110, 18
 

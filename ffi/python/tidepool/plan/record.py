@@ -42,7 +42,9 @@ What the recorder does so that the trace is what CUDA would allocate:
 - tensors can be labelled (weights, gradients, optimizer) so that the
   peak can be broken down by category (`Recorder.breakdown_at_peak`); a
   tracked optimizer's states and the temporaries of its step count as
-  optimizer, everything else unlabelled as activations and temporaries.
+  optimizer, a copy of a weight in another type (autocast's bf16 or fp16
+  casts, cached for its region) as precision copies, everything else
+  unlabelled as activations and temporaries.
 
 `Recorder.write_snapshot(path)` writes the same recording as a PyTorch
 memory snapshot (each allocation's frame names its operator) for
@@ -69,17 +71,21 @@ HEADER = "Thread,Time,Action,Pointer,Size,Stream,Operator\n"
 
 # Categories of an allocation, for the breakdown of a peak.
 WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS = "weights", "gradients", "optimizer", "activations"
-CATEGORIES = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS)
+COPIES = "copies"  # weights cast to another type: autocast's, and the like
+CATEGORIES = (WEIGHTS, GRADIENTS, OPTIMIZER, COPIES, ACTIVATIONS)
 
 # The cuBLAS workspace PyTorch allocates per (thread, stream) through its
 # caching allocator: CUBLAS_WORKSPACE_CONFIG's default, ":4096:2:16:8"
 # (two 4 MiB chunks and eight 16 KiB ones) in current torch.
 DEFAULT_CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 
-# Operators that call cuBLAS on CUDA (and so need the thread's workspace).
+# Operators that call cuBLAS on CUDA (and so need the thread's workspace),
+# as the dispatcher shows them: composite ones (linear, matmul, einsum, ...)
+# arrive whole under inference_mode and decomposed under autograd.
 _MATMULS = {
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "addr", "_addmm_activation",
-    "_scaled_mm", "_int_mm", "linear", "matmul",
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "inner", "addr", "_addmm_activation",
+    "_scaled_mm", "_int_mm", "_grouped_mm", "_scaled_grouped_mm", "linear", "matmul", "einsum", "tensordot",
+    "bilinear", "_trilinear", "chain_matmul", "linalg_multi_dot",
 }
 
 # Out-of-place operators that a backward formula under a dispatch mode runs
@@ -219,6 +225,13 @@ class Recorder(TorchDispatchMode):
         self.objects[tid] = (weakref.ref(tensor, self._object_died(tid, held)), held)
         entry.objects += 1
         self.suspects.discard(key)
+
+    def _labelled(self, tensor):
+        """The category `tensor`'s storage is labelled with, if any."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type not in self.devices or tensor.layout != torch.strided:
+            return None
+        entry = self.live.get(tensor.untyped_storage()._cdata)
+        return self.labels.get(entry.pointer) if entry is not None else None
 
     def _let_go(self, key):
         """One tensor object of ours holds the storage `key` no more."""
@@ -374,9 +387,11 @@ class Recorder(TorchDispatchMode):
             return args[0]
         result = func(*args, **kwargs)
         operator = str(func)
+        # A weight cast to another type (autocast's, cached for its region).
+        category = COPIES if func is _TO_COPY and self._labelled(args[0]) == WEIGHTS else None
         for item in tree_flatten(result)[0]:
             if isinstance(item, torch.Tensor):
-                self._track(item, operator)
+                self._track(item, operator, category)
         if name in _ZEROS and isinstance(result, torch.Tensor) and torch._C._current_graph_task_id() != -1:
             self._zeros = weakref.ref(result)
         else:

@@ -1,6 +1,15 @@
 """One variant's recorded run for `tidepool.plan`: the model set up as the
 options say (precision, adapters, checkpointing, sharding), then the steps
-of its task (train, forward, generate) under the Recorder."""
+of its task under the Recorder:
+- train: forward, loss, backward and the optimizer step, in the loop's
+  shape (`LOOPS`);
+- forward-grad: the forward with the autograd graph kept, its output
+  referenced, and no backward (the forward half of training as benchmarks
+  time it, evaluation with gradients for a later backward, activation-
+  memory studies); the loss only where the model computes it (transformers
+  models given labels) or a Workload names one;
+- inference: forward under `torch.inference_mode()` (no graph);
+- generate: a prompt, then new tokens with the model's KV cache."""
 import contextlib
 
 import torch
@@ -12,7 +21,17 @@ from .record import Recorder
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
-TASKS = ("train", "forward", "generate")
+TASKS = ("train", "forward-grad", "inference", "generate")
+# "forward" meant inference before forward-grad existed: still read so.
+TASK_ALIASES = {"forward": "inference"}
+# How a training loop holds the model's output:
+# - plain: `logits = model(x); loss = loss_fn(logits, y); loss.backward()`,
+#   the output referenced through backward and the optimizer step, until
+#   the next forward's output takes its name (the default for module:);
+# - trainer: Hugging Face Trainer's `compute_loss`, which returns the loss
+#   only, so the output goes before backward (the default for hf: models
+#   and config.json files, which are trained that way most often).
+LOOPS = ("plain", "trainer")
 
 
 class MissingMetaKernel(Exception):
@@ -122,6 +141,9 @@ def record(spec, overrides, options, path):
         if task != "train":
             raise wl.PlanError("--lora-rank trains adapters: use it with --task train")
         _lora(work, options["lora_rank"])
+    loop = options.get("loop") or ("trainer" if work.hf else "plain")
+    if options.get("loop") and task != "train":
+        raise wl.PlanError(f"--loop {options['loop']}: the loop's shape is a training loop's: use it with --task train")
     precision = options["precision"]
     mixed = precision.endswith("-mixed")
 
@@ -132,38 +154,59 @@ def record(spec, overrides, options, path):
             yield
 
     if options["checkpointing"]:
-        if task != "train":
-            raise wl.PlanError("--checkpointing saves activations for backward: use it with --task train")
+        if task not in ("train", "forward-grad"):
+            raise wl.PlanError(f"--checkpointing saves activations for backward: --task {task} has none")
         _checkpoint_layers(work, cuda_rules)
     if options["new_tokens"] and task != "generate":
         raise wl.PlanError("--new-tokens is for --task generate")
     if precision in ("bf16", "fp16"):
         work.model.to(_low_dtype(precision))
     model = work.model
-    model.train(task == "train")
+    model.train(task in ("train", "forward-grad"))
     seq = options["seq"] or work.default_seq
     batch = options["batch"]
     if options.get("ddp") and task != "train":
         raise wl.PlanError("--ddp replicates a training step over ranks: use it with --task train")
-    if options.get("ddp") and options.get("fsdp"):
-        raise wl.PlanError("--ddp and --fsdp: choose one")
+    for zero in ("zero1", "zero2"):
+        if options.get(zero) and task != "train":
+            raise wl.PlanError(f"--{zero} shards what training keeps (optimizer state, gradients): use it with --task train")
+    parallel = [f"--{name}" for name in ("ddp", "fsdp", "zero1", "zero2") if options.get(name)]
+    if len(parallel) > 1:
+        raise wl.PlanError(f"{' and '.join(parallel)}: choose one way to spread the model over ranks")
     rec = _NoMetaKernel(path)
     rec.seq = seq  # the length used, --seq or the model's default
-    with contextlib.ExitStack() as stack:
+    rec.loop = loop if task == "train" else None
+    with _shapes_named(options, batch, seq, work), contextlib.ExitStack() as stack:
         stack.enter_context(rec)
-        if options.get("fsdp"):
+        # ZeRO-3 (--fsdp) and ZeRO-2 (--zero2): FSDP2, the weights resharded
+        # after each block's forward or kept whole until its backward.
+        sharded = options.get("fsdp") or options.get("zero2")
+        if sharded:
             from . import fsdp
 
-            stack.enter_context(fsdp.sharding(options["fsdp"], rec))
-            fsdp.shard(model, options["fsdp"], work.layers)
+            stack.enter_context(fsdp.sharding(sharded, rec))
+            fsdp.shard(model, sharded, work.layers, reshard_after_forward=bool(options.get("fsdp")))
         rec.track(model)
-        if options.get("ddp"):
+        # DDP's whole replica, and for ZeRO-1 (--zero1) a sharded optimizer.
+        replicated = options.get("ddp") or options.get("zero1")
+        if replicated:
             from . import ddp
 
-            work.model = ddp.wrap(model, options["ddp"], rec)
+            work.model = ddp.wrap(model, replicated, rec)
         if task == "train":
-            _train(rec, work, model, options, batch, seq, cuda_rules)
-        elif task == "forward":
+            _train(rec, work, model, options, batch, seq, cuda_rules, keep_output=loop == "plain")
+        elif task == "forward-grad":
+            for k in range(options["steps"]):
+                inputs = work.inputs(batch, seq)
+                with cuda_rules():
+                    output = _call(work, inputs)
+                    # A loss outside the model only where the Workload gives
+                    # one (a transformers model computes its own from labels).
+                    loss = work.loss_fn(output, inputs) if work.loss_fn is not None else None
+                # The graph is kept (output and loss referenced) to the step's end.
+                rec.mark(f"step {k + 1}")
+                del output, loss, inputs
+        elif task == "inference":
             for k in range(options["steps"]):
                 with torch.inference_mode(), cuda_rules():
                     _call(work, work.inputs(batch, seq))
@@ -173,11 +216,17 @@ def record(spec, overrides, options, path):
     return rec
 
 
-def _train(rec, work, model, options, batch, seq, autocast):
+def _train(rec, work, model, options, batch, seq, autocast, keep_output):
+    """The training steps; `keep_output`: the plain loop's shape (`LOOPS`)."""
     optimizer = _optimizer(options["optimizer"], model.parameters())
+    if options.get("zero1"):
+        from .ddp import zero_redundancy
+
+        optimizer = zero_redundancy(optimizer)
     rec.track(optimizer)
     accumulation = options["accumulation"]
     scaler = options["precision"] == "fp16-mixed"
+    held = None  # the plain loop's output, until the next forward's takes its name
     for k in range(options["steps"]):
         for _ in range(accumulation):
             inputs = work.inputs(batch, seq)
@@ -185,6 +234,7 @@ def _train(rec, work, model, options, batch, seq, autocast):
             # AMP recipe): autocast's weight casts go when the region exits.
             with autocast():
                 output = _call(work, inputs)
+                held = output if keep_output else None
                 loss = work.loss(output, inputs)
                 del output
                 if accumulation > 1:
@@ -197,6 +247,26 @@ def _train(rec, work, model, options, batch, seq, autocast):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         rec.mark(f"step {k + 1}")
+
+
+# Words of the errors a model raises when its inputs have a shape it does
+# not take (a --seq past its positions, a batch its code cannot split).
+_SHAPE_WORDS = ("size", "shape", "dimension", "broadcast", "out of range", "must match", "expected")
+
+
+@contextlib.contextmanager
+def _shapes_named(options, batch, seq, work):
+    """A model that refuses the inputs' shape fails naming the options that
+    made it (and whether --seq was the model's default)."""
+    try:
+        yield
+    except (RuntimeError, ValueError, IndexError) as err:
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if not any(word in text.lower() for word in _SHAPE_WORDS):
+            raise
+        said = "the default: the model's context length" if work.context else "the default"
+        seq_text = f"--seq {seq}" if options["seq"] else f"--seq {seq} ({said})"
+        raise wl.PlanError(f"the model refused inputs of --batch {batch} and {seq_text}: {text}") from None
 
 
 def _generate(rec, work, options, batch, seq, autocast):

@@ -47,7 +47,10 @@ class Workload:
     def __init__(self, model, make_batch, loss=None, layers=None):
         self.model, self.make_batch, self.loss_fn, self.layers = model, make_batch, loss, layers
         self.kind = "custom"
-        self.default_seq = 512
+        # The model's context length when it says one (`context_length`),
+        # which --seq defaults to; else 512.
+        self.context = context_length(model)
+        self.default_seq = self.context or 512
         self.vocab = None
         self.hf = False
 
@@ -67,6 +70,23 @@ class Workload:
         if getattr(output, "loss", None) is not None:
             return output.loss
         raise PlanError("the workload's model returns no loss: give Workload(loss=...)")
+
+
+# Where a model or its configuration keeps its context length, by the
+# names transformers, GPT-2's and nanoGPT's code and others use.
+_CONTEXT_NAMES = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_seq_length", "block_size",
+                  "context_length", "seq_len")
+
+
+def context_length(model, config=None):
+    """The context length `model` (or `config`) states, or None: a field of
+    `_CONTEXT_NAMES` on the configuration, the model, or `model.config`."""
+    for holder in (config, model, getattr(model, "config", None)):
+        for name in _CONTEXT_NAMES:
+            value = getattr(holder, name, None) if holder is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 def _ids(batch, seq, vocab):
@@ -102,9 +122,11 @@ class _HuggingFace(Workload):
         self.config = config
         self.vocab = getattr(config, "vocab_size", None)
         if kind == "image-classification":
+            self.context = None
             self.default_seq = getattr(config, "image_size", 224)
         else:
-            self.default_seq = min(512, getattr(config, "max_position_embeddings", None) or 512)
+            self.context = context_length(model, config)
+            self.default_seq = self.context or 512
 
     def inputs(self, batch, seq):
         if self.kind == "image-classification":
