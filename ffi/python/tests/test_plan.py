@@ -89,7 +89,8 @@ class Sweep(unittest.TestCase):
         for r in self.rows:
             self.assertEqual(set(r), {"variant", "peak_live_bytes", "breakdown", "pytorch_min_capacity_bytes",
                                       "pytorch_expandable_min_capacity_bytes", "tidepool_min_capacity_bytes",
-                                      "fits", "fits_pytorch", "fits_pytorch_expandable", "trace"})
+                                      "fits", "fits_pytorch", "fits_pytorch_expandable", "cards_left_out",
+                                      "trace"})
             self.assertEqual(set(r["breakdown"]), {"weights_bytes", "gradients_bytes", "optimizer_bytes",
                                                    "precision_copies_bytes", "activations_bytes"})
             self.assertIn("torch", r["variant"])
@@ -145,7 +146,11 @@ class Sweep(unittest.TestCase):
             self.assertGreaterEqual(r["pytorch_min_capacity_bytes"], r["peak_live_bytes"])
             self.assertGreaterEqual(r["pytorch_expandable_min_capacity_bytes"], r["peak_live_bytes"])
             self.assertGreaterEqual(r["tidepool_min_capacity_bytes"], r["peak_live_bytes"])
-            self.assertEqual(r["fits"], ["T4", "L4", "RTX 4090", "A100 40GB", "L40S", "H100", "H200", "B200"])
+            # A T4 (compute capability 7.5) has no bf16: not named for a bf16 variant, and the row says why.
+            bf16 = r["variant"]["precision"] == "bf16-mixed"
+            self.assertEqual(r["fits"], ["L4", "RTX 4090", "A100 40GB", "L40S", "H100", "H200", "B200"] if bf16 else
+                             ["T4", "L4", "RTX 4090", "A100 40GB", "L40S", "H100", "H200", "B200"])
+            self.assertEqual(r["cards_left_out"], {"T4": "no bf16"} if bf16 else {})
             self.assertEqual(r["fits_pytorch"], r["fits"])
             self.assertEqual(r["fits_pytorch_expandable"], r["fits"])
 
@@ -183,17 +188,34 @@ class LargestBatches(unittest.TestCase):
 @unittest.skipIf(SKIP, SKIP)
 class Plan(unittest.TestCase):
     def test_the_table_names_the_largest_batch_per_card(self):
-        status, out, err = plan(*LLAMA, "--sweep", "batch=1,2,4", "--cards", "h200,0.06,0.1,24")
+        # Cards given by their memory: the allocator gets 0.06, 0.1 and 24 GiB of them (1.5 GiB less).
+        status, out, err = plan(*LLAMA, "--sweep", "batch=1,2,4", "--cards", "h200,1.56GiB,1.6GiB,25.5GiB")
         self.assertEqual(status, 0, err)
         self.assertIn("peak live", out)
         self.assertIn("PyTorch exp. needs", out)
         self.assertIn("torch 2.", out)
         line = [x for x in out.splitlines() if x.startswith("largest batch")]
         self.assertEqual(len(line), 1, out)
-        self.assertIn("0.06 GiB: none; 0.1 GiB: ", line[0])
-        self.assertTrue(line[0].endswith("; 24 GiB: 4; H200: 4"), line[0])
-        # The smallest card is the table's last column: none of 0.06 GiB holds any batch, 24 GiB every one.
+        self.assertIn("1.56 GiB: none; 1.6 GiB: ", line[0])
+        self.assertTrue(line[0].endswith("; 25.5 GiB: 4; H200: 4"), line[0])
+        # The smallest card is the table's last column: none of 1.56 GiB holds any batch, 25.5 GiB every one.
         self.assertIn("smallest card", out)
+
+    def test_a_t4_is_not_named_for_bf16_and_the_report_says_why(self):
+        status, out, err = plan(*LLAMA, "--sweep", "batch=1,2", "--sweep", "precision=fp16-mixed,bf16-mixed",
+                                "--cards", "t4,l4")
+        self.assertEqual(status, 0, err)
+        rows = [x.split() for x in out.splitlines() if x.lstrip().startswith(("1 ", "2 "))]
+        self.assertEqual([(row[0], row[1], row[-1]) for row in rows],
+                         [("1", "fp16-mixed", "T4"), ("1", "bf16-mixed", "L4"), ("2", "fp16-mixed", "T4"),
+                          ("2", "bf16-mixed", "L4")], out)
+        self.assertIn("T4 (compute capability 7.5): not named for bf16 variants: it has no bf16 tensor cores", out)
+        self.assertIn("largest batch with precision=fp16-mixed: T4: 2; L4: 2", out)
+        self.assertIn("largest batch with precision=bf16-mixed: T4: no bf16; L4: 2", out)
+        # Without a bf16 variant, no such line.
+        status, out, err = plan(*LLAMA, "--precision", "fp16-mixed", "--cards", "t4,l4")
+        self.assertEqual(status, 0, err)
+        self.assertNotIn("not named for bf16", out)
 
     def test_generate_grows_with_new_tokens(self):
         status, out, err = plan(*LLAMA, "--task", "generate", "--json", "--steps", "1", "--seq", "8", "--sweep",
@@ -598,19 +620,32 @@ class BadInput(unittest.TestCase):
         self.assertIn("--sweep task: invalid choice: 'backward'", self.fails(*LLAMA, "--sweep", "task=train,backward"))
         self.assertIn("--batch", self.fails(*LLAMA, "--batch", "0"))
         self.assertIn("--cards 'big,h100': 'big' is neither a card (T4, A10G,", self.fails(*LLAMA, "--cards", "big,h100"))
-        for cards in ("nan,24", "24,inf", "0"):
-            self.assertIn("expected cards or positive sizes in GiB", self.fails(*LLAMA, "--cards", cards))
+        # A size is a card's memory with its unit: a bare number could be GB or GiB.
+        for cards, said in (("nan,24GB", "'nan' is neither a card"), ("24,h100", "'24': a card's memory needs its "
+                            "unit: write 24GB (10^9 bytes, as vendors state a card's memory) or 24GiB (2^30 bytes)"),
+                            ("0GB", "'0GB': a card of 0 GB leaves an allocator nothing"), (",", "expected cards")):
+            self.assertIn(f"--cards {cards!r}: {said}", self.fails(*LLAMA, "--cards", cards))
+        self.assertIn("--cards 'l4,a100': 'a100' names more than one card: A100 40GB, A100 80GB",
+                      self.fails(*LLAMA, "--cards", "l4,a100"))
         # A sweep of no values would plan nothing and say nothing.
         self.assertIn("expected KEY=V1,V2", self.fails(*LLAMA, "--sweep", "batch=,"))
 
     def test_cards_by_the_end_of_their_name_and_sizes_with_their_unit(self):
         from tidepool.plan import Exit, find_tidepool, resolve_cards
 
-        cards = dict(resolve_cards(BINARY, "4090,22.5GiB,a6000,30 GB"))
-        self.assertEqual(sorted(cards), ["22.5 GiB", "30 GiB", "RTX 4090", "RTX A6000"], cards)
-        self.assertEqual(cards["22.5 GiB"], int(22.5 * 2**30))
-        # "a100" ends no name alone (A100 40GB, A100 80GB): refused, with the list.
-        with self.assertRaisesRegex(Exit, "'a100' is neither a card"):
+        cards = resolve_cards(BINARY, "4090,22.5GiB,a6000,30 GB,H100 80GB,nvidia a100-sxm4-40gb")
+        self.assertEqual([card.name for card in cards],
+                         ["22.5 GiB", "RTX 4090", "30 GB", "A100 40GB", "RTX A6000", "H100"], cards)
+        usable = {card.name: card.usable for card in cards}
+        # A size is the card's memory, as its vendor states it (GB: 10^9 bytes); the allocator gets 1.5 GiB less.
+        self.assertEqual(usable["22.5 GiB"], 21 * 2**30)
+        self.assertEqual(usable["30 GB"], 30 * 10**9 - 3 * 2**29)
+        self.assertEqual({card.name: card.compute_capability for card in cards}["RTX 4090"], (8, 9))
+        self.assertIsNone(cards[0].compute_capability, "a card given by its memory")
+        # A 24 GB card does not give 24 GiB: a need of 22 GiB fits an RTX 4090 (22.5 GiB), not a "24GB" card.
+        self.assertLess(resolve_cards(BINARY, "24GB")[0].usable, 21 * 2**30)
+        # "a100" is two cards (A100 40GB, A100 80GB): refused, with both.
+        with self.assertRaisesRegex(Exit, "--cards 'a100': 'a100' names more than one card: A100 40GB, A100 80GB$"):
             resolve_cards(BINARY, "a100")
         # A binary named but missing is an error, not a fall back to another build.
         with self.assertRaisesRegex(Exit, "--tidepool /nonexistent/tidepool: not an executable"):

@@ -477,9 +477,39 @@ fn cards_lists_each_cards_memory_and_what_an_allocator_gets() {
     for (json, card) in cards.iter().zip(CARDS) {
         assert_eq!(json["name"], card.name);
         assert_eq!(json["usable_bytes"].as_u64().unwrap(), (card.total_mib << 20) - CONTEXT_BYTES);
+        assert_eq!(json["compute_capability"], card.compute_capability_text());
+        assert_eq!(json["aliases"].as_array().unwrap().len(), card.aliases.len());
     }
     let (ok, _, stderr) = tidepool_cli(&["cards", "--all"]);
     assert!(!ok && stderr.contains("cards: unknown option --all"), "{stderr}");
+}
+
+#[test]
+fn cards_given_by_name_or_by_memory_are_those_listed() {
+    use tidepool_tools::trace::cards::CONTEXT_BYTES;
+    let (ok, stdout, stderr) = tidepool_cli(&["cards", "--json", "h100 80gb", "4090,24GB"]);
+    assert!(ok, "{stderr}");
+    let listed: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let names: Vec<&str> = listed["cards"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["H100", "RTX 4090", "24 GB"]);
+    let memory = &listed["cards"][2];
+    assert_eq!(memory["usable_bytes"].as_u64().unwrap(), 24_000_000_000 - CONTEXT_BYTES);
+    assert!(memory["compute_capability"].is_null(), "{memory}");
+    let (ok, stdout, _) = tidepool_cli(&["cards", "T4", "22.5GiB"]);
+    assert!(ok);
+    assert!(stdout.starts_with("The cards given:"), "{stdout}");
+    assert!(stdout.contains("T4           15360 MiB           13.5 GiB  7.5      Tesla T4"), "{stdout}");
+    assert!(stdout.contains("22.5 GiB     23040 MiB           21.0 GiB  -"), "{stdout}");
+    for (args, said) in [
+        (&["cards", "a100"][..], "tidepool: cards: 'a100' names more than one card: A100 40GB, A100 80GB\n"),
+        (&["cards", "24"][..], "tidepool: cards: '24': a card's memory needs its unit: write 24GB"),
+        (&["cards", "T4", "V100"][..], "tidepool: cards: 'V100' is neither a card (T4, A10G,"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tidepool")).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(out.stdout.is_empty() && stderr.starts_with(said), "{args:?}: {stderr}");
+    }
 }
 
 fn tidepool_cli(args: &[&str]) -> (bool, String, String) {

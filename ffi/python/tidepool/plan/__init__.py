@@ -6,7 +6,9 @@ imports them when it runs).
 The planner never touches libtidepool: it records a model's allocations on
 the meta device and hands the trace to the `tidepool` command. Its modules:
 - command.py: the command line, the variants of a sweep, the tidepool
-  command it runs (`tidepool cards`, `tidepool plan`), the report;
+  command it runs (`tidepool plan`), the report;
+- cards.py: the cards of --cards (`tidepool cards` resolves them) and
+  which of them a variant's recording stands for (no bf16 below sm80);
 - record.py: the Recorder, a model's allocation trace on the meta device
   (also `python -m tidepool.record`);
 - step.py: one variant's recorded run (precision, adapters,
@@ -19,6 +21,7 @@ the meta device and hands the trace to the `tidepool` command. Its modules:
 tidepool.record, tidepool.workload, tidepool.autocast and
 tidepool.attention are these modules under the names documented first.
 """
+from .cards import resolve_cards
 from .command import (
     DEFAULT_CARDS,
     GIB,
@@ -27,7 +30,6 @@ from .command import (
     largest_batches,
     main,
     parse_args,
-    resolve_cards,
     run,
     variants,
 )

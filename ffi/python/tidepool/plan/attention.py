@@ -11,6 +11,9 @@ the choice PyTorch makes on a current GPU (sm80 and later):
   of 8 (it takes float32 and masks);
 - the math path in all other cases,
 and calls that kernel's operator, whose meta kernel and backward exist.
+An sm75 card (the T4) chooses otherwise (no flash attention, no bf16 in
+the fused kernels): cards.py says which precisions a recording stands for
+there.
 """
 import torch
 from torch.overrides import TorchFunctionMode

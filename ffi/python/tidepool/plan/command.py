@@ -25,6 +25,8 @@ import sysconfig
 import tempfile
 import time
 
+from .cards import left_out, notes, resolve_cards, runnable, unsupported
+
 GIB = 1 << 30
 DEFAULT_CARDS = "T4,L4,RTX 4090,A100 40GB,L40S,H100,H200,B200"
 
@@ -155,8 +157,10 @@ def parse_args(argv):
                              "(batch, seq, precision, checkpointing, accumulation, optimizer, steps, lora-rank, "
                              "new-tokens, ddp, fsdp, zero1, zero2, task, loop) or set.FIELD for a configuration field")
     parser.add_argument("--cards", default=DEFAULT_CARDS,
-                        help="cards by name (`tidepool cards` lists them and what an allocator gets of each) or "
-                             "sizes in GiB an allocator gets, comma-separated")
+                        help="cards, comma-separated: by name or alias (`tidepool cards` lists them, what an "
+                             "allocator gets of each and their compute capability), or by their memory with its "
+                             "unit, of which an allocator gets all but 1.5 GiB (24GB: 24*10^9 bytes, as vendors "
+                             "state it; 24GiB: 24*2^30)")
     parser.add_argument("--json", action="store_true", help="one JSON object per variant, one per line")
     parser.add_argument("--keep-traces", metavar="DIR", help="keep each variant's trace (RMM CSV) in DIR")
     parser.add_argument("--plot", metavar="OUT.svg", help="memory by category over the step, and the smallest "
@@ -270,51 +274,8 @@ def _plan_result(process):
         raise RuntimeError(f"tidepool plan printed no JSON: {(lines or [''])[-1][:200]!r}") from None
 
 
-def _card_key(name):
-    return "".join(c for c in name.lower() if c.isalnum())
-
-
-def resolve_cards(binary, text):
-    """The cards of --cards, smallest first: [(name, bytes an allocator gets)].
-    An entry is a card the tidepool command knows (`tidepool cards`: its
-    total as nvidia-smi shows it, less the driver's and the CUDA context's
-    share) or a number of GiB an allocator gets."""
-    try:
-        listed = subprocess.run([binary, "cards", "--json"], capture_output=True, text=True, check=True).stdout
-        known = {_card_key(c["name"]): (c["name"], c["usable_bytes"]) for c in json.loads(listed)["cards"]}
-    except (OSError, subprocess.CalledProcessError, ValueError, KeyError, TypeError) as err:
-        raise Exit(f"{binary} cards --json failed ({err}): is it an older tidepool command?") from None
-    cards = {}
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
-        key = _card_key(entry)
-        # A name in full, or the end of exactly one ("4090": the RTX 4090).
-        ends = [card for name, card in known.items() if name.endswith(key)] if key else []
-        card = known.get(key) or (ends[0] if len(ends) == 1 else None)
-        if card is None:
-            number = entry.rstrip()
-            for unit in ("gib", "gb", "g"):
-                if number.lower().endswith(unit):
-                    number = number[: -len(unit)]
-                    break
-            try:
-                gib = float(number)
-            except ValueError:
-                names = ", ".join(name for name, _ in known.values())
-                raise Exit(f"--cards {text!r}: {entry!r} is neither a card ({names}) nor a size in GiB") from None
-            # (NaN compares false: refused here by name.)
-            if not 0 < gib < float("inf"):
-                raise Exit(f"--cards {text!r}: expected cards or positive sizes in GiB")
-            card = (f"{int(gib) if gib.is_integer() else gib} GiB", int(gib * GIB))
-        cards[card[0]] = card[1]
-    if not cards:
-        raise Exit(f"--cards {text!r}: expected cards or positive sizes in GiB")
-    return sorted(cards.items(), key=lambda card: card[1])
-
-
 def _fits(need, cards):
-    return [name for name, usable in cards if need <= usable]
+    return [name for name, usable, *_ in cards if need <= usable]
 
 
 class _Progress:
@@ -422,6 +383,8 @@ def run(argv=None):
 
 
 def _finish(result, cards):
+    result["cards_left_out"] = left_out(cards, result["options"])
+    cards = runnable(cards, result["options"])
     try:
         plan = _plan_result(result.pop("process"))
         result["pytorch"] = plan["pytorch"]["min_capacity_bytes"]
@@ -466,6 +429,7 @@ def _report(args, results, cards, sweeps):
                 "fits": r["fits"],
                 "fits_pytorch": r["fits_pytorch"],
                 "fits_pytorch_expandable": r["fits_pytorch_expandable"],
+                "cards_left_out": r["cards_left_out"],
                 "trace": r["trace"],
             }))
         return
@@ -499,6 +463,8 @@ def _report(args, results, cards, sweeps):
     print("copies: weights cast to another type (autocast's); needs: the smallest device the step fits (PyTorch's "
           "caching allocator, without and with expandable_segments:True; tidepool with expandable segments); smallest "
           "card: the smallest of --cards that holds it with tidepool (what a card gives an allocator: `tidepool cards`)")
+    for line in notes(cards, [r for r in results if "error" not in r]):
+        print(line)
     for line in largest_batches(results, cards, swept):
         print(line)
     for r in results:
@@ -521,12 +487,17 @@ def largest_batches(results, cards, swept):
         ok = [r for r in members if "error" not in r]
         where = " ".join(f"{k}={v}" for k, v in key)
         parts = []
-        for name, usable in cards:
+        for card in cards:
+            name, usable = card[:2]
+            planned = [r for r in ok if not unsupported(card, r["options"])]
+
             def largest(allocator):
-                return max((r["options"]["batch"] for r in ok if r[allocator] <= usable), default=None)
+                return max((r["options"]["batch"] for r in planned if r[allocator] <= usable), default=None)
 
             best, best_pt, best_px = largest("tidepool"), largest("pytorch"), largest("pytorch_expandable")
-            if best is None:
+            if ok and not planned:
+                parts.append(f"{name}: {unsupported(card, ok[0]['options'])}")
+            elif best is None:
                 parts.append(f"{name}: none")
             elif best_pt == best and best_px == best:
                 parts.append(f"{name}: {best}")
