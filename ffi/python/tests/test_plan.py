@@ -479,7 +479,7 @@ class ScriptShapes(unittest.TestCase):
         self.assertNotIn("default: None", text)
 
     def test_a_table_without_a_sweep_has_no_variant_column(self):
-        status, out, err = plan(*LLAMA, "--steps", "1", "--cards", "24")
+        status, out, err = plan(*LLAMA, "--steps", "1", "--cards", "24GB")
         self.assertEqual(status, 0, err)
         head = out.splitlines()[1].split()
         self.assertEqual(head[:2], ["peak", "live"], out)
