@@ -89,7 +89,8 @@ class Sweep(unittest.TestCase):
         for r in self.rows:
             self.assertEqual(set(r), {"variant", "peak_live_bytes", "breakdown", "pytorch_min_capacity_bytes",
                                       "pytorch_expandable_min_capacity_bytes", "tidepool_min_capacity_bytes",
-                                      "fits", "fits_pytorch", "fits_pytorch_expandable", "cards_left_out",
+                                      "fits", "fits_pytorch", "fits_pytorch_expandable", "jobs", "jobs_pytorch",
+                                      "jobs_pytorch_expandable", "cards_left_out",
                                       "trace"})
             self.assertEqual(set(r["breakdown"]), {"weights_bytes", "gradients_bytes", "optimizer_bytes",
                                                    "precision_copies_bytes", "activations_bytes"})
@@ -170,8 +171,10 @@ class LargestBatches(unittest.TestCase):
     def test_pytorchs_allocators_are_named_where_either_holds_another_batch(self):
         from tidepool.plan import largest_batches
 
+        from tidepool.plan.cards import Card
+
         results = [self.result(1, 10, 11, 10), self.result(2, 20, 26, 23), self.result(4, 40, 50, 44)]
-        cards = [("8 GiB", 8 * GIB), ("L4", 24 * GIB), ("25 GiB", 25 * GIB), ("H100", 48 * GIB)]
+        cards = [Card("8 GiB", 8 * GIB), Card("L4", 24 * GIB), Card("25 GiB", 25 * GIB), Card("H100", 48 * GIB)]
         line, = largest_batches(results, cards, ["batch"])
         self.assertEqual(line, "largest batch: 8 GiB: none; L4: 2 (PyTorch 1, with expandable segments 2); "
                                "25 GiB: 2 (PyTorch 1, with expandable segments 2); "
@@ -183,6 +186,44 @@ class LargestBatches(unittest.TestCase):
         self.assertEqual(largest_batches(one_less, cards[1:2], ["batch"]),
                          ["largest batch: L4: 2 (PyTorch 2, with expandable segments 1)"])
         self.assertEqual(largest_batches(results, cards, ["precision"]), [], "no batch sweep, no line")
+
+
+class CardsAndJobs(unittest.TestCase):
+    """What a card's architecture adds to a need, and how many jobs share it."""
+
+    def test_the_cublas_workspace_is_32_mib_where_the_torch_release_gives_it(self):
+        from tidepool.plan.record import DEFAULT_CUBLAS_WORKSPACE as small, cublas_workspace_bytes as size
+
+        large = 32 << 20
+        self.assertEqual(size(None), small, "a card of unknown architecture: the default's")
+        self.assertEqual(size((8, 9), (2, 15)), small)
+        self.assertEqual([size((9, 0), v) for v in ((2, 0), (2, 10), (2, 15))], [large] * 3, "Hopper, since 2.0")
+        self.assertEqual([size((10, 0), v) for v in ((2, 10), (2, 11))], [small, large], "Blackwell, since 2.11")
+        self.assertEqual([size((11, 0), v) for v in ((2, 13), (2, 14))], [small, large], "Thor, since 2.14")
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:1"
+        try:
+            self.assertEqual(size((9, 0), (2, 15)), 4 << 20, "the variable, where set, on any card")
+        finally:
+            del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+
+    def test_a_need_on_a_hopper_card_counts_each_threads_larger_workspace(self):
+        from tidepool.plan.cards import Card, need_on
+        from tidepool.plan.record import DEFAULT_CUBLAS_WORKSPACE
+
+        result = {"workspaces": 2, "workspace_bytes": DEFAULT_CUBLAS_WORKSPACE}
+        h100, l40s = Card("H100", 78 * GIB, (9, 0), 80 * GIB), Card("L40S", 43 * GIB, (8, 9), 45 * GIB)
+        self.assertEqual(need_on(l40s, GIB, result), GIB)
+        self.assertEqual(need_on(h100, GIB, result), GIB + 2 * ((32 << 20) - DEFAULT_CUBLAS_WORKSPACE))
+        self.assertEqual(need_on(h100, GIB, {}), GIB, "a result without its workspaces: as recorded")
+
+    def test_jobs_side_by_side_keep_room_for_one_more_and_a_context_each(self):
+        from tidepool.plan.cards import Card, jobs_side_by_side
+
+        card = Card("80 GiB", 78 * GIB, None, 80 * GIB)  # a context of 2 GiB
+        self.assertEqual(jobs_side_by_side(card, 18 * GIB), 3, "four of 20 GiB fill it: three run, one kept free")
+        self.assertEqual(jobs_side_by_side(card, 17 * GIB), 4 - 1, "80 / 19: four fit")
+        self.assertEqual(jobs_side_by_side(card, 14 * GIB), 4, "80 / 16: five fit, four run")
+        self.assertEqual(jobs_side_by_side(card, 40 * GIB), 0, "not two: none beside its reserve")
 
 
 @unittest.skipIf(SKIP, SKIP)
@@ -477,6 +518,21 @@ class ScriptShapes(unittest.TestCase):
                      "(default: 2)", "default: trainer for hf: models", "default: the model's context length"):
             self.assertIn(said, text)
         self.assertNotIn("default: None", text)
+
+    def test_each_variant_says_how_many_of_its_jobs_share_each_card(self):
+        status, out, err = plan(*LLAMA, "--steps", "1", "--json", "--cards", "T4,H100")
+        self.assertEqual(status, 0, err)
+        (r,) = rows(out)
+        self.assertEqual(set(r["jobs"]), {"T4", "H100"})
+        h100 = 81_559 << 20
+        # The need on an H100 (its two threads' 32 MiB workspaces) and a 1.5 GiB context per job.
+        need = r["tidepool_min_capacity_bytes"] + 2 * ((32 << 20) - 8_519_680)
+        self.assertEqual(r["jobs"]["H100"], h100 // (need + (3 << 29)) - 1)
+        self.assertLessEqual(r["jobs_pytorch"]["H100"], r["jobs"]["H100"])
+        status, out, err = plan(*LLAMA, "--steps", "1", "--cards", "T4,H100", "--sweep", "batch=1,2")
+        self.assertEqual(status, 0, err)
+        self.assertIn("jobs side by side per card, by the N+1 rule", out)
+        self.assertRegex(out, r"\n  batch=1: T4 \d+(?: \(PyTorch \d+\))?, H100 \d+")
 
     def test_a_table_without_a_sweep_has_no_variant_column(self):
         status, out, err = plan(*LLAMA, "--steps", "1", "--cards", "24GB")

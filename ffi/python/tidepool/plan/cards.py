@@ -30,9 +30,11 @@ import json
 import subprocess
 from collections import namedtuple
 
-# A card of --cards: its name, the bytes an allocator gets of it, and its
-# compute capability as (major, minor), None for a card given by its memory.
-Card = namedtuple("Card", "name usable compute_capability")
+# A card of --cards: its name, the bytes an allocator gets of it, its
+# compute capability as (major, minor) (None for a card given by its
+# memory) and its memory (what the driver, the processes' CUDA contexts
+# and their allocators share).
+Card = namedtuple("Card", "name usable compute_capability total", defaults=(None, None))
 
 
 def resolve_cards(binary, text):
@@ -61,7 +63,7 @@ def resolve_cards(binary, text):
         for card in listed:
             capability = card["compute_capability"]
             capability = tuple(int(part) for part in capability.split(".")) if capability else None
-            cards[card["name"]] = Card(card["name"], card["usable_bytes"], capability)
+            cards[card["name"]] = Card(card["name"], card["usable_bytes"], capability, card["total_bytes"])
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise Exit(f"{binary} cards --json printed no cards ({err!r}): is it an older tidepool command?") from None
     return sorted(cards.values(), key=lambda card: card.usable)
@@ -97,3 +99,26 @@ def notes(cards, results):
                          "bf16 tensor cores, and PyTorch's fused attention kernels take no bf16 below 8.0 (the "
                          "recording follows 8.0 and later)")
     return lines
+
+
+def need_on(card, need, result):
+    """The bytes a variant that needs `need` as recorded needs on `card`:
+    where PyTorch gives the card a larger cuBLAS workspace than the
+    recording's (32 MiB on Hopper and later, record.py), the difference
+    for each thread that ran a matmul."""
+    from .record import cublas_workspace_bytes
+
+    recorded = result.get("workspace_bytes")
+    if recorded is None:
+        return need
+    larger = cublas_workspace_bytes(card.compute_capability) - recorded
+    return need + result.get("workspaces", 0) * max(0, larger)
+
+
+def jobs_side_by_side(card, need):
+    """How many jobs that each need `need` run on `card` side by side with
+    room for one more kept free (the "N+1" rule): the largest N for which
+    N+1 of them fit the card's memory, each with what its process's CUDA
+    context takes (the card's memory less what an allocator gets of it)."""
+    context = card.total - card.usable
+    return max(0, card.total // (need + context) - 1)

@@ -25,7 +25,7 @@ import sysconfig
 import tempfile
 import time
 
-from .cards import left_out, notes, resolve_cards, runnable, unsupported
+from .cards import jobs_side_by_side, left_out, need_on, notes, resolve_cards, runnable, unsupported
 
 GIB = 1 << 30
 DEFAULT_CARDS = "T4,L4,RTX 4090,A100 40GB,L40S,H100,H200,B200"
@@ -274,8 +274,9 @@ def _plan_result(process):
         raise RuntimeError(f"tidepool plan printed no JSON: {(lines or [''])[-1][:200]!r}") from None
 
 
-def _fits(need, cards):
-    return [name for name, usable, *_ in cards if need <= usable]
+# The allocators a variant's needs are replayed with, by the suffix of
+# their figures (fits, fits_pytorch, ...; jobs, jobs_pytorch, ...).
+ALLOCATORS = (("tidepool", ""), ("pytorch", "_pytorch"), ("pytorch_expandable", "_pytorch_expandable"))
 
 
 class _Progress:
@@ -342,6 +343,7 @@ def run(argv=None):
                 result["breakdown"] = rec.breakdown_at_peak()
                 result["record_seconds"] = time.perf_counter() - started
                 result["allocs"] = rec.allocs
+                result["workspaces"], result["workspace_bytes"] = len(rec.workspaces), rec.workspace_size
                 if args.plot:
                     timelines.append((name, rec.timeline()))
                 del rec
@@ -390,9 +392,10 @@ def _finish(result, cards):
         result["pytorch"] = plan["pytorch"]["min_capacity_bytes"]
         result["pytorch_expandable"] = plan["pytorch_expandable"]["min_capacity_bytes"]
         result["tidepool"] = plan["expandable"]["min_capacity_bytes"]
-        result["fits"] = _fits(result["tidepool"], cards)
-        result["fits_pytorch"] = _fits(result["pytorch"], cards)
-        result["fits_pytorch_expandable"] = _fits(result["pytorch_expandable"], cards)
+        for allocator, suffix in ALLOCATORS:
+            needs = {card: need_on(card, result[allocator], result) for card in cards}
+            result["fits" + suffix] = [card.name for card, need in needs.items() if need <= card.usable]
+            result["jobs" + suffix] = {card.name: jobs_side_by_side(card, need) for card, need in needs.items()}
     except (RuntimeError, ValueError, KeyError) as err:
         result["error"] = str(err)
 
@@ -430,6 +433,9 @@ def _report(args, results, cards, sweeps):
                 "fits_pytorch": r["fits_pytorch"],
                 "fits_pytorch_expandable": r["fits_pytorch_expandable"],
                 "cards_left_out": r["cards_left_out"],
+                "jobs": r["jobs"],
+                "jobs_pytorch": r["jobs_pytorch"],
+                "jobs_pytorch_expandable": r["jobs_pytorch_expandable"],
                 "trace": r["trace"],
             }))
         return
@@ -467,6 +473,8 @@ def _report(args, results, cards, sweeps):
         print(line)
     for line in largest_batches(results, cards, swept):
         print(line)
+    for line in jobs_lines(results, swept):
+        print(line)
     for r in results:
         if r.get("trace"):
             print(f"trace: {r['trace']}")
@@ -492,7 +500,8 @@ def largest_batches(results, cards, swept):
             planned = [r for r in ok if not unsupported(card, r["options"])]
 
             def largest(allocator):
-                return max((r["options"]["batch"] for r in planned if r[allocator] <= usable), default=None)
+                return max((r["options"]["batch"] for r in planned if need_on(card, r[allocator], r) <= usable),
+                           default=None)
 
             best, best_pt, best_px = largest("tidepool"), largest("pytorch"), largest("pytorch_expandable")
             if ok and not planned:
@@ -505,6 +514,27 @@ def largest_batches(results, cards, swept):
                 parts.append(f"{name}: {best} (PyTorch {best_pt or 'none'}, "
                              f"with expandable segments {best_px or 'none'})")
         lines.append(f"largest batch{' with ' + where if where else ''}: " + "; ".join(parts))
+    return lines
+
+
+def jobs_lines(results, swept):
+    """How many of each variant's jobs share each card by the N+1 rule,
+    with PyTorch's count in parentheses where it differs, and what that
+    assumes."""
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return []
+    lines = ["jobs side by side per card, by the N+1 rule (room for one more job kept free), each job a process "
+             "with its CUDA context (1.5 GiB, `tidepool cards`) and the memory it needs at its peak (tidepool's: "
+             "what its cache holds beyond that goes back to the others; PyTorch's: its cache keeps its peak), in "
+             "parentheses PyTorch's count where it differs:"]
+    for r in ok:
+        where = " ".join(f"{k}={r['label'][k]}" for k in swept)
+        parts = []
+        for name, count in r["jobs"].items():
+            theirs = r["jobs_pytorch"][name]
+            parts.append(f"{name} {count}" + (f" (PyTorch {theirs})" if theirs != count else ""))
+        lines.append(f"  {where + ': ' if where else ''}{', '.join(parts) or 'no card'}")
     return lines
 
 

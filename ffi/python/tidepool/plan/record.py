@@ -76,8 +76,14 @@ CATEGORIES = (WEIGHTS, GRADIENTS, OPTIMIZER, COPIES, ACTIVATIONS)
 
 # The cuBLAS workspace PyTorch allocates per (thread, stream) through its
 # caching allocator: CUBLAS_WORKSPACE_CONFIG's default, ":4096:2:16:8"
-# (two 4 MiB chunks and eight 16 KiB ones) in current torch.
+# (two 4 MiB chunks and eight 16 KiB ones), and 32 MiB on the cards
+# cuBLAS recommends it for (`_LARGE_WORKSPACE_MAJORS`).
 DEFAULT_CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+LARGE_CUBLAS_WORKSPACE = 32 << 20
+# The compute capability majors torch gives 32 MiB, by the release that
+# began to: 9.0 alone (Hopper) from torch 2.0; Blackwell (10 and 12) from
+# 2.11; 11 (Thor) from 2.14.
+_LARGE_WORKSPACE_MAJORS = (((2, 14), (9, 10, 11, 12)), ((2, 11), (9, 10, 12)))
 
 # Operators that call cuBLAS on CUDA (and so need the thread's workspace),
 # as the dispatcher shows them: composite ones (linear, matmul, einsum, ...)
@@ -98,14 +104,23 @@ _TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 _DATA = {_ITEM, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 
 
-def cublas_workspace_bytes():
+def cublas_workspace_bytes(compute_capability=None, torch_version=None):
     """The workspace one thread's cuBLAS handle takes: CUBLAS_WORKSPACE_CONFIG
-    (":SIZE_KIB:COUNT" pairs) when set, else PyTorch's default."""
+    (":SIZE_KIB:COUNT" pairs) when set, else PyTorch's default for a card of
+    `compute_capability` ((major, minor); None: one of compute capability
+    8.x, the default's) under `torch_version` ((major, minor); None: the
+    installed torch's)."""
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
     parts = [p for p in config.split(":") if p]
     if len(parts) >= 2 and len(parts) % 2 == 0 and all(p.isdigit() for p in parts):
         return sum(int(size) * 1024 * int(count) for size, count in zip(parts[::2], parts[1::2]))
-    return DEFAULT_CUBLAS_WORKSPACE
+    if compute_capability is None:
+        return DEFAULT_CUBLAS_WORKSPACE
+    if torch_version is None:
+        torch_version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    majors = next((majors for since, majors in _LARGE_WORKSPACE_MAJORS if torch_version >= since), None)
+    large = compute_capability[0] in majors if majors else tuple(compute_capability) == (9, 0)
+    return LARGE_CUBLAS_WORKSPACE if large else DEFAULT_CUBLAS_WORKSPACE
 
 
 class _Live:
