@@ -8,7 +8,10 @@ use tidepool::{registry, Config};
 use tidepool_tools::trace::replay::Policy;
 use tidepool_tools::trace::{self, Trace};
 
-/// "24GiB", "512M", "1073741824" -> bytes.
+/// "24GiB", "512M", "24GB", "1073741824" -> bytes. KiB, MiB, GiB and TiB
+/// and their first letters alone (K, M, G, T) are binary, as PyTorch and
+/// `nvidia-smi` count; KB, MB, GB and TB decimal, as `--cards` and card
+/// vendors read them (24GB: 24·10^9 bytes).
 pub fn size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
@@ -16,10 +19,14 @@ pub fn size(text: &str) -> Result<u64, String> {
     let number: f64 = number.parse().map_err(|_| format!("bad size {text:?}"))?;
     let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
-        "k" | "kib" | "kb" => 1 << 10,
-        "m" | "mib" | "mb" => 1 << 20,
-        "g" | "gib" | "gb" => 1 << 30,
-        "t" | "tib" | "tb" => 1 << 40,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
         _ => return Err(format!("bad size {text:?}: unknown unit {unit:?}")),
     };
     let bytes = number * scale as f64;
@@ -123,4 +130,20 @@ pub fn load(path: &Path) -> Result<Trace, String> {
         eprintln!("tidepool: {}: {count} {noun}, first: {}", path.display(), trace.warnings.first[0]);
     }
     Ok(trace)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size;
+
+    #[test]
+    fn sizes_read_binary_and_decimal_units_as_their_names_say() {
+        assert_eq!(size("24GiB"), Ok(24 << 30));
+        assert_eq!(size("24G"), Ok(24 << 30));
+        assert_eq!(size("24GB"), Ok(24_000_000_000), "GB as --cards and vendors read it");
+        assert_eq!(size("1.5 MB"), Ok(1_500_000));
+        assert_eq!(size("1073741824"), Ok(1 << 30));
+        assert!(size("24 GiBs").unwrap_err().contains("unknown unit"));
+        assert!(size("8").unwrap_err().contains("write its unit"));
+    }
 }

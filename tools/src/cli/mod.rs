@@ -38,8 +38,8 @@ pub(crate) use out;
 const SEE_HELP: &str = " (`tidepool help` lists the commands and their options)";
 
 /// How sizes are written, after the help of the commands that take one.
-const SIZES: &str = "SIZE: a number with its unit, KiB, MiB, GiB or TiB (K, M, G, T and KB, MB, GB, TB: the same, \
-powers of 1024), or bytes (from 1 MiB).";
+const SIZES: &str = "SIZE: a number with its unit, KiB, MiB, GiB or TiB (K, M, G, T: the same, powers of 1024) or KB, \
+MB, GB, TB (powers of 1000, as cards are sold: 24GB is 24*10^9 bytes), or bytes (from 1 MiB).";
 
 /// Every help page: what the command does, then its usage and options.
 const HELP: &str = "{about-with-newline}\nusage:\n  {usage}\n\n{all-args}{after-help}";
