@@ -104,7 +104,10 @@ def parse_args(argv):
                              "bf16 / fp16: the whole model in that type")
     parser.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing per block")
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches of --batch per optimizer step")
-    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    parser.add_argument("--optimizer", default=None, choices=OPTIMIZERS, metavar="NAME",
+                        help="for --task train (default: the factory's own optimizer if a module: factory returns "
+                             "one, else adamw): " + "; ".join(f"{name}: {what}" for name, (what, _) in
+                                                              OPTIMIZERS.items()))
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (peft), base frozen")
     parser.add_argument("--ddp", type=int, default=0, metavar="N",
                         help="DistributedDataParallel over N ranks (PyTorch's fake process group), one rank recorded")
@@ -340,6 +343,7 @@ def run(argv=None):
             try:
                 rec = step.record(args.model, sets, options, trace)
                 seq = rec.seq
+                result["optimizer"] = getattr(rec, "optimizer", None)  # the one used, --optimizer or the factory's
                 result["peak"], _ = rec.peak()
                 result["breakdown"] = rec.breakdown_at_peak()
                 result["record_seconds"] = time.perf_counter() - started
@@ -403,6 +407,8 @@ def _variant_json(args, result):
     options = dict(result["options"])
     if options.get("seq") is None and result.get("seq") is not None:
         options["seq"] = result["seq"]  # the model's default length, which was used
+    if options.get("optimizer") is None:
+        options["optimizer"] = result.get("optimizer")  # the default or the factory's, when one was used
     variant = {"model": args.model, **{k: v for k, v in options.items()}, "set": result["sets"],
                "torch": torch.__version__}
     return variant
