@@ -12,7 +12,7 @@ them; its for-loop: one parameter's at a time; fused: none).
 """
 import torch
 
-from .workload import FactoryError, PlanError
+from .workload import FactoryError, PlanError, _traceback
 
 # name -> (what it is, for --help; how it is made from the parameters to train)
 OPTIMIZERS = {
@@ -31,12 +31,6 @@ OPTIMIZERS = {
 DEFAULT = "adamw"
 
 
-def describe(optimizer):
-    """The class of an optimizer the factory made, as the variant names it."""
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def build(options, work, model):
     """The optimizer of a training variant, and its name for the report.
 
@@ -44,7 +38,7 @@ def build(options, work, model):
     factory's own if it has one, else DEFAULT). work.optimizer: the
     factory's, None, an Optimizer over the model's parameters as built, or
     a callable making one from the parameters to train."""
-    own, name = work.optimizer, options["optimizer"]
+    own, name = work.optimizer, options.get("optimizer")
     if own is not None and name is not None:
         raise PlanError(f"--optimizer {name}: the factory returns its own optimizer; leave --optimizer out "
                         "(or return the model alone to plan PyTorch's)")
@@ -67,14 +61,13 @@ def build(options, work, model):
         try:
             optimizer = own(trainable)
         except Exception:  # noqa: BLE001 - the user's callable raised: show its traceback
-            import traceback
-
-            raise FactoryError(traceback.format_exc()) from None
+            raise FactoryError(_traceback()) from None
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PlanError(f"the factory's optimizer callable returned {type(optimizer).__name__}; expected a "
                             "torch.optim.Optimizer")
     check(optimizer, model)
-    return optimizer, describe(optimizer)
+    cls = type(optimizer)
+    return optimizer, f"{cls.__module__}.{cls.__qualname__}"  # the variant names the factory's by its class
 
 
 def check(optimizer, model):
