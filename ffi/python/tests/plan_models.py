@@ -257,3 +257,58 @@ class EmbeddingOnly(nn.Module):
 
 def embedding_only():
     return EmbeddingOnly()
+
+
+# Factories the planner cannot use (test_plan.BadInput).
+class NoParameters(nn.Module):
+    def forward(self, ids):
+        return nn.functional.one_hot(ids, 8).float()
+
+
+def no_parameters():
+    return NoParameters()
+
+
+def foreign_optimizer():
+    """An optimizer over another model's parameters."""
+    model, other = tiny_lm(), tiny_lm()
+    return model, torch.optim.AdamW(other.parameters())
+
+
+def not_an_optimizer():
+    return tiny_lm(), "adamw"
+
+
+def three_things():
+    model = tiny_lm()
+    return model, torch.optim.AdamW(model.parameters()), "extra"
+
+
+class TwoInputs(nn.Module):
+    """Needs a mask besides the token ids: a Workload's to feed."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+
+    def forward(self, ids, mask):
+        return self.embed(ids) * mask
+
+
+def two_inputs():
+    return TwoInputs()
+
+
+class Pooled(nn.Module):
+    """Returns one vector per sequence, not logits per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+
+    def forward(self, ids):
+        return self.embed(ids).mean(1)
+
+
+def pooled():
+    return Pooled()

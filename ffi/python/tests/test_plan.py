@@ -18,6 +18,7 @@ import textwrap
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")  # own_optimizer.py: a factory with its optimizer
 GIB = 1 << 30
 NEEDED = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]
 BINARY = os.environ.get("TIDEPOOL_BIN") or shutil.which("tidepool")
@@ -514,7 +515,7 @@ class ScriptShapes(unittest.TestCase):
         status, out, err = plan("--help")
         self.assertEqual(status, 0, err)
         text = " ".join(out.split())
-        for said in ("micro-batch (default: 1)", "(default: train)", "(default: fp32)", "(default: adamw)",
+        for said in ("micro-batch (default: 1)", "(default: train)", "(default: fp32)", "else adamw)",
                      "(default: 2)", "default: trainer for hf: models", "default: the model's context length"):
             self.assertIn(said, text)
         self.assertNotIn("default: None", text)
@@ -540,6 +541,149 @@ class ScriptShapes(unittest.TestCase):
         head = out.splitlines()[1].split()
         self.assertEqual(head[:2], ["peak", "live"], out)
         self.assertIn("copies", head)
+
+
+@unittest.skipIf(SKIP, SKIP)
+class Optimizers(unittest.TestCase):
+    """Each --optimizer as PyTorch runs it on CUDA, and a factory's own: the
+    state they keep and the temporaries of their steps, on plan_models'
+    tiny_lm (21 parameters, 2,624,000 bytes in fp32)."""
+
+    BASE = dict(task="train", batch=1, seq=64, precision="fp32", checkpointing=False, accumulation=1,
+                optimizer=None, steps=2, lora_rank=0, new_tokens=0, ddp=0, fsdp=0)
+
+    @classmethod
+    def setUpClass(cls):
+        import torch
+
+        for path in (HERE, EXAMPLES):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        import plan_models
+
+        with torch.device("meta"):
+            model = plan_models.tiny_lm()
+        cls.sizes = [p.numel() * 4 for p in model.parameters()]
+        # Adafactor's state: a row and a column of second moments per matrix, a whole one per vector.
+        cls.factored = sum((p.shape[0] + p.shape[1] if p.dim() == 2 else p.numel()) * 4 for p in model.parameters())
+
+    @staticmethod
+    def step_figures(rec):
+        """(state after step 2, temporaries of step 2's optimizer step: the
+        most it added to what was live as it began)."""
+        marks = dict(rec.marks)
+        begin, end = marks["step 2: optimizer"], marks["step 2"]
+        live = start = most = sum(e[3] if e[1] == "allocate" else -e[3] for e in rec.events[:begin])
+        for _, action, _, size, _ in rec.events[begin:end]:
+            live += size if action == "allocate" else -size
+            most = max(most, live)
+        return rec.breakdown_at(end - 1)["optimizer"], most - start
+
+    def test_each_implementation_keeps_its_state_and_allocates_its_steps_temporaries(self):
+        from tidepool.plan import step
+
+        sizes, params = self.sizes, sum(self.sizes)
+        self.assertEqual((len(sizes), params), (21, 2_624_000))
+        # The for-loop's denominator of a parameter is made while the last
+        # one's is still held: sqrt, then the division (sqrt freed after).
+        loop = max(2 * size + (sizes[i - 1] if i else 0) for i, size in enumerate(sizes))
+        self.assertEqual(loop, 786_432)  # w1's denominator, then w3's sqrt and quotient (512 x 128 each)
+        expected = {
+            "adamw": (2 * params, params),  # foreach: one sqrt per parameter, all at once
+            "adamw-loop": (2 * params, loop),
+            "adamw-fused": (2 * params + 4 * len(sizes), 0),  # its fp32 step counters are on the device
+            "sgd": (params, 0),  # the momentum buffers, updated in place
+            "sgd-plain": (0, 0),
+        }
+        for name in (*expected, "adafactor"):
+            rec = step.record("module:plan_models:tiny_lm", {}, dict(self.BASE, optimizer=name), None)
+            self.assertEqual(rec.optimizer, name)
+            state, temporaries = self.step_figures(rec)
+            if name == "adafactor":
+                self.assertEqual(state, self.factored)
+                self.assertGreater(temporaries, 0)
+                self.assertLess(temporaries, params / 4, "a loop: one parameter's temporaries at a time")
+            else:
+                self.assertEqual((state, temporaries), expected[name], name)
+            # At the peak the column holds the state, never a step's temporaries.
+            self.assertEqual(rec.breakdown_at_peak()["optimizer"], state, name)
+
+    def test_pytorchs_memtracker_sees_the_same_steps(self):
+        import torch
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        import plan_models
+        from tidepool.plan.optimizer import OPTIMIZERS
+        from tidepool.record import Recorder
+
+        meta = torch.device("meta")
+        for name, (_, make) in OPTIMIZERS.items():
+            with meta:
+                model = plan_models.tiny_lm()
+            optimizer = make(list(model.parameters()))
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
+            # One run seen by both (the recorder makes optimizers choose as on CUDA).
+            with tracker, Recorder(None, cublas_workspace=0) as rec:
+                rec.track(model, optimizer)
+                for p in model.parameters():
+                    p.grad = torch.ones_like(p)
+                for _ in range(2):
+                    optimizer.step()
+            peak, now = tracker.get_tracker_snapshot("peak")[meta], tracker.get_tracker_snapshot()[meta]
+            ours = rec.breakdown_at_peak()
+            self.assertEqual(peak["Total"], rec.peak()[0], name)
+            self.assertEqual(now["Optstate"], rec.breakdown_at(len(rec.events) - 1)["optimizer"], name)
+            # MemTracker counts what the step allocates as optimizer memory; here
+            # its temporaries are temporaries (activations) and the state alone optimizer.
+            self.assertEqual(peak["Optstate"], ours["optimizer"] + ours["activations"], name)
+
+    def test_a_factorys_own_optimizer_makes_its_state_at_the_first_step(self):
+        import torch
+
+        import own_optimizer
+        from tidepool.plan import step
+
+        with torch.device("meta"):
+            sizes = [p.numel() * 4 for p in own_optimizer.model().parameters()]
+        params = sum(sizes)
+        rec = step.record("module:own_optimizer:model_and_optimizer", {}, self.BASE, None)
+        self.assertEqual(rec.optimizer, "own_optimizer.LoopAdamW")
+        marks = dict(rec.marks)
+        self.assertEqual(rec.breakdown_at(marks["step 1: optimizer"] - 1)["optimizer"], 0, "no state before its step")
+        first = [e for e in rec.events[marks["step 1: optimizer"]:marks["step 1"]] if e[1] == "allocate"]
+        self.assertEqual(sum(e[3] for e in first if e[4] == "aten.zeros_like.default"), 2 * params)
+        state, temporaries = self.step_figures(rec)
+        self.assertEqual(state, 2 * params)
+        # Its loop holds one parameter's denominator while it makes the next.
+        self.assertEqual(temporaries, max(size + (sizes[i - 1] if i else 0) for i, size in enumerate(sizes)))
+        status, out, err = plan("module:own_optimizer:model_and_optimizer", "--seq", "64", "--json")
+        self.assertEqual(status, 0, err)
+        (r,) = rows(out)
+        self.assertEqual(r["variant"]["optimizer"], "own_optimizer.LoopAdamW")
+        self.assertEqual(r["breakdown"]["optimizer_bytes"], 2 * params)
+
+    def test_a_sweep_of_optimizers_and_the_default_named_in_the_variant(self):
+        status, out, err = plan("module:plan_models:tiny_lm", "--seq", "64", "--json",
+                                "--sweep", "optimizer=adamw,adamw-loop,adamw-fused")
+        self.assertEqual(status, 0, err)
+        foreach, loop, fused = rows(out)
+        self.assertEqual([r["variant"]["optimizer"] for r in (foreach, loop, fused)],
+                         ["adamw", "adamw-loop", "adamw-fused"])
+        # The step's temporaries make the difference (the backward's peak may be the fused step's).
+        self.assertEqual(foreach["peak_live_bytes"] - loop["peak_live_bytes"], 2_624_000 - 786_432)
+        self.assertGreater(loop["peak_live_bytes"], fused["peak_live_bytes"])
+        self.assertEqual({r["breakdown"]["optimizer_bytes"] for r in (foreach, loop)}, {2 * 2_624_000})
+        status, out, err = plan("module:plan_models:tiny_lm", "--seq", "64", "--json")
+        self.assertEqual(rows(out)[0]["variant"]["optimizer"], "adamw")
+
+    def test_a_factorys_optimizer_maker_trains_lora_adapters(self):
+        status, out, err = plan("module:own_optimizer:model_and_optimizer_maker", "--seq", "64", "--json",
+                                "--sweep", "lora-rank=0,8")
+        self.assertEqual(status, 0, err)
+        full, lora = rows(out)
+        self.assertEqual(lora["variant"]["optimizer"], "own_optimizer.LoopAdamW")
+        self.assertLess(lora["breakdown"]["optimizer_bytes"], full["breakdown"]["optimizer_bytes"] / 20)
 
 
 SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "shared"))
@@ -668,6 +812,30 @@ class BadInput(unittest.TestCase):
         self.assertIn("a Workload's inputs are its own", self.fails("module:plan_models:image_workload", "--task", "generate"))
         self.assertIn("no linear layers peft can wrap",
                       self.fails("module:plan_models:embedding_only", "--lora-rank", "4"))
+
+    def test_a_factory_the_planner_cannot_train_is_named(self):
+        self.assertIn("NoParameters has no parameters that require gradients",
+                      self.fails("module:plan_models:no_parameters"))
+        self.assertIn("the factory's AdamW holds 21 of 21 tensors that are not parameters of the model LM",
+                      self.fails("module:plan_models:foreign_optimizer"))
+        self.assertIn("returned (model, str); expected the optimizer as a torch.optim.Optimizer or a callable",
+                      self.fails("module:plan_models:not_an_optimizer"))
+        self.assertIn("returned a tuple of 3; expected (model, optimizer)", self.fails("module:plan_models:three_things"))
+        self.assertIn("TwoInputs is called with token ids alone (a (batch, seq) tensor), but its signature is "
+                      "(ids, mask); return a tidepool.workload.Workload", self.fails("module:plan_models:two_inputs"))
+        self.assertIn("Pooled returned a tensor of shape (1, 16) for token ids of shape (1, 8); expected logits",
+                      self.fails("module:plan_models:pooled", "--seq", "8"))
+        if EXAMPLES not in sys.path:
+            sys.path.insert(0, EXAMPLES)
+        self.assertIn("--optimizer sgd: the factory returns its own optimizer",
+                      self.fails("module:own_optimizer:model_and_optimizer", "--optimizer", "sgd"))
+        for option in ("--lora-rank", "--fsdp"):
+            self.assertIn(f"{option} ", self.fails("module:own_optimizer:model_and_optimizer", "--seq", "64", option, "2"))
+            self.assertIn("return (model, a callable making the optimizer from the parameters to train)",
+                          self.fails("module:own_optimizer:model_and_optimizer", "--seq", "64", option, "2"))
+        self.assertIn("invalid choice: 'adam'", self.fails(*LLAMA, "--optimizer", "adam"))
+        self.assertIn("--sweep optimizer: expected one of adamw, adamw-loop, adamw-fused, sgd, sgd-plain, adafactor",
+                      self.fails(*LLAMA, "--sweep", "optimizer=adamw,lion"))
 
     def test_bad_sweeps_and_numbers_are_named(self):
         self.assertIn("--sweep colour: not a sweepable option", self.fails(*LLAMA, "--sweep", "colour=red"))

@@ -14,6 +14,8 @@ the meta device and hands the trace to the `tidepool` command. Its modules:
 - step.py: one variant's recorded run (precision, adapters,
   checkpointing, sharding, then its task's steps);
 - workload.py: the model a MODEL spec names and the batches it is fed;
+- optimizer.py: the optimizer a training step runs (--optimizer, or the
+  factory's own);
 - autocast.py, attention.py: CUDA's autocast rules and attention kernels,
   emulated on the meta device;
 - ddp.py, fsdp.py: data parallelism and sharding over a fake process group;

@@ -137,7 +137,10 @@ def parse_args(argv):
                              "bf16 / fp16: the whole model in that type")
     parser.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing per block")
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches of --batch per optimizer step")
-    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="the optimizer of --task train")
+    parser.add_argument("--optimizer", default=None, choices=OPTIMIZERS, metavar="NAME",
+                        help="for --task train (default: the factory's own optimizer if a module: factory returns "
+                             "one, else adamw): " + "; ".join(f"{name}: {what}" for name, (what, _) in
+                                                              OPTIMIZERS.items()))
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (peft), base frozen; 0: none")
     parser.add_argument("--ddp", type=int, default=0, metavar="N",
                         help="DistributedDataParallel over N ranks (PyTorch's fake process group), one rank recorded; 0: none")
@@ -339,6 +342,7 @@ def run(argv=None):
             try:
                 rec = step.record(args.model, sets, options, trace)
                 seq, result["loop"] = rec.seq, rec.loop
+                result["optimizer"] = getattr(rec, "optimizer", None)  # the one used, --optimizer or the factory's
                 result["peak"], _ = rec.peak()
                 result["breakdown"] = rec.breakdown_at_peak()
                 result["record_seconds"] = time.perf_counter() - started
@@ -408,6 +412,8 @@ def _variant_json(args, result):
         options["seq"] = result["seq"]  # the model's default length, which was used
     if options.get("loop") is None:
         options["loop"] = result.get("loop")  # the model's default shape (None: not a training loop)
+    if options.get("optimizer") is None:
+        options["optimizer"] = result.get("optimizer")  # the default or the factory's, when one was used
     variant = {"model": args.model, **{k: v for k, v in options.items()}, "set": result["sets"],
                "torch": torch.__version__}
     return variant

@@ -31,7 +31,8 @@ What the recorder does so that the trace is what CUDA would allocate:
 - a cuBLAS workspace is allocated for each thread that runs a matmul (the
   calling thread, and autograd's device thread for backward), as PyTorch's
   cuBLAS handle pool does on CUDA;
-- optimizers built with `foreach=None` take the foreach path, as on CUDA;
+- optimizers built with `foreach=None` take the foreach path, as on CUDA,
+  and `fused=True` runs as there (its kernels work on meta);
 - backward formulas that take another path under a dispatch mode
   (`gather`'s and `index`'s: zeros, then an out-of-place scatter_add or
   index_put) are run in place, as they run without one;
@@ -41,10 +42,11 @@ What the recorder does so that the trace is what CUDA would allocate:
   and a copy to the CPU (`.cpu()`) is an uninitialised CPU tensor;
 - tensors can be labelled (weights, gradients, optimizer) so that the
   peak can be broken down by category (`Recorder.breakdown_at_peak`); a
-  tracked optimizer's states and the temporaries of its step count as
-  optimizer, a copy of a weight in another type (autocast's bf16 or fp16
-  casts, cached for its region) as precision copies, everything else
-  unlabelled as activations and temporaries.
+  tracked optimizer's states (made at its first step, as PyTorch's and
+  most optimizers make them) count as optimizer, a copy of a weight in
+  another type (autocast's bf16 or fp16 casts, cached for its region) as
+  precision copies, everything else unlabelled (the temporaries of the
+  optimizer's step too) as activations and temporaries.
 
 `Recorder.write_snapshot(path)` writes the same recording as a PyTorch
 memory snapshot (each allocation's frame names its operator) for
@@ -139,7 +141,7 @@ class Recorder(TorchDispatchMode):
     devices: the device types whose tensors are device memory.
     cublas_workspace: bytes per matmul thread (None: cublas_workspace_bytes();
         0: none).
-    cuda_optimizers: optimizers choose foreach as they do on CUDA.
+    cuda_optimizers: optimizers choose foreach, and may be fused, as on CUDA.
     start: record from entry (False: track, and write from start()).
     """
 
@@ -163,7 +165,7 @@ class Recorder(TorchDispatchMode):
         self.allocs = 0
         self._zeros = None  # weak reference to the last zeros tensor a backward made
         self._patches = contextlib.ExitStack()
-        self._phase = None  # OPTIMIZER while a tracked optimizer steps
+        self._phase = None  # the category of what is allocated now (labelling())
 
     # -- events ------------------------------------------------------------
     def _event(self, action, pointer, size, operator):
@@ -221,7 +223,7 @@ class Recorder(TorchDispatchMode):
             self.live[key] = entry
             self._event("allocate", entry.pointer, size, operator)
             if category is None and self._phase is not None:
-                category = self._phase  # the optimizer step's temporaries
+                category = self._phase
         if category is not None:
             self.labels[entry.pointer] = category
         tid = id(tensor)
@@ -295,7 +297,8 @@ class Recorder(TorchDispatchMode):
         """Counts tensors that exist already: tensors, modules (parameters
         as weights, buffers), optimizers (their state), and lists, tuples
         and dicts of these. Optimizers are also watched: after each step,
-        gradients and states are labelled as such."""
+        gradients and states are labelled as such (the temporaries of
+        the step are not state)."""
         for thing in things:
             if isinstance(thing, torch.nn.Module):
                 for p in thing.parameters():
@@ -306,7 +309,6 @@ class Recorder(TorchDispatchMode):
                     self._track(b, "pre-existing", category or WEIGHTS)
             elif isinstance(thing, torch.optim.Optimizer):
                 self._label_optimizer(thing)
-                thing.register_step_pre_hook(lambda opt, *_: setattr(self, "_phase", OPTIMIZER))
                 thing.register_step_post_hook(self._optimizer_stepped)
             elif isinstance(thing, dict):
                 self.track(*thing.values(), category=category)
@@ -320,7 +322,6 @@ class Recorder(TorchDispatchMode):
         self.track(module)
 
     def _optimizer_stepped(self, optimizer, *_):
-        self._phase = None
         self._label_optimizer(optimizer)
 
     def _label_optimizer(self, optimizer):
@@ -329,8 +330,13 @@ class Recorder(TorchDispatchMode):
                 if p.grad is not None:
                     self._track(p.grad, "pre-existing", GRADIENTS)
         for state in optimizer.state.values():
-            for value in state.values():
+            # An optimizer of one's own may keep lists or dicts of tensors.
+            for value in tree_flatten(state)[0]:
                 self._track(value, "pre-existing", OPTIMIZER)
+        inner = getattr(optimizer, "optim", None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            # A wrapper's (ZeroRedundancyOptimizer's): the state is its inner optimizer's.
+            self._label_optimizer(inner)
 
     def label(self, tensor, category):
         """Says what a tensor is (one of CATEGORIES) for the breakdown."""
@@ -417,10 +423,10 @@ class Recorder(TorchDispatchMode):
         if self.cuda_optimizers:
             import torch.optim.optimizer as optimizer_module
 
-            cuda_like = lambda: ["cuda", "meta"]  # noqa: E731
-            original = optimizer_module._get_foreach_kernels_supported_devices
-            optimizer_module._get_foreach_kernels_supported_devices = cuda_like
-            self._patches.callback(setattr, optimizer_module, "_get_foreach_kernels_supported_devices", original)
+            cuda_like = lambda: ["cuda", "meta"]  # noqa: E731 - a new list each call: callers remove from it
+            for name in ("_get_foreach_kernels_supported_devices", "_get_fused_kernels_supported_devices"):
+                self._patches.callback(setattr, optimizer_module, name, getattr(optimizer_module, name))
+                setattr(optimizer_module, name, cuda_like)
         # A storage resized in place (FSDP frees and refills its all-gather
         # buffers this way) is a free and an allocation: the call reaches no
         # operator, so the recorder hears it from the method itself.

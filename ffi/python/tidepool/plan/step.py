@@ -17,10 +17,11 @@ import torch
 from . import workload as wl
 from .attention import cuda_attention
 from .autocast import cuda_autocast
+from .optimizer import OPTIMIZERS  # noqa: F401 - the choices of --optimizer, named here with the others
+from .optimizer import build as _optimizer
 from .record import Recorder
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "sgd", "adafactor")
 TASKS = ("train", "forward-grad", "inference", "generate")
 # "forward" meant inference before forward-grad existed: still read so.
 TASK_ALIASES = {"forward": "inference"}
@@ -94,15 +95,6 @@ def _lora(work, rank):
             work.model = peft.get_peft_model(work.model, config)
     except (ValueError, TypeError) as err:
         raise wl.PlanError(f"--lora-rank: peft cannot wrap {type(work.model).__name__}: {err}") from None
-
-
-def _optimizer(name, params):
-    params = [p for p in params if p.requires_grad]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    return torch.optim.Adafactor(params, lr=1e-2)
 
 
 def _call(work, inputs, **extra):
@@ -218,7 +210,7 @@ def record(spec, overrides, options, path):
 
 def _train(rec, work, model, options, batch, seq, autocast, keep_output):
     """The training steps; `keep_output`: the plain loop's shape (`LOOPS`)."""
-    optimizer = _optimizer(options["optimizer"], model.parameters())
+    optimizer, rec.optimizer = _optimizer(options, work, model)
     if options.get("zero1"):
         from .ddp import zero_redundancy
 

@@ -8,7 +8,10 @@ MODEL is one of
 - `module:pkg.mod:factory`: a callable returning an `nn.Module` that maps
   token ids `(batch, seq)` to logits `(batch, seq, vocab)` (the causal-LM
   convention: the planner makes the ids and a cross-entropy loss), or a
-  `Workload` for anything else.
+  `Workload` for anything else; or a tuple `(model, optimizer)` of one of
+  these and the optimizer training steps with (optimizer.py): a
+  `torch.optim.Optimizer` over the model's parameters, or a callable making
+  one from the parameters to train.
 
 Configurations only: weights are never loaded and nothing is downloaded.
 """
@@ -46,6 +49,7 @@ class Workload:
 
     def __init__(self, model, make_batch, loss=None, layers=None):
         self.model, self.make_batch, self.loss_fn, self.layers = model, make_batch, loss, layers
+        self.optimizer = None  # the factory's own, when it returns (model, optimizer)
         self.kind = "custom"
         # The model's context length when it says one (`context_length`),
         # which --seq defaults to; else 512.
@@ -108,7 +112,15 @@ class _TokensToLogits(Workload):
         return self.model(inputs[0])
 
     def loss(self, output, inputs):
-        logits = output if isinstance(output, torch.Tensor) else output[0]
+        try:
+            logits = output if isinstance(output, torch.Tensor) else output[0]
+        except (TypeError, IndexError, KeyError):
+            logits = output
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != inputs[1].shape:
+            got = f"a tensor of shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise PlanError(f"{type(self.model).__name__} returned {got} for token ids of shape "
+                            f"{tuple(inputs[1].shape)}; expected logits (batch, seq, vocab), or return a "
+                            "tidepool.workload.Workload with its own loss")
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), inputs[1].flatten())
 
 
@@ -279,16 +291,55 @@ def _from_factory(spec):
             made = factory()
     except Exception:  # noqa: BLE001 - the user's factory raised: show its traceback
         raise FactoryError(_traceback()) from None
+    optimizer = None
+    if isinstance(made, tuple):
+        if len(made) != 2:
+            raise PlanError(f"{spec}: the factory returned a tuple of {len(made)}; expected (model, optimizer)")
+        made, optimizer = made
+        if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+            raise PlanError(f"{spec}: the factory returned (model, {type(optimizer).__name__}); expected the "
+                            "optimizer as a torch.optim.Optimizer or a callable making one from the parameters")
+    work = _workload(spec, made)
+    work.optimizer = optimizer
+    return work
+
+
+def _workload(spec, made):
+    """What a factory returned as a Workload, its signatures checked."""
     if isinstance(made, Workload):
+        if not isinstance(made.model, torch.nn.Module):
+            raise PlanError(f"{spec}: the Workload's model is {type(made.model).__name__}; expected an nn.Module")
+        _takes(spec, made.make_batch, "make_batch", "(batch, seq)", 2)
+        if made.loss_fn is not None:
+            _takes(spec, made.loss_fn, "loss", "(output, inputs)", 2)
         return made
     if isinstance(made, torch.nn.Module):
+        _takes(spec, made.forward, type(made).__name__, "token ids alone (a (batch, seq) tensor)", 1,
+               hint="; return a tidepool.workload.Workload(model, make_batch, loss) to feed it other inputs")
         vocab = None
         for m in made.modules():
             if isinstance(m, torch.nn.Embedding):
                 vocab = m.num_embeddings
                 break
         return _TokensToLogits(made, vocab)
-    raise PlanError(f"{spec}: the factory returned {type(made).__name__}; expected an nn.Module or a tidepool.workload.Workload")
+    raise PlanError(f"{spec}: the factory returned {type(made).__name__}; expected an nn.Module, a "
+                    "tidepool.workload.Workload, or a tuple (model, optimizer)")
+
+
+def _takes(spec, function, name, arguments, count, hint=""):
+    """`function` can be called with `count` positional arguments."""
+    if not callable(function):
+        raise PlanError(f"{spec}: the Workload's {name} is {type(function).__name__}; expected a callable")
+    import inspect
+
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: its call will say
+    try:
+        signature.bind(*[None] * count)
+    except TypeError:
+        raise PlanError(f"{spec}: {name} is called with {arguments}, but its signature is {signature}{hint}") from None
 
 
 def _traceback():
