@@ -750,6 +750,13 @@ class RealSnapshots(unittest.TestCase):
         ours = self.recorded_peak("basics_xl", task="forward-grad", batch=4, seq=256, precision="bf16-mixed")
         self.assertAlmostEqual(ours / real, 1.0, delta=0.01, msg=f"recorded {ours}, PyTorch {real}")
 
+    def test_xl_first_full_step_with_a_for_loop_adamw_and_the_logits_held(self):
+        # The course code's model and its own AdamW (a loop over the parameters, state made in the
+        # step) in a plain loop: logits = model(x); loss_fn(logits, y).backward(); optimizer.step().
+        real = snapshot_peak("kk_memory_ctx512_fullstep.pickle")
+        ours = self.recorded_peak("basics_xl", batch=4, seq=512, optimizer="adamw-loop", loop="plain")
+        self.assertAlmostEqual(ours / real, 1.0, delta=0.01, msg=f"recorded {ours}, PyTorch {real}")
+
     def test_xl_full_step_with_bf16_autocast_and_foreach_adamw(self):
         real = snapshot_peak("lin_xl_ctx512_fullstep_bf16.pickle")
         ours = self.recorded_peak("kk_xl", batch=4, seq=512, precision="bf16-mixed", steps=2)
