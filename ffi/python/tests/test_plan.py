@@ -469,6 +469,58 @@ class ScriptShapes(unittest.TestCase):
         train, inference = rows(out)
         self.assertEqual((train["variant"]["loop"], inference["variant"]["loop"]), ("trainer", None), err)
 
+    def test_pytorchs_memtracker_sees_the_peak_of_each_task_and_loop_as_a_script_writes_it(self):
+        import torch
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        if HERE not in sys.path:
+            sys.path.insert(0, HERE)
+        import plan_models
+        from tidepool.plan import step
+
+        meta = torch.device("meta")
+
+        def script(task, loop, steps):
+            """The steps as a script writes them, under MemTracker: its peak."""
+            with meta:
+                model = plan_models.tiny_lm()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
+            with tracker:
+                for k in range(steps):
+                    if k:
+                        tracker.reset_mod_stats()
+                    ids, targets = (torch.randint(0, 512, (4, 64), device=meta) for _ in range(2))
+                    if task == "inference":
+                        with torch.inference_mode():
+                            model(ids)
+                    elif task == "forward-grad":
+                        logits = model(ids)
+                        del logits
+                    elif loop == "plain":
+                        logits = model(ids)
+                        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    else:  # the Trainer's compute_loss returns the loss alone
+                        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+                        loss.backward()
+                        del loss
+                        optimizer.step()
+                        optimizer.zero_grad()
+            return tracker.get_tracker_snapshot("peak")[meta]["Total"]
+
+        base = dict(batch=4, seq=64, precision="fp32", checkpointing=False, accumulation=1, optimizer="adamw-loop",
+                    lora_rank=0, new_tokens=0)
+        # Training over two steps (the state made in the first, the logits held into the second's
+        # forward); the forward tasks over one (MemTracker holds a forward's activations past it).
+        for task, loop, steps in (("train", "plain", 2), ("train", "trainer", 2), ("forward-grad", None, 1),
+                                  ("inference", None, 1)):
+            rec = step.record("module:plan_models:tiny_lm", {}, dict(base, task=task, loop=loop, steps=steps), None)
+            ours = rec.peak()[0] - rec.workspace_size * len(rec.workspaces)  # MemTracker sees no cuBLAS
+            self.assertEqual(ours, script(task, loop, steps), f"{task} {loop}")
+
     def test_seq_defaults_to_the_context_length_a_module_says(self):
         status, out, err = plan("module:plan_models:basics_tiny", "--json", "--steps", "1")
         self.assertEqual(status, 0, err)
