@@ -584,8 +584,12 @@ class ScriptShapes(unittest.TestCase):
         self.assertLessEqual(r["jobs_pytorch"]["H100"], r["jobs"]["H100"])
         status, out, err = plan(*LLAMA, "--steps", "1", "--cards", "T4,H100", "--sweep", "batch=1,2")
         self.assertEqual(status, 0, err)
-        self.assertIn("jobs side by side per card, by the N+1 rule", out)
+        self.assertIn("jobs side by side per card by the N+1 rule", out)
         self.assertRegex(out, r"\n  batch=1: T4 \d+(?: \(PyTorch \d+\))?, H100 \d+")
+        # A card where no job runs beside its reserve is left out of the line.
+        status, out, err = plan(*LLAMA, "--steps", "1", "--cards", "1.7GiB,H100")
+        self.assertEqual(status, 0, err)
+        self.assertRegex(out, r"\n  H100 \d+")
 
     def test_a_table_without_a_sweep_has_no_variant_column(self):
         status, out, err = plan(*LLAMA, "--steps", "1", "--cards", "24GB")

@@ -525,22 +525,22 @@ def largest_batches(results, cards, swept):
 
 def jobs_lines(results, swept):
     """How many of each variant's jobs share each card by the N+1 rule,
-    with PyTorch's count in parentheses where it differs, and what that
-    assumes."""
+    with PyTorch's count in parentheses where it differs (a card where
+    neither runs one is left out), and what that assumes."""
     ok = [r for r in results if "error" not in r]
     if not ok:
         return []
-    lines = ["jobs side by side per card, by the N+1 rule (room for one more job kept free), each job a process "
-             "with its CUDA context (1.5 GiB, `tidepool cards`) and the memory it needs at its peak (tidepool's: "
-             "what its cache holds beyond that goes back to the others; PyTorch's: its cache keeps its peak), in "
-             "parentheses PyTorch's count where it differs:"]
+    lines = ["jobs side by side per card by the N+1 rule (room for one more kept free), each a process with a 1.5 GiB "
+             "CUDA context that needs its peak (tidepool gives what its cache holds beyond that back to the others; "
+             "PyTorch's cache keeps it); PyTorch's count in parentheses where it differs:"]
     for r in ok:
         where = " ".join(f"{k}={r['label'][k]}" for k in swept)
         parts = []
         for name, count in r["jobs"].items():
             theirs = r["jobs_pytorch"][name]
-            parts.append(f"{name} {count}" + (f" (PyTorch {theirs})" if theirs != count else ""))
-        lines.append(f"  {where + ': ' if where else ''}{', '.join(parts) or 'no card'}")
+            if count or theirs:
+                parts.append(f"{name} {count}" + (f" (PyTorch {theirs})" if theirs != count else ""))
+        lines.append(f"  {where + ': ' if where else ''}{', '.join(parts) or 'none on any card'}")
     return lines
 
 
