@@ -875,7 +875,7 @@ fn listen_takes_a_host_name() {
     let empty = scratch.path();
     let mut child = Command::new(env!("CARGO_BIN_EXE_tidepool"))
         .args(["exporter", "--listen", "localhost:0", "--registry-dir"])
-        .arg(&empty)
+        .arg(empty)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
