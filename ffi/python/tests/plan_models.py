@@ -212,6 +212,21 @@ def learned_positions():
     return LearnedPositions()
 
 
+class WrongType(nn.Module):
+    """Fails as a model whose types disagree does: not the inputs' shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        raise RuntimeError("expected scalar type Float but found BFloat16")
+
+
+def wrong_type():
+    return WrongType()
+
+
 class Bincount(nn.Module):
     """Runs an operator with no meta kernel (bincount) when the batch is 2."""
 

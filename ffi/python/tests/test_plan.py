@@ -535,6 +535,10 @@ class ScriptShapes(unittest.TestCase):
         status, out, err = plan("module:plan_models:learned_positions")
         self.assertEqual(status, 2, out + err)
         self.assertIn("--batch 1 and --seq 512 (the default): ", err)
+        # An error of another kind is the variant's own, not blamed on the options.
+        status, out, err = plan("module:plan_models:wrong_type", "--seq", "8", "--json")
+        self.assertEqual(status, 1, out + err)
+        self.assertEqual(rows(out)[0]["error"], "RuntimeError: expected scalar type Float but found BFloat16")
 
     def test_zero1_divides_the_optimizer_state_and_zero2_the_gradients_too(self):
         from tidepool.plan import step

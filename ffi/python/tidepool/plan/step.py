@@ -243,7 +243,8 @@ def _train(rec, work, model, options, batch, seq, autocast, keep_output):
 
 # Words of the errors a model raises when its inputs have a shape it does
 # not take (a --seq past its positions, a batch its code cannot split).
-_SHAPE_WORDS = ("size", "shape", "dimension", "broadcast", "out of range", "must match", "expected")
+# ("expected" alone is not one: "expected scalar type ..." is a dtype's.)
+_SHAPE_WORDS = ("size", "shape", "dimension", "broadcast", "out of range", "out of bounds")
 
 
 @contextlib.contextmanager
