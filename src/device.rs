@@ -65,6 +65,7 @@ impl Device {
                         crate::log::log_line(format_args!("tidepool: warning: device {index}: {err}"));
                     }
                 }
+                heap.set_max_allocation(config.expandable_allocation);
                 heap.set_move_pages(config.move_pages);
                 heap.set_policy(config.policy(), clock.clone());
                 heap.record_history(Some(config.history_entries));

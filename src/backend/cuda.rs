@@ -24,7 +24,7 @@
 //! memory becomes the engine's OutOfMemory (release and retry), anything
 //! else an error naming the call and the code.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::ffi::{c_char, CStr};
 
 use parking_lot::Mutex;
@@ -47,8 +47,16 @@ struct Device {
     events: Mutex<Vec<usize>>,
     /// The virtual memory page size; 0 when pages cannot be mapped.
     vm_page: u64,
-    /// The physical allocation behind each mapped page, by page address.
-    vm_handles: Mutex<HashMap<u64, sys::CUmemGenericAllocationHandle>>,
+    /// The physical allocations mapped, by address: each one's handle and length.
+    vm_handles: Mutex<BTreeMap<u64, (sys::CUmemGenericAllocationHandle, u64)>>,
+}
+
+/// A physical allocation mapped whole at `addr`.
+#[derive(Clone, Copy)]
+struct Allocation {
+    addr: u64,
+    handle: sys::CUmemGenericAllocationHandle,
+    len: u64,
 }
 
 pub struct CudaBackend {
@@ -158,7 +166,7 @@ impl CudaBackend {
                 pool,
                 events: Mutex::new(Vec::new()),
                 vm_page,
-                vm_handles: Mutex::new(HashMap::new()),
+                vm_handles: Mutex::new(BTreeMap::new()),
             });
         }
         Ok(CudaBackend {
@@ -240,33 +248,43 @@ impl CudaBackend {
         }
     }
 
-    /// The handle of the page mapped at `addr` of `device`, or the error
-    /// `call` gives for an address with none.
-    fn handle_at(&self, device: usize, addr: u64, call: &'static str) -> Result<sys::CUmemGenericAllocationHandle, BackendError> {
-        self.devices[device].vm_handles.lock().get(&addr).copied().ok_or_else(|| BackendError::Driver {
-            call,
-            code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i64,
-            message: format!("no page mapped at {addr:#x}"),
-        })
+    /// The allocations making up `[addr, addr + len)` of `device` exactly,
+    /// as (address, handle, length), or the error `call` gives for a range
+    /// that begins or ends inside one or holds unmapped pages.
+    fn allocations_in(&self, device: usize, addr: u64, len: u64, call: &'static str) -> Result<Vec<Allocation>, BackendError> {
+        let handles = self.devices[device].vm_handles.lock();
+        let mut out = Vec::new();
+        let mut at = addr;
+        for (&start, &(handle, n)) in handles.range(addr..addr + len) {
+            if start != at {
+                break;
+            }
+            out.push(Allocation { addr: start, handle, len: n });
+            at = start + n;
+        }
+        if at != addr + len || len == 0 {
+            return Err(BackendError::Driver {
+                call,
+                code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i64,
+                message: format!("[{addr:#x}, {:#x}) is not whole allocations of this backend", addr + len),
+            });
+        }
+        Ok(out)
     }
 
-    /// Unmaps and frees the pages at `pages` (addresses) of `device`. All
-    /// or nothing, as the engine counts on: when one cannot be unmapped, the
+    /// Unmaps the allocations `whole` of `device` and frees them. All or
+    /// nothing, as the engine counts on: when one cannot be unmapped, the
     /// ones unmapped before it are mapped again with their memory and the
-    /// error is returned. A page whose memory the driver will not free once
-    /// unmapped counts as unmapped (its address is free again), with a
+    /// error is returned. An allocation the driver will not free once
+    /// unmapped counts as unmapped (its addresses are free again), with a
     /// warning.
-    fn unmap_pages(&self, device: usize, pages: impl Iterator<Item = u64>) -> Result<(), BackendError> {
-        let page = self.devices[device].vm_page;
+    fn unmap_allocations(&self, device: usize, whole: &[Allocation]) -> Result<(), BackendError> {
         let mut unmapped = Vec::new();
-        for addr in pages {
-            let result = self.handle_at(device, addr, "cuMemUnmap").and_then(|handle| {
-                // SAFETY: `addr` is a page this backend mapped with `handle`,
-                // and the engine unmaps it only once no work uses it.
-                check(unsafe { sys::cuMemUnmap(addr, page as usize) }, "cuMemUnmap").map(|()| handle)
-            });
-            match result {
-                Ok(handle) => unmapped.push((addr, handle)),
+        for a in whole {
+            // SAFETY: `a` is an allocation this backend mapped whole, and the
+            // engine unmaps it only once no work uses it.
+            match check(unsafe { sys::cuMemUnmap(a.addr, a.len as usize) }, "cuMemUnmap") {
+                Ok(()) => unmapped.push(*a),
                 Err(err) => {
                     self.map_again(device, &unmapped);
                     return Err(err);
@@ -274,38 +292,27 @@ impl CudaBackend {
             }
         }
         let mut handles = self.devices[device].vm_handles.lock();
-        for (addr, handle) in unmapped {
-            handles.remove(&addr);
-            // SAFETY: `handle` is no longer mapped anywhere; this is its one release.
-            if let Err(err) = check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease") {
-                log_line(format_args!("tidepool: warning: device {device}: the page unmapped at {addr:#x} was not freed: {err}"));
+        for a in unmapped {
+            handles.remove(&a.addr);
+            // SAFETY: `a.handle` is no longer mapped anywhere; this is its one release.
+            if let Err(err) = check(unsafe { sys::cuMemRelease(a.handle) }, "cuMemRelease") {
+                log_line(format_args!("tidepool: warning: device {device}: the memory unmapped at {:#x} was not freed: {err}", a.addr));
             }
         }
         Ok(())
     }
 
-    /// Maps each `(addr, handle)` of `device` again, readable and writable:
-    /// undoes unmaps that a failure made void.
-    fn map_again(&self, device: usize, pages: &[(u64, sys::CUmemGenericAllocationHandle)]) {
-        let d = &self.devices[device];
-        let prop = page_properties(d.ordinal);
-        for &(addr, handle) in pages {
-            // SAFETY: `addr` was unmapped just before from `handle`, which is
-            // still alive; nothing else maps there meanwhile (the heap's lock).
-            let result = check(unsafe { sys::cuMemMap(addr, d.vm_page as usize, 0, handle, 0) }, "cuMemMap")
-                .and_then(|()| grant_access(&prop, addr, d.vm_page));
+    /// Maps each allocation of `device` again at its address, readable and
+    /// writable: undoes unmaps that a failure made void.
+    fn map_again(&self, device: usize, allocations: &[Allocation]) {
+        let prop = page_properties(self.devices[device].ordinal);
+        for a in allocations {
+            // SAFETY: `a.addr` was unmapped just before from `a.handle`, which
+            // is still alive; nothing else maps there meanwhile (the heap's lock).
+            let result = check(unsafe { sys::cuMemMap(a.addr, a.len as usize, 0, a.handle, 0) }, "cuMemMap")
+                .and_then(|()| grant_access(&prop, a.addr, a.len));
             if let Err(err) = result {
-                log_line(format_args!("tidepool: warning: device {device}: the page at {addr:#x} could not be mapped again: {err}"));
-            }
-        }
-    }
-
-    /// Unmaps what a failed `vm_map` mapped and frees it, as far as the
-    /// driver lets it: a page that stays mapped is reported and left there.
-    fn discard_pages(&self, device: usize, pages: &[u64]) {
-        for &addr in pages {
-            if let Err(err) = self.unmap_pages(device, std::iter::once(addr)) {
-                log_line(format_args!("tidepool: warning: device {device}: a page mapped at {addr:#x} could not be unmapped: {err}"));
+                log_line(format_args!("tidepool: warning: device {device}: the memory at {:#x} could not be mapped again: {err}", a.addr));
             }
         }
     }
@@ -410,109 +417,128 @@ impl Backend for CudaBackend {
         check(unsafe { sys::cuMemAddressFree(base, size as usize) }, "cuMemAddressFree")
     }
 
-    fn vm_map(&self, device: usize, addr: u64, len: u64) -> Result<(), BackendError> {
+    fn vm_map(&self, device: usize, addr: u64, sizes: &[u64]) -> Result<(), BackendError> {
         self.enter(device, "cuMemCreate")?;
         let d = &self.devices[device];
-        let page = d.vm_page;
+        if sizes.is_empty() || sizes.iter().any(|&n| n == 0 || !n.is_multiple_of(d.vm_page)) {
+            return Err(BackendError::Driver {
+                call: "cuMemCreate",
+                code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i64,
+                message: format!("allocations of {sizes:?} bytes"),
+            });
+        }
+        let len: u64 = sizes.iter().sum();
         let prop = page_properties(d.ordinal);
-        let mut mapped = Vec::new();
+        let mut made = Vec::new();
         let mut result = Ok(());
         let _relaxed = RelaxedCapture::new(self);
-        for at in (addr..addr + len).step_by(page as usize) {
+        let mut at = addr;
+        for &each in sizes {
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: `prop` describes one page of this device's memory; the driver writes the handle.
-            result = check(unsafe { sys::cuMemCreate(&mut handle, page as usize, &prop, 0) }, "cuMemCreate");
+            // SAFETY: `prop` describes pages of this device's memory; the driver writes the handle.
+            result = check(unsafe { sys::cuMemCreate(&mut handle, each as usize, &prop, 0) }, "cuMemCreate");
             if result.is_err() {
                 break;
             }
-            // SAFETY: `at` is an unmapped page of a range reserved by vm_reserve.
-            result = check(unsafe { sys::cuMemMap(at, page as usize, 0, handle, 0) }, "cuMemMap");
+            // SAFETY: `[at, at + each)` is unmapped in a range reserved by vm_reserve.
+            result = check(unsafe { sys::cuMemMap(at, each as usize, 0, handle, 0) }, "cuMemMap");
             if result.is_err() {
                 // SAFETY: the handle was never mapped; this is its one release.
                 unsafe { sys::cuMemRelease(handle) };
                 break;
             }
-            d.vm_handles.lock().insert(at, handle);
-            mapped.push(at);
+            made.push(Allocation { addr: at, handle, len: each });
+            at += each;
         }
         if result.is_ok() {
             result = grant_access(&prop, addr, len);
         }
         if result.is_err() {
-            // All or nothing: the pages mapped so far go back.
-            self.discard_pages(device, &mapped);
+            // All or nothing: the allocations made so far go back.
+            for a in &made {
+                // SAFETY: mapped just above, used by nothing yet.
+                if let Err(err) = check(unsafe { sys::cuMemUnmap(a.addr, a.len as usize) }, "cuMemUnmap") {
+                    log_line(format_args!(
+                        "tidepool: warning: device {device}: memory mapped at {:#x} could not be unmapped: {err}",
+                        a.addr
+                    ));
+                    d.vm_handles.lock().insert(a.addr, (a.handle, a.len));
+                    continue;
+                }
+                // SAFETY: unmapped just above; its one release.
+                unsafe { sys::cuMemRelease(a.handle) };
+            }
+            return result;
         }
-        result
+        let mut handles = d.vm_handles.lock();
+        for a in made {
+            handles.insert(a.addr, (a.handle, a.len));
+        }
+        Ok(())
     }
 
     fn vm_move(&self, device: usize, from: u64, to: u64, len: u64) -> Result<(), BackendError> {
         self.enter(device, "cuMemMap")?;
-        let d = &self.devices[device];
-        let page = d.vm_page;
-        let prop = page_properties(d.ordinal);
+        let whole = self.allocations_in(device, from, len, "cuMemUnmap")?;
+        let prop = page_properties(self.devices[device].ordinal);
         let _relaxed = RelaxedCapture::new(self);
-        // The pages are unmapped from `from` (their memory stays with its
-        // handles), then mapped at `to`. A failure undoes what was done
+        // Each allocation is unmapped from `from` (its memory stays with its
+        // handle), then mapped at `to`. A failure undoes what was done
         // before it, so that nothing has changed: unmaps by mapping again,
         // maps by unmapping (the one undo that can itself fail, reported).
         let mut unmapped = Vec::new();
-        for offset in (0..len).step_by(page as usize) {
-            let result = self.handle_at(device, from + offset, "cuMemUnmap").and_then(|handle| {
-                // SAFETY: `from + offset` is a page this backend mapped with
-                // `handle`, which the engine moves only once no work uses it;
-                // the handle is not released, so its memory stays.
-                check(unsafe { sys::cuMemUnmap(from + offset, page as usize) }, "cuMemUnmap").map(|()| handle)
-            });
-            match result {
-                Ok(handle) => unmapped.push((from + offset, handle)),
-                Err(err) => {
-                    self.map_again(device, &unmapped);
-                    return Err(err);
-                }
+        for a in &whole {
+            // SAFETY: `a` is an allocation this backend mapped whole, which
+            // the engine moves only once no work uses it; the handle is not
+            // released, so its memory stays.
+            if let Err(err) = check(unsafe { sys::cuMemUnmap(a.addr, a.len as usize) }, "cuMemUnmap") {
+                self.map_again(device, &unmapped);
+                return Err(err);
             }
+            unmapped.push(*a);
         }
         let mut mapped = Vec::new();
         let mut result = Ok(());
-        for &(at, handle) in &unmapped {
-            let to_page = to + (at - from);
-            // SAFETY: `to_page` is an unmapped page of a range reserved by
-            // vm_reserve; `handle` is a live page of this device's memory,
-            // mapped nowhere now.
-            result = check(unsafe { sys::cuMemMap(to_page, page as usize, 0, handle, 0) }, "cuMemMap");
+        for a in &unmapped {
+            let at = to + (a.addr - from);
+            // SAFETY: `[at, at + a.len)` is unmapped in a range reserved by
+            // vm_reserve; `a.handle` is live memory of this device, mapped
+            // nowhere now.
+            result = check(unsafe { sys::cuMemMap(at, a.len as usize, 0, a.handle, 0) }, "cuMemMap");
             if result.is_err() {
                 break;
             }
-            mapped.push(to_page);
+            mapped.push((at, a.len));
         }
         let result = result.and_then(|()| grant_access(&prop, to, len));
         if let Err(err) = result {
-            for at in mapped {
+            for (at, n) in mapped {
                 // SAFETY: mapped just above; its handle stays alive and is
                 // mapped at `from` again below.
-                if let Err(undo) = check(unsafe { sys::cuMemUnmap(at, page as usize) }, "cuMemUnmap") {
+                if let Err(undo) = check(unsafe { sys::cuMemUnmap(at, n as usize) }, "cuMemUnmap") {
                     log_line(format_args!(
-                        "tidepool: warning: device {device}: a page moved to {at:#x} could not be unmapped again: {undo}"
+                        "tidepool: warning: device {device}: memory moved to {at:#x} could not be unmapped again: {undo}"
                     ));
                 }
             }
             self.map_again(device, &unmapped);
             return Err(err);
         }
-        let mut handles = d.vm_handles.lock();
-        for (at, handle) in unmapped {
-            handles.remove(&at);
-            handles.insert(to + (at - from), handle);
+        let mut handles = self.devices[device].vm_handles.lock();
+        for a in unmapped {
+            handles.remove(&a.addr);
+            handles.insert(to + (a.addr - from), (a.handle, a.len));
         }
         Ok(())
     }
 
     fn vm_unmap(&self, device: usize, addr: u64, len: u64) -> Result<(), BackendError> {
         self.enter(device, "cuMemUnmap")?;
+        let whole = self.allocations_in(device, addr, len, "cuMemUnmap")?;
         // The engine unmaps during a capture only to undo a growth that
         // failed midway (pages no work has used), as vm_map maps: relaxed.
         let _relaxed = RelaxedCapture::new(self);
-        let page = self.devices[device].vm_page;
-        self.unmap_pages(device, (addr..addr + len).step_by(page as usize))
+        self.unmap_allocations(device, &whole)
     }
 
     fn synchronize_stream(&self, device: usize, stream: Stream) -> Result<(), BackendError> {

@@ -16,6 +16,9 @@
 //! read-write memory over them (`MAP_FIXED`) and released by mapping
 //! `PROT_NONE` over them again, which drops their contents. Pages count
 //! against the capacity while mapped; reserved ranges count for nothing.
+//! The backend keeps the allocations each `vm_map` made, refuses to unmap
+//! or move part of one, as the driver does, and counts the driver calls the
+//! `cuda` backend would make for the same requests (`driver_calls`).
 //!
 //! Test hooks (`faults()`) fail the Nth call, fail every call, or add
 //! latency. The allocate hooks also hit `vm_map` (both take memory), the
@@ -25,11 +28,14 @@
 //! `HostBuffer` is the host memory every backend without pinned memory
 //! hands out for offloads: an anonymous mapping, zero pages until written.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use super::{Backend, BackendError, HostMemory, HostRegion, MemInfo};
 use crate::types::Stream;
@@ -165,6 +171,58 @@ pub struct HostBackend {
     vm_unmap_calls: AtomicU64,
     vm_move_calls: AtomicU64,
     vm_moved_bytes: AtomicU64,
+    /// The allocations `vm_map` made, by address: their lengths.
+    vm_allocations: Mutex<BTreeMap<u64, u64>>,
+    driver: DriverCallCounts,
+}
+
+/// The driver calls the `cuda` backend makes, counted for the same requests.
+#[derive(Default)]
+struct DriverCallCounts {
+    mem_alloc: AtomicU64,
+    mem_free: AtomicU64,
+    address_reserve: AtomicU64,
+    address_free: AtomicU64,
+    create: AtomicU64,
+    release: AtomicU64,
+    map: AtomicU64,
+    unmap: AtomicU64,
+    set_access: AtomicU64,
+}
+
+/// The driver calls the `cuda` backend would have made for the requests a
+/// `HostBackend` served: what a replay reports as driver calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DriverCalls {
+    /// `cuMemAlloc` and `cuMemFree`: segments.
+    pub mem_alloc: u64,
+    pub mem_free: u64,
+    /// `cuMemAddressReserve` and `cuMemAddressFree`: ranges of address space.
+    pub address_reserve: u64,
+    pub address_free: u64,
+    /// `cuMemCreate` and `cuMemRelease`: physical allocations.
+    pub create: u64,
+    pub release: u64,
+    /// `cuMemMap` and `cuMemUnmap`: an allocation placed or taken away.
+    pub map: u64,
+    pub unmap: u64,
+    /// `cuMemSetAccess`: once per run mapped or moved.
+    pub set_access: u64,
+}
+
+impl DriverCalls {
+    /// Every call.
+    pub fn total(&self) -> u64 {
+        self.mem_alloc
+            + self.mem_free
+            + self.address_reserve
+            + self.address_free
+            + self.create
+            + self.release
+            + self.map
+            + self.unmap
+            + self.set_access
+    }
 }
 
 /// The host's stand-in for the driver's mapping granularity.
@@ -184,6 +242,8 @@ impl HostBackend {
             vm_unmap_calls: AtomicU64::new(0),
             vm_move_calls: AtomicU64::new(0),
             vm_moved_bytes: AtomicU64::new(0),
+            vm_allocations: Mutex::new(BTreeMap::new()),
+            driver: DriverCallCounts::default(),
         }
     }
 
@@ -220,6 +280,39 @@ impl HostBackend {
     /// `vm_move` calls so far, and the bytes they moved.
     pub fn vm_moves(&self) -> (u64, u64) {
         (self.vm_move_calls.load(Ordering::Relaxed), self.vm_moved_bytes.load(Ordering::Relaxed))
+    }
+
+    /// The driver calls the `cuda` backend would have made so far.
+    pub fn driver_calls(&self) -> DriverCalls {
+        let d = &self.driver;
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        DriverCalls {
+            mem_alloc: get(&d.mem_alloc),
+            mem_free: get(&d.mem_free),
+            address_reserve: get(&d.address_reserve),
+            address_free: get(&d.address_free),
+            create: get(&d.create),
+            release: get(&d.release),
+            map: get(&d.map),
+            unmap: get(&d.unmap),
+            set_access: get(&d.set_access),
+        }
+    }
+
+    /// The allocations making up `[addr, addr + len)` exactly, as
+    /// (address, length), or None when the range begins or ends inside one
+    /// or holds unmapped pages (the driver refuses those).
+    fn whole_allocations(allocations: &BTreeMap<u64, u64>, addr: u64, len: u64) -> Option<Vec<(u64, u64)>> {
+        let mut out = Vec::new();
+        let mut at = addr;
+        for (&start, &n) in allocations.range(addr..addr + len) {
+            if start != at {
+                return None;
+            }
+            out.push((start, n));
+            at = start + n;
+        }
+        (at == addr + len && len > 0).then_some(out)
     }
 
     fn device(&self, device: usize, call: &'static str) -> Result<&HostDevice, BackendError> {
@@ -271,6 +364,7 @@ impl Backend for HostBackend {
     fn allocate(&self, device: usize, size: u64, _stream: Stream) -> Result<u64, BackendError> {
         const CALL: &str = "mmap";
         self.allocate_calls.fetch_add(1, Ordering::Relaxed);
+        self.driver.mem_alloc.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         let dev = self.device(device, CALL)?;
         let always = self.faults.allocate_always.load(Ordering::SeqCst);
@@ -294,6 +388,7 @@ impl Backend for HostBackend {
     fn release(&self, device: usize, base: u64, size: u64, _stream: Stream) -> Result<(), BackendError> {
         const CALL: &str = "munmap";
         self.release_calls.fetch_add(1, Ordering::Relaxed);
+        self.driver.mem_free.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         self.device(device, CALL)?;
         if Faults::countdown_hits(&self.faults.release_countdown) {
@@ -322,6 +417,7 @@ impl Backend for HostBackend {
     fn vm_reserve(&self, device: usize, size: u64) -> Result<u64, BackendError> {
         const CALL: &str = "mmap(PROT_NONE)";
         self.device(device, CALL)?;
+        self.driver.address_reserve.fetch_add(1, Ordering::Relaxed);
         let len = usize::try_from(size).map_err(|_| BackendError::OutOfMemory)?;
         // Over-reserve by a page so the range can start on a page boundary.
         let padded = len.checked_add(HOST_PAGE as usize).ok_or(BackendError::OutOfMemory)?;
@@ -349,6 +445,7 @@ impl Backend for HostBackend {
     fn vm_free(&self, device: usize, base: u64, size: u64) -> Result<(), BackendError> {
         const CALL: &str = "munmap";
         self.device(device, CALL)?;
+        self.driver.address_free.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the engine frees only a range it reserved above, once,
         // with no page of it mapped and no block in it.
         let rc = unsafe { libc::munmap(base as *mut libc::c_void, size as usize) };
@@ -358,26 +455,55 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn vm_map(&self, device: usize, addr: u64, len: u64) -> Result<(), BackendError> {
+    fn vm_map(&self, device: usize, addr: u64, sizes: &[u64]) -> Result<(), BackendError> {
         const CALL: &str = "mmap(MAP_FIXED)";
         self.vm_map_calls.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         self.device(device, CALL)?;
+        if sizes.is_empty() || sizes.iter().any(|&n| n == 0 || !n.is_multiple_of(HOST_PAGE)) {
+            return Err(BackendError::Driver { call: CALL, code: 1, message: format!("allocations of {sizes:?} bytes") });
+        }
         let always = self.faults.allocate_always.load(Ordering::SeqCst);
         if Faults::countdown_hits(&self.faults.allocate_countdown) || always {
+            self.driver.create.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
         }
-        if !self.claim(device, len) {
-            return Err(BackendError::OutOfMemory);
+        // As the driver: each allocation made (`cuMemCreate`) and mapped in
+        // turn; the first that does not fit ends it, and the ones made go.
+        let mut made: Vec<(u64, u64)> = Vec::new();
+        let mut failed = None;
+        let mut at = addr;
+        for &each in sizes {
+            self.driver.create.fetch_add(1, Ordering::Relaxed);
+            if !self.claim(device, each) {
+                failed = Some(BackendError::OutOfMemory);
+                break;
+            }
+            self.driver.map.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: [at, at + each) lies in a range this backend reserved
+            // and the engine maps only pages it holds no mapping of;
+            // MAP_FIXED replaces the inaccessible placeholder there and
+            // nothing else.
+            if unsafe { map_anonymous(Some(at), each as usize, libc::PROT_READ | libc::PROT_WRITE) }.is_none() {
+                self.unclaim(device, each, true);
+                failed = Some(BackendError::OutOfMemory);
+                break;
+            }
+            made.push((at, each));
+            at += each;
         }
-        // SAFETY: [addr, addr + len) lies in a range this backend reserved
-        // and the engine maps only pages it holds no mapping of; MAP_FIXED
-        // replaces the inaccessible placeholder there and nothing else.
-        let mapped = unsafe { map_anonymous(Some(addr), len as usize, libc::PROT_READ | libc::PROT_WRITE) };
-        if mapped.is_none() {
-            self.unclaim(device, len, true);
-            return Err(BackendError::OutOfMemory);
+        if let Some(err) = failed {
+            for (at, each) in made {
+                self.driver.unmap.fetch_add(1, Ordering::Relaxed);
+                self.driver.release.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: mapped just above, used by nothing yet.
+                unsafe { map_anonymous(Some(at), each as usize, libc::PROT_NONE) };
+                self.unclaim(device, each, true);
+            }
+            return Err(err);
         }
+        self.driver.set_access.fetch_add(1, Ordering::Relaxed);
+        self.vm_allocations.lock().extend(made);
         Ok(())
     }
 
@@ -386,7 +512,12 @@ impl Backend for HostBackend {
         self.vm_unmap_calls.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         self.device(device, CALL)?;
+        let mut allocations = self.vm_allocations.lock();
+        let Some(whole) = Self::whole_allocations(&allocations, addr, len) else {
+            return Err(part_of_an_allocation(CALL, addr, len));
+        };
         if Faults::countdown_hits(&self.faults.release_countdown) {
+            self.driver.unmap.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
         }
         // SAFETY: [addr, addr + len) holds pages mapped by `vm_map` that no
@@ -396,6 +527,12 @@ impl Backend for HostBackend {
         if placed.is_none() {
             return Err(os_error(CALL));
         }
+        for (start, _) in &whole {
+            allocations.remove(start);
+        }
+        let n = whole.len() as u64;
+        self.driver.unmap.fetch_add(n, Ordering::Relaxed);
+        self.driver.release.fetch_add(n, Ordering::Relaxed);
         self.unclaim(device, len, true);
         Ok(())
     }
@@ -405,7 +542,13 @@ impl Backend for HostBackend {
         self.vm_move_calls.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         self.device(device, CALL)?;
+        let mut allocations = self.vm_allocations.lock();
+        let Some(whole) = Self::whole_allocations(&allocations, from, len) else {
+            return Err(part_of_an_allocation(CALL, from, len));
+        };
         if Faults::countdown_hits(&self.faults.allocate_countdown) || self.faults.allocate_always.load(Ordering::SeqCst) {
+            self.driver.unmap.fetch_add(1, Ordering::Relaxed);
+            self.driver.map.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
         }
         // The device's count does not change: the memory only moves.
@@ -423,6 +566,16 @@ impl Backend for HostBackend {
             let _ = unsafe { map_anonymous(Some(to), len as usize, libc::PROT_NONE) };
             return Err(os_error(CALL));
         }
+        // Each allocation unmapped from `from` and mapped at `to`, then
+        // access granted over the run.
+        for &(start, n) in &whole {
+            allocations.remove(&start);
+            allocations.insert(to + (start - from), n);
+        }
+        let n = whole.len() as u64;
+        self.driver.unmap.fetch_add(n, Ordering::Relaxed);
+        self.driver.map.fetch_add(n, Ordering::Relaxed);
+        self.driver.set_access.fetch_add(1, Ordering::Relaxed);
         self.vm_moved_bytes.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }
@@ -531,6 +684,15 @@ impl Drop for HostBuffer {
 }
 
 /// The last OS error as a backend error of `call`.
+/// The driver's refusal of a range that cuts an allocation.
+fn part_of_an_allocation(call: &'static str, addr: u64, len: u64) -> BackendError {
+    BackendError::Driver {
+        call,
+        code: 1, // CUDA_ERROR_INVALID_VALUE
+        message: format!("[{addr:#x}, {:#x}) is not whole allocations", addr + len),
+    }
+}
+
 fn os_error(call: &'static str) -> BackendError {
     let err = std::io::Error::last_os_error();
     BackendError::Driver { call, code: err.raw_os_error().unwrap_or(-1) as i64, message: err.to_string() }
@@ -596,13 +758,13 @@ mod tests {
         assert_eq!(base % HOST_PAGE, 0);
         assert_eq!(backend.mem_info(0).unwrap().free, 4 * HOST_PAGE, "a reservation costs no capacity");
         let page = base + 10 * HOST_PAGE;
-        backend.vm_map(0, page, 2 * HOST_PAGE).unwrap();
+        backend.vm_map(0, page, &[HOST_PAGE, HOST_PAGE]).unwrap();
         assert_eq!(backend.mem_info(0).unwrap().free, 2 * HOST_PAGE);
         // SAFETY: two pages mapped read-write just above.
         unsafe { std::ptr::write_bytes(page as *mut u8, 0xCD, 2 * HOST_PAGE as usize) };
-        assert_eq!(backend.vm_map(0, base, 3 * HOST_PAGE), Err(BackendError::OutOfMemory), "over capacity");
+        assert_eq!(backend.vm_map(0, base, &[HOST_PAGE; 3]), Err(BackendError::OutOfMemory), "over capacity");
         backend.vm_unmap(0, page, 2 * HOST_PAGE).unwrap();
-        backend.vm_map(0, page, HOST_PAGE).unwrap();
+        backend.vm_map(0, page, &[HOST_PAGE]).unwrap();
         // SAFETY: the page was mapped again just above.
         assert_eq!(unsafe { *(page as *const u8) }, 0, "a page mapped again starts fresh");
         backend.vm_unmap(0, page, HOST_PAGE).unwrap();

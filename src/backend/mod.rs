@@ -5,7 +5,8 @@
 //! pools or streams beyond passing the stream of a request through.
 //!
 //! Backends that support virtual memory also reserve address ranges and map
-//! physical pages into them one run of pages at a time (the `vm_*` calls):
+//! physical memory into them one run of pages at a time, in allocations of
+//! one or more pages that go back, or move, only whole (the `vm_*` calls):
 //! the expandable segments of `heap/expandable.rs`.
 
 pub(crate) mod cuda;
@@ -133,29 +134,35 @@ pub trait Backend: Send + Sync {
         Err(vm_unsupported("vm_free"))
     }
 
-    /// Backs `[addr, addr + len)` of a reserved range (page-aligned, all
-    /// unmapped) with new physical memory, readable and writable by the
-    /// device. All or nothing: on failure nothing of the run stays mapped.
-    fn vm_map(&self, _device: usize, _addr: u64, _len: u64) -> Result<(), BackendError> {
+    /// Backs the pages from `addr` of a reserved range (page-aligned, all
+    /// unmapped) with new physical memory, in allocations of the sizes
+    /// `sizes` lists in address order (each a multiple of the page: one
+    /// `cuMemCreate` and one `cuMemMap` each, then access granted over the
+    /// whole run), readable and writable by the device. All or nothing: on
+    /// failure nothing of the run stays mapped.
+    fn vm_map(&self, _device: usize, _addr: u64, _sizes: &[u64]) -> Result<(), BackendError> {
         Err(vm_unsupported("vm_map"))
     }
 
-    /// Unmaps `[addr, addr + len)` (pages mapped by `vm_map`, whose last use
-    /// on the device has completed) and frees their physical memory.
+    /// Unmaps `[addr, addr + len)`, whole allocations made by `vm_map` whose
+    /// last use on the device has completed, and frees their physical
+    /// memory. A range that begins or ends inside an allocation is refused,
+    /// and nothing changes.
     fn vm_unmap(&self, _device: usize, _addr: u64, _len: u64) -> Result<(), BackendError> {
         Err(vm_unsupported("vm_unmap"))
     }
 
     /// Moves the physical memory of the mapped pages `[from, from + len)`
-    /// (whose last use on the device has completed) to the unmapped pages
-    /// `[to, to + len)` of a reserved range: afterwards `from` is unmapped
-    /// and `to` mapped, readable and writable by the device; contents are
-    /// not kept. On failure nothing has changed. The backends here move the
-    /// memory itself, so a move needs no free memory; by default, `vm_map`
-    /// of new memory then `vm_unmap`, which needs `len` bytes free for a
-    /// moment.
+    /// (whole allocations, whose last use on the device has completed) to
+    /// the unmapped pages `[to, to + len)` of a reserved range, allocation
+    /// by allocation: afterwards `from` is unmapped and `to` mapped,
+    /// readable and writable by the device; contents are not kept. On
+    /// failure nothing has changed. The backends here move the memory
+    /// itself, so a move needs no free memory; by default, `vm_map` of new
+    /// memory (one allocation) then `vm_unmap`, which needs `len` bytes free
+    /// for a moment.
     fn vm_move(&self, device: usize, from: u64, to: u64, len: u64) -> Result<(), BackendError> {
-        self.vm_map(device, to, len)?;
+        self.vm_map(device, to, &[len])?;
         if let Err(err) = self.vm_unmap(device, from, len) {
             let _ = self.vm_unmap(device, to, len);
             return Err(err);

@@ -8,26 +8,41 @@
 //! the device, and starts as one free block; blocks are carved from it by
 //! the ordinary best fit, so a pool's blocks pack against each other across
 //! what would have been segment boundaries. Before a block is handed out,
-//! the pages under it that hold no memory are mapped (`map_block`). A page
-//! lying entirely inside free blocks can be unmapped when a release policy
-//! asks for memory (`release_free_pages`): holes left by freed blocks give
-//! their memory back even while live blocks sit on both sides, and the
-//! address space stays for the next block to land there.
+//! the pages under it that hold no memory are mapped (`map_block`), in
+//! physical allocations of one or more pages (`pages.rs`: the driver takes
+//! an allocation back only whole). An allocation lying entirely inside free
+//! blocks can be unmapped when a release policy asks for memory
+//! (`release_free_pages`): holes left by freed blocks give their memory
+//! back even while live blocks sit on both sides, and the address space
+//! stays for the next block to land there.
 //!
 //! Invariants (checked by `validate()`):
 //! - every page touched by an allocated or stashed block is mapped, so an
 //!   unmapped page lies inside one free block;
 //! - `reserved_bytes` counts mapped pages; `inactive_split_bytes` counts,
-//!   of each free block but a range's last, the bytes of its edge pages:
-//!   the free memory that neither goes back to the driver nor serves any
-//!   request but one that fits the block.
+//!   of each free block but a range's last, the bytes held by allocations
+//!   that reach outside it (`PageMap::pinned_bytes`): the free memory that
+//!   neither goes back to the driver nor serves any request but one that
+//!   fits the block.
 #![forbid(unsafe_code)]
 
 use super::block::{Block, BlockId, BlockState, NIL};
 use super::history::HistoryAction;
+use super::recycle::Donor;
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::size_class::PoolKind;
+
+/// Pages `map_block` maps: `pages` from page `first`, an edge page (an
+/// allocation of its own) or not; a donor placed in it may reach up to
+/// page `room_end`.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    first: u64,
+    pages: u64,
+    room_end: u64,
+    edge: bool,
+}
 
 /// Page size and range size of a heap's expandable segments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +106,13 @@ impl DeviceHeap {
         Ok(())
     }
 
+    /// Maps new memory in physical allocations of at most `bytes` (at least
+    /// a page each): fewer, larger allocations make fewer driver calls,
+    /// smaller ones go back, or move, in smaller pieces.
+    pub fn set_max_allocation(&mut self, bytes: u64) {
+        self.max_allocation = bytes.max(1);
+    }
+
     /// Tells the default pools made so far how they grow now.
     fn refresh_pool_vms(&mut self) {
         for id in 0..self.pools.len() {
@@ -143,6 +165,14 @@ impl DeviceHeap {
     /// `id` that a request of `rounded` bytes will use (all of it when the
     /// block will not be split). All or nothing: on failure no page stays
     /// mapped that was not before. Nothing to do outside expandable segments.
+    ///
+    /// An edge page (one the block shares with a neighbour) is an
+    /// allocation of its own, so that the block's inside is allocations
+    /// lying wholly inside it, which go back, or move, when it is freed
+    /// whatever its neighbours hold. The inside's pages come from the
+    /// heap's holes first (`recycle.rs`: whole allocations move), then
+    /// from the device, in allocations of at most `max_allocation` bytes,
+    /// all of one run asked for in one `vm_map` (one grant of access).
     pub(super) fn map_block(&mut self, id: BlockId, rounded: u64) -> Result<(), BackendError> {
         let b = &self.blocks[id];
         let (addr, size, segment_id, kind, pool) = (b.addr, b.size, b.segment as usize, b.kind, b.pool);
@@ -152,52 +182,95 @@ impl DeviceHeap {
         let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
             return Ok(());
         };
-        let used = if self.should_split(pool, size, rounded) { rounded } else { size };
-        let (first, count) = pages.touched(addr - base, addr - base + used);
-        let runs = pages.runs(first, count, false);
-        if runs.is_empty() {
-            return Ok(());
-        }
         let page = pages.page_size();
-        let mut donors = self.recycle_before_growth(runs.iter().map(|&(_, n)| n * page).sum(), used, Some(id));
-        // Each run's pages come from the donors first (their memory moves
-        // here), then from the device. `mapped`: the runs done so far.
-        let mut mapped: Vec<(u64, u64)> = Vec::new();
-        let mut failed = None;
-        'runs: for &(p, n) in &runs {
-            let mut at = p;
-            while at < p + n {
-                if let Some(k) = self.move_donor_pages(&mut donors, base + at * page, p + n - at) {
-                    mapped.push((at, k));
-                    at += k;
+        let used = if self.should_split(pool, size, rounded) { rounded } else { size };
+        let (start, end) = (addr - base, addr - base + used);
+        let (first, count) = pages.touched(start, end);
+        // Past the pages the request uses, a moved allocation may reach into
+        // the rest of the block it is carved from (not into the next block).
+        let room_end = (addr + size - base) / page;
+        let edges = [(!start.is_multiple_of(page)).then_some(first), (!end.is_multiple_of(page)).then_some(first + count - 1)];
+        let mut pieces: Vec<Piece> = Vec::new();
+        for (p, n) in pages.runs(first, count, false) {
+            let mut q = p;
+            while q < p + n {
+                if edges.contains(&Some(q)) {
+                    pieces.push(Piece { first: q, pages: 1, room_end: q + 1, edge: true });
+                    q += 1;
                     continue;
                 }
-                let bytes = (p + n - at) * page;
-                let result = self.claim_reserved(bytes).and_then(|()| {
-                    let result = self.backend.vm_map(self.device, base + at * page, bytes);
-                    if result.is_err() {
-                        self.reserve.give_back(bytes);
-                    }
-                    result
-                });
-                if let Err(err) = result {
-                    failed = Some(err);
-                    break 'runs;
-                }
-                mapped.push((at, p + n - at));
-                at = p + n;
+                let stop = edges.iter().flatten().copied().filter(|&e| e > q && e < p + n).min().unwrap_or(p + n);
+                // The inside's last piece may take a donor reaching past it
+                // when nothing is shared there.
+                let room = if stop == first + count && edges[1].is_none() { room_end.max(stop) } else { stop };
+                pieces.push(Piece { first: q, pages: stop - q, room_end: room, edge: false });
+                q = stop;
             }
         }
-        self.unmap_donors(donors);
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        let need = pieces.iter().map(|piece| piece.pages * page).sum();
+        let mut donors = self.recycle_before_growth(need, used, Some(id));
+        // `mapped`: (first page, pages, pages per allocation) of what is
+        // done so far; `batch`: new allocations not yet asked for, which
+        // one `vm_map` makes (one grant of access for the run).
+        let mut mapped: Vec<(u64, u64, u64)> = Vec::new();
+        let mut batch: Vec<(u64, u64)> = Vec::new();
+        let mut failed = None;
+        'pieces: for piece in &pieces {
+            let mut at = piece.first;
+            while at < piece.first + piece.pages {
+                if !donors.is_empty() {
+                    // (An edge page takes a donor of one page only.)
+                    let largest = donors.iter().map(|d| d.pages).max().unwrap_or(0);
+                    let left = piece.first + piece.pages - at;
+                    let room = left.max(self.unmapped_from(segment_id, at, piece.room_end.min(at + largest)));
+                    // What is batched goes first: a donor lands after it.
+                    if donors.iter().any(|d| d.pages <= room) {
+                        if let Err(err) = self.map_batch(segment_id, &mut batch, &mut mapped, &mut donors) {
+                            failed = Some(err);
+                            break 'pieces;
+                        }
+                    }
+                    if let Some(k) = self.move_donor(&mut donors, base + at * page, room) {
+                        mapped.push((at, k, k));
+                        at += k;
+                        continue;
+                    }
+                }
+                let rest = piece.first + piece.pages - at;
+                let parts = if piece.edge { vec![(1, 1)] } else { self.allocations_for(rest, page) };
+                for (n, each) in parts {
+                    batch.extend((0..n / each).map(|i| (at + i * each, each)));
+                    at += n;
+                }
+            }
+            // A batch is one run: it ends where the next piece does not follow.
+            let next = piece.first + piece.pages;
+            if !pieces.iter().any(|p| p.first == next) {
+                if let Err(err) = self.map_batch(segment_id, &mut batch, &mut mapped, &mut donors) {
+                    failed = Some(err);
+                    break 'pieces;
+                }
+            }
+        }
+        if failed.is_none() {
+            if let Err(err) = self.map_batch(segment_id, &mut batch, &mut mapped, &mut donors) {
+                failed = Some(err);
+            }
+        }
+        self.settle_donors(donors);
         if let Some(err) = failed {
-            // Undo the runs mapped so far; one the backend will not unmap
-            // stays mapped (and counted), inside what is still a free block.
+            // Undo what was mapped so far; an allocation the backend will
+            // not unmap stays mapped (and counted), inside what is still a
+            // free block.
             let mut stuck = Vec::new();
-            for (p, n) in mapped {
+            for (p, n, each) in mapped {
                 if self.backend.vm_unmap(self.device, base + p * page, n * page).is_ok() {
                     self.reserve.give_back(n * page);
                 } else {
-                    stuck.push((p, n));
+                    stuck.push((p, n, each));
                 }
             }
             self.commit_mapped(segment_id, kind, &stuck);
@@ -207,20 +280,71 @@ impl DeviceHeap {
         Ok(())
     }
 
-    /// Marks runs of pages mapped and counts them.
-    pub(super) fn commit_mapped(&mut self, segment_id: usize, kind: PoolKind, runs: &[(u64, u64)]) {
+    /// Asks the backend for the new allocations of `batch` (first page and
+    /// pages each, adjacent, in address order) in one `vm_map`, and records
+    /// them in `mapped`. All or nothing. Donors no room took give back as
+    /// much memory first (`recycle.rs`), so that the heap grows no further
+    /// than moving them would have taken it.
+    fn map_batch(
+        &mut self,
+        segment_id: usize,
+        batch: &mut Vec<(u64, u64)>,
+        mapped: &mut Vec<(u64, u64, u64)>,
+        donors: &mut Vec<Donor>,
+    ) -> Result<(), BackendError> {
+        let Some(&(first, _)) = batch.first() else { return Ok(()) };
+        let (base, page) =
+            self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size()))).expect("an expandable segment");
+        let sizes: Vec<u64> = batch.iter().map(|&(_, n)| n * page).collect();
+        let bytes = sizes.iter().sum();
+        self.release_donors_for(donors, bytes);
+        self.claim_reserved(bytes)?;
+        if let Err(err) = self.backend.vm_map(self.device, base + first * page, &sizes) {
+            self.reserve.give_back(bytes);
+            batch.clear();
+            return Err(err);
+        }
+        mapped.extend(batch.drain(..).map(|(p, n)| (p, n, n)));
+        Ok(())
+    }
+
+    /// How many unmapped pages follow page `from` (itself included) of the
+    /// expandable segment `segment_id`, up to page `limit`.
+    fn unmapped_from(&self, segment_id: usize, from: u64, limit: u64) -> u64 {
+        let Some(pages) = self.segments[segment_id].as_ref().and_then(|s| s.pages.as_ref()) else { return 0 };
+        (from..limit).take_while(|&q| !pages.is_mapped(q)).count() as u64
+    }
+
+    /// How a run of `pages` new pages is allocated: `(pages, pages per
+    /// allocation)` parts in address order, each one `vm_map`.
+    pub(super) fn allocations_for(&self, pages: u64, page: u64) -> Vec<(u64, u64)> {
+        let most = (self.max_allocation / page).max(1);
+        let whole = pages / most * most;
+        let mut parts = Vec::with_capacity(2);
+        if whole > 0 {
+            parts.push((whole, most));
+        }
+        if pages > whole {
+            parts.push((pages - whole, pages - whole));
+        }
+        parts
+    }
+
+    /// Marks runs of pages mapped, `(first page, pages, pages per
+    /// allocation)` each, and counts them.
+    pub(super) fn commit_mapped(&mut self, segment_id: usize, kind: PoolKind, runs: &[(u64, u64, u64)]) {
         let Some(pages) = self.segments[segment_id].as_mut().and_then(|s| s.pages.as_mut()) else {
             return;
         };
         let page = pages.page_size();
         let mut total = 0;
-        for &(p, n) in runs {
-            pages.set_mapped(p, n);
+        for &(p, n, each) in runs {
+            pages.set_mapped(p, n, each);
             total += n;
         }
         let segment = self.segments[segment_id].as_ref().expect("checked above");
         let (base, stream) = (segment.base, self.pools[segment.pool as usize].stream);
-        for &(p, n) in runs {
+        for &(p, n, _) in runs {
             self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
         }
         self.stats.reserved_bytes.increase(kind, total * page);
@@ -229,7 +353,7 @@ impl DeviceHeap {
         self.stats.events.num_device_alloc += runs.len() as u64;
     }
 
-    /// Unmaps every page lying entirely inside the free blocks of the
+    /// Unmaps every allocation lying entirely inside the free blocks of the
     /// expandable segment `segment_id`, after the work queued on its
     /// stream has run; a range left with no memory and no block goes back
     /// whole. Pages the backend fails to unmap stay mapped and counted.
@@ -256,8 +380,8 @@ impl DeviceHeap {
     }
 
     /// Appends to `out` the binned free blocks of the expandable `segment`
-    /// that `select` picks and that have mapped pages lying entirely inside
-    /// them, each with those pages' bytes (what unmapping it would give back).
+    /// that `select` picks and that have allocations lying entirely inside
+    /// them, each with their bytes (what unmapping it would give back).
     /// None while private pools keep their memory, in theirs.
     pub(super) fn free_blocks_with_pages(&self, segment: &Segment, select: impl Fn(&Block) -> bool, out: &mut Vec<(BlockId, u64)>) {
         let Some(pages) = segment.pages.as_ref() else { return };
@@ -271,7 +395,7 @@ impl DeviceHeap {
             if b.state == BlockState::Binned && select(b) {
                 let offset = b.addr - segment.base;
                 let (first, count) = pages.inside(offset, offset + b.size);
-                let bytes = pages.mapped_bytes_within(first * page, (first + count) * page);
+                let bytes = pages.allocations_within(first, count).iter().map(|&(_, n)| n * page).sum::<u64>();
                 if bytes > 0 {
                     out.push((cur, bytes));
                 }
@@ -309,32 +433,50 @@ impl DeviceHeap {
         self.mapped_runs_inside(id).into_iter().map(|(segment, p, n)| self.unmap_run(segment, p, n)).sum()
     }
 
-    /// The runs of mapped pages lying entirely inside the free block `id`
-    /// of an expandable segment, as (segment, first page, pages). Only
-    /// pages inside the block: its edge pages (its inactive-split bytes)
-    /// are shared with its neighbours.
+    /// The runs of whole allocations lying entirely inside the free block
+    /// `id` of an expandable segment, as (segment, first page, pages). Only
+    /// those: its edge pages, and allocations that reach outside it (its
+    /// inactive-split bytes), are shared with its neighbours.
     pub(super) fn mapped_runs_inside(&self, id: BlockId) -> Vec<(u32, u64, u64)> {
         let b = &self.blocks[id];
         self.mapped_runs_within(b.segment, b.addr, b.addr + b.size)
     }
 
-    /// The runs of mapped pages lying entirely inside [start, end) of the
-    /// expandable segment `segment_id`, as (segment, first page, pages).
+    /// The runs of whole allocations lying entirely inside [start, end) of
+    /// the expandable segment `segment_id`, as (segment, first page, pages).
     pub(super) fn mapped_runs_within(&self, segment_id: u32, start: u64, end: u64) -> Vec<(u32, u64, u64)> {
         let Some((base, pages)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
             return Vec::new();
         };
         let (first, count) = pages.inside(start - base, end - base);
-        pages.runs(first, count, true).into_iter().map(|(p, n)| (segment_id, p, n)).collect()
+        pages.whole_runs_within(first, count).into_iter().map(|(p, n)| (segment_id, p, n)).collect()
+    }
+
+    /// The allocations lying entirely inside [start, end) of the expandable
+    /// segment `segment_id`, as (first page, pages), in address order.
+    pub(super) fn allocations_within(&self, segment_id: u32, start: u64, end: u64) -> Vec<(u64, u64)> {
+        let Some((base, pages)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
+            return Vec::new();
+        };
+        let (first, count) = pages.inside(start - base, end - base);
+        pages.allocations_within(first, count)
     }
 
     /// Unmaps the `n` mapped pages from page `p` of the expandable segment
-    /// `segment_id` (no work left on them) and frees their memory. Returns
-    /// the bytes unmapped. A run the backend refuses goes page by page, so
-    /// that only the pages it refuses stay mapped (and counted).
+    /// `segment_id` (whole allocations, no work left on them) and frees
+    /// their memory. Returns the bytes unmapped. A run the backend refuses
+    /// goes allocation by allocation, so that only the allocations it
+    /// refuses stay mapped (and counted).
     pub(super) fn unmap_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
         match self.unmap_whole_run(segment_id, p, n) {
-            0 if n > 1 => (p..p + n).map(|q| self.unmap_whole_run(segment_id, q, 1)).sum(),
+            0 => {
+                let Some(pages) = self.segments[segment_id as usize].as_ref().and_then(|s| s.pages.as_ref()) else { return 0 };
+                let each = pages.allocations_within(p, n);
+                if each.len() < 2 {
+                    return 0;
+                }
+                each.into_iter().map(|(q, k)| self.unmap_whole_run(segment_id, q, k)).sum()
+            }
             bytes => bytes,
         }
     }

@@ -284,9 +284,10 @@ impl DeviceHeap {
     /// that only a request fitting the block can use and that cannot go
     /// back to the driver while the block's neighbours are in use), and
     /// its bytes that do. A block that is not its whole segment counts with
-    /// all its bytes. In an expandable segment only the bytes of its edge
-    /// pages count (the pages inside it can be unmapped), and the range's
-    /// last block not at all (it grows to fit any request).
+    /// all its bytes. In an expandable segment only the bytes held by
+    /// allocations that reach outside it count (those inside it can be
+    /// unmapped), and the range's last block not at all (it grows to fit
+    /// any request).
     #[inline(always)]
     pub(super) fn inactive_split_bytes_of(&self, id: BlockId) -> (bool, u64) {
         let b = &self.blocks[id];
@@ -298,7 +299,7 @@ impl DeviceHeap {
         }
         match self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) {
             Some(_) if b.next == NIL => (false, 0),
-            Some((base, pages)) => (true, pages.edge_bytes(b.addr - base, b.addr - base + b.size)),
+            Some((base, pages)) => (true, pages.pinned_bytes(b.addr - base, b.addr - base + b.size)),
             None => (true, b.size),
         }
     }

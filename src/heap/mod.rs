@@ -161,6 +161,10 @@ pub struct DeviceHeap {
     stash_enabled: bool,
     /// Expandable segments (`expandable:true`): page size and range size.
     vm: Option<Vm>,
+    /// The most bytes one physical allocation of an expandable segment
+    /// holds (`expandable.rs`: a run of new pages is mapped in allocations
+    /// this large, and each goes back or moves only whole).
+    max_allocation: u64,
     /// Which holes' pages move to where growth needs them (`recycle.rs`).
     recycling: recycle::Recycling,
     // Pools of their own: CUDA graphs and MemPools, tags.
@@ -212,6 +216,7 @@ impl DeviceHeap {
             stash_enabled: true,
             lend_across_streams: true,
             vm: None,
+            max_allocation: crate::config::DEFAULT_EXPANDABLE_ALLOCATION,
             stats: Counters::default(),
             observers: Observers::default(),
             tags: tags::Tags::default(),

@@ -1,18 +1,25 @@
 //! The page map of an expandable segment: which pages of its virtual range
-//! are backed by physical memory.
+//! are backed by physical memory, and how that memory was allocated.
 //!
 //! An expandable segment is a range of address space reserved once; pages
 //! (the driver's granularity, 2 MiB on CUDA) are mapped when a block needs
-//! them and unmapped when they lie entirely inside free blocks and a release
-//! policy asks for memory. Offsets here are bytes from the range's base.
+//! them and unmapped when they lie inside free blocks and a release policy
+//! asks for memory. Memory comes in allocations of one or more pages (one
+//! `cuMemCreate` each, mapped whole): the driver unmaps and frees an
+//! allocation only whole, so a page goes back, or moves, with the rest of
+//! its allocation. Offsets here are bytes from the range's base.
 //!
 //! Invariants (checked by `DeviceHeap::validate` through `check`):
 //!   mapped = number of set bits
 //!   end    = one past the highest set bit (0 when none): every page at or
 //!            after `end` is unmapped, so scans stop there
+//!   starts ⊆ bits, and the first page of every run of mapped pages is a
+//!            start: an allocation is a start and the mapped pages after
+//!            it up to the next start or unmapped page
 #![forbid(unsafe_code)]
 
-/// One bit per page of a range; set when the page is mapped.
+/// One bit per page of a range; set when the page is mapped, and where an
+/// allocation begins.
 #[derive(Clone, Debug)]
 pub struct PageMap {
     page: u64,
@@ -20,6 +27,8 @@ pub struct PageMap {
     pages: u64,
     /// Grown on demand, up to the word holding `end - 1`.
     bits: Vec<u64>,
+    /// The first page of each allocation (the same length as `bits`).
+    starts: Vec<u64>,
     mapped: u64,
     end: u64,
 }
@@ -28,7 +37,7 @@ impl PageMap {
     /// A map of `range` bytes (a multiple of `page`), nothing mapped.
     pub fn new(range: u64, page: u64) -> PageMap {
         debug_assert!(page > 0 && range.is_multiple_of(page));
-        PageMap { page, pages: range / page, bits: Vec::new(), mapped: 0, end: 0 }
+        PageMap { page, pages: range / page, bits: Vec::new(), starts: Vec::new(), mapped: 0, end: 0 }
     }
 
     pub fn page_size(&self) -> u64 {
@@ -46,34 +55,72 @@ impl PageMap {
     }
 
     pub fn is_mapped(&self, page: u64) -> bool {
-        page < self.end && self.bits[(page / 64) as usize] >> (page % 64) & 1 == 1
+        page < self.end && bit(&self.bits, page)
     }
 
-    /// Marks pages `[first, first + count)` mapped (each must be unmapped).
-    pub fn set_mapped(&mut self, first: u64, count: u64) {
-        debug_assert!(first + count <= self.pages);
+    /// Whether an allocation begins at `page`.
+    pub fn is_start(&self, page: u64) -> bool {
+        page < self.end && bit(&self.starts, page)
+    }
+
+    /// Marks pages `[first, first + count)` mapped (each must be unmapped),
+    /// as allocations of `each` pages (`count` a multiple of it).
+    pub fn set_mapped(&mut self, first: u64, count: u64, each: u64) {
+        debug_assert!(first + count <= self.pages && each > 0 && count.is_multiple_of(each));
         let words = (first + count).div_ceil(64) as usize;
         if self.bits.len() < words {
             self.bits.resize(words, 0);
+            self.starts.resize(words, 0);
         }
         for page in first..first + count {
             debug_assert!(!self.is_mapped(page));
             self.bits[(page / 64) as usize] |= 1 << (page % 64);
+            if (page - first).is_multiple_of(each) {
+                self.starts[(page / 64) as usize] |= 1 << (page % 64);
+            }
         }
         self.mapped += count;
         self.end = self.end.max(first + count);
     }
 
-    /// Marks pages `[first, first + count)` unmapped (each must be mapped).
+    /// Marks the whole allocations of pages `[first, first + count)`
+    /// unmapped (`whole` must hold).
     pub fn set_unmapped(&mut self, first: u64, count: u64) {
+        debug_assert!(self.whole(first, count), "pages {first}+{count} are not whole allocations");
         for page in first..first + count {
-            debug_assert!(self.is_mapped(page));
             self.bits[(page / 64) as usize] &= !(1 << (page % 64));
+            self.starts[(page / 64) as usize] &= !(1 << (page % 64));
         }
         self.mapped -= count;
         while self.end > 0 && !self.is_mapped(self.end - 1) {
             self.end -= 1;
         }
+    }
+
+    /// Whether pages `[first, first + count)` are mapped and are whole
+    /// allocations (`count` > 0): they begin one and the page after them
+    /// begins another or is unmapped.
+    pub fn whole(&self, first: u64, count: u64) -> bool {
+        count > 0 && self.is_start(first) && (first..first + count).all(|p| self.is_mapped(p)) && !self.continues(first + count)
+    }
+
+    /// Whether `page` is mapped as part of the allocation before it.
+    fn continues(&self, page: u64) -> bool {
+        self.is_mapped(page) && !self.is_start(page)
+    }
+
+    /// The allocation holding the mapped `page`: its first page and length.
+    pub fn allocation(&self, page: u64) -> (u64, u64) {
+        debug_assert!(self.is_mapped(page));
+        let mut first = page;
+        while !self.is_start(first) {
+            first -= 1;
+        }
+        let mut end = page + 1;
+        while self.continues(end) {
+            end += 1;
+        }
+        (first, end - first)
     }
 
     /// The pages touched by bytes `[start, end)`: first page and count.
@@ -109,6 +156,35 @@ impl PageMap {
         out
     }
 
+    /// The allocations lying entirely inside pages `[first, first + count)`,
+    /// each `(first page, pages)`, in address order.
+    pub fn allocations_within(&self, first: u64, count: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for (run, n) in self.runs(first, count, true) {
+            // A run cut by the range's start or end may begin or end inside
+            // an allocation that reaches outside: those are not whole.
+            let mut page = run;
+            while page < run + n {
+                let (start, len) = self.allocation(page);
+                if start >= first && start + len <= first + count {
+                    out.push((start, len));
+                }
+                page = start + len;
+            }
+        }
+        out
+    }
+
+    /// Runs of adjacent whole allocations lying entirely inside pages
+    /// `[first, first + count)`: what can be unmapped there, run by run.
+    pub fn whole_runs_within(&self, first: u64, count: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for (p, n) in self.allocations_within(first, count) {
+            push_run(&mut out, p, n);
+        }
+        out
+    }
+
     /// Bytes of `[start, end)` that lie in mapped pages.
     pub fn mapped_bytes_within(&self, start: u64, end: u64) -> u64 {
         let end = end.min(self.end_bytes());
@@ -123,24 +199,29 @@ impl PageMap {
         (first..first + count).filter(|&p| self.is_mapped(p)).map(|p| end.min((p + 1) * self.page) - start.max(p * self.page)).sum()
     }
 
-    /// Bytes of `[start, end)` in mapped pages that reach outside it: the
-    /// part of a free block that cannot be unmapped while its neighbours
-    /// are in use (at most a page at each end).
-    pub fn edge_bytes(&self, start: u64, end: u64) -> u64 {
+    /// Bytes of `[start, end)` in mapped memory that cannot go back while
+    /// what lies outside it is in use: the bytes inside it of the
+    /// allocations that reach outside (the part of a free block held by
+    /// its neighbours' allocations; with allocations of one page, at most
+    /// a page at each end).
+    pub fn pinned_bytes(&self, start: u64, end: u64) -> u64 {
+        if start >= end {
+            return 0;
+        }
         let (first, count) = self.touched(start, end);
-        let overlap = |p: u64| end.min((p + 1) * self.page) - start.max(p * self.page);
-        let edge = |p: u64| {
-            let whole = p * self.page >= start && (p + 1) * self.page <= end;
-            if !whole && self.is_mapped(p) {
-                overlap(p)
-            } else {
-                0
+        let outside = |page: u64| -> Option<(u64, u64)> {
+            if !self.is_mapped(page) {
+                return None;
             }
+            let (a, n) = self.allocation(page);
+            let (from, to) = (a * self.page, (a + n) * self.page);
+            (from < start || to > end).then(|| (from.max(start), to.min(end)))
         };
-        match count {
-            0 => 0,
-            1 => edge(first),
-            _ => edge(first) + edge(first + count - 1),
+        let head = outside(first);
+        let tail = if count > 1 { outside(first + count - 1) } else { None };
+        match (head, tail) {
+            (Some((a, b)), Some((c, d))) if (a, b) == (c, d) => b - a,
+            (head, tail) => head.map_or(0, |(a, b)| b - a) + tail.map_or(0, |(c, d)| d - c),
         }
     }
 
@@ -150,21 +231,33 @@ impl PageMap {
         self.runs(first, count, true).into_iter().map(|(p, n)| end.min((p + n) * self.page) - start.max(p * self.page)).max().unwrap_or(0)
     }
 
-    /// Checks the counts against the bits.
+    /// Checks the counts and the allocations against the bits.
     pub fn check(&self) -> Result<(), String> {
         let set: u64 = self.bits.iter().map(|w| w.count_ones() as u64).sum();
         if set != self.mapped {
             return Err(format!("page map counts {} mapped pages, bits hold {set}", self.mapped));
         }
-        let highest = (0..self.bits.len() as u64 * 64).rev().find(|&p| self.bits[(p / 64) as usize] >> (p % 64) & 1 == 1);
+        let highest = (0..self.bits.len() as u64 * 64).rev().find(|&p| bit(&self.bits, p));
         if highest.map_or(0, |p| p + 1) != self.end {
             return Err(format!("page map end is {} but the highest mapped page is {highest:?}", self.end));
         }
         if self.end > self.pages {
             return Err(format!("page map end {} past the range's {} pages", self.end, self.pages));
         }
+        if let Some(w) = (0..self.starts.len()).find(|&w| self.starts[w] & !self.bits[w] != 0) {
+            return Err(format!("page map: an allocation begins at an unmapped page (word {w})"));
+        }
+        for (p, _) in self.runs(0, self.end, true) {
+            if !self.is_start(p) {
+                return Err(format!("page map: the mapped run at page {p} begins inside no allocation"));
+            }
+        }
         Ok(())
     }
+}
+
+fn bit(words: &[u64], page: u64) -> bool {
+    words[(page / 64) as usize] >> (page % 64) & 1 == 1
 }
 
 fn push_run(out: &mut Vec<(u64, u64)>, page: u64, count: u64) {
@@ -183,19 +276,40 @@ mod tests {
     #[test]
     fn runs_and_counts_follow_the_bits() {
         let mut map = PageMap::new(64 * PAGE, PAGE);
-        map.set_mapped(0, 3);
-        map.set_mapped(5, 2);
+        map.set_mapped(0, 3, 1);
+        map.set_mapped(5, 2, 1);
         assert_eq!((map.mapped_bytes(), map.end_bytes()), (5 * PAGE, 7 * PAGE));
         assert_eq!(map.runs(0, 10, true), vec![(0, 3), (5, 2)]);
         assert_eq!(map.runs(0, 10, false), vec![(3, 2), (7, 3)]);
         assert_eq!(map.mapped_bytes_within(PAGE / 2, 6 * PAGE), 5 * PAGE / 2 + PAGE);
         assert_eq!(map.longest_mapped_run(PAGE / 2, 64 * PAGE), 5 * PAGE / 2);
-        assert_eq!(map.edge_bytes(PAGE / 2, 5 * PAGE + 512), PAGE / 2 + 512, "pages 0 and 5 stick out");
-        assert_eq!(map.edge_bytes(PAGE + 512, PAGE + 1024), 512);
-        assert_eq!(map.edge_bytes(PAGE, 3 * PAGE), 0, "whole pages are not edges");
+        assert_eq!(map.pinned_bytes(PAGE / 2, 5 * PAGE + 512), PAGE / 2 + 512, "pages 0 and 5 stick out");
+        assert_eq!(map.pinned_bytes(PAGE + 512, PAGE + 1024), 512);
+        assert_eq!(map.pinned_bytes(PAGE, 3 * PAGE), 0, "whole pages are not pinned");
         map.set_unmapped(5, 2);
         assert_eq!(map.end_bytes(), 3 * PAGE, "end drops back to the highest mapped page");
         assert_eq!(map.mapped_bytes_within(0, 64 * PAGE), 3 * PAGE);
+        map.check().unwrap();
+    }
+
+    #[test]
+    fn allocations_go_back_whole() {
+        let mut map = PageMap::new(64 * PAGE, PAGE);
+        map.set_mapped(0, 8, 4); // two allocations of four pages
+        map.set_mapped(8, 3, 3); // and one of three right after
+        assert_eq!(map.allocation(5), (4, 4));
+        assert_eq!(map.allocation(10), (8, 3));
+        assert!(map.whole(4, 4) && map.whole(0, 11));
+        assert!(!map.whole(5, 3) && !map.whole(4, 5) && !map.whole(0, 3), "a part of an allocation is not whole");
+        // Only allocations wholly inside a range can go back from it.
+        assert_eq!(map.allocations_within(1, 10), vec![(4, 4), (8, 3)]);
+        assert_eq!(map.whole_runs_within(1, 10), vec![(4, 7)]);
+        assert_eq!(map.allocations_within(0, 7), vec![(0, 4)]);
+        // A free stretch of pages 2..9 is held by the allocations at 0 and 8 that reach outside it.
+        assert_eq!(map.pinned_bytes(2 * PAGE, 9 * PAGE), 2 * PAGE + PAGE);
+        assert_eq!(map.pinned_bytes(5 * PAGE, 6 * PAGE), PAGE, "inside one allocation: all of it");
+        map.set_unmapped(4, 4);
+        assert_eq!(map.runs(0, 11, true), vec![(0, 4), (8, 3)]);
         map.check().unwrap();
     }
 
@@ -208,10 +322,13 @@ mod tests {
     }
 
     #[test]
-    fn a_drifted_count_is_caught() {
+    fn a_drifted_count_or_a_run_without_its_allocation_is_caught() {
         let mut map = PageMap::new(64 * PAGE, PAGE);
-        map.set_mapped(70 % 64, 1);
+        map.set_mapped(70 % 64, 1, 1);
         map.mapped += 1;
         assert!(map.check().unwrap_err().contains("mapped pages"));
+        map.mapped -= 1;
+        map.starts[0] = 0;
+        assert!(map.check().unwrap_err().contains("begins inside no allocation"));
     }
 }

@@ -4,13 +4,15 @@
 //! goes first, longest free first: the free pages inside holes of every
 //! pool's ranges (the free block the growing request is carved from
 //! included: it may cache pages past where the request lands), and the
-//! small pools' segments that are one whole free block. Pages of holes
-//! become donors: the physical memory under them is moved
-//! (`Backend::vm_move`: one unmap and one map per page, where giving it
-//! back and taking new memory would be four driver calls) to the pages the
-//! growth needs. Within the budget below, a hole donates only the pages
-//! the growth needs and keeps the rest cached (no driver call); past it, a
-//! hole's pages go whole and those the growth leaves are unmapped.
+//! small pools' segments that are one whole free block. The allocations
+//! lying inside holes become donors: their physical memory is moved
+//! (`Backend::vm_move`: one unmap and one map per allocation, where giving
+//! it back and taking new memory would be four driver calls) to the pages
+//! the growth needs, an allocation whole (it may reach past the request
+//! into the rest of the block the request is carved from). Within the
+//! budget below, a hole donates allocations until the growth has what it
+//! needs and keeps the rest cached (no driver call); past it, all of a
+//! hole's allocations go and those the growth leaves are unmapped.
 //!
 //! Invariants:
 //! - below the high-water mark nothing moves, so a loop that has met its
@@ -88,14 +90,16 @@ enum Source {
     Segment(u32),
 }
 
-/// Mapped pages of a hole whose stream has no work left on them, about to
-/// move or be unmapped: `pages` pages from page `first` of the expandable
-/// segment `segment`.
+/// An allocation inside a hole whose stream has no work left on it, about
+/// to move: `pages` pages from page `first` of the expandable segment
+/// `segment`. A `spare` one that no growth takes is unmapped (past the
+/// budget); another stays where it is, cached.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Donor {
     segment: u32,
     first: u64,
-    pages: u64,
+    pub pages: u64,
+    spare: bool,
 }
 
 impl DeviceHeap {
@@ -176,19 +180,20 @@ impl DeviceHeap {
                         continue;
                     }
                     let b = &self.blocks[block];
-                    // Within the budget a growth takes only the pages it
-                    // needs and the rest stay cached; past it, whole runs,
-                    // and what the growth leaves goes back, so that a heap
-                    // that keeps drifting holds no more than it must.
-                    let mut left = if budget_left > 0 { need.div_ceil(page) } else { u64::MAX };
+                    // Within the budget a growth takes only the allocations
+                    // it needs and the rest stay cached; past it, all of
+                    // them, and what the growth leaves goes back, so that a
+                    // heap that keeps drifting holds no more than it must.
+                    let spare = budget_left == 0;
+                    let mut left = if spare { u64::MAX } else { need.div_ceil(page) };
                     let mut got = 0;
-                    for (segment, first, pages) in self.mapped_runs_within(b.segment, from, b.addr + b.size) {
+                    let segment = b.segment;
+                    for (first, pages) in self.allocations_within(segment, from, b.addr + b.size) {
                         if left == 0 {
                             break;
                         }
-                        let pages = pages.min(left);
-                        left -= pages;
-                        donors.push(Donor { segment, first, pages });
+                        left = left.saturating_sub(pages);
+                        donors.push(Donor { segment, first, pages, spare });
                         got += pages * page;
                     }
                     got
@@ -205,32 +210,52 @@ impl DeviceHeap {
         donors
     }
 
-    /// Moves the memory of up to `max_pages` donor pages to the unmapped
-    /// pages at `to` (one run of a reserved range). Returns the pages moved,
-    /// or None when there is no donor left or the backend cannot move
-    /// (every donor is unmapped then, so that the caller maps new memory
-    /// in their place).
-    pub(super) fn move_donor_pages(&mut self, donors: &mut Vec<Donor>, to: u64, max_pages: u64) -> Option<u64> {
-        let donor = donors.last_mut()?;
-        let k = donor.pages.min(max_pages);
+    /// Moves the memory of a donor allocation of at most `room` pages (the
+    /// latest chosen that fits) to the unmapped pages at `to` (one run of a
+    /// reserved range). Returns its pages, or None when no donor fits or the
+    /// backend cannot move (every donor is settled then, so that the caller
+    /// maps new memory in their place).
+    pub(super) fn move_donor(&mut self, donors: &mut Vec<Donor>, to: u64, room: u64) -> Option<u64> {
+        let index = donors.iter().rposition(|d| d.pages <= room)?;
+        let donor = donors[index];
         let (base, page) = self.segments[donor.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))?;
-        if self.backend.vm_move(self.device, base + donor.first * page, to, k * page).is_err() {
-            self.unmap_donors(std::mem::take(donors));
+        if self.backend.vm_move(self.device, base + donor.first * page, to, donor.pages * page).is_err() {
+            self.settle_donors(std::mem::take(donors));
             return None;
         }
         // The memory stays on the device: only where it is mapped changed.
-        let (segment, first) = (donor.segment, donor.first);
-        donor.first += k;
-        donor.pages -= k;
-        if donor.pages == 0 {
-            donors.pop();
-        }
-        self.forget_mapped_run(segment, first, k);
-        Some(k)
+        donors.remove(index);
+        self.forget_mapped_run(donor.segment, donor.first, donor.pages);
+        Some(donor.pages)
     }
 
-    /// Unmaps donors that no growth needed, giving their memory back.
-    pub(super) fn unmap_donors(&mut self, donors: Vec<Donor>) {
+    /// Unmaps donors until they have given back at least `bytes` (or none
+    /// is left), the smallest that covers what is left first, else the
+    /// largest: a growth about to take new memory because no donor fits
+    /// where it maps gives back what the donors chosen for it hold instead,
+    /// so that it stays under the high-water mark as a move would have kept
+    /// it (an allocation moves only whole, and a larger one does not fit a
+    /// smaller run of pages), and gives back little more than it takes.
+    pub(super) fn release_donors_for(&mut self, donors: &mut Vec<Donor>, bytes: u64) {
+        let mut left = bytes.div_ceil(self.vm.map_or(1, |vm| vm.page));
+        while left > 0 && !donors.is_empty() {
+            let covering = (0..donors.len()).filter(|&i| donors[i].pages >= left).min_by_key(|&i| donors[i].pages);
+            let index = covering.unwrap_or_else(|| (0..donors.len()).max_by_key(|&i| donors[i].pages).expect("not empty"));
+            let donor = donors.remove(index);
+            let pages = self.unmap_run(donor.segment, donor.first, donor.pages) / self.vm.map_or(1, |vm| vm.page);
+            left = left.saturating_sub(pages.max(1));
+        }
+    }
+
+    /// Unmaps the spare donors no growth took, giving their memory back;
+    /// the others stay cached where they are.
+    pub(super) fn settle_donors(&mut self, donors: Vec<Donor>) {
+        self.release_donors(donors.into_iter().filter(|d| d.spare).collect());
+    }
+
+    /// Unmaps donors, giving their memory back (where a growth takes new
+    /// memory of another kind: a small segment).
+    pub(super) fn release_donors(&mut self, donors: Vec<Donor>) {
         for donor in donors {
             self.unmap_run(donor.segment, donor.first, donor.pages);
         }

@@ -457,27 +457,34 @@ impl DeviceHeap {
     /// page maps and the counts only when every run is mapped. Pages still
     /// mapped (an earlier undo whose unmap failed) are left as they are.
     fn map_saved(&mut self, runs: &[(u64, u64, u64)], page: u64) -> Result<(), BackendError> {
-        let todo: Vec<(u64, u64, u64)> = runs
-            .iter()
-            .flat_map(|&(base, first, count)| {
-                let id = self.segment_by_base[&base];
-                let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("a range of the tag");
-                pages.runs(first, count, false).into_iter().map(move |(p, n)| (base, p, n))
-            })
-            .collect();
+        // Each unmapped run in physical allocations as a growth makes them:
+        // (base, first page, pages, pages per allocation).
+        let mut todo: Vec<(u64, u64, u64, u64)> = Vec::new();
+        for &(base, first, count) in runs {
+            let id = self.segment_by_base[&base];
+            let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("a range of the tag");
+            for (p, n) in pages.runs(first, count, false) {
+                let mut at = p;
+                for (k, each) in self.allocations_for(n, page) {
+                    todo.push((base, at, k, each));
+                    at += k;
+                }
+            }
+        }
         let mut done = Vec::new();
         let mut failed = None;
-        for &(base, first, count) in &todo {
+        for &(base, first, count, each) in &todo {
             let (addr, bytes) = (base + first * page, count * page);
+            let sizes = vec![each * page; (count / each) as usize];
             let mapped = self.claim_reserved(bytes).and_then(|()| {
-                let result = self.backend.vm_map(self.device, addr, bytes);
+                let result = self.backend.vm_map(self.device, addr, &sizes);
                 if result.is_err() {
                     self.reserve.give_back(bytes);
                 }
                 result
             });
             match mapped {
-                Ok(()) => done.push((base, first, count)),
+                Ok(()) => done.push((base, first, count, each)),
                 Err(err) => {
                     failed = Some(err);
                     break;
@@ -487,11 +494,11 @@ impl DeviceHeap {
         if let Some(err) = failed {
             // Undone; a run the backend cannot unmap stays mapped, and counted.
             let mut stuck = Vec::new();
-            for (base, first, count) in done {
+            for (base, first, count, each) in done {
                 if self.backend.vm_unmap(self.device, base + first * page, count * page).is_ok() {
                     self.reserve.give_back(count * page);
                 } else {
-                    stuck.push((base, first, count));
+                    stuck.push((base, first, count, each));
                 }
             }
             self.commit_saved(&stuck);
@@ -501,12 +508,13 @@ impl DeviceHeap {
         Ok(())
     }
 
-    /// Marks runs of a tag's pages, just mapped, in their page maps and counts them.
-    fn commit_saved(&mut self, runs: &[(u64, u64, u64)]) {
-        for &(base, first, count) in runs {
+    /// Marks runs of a tag's pages, just mapped, in their page maps and
+    /// counts them: (base, first page, pages, pages per allocation) each.
+    fn commit_saved(&mut self, runs: &[(u64, u64, u64, u64)]) {
+        for &(base, first, count, each) in runs {
             let id = self.segment_by_base[&base] as usize;
             let kind = self.pools[self.segments[id].as_ref().expect("a range of the tag").pool as usize].kind;
-            self.commit_mapped(id, kind, &[(first, count)]);
+            self.commit_mapped(id, kind, &[(first, count, each)]);
         }
     }
 

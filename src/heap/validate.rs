@@ -159,7 +159,7 @@ impl DeviceHeap {
                     if b.is_split() && !(pages.is_some() && b.next == NIL) {
                         sums.inactive_split[k] += 1;
                         sums.inactive_split_bytes[k] +=
-                            pages.map_or(b.size, |p| p.edge_bytes(b.addr - segment.base, b.addr - segment.base + b.size));
+                            pages.map_or(b.size, |p| p.pinned_bytes(b.addr - segment.base, b.addr - segment.base + b.size));
                     }
                 }
                 prev_free = b.state == BlockState::Binned;

@@ -462,7 +462,7 @@ fn child_growth_in_relaxed_capture_mode() {
     let backend = alloc.backend();
     let page = backend.vm_page_size(0).unwrap();
     let base = backend.vm_reserve(0, page).unwrap();
-    backend.vm_map(0, base, page).unwrap();
+    backend.vm_map(0, base, &[page]).unwrap();
     // SAFETY: reads a counter of the loaded simgpu.
     let unmaps = unsafe { (sim.relaxed_unmaps)() };
     backend.vm_unmap(0, base, page).unwrap();

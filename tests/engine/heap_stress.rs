@@ -105,8 +105,8 @@ impl Backend for RandomBackend {
         self.fail("vm_free")?;
         self.host.vm_free(d, b, s)
     }
-    fn vm_map(&self, d: usize, a: u64, l: u64) -> Result<(), BackendError> {
-        self.host.vm_map(d, a, l)
+    fn vm_map(&self, d: usize, a: u64, sizes: &[u64]) -> Result<(), BackendError> {
+        self.host.vm_map(d, a, sizes)
     }
     fn vm_unmap(&self, d: usize, a: u64, l: u64) -> Result<(), BackendError> {
         self.host.vm_unmap(d, a, l)

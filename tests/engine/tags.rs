@@ -612,8 +612,8 @@ impl Backend for EventsThatFail {
     fn vm_free(&self, d: usize, base: u64, size: u64) -> Result<(), tidepool::backend::BackendError> {
         self.0.vm_free(d, base, size)
     }
-    fn vm_map(&self, d: usize, addr: u64, len: u64) -> Result<(), tidepool::backend::BackendError> {
-        self.0.vm_map(d, addr, len)
+    fn vm_map(&self, d: usize, addr: u64, sizes: &[u64]) -> Result<(), tidepool::backend::BackendError> {
+        self.0.vm_map(d, addr, sizes)
     }
     fn vm_unmap(&self, d: usize, addr: u64, len: u64) -> Result<(), tidepool::backend::BackendError> {
         self.0.vm_unmap(d, addr, len)

@@ -25,7 +25,6 @@ use std::time::Instant;
 
 use super::{Event, RecordedOom, Trace};
 use tidepool::backend::host::HostBackend;
-use tidepool::backend::Backend;
 use tidepool::{AllocError, Allocator, Config, ConfigError, DevicePtr, Stream};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,6 +187,7 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
     let mut config = builder.host(trace.devices as usize, options.capacity).build()?;
     if options.policy == Policy::PytorchExpandable {
         config.expandable_page = Some(PYTORCH_EXPANDABLE_PAGE);
+        config.expandable_allocation = PYTORCH_EXPANDABLE_PAGE;
         config.move_pages = false;
     }
     Ok(config)
@@ -331,7 +331,6 @@ pub fn replay_with_progress(
         report.peak_reserved_bytes += s.reserved_bytes.all.peak;
         report.device_allocs += s.events.num_device_alloc;
         report.device_frees += s.events.num_device_free;
-        report.driver_calls += 2 * (s.events.num_pages_mapped + s.events.num_pages_unmapped);
         report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
         if options.policy == Policy::PytorchExpandable {
             // Its small pool's 2 MiB pieces are mapped pages there too:
@@ -341,13 +340,9 @@ pub fn replay_with_progress(
             report.driver_calls += 2 * s.segment.small_pool.allocated + s.segment.small_pool.freed;
         }
     }
-    let (map_calls, _) = backend.vm_calls();
-    report.driver_calls += backend.allocate_calls() + backend.release_calls() + map_calls;
-    // A moved page counts as mapped and as unmapped: four calls above, two
-    // made (pages move only where they are the driver's size).
-    let (move_calls, moved_bytes) = backend.vm_moves();
-    let moved_pages = moved_bytes / backend.vm_page_size(0).unwrap_or(u64::MAX);
-    report.driver_calls = report.driver_calls + move_calls - 2 * moved_pages;
+    // Every call the `cuda` backend makes for what the heaps asked: segments,
+    // ranges of address space, physical allocations, maps, unmaps and access.
+    report.driver_calls += backend.driver_calls().total();
     alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
     // The blocks the trace leaves live go back too, so that the replay
     // holds no memory or address space once dropped (`plan` runs dozens).
