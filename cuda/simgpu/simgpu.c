@@ -364,9 +364,10 @@ static int claim(int device, size_t bytes) {
 static __thread int capture_mode;
 static long relaxed_allocs, relaxed_unmaps;
 
-/* Calls that take or give back device memory (cuMemAlloc, cuMemFree,
- * cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease), as
- * `tidepool replay` counts its driver calls. */
+/* Calls that take or give back device memory or address space (cuMemAlloc,
+ * cuMemFree, cuMemAddressReserve, cuMemAddressFree, cuMemCreate, cuMemMap,
+ * cuMemSetAccess, cuMemUnmap, cuMemRelease), as `tidepool replay` counts
+ * its driver calls. */
 static long memory_calls;
 #define COUNT_MEMORY_CALL() __atomic_fetch_add(&memory_calls, 1, __ATOMIC_RELAXED)
 
@@ -933,6 +934,7 @@ CUresult cuMemGetAllocationGranularity(size_t *granularity, const void *prop, in
 }
 
 CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr, unsigned long long flags) {
+    COUNT_MEMORY_CALL();
     (void)addr;
     (void)flags;
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
@@ -960,6 +962,7 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
 }
 
 CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    COUNT_MEMORY_CALL();
     pthread_mutex_lock(&lock);
     struct reservation_rec *r = reservation_of((uintptr_t)ptr, size);
     if (!r || r->base != (uintptr_t)ptr || r->size != size || overlaps_mapping(r->base, r->size)) {

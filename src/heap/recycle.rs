@@ -213,14 +213,14 @@ impl DeviceHeap {
     /// Moves the memory of a donor allocation of at most `room` pages (the
     /// latest chosen that fits) to the unmapped pages at `to` (one run of a
     /// reserved range). Returns its pages, or None when no donor fits or the
-    /// backend cannot move (every donor is settled then, so that the caller
-    /// maps new memory in their place).
+    /// backend cannot move (every donor gives its memory back then, and the
+    /// caller maps new memory in its place).
     pub(super) fn move_donor(&mut self, donors: &mut Vec<Donor>, to: u64, room: u64) -> Option<u64> {
         let index = donors.iter().rposition(|d| d.pages <= room)?;
         let donor = donors[index];
         let (base, page) = self.segments[donor.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))?;
         if self.backend.vm_move(self.device, base + donor.first * page, to, donor.pages * page).is_err() {
-            self.settle_donors(std::mem::take(donors));
+            self.release_donors(std::mem::take(donors));
             return None;
         }
         // The memory stays on the device: only where it is mapped changed.

@@ -54,8 +54,13 @@ fn the_device_fills_up_then_the_cache_makes_room(alloc: &Allocator, capacity: u6
     // their high-water mark, so there is nothing to retry).
     let b = alloc.allocate(0, (half + 4 * MIB) as usize, Stream::DEFAULT).unwrap();
     let s = alloc.stats(0).unwrap();
-    let retries = if alloc.device(0).unwrap().is_expandable() { 0 } else { 1 };
-    assert_eq!((s.events.num_alloc_retries, s.events.num_device_free), (retries, 1));
+    if alloc.device(0).unwrap().is_expandable() {
+        // Each of the allocations `a` was mapped in moved or went back.
+        assert_eq!(s.events.num_alloc_retries, 0);
+        assert!(s.events.num_device_free >= 1, "{:?}", s.events);
+    } else {
+        assert_eq!((s.events.num_alloc_retries, s.events.num_device_free), (1, 1));
+    }
     // More than the device: a clear out-of-memory, nothing leaked.
     let err = alloc.allocate(0, capacity as usize, Stream::DEFAULT).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");

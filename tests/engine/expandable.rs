@@ -21,6 +21,11 @@ use tidepool::{AllocError, Allocator, Config, DevicePtr, Stream};
 
 const S: Stream = Stream::DEFAULT;
 
+/// Expandable segments whose physical allocations are one page each: the
+/// finest grain pages move and go back at (the tests of moving pages
+/// count them one by one).
+const PAGE_BY_PAGE: &str = "expandable:true,expandable_allocation_mb:2";
+
 fn alloc(a: &Allocator, size: u64) -> DevicePtr {
     a.allocate(0, size as usize, S).unwrap()
 }
@@ -152,7 +157,7 @@ fn a_failed_unmap_keeps_the_page_mapped_and_counted() {
 
 #[test]
 fn a_run_whose_unmap_fails_goes_back_page_by_page() {
-    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let (a, backend) = host_allocator(1, 1 << 30, PAGE_BY_PAGE);
     let _left = alloc(&a, 4 * MIB);
     let hole = alloc(&a, 16 * MIB);
     let _right = alloc(&a, 4 * MIB);
@@ -321,7 +326,7 @@ fn a_stashed_block_taken_back_leaves_its_free_neighbour_as_idle_as_best_fit_woul
 
 #[test]
 fn a_pool_that_grows_past_the_peak_takes_the_free_pages_of_another_pools_holes() {
-    let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
+    let (a, _) = host_allocator(1, 1 << 40, PAGE_BY_PAGE);
     let left = alloc(&a, 4 * MIB);
     let hole = alloc(&a, 64 * MIB);
     let right = alloc(&a, 4 * MIB);
@@ -343,7 +348,7 @@ fn a_pool_that_grows_past_the_peak_takes_the_free_pages_of_another_pools_holes()
 
 #[test]
 fn growing_past_the_high_water_mark_takes_the_pages_of_the_pools_own_older_holes_first() {
-    let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
+    let (a, _) = host_allocator(1, 1 << 40, PAGE_BY_PAGE);
     let b = a_hole_with_pages_and_a_hole_without(&a);
     assert_eq!(reserved(&a), 38 * MIB);
     // 12 MiB: best fit is B, whose 6 pages must be mapped; 6 of D's 8 idle
@@ -363,7 +368,7 @@ fn a_request_carved_from_a_free_block_takes_the_cached_pages_further_in_it_befor
     // but A one free block: 56 MiB reserved, the high-water mark. A 24 MiB
     // request lands at X, whose 8 pages must be mapped, while the block it
     // is carved from caches 44 MiB of pages past where it ends.
-    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let (a, backend) = host_allocator(1, 1 << 30, PAGE_BY_PAGE);
     let _a = alloc(&a, 4 * MIB);
     let x = alloc(&a, 16 * MIB);
     let c = alloc(&a, 4 * MIB);
@@ -378,7 +383,7 @@ fn a_request_carved_from_a_free_block_takes_the_cached_pages_further_in_it_befor
     assert_eq!(carved, x);
     let stats = a.stats(0).unwrap();
     assert_eq!(stats.reserved_bytes.all.peak, 56 * MIB, "the peak did not rise");
-    assert_eq!(backend.vm_moves(), (1, 16 * MIB), "X's 8 pages took the memory of 8 of Y's");
+    assert_eq!(backend.vm_moves(), (8, 16 * MIB), "X's 8 pages took the memory of 8 of Y's, one move each");
     assert_eq!(reserved(&a), 56 * MIB, "the rest of Y's pages stay cached");
     assert_eq!(backend.mem_info(0).unwrap().free, free_before);
     fill(carved, 24 * MIB, 5);
@@ -403,14 +408,14 @@ fn a_hole_with_pages_and_a_hole_without(a: &Allocator) -> DevicePtr {
 
 #[test]
 fn a_hole_s_memory_moves_to_the_new_pages_with_one_map_and_one_unmap_per_page() {
-    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let (a, backend) = host_allocator(1, 1 << 30, PAGE_BY_PAGE);
     let b = a_hole_with_pages_and_a_hole_without(&a);
     let free_before = backend.mem_info(0).unwrap().free;
     let again = alloc(&a, 12 * MIB);
     assert_eq!(again, b);
     // B's 6 pages take the memory of 6 of D's 8; the other 2 stay cached.
     let (calls, bytes) = backend.vm_moves();
-    assert_eq!((calls, bytes), (1, 12 * MIB), "one move of 6 pages");
+    assert_eq!((calls, bytes), (6, 12 * MIB), "a move for each of 6 pages");
     assert_eq!(backend.mem_info(0).unwrap().free, free_before, "no memory taken, none given back");
     fill(again, 12 * MIB, 7);
     assert_eq!(check(again, 12 * MIB, 7), Ok(()), "the moved pages are usable");
@@ -475,7 +480,7 @@ fn pages_larger_than_the_backends_map_that_much_at_a_time_and_bad_sizes_are_refu
 
 #[test]
 fn when_the_backend_cannot_move_the_hole_gives_its_pages_back_and_new_ones_are_mapped() {
-    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let (a, backend) = host_allocator(1, 1 << 30, PAGE_BY_PAGE);
     let b = a_hole_with_pages_and_a_hole_without(&a);
     backend.faults().set_kind(FaultKind::DriverError);
     backend.faults().fail_nth_allocate(1); // the move
@@ -552,7 +557,7 @@ fn pages_move_within_a_budget_then_the_heap_holds_its_memory_and_makes_no_driver
     // most: more than 4 % over, but within the 16 MiB any heap may hold
     // over its live memory, so moving stops with the budget of four times
     // the high-water mark (46 MiB).
-    let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
+    let (a, _) = host_allocator(1, 1 << 40, PAGE_BY_PAGE);
     let emptied = two_holes_each_request_fits_one(&a, 0, 16, 18);
     let high_water = 46 * MIB;
     let (calls, _) = alternate(&a, 40, 16, 18);
@@ -571,7 +576,7 @@ fn past_its_budget_a_heap_still_moves_pages_rather_than_hold_more_than_4_percent
     // at most, both holes held 1196 MiB, 5.3 % over. The pages keep moving
     // past the budget (4544 MiB, about 73 requests) and the heap never
     // holds more than 4 % over live (1181.4 MiB).
-    let (a, _) = host_allocator(1, 1 << 40, "expandable:true");
+    let (a, _) = host_allocator(1, 1 << 40, PAGE_BY_PAGE);
     let emptied = two_holes_each_request_fits_one(&a, 1000, 60, 64);
     assert_eq!(reserved(&a), 1136 * MIB);
     let (calls, most) = alternate(&a, 200, 60, 64);
@@ -596,4 +601,77 @@ fn a_request_that_fails_does_not_loosen_the_bound_over_live_memory() {
     assert!(moved > 2 * 4 * 1136 * MIB, "moves go on past the budget: {moved}");
     assert!(most <= 1181 * MIB, "reserved at most 4 % over live: {most}");
     a.validate().unwrap();
+}
+
+#[test]
+fn a_large_block_is_mapped_in_allocations_of_64_mib_with_one_grant_of_access() {
+    // (conf, allocations of the 4 MiB block, of the 1 GiB block)
+    for (conf, small, allocations) in
+        [("expandable:true", 1, 16), ("expandable:true,expandable_allocation_mb:unlimited", 1, 1), (PAGE_BY_PAGE, 2, 512)]
+    {
+        let (a, backend) = host_allocator(1, 4 << 30, conf);
+        let _left = alloc(&a, 4 * MIB);
+        let big = alloc(&a, 1 << 30);
+        let calls = backend.driver_calls();
+        // One `vm_map` for each block: a grant of access each.
+        assert_eq!((calls.create, calls.map, calls.set_access), (small + allocations, small + allocations, 2), "{conf}");
+        assert_eq!((calls.address_reserve, calls.unmap, calls.release), (1, 0, 0), "{conf}");
+        fill(big, 1 << 30, 4);
+        a.free(0, big).unwrap();
+        a.empty_cache();
+        let calls = backend.driver_calls();
+        assert_eq!((calls.unmap, calls.release), (allocations, allocations), "{conf}: the block's allocations go back whole");
+        assert_eq!(reserved(&a), 4 * MIB, "{conf}");
+        a.validate().unwrap();
+    }
+}
+
+#[test]
+fn a_block_s_edge_pages_are_allocations_of_their_own_so_its_inside_goes_back_whatever_its_neighbours_hold() {
+    // [3][10][3] MiB on 2 MiB pages: the middle block shares page 1 with
+    // the left one and page 6 with the right one; its inside (pages 2 to 5)
+    // is one allocation of its own.
+    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let left = alloc(&a, 3 * MIB);
+    let middle = alloc(&a, 10 * MIB);
+    let right = alloc(&a, 3 * MIB);
+    fill(left, 3 * MIB, 1);
+    fill(right, 3 * MIB, 2);
+    assert_eq!(reserved(&a), 16 * MIB);
+    a.free(0, middle).unwrap();
+    a.empty_cache();
+    assert_eq!(reserved(&a), 8 * MIB, "the inside's 4 pages went back, the edge pages stay with the neighbours");
+    assert_eq!(backend.driver_calls().unmap, 1, "in one call");
+    assert_eq!((check(left, 3 * MIB, 1), check(right, 3 * MIB, 2)), (Ok(()), Ok(())));
+    a.validate().unwrap();
+}
+
+#[test]
+fn a_donor_larger_than_the_pages_to_map_gives_its_memory_back_before_new_memory_is_taken() {
+    // D's 8 pages are one allocation: they cannot move into B's 6. D goes
+    // back before B's pages are taken, so the peak does not rise either.
+    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    let b = a_hole_with_pages_and_a_hole_without(&a);
+    let again = alloc(&a, 12 * MIB);
+    assert_eq!(again, b);
+    let stats = a.stats(0).unwrap();
+    assert_eq!(stats.reserved_bytes.all.peak, 38 * MIB, "the peak did not rise");
+    assert_eq!(stats.reserved_bytes.all.current, 34 * MIB, "D's 16 MiB went back, B's 12 MiB came");
+    assert_eq!(backend.vm_moves(), (0, 0));
+    fill(again, 12 * MIB, 6);
+    assert_eq!(check(again, 12 * MIB, 6), Ok(()));
+    a.validate().unwrap();
+}
+
+#[test]
+fn expandable_allocation_mb_refuses_what_is_not_a_size() {
+    for bad in ["0", "lots", "-2", "99999999999999999999"] {
+        let err = Config::builder().set("expandable_allocation_mb", bad).unwrap_err();
+        assert!(err.to_string().contains("expandable_allocation_mb"), "{bad}: {err}");
+    }
+    let (config, warnings) = Config::parse("expandable:true,expandable_allocation_mb:0");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(config.expandable_allocation, tidepool::config::DEFAULT_EXPANDABLE_ALLOCATION, "the default kept");
+    let (config, warnings) = Config::parse("expandable_allocation_mb:unlimited");
+    assert_eq!((config.expandable_allocation, warnings.len()), (u64::MAX, 0));
 }

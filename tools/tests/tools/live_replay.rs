@@ -1,6 +1,7 @@
 //! Replay's driver calls are the backend's: a trace played live on the
 //! `cuda` backend over simgpu makes exactly the calls `tidepool replay`
-//! reports for it, with and without expandable segments.
+//! reports for it, with and without expandable segments, in allocations
+//! of 64 MiB or page by page, pages moved and given back included.
 
 use tidepool_tools::trace::replay::{replay, Policy, ReplayOptions};
 use tidepool_tools::trace::Event;
@@ -14,11 +15,11 @@ use crate::common::simgpu::{child_prints, cuda_allocator, Simgpu};
 #[ignore = "child process: run by replay_counts_the_driver_calls_the_cuda_backend_makes"]
 fn child_replay_driver_calls() {
     common::child_only();
-    let file = common::repo_root().join("examples/traces/transformer-varlen-train.csv");
+    let file = common::repo_root().join("examples/traces").join(std::env::var("TIDEPOOL_TEST_TRACE").unwrap());
     let trace = tidepool_tools::trace::load(&file).unwrap();
-    let expandable = std::env::var("TIDEPOOL_TEST_CONF").is_ok_and(|c| c.contains("expandable:true"));
-    let policy = if expandable { Policy::Expandable } else { Policy::Tidepool };
-    let options = ReplayOptions { capacity: 1 << 40, policy, conf: String::new(), samples: 0, record_to: None };
+    let conf = std::env::var("TIDEPOOL_TEST_CONF").unwrap_or_default();
+    let policy = if conf.contains("expandable:true") { Policy::Expandable } else { Policy::Tidepool };
+    let options = ReplayOptions { capacity: 1 << 40, policy, conf: conf.clone(), samples: 0, record_to: None };
     let replayed = replay(&trace, &options).unwrap().driver_calls;
 
     let alloc = cuda_allocator("");
@@ -34,13 +35,28 @@ fn child_replay_driver_calls() {
     }
     // SAFETY: as above.
     let live = unsafe { (sim.memory_calls)() } - before;
-    println!("driver calls: live {live}, replay {replayed}");
+    let moves = alloc.stats(0).unwrap().events.num_pages_unmapped;
+    println!("driver calls: live {live}, replay {replayed} ({conf}: {moves} pages unmapped or moved)");
+    if file.ends_with("kv-generate.csv") {
+        assert!(moves > 0, "the decoding trace moves pages or gives them back");
+    }
     assert_eq!(live as u64, replayed);
 }
 
 #[test]
 fn replay_counts_the_driver_calls_the_cuda_backend_makes() {
-    for conf in ["", "expandable:true"] {
-        child_prints("child_replay_driver_calls", "8G", &[("TIDEPOOL_TEST_CONF", conf)], "driver calls: live");
+    // The decoding trace moves pages and gives them back as its caches grow.
+    for (trace, conf) in [
+        ("transformer-varlen-train.csv", ""),
+        ("transformer-varlen-train.csv", "expandable:true"),
+        ("kv-generate.csv", "expandable:true"),
+        ("kv-generate.csv", "expandable:true,expandable_allocation_mb:2"),
+    ] {
+        child_prints(
+            "child_replay_driver_calls",
+            "8G",
+            &[("TIDEPOOL_TEST_TRACE", trace), ("TIDEPOOL_TEST_CONF", conf)],
+            "driver calls: live",
+        );
     }
 }
