@@ -62,6 +62,10 @@ else
   echo "target/release/backends-test missing: conformance skipped" | tee "$OUT/conformance.txt" "$OUT/conformance-expandable.txt"
 fi
 
+echo "== what each driver call of expandable segments costs, and a 20 GiB warm-up in each setting"
+bounded 60 python3 cuda/check/vmm_calls.py --json "$OUT/vmm.json" | tee "$OUT/vmm.txt"
+vmm_rc=${PIPESTATUS[0]}
+
 echo "== patterns across streams, and latency"
 bounded 60 "$OUT/tidepool_check" 10000 | tee "$OUT/check.txt"
 check_rc=${PIPESTATUS[0]}
@@ -127,11 +131,11 @@ fi
 
 echo
 echo "== summary (after $(( SECONDS - START )) s of a $BUDGET s budget)"
-python3 - "$OUT" "$check_rc" "$check_expandable_rc" "$runtime_rc" "$runtime_expandable_rc" "$tags_rc" <<'PY'
+python3 - "$OUT" "$check_rc" "$check_expandable_rc" "$runtime_rc" "$runtime_expandable_rc" "$tags_rc" "$vmm_rc" <<'PY'
 import json, sys, pathlib
 out, check_rc, check_expandable_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 runtime_rcs = sys.argv[4:6]
-tags_rc = sys.argv[6]
+tags_rc, vmm_rc = sys.argv[6], sys.argv[7]
 print("gpu:", (out / "gpu.txt").read_text().strip())
 card = (out / "card.txt").read_text().strip().splitlines() if (out / "card.txt").exists() else []
 print(card[-1] if card else "card: no result")
@@ -143,6 +147,11 @@ tags_text = (out / "tags.txt").read_text() if (out / "tags.txt").exists() else "
 print("tags (graph across pause, bandwidth, latency):", "ok" if tags_rc == "0" and "tags check: ok" in tags_text else f"FAILED ({tags_rc})")
 for line in tags_text.splitlines():
     if line.startswith(("graph across pause", "bandwidth", "latency")):
+        print("  " + line)
+vmm_text = (out / "vmm.txt").read_text() if (out / "vmm.txt").exists() else ""
+print("driver calls of expandable segments:", "ok" if vmm_rc == "0" and "vmm calls: ok" in vmm_text else f"FAILED ({vmm_rc})")
+for line in vmm_text.splitlines():
+    if line.startswith(("calls at", "warm-up")):
         print("  " + line)
 for name, rc in zip(["rust-runtime", "rust-runtime-expandable"], runtime_rcs):
     text = (out / f"{name}.txt").read_text() if (out / f"{name}.txt").exists() else ""

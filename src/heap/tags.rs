@@ -457,38 +457,38 @@ impl DeviceHeap {
     /// page maps and the counts only when every run is mapped. Pages still
     /// mapped (an earlier undo whose unmap failed) are left as they are.
     fn map_saved(&mut self, runs: &[(u64, u64, u64)], page: u64) -> Result<(), BackendError> {
-        // Each unmapped run in physical allocations as a growth makes them:
-        // (base, first page, pages, pages per allocation).
-        let mut todo: Vec<(u64, u64, u64, u64)> = Vec::new();
+        // Each unmapped run in physical allocations as a growth makes them,
+        // one `vm_map` per run: (base, first page, (pages, pages per
+        // allocation) parts in address order).
+        let mut todo: Vec<(u64, u64, Vec<(u64, u64)>)> = Vec::new();
         for &(base, first, count) in runs {
             let id = self.segment_by_base[&base];
             let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("a range of the tag");
             for (p, n) in pages.runs(first, count, false) {
-                let mut at = p;
-                for (k, each) in self.allocations_for(n, page) {
-                    todo.push((base, at, k, each));
-                    at += k;
-                }
+                todo.push((base, p, self.allocations_for(n, page)));
             }
         }
+        // (base, first page, pages, pages per allocation) of each part mapped.
         let mut done = Vec::new();
         let mut failed = None;
-        for &(base, first, count, each) in &todo {
-            let (addr, bytes) = (base + first * page, count * page);
-            let sizes = vec![each * page; (count / each) as usize];
+        for (base, first, parts) in todo {
+            let bytes = parts.iter().map(|&(k, _)| k * page).sum();
+            let sizes: Vec<u64> = parts.iter().flat_map(|&(k, each)| std::iter::repeat_n(each * page, (k / each) as usize)).collect();
             let mapped = self.claim_reserved(bytes).and_then(|()| {
-                let result = self.backend.vm_map(self.device, addr, &sizes);
+                let result = self.backend.vm_map(self.device, base + first * page, &sizes);
                 if result.is_err() {
                     self.reserve.give_back(bytes);
                 }
                 result
             });
-            match mapped {
-                Ok(()) => done.push((base, first, count, each)),
-                Err(err) => {
-                    failed = Some(err);
-                    break;
-                }
+            if let Err(err) = mapped {
+                failed = Some(err);
+                break;
+            }
+            let mut at = first;
+            for (k, each) in parts {
+                done.push((base, at, k, each));
+                at += k;
             }
         }
         if let Some(err) = failed {
@@ -504,7 +504,7 @@ impl DeviceHeap {
             self.commit_saved(&stuck);
             return Err(err);
         }
-        self.commit_saved(&todo);
+        self.commit_saved(&done);
         Ok(())
     }
 

@@ -2,7 +2,8 @@
 //! live run over simgpu), expandable segments on every trace, snapshots
 //! read back, `tidepool top`, the exporter with a real Prometheus, the
 //! documentation (the configuration page; README's and docs/' commands and
-//! links), and the Python package built and installed as a user would.
+//! links), the Python package built and installed as a user would, and
+//! the GPU check that times the driver calls, over simgpu.
 //!
 //! One test binary, one module per file (cargo links each binary once).
 
@@ -19,3 +20,4 @@ mod readme;
 mod replay;
 mod snapshots;
 mod top;
+mod vmm_calls;

@@ -1,0 +1,34 @@
+//! cuda/check/vmm_calls.py, which times the driver calls of expandable
+//! segments on a GPU, runs over simgpu: every call it makes is one the
+//! driver takes, and its warm-up makes the calls each setting's count says.
+
+use std::process::Command;
+
+use crate::common;
+
+#[test]
+fn the_gpu_timing_of_driver_calls_runs_over_simgpu() {
+    let json = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("vmm_calls.json");
+    let python = std::env::var_os("TIDEPOOL_TEST_PYTHON").unwrap_or_else(|| "python3".into());
+    let script = common::repo_root().join("cuda/check/vmm_calls.py");
+    let output = common::contained(Command::new(python).arg(script))
+        .args(["--sizes-mib", "2,20,128", "--repeats", "3", "--warm-up", "1", "--json"])
+        .arg(&json)
+        .env("LD_LIBRARY_PATH", common::simgpu_dir())
+        .env("SIMGPU_CAPACITY", "4G")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success() && text.contains("vmm calls: ok"), "{text}");
+    let figures: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for size in ["2MiB", "20MiB", "128MiB"] {
+        for call in ["create", "map", "set_access", "unmap", "release"] {
+            assert!(figures["calls"][size][call].as_f64().is_some_and(|us| us > 0.0), "{size} {call}: {figures}");
+        }
+    }
+    // 1 GiB: 512 pages, 51 allocations of 20 MiB (1020 MiB), 16 of 64 MiB;
+    // a create and a map each, one grant of access, an unmap and a release each.
+    for (setting, allocations) in [("page by page", 512), ("20 MiB (PyTorch)", 51), ("64 MiB (tidepool)", 16)] {
+        assert_eq!(figures["warm_up"][setting]["calls"], 4 * allocations + 1, "{setting}: {figures}");
+    }
+}
