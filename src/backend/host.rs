@@ -25,6 +25,11 @@
 //! release hooks `vm_unmap`; `fail_host_memory` refuses host memory
 //! (`host_memory`, a paused tag's offload).
 //!
+//! Unbacked (`HostBackend::unbacked`): addresses without memory, for a
+//! replay, which never touches a block: every call is checked, counted and
+//! claimed against the capacity as above, but nothing is mapped (no system
+//! call), and copies are refused.
+//!
 //! `HostBuffer` is the host memory every backend without pinned memory
 //! hands out for offloads: an anonymous mapping, zero pages until written.
 
@@ -174,6 +179,8 @@ pub struct HostBackend {
     /// The allocations `vm_map` made, by address: their lengths.
     vm_allocations: Mutex<BTreeMap<u64, u64>>,
     driver: DriverCallCounts,
+    /// Unbacked: the next address handed out (None: real mappings).
+    unbacked: Option<AtomicU64>,
 }
 
 /// The driver calls the `cuda` backend makes, counted for the same requests.
@@ -228,6 +235,9 @@ impl DriverCalls {
 /// The host's stand-in for the driver's mapping granularity.
 pub const HOST_PAGE: u64 = 2 << 20;
 
+/// Where an unbacked backend's addresses start (never dereferenced).
+const UNBACKED_BASE: u64 = 1 << 44;
+
 impl HostBackend {
     /// `devices` devices of `capacity` bytes each.
     pub fn new(devices: usize, capacity: u64) -> HostBackend {
@@ -244,6 +254,50 @@ impl HostBackend {
             vm_moved_bytes: AtomicU64::new(0),
             vm_allocations: Mutex::new(BTreeMap::new()),
             driver: DriverCallCounts::default(),
+            unbacked: None,
+        }
+    }
+
+    /// `devices` devices of `capacity` bytes each whose addresses have no
+    /// memory behind them (a replay's): nothing is mapped, copies fail.
+    pub fn unbacked(devices: usize, capacity: u64) -> HostBackend {
+        HostBackend { unbacked: Some(AtomicU64::new(UNBACKED_BASE)), ..HostBackend::new(devices, capacity) }
+    }
+
+    /// Places `len` bytes with protection `prot` at `fixed` or anywhere:
+    /// an anonymous mapping, or, unbacked, the next free addresses.
+    ///
+    /// # Safety
+    /// As `map_anonymous`.
+    unsafe fn place(&self, fixed: Option<u64>, len: usize, prot: libc::c_int) -> Option<u64> {
+        match (&self.unbacked, fixed) {
+            (Some(_), Some(addr)) => Some(addr),
+            (Some(next), None) => {
+                let len = (len as u64).checked_next_multiple_of(HOST_PAGE)?;
+                next.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| at.checked_add(len)).ok()
+            }
+            // SAFETY: the caller's.
+            (None, _) => unsafe { map_anonymous(fixed, len, prot) },
+        }
+    }
+
+    /// Unmaps `[addr, addr + len)` (nothing, unbacked); the system's answer.
+    ///
+    /// # Safety
+    /// The range must be one this backend placed, used by nothing.
+    unsafe fn unplace(&self, addr: u64, len: usize) -> libc::c_int {
+        if self.unbacked.is_some() {
+            return 0;
+        }
+        // SAFETY: the caller's.
+        unsafe { libc::munmap(addr as *mut libc::c_void, len) }
+    }
+
+    /// Refuses a copy on an unbacked backend.
+    fn touchable(&self, call: &'static str) -> Result<(), BackendError> {
+        match self.unbacked {
+            Some(_) => Err(BackendError::Driver { call, code: 1, message: "an unbacked host backend holds no memory to copy".into() }),
+            None => Ok(()),
         }
     }
 
@@ -377,7 +431,7 @@ impl Backend for HostBackend {
         }
         // SAFETY: an anonymous private mapping at an address of the kernel's
         // choosing touches no existing memory; the result is checked below.
-        let Some(addr) = (unsafe { map_anonymous(None, len, libc::PROT_READ | libc::PROT_WRITE) }) else {
+        let Some(addr) = (unsafe { self.place(None, len, libc::PROT_READ | libc::PROT_WRITE) }) else {
             self.unclaim(device, size, true);
             // The address space itself is exhausted: that is this device's OOM.
             return Err(BackendError::OutOfMemory);
@@ -402,7 +456,7 @@ impl Backend for HostBackend {
         // SAFETY: the engine only releases a range it obtained from
         // `allocate` above with this same size, exactly once, and holds no
         // block inside it any more.
-        let rc = unsafe { libc::munmap(base as *mut libc::c_void, len) };
+        let rc = unsafe { self.unplace(base, len) };
         if rc != 0 {
             return Err(os_error(CALL));
         }
@@ -423,7 +477,7 @@ impl Backend for HostBackend {
         let padded = len.checked_add(HOST_PAGE as usize).ok_or(BackendError::OutOfMemory)?;
         // SAFETY: an inaccessible anonymous mapping at an address of the
         // kernel's choosing touches no existing memory; checked below.
-        let Some(addr) = (unsafe { map_anonymous(None, padded, libc::PROT_NONE) }) else {
+        let Some(addr) = (unsafe { self.place(None, padded, libc::PROT_NONE) }) else {
             return Err(BackendError::OutOfMemory);
         };
         let start = addr;
@@ -432,10 +486,10 @@ impl Backend for HostBackend {
         // SAFETY: both trims lie inside the mapping just made, outside [base, base + len).
         unsafe {
             if head > 0 {
-                libc::munmap(addr as *mut libc::c_void, head);
+                self.unplace(addr, head);
             }
             if tail > 0 {
-                libc::munmap((base + size) as *mut libc::c_void, tail);
+                self.unplace(base + size, tail);
             }
         }
         self.vm_reserve_calls.fetch_add(1, Ordering::Relaxed);
@@ -448,7 +502,7 @@ impl Backend for HostBackend {
         self.driver.address_free.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the engine frees only a range it reserved above, once,
         // with no page of it mapped and no block in it.
-        let rc = unsafe { libc::munmap(base as *mut libc::c_void, size as usize) };
+        let rc = unsafe { self.unplace(base, size as usize) };
         if rc != 0 {
             return Err(os_error(CALL));
         }
@@ -484,7 +538,7 @@ impl Backend for HostBackend {
             // and the engine maps only pages it holds no mapping of;
             // MAP_FIXED replaces the inaccessible placeholder there and
             // nothing else.
-            if unsafe { map_anonymous(Some(at), each as usize, libc::PROT_READ | libc::PROT_WRITE) }.is_none() {
+            if unsafe { self.place(Some(at), each as usize, libc::PROT_READ | libc::PROT_WRITE) }.is_none() {
                 self.unclaim(device, each, true);
                 failed = Some(BackendError::OutOfMemory);
                 break;
@@ -497,7 +551,7 @@ impl Backend for HostBackend {
                 self.driver.unmap.fetch_add(1, Ordering::Relaxed);
                 self.driver.release.fetch_add(1, Ordering::Relaxed);
                 // SAFETY: mapped just above, used by nothing yet.
-                unsafe { map_anonymous(Some(at), each as usize, libc::PROT_NONE) };
+                unsafe { self.place(Some(at), each as usize, libc::PROT_NONE) };
                 self.unclaim(device, each, true);
             }
             return Err(err);
@@ -523,7 +577,7 @@ impl Backend for HostBackend {
         // SAFETY: [addr, addr + len) holds pages mapped by `vm_map` that no
         // block uses; an inaccessible placeholder replaces them, dropping
         // their contents, and the range stays reserved.
-        let placed = unsafe { map_anonymous(Some(addr), len as usize, libc::PROT_NONE) };
+        let placed = unsafe { self.place(Some(addr), len as usize, libc::PROT_NONE) };
         if placed.is_none() {
             return Err(os_error(CALL));
         }
@@ -555,15 +609,15 @@ impl Backend for HostBackend {
         // SAFETY: [to, to + len) lies in a range this backend reserved and
         // holds no mapping (the engine's page map says so); MAP_FIXED
         // replaces the inaccessible placeholder there and nothing else.
-        if unsafe { map_anonymous(Some(to), len as usize, libc::PROT_READ | libc::PROT_WRITE) }.is_none() {
+        if unsafe { self.place(Some(to), len as usize, libc::PROT_READ | libc::PROT_WRITE) }.is_none() {
             return Err(BackendError::OutOfMemory);
         }
         // SAFETY: [from, from + len) holds pages mapped by this backend that
         // no block uses; a placeholder replaces them and the range stays
         // reserved.
-        if unsafe { map_anonymous(Some(from), len as usize, libc::PROT_NONE) }.is_none() {
+        if unsafe { self.place(Some(from), len as usize, libc::PROT_NONE) }.is_none() {
             // SAFETY: `to` was mapped just above and nothing uses it yet.
-            let _ = unsafe { map_anonymous(Some(to), len as usize, libc::PROT_NONE) };
+            let _ = unsafe { self.place(Some(to), len as usize, libc::PROT_NONE) };
             return Err(os_error(CALL));
         }
         // Each allocation unmapped from `from` and mapped at `to`, then
@@ -582,6 +636,7 @@ impl Backend for HostBackend {
 
     fn copy_to_device(&self, device: usize, dst: u64, src: &[u8], _stream: Stream) -> Result<(), BackendError> {
         self.device(device, "copy_to_device")?;
+        self.touchable("copy_to_device")?;
         // SAFETY: per the trait's contract, [dst, dst + src.len()) lies in a
         // live block, that is in a read-write mapping of this backend that no
         // Rust reference points into; `src` is host memory, so no overlap.
@@ -591,6 +646,7 @@ impl Backend for HostBackend {
 
     fn copy_to_host(&self, device: usize, src: u64, dst: &mut [u8], _stream: Stream) -> Result<(), BackendError> {
         self.device(device, "copy_to_host")?;
+        self.touchable("copy_to_host")?;
         // SAFETY: per the trait's contract, [src, src + dst.len()) lies in a
         // live block, a readable mapping of this backend, distinct from `dst`.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
@@ -771,6 +827,29 @@ mod tests {
         backend.vm_free(0, base, 64 * HOST_PAGE).unwrap();
         assert_eq!(backend.mem_info(0).unwrap().free, 4 * HOST_PAGE);
         assert_eq!(backend.vm_calls(), (3, 2));
+    }
+
+    #[test]
+    fn an_unbacked_backend_checks_counts_and_claims_as_the_other_but_maps_nothing() {
+        let backend = HostBackend::unbacked(1, 4 * HOST_PAGE);
+        let a = backend.allocate(0, HOST_PAGE, Stream::DEFAULT).unwrap();
+        let base = backend.vm_reserve(0, 64 * HOST_PAGE).unwrap();
+        assert!(a >= UNBACKED_BASE && base >= a + HOST_PAGE && base % HOST_PAGE == 0, "distinct, aligned: {a:#x} {base:#x}");
+        backend.vm_map(0, base, &[2 * HOST_PAGE]).unwrap();
+        assert_eq!(backend.mem_info(0).unwrap().free, HOST_PAGE, "claimed against the capacity");
+        assert_eq!(backend.vm_map(0, base + 2 * HOST_PAGE, &[2 * HOST_PAGE]), Err(BackendError::OutOfMemory));
+        assert!(backend.vm_unmap(0, base, HOST_PAGE).is_err(), "half of an allocation is refused, as the driver does");
+        backend.vm_move(0, base, base + 8 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
+        let mut out = [0u8; 4];
+        let err = backend.copy_to_host(0, base + 8 * HOST_PAGE, &mut out, Stream::DEFAULT).unwrap_err();
+        assert!(err.to_string().contains("unbacked"), "{err}");
+        assert!(backend.copy_to_device(0, a, &out, Stream::DEFAULT).is_err());
+        backend.vm_unmap(0, base + 8 * HOST_PAGE, 2 * HOST_PAGE).unwrap();
+        backend.vm_free(0, base, 64 * HOST_PAGE).unwrap();
+        backend.release(0, a, HOST_PAGE, Stream::DEFAULT).unwrap();
+        assert_eq!(backend.mem_info(0).unwrap().free, 4 * HOST_PAGE);
+        let calls = backend.driver_calls();
+        assert_eq!((calls.mem_alloc, calls.address_reserve, calls.create, calls.map, calls.unmap, calls.release), (1, 1, 2, 2, 2, 1));
     }
 
     #[test]

@@ -604,11 +604,14 @@ fn a_request_that_fails_does_not_loosen_the_bound_over_live_memory() {
 }
 
 #[test]
-fn a_large_block_is_mapped_in_allocations_of_64_mib_with_one_grant_of_access() {
+fn a_large_block_is_mapped_in_allocations_of_8_mib_with_one_grant_of_access() {
     // (conf, allocations of the 4 MiB block, of the 1 GiB block)
-    for (conf, small, allocations) in
-        [("expandable:true", 1, 16), ("expandable:true,expandable_allocation_mb:unlimited", 1, 1), (PAGE_BY_PAGE, 2, 512)]
-    {
+    for (conf, small, allocations) in [
+        ("expandable:true", 1, 128),
+        ("expandable:true,expandable_allocation_mb:64", 1, 16),
+        ("expandable:true,expandable_allocation_mb:unlimited", 1, 1),
+        (PAGE_BY_PAGE, 2, 512),
+    ] {
         let (a, backend) = host_allocator(1, 4 << 30, conf);
         let _left = alloc(&a, 4 * MIB);
         let big = alloc(&a, 1 << 30);
@@ -648,9 +651,10 @@ fn a_block_s_edge_pages_are_allocations_of_their_own_so_its_inside_goes_back_wha
 
 #[test]
 fn a_donor_larger_than_the_pages_to_map_gives_its_memory_back_before_new_memory_is_taken() {
-    // D's 8 pages are one allocation: they cannot move into B's 6. D goes
-    // back before B's pages are taken, so the peak does not rise either.
-    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    // In allocations of up to 64 MiB, D's 8 pages are one: they cannot move
+    // into B's 6. D goes back before B's pages are taken, so the peak does
+    // not rise either.
+    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true,expandable_allocation_mb:64");
     let b = a_hole_with_pages_and_a_hole_without(&a);
     let again = alloc(&a, 12 * MIB);
     assert_eq!(again, b);

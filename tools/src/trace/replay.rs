@@ -261,7 +261,7 @@ pub fn replay_with_progress(
 ) -> Result<ReplayReport, String> {
     let config = policy_config(trace, options).map_err(|e| format!("--conf: {e}"))?;
     let devices = trace.devices as usize;
-    let backend = std::sync::Arc::new(HostBackend::new(devices, options.capacity));
+    let backend = std::sync::Arc::new(HostBackend::unbacked(devices, options.capacity));
     let alloc = Allocator::with_backend(config, backend.clone());
 
     let mut ptrs = vec![(0u64, 0u32); trace.allocs as usize];

@@ -1,7 +1,7 @@
 //! Replay's driver calls are the backend's: a trace played live on the
 //! `cuda` backend over simgpu makes exactly the calls `tidepool replay`
 //! reports for it, with and without expandable segments, in allocations
-//! of 64 MiB or page by page, pages moved and given back included.
+//! of 8 MiB or page by page, pages moved and given back included.
 
 use tidepool_tools::trace::replay::{replay, Policy, ReplayOptions};
 use tidepool_tools::trace::Event;

@@ -240,23 +240,28 @@ fn replay_json_puts_the_largest_card_on_top_and_every_card_in_devices() {
 }
 
 #[test]
-fn driver_calls_count_two_per_page_mapped_one_per_run_and_one_per_segment() {
-    // One 64 MiB block on a fresh heap: one segment, or 32 pages in one run.
+fn driver_calls_count_each_call_the_cuda_backend_makes() {
+    // One 64 MiB block on a fresh heap: one segment, or a range of address
+    // space and 32 pages in one run.
     let mut trace = Trace::new("one", trace::Format::RmmCsv);
     let id = trace.alloc(64 << 20, 0, 0);
     trace.free(id);
     let plain = replay(&trace, &options(Policy::Tidepool)).unwrap();
     assert_eq!(plain.driver_calls, 1);
+    // cuMemAddressReserve, cuMemCreate and cuMemMap per allocation (8 MiB
+    // by default, a page each page by page), cuMemSetAccess per run.
     let expandable = replay(&trace, &options(Policy::Expandable)).unwrap();
-    assert_eq!(expandable.driver_calls, 2 * 32 + 1, "cuMemCreate and cuMemMap per page, cuMemSetAccess per run");
+    assert_eq!(expandable.driver_calls, 1 + 2 * 8 + 1);
+    let by_page = ReplayOptions { conf: "expandable_allocation_mb:2".into(), ..options(Policy::Expandable) };
+    assert_eq!(replay(&trace, &by_page).unwrap().driver_calls, 1 + 2 * 32 + 1);
     // PyTorch's expandable segments map 20 MiB at a time: 4 pieces for 64 MiB.
     let pytorch = replay(&trace, &options(Policy::PytorchExpandable)).unwrap();
-    assert_eq!((pytorch.driver_calls, pytorch.peak_reserved_bytes), (2 * 4 + 1, 80 << 20));
+    assert_eq!((pytorch.driver_calls, pytorch.peak_reserved_bytes), (1 + 2 * 4 + 1, 80 << 20));
     // A small block: a 2 MiB piece there too, three calls.
     let small = trace.alloc(4096, 0, 0);
     trace.free(small);
     let pytorch = replay(&trace, &options(Policy::PytorchExpandable)).unwrap();
-    assert_eq!((pytorch.driver_calls, pytorch.peak_reserved_bytes), (2 * 4 + 1 + 3, 82 << 20));
+    assert_eq!((pytorch.driver_calls, pytorch.peak_reserved_bytes), (1 + 2 * 4 + 1 + 3, 82 << 20));
     // A call that fails is one call: on a 1 MiB device the small piece
     // fails, then again after the cache is released.
     let mut tiny = Trace::new("tiny", trace::Format::RmmCsv);
