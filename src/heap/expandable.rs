@@ -312,7 +312,7 @@ impl DeviceHeap {
     /// expandable segment `segment_id`, up to page `limit`.
     fn unmapped_from(&self, segment_id: usize, from: u64, limit: u64) -> u64 {
         let Some(pages) = self.segments[segment_id].as_ref().and_then(|s| s.pages.as_ref()) else { return 0 };
-        (from..limit).take_while(|&q| !pages.is_mapped(q)).count() as u64
+        pages.next_mapped(from, limit).max(from) - from
     }
 
     /// How a run of `pages` new pages is allocated: `(pages, pages per
@@ -384,24 +384,40 @@ impl DeviceHeap {
     /// them, each with their bytes (what unmapping it would give back).
     /// None while private pools keep their memory, in theirs.
     pub(super) fn free_blocks_with_pages(&self, segment: &Segment, select: impl Fn(&Block) -> bool, out: &mut Vec<(BlockId, u64)>) {
-        let Some(pages) = segment.pages.as_ref() else { return };
-        if self.keeps_memory(segment.pool) {
+        if segment.pages.is_none() || self.keeps_memory(segment.pool) {
             return;
         }
-        let page = pages.page_size();
         let mut cur = segment.first_block;
         while cur != NIL {
             let b = &self.blocks[cur];
             if b.state == BlockState::Binned && select(b) {
-                let offset = b.addr - segment.base;
-                let (first, count) = pages.inside(offset, offset + b.size);
-                let bytes = pages.allocations_within(first, count).iter().map(|&(_, n)| n * page).sum::<u64>();
+                let bytes = self.hole_bytes(segment, cur);
                 if bytes > 0 {
                     out.push((cur, bytes));
                 }
             }
             cur = b.next;
         }
+    }
+
+    /// The bytes of the allocations lying entirely inside the block `id`
+    /// of the expandable `segment`: what unmapping its pages gives back.
+    pub(super) fn hole_bytes(&self, segment: &Segment, id: BlockId) -> u64 {
+        let Some(pages) = segment.pages.as_ref() else { return 0 };
+        let b = &self.blocks[id];
+        let offset = b.addr - segment.base;
+        let (first, count) = pages.inside(offset, offset + b.size);
+        pages.allocations_in(first, count).map(|(_, n)| n).sum::<u64>() * pages.page_size()
+    }
+
+    /// Whether an allocation lies entirely inside the block `id` of the
+    /// expandable `segment` (`hole_bytes` > 0, without counting them).
+    pub(super) fn is_hole(&self, segment: &Segment, id: BlockId) -> bool {
+        let Some(pages) = segment.pages.as_ref() else { return false };
+        let b = &self.blocks[id];
+        let offset = b.addr - segment.base;
+        let (first, count) = pages.inside(offset, offset + b.size);
+        pages.any_allocation_within(first, count)
     }
 
     /// The free blocks of expandable segments, idle since `idle_before` or
@@ -454,12 +470,12 @@ impl DeviceHeap {
 
     /// The allocations lying entirely inside [start, end) of the expandable
     /// segment `segment_id`, as (first page, pages), in address order.
-    pub(super) fn allocations_within(&self, segment_id: u32, start: u64, end: u64) -> Vec<(u64, u64)> {
-        let Some((base, pages)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
-            return Vec::new();
-        };
-        let (first, count) = pages.inside(start - base, end - base);
-        pages.allocations_within(first, count)
+    pub(super) fn allocations_within(&self, segment_id: u32, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let range = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?)));
+        range.into_iter().flat_map(move |(base, pages)| {
+            let (first, count) = pages.inside(start - base, end - base);
+            pages.allocations_in(first, count)
+        })
     }
 
     /// Unmaps the `n` mapped pages from page `p` of the expandable segment

@@ -58,6 +58,11 @@ impl PageMap {
         page < self.end && bit(&self.bits, page)
     }
 
+    /// The first mapped page in `[from, stop)`, or `stop`.
+    pub fn next_mapped(&self, from: u64, stop: u64) -> u64 {
+        find(&self.bits, from, stop, true)
+    }
+
     /// Whether an allocation begins at `page`.
     pub fn is_start(&self, page: u64) -> bool {
         page < self.end && bit(&self.starts, page)
@@ -72,12 +77,10 @@ impl PageMap {
             self.bits.resize(words, 0);
             self.starts.resize(words, 0);
         }
-        for page in first..first + count {
-            debug_assert!(!self.is_mapped(page));
-            self.bits[(page / 64) as usize] |= 1 << (page % 64);
-            if (page - first).is_multiple_of(each) {
-                self.starts[(page / 64) as usize] |= 1 << (page % 64);
-            }
+        debug_assert!(find(&self.bits, first, first + count, true) == first + count, "pages {first}+{count} are mapped already");
+        set_range(&mut self.bits, first, count, true);
+        for start in (first..first + count).step_by(each as usize) {
+            self.starts[(start / 64) as usize] |= 1 << (start % 64);
         }
         self.mapped += count;
         self.end = self.end.max(first + count);
@@ -87,13 +90,12 @@ impl PageMap {
     /// unmapped (`whole` must hold).
     pub fn set_unmapped(&mut self, first: u64, count: u64) {
         debug_assert!(self.whole(first, count), "pages {first}+{count} are not whole allocations");
-        for page in first..first + count {
-            self.bits[(page / 64) as usize] &= !(1 << (page % 64));
-            self.starts[(page / 64) as usize] &= !(1 << (page % 64));
-        }
+        set_range(&mut self.bits, first, count, false);
+        set_range(&mut self.starts, first, count, false);
         self.mapped -= count;
-        while self.end > 0 && !self.is_mapped(self.end - 1) {
-            self.end -= 1;
+        if first + count >= self.end {
+            // The new end: after the last page still mapped, if any.
+            self.end = if self.mapped == 0 { 0 } else { last_set_at_or_before(&self.bits, first - 1) + 1 };
         }
     }
 
@@ -101,7 +103,10 @@ impl PageMap {
     /// allocations (`count` > 0): they begin one and the page after them
     /// begins another or is unmapped.
     pub fn whole(&self, first: u64, count: u64) -> bool {
-        count > 0 && self.is_start(first) && (first..first + count).all(|p| self.is_mapped(p)) && !self.continues(first + count)
+        count > 0
+            && self.is_start(first)
+            && find(&self.bits, first, first + count, false) == first + count
+            && !self.continues(first + count)
     }
 
     /// Whether `page` is mapped as part of the allocation before it.
@@ -112,14 +117,9 @@ impl PageMap {
     /// The allocation holding the mapped `page`: its first page and length.
     pub fn allocation(&self, page: u64) -> (u64, u64) {
         debug_assert!(self.is_mapped(page));
-        let mut first = page;
-        while !self.is_start(first) {
-            first -= 1;
-        }
-        let mut end = page + 1;
-        while self.continues(end) {
-            end += 1;
-        }
+        let first = last_set_at_or_before(&self.starts, page);
+        // It ends at the next start or the next unmapped page.
+        let end = find(&self.starts, page + 1, self.end, true).min(find(&self.bits, page + 1, self.end, false));
         (first, end - first)
     }
 
@@ -143,15 +143,13 @@ impl PageMap {
         let stop = if mapped { (first + count).min(self.end) } else { first + count };
         let mut page = first;
         while page < stop {
-            if page >= self.end {
-                // Everything from `end` on is unmapped.
-                push_run(&mut out, page, stop - page);
+            let begin = find(&self.bits, page, stop, mapped);
+            if begin >= stop {
                 break;
             }
-            if self.is_mapped(page) == mapped {
-                push_run(&mut out, page, 1);
-            }
-            page += 1;
+            let end = find(&self.bits, begin, stop, !mapped);
+            out.push((begin, end - begin));
+            page = end;
         }
         out
     }
@@ -159,20 +157,37 @@ impl PageMap {
     /// The allocations lying entirely inside pages `[first, first + count)`,
     /// each `(first page, pages)`, in address order.
     pub fn allocations_within(&self, first: u64, count: u64) -> Vec<(u64, u64)> {
-        let mut out = Vec::new();
-        for (run, n) in self.runs(first, count, true) {
-            // A run cut by the range's start or end may begin or end inside
-            // an allocation that reaches outside: those are not whole.
-            let mut page = run;
-            while page < run + n {
-                let (start, len) = self.allocation(page);
-                if start >= first && start + len <= first + count {
-                    out.push((start, len));
-                }
-                page = start + len;
+        self.allocations_in(first, count).collect()
+    }
+
+    /// `allocations_within`, one at a time. (One that begins in the range
+    /// and reaches past it ends the walk: any later one begins past it.)
+    pub fn allocations_in(&self, first: u64, count: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let stop = first + count;
+        let mut at = find(&self.starts, first, stop, true);
+        std::iter::from_fn(move || {
+            if at >= stop {
+                return None;
             }
+            let (start, len) = self.allocation(at);
+            if start + len > stop {
+                at = stop;
+                return None;
+            }
+            at = find(&self.starts, start + len, stop, true);
+            Some((start, len))
+        })
+    }
+
+    /// Whether an allocation lies entirely inside pages `[first, first +
+    /// count)`: the first that starts there does, or none does.
+    pub fn any_allocation_within(&self, first: u64, count: u64) -> bool {
+        let stop = first + count;
+        let start = find(&self.starts, first, stop, true);
+        start < stop && {
+            let end = find(&self.starts, start + 1, self.end, true).min(find(&self.bits, start + 1, self.end, false));
+            end <= stop
         }
-        out
     }
 
     /// Runs of adjacent whole allocations lying entirely inside pages
@@ -256,6 +271,53 @@ impl PageMap {
     }
 }
 
+/// The first page in `[from, stop)` whose bit is `set` (`stop` if none),
+/// a word at a time; pages past the words are clear.
+fn find(words: &[u64], from: u64, stop: u64, set: bool) -> u64 {
+    let mut page = from;
+    while page < stop {
+        let index = (page / 64) as usize;
+        let Some(&word) = words.get(index) else {
+            return if set { stop } else { page };
+        };
+        let candidates = if set { word } else { !word } & (u64::MAX << (page % 64));
+        if candidates != 0 {
+            return (index as u64 * 64 + candidates.trailing_zeros() as u64).min(stop);
+        }
+        page = (index as u64 + 1) * 64;
+    }
+    stop
+}
+
+/// Sets (or clears) the bits of pages `[first, first + count)`, a word at a time.
+fn set_range(words: &mut [u64], first: u64, count: u64, value: bool) {
+    let mut page = first;
+    let stop = first + count;
+    while page < stop {
+        let index = (page / 64) as usize;
+        let low = page % 64;
+        let high = (stop - index as u64 * 64).min(64);
+        let mask = (u64::MAX >> (64 - (high - low))) << low;
+        if value {
+            words[index] |= mask;
+        } else {
+            words[index] &= !mask;
+        }
+        page = index as u64 * 64 + high;
+    }
+}
+
+/// The last page at or before `page` whose bit is set (one must be).
+fn last_set_at_or_before(words: &[u64], page: u64) -> u64 {
+    let mut index = (page / 64) as usize;
+    let mut word = words[index] & (u64::MAX >> (63 - page % 64));
+    while word == 0 {
+        index -= 1;
+        word = words[index];
+    }
+    index as u64 * 64 + 63 - word.leading_zeros() as u64
+}
+
 fn bit(words: &[u64], page: u64) -> bool {
     words[(page / 64) as usize] >> (page % 64) & 1 == 1
 }
@@ -294,7 +356,7 @@ mod tests {
 
     #[test]
     fn allocations_go_back_whole() {
-        let mut map = PageMap::new(64 * PAGE, PAGE);
+        let mut map = PageMap::new(256 * PAGE, PAGE);
         map.set_mapped(0, 8, 4); // two allocations of four pages
         map.set_mapped(8, 3, 3); // and one of three right after
         assert_eq!(map.allocation(5), (4, 4));
@@ -305,11 +367,21 @@ mod tests {
         assert_eq!(map.allocations_within(1, 10), vec![(4, 4), (8, 3)]);
         assert_eq!(map.whole_runs_within(1, 10), vec![(4, 7)]);
         assert_eq!(map.allocations_within(0, 7), vec![(0, 4)]);
+        assert!(map.any_allocation_within(0, 4) && map.any_allocation_within(1, 10) && map.any_allocation_within(3, 8));
+        assert!(!map.any_allocation_within(1, 6) && !map.any_allocation_within(5, 5) && !map.any_allocation_within(11, 20));
         // A free stretch of pages 2..9 is held by the allocations at 0 and 8 that reach outside it.
         assert_eq!(map.pinned_bytes(2 * PAGE, 9 * PAGE), 2 * PAGE + PAGE);
         assert_eq!(map.pinned_bytes(5 * PAGE, 6 * PAGE), PAGE, "inside one allocation: all of it");
         map.set_unmapped(4, 4);
         assert_eq!(map.runs(0, 11, true), vec![(0, 4), (8, 3)]);
+        map.check().unwrap();
+        // Across words: an allocation of 100 pages from page 60.
+        map.set_mapped(60, 100, 100);
+        assert_eq!((map.allocation(150), map.end_bytes()), ((60, 100), 160 * PAGE));
+        assert_eq!(map.runs(0, 200, true), vec![(0, 4), (8, 3), (60, 100)]);
+        assert_eq!(map.runs(3, 100, false), vec![(4, 4), (11, 49)]);
+        map.set_unmapped(60, 100);
+        assert_eq!(map.end_bytes(), 11 * PAGE);
         map.check().unwrap();
     }
 

@@ -220,6 +220,22 @@ impl Pool {
         largest
     }
 
+    /// Every block in the bins, bin by bin (smallest first).
+    pub fn free_members<'a>(&'a self, blocks: &'a BlockArena) -> impl Iterator<Item = BlockId> + 'a {
+        let mut bin = self.first_nonempty_from(0);
+        let mut cur = bin.map_or(NIL, |b| self.heads[b]);
+        std::iter::from_fn(move || {
+            while cur == NIL {
+                let next = bin? + 1;
+                bin = if next < BIN_COUNT { self.first_nonempty_from(next) } else { None };
+                cur = bin.map_or(NIL, |b| self.heads[b]);
+            }
+            let id = cur;
+            cur = blocks[id].link_next;
+            Some(id)
+        })
+    }
+
     /// The blocks of one bin, in list order.
     pub fn bin_members<'a>(&self, blocks: &'a BlockArena, bin: usize) -> impl Iterator<Item = BlockId> + 'a {
         let mut cur = self.heads[bin];

@@ -29,7 +29,7 @@
 //!   it is; one that drifts further pays moves to stay within it.
 #![forbid(unsafe_code)]
 
-use super::block::{BlockId, BlockState, NIL};
+use super::block::BlockId;
 use super::DeviceHeap;
 
 /// How many times its high-water mark a heap moves freely over its life.
@@ -77,6 +77,15 @@ pub(super) struct Recycling {
     /// Nothing moves (`Config::move_pages` off: the replay's model of
     /// PyTorch's expandable segments, which grow by new memory only).
     pub off: bool,
+    /// Blocks put in the bins so far (`DeviceHeap::insert_free`): only a
+    /// block binned can make a hole or a whole free small segment.
+    pub binned: u64,
+    /// `binned` when the last look at every pool found no hole and no whole
+    /// free small segment: until another block is binned (or a private
+    /// pool or paused tag lets its free blocks go), none is there and
+    /// growth does not look again (a heap growing step after step to its
+    /// first peak would otherwise walk all its blocks at each step).
+    pub barren_at: Option<u64>,
 }
 
 /// Where cached memory can come from before a growth.
@@ -157,20 +166,36 @@ impl DeviceHeap {
                 candidates.push((b.freed_at, Source::Pages { block, from: b.addr + request }));
             }
         }
-        let mut holes = Vec::new();
-        for (id, segment) in self.segments.iter().enumerate() {
-            let Some(segment) = segment.as_ref() else { continue };
-            if segment.pages.is_some() {
-                self.free_blocks_with_pages(segment, |_| true, &mut holes);
-                continue;
-            }
-            let b = &self.blocks[segment.first_block];
-            if b.state == BlockState::Binned && b.next == NIL && !self.keeps_memory(segment.pool) {
-                candidates.push((b.freed_at, Source::Segment(id as u32)));
+        let before = candidates.len();
+        if self.recycling.barren_at != Some(self.recycling.binned) {
+            // The free blocks, pool by pool: holes with whole allocations
+            // inside, small segments that are one free block.
+            for pool in 0..self.pools.len() as u32 {
+                if self.keeps_memory(pool) {
+                    continue;
+                }
+                for id in self.pools[pool as usize].free_members(&self.blocks) {
+                    let b = &self.blocks[id];
+                    let segment = self.segments[b.segment as usize].as_ref().expect("a binned block's segment");
+                    if segment.pages.is_some() {
+                        if self.is_hole(segment, id) {
+                            candidates.push((b.freed_at, Source::Pages { block: id, from: b.addr }));
+                        }
+                    } else if !b.is_split() {
+                        candidates.push((b.freed_at, Source::Segment(b.segment)));
+                    }
+                }
             }
         }
-        candidates.extend(holes.iter().map(|&(id, _)| (self.blocks[id].freed_at, Source::Pages { block: id, from: self.blocks[id].addr })));
-        candidates.sort_by_key(|&(freed_at, _)| freed_at);
+        self.recycling.barren_at = (candidates.len() == before).then_some(self.recycling.binned);
+        // Longest free first; ties: the carved block, small segments, then
+        // holes, each in address order.
+        let order = |source: &Source, blocks: &super::block::BlockArena| match *source {
+            Source::Pages { block, .. } if Some(block) == carved => (0, 0),
+            Source::Segment(segment) => (1, segment as u64),
+            Source::Pages { block, .. } => (2, blocks[block].addr),
+        };
+        candidates.sort_by_key(|(freed_at, source)| (*freed_at, order(source, &self.blocks)));
         for (_, candidate) in candidates {
             let got = match candidate {
                 Source::Pages { block, from } => {

@@ -533,6 +533,8 @@ impl DeviceHeap {
     /// asks the other processes and calls this again). Returns the device
     /// bytes mapped.
     pub fn resume_tag(&mut self, tag: TagId) -> Result<u64, AllocError> {
+        // Its free blocks become holes that growth may take pages from.
+        self.recycling.barren_at = None;
         if !self.tags.is_paused(tag.0) {
             return Err(tag_error(tag.0, TagState::NotPaused));
         }
