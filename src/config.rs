@@ -241,13 +241,12 @@ fn show_path(path: &impl AsRef<std::path::Path>) -> String {
 }
 
 /// With expandable segments, the most bytes one physical allocation holds
-/// unless configured (`expandable_allocation_mb`): over the shared traces,
-/// 1.0073x the peak of live bytes (geometric mean of the real snapshots)
-/// with 4.2x the driver calls of PyTorch's expandable segments, against
-/// 1.0049x and 11.8x page by page, and 1.0097x and 1.9x at 64 MiB, which
-/// holds 10 % more on a trace whose freed blocks are reused by smaller
-/// ones (docs/expandable-segments.md).
-pub const DEFAULT_EXPANDABLE_ALLOCATION: u64 = 8 * MIB;
+/// unless configured (`expandable_allocation_mb`): a page, the least memory
+/// (over the shared traces 1.0049x the peak of live bytes, geometric mean
+/// of the real snapshots, with 11.8x the driver calls of PyTorch's
+/// expandable segments; 1.0073x and 4.2x at 8 MiB, 1.0097x and 1.9x at
+/// 64 MiB: docs/expandable-segments.md).
+pub const DEFAULT_EXPANDABLE_ALLOCATION: u64 = 2 * MIB;
 
 /// The options table; `tidepool config --markdown` writes docs/configuration.md from it.
 pub static OPTIONS: &[OptionSpec] = &[
@@ -277,8 +276,8 @@ pub static OPTIONS: &[OptionSpec] = &[
     flag!("expandable", "false", "grow the large pool inside one reserved range of address space, mapping pages as blocks need them and unmapping pages inside free blocks when memory is released (cuda and host backends)", expandable),
     OptionSpec {
         key: "expandable_allocation_mb",
-        default: "8",
-        help: "with expandable: the most one physical allocation of new pages holds (MiB, at least 1; unlimited: one per run of pages a block needs); the driver takes an allocation back only whole, so smaller ones give memory back from smaller holes for more driver calls (2: page by page)",
+        default: "2",
+        help: "with expandable: the most one physical allocation of new pages holds, in MiB (at least 1; unlimited: one per run of pages a block needs); the driver takes memory back only by whole allocations, so the default, a 2 MiB page each, holds the least, and larger ones make fewer driver calls (8: a third of them, for 0.25 % more memory on the shared traces)",
         apply: |c, v| {
             c.expandable_allocation = if v.trim() == "unlimited" { u64::MAX } else { at_least(scaled(v, MIB)?, 1, MIB)? };
             Ok(())

@@ -3,11 +3,11 @@
 Times, through the CUDA driver API itself (ctypes, no tidepool), the calls
 tidepool's expandable segments make: cuMemCreate, cuMemMap, cuMemSetAccess,
 cuMemUnmap and cuMemRelease, for one allocation of 2 MiB, 20 MiB and 1 GiB
-(medians); then the warm-up of a heap growing to --warm-up GiB mapped three
-ways: page by page (`expandable_allocation_mb:2`), in 20 MiB allocations
-(PyTorch's expandable segments) and in 64 MiB ones (tidepool's default),
-one grant of access per 1 GiB step, as a heap growing by large blocks
-makes them; and what giving it all back costs.
+(medians); then the warm-up of a heap growing to --warm-up GiB mapped four
+ways: page by page (`expandable_allocation_mb:2`), in 8 MiB allocations
+(tidepool's default), in 20 MiB ones (PyTorch's expandable segments) and
+in 64 MiB ones, one grant of access per 1 GiB step, as a heap growing by
+large blocks makes them; and what giving it all back costs.
 
 Prints a line per figure and writes them as JSON to --json. Runs over
 simgpu too (tools/tests/tools/vmm_calls.rs), with smaller sizes.
@@ -131,7 +131,8 @@ for mib in [int(s) for s in args.sizes_mib.split(",")]:
 # in allocations of `each` bytes and one grant of access; then all goes back.
 total = int(args.warm_up * 1024) * MIB
 step = min(1024 * MIB, total)
-for name, each in [("page by page", granularity.value), ("20 MiB (PyTorch)", 20 * MIB), ("64 MiB (tidepool)", 64 * MIB)]:
+settings = [("page by page", granularity.value), ("8 MiB (tidepool)", 8 * MIB), ("20 MiB (PyTorch)", 20 * MIB), ("64 MiB", 64 * MIB)]
+for name, each in settings:
     per_step = step // each * each
     steps = max(1, total // step)
     base = reserve(per_step * steps)

@@ -834,7 +834,7 @@ mod tests {
         let backend = HostBackend::unbacked(1, 4 * HOST_PAGE);
         let a = backend.allocate(0, HOST_PAGE, Stream::DEFAULT).unwrap();
         let base = backend.vm_reserve(0, 64 * HOST_PAGE).unwrap();
-        assert!(a >= UNBACKED_BASE && base >= a + HOST_PAGE && base % HOST_PAGE == 0, "distinct, aligned: {a:#x} {base:#x}");
+        assert!(a >= UNBACKED_BASE && base >= a + HOST_PAGE && base.is_multiple_of(HOST_PAGE), "distinct, aligned: {a:#x} {base:#x}");
         backend.vm_map(0, base, &[2 * HOST_PAGE]).unwrap();
         assert_eq!(backend.mem_info(0).unwrap().free, HOST_PAGE, "claimed against the capacity");
         assert_eq!(backend.vm_map(0, base + 2 * HOST_PAGE, &[2 * HOST_PAGE]), Err(BackendError::OutOfMemory));

@@ -119,8 +119,8 @@ impl PageMap {
         debug_assert!(self.is_mapped(page));
         let first = last_set_at_or_before(&self.starts, page);
         // It ends at the next start or the next unmapped page.
-        let end = find(&self.starts, page + 1, self.end, true).min(find(&self.bits, page + 1, self.end, false));
-        (first, end - first)
+        let next = find(&self.starts, page + 1, self.end, true);
+        (first, find(&self.bits, page + 1, next, false) - first)
     }
 
     /// The pages touched by bytes `[start, end)`: first page and count.
@@ -185,8 +185,8 @@ impl PageMap {
         let stop = first + count;
         let start = find(&self.starts, first, stop, true);
         start < stop && {
-            let end = find(&self.starts, start + 1, self.end, true).min(find(&self.bits, start + 1, self.end, false));
-            end <= stop
+            let next = find(&self.starts, start + 1, self.end, true);
+            find(&self.bits, start + 1, next, false) <= stop
         }
     }
 

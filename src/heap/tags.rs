@@ -460,7 +460,8 @@ impl DeviceHeap {
         // Each unmapped run in physical allocations as a growth makes them,
         // one `vm_map` per run: (base, first page, (pages, pages per
         // allocation) parts in address order).
-        let mut todo: Vec<(u64, u64, Vec<(u64, u64)>)> = Vec::new();
+        type Run = (u64, u64, Vec<(u64, u64)>);
+        let mut todo: Vec<Run> = Vec::new();
         for &(base, first, count) in runs {
             let id = self.segment_by_base[&base];
             let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("a range of the tag");

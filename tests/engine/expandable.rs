@@ -604,10 +604,11 @@ fn a_request_that_fails_does_not_loosen_the_bound_over_live_memory() {
 }
 
 #[test]
-fn a_large_block_is_mapped_in_allocations_of_8_mib_with_one_grant_of_access() {
+fn a_large_block_is_mapped_in_allocations_of_its_grain_with_one_grant_of_access() {
     // (conf, allocations of the 4 MiB block, of the 1 GiB block)
     for (conf, small, allocations) in [
-        ("expandable:true", 1, 128),
+        ("expandable:true", 2, 512),
+        ("expandable:true,expandable_allocation_mb:8", 1, 128),
         ("expandable:true,expandable_allocation_mb:64", 1, 16),
         ("expandable:true,expandable_allocation_mb:unlimited", 1, 1),
         (PAGE_BY_PAGE, 2, 512),

@@ -15,21 +15,26 @@ use tidepool_tools::trace::Event;
 fn traces() -> Vec<(String, tidepool_tools::trace::Trace)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let mut paths = vec![root.join("examples/traces/transformer-varlen-train.csv")];
-    for shared in ["../shared/traces/rmm-csv/gpt2-b8-varlen.csv", "../shared/traces/pytorch-snapshots/kk_memory_ctx128_fullstep.pickle"] {
-        let path = root.join(shared);
-        if path.exists() {
-            paths.push(path);
-        }
+    for shared in ["../shared/traces/rmm-csv", "../shared/traces/pytorch-snapshots"] {
+        let mut found: Vec<_> = std::fs::read_dir(root.join(shared)).into_iter().flatten().flatten().map(|e| e.path()).collect();
+        found.sort();
+        paths.extend(found);
     }
     paths.into_iter().map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), tidepool_tools::trace::load(&p).unwrap())).collect()
 }
 
+/// Each trace with tidepool's default policy and with its expandable
+/// segments (what `plan` bisects with).
 fn replay_speed(c: &mut Criterion) {
     let mut group = c.benchmark_group("replay");
+    group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     for (name, trace) in traces() {
         group.throughput(Throughput::Elements(trace.events.len() as u64));
-        let options = ReplayOptions { capacity: 1 << 50, policy: Policy::Tidepool, conf: String::new(), samples: 0, record_to: None };
-        group.bench_function(BenchmarkId::from_parameter(name), |b| b.iter(|| replay(&trace, &options).unwrap()));
+        for policy in [Policy::Tidepool, Policy::Expandable] {
+            let options = ReplayOptions { capacity: 1 << 50, policy, conf: String::new(), samples: 0, record_to: None };
+            let id = BenchmarkId::new(format!("{policy:?}").to_lowercase(), &name);
+            group.bench_function(id, |b| b.iter(|| replay(&trace, &options).unwrap()));
+        }
     }
     group.finish();
 }

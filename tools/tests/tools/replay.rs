@@ -248,12 +248,12 @@ fn driver_calls_count_each_call_the_cuda_backend_makes() {
     trace.free(id);
     let plain = replay(&trace, &options(Policy::Tidepool)).unwrap();
     assert_eq!(plain.driver_calls, 1);
-    // cuMemAddressReserve, cuMemCreate and cuMemMap per allocation (8 MiB
-    // by default, a page each page by page), cuMemSetAccess per run.
+    // cuMemAddressReserve, cuMemCreate and cuMemMap per allocation (a page
+    // each by default), cuMemSetAccess per run.
     let expandable = replay(&trace, &options(Policy::Expandable)).unwrap();
-    assert_eq!(expandable.driver_calls, 1 + 2 * 8 + 1);
-    let by_page = ReplayOptions { conf: "expandable_allocation_mb:2".into(), ..options(Policy::Expandable) };
-    assert_eq!(replay(&trace, &by_page).unwrap().driver_calls, 1 + 2 * 32 + 1);
+    assert_eq!(expandable.driver_calls, 1 + 2 * 32 + 1);
+    let by_8_mib = ReplayOptions { conf: "expandable_allocation_mb:8".into(), ..options(Policy::Expandable) };
+    assert_eq!(replay(&trace, &by_8_mib).unwrap().driver_calls, 1 + 2 * 8 + 1);
     // PyTorch's expandable segments map 20 MiB at a time: 4 pieces for 64 MiB.
     let pytorch = replay(&trace, &options(Policy::PytorchExpandable)).unwrap();
     assert_eq!((pytorch.driver_calls, pytorch.peak_reserved_bytes), (1 + 2 * 4 + 1, 80 << 20));
