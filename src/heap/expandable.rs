@@ -265,13 +265,20 @@ impl DeviceHeap {
             // Undo what was mapped so far; an allocation the backend will
             // not unmap stays mapped (and counted), inside what is still a
             // free block.
+            // One unmap per run of adjacent allocations, as they were mapped.
+            mapped.sort_unstable();
             let mut stuck = Vec::new();
-            for (p, n, each) in mapped {
-                if self.backend.vm_unmap(self.device, base + p * page, n * page).is_ok() {
-                    self.reserve.give_back(n * page);
+            let mut rest = &mapped[..];
+            while let Some(&(first, _, _)) = rest.first() {
+                let len = 1 + rest.windows(2).take_while(|w| w[0].0 + w[0].1 == w[1].0).count();
+                let (run, after) = rest.split_at(len);
+                let pages: u64 = run.iter().map(|&(_, n, _)| n).sum();
+                if self.backend.vm_unmap(self.device, base + first * page, pages * page).is_ok() {
+                    self.reserve.give_back(pages * page);
                 } else {
-                    stuck.push((p, n, each));
+                    stuck.extend_from_slice(run);
                 }
+                rest = after;
             }
             self.commit_mapped(segment_id, kind, &stuck);
             return Err(err);

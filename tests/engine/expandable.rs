@@ -634,8 +634,8 @@ fn a_large_block_is_mapped_in_allocations_of_its_grain_with_one_grant_of_access(
 fn a_block_s_edge_pages_are_allocations_of_their_own_so_its_inside_goes_back_whatever_its_neighbours_hold() {
     // [3][10][3] MiB on 2 MiB pages: the middle block shares page 1 with
     // the left one and page 6 with the right one; its inside (pages 2 to 5)
-    // is one allocation of its own.
-    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true");
+    // is one allocation of its own (in allocations of up to 8 MiB).
+    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true,expandable_allocation_mb:8");
     let left = alloc(&a, 3 * MIB);
     let middle = alloc(&a, 10 * MIB);
     let right = alloc(&a, 3 * MIB);
