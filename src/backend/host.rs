@@ -33,7 +33,7 @@
 //! `HostBuffer` is the host memory every backend without pinned memory
 //! hands out for offloads: an anonymous mapping, zero pages until written.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -177,7 +177,7 @@ pub struct HostBackend {
     vm_move_calls: AtomicU64,
     vm_moved_bytes: AtomicU64,
     /// The allocations `vm_map` made, by address: their lengths.
-    vm_allocations: Mutex<BTreeMap<u64, u64>>,
+    vm_allocations: Mutex<HashMap<u64, u64, AddressHash>>,
     driver: DriverCallCounts,
     /// Unbacked: the next address handed out (None: real mappings).
     unbacked: Option<AtomicU64>,
@@ -232,6 +232,37 @@ impl DriverCalls {
     }
 }
 
+/// Hashes the addresses of allocations (page-aligned, distinct): a
+/// multiplication spreads them, where the default hasher would spend more
+/// on each than the rest of a replay's bookkeeping of a page.
+#[derive(Clone, Copy, Default)]
+struct AddressHash;
+
+impl std::hash::BuildHasher for AddressHash {
+    type Hasher = AddressHasher;
+    fn build_hasher(&self) -> AddressHasher {
+        AddressHasher(0)
+    }
+}
+
+struct AddressHasher(u64);
+
+impl std::hash::Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, address: u64) {
+        // The golden ratio's multiplier, high bits to the low ones the table uses.
+        let mixed = (address >> 12).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = mixed ^ (mixed >> 32);
+    }
+}
+
 /// The host's stand-in for the driver's mapping granularity.
 pub const HOST_PAGE: u64 = 2 << 20;
 
@@ -252,7 +283,7 @@ impl HostBackend {
             vm_unmap_calls: AtomicU64::new(0),
             vm_move_calls: AtomicU64::new(0),
             vm_moved_bytes: AtomicU64::new(0),
-            vm_allocations: Mutex::new(BTreeMap::new()),
+            vm_allocations: Mutex::new(HashMap::default()),
             driver: DriverCallCounts::default(),
             unbacked: None,
         }
@@ -356,15 +387,14 @@ impl HostBackend {
     /// The allocations making up `[addr, addr + len)` exactly, as
     /// (address, length), or None when the range begins or ends inside one
     /// or holds unmapped pages (the driver refuses those).
-    fn whole_allocations(allocations: &BTreeMap<u64, u64>, addr: u64, len: u64) -> Option<Vec<(u64, u64)>> {
+    fn whole_allocations(allocations: &HashMap<u64, u64, AddressHash>, addr: u64, len: u64) -> Option<Vec<(u64, u64)>> {
         let mut out = Vec::new();
         let mut at = addr;
-        for (&start, &n) in allocations.range(addr..addr + len) {
-            if start != at {
-                return None;
-            }
-            out.push((start, n));
-            at = start + n;
+        // Each allocation begins where the one before ends.
+        while at < addr + len {
+            let &n = allocations.get(&at)?;
+            out.push((at, n));
+            at += n;
         }
         (at == addr + len && len > 0).then_some(out)
     }

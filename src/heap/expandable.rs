@@ -223,9 +223,8 @@ impl DeviceHeap {
             while at < piece.first + piece.pages {
                 if !donors.is_empty() {
                     // (An edge page takes a donor of one page only.)
-                    let largest = donors.iter().map(|d| d.pages).max().unwrap_or(0);
                     let left = piece.first + piece.pages - at;
-                    let room = left.max(self.unmapped_from(segment_id, at, piece.room_end.min(at + largest)));
+                    let room = left.max(self.unmapped_from(segment_id, at, piece.room_end));
                     // What is batched goes first: a donor lands after it.
                     if donors.iter().any(|d| d.pages <= room) {
                         if let Err(err) = self.map_batch(segment_id, &mut batch, &mut mapped, &mut donors) {
