@@ -1,6 +1,8 @@
-//! cuda/check/vmm_calls.py, which times the driver calls of expandable
-//! segments on a GPU, runs over simgpu: every call it makes is one the
-//! driver takes, and its warm-up makes the calls each setting's count says.
+//! The GPU check's scripts of expandable segments run here:
+//! cuda/check/vmm_calls.py, which times the driver calls on a GPU, over
+//! simgpu (every call it makes is one the driver takes, and its warm-up
+//! makes the calls each setting's count says); cuda/check/trace_warmup.py,
+//! which plays a trace through PyTorch, on the host with the real torch.
 
 use std::process::Command;
 
@@ -32,4 +34,28 @@ fn the_gpu_timing_of_driver_calls_runs_over_simgpu() {
     for (setting, allocations) in [("page by page", 512), ("8 MiB (tidepool)", 128), ("20 MiB (PyTorch)", 51), ("64 MiB", 16)] {
         assert_eq!(figures["warm_up"][setting]["calls"], 4 * allocations + 1, "{setting}: {figures}");
     }
+}
+
+#[test]
+fn the_trace_warm_up_plays_a_trace_through_torch_on_the_host() {
+    let python = std::env::var_os("TIDEPOOL_TEST_PYTHON").unwrap_or_else(|| "python3".into());
+    let has_torch = Command::new(&python).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success());
+    if !has_torch {
+        assert!(!common::in_ci(), "CI=true: {python:?} has no torch (.ci/run installs it)");
+        eprintln!("skipped: {python:?} has no torch");
+        return;
+    }
+    let root = common::repo_root();
+    let output = common::contained(Command::new(&python).arg(root.join("cuda/check/trace_warmup.py")))
+        .args(["--allocator", "native", "--device", "cpu", "--target-gib", "1", "--trace"])
+        .arg(root.join("examples/traces/mlp-train.csv"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{text}{}", String::from_utf8_lossy(&output.stderr));
+    let result: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    // mlp-train: 304 events, 537,034,780 bytes live at most; scale 2 for 1 GiB.
+    assert_eq!((result["events"].as_u64(), result["scale"].as_u64()), (Some(304), Some(2)), "{result}");
+    assert_eq!(result["peak_live_bytes"].as_u64(), Some(2 * 537_034_780), "{result}");
+    assert!(result["warm_up_s"].as_f64().is_some() && result["steady_s"].as_f64().is_some(), "{result}");
 }

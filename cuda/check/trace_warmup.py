@@ -1,0 +1,83 @@
+"""A trace's warm-up through PyTorch, with PyTorch's own allocator or with
+tidepool: every allocation of an RMM CSV trace (tidepool's recording
+format) made as a tensor of its size times --scale, every free as the
+tensor dropped, twice over: the first pass is the warm-up (the allocator
+grows, every driver call it makes is in it), the second the steady state.
+Run once per allocator in fresh processes (`--allocator native |
+native-expandable | tidepool-expandable`, `--conf` adding to tidepool's
+configuration, e.g. `expandable_allocation_mb:8`); prints one JSON line:
+the seconds of each pass, the peak of live bytes played, the peak
+reserved, and tidepool's count of physical allocations made and given
+back. --scale 0 picks the scale that makes the peak of live bytes about
+--target-gib. `--device cpu` plays the trace on the host (the tests run it
+so; nothing there is measured).
+"""
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--allocator", choices=["native", "native-expandable", "tidepool-expandable"], required=True)
+parser.add_argument("--conf", default="", help="more of tidepool's configuration")
+parser.add_argument("--trace", required=True, help="an RMM CSV trace (Thread,Time,Action,Pointer,Size,Stream)")
+parser.add_argument("--scale", type=int, default=0, help="sizes times this (0: to about --target-gib live)")
+parser.add_argument("--target-gib", type=float, default=20.0)
+parser.add_argument("--device", default="cuda")
+args = parser.parse_args()
+
+if args.allocator == "tidepool-expandable" and args.device == "cuda":
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "ffi", "python"))
+    import tidepool
+
+    tidepool.install(",".join(c for c in [os.environ.get("TIDEPOOL_CONF", ""), "expandable:true", args.conf] if c))
+elif args.allocator == "native-expandable":
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+import torch  # noqa: E402
+
+events = []
+with open(args.trace, newline="") as f:
+    for row in csv.DictReader(f):
+        action = row["Action"].strip()
+        if action in ("allocate", "free"):
+            events.append((action == "allocate", row["Pointer"].strip(), int(row["Size"])))
+live = peak = 0
+sizes = {}
+for allocate, pointer, size in events:
+    if allocate:
+        sizes[pointer] = size
+        live += size
+        peak = max(peak, live)
+    elif pointer in sizes:
+        live -= sizes.pop(pointer)
+scale = args.scale or max(1, round(args.target_gib * 2**30 / max(peak, 1)))
+
+
+def play():
+    tensors = {}
+    start = time.perf_counter()
+    for allocate, pointer, size in events:
+        if allocate:
+            tensors[pointer] = torch.empty(size * scale, dtype=torch.uint8, device=args.device)
+        else:
+            tensors.pop(pointer, None)
+    tensors.clear()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    return round(time.perf_counter() - start, 4)
+
+
+warm_up, steady = play(), play()
+result = {"allocator": args.allocator, "conf": args.conf, "trace": os.path.basename(args.trace), "scale": scale,
+          "events": len(events), "peak_live_bytes": peak * scale, "warm_up_s": warm_up, "steady_s": steady}
+if args.device == "cuda":
+    result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    if args.allocator.startswith("tidepool"):
+        stats = tidepool.memory_stats()
+        result["device_allocs"] = stats.get("num_device_alloc")
+        result["device_frees"] = stats.get("num_device_free")
+        result["pages_mapped"] = stats.get("tidepool.num_pages_mapped")
+print(json.dumps(result))
