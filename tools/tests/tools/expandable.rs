@@ -102,3 +102,26 @@ fn the_smallest_device_that_fits_is_within_1_5_percent_or_16_mib_of_peak_live_on
         assert!(ours as f64 <= target, "{name}: needs {ours}, peak live {peak}, target {target}");
     }
 }
+
+#[test]
+fn allocations_of_8_mib_cut_the_driver_calls_of_page_by_page_for_little_memory_on_every_trace() {
+    let (mut log_sum, mut counted) = (0.0, 0);
+    for (name, _, trace) in device_traces() {
+        let run = |conf: &str| {
+            let options = ReplayOptions { capacity: 1 << 50, policy: Policy::Expandable, conf: conf.into(), samples: 0, record_to: None };
+            let report = replay(&trace, &options).unwrap();
+            (report.driver_calls as f64, report.peak_reserved_bytes as f64 / trace.peak_requested() as f64)
+        };
+        let ((by_page, _), (by_8_mib, reserved)) = (run(""), run("expandable_allocation_mb:8"));
+        if by_page == 0.0 {
+            continue;
+        }
+        eprintln!("{name}: driver calls page by page {by_page}, in 8 MiB allocations {by_8_mib}; reserved {reserved:.4}");
+        assert!(by_8_mib <= 0.85 * by_page, "{name}: {by_8_mib} calls in 8 MiB allocations against {by_page} page by page");
+        assert!(reserved <= 1.05, "{name}: {reserved:.4} reserved in 8 MiB allocations");
+        log_sum += (by_8_mib / by_page).ln();
+        counted += 1;
+    }
+    let mean = (log_sum / counted as f64).exp();
+    assert!(mean <= 0.5, "8 MiB allocations make {mean:.2}x the calls of page by page in geometric mean");
+}
