@@ -38,6 +38,7 @@
 //! alloc.free(0, ptr).unwrap();
 //! ```
 
+mod addr_map;
 mod allocator;
 pub mod backend;
 pub mod buffer;

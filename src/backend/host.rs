@@ -33,7 +33,6 @@
 //! `HostBuffer` is the host memory every backend without pinned memory
 //! hands out for offloads: an anonymous mapping, zero pages until written.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -43,6 +42,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::{Backend, BackendError, HostMemory, HostRegion, MemInfo};
+use crate::addr_map::AddrMap;
 use crate::types::Stream;
 
 /// How an injected failure presents itself.
@@ -169,15 +169,13 @@ pub struct HostBackend {
     devices: Vec<HostDevice>,
     shared: Option<SharedCapacity>,
     faults: Faults,
-    allocate_calls: AtomicU64,
-    release_calls: AtomicU64,
     vm_reserve_calls: AtomicU64,
     vm_map_calls: AtomicU64,
     vm_unmap_calls: AtomicU64,
     vm_move_calls: AtomicU64,
     vm_moved_bytes: AtomicU64,
-    /// The allocations `vm_map` made, by address: their lengths.
-    vm_allocations: Mutex<HashMap<u64, u64, AddressHash>>,
+    /// The allocations `vm_map` made, by address: their pages.
+    vm_allocations: Mutex<AddrMap>,
     driver: DriverCallCounts,
     /// Unbacked: the next address handed out (None: real mappings).
     unbacked: Option<AtomicU64>,
@@ -232,37 +230,6 @@ impl DriverCalls {
     }
 }
 
-/// Hashes the addresses of allocations (page-aligned, distinct): a
-/// multiplication spreads them, where the default hasher would spend more
-/// on each than the rest of a replay's bookkeeping of a page.
-#[derive(Clone, Copy, Default)]
-struct AddressHash;
-
-impl std::hash::BuildHasher for AddressHash {
-    type Hasher = AddressHasher;
-    fn build_hasher(&self) -> AddressHasher {
-        AddressHasher(0)
-    }
-}
-
-struct AddressHasher(u64);
-
-impl std::hash::Hasher for AddressHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, address: u64) {
-        // The golden ratio's multiplier, high bits to the low ones the table uses.
-        let mixed = (address >> 12).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = mixed ^ (mixed >> 32);
-    }
-}
-
 /// The host's stand-in for the driver's mapping granularity.
 pub const HOST_PAGE: u64 = 2 << 20;
 
@@ -276,14 +243,12 @@ impl HostBackend {
             devices: (0..devices).map(|_| HostDevice { capacity, used: AtomicU64::new(0) }).collect(),
             shared: None,
             faults: Faults::default(),
-            allocate_calls: AtomicU64::new(0),
-            release_calls: AtomicU64::new(0),
             vm_reserve_calls: AtomicU64::new(0),
             vm_map_calls: AtomicU64::new(0),
             vm_unmap_calls: AtomicU64::new(0),
             vm_move_calls: AtomicU64::new(0),
             vm_moved_bytes: AtomicU64::new(0),
-            vm_allocations: Mutex::new(HashMap::default()),
+            vm_allocations: Mutex::new(AddrMap::default()),
             driver: DriverCallCounts::default(),
             unbacked: None,
         }
@@ -344,12 +309,12 @@ impl HostBackend {
 
     /// Successful and failed allocate calls so far.
     pub fn allocate_calls(&self) -> u64 {
-        self.allocate_calls.load(Ordering::Relaxed)
+        self.driver.mem_alloc.load(Ordering::Relaxed)
     }
 
     /// Release calls so far.
     pub fn release_calls(&self) -> u64 {
-        self.release_calls.load(Ordering::Relaxed)
+        self.driver.mem_free.load(Ordering::Relaxed)
     }
 
     /// Successful `vm_reserve` calls so far.
@@ -387,12 +352,12 @@ impl HostBackend {
     /// The allocations making up `[addr, addr + len)` exactly, as
     /// (address, length), or None when the range begins or ends inside one
     /// or holds unmapped pages (the driver refuses those).
-    fn whole_allocations(allocations: &HashMap<u64, u64, AddressHash>, addr: u64, len: u64) -> Option<Vec<(u64, u64)>> {
+    fn whole_allocations(allocations: &AddrMap, addr: u64, len: u64) -> Option<Vec<(u64, u64)>> {
         let mut out = Vec::new();
         let mut at = addr;
         // Each allocation begins where the one before ends.
         while at < addr + len {
-            let &n = allocations.get(&at)?;
+            let n = u64::from(allocations.get(at)?) * HOST_PAGE;
             out.push((at, n));
             at += n;
         }
@@ -447,7 +412,6 @@ impl Backend for HostBackend {
 
     fn allocate(&self, device: usize, size: u64, _stream: Stream) -> Result<u64, BackendError> {
         const CALL: &str = "mmap";
-        self.allocate_calls.fetch_add(1, Ordering::Relaxed);
         self.driver.mem_alloc.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         let dev = self.device(device, CALL)?;
@@ -471,7 +435,6 @@ impl Backend for HostBackend {
 
     fn release(&self, device: usize, base: u64, size: u64, _stream: Stream) -> Result<(), BackendError> {
         const CALL: &str = "munmap";
-        self.release_calls.fetch_add(1, Ordering::Relaxed);
         self.driver.mem_free.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         self.device(device, CALL)?;
@@ -544,7 +507,7 @@ impl Backend for HostBackend {
         self.vm_map_calls.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         self.device(device, CALL)?;
-        if sizes.is_empty() || sizes.iter().any(|&n| n == 0 || !n.is_multiple_of(HOST_PAGE)) {
+        if sizes.is_empty() || sizes.iter().any(|&n| n == 0 || !n.is_multiple_of(HOST_PAGE) || n / HOST_PAGE > u64::from(u32::MAX)) {
             return Err(BackendError::Driver { call: CALL, code: 1, message: format!("allocations of {sizes:?} bytes") });
         }
         let always = self.faults.allocate_always.load(Ordering::SeqCst);
@@ -587,7 +550,10 @@ impl Backend for HostBackend {
             return Err(err);
         }
         self.driver.set_access.fetch_add(1, Ordering::Relaxed);
-        self.vm_allocations.lock().extend(made);
+        let mut allocations = self.vm_allocations.lock();
+        for (at, each) in made {
+            allocations.insert(at, pages_of(each));
+        }
         Ok(())
     }
 
@@ -612,7 +578,7 @@ impl Backend for HostBackend {
             return Err(os_error(CALL));
         }
         for (start, _) in &whole {
-            allocations.remove(start);
+            allocations.remove(*start);
         }
         let n = whole.len() as u64;
         self.driver.unmap.fetch_add(n, Ordering::Relaxed);
@@ -653,8 +619,8 @@ impl Backend for HostBackend {
         // Each allocation unmapped from `from` and mapped at `to`, then
         // access granted over the run.
         for &(start, n) in &whole {
-            allocations.remove(&start);
-            allocations.insert(to + (start - from), n);
+            allocations.remove(start);
+            allocations.insert(to + (start - from), pages_of(n));
         }
         let n = whole.len() as u64;
         self.driver.unmap.fetch_add(n, Ordering::Relaxed);
@@ -769,7 +735,6 @@ impl Drop for HostBuffer {
     }
 }
 
-/// The last OS error as a backend error of `call`.
 /// The driver's refusal of a range that cuts an allocation.
 fn part_of_an_allocation(call: &'static str, addr: u64, len: u64) -> BackendError {
     BackendError::Driver {
@@ -779,6 +744,12 @@ fn part_of_an_allocation(call: &'static str, addr: u64, len: u64) -> BackendErro
     }
 }
 
+/// The pages of an allocation of `bytes` (a multiple of the page).
+fn pages_of(bytes: u64) -> u32 {
+    u32::try_from(bytes / HOST_PAGE).expect("an allocation under 8 PiB")
+}
+
+/// The last OS error as a backend error of `call`.
 fn os_error(call: &'static str) -> BackendError {
     let err = std::io::Error::last_os_error();
     BackendError::Driver { call, code: err.raw_os_error().unwrap_or(-1) as i64, message: err.to_string() }

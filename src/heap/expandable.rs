@@ -28,6 +28,7 @@
 
 use super::block::{Block, BlockId, BlockState, NIL};
 use super::history::HistoryAction;
+use super::pages::{self, PageMap};
 use super::recycle::Donor;
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
@@ -212,10 +213,10 @@ impl DeviceHeap {
         }
         let need = pieces.iter().map(|piece| piece.pages * page).sum();
         let mut donors = self.recycle_before_growth(need, used, Some(id));
-        // `mapped`: (first page, pages, pages per allocation) of what is
-        // done so far; `batch`: new allocations not yet asked for, which
-        // one `vm_map` makes (one grant of access for the run).
-        let mut mapped: Vec<(u64, u64, u64)> = Vec::new();
+        // `mapped`: the allocations (first page, pages) done so far;
+        // `batch`: new allocations not yet asked for, which one `vm_map`
+        // makes (one grant of access for the run).
+        let mut mapped: Vec<(u64, u64)> = Vec::new();
         let mut batch: Vec<(u64, u64)> = Vec::new();
         let mut failed = None;
         'pieces: for piece in &pieces {
@@ -225,24 +226,24 @@ impl DeviceHeap {
                     // (An edge page takes a donor of one page only.)
                     let left = piece.first + piece.pages - at;
                     let room = left.max(self.unmapped_from(segment_id, at, piece.room_end));
-                    // What is batched goes first: a donor lands after it.
-                    if donors.iter().any(|d| d.pages <= room) {
+                    // The latest chosen donor that fits; what is batched goes
+                    // first: the donor lands after it.
+                    if let Some(index) = donors.iter().rposition(|d| d.pages <= room) {
                         if let Err(err) = self.map_batch(segment_id, &mut batch, &mut mapped, &mut donors) {
                             failed = Some(err);
                             break 'pieces;
                         }
-                    }
-                    if let Some(k) = self.move_donor(&mut donors, base + at * page, room) {
-                        mapped.push((at, k, k));
-                        at += k;
-                        continue;
+                        if let Some(k) = self.move_donor(&mut donors, index, base + at * page) {
+                            mapped.push((at, k));
+                            at += k;
+                            continue;
+                        }
                     }
                 }
-                let rest = piece.first + piece.pages - at;
-                let parts = if piece.edge { vec![(1, 1)] } else { self.allocations_for(rest, page) };
-                for (n, each) in parts {
-                    batch.extend((0..n / each).map(|i| (at + i * each, each)));
-                    at += n;
+                let rest = if piece.edge { 1 } else { piece.first + piece.pages - at };
+                for each in self.allocations_for(rest, page) {
+                    batch.push((at, each));
+                    at += each;
                 }
             }
             // A batch is one run: it ends where the next piece does not follow.
@@ -261,29 +262,31 @@ impl DeviceHeap {
         }
         self.settle_donors(donors);
         if let Some(err) = failed {
-            // Undo what was mapped so far; an allocation the backend will
-            // not unmap stays mapped (and counted), inside what is still a
-            // free block.
-            // One unmap per run of adjacent allocations, as they were mapped.
-            mapped.sort_unstable();
-            let mut stuck = Vec::new();
-            let mut rest = &mapped[..];
-            while let Some(&(first, _, _)) = rest.first() {
-                let len = 1 + rest.windows(2).take_while(|w| w[0].0 + w[0].1 == w[1].0).count();
-                let (run, after) = rest.split_at(len);
-                let pages: u64 = run.iter().map(|&(_, n, _)| n).sum();
-                if self.backend.vm_unmap(self.device, base + first * page, pages * page).is_ok() {
-                    self.reserve.give_back(pages * page);
-                } else {
-                    stuck.extend_from_slice(run);
-                }
-                rest = after;
-            }
-            self.commit_mapped(segment_id, kind, &stuck);
+            self.undo_mapped(segment_id, kind, mapped);
             return Err(err);
         }
         self.commit_mapped(segment_id, kind, &mapped);
         Ok(())
+    }
+
+    /// Unmaps the allocations (first page, pages) that a map failing midway
+    /// made in the expandable segment `segment_id`, a run of adjacent ones
+    /// per call; those the backend will not unmap stay mapped and counted,
+    /// inside what is still a free block.
+    pub(super) fn undo_mapped(&mut self, segment_id: usize, kind: PoolKind, mut allocations: Vec<(u64, u64)>) {
+        let Some((base, page)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size()))) else {
+            return;
+        };
+        allocations.sort_unstable();
+        let mut stuck = Vec::new();
+        for (first, n) in pages::runs_of(&allocations) {
+            if self.backend.vm_unmap(self.device, base + first * page, n * page).is_ok() {
+                self.reserve.give_back(n * page);
+            } else {
+                stuck.extend(allocations.iter().filter(|&&(p, _)| p >= first && p < first + n));
+            }
+        }
+        self.commit_mapped(segment_id, kind, &stuck);
     }
 
     /// Asks the backend for the new allocations of `batch` (first page and
@@ -295,7 +298,7 @@ impl DeviceHeap {
         &mut self,
         segment_id: usize,
         batch: &mut Vec<(u64, u64)>,
-        mapped: &mut Vec<(u64, u64, u64)>,
+        mapped: &mut Vec<(u64, u64)>,
         donors: &mut Vec<Donor>,
     ) -> Result<(), BackendError> {
         let Some(&(first, _)) = batch.first() else { return Ok(()) };
@@ -310,7 +313,7 @@ impl DeviceHeap {
             batch.clear();
             return Err(err);
         }
-        mapped.extend(batch.drain(..).map(|(p, n)| (p, n, n)));
+        mapped.append(batch);
         Ok(())
     }
 
@@ -321,42 +324,35 @@ impl DeviceHeap {
         pages.next_mapped(from, limit).max(from) - from
     }
 
-    /// How a run of `pages` new pages is allocated: `(pages, pages per
-    /// allocation)` parts in address order, each one `vm_map`.
-    pub(super) fn allocations_for(&self, pages: u64, page: u64) -> Vec<(u64, u64)> {
+    /// The pages of each allocation a run of `pages` new pages is mapped
+    /// in, in address order: `max_allocation` each, the last the rest.
+    pub(super) fn allocations_for(&self, pages: u64, page: u64) -> Vec<u64> {
         let most = (self.max_allocation / page).max(1);
-        let whole = pages / most * most;
-        let mut parts = Vec::with_capacity(2);
-        if whole > 0 {
-            parts.push((whole, most));
-        }
-        if pages > whole {
-            parts.push((pages - whole, pages - whole));
-        }
-        parts
+        (0..pages.div_ceil(most)).map(|i| most.min(pages - i * most)).collect()
     }
 
-    /// Marks runs of pages mapped, `(first page, pages, pages per
-    /// allocation)` each, and counts them.
-    pub(super) fn commit_mapped(&mut self, segment_id: usize, kind: PoolKind, runs: &[(u64, u64, u64)]) {
+    /// Marks allocations just mapped (first page, pages; in address order)
+    /// and counts them; the history notes one event per run of adjacent
+    /// ones.
+    pub(super) fn commit_mapped(&mut self, segment_id: usize, kind: PoolKind, allocations: &[(u64, u64)]) {
         let Some(pages) = self.segments[segment_id].as_mut().and_then(|s| s.pages.as_mut()) else {
             return;
         };
         let page = pages.page_size();
         let mut total = 0;
-        for &(p, n, each) in runs {
-            pages.set_mapped(p, n, each);
+        for &(p, n) in allocations {
+            pages.set_mapped(p, n, n);
             total += n;
         }
         let segment = self.segments[segment_id].as_ref().expect("checked above");
         let (base, stream) = (segment.base, self.pools[segment.pool as usize].stream);
-        for &(p, n, _) in runs {
+        for (p, n) in pages::runs_of(allocations) {
             self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
         }
         self.stats.reserved_bytes.increase(kind, total * page);
         self.reserve.note_peak();
         self.stats.events.num_pages_mapped += total;
-        self.stats.events.num_device_alloc += runs.len() as u64;
+        self.stats.events.num_device_alloc += allocations.len() as u64;
     }
 
     /// Unmaps every allocation lying entirely inside the free blocks of the
@@ -397,7 +393,7 @@ impl DeviceHeap {
         while cur != NIL {
             let b = &self.blocks[cur];
             if b.state == BlockState::Binned && select(b) {
-                let bytes = self.hole_bytes(segment, cur);
+                let bytes = self.hole_bytes(cur);
                 if bytes > 0 {
                     out.push((cur, bytes));
                 }
@@ -406,24 +402,32 @@ impl DeviceHeap {
         }
     }
 
-    /// The bytes of the allocations lying entirely inside the block `id`
-    /// of the expandable `segment`: what unmapping its pages gives back.
-    pub(super) fn hole_bytes(&self, segment: &Segment, id: BlockId) -> u64 {
-        let Some(pages) = segment.pages.as_ref() else { return 0 };
-        let b = &self.blocks[id];
-        let offset = b.addr - segment.base;
-        let (first, count) = pages.inside(offset, offset + b.size);
-        pages.allocations_in(first, count).map(|(_, n)| n).sum::<u64>() * pages.page_size()
+    /// The page map of the expandable segment `segment_id` and the pages
+    /// lying entirely inside bytes [start, end) of it: (map, first, count).
+    fn pages_inside(&self, segment_id: u32, start: u64, end: u64) -> Option<(&PageMap, u64, u64)> {
+        let segment = self.segments[segment_id as usize].as_ref()?;
+        let pages = segment.pages.as_ref()?;
+        let (first, count) = pages.inside(start - segment.base, end - segment.base);
+        Some((pages, first, count))
     }
 
-    /// Whether an allocation lies entirely inside the block `id` of the
-    /// expandable `segment` (`hole_bytes` > 0, without counting them).
-    pub(super) fn is_hole(&self, segment: &Segment, id: BlockId) -> bool {
-        let Some(pages) = segment.pages.as_ref() else { return false };
+    /// `pages_inside` the block `id`.
+    fn pages_inside_block(&self, id: BlockId) -> Option<(&PageMap, u64, u64)> {
         let b = &self.blocks[id];
-        let offset = b.addr - segment.base;
-        let (first, count) = pages.inside(offset, offset + b.size);
-        pages.any_allocation_within(first, count)
+        self.pages_inside(b.segment, b.addr, b.addr + b.size)
+    }
+
+    /// The bytes of the allocations lying entirely inside the block `id`
+    /// of an expandable segment: what unmapping its pages gives back.
+    pub(super) fn hole_bytes(&self, id: BlockId) -> u64 {
+        self.pages_inside_block(id)
+            .map_or(0, |(pages, first, count)| pages.allocations_in(first, count).map(|(_, n)| n).sum::<u64>() * pages.page_size())
+    }
+
+    /// Whether an allocation lies entirely inside the block `id` of an
+    /// expandable segment (`hole_bytes` > 0, without counting them).
+    pub(super) fn is_hole(&self, id: BlockId) -> bool {
+        self.pages_inside_block(id).is_some_and(|(pages, first, count)| pages.any_allocation_within(first, count))
     }
 
     /// The free blocks of expandable segments, idle since `idle_before` or
@@ -449,39 +453,23 @@ impl DeviceHeap {
         self.unmap_inside(id)
     }
 
-    /// Unmaps the mapped pages lying entirely inside the binned free block
-    /// `id` (whose stream has no work left on them). Returns the bytes unmapped.
+    /// Unmaps the allocations lying entirely inside the binned free block
+    /// `id` (whose stream has no work left on them), a run of adjacent
+    /// ones at a time. Only those: its edge pages, and allocations that
+    /// reach outside it (its inactive-split bytes), are shared with its
+    /// neighbours. Returns the bytes unmapped.
     fn unmap_inside(&mut self, id: BlockId) -> u64 {
-        self.mapped_runs_inside(id).into_iter().map(|(segment, p, n)| self.unmap_run(segment, p, n)).sum()
-    }
-
-    /// The runs of whole allocations lying entirely inside the free block
-    /// `id` of an expandable segment, as (segment, first page, pages). Only
-    /// those: its edge pages, and allocations that reach outside it (its
-    /// inactive-split bytes), are shared with its neighbours.
-    pub(super) fn mapped_runs_inside(&self, id: BlockId) -> Vec<(u32, u64, u64)> {
-        let b = &self.blocks[id];
-        self.mapped_runs_within(b.segment, b.addr, b.addr + b.size)
-    }
-
-    /// The runs of whole allocations lying entirely inside [start, end) of
-    /// the expandable segment `segment_id`, as (segment, first page, pages).
-    pub(super) fn mapped_runs_within(&self, segment_id: u32, start: u64, end: u64) -> Vec<(u32, u64, u64)> {
-        let Some((base, pages)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
-            return Vec::new();
-        };
-        let (first, count) = pages.inside(start - base, end - base);
-        pages.whole_runs_within(first, count).into_iter().map(|(p, n)| (segment_id, p, n)).collect()
+        let segment = self.blocks[id].segment;
+        let runs = self
+            .pages_inside_block(id)
+            .map(|(pages, first, count)| pages::runs_of(&pages.allocations_in(first, count).collect::<Vec<_>>()));
+        runs.unwrap_or_default().into_iter().map(|(p, n)| self.unmap_run(segment, p, n)).sum()
     }
 
     /// The allocations lying entirely inside [start, end) of the expandable
     /// segment `segment_id`, as (first page, pages), in address order.
     pub(super) fn allocations_within(&self, segment_id: u32, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
-        let range = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?)));
-        range.into_iter().flat_map(move |(base, pages)| {
-            let (first, count) = pages.inside(start - base, end - base);
-            pages.allocations_in(first, count)
-        })
+        self.pages_inside(segment_id, start, end).into_iter().flat_map(|(pages, first, count)| pages.allocations_in(first, count))
     }
 
     /// Unmaps the `n` mapped pages from page `p` of the expandable segment
@@ -493,7 +481,7 @@ impl DeviceHeap {
         match self.unmap_whole_run(segment_id, p, n) {
             0 => {
                 let Some(pages) = self.segments[segment_id as usize].as_ref().and_then(|s| s.pages.as_ref()) else { return 0 };
-                let each = pages.allocations_within(p, n);
+                let each: Vec<(u64, u64)> = pages.allocations_in(p, n).collect();
                 if each.len() < 2 {
                     return 0;
                 }

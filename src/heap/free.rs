@@ -246,7 +246,6 @@ impl DeviceHeap {
     /// Puts a free block into its pool's bin and counts it.
     #[inline]
     pub(super) fn insert_free(&mut self, id: BlockId) {
-        self.recycling.binned = self.recycling.binned.wrapping_add(1);
         let b = &self.blocks[id];
         let (pool, size, whole, segment) = (b.pool, b.size, !b.is_split(), b.segment);
         let (split, counted) = self.inactive_split_bytes_of(id);

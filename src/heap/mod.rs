@@ -42,8 +42,9 @@
 //! memory; `expandable.rs`, `pages.rs` and `recycle.rs` map and move the
 //! pages of expandable segments; `observe.rs` and `history.rs` are who
 //! watches the heap; `reserve.rs` keeps the reserved count, its peak and
-//! its cap shared by the heaps of one device; `pool.rs`, `block.rs` and
-//! `addr_map.rs` are the data structures, `validate.rs` the invariants.
+//! its cap shared by the heaps of one device; `pool.rs` and `block.rs`
+//! (with `crate::addr_map`) are the data structures, `validate.rs` the
+//! invariants.
 //!
 //! Invariants, checked by `validate()`:
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
@@ -66,7 +67,6 @@
 //!   block at its address, and the heap is `observed` while one is kept.
 #![forbid(unsafe_code)]
 
-pub(crate) mod addr_map;
 mod allocate;
 pub(crate) mod block;
 mod expandable;
@@ -87,6 +87,7 @@ mod validate;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use crate::addr_map::AddrMap;
 use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
 use crate::reclaim::policy::Policy;
@@ -97,7 +98,6 @@ use crate::size_class::{PoolKind, SizeRules};
 pub use crate::stats::Released;
 use crate::stats::{Counters, Stats};
 use crate::types::Stream;
-use addr_map::AddrMap;
 use block::{BlockArena, BlockId, BlockState, NIL};
 use expandable::Vm;
 use history::{History, HistoryAction};

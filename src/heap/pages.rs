@@ -155,13 +155,9 @@ impl PageMap {
     }
 
     /// The allocations lying entirely inside pages `[first, first + count)`,
-    /// each `(first page, pages)`, in address order.
-    pub fn allocations_within(&self, first: u64, count: u64) -> Vec<(u64, u64)> {
-        self.allocations_in(first, count).collect()
-    }
-
-    /// `allocations_within`, one at a time. (One that begins in the range
-    /// and reaches past it ends the walk: any later one begins past it.)
+    /// each `(first page, pages)`, in address order. (One that begins in
+    /// the range and reaches past it ends the walk: any later one begins
+    /// past it.)
     pub fn allocations_in(&self, first: u64, count: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
         let stop = first + count;
         let mut at = find(&self.starts, first, stop, true);
@@ -188,16 +184,6 @@ impl PageMap {
             let next = find(&self.starts, start + 1, self.end, true);
             find(&self.bits, start + 1, next, false) <= stop
         }
-    }
-
-    /// Runs of adjacent whole allocations lying entirely inside pages
-    /// `[first, first + count)`: what can be unmapped there, run by run.
-    pub fn whole_runs_within(&self, first: u64, count: u64) -> Vec<(u64, u64)> {
-        let mut out = Vec::new();
-        for (p, n) in self.allocations_within(first, count) {
-            push_run(&mut out, p, n);
-        }
-        out
     }
 
     /// Bytes of `[start, end)` that lie in mapped pages.
@@ -322,6 +308,16 @@ fn bit(words: &[u64], page: u64) -> bool {
     words[(page / 64) as usize] >> (page % 64) & 1 == 1
 }
 
+/// The runs of adjacent allocations among `allocations` (first page and
+/// pages each, in address order).
+pub fn runs_of(allocations: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for &(p, n) in allocations {
+        push_run(&mut out, p, n);
+    }
+    out
+}
+
 fn push_run(out: &mut Vec<(u64, u64)>, page: u64, count: u64) {
     match out.last_mut() {
         Some((first, n)) if *first + *n == page => *n += count,
@@ -364,9 +360,9 @@ mod tests {
         assert!(map.whole(4, 4) && map.whole(0, 11));
         assert!(!map.whole(5, 3) && !map.whole(4, 5) && !map.whole(0, 3), "a part of an allocation is not whole");
         // Only allocations wholly inside a range can go back from it.
-        assert_eq!(map.allocations_within(1, 10), vec![(4, 4), (8, 3)]);
-        assert_eq!(map.whole_runs_within(1, 10), vec![(4, 7)]);
-        assert_eq!(map.allocations_within(0, 7), vec![(0, 4)]);
+        assert_eq!(map.allocations_in(1, 10).collect::<Vec<_>>(), vec![(4, 4), (8, 3)]);
+        assert_eq!(runs_of(&[(4, 4), (8, 3)]), vec![(4, 7)]);
+        assert_eq!(map.allocations_in(0, 7).collect::<Vec<_>>(), vec![(0, 4)]);
         assert!(map.any_allocation_within(0, 4) && map.any_allocation_within(1, 10) && map.any_allocation_within(3, 8));
         assert!(!map.any_allocation_within(1, 6) && !map.any_allocation_within(5, 5) && !map.any_allocation_within(11, 20));
         // A free stretch of pages 2..9 is held by the allocations at 0 and 8 that reach outside it.

@@ -100,8 +100,6 @@ impl DeviceHeap {
     /// `MemPool` goes); once no private pool is held, their free memory is
     /// the release policies' again (`empty_cache` gives it back).
     pub fn release_private(&mut self, id: PrivatePoolId) -> Result<(), AllocError> {
-        // Its free blocks may become holes that growth takes pages from.
-        self.recycling.barren_at = None;
         match self.private.uses.get(&id).copied() {
             None => Err(misuse(id, PrivatePoolMisuse::NeverBegun)),
             Some(1) if self.private.open.contains(&id) => Err(misuse(id, PrivatePoolMisuse::ReleasedWhileOpen)),

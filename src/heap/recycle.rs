@@ -77,15 +77,6 @@ pub(super) struct Recycling {
     /// Nothing moves (`Config::move_pages` off: the replay's model of
     /// PyTorch's expandable segments, which grow by new memory only).
     pub off: bool,
-    /// Blocks put in the bins so far (`DeviceHeap::insert_free`): only a
-    /// block binned can make a hole or a whole free small segment.
-    pub binned: u64,
-    /// `binned` when the last look at every pool found no hole and no whole
-    /// free small segment: until another block is binned (or a private
-    /// pool or paused tag lets its free blocks go), none is there and
-    /// growth does not look again (a heap growing step after step to its
-    /// first peak would otherwise walk all its blocks at each step).
-    pub barren_at: Option<u64>,
 }
 
 /// Where cached memory can come from before a growth.
@@ -166,28 +157,24 @@ impl DeviceHeap {
                 candidates.push((b.freed_at, Source::Pages { block, from: b.addr + request }));
             }
         }
-        let before = candidates.len();
-        if self.recycling.barren_at != Some(self.recycling.binned) {
-            // The free blocks, pool by pool: holes with whole allocations
-            // inside, small segments that are one free block.
-            for pool in 0..self.pools.len() as u32 {
-                if self.keeps_memory(pool) {
-                    continue;
-                }
-                for id in self.pools[pool as usize].free_members(&self.blocks) {
-                    let b = &self.blocks[id];
-                    let segment = self.segments[b.segment as usize].as_ref().expect("a binned block's segment");
-                    if segment.pages.is_some() {
-                        if self.is_hole(segment, id) {
-                            candidates.push((b.freed_at, Source::Pages { block: id, from: b.addr }));
-                        }
-                    } else if !b.is_split() {
-                        candidates.push((b.freed_at, Source::Segment(b.segment)));
+        // The free blocks, pool by pool: holes with whole allocations
+        // inside, small segments that are one free block.
+        for pool in 0..self.pools.len() as u32 {
+            if self.keeps_memory(pool) {
+                continue;
+            }
+            for id in self.pools[pool as usize].free_members(&self.blocks) {
+                let b = &self.blocks[id];
+                let segment = self.segments[b.segment as usize].as_ref().expect("a binned block's segment");
+                if segment.pages.is_some() {
+                    if self.is_hole(id) {
+                        candidates.push((b.freed_at, Source::Pages { block: id, from: b.addr }));
                     }
+                } else if !b.is_split() {
+                    candidates.push((b.freed_at, Source::Segment(b.segment)));
                 }
             }
         }
-        self.recycling.barren_at = (candidates.len() == before).then_some(self.recycling.binned);
         // Longest free first; ties: the carved block, small segments, then
         // holes, each in address order.
         let order = |source: &Source, blocks: &super::block::BlockArena| match *source {
@@ -235,13 +222,11 @@ impl DeviceHeap {
         donors
     }
 
-    /// Moves the memory of a donor allocation of at most `room` pages (the
-    /// latest chosen that fits) to the unmapped pages at `to` (one run of a
-    /// reserved range). Returns its pages, or None when no donor fits or the
-    /// backend cannot move (every donor gives its memory back then, and the
-    /// caller maps new memory in its place).
-    pub(super) fn move_donor(&mut self, donors: &mut Vec<Donor>, to: u64, room: u64) -> Option<u64> {
-        let index = donors.iter().rposition(|d| d.pages <= room)?;
+    /// Moves the memory of the donor allocation `donors[index]` to the
+    /// unmapped pages at `to` (one run of a reserved range it fits). Returns
+    /// its pages, or None when the backend cannot move (every donor gives
+    /// its memory back then, and the caller maps new memory in its place).
+    pub(super) fn move_donor(&mut self, donors: &mut Vec<Donor>, index: usize, to: u64) -> Option<u64> {
         let donor = donors[index];
         let (base, page) = self.segments[donor.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))?;
         if self.backend.vm_move(self.device, base + donor.first * page, to, donor.pages * page).is_err() {
@@ -262,13 +247,14 @@ impl DeviceHeap {
     /// it (an allocation moves only whole, and a larger one does not fit a
     /// smaller run of pages), and gives back little more than it takes.
     pub(super) fn release_donors_for(&mut self, donors: &mut Vec<Donor>, bytes: u64) {
-        let mut left = bytes.div_ceil(self.vm.map_or(1, |vm| vm.page));
+        let mut left = bytes;
         while left > 0 && !donors.is_empty() {
-            let covering = (0..donors.len()).filter(|&i| donors[i].pages >= left).min_by_key(|&i| donors[i].pages);
-            let index = covering.unwrap_or_else(|| (0..donors.len()).max_by_key(|&i| donors[i].pages).expect("not empty"));
+            let pages = |i: usize| donors[i].pages;
+            let page = self.vm.map_or(1, |vm| vm.page);
+            let covering = (0..donors.len()).filter(|&i| pages(i) * page >= left).min_by_key(|&i| pages(i));
+            let index = covering.unwrap_or_else(|| (0..donors.len()).max_by_key(|&i| pages(i)).expect("not empty"));
             let donor = donors.remove(index);
-            let pages = self.unmap_run(donor.segment, donor.first, donor.pages) / self.vm.map_or(1, |vm| vm.page);
-            left = left.saturating_sub(pages.max(1));
+            left = left.saturating_sub(self.unmap_run(donor.segment, donor.first, donor.pages));
         }
     }
 

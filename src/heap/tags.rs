@@ -49,7 +49,7 @@
 //!   saved runs hold.
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use super::block::{BlockId, BlockState, NIL};
 use super::expandable::Vm;
@@ -458,10 +458,8 @@ impl DeviceHeap {
     /// mapped (an earlier undo whose unmap failed) are left as they are.
     fn map_saved(&mut self, runs: &[(u64, u64, u64)], page: u64) -> Result<(), BackendError> {
         // Each unmapped run in physical allocations as a growth makes them,
-        // one `vm_map` per run: (base, first page, (pages, pages per
-        // allocation) parts in address order).
-        type Run = (u64, u64, Vec<(u64, u64)>);
-        let mut todo: Vec<Run> = Vec::new();
+        // one `vm_map` per run.
+        let mut todo: Vec<(u64, u64, Vec<u64>)> = Vec::new();
         for &(base, first, count) in runs {
             let id = self.segment_by_base[&base];
             let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("a range of the tag");
@@ -469,12 +467,12 @@ impl DeviceHeap {
                 todo.push((base, p, self.allocations_for(n, page)));
             }
         }
-        // (base, first page, pages, pages per allocation) of each part mapped.
-        let mut done = Vec::new();
+        // The allocations mapped (first page, pages), by range.
+        let mut done: BTreeMap<u64, Vec<(u64, u64)>> = BTreeMap::new();
         let mut failed = None;
-        for (base, first, parts) in todo {
-            let bytes = parts.iter().map(|&(k, _)| k * page).sum();
-            let sizes: Vec<u64> = parts.iter().flat_map(|&(k, each)| std::iter::repeat_n(each * page, (k / each) as usize)).collect();
+        for (base, first, allocations) in todo {
+            let sizes: Vec<u64> = allocations.iter().map(|&n| n * page).collect();
+            let bytes = sizes.iter().sum();
             let mapped = self.claim_reserved(bytes).and_then(|()| {
                 let result = self.backend.vm_map(self.device, base + first * page, &sizes);
                 if result.is_err() {
@@ -487,36 +485,22 @@ impl DeviceHeap {
                 break;
             }
             let mut at = first;
-            for (k, each) in parts {
-                done.push((base, at, k, each));
-                at += k;
+            for n in allocations {
+                done.entry(base).or_default().push((at, n));
+                at += n;
             }
         }
-        if let Some(err) = failed {
-            // Undone; a run the backend cannot unmap stays mapped, and counted.
-            let mut stuck = Vec::new();
-            for (base, first, count, each) in done {
-                if self.backend.vm_unmap(self.device, base + first * page, count * page).is_ok() {
-                    self.reserve.give_back(count * page);
-                } else {
-                    stuck.push((base, first, count, each));
-                }
-            }
-            self.commit_saved(&stuck);
-            return Err(err);
-        }
-        self.commit_saved(&done);
-        Ok(())
-    }
-
-    /// Marks runs of a tag's pages, just mapped, in their page maps and
-    /// counts them: (base, first page, pages, pages per allocation) each.
-    fn commit_saved(&mut self, runs: &[(u64, u64, u64, u64)]) {
-        for &(base, first, count, each) in runs {
+        for (base, allocations) in done {
             let id = self.segment_by_base[&base] as usize;
             let kind = self.pools[self.segments[id].as_ref().expect("a range of the tag").pool as usize].kind;
-            self.commit_mapped(id, kind, &[(first, count, each)]);
+            // Undone when a run failed: what the backend cannot unmap stays mapped, and counted.
+            if failed.is_some() {
+                self.undo_mapped(id, kind, allocations);
+            } else {
+                self.commit_mapped(id, kind, &allocations);
+            }
         }
+        failed.map_or(Ok(()), Err)
     }
 
     /// Unmaps runs `map_saved` mapped (a resume that could not finish);
@@ -534,8 +518,6 @@ impl DeviceHeap {
     /// asks the other processes and calls this again). Returns the device
     /// bytes mapped.
     pub fn resume_tag(&mut self, tag: TagId) -> Result<u64, AllocError> {
-        // Its free blocks become holes that growth may take pages from.
-        self.recycling.barren_at = None;
         if !self.tags.is_paused(tag.0) {
             return Err(tag_error(tag.0, TagState::NotPaused));
         }

@@ -28,6 +28,7 @@ const UNITS: &[Unit] = &[
         root: "lib.rs",
         modules: &[
             "types",
+            "addr_map",
             "log",
             "size_class",
             "backend",

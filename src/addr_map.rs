@@ -1,4 +1,5 @@
-//! `AddrMap`: block address -> block id, the O(1) pointer lookup of `free`.
+//! `AddrMap`: address -> u32, the O(1) pointer lookup of the heap's `free`
+//! (block ids) and of the host backend's allocations (their pages).
 //!
 //! Open addressing with linear probing and backward-shift deletion (no
 //! tombstones, so a table that sees endless insert/remove cycles never
