@@ -67,11 +67,12 @@ bounded 60 python3 cuda/check/vmm_calls.py --json "$OUT/vmm.json" | tee "$OUT/vm
 vmm_rc=${PIPESTATUS[0]}
 
 echo "== a 20 GiB trace's warm-up through PyTorch: its expandable segments, tidepool's page by page and in 8 MiB allocations"
-TRACE=examples/traces/transformer-varlen-train.csv
-for run in "native-expandable " "tidepool-expandable " "tidepool-expandable expandable_allocation_mb:8"; do
-  set -- $run
-  bounded 30 python3 cuda/check/trace_warmup.py --allocator "$1" --conf "${2:-}" --trace "$TRACE" | tail -1 | tee -a "$OUT/warmup.json"
-done
+warmup() {
+  bounded 30 python3 cuda/check/trace_warmup.py --trace examples/traces/transformer-varlen-train.csv "$@" | tail -1 | tee -a "$OUT/warmup.json"
+}
+warmup --allocator native-expandable
+warmup --allocator tidepool-expandable
+warmup --allocator tidepool-expandable --conf expandable_allocation_mb:8
 
 echo "== patterns across streams, and latency"
 bounded 60 "$OUT/tidepool_check" 10000 | tee "$OUT/check.txt"
