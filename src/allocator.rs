@@ -23,6 +23,7 @@ use crate::reclaim;
 use crate::recording;
 use crate::stats::{Released, Stats};
 use crate::tag::{self, TagId};
+use crate::thread_cache;
 use crate::types::{DevicePtr, Stream};
 
 /// A caching allocator over all devices of one backend. `Send + Sync`:
@@ -40,6 +41,8 @@ pub struct Allocator {
     fork_generation: u64,
     /// The frames of allocation contexts, for snapshots.
     contexts: frames::Contexts,
+    /// Threads' caches of their own frees (None: off, or several stream shards).
+    thread_caches: Option<thread_cache::Bounds>,
 }
 
 impl Allocator {
@@ -103,7 +106,9 @@ impl Allocator {
         let fork_generation = backend::fork::watch_forks();
         let pid = std::process::id();
         let contexts = frames::Contexts::default();
-        Allocator { config, backend, devices, recorder, reclaimer, pid, fork_generation, contexts }
+        let thread_caches = (config.thread_cache_blocks > 0 && config.stream_shards == 1)
+            .then(|| thread_cache::Bounds::new(config.thread_cache_blocks, config.thread_cache_bytes));
+        Allocator { config, backend, devices, recorder, reclaimer, pid, fork_generation, contexts, thread_caches }
     }
 
     /// Why `device` cannot be used: a fork child's, or no such device.
@@ -181,6 +186,20 @@ impl Allocator {
         }
         let dev = &self.devices[device];
         let heap = dev.shard(stream);
+        if let Some(caches) = &self.thread_caches {
+            if let Some(addr) = caches.allocate(device, size as u64, stream) {
+                return Ok(DevicePtr(addr));
+            }
+            // A cached block fits but the cache is disarmed: armed again,
+            // the cache serves it; else the block goes back for the heap to serve.
+            if let Some(index) = caches.disarmed_holding(device, size as u64, stream) {
+                if heap.lock().arm_or_recall(index) {
+                    if let Some(addr) = caches.allocate(device, size as u64, stream) {
+                        return Ok(DevicePtr(addr));
+                    }
+                }
+            }
+        }
         let result = heap.lock().allocate(size as u64, stream);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
@@ -262,7 +281,22 @@ impl Allocator {
         if ptr.is_null() {
             return Ok(());
         }
+        if let Some(caches) = &self.thread_caches {
+            return self.free_cached(caches, device, ptr, None).map(|_| ());
+        }
         self.device(device)?.with_owner(ptr, stream, |heap| heap.free(ptr.0)).map(|_| ())
+    }
+
+    /// A free on a thread with caches: into the thread's cache, else
+    /// through the heap, which may lend the block to that cache. Returns
+    /// the size requested.
+    #[inline(always)]
+    fn free_cached(&self, caches: &thread_cache::Bounds, device: usize, ptr: DevicePtr, size: Option<u64>) -> Result<u64, AllocError> {
+        self.device(device)?;
+        if caches.free(device, ptr.0, size) {
+            return Ok(size.unwrap_or(0));
+        }
+        caches.free_slow(&self.devices, device, ptr.0, size)
     }
 
     /// Frees `ptr`, checking the size the caller believes it has: a
@@ -271,6 +305,9 @@ impl Allocator {
     pub fn free_sized(&self, device: usize, ptr: DevicePtr, size: usize, stream: Stream) -> Result<u64, AllocError> {
         if ptr.is_null() {
             return Ok(0);
+        }
+        if let Some(caches) = &self.thread_caches {
+            return self.free_cached(caches, device, ptr, Some(size as u64));
         }
         self.device(device)?.with_owner(ptr, stream, |heap| {
             let freed = heap.free(ptr.0)?;

@@ -36,6 +36,12 @@ pub struct Config {
     /// Keep each pool's last freed block unmerged for an immediate request
     /// of its size (the cached pair's fast path).
     pub stash: bool,
+    /// Blocks each thread keeps of its own frees, per device, to serve its
+    /// next requests of their sizes without the device's lock (0: no
+    /// thread caches; `thread_cache.rs`). Kept only with one stream shard.
+    pub thread_cache_blocks: usize,
+    /// The most bytes one thread's cache holds per device.
+    pub thread_cache_bytes: u64,
     /// Record every allocation and free to this file (RMM CSV); from the
     /// TIDEPOOL_TRACE environment variable.
     pub trace_path: Option<std::path::PathBuf>,
@@ -112,6 +118,8 @@ impl Default for Config {
             host_capacity: 16 << 30,
             rules: SizeRules::default(),
             stash: true,
+            thread_cache_blocks: 16,
+            thread_cache_bytes: 16 * MIB,
             trace_path: None,
             release_after_ms: Some(10_000),
             headroom: 256 << 20,
@@ -288,6 +296,8 @@ pub static OPTIONS: &[OptionSpec] = &[
         },
     },
     flag!("stash", "true", "keep each pool's last freed block unmerged until the next request, which takes it back if it is the same size; only a block where best fit would put that request, so it never changes placement", stash),
+    bounded!("thread_cache_blocks", "16", "blocks each thread keeps of its own frees, per device, for its next requests of the same size and stream, served without the device's lock; every statistic stays exact (0: off; kept only with stream_shards:1)", thread_cache_blocks: usize, 0..=64),
+    size!("thread_cache_mb", "16", "the most one thread's cache holds per device, in MiB", thread_cache_bytes, MIB),
     optional!("release_after_ms", "10000", "a whole free segment idle this long goes back to the driver; reuse restarts the wait (off: never)", release_after_ms or "off", number, |ms| ms.to_string()),
     size!("headroom_mb", "256", "while the device (every process counted) has less free memory than this, idle cache goes back, longest idle first (0: off)", headroom, MIB),
     optional!("max_reserved_mb", "unlimited", "reserve at most this much per device: cache goes first, and only live memory beyond it fails", max_reserved or "unlimited", |v| at_least(scaled(v, MIB)?, 1, MIB), |bytes| (bytes / MIB).to_string()),

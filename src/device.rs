@@ -14,6 +14,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::backend::Backend;
+use crate::cache_slot::CacheSlot;
 use crate::config::Config;
 use crate::cooperation::Cooperation;
 use crate::error::AllocError;
@@ -21,7 +22,7 @@ use crate::heap::history::HistoryEntry;
 use crate::heap::private::PrivatePoolId;
 use crate::heap::reserve::Reserve;
 use crate::heap::tags::TagStats;
-use crate::heap::{DeviceHeap, SegmentSnapshot, Totals};
+use crate::heap::{DeviceHeap, FreedOrLent, SegmentSnapshot, Totals};
 use crate::reclaim::policy::Reason;
 use crate::reclaim::Clock;
 use crate::recording::Recorder;
@@ -386,12 +387,38 @@ impl Device {
         total
     }
 
+    /// Registers a thread's cache (`thread_cache.rs`; caches are kept only
+    /// with one shard); returns its index in the heap.
+    pub(crate) fn register_slot(&self, slot: Arc<CacheSlot>) -> u32 {
+        self.shards[0].lock().register_slot(slot)
+    }
+
+    /// Takes back what the thread cache `index` holds, as its thread exits.
+    pub(crate) fn retire_slot(&self, index: u32) {
+        self.shards[0].lock().retire_slot(index);
+    }
+
+    /// The slow free of `ptr` on a thread with a cache (`heap/lent.rs`),
+    /// counting a stated `size` that differs from the requested one.
+    pub(crate) fn free_or_lend(&self, ptr: u64, index: u32, entry: Option<usize>, max_size: u64, size: Option<u64>) -> Result<FreedOrLent, AllocError> {
+        let mut heap = self.shards[0].lock();
+        let outcome = heap.free_or_lend(ptr, index, entry, max_size)?;
+        let requested = match outcome {
+            FreedOrLent::Freed(freed) => freed.requested,
+            FreedOrLent::Lent(lent) => lent.requested,
+        };
+        if size.is_some_and(|size| size != requested) {
+            heap.count_size_mismatch();
+        }
+        Ok(outcome)
+    }
+
     /// Checks the invariants at the top of this file.
     pub fn validate(&self) -> Result<(), String> {
-        let heaps: Vec<_> = self.shards.iter().map(|h| h.lock()).collect();
+        let mut heaps: Vec<_> = self.shards.iter().map(|h| h.lock()).collect();
         let mut reserved = 0;
-        for (shard, heap) in heaps.iter().enumerate() {
-            heap.validate().map_err(|e| format!("device {} (shard {shard}): {e}", self.index))?;
+        for (shard, heap) in heaps.iter_mut().enumerate() {
+            heap.validate_lending().and_then(|()| heap.validate()).map_err(|e| format!("device {} (shard {shard}): {e}", self.index))?;
             reserved += heap.totals().reserved;
         }
         if reserved != self.reserve.bytes() {

@@ -39,6 +39,7 @@
 //! ```
 
 mod addr_map;
+mod cache_slot;
 mod allocator;
 pub mod backend;
 pub mod buffer;
@@ -53,6 +54,7 @@ pub mod heap;
 mod log;
 pub mod pickle;
 mod process;
+mod thread_cache;
 pub mod reclaim;
 pub mod recording;
 pub mod registry;

@@ -94,6 +94,26 @@ impl Gauge {
         self.freed[k] += amount;
     }
 
+    /// Folds in what was added and taken away elsewhere (a thread's cache,
+    /// `heap/lent.rs`) while the peaks were kept from being passed: the
+    /// peaks stay.
+    pub fn absorb(&mut self, kind: PoolKind, up: u64, down: u64) {
+        let k = kind as usize;
+        self.current[k] = self.current[k] + up - down;
+        self.freed[k] += down;
+        debug_assert!(self.current[k] <= self.peak[k] && self.total() <= self.all_peak, "a folded-in gauge passed its peak");
+    }
+
+    /// The current value of pool kind `k` (0: small, 1: large).
+    pub fn current_of(&self, k: usize) -> u64 {
+        self.current[k]
+    }
+
+    /// The peak of pool kind `k`.
+    pub fn peak_of(&self, k: usize) -> u64 {
+        self.peak[k]
+    }
+
     /// The current value over both pool kinds.
     pub fn total(&self) -> u64 {
         self.current[0] + self.current[1]

@@ -201,6 +201,9 @@ impl DeviceHeap {
             let stream = self.pools[pool as usize].stream;
             self.record(Action::Allocate, addr, requested, stream);
         }
+        if self.lending.armed() {
+            self.make_room_under_peaks(kind, size, requested);
+        }
         let stats = &mut self.stats;
         stats.allocation.increase(kind, 1);
         stats.allocated_bytes.increase(kind, size);

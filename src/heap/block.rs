@@ -29,6 +29,9 @@ pub enum BlockState {
     /// (`record_stream`): waits for their events before it can be reused.
     /// Active, no longer allocated (as in PyTorch).
     Pending,
+    /// Lent to a thread's cache (`lent.rs`): free while in one of the
+    /// cache's entries, allocated once the thread hands it out again.
+    Lent,
 }
 
 /// One block: a range of a segment, allocated or free.
@@ -58,6 +61,8 @@ pub struct Block {
     /// count of frees (kept in heaps with expandable segments; see
     /// `Recycling`).
     pub freed_at: u64,
+    /// The thread cache's slot a lent block belongs to (`lent.rs`).
+    pub lent_to: u32,
 }
 
 impl Block {
@@ -110,6 +115,7 @@ impl BlockArena {
             state: BlockState::Detached,
             idle_since_ms: 0,
             freed_at: 0,
+            lent_to: 0,
         };
         self.in_use += 1;
         if self.unused != NIL {

@@ -16,7 +16,10 @@ impl DeviceHeap {
     /// Frees the live block at `ptr`, merging it with free neighbours.
     #[inline]
     pub fn free(&mut self, ptr: u64) -> Result<Freed, AllocError> {
-        let found = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
+        let mut found = self.by_addr.get(ptr);
+        if let Some(id) = found.filter(|&id| !self.blocks[id].is_allocated()) {
+            found = (self.blocks[id].state == BlockState::Lent && self.settle_lent(id)).then_some(id);
+        }
         let Some(id) = found else {
             self.stats.events.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });

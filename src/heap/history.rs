@@ -82,6 +82,9 @@ impl DeviceHeap {
             started_us,
         });
         self.observers.observed = self.observers.trace.is_some() || self.observers.history.is_some() || self.observers.with_contexts;
+        if self.observers.observed {
+            self.disarm_all(); // every event goes through the lock from now on
+        }
     }
 
     /// The events kept, oldest first.

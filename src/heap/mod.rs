@@ -71,6 +71,7 @@ mod allocate;
 pub(crate) mod block;
 mod expandable;
 mod free;
+pub(crate) mod lent;
 pub(crate) mod history;
 mod observe;
 pub(crate) mod pages;
@@ -109,6 +110,7 @@ use reserve::Reserve;
 use streams::PendingFrees;
 
 pub use free::Freed;
+pub use lent::{FreedOrLent, LentBlock};
 pub use report::{BlockSnapshot, SegmentSnapshot, Totals};
 
 /// One allocation from the backend, or one reserved range of an
@@ -189,6 +191,8 @@ pub struct DeviceHeap {
     clock: Arc<Clock>,
     // What it counts and who watches.
     stats: Counters,
+    /// Blocks lent to threads' caches and what those caches did (`lent.rs`).
+    lending: lent::Lending,
     /// The recording, the history and the contexts (`observe.rs`).
     observers: Observers,
 }
@@ -218,6 +222,7 @@ impl DeviceHeap {
             vm: None,
             max_allocation: crate::config::DEFAULT_EXPANDABLE_ALLOCATION,
             stats: Counters::default(),
+            lending: lent::Lending::default(),
             observers: Observers::default(),
             tags: tags::Tags::default(),
             recycling: recycle::Recycling::default(),

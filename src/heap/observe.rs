@@ -29,6 +29,7 @@ impl DeviceHeap {
     pub(crate) fn record_to(&mut self, recorder: Arc<Recorder>) {
         self.observers.trace = Some(TraceBuffer::new(recorder));
         self.observers.observed = true;
+        self.disarm_all();
     }
 
     /// Hands buffered trace rows to the recorder's writer.
@@ -59,7 +60,10 @@ impl DeviceHeap {
             return allocate(self);
         }
         self.observers.with_contexts = true;
-        self.observers.observed = true;
+        if !self.observers.observed {
+            self.observers.observed = true;
+            self.disarm_all();
+        }
         self.observers.allocating_context = context;
         let result = allocate(self);
         self.observers.allocating_context = 0;

@@ -77,6 +77,7 @@ impl DeviceHeap {
     /// Routes every allocation to the private pool `id` until
     /// `end_private(id)` (PyTorch's `beginAllocateToPool`).
     pub fn begin_private(&mut self, id: PrivatePoolId) {
+        self.disarm_all(); // a capture's allocations come from its pool, not threads' caches
         self.private.open.push(id);
         *self.private.uses.entry(id).or_default() += 1;
         self.last_stream = None;

@@ -87,6 +87,7 @@ impl DeviceHeap {
     /// One pass of the reclaimer: releases what the policy picks.
     pub fn reclaim(&mut self) -> Released {
         self.stats.events.num_reclaims += 1;
+        self.recall_idle();
         self.process_pending(false);
         let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
         self.apply(&policy)
@@ -177,6 +178,7 @@ impl DeviceHeap {
         if !self.may_release() {
             return Released::default();
         }
+        self.recall_all();
         self.process_pending(wait);
         self.flush_stashes();
         let mut released = Released::default();

@@ -61,6 +61,7 @@ impl DeviceHeap {
     /// (as PyTorch shows its own), its blocks cut to the run; a paused
     /// tag's range, as the runs resume maps again, marked paused.
     pub fn snapshot(&mut self) -> Vec<SegmentSnapshot> {
+        self.recall_all();
         self.flush_stashes();
         let paused = self.paused_ranges();
         let mut out = Vec::new();
@@ -85,7 +86,8 @@ impl DeviceHeap {
                     let (from, to) = (b.addr.max(start), (b.addr + b.size).min(end));
                     if from < to {
                         let (address, size, requested, context) = (from, to - from, b.requested, self.context_of(b.addr));
-                        let (allocated, pending) = (b.is_allocated(), b.state == BlockState::Pending);
+                        // A lent block is cached only between two operations of its thread.
+                        let (allocated, pending) = (b.is_allocated() || b.state == BlockState::Lent, b.state == BlockState::Pending);
                         blocks.push(BlockSnapshot { address, size, requested, allocated, pending, context });
                     }
                     if b.addr + b.size > end {
@@ -118,6 +120,7 @@ impl DeviceHeap {
     /// The statistics, with the cache figures computed now (stashed
     /// blocks are merged first, so the figures are those of a merged heap).
     pub fn stats(&mut self) -> Stats {
+        self.recall_all();
         self.process_pending(false);
         self.flush_stashes();
         let mut stats = self.stats.report();
@@ -133,10 +136,12 @@ impl DeviceHeap {
     }
 
     pub fn reset_peak_stats(&mut self) {
+        self.disarm_all();
         self.stats.reset_peaks();
     }
 
     pub fn reset_accumulated_stats(&mut self) {
+        self.disarm_all();
         self.stats.reset_accumulated();
     }
 

@@ -28,6 +28,7 @@ impl DeviceHeap {
             return None;
         }
         let kind = self.pools[pool as usize].kind;
+        self.recall_all();
         self.flush_stashes();
         let best = (0..self.pools.len() as u32)
             .filter(|&p| p != pool && self.pools[p as usize].kind == kind && self.pools[p as usize].private.is_none())
@@ -99,6 +100,9 @@ impl DeviceHeap {
 
     /// Marks the freed block `id` pending: active, no longer allocated.
     fn make_pending(&mut self, id: BlockId) {
+        // Active memory's peaks are noted under the lock only: no thread
+        // hands out cached blocks while frees are pending.
+        self.disarm_all();
         let b = &mut self.blocks[id];
         b.state = BlockState::Pending;
         let (kind, size) = (b.kind, b.size);
@@ -163,8 +167,11 @@ impl DeviceHeap {
     /// Notes that the allocated block at `ptr` is also used on `stream`: when
     /// it is freed, it is reused only after the work queued on `stream` runs.
     pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<(), AllocError> {
-        let id = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
-        let Some(id) = id else {
+        let mut id = self.by_addr.get(ptr);
+        if let Some(lent) = id.filter(|&id| self.blocks[id].state == BlockState::Lent) {
+            id = self.settle_lent(lent).then_some(lent);
+        }
+        let Some(id) = id.filter(|&id| self.blocks[id].is_allocated()) else {
             return Err(AllocError::UnknownPointer { ptr });
         };
         if self.pools[self.blocks[id].pool as usize].stream != stream {

@@ -325,6 +325,7 @@ impl DeviceHeap {
     /// under live blocks to host memory first when `offload`. Returns the
     /// device bytes given back. See the top of this file for the rules.
     pub fn pause_tag(&mut self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
+        self.recall_all();
         self.check_pausable(tag)?;
         let pools = self.tag_pools(tag.0);
         let segments = self.tag_segments(tag.0);

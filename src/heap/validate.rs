@@ -50,6 +50,7 @@ impl DeviceHeap {
         let mut sums = Sums::default();
         let mut free_blocks = HashSet::new();
         let mut active_blocks = 0usize;
+        let mut lent_blocks = 0usize;
         let pending = self.pending.check()?;
         self.private.check()?;
         for (key, ids) in &self.pools_by_key {
@@ -135,7 +136,15 @@ impl DeviceHeap {
                 if b.state != BlockState::Binned && !self.pool_paused(segment.pool) {
                     ensure!(held(b.addr, b.size) == b.size, "block {cur} at {:#x} is in use but not all its pages are mapped", b.addr);
                 }
-                if b.is_active() {
+                if b.state == BlockState::Lent {
+                    lent_blocks += 1;
+                    ensure!(self.by_addr.get(b.addr) == Some(cur), "lent block {cur} at {:#x} missing from the address map", b.addr);
+                    if !self.lent_is_cached(cur)? {
+                        sums.allocation[k] += 1;
+                        sums.allocated_bytes[k] += b.size;
+                        sums.requested_bytes[k] += b.requested;
+                    }
+                } else if b.is_active() {
                     active_blocks += 1;
                     ensure!(self.by_addr.get(b.addr) == Some(cur), "active block {cur} at {:#x} missing from the address map", b.addr);
                     ensure!(b.requested > 0 && b.requested <= b.size, "block {cur} requested {} of {}", b.requested, b.size);
@@ -180,11 +189,12 @@ impl DeviceHeap {
             self.blocks.len()
         );
         ensure!(
-            active_blocks + stashed.len() == self.by_addr.len(),
-            "{} address map entries for {active_blocks} active and {} stashed blocks",
+            active_blocks + stashed.len() + lent_blocks == self.by_addr.len(),
+            "{} address map entries for {active_blocks} active, {} stashed and {lent_blocks} lent blocks",
             self.by_addr.len(),
             stashed.len()
         );
+        ensure!(lent_blocks == self.lent_listed(), "{lent_blocks} lent blocks, {} on the slots' lists", self.lent_listed());
 
         for &addr in self.observers.contexts.keys() {
             let live = self.by_addr.get(addr).is_some_and(|id| self.blocks[id].is_active());

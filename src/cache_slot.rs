@@ -1,0 +1,193 @@
+//! `CacheSlot`: what one thread's cache of freed blocks on one device
+//! shares with the rest of the process. The thread (its owner,
+//! `thread_cache.rs`) serves requests from it without the heap's lock; the
+//! heap (`heap/lent.rs`), under its lock, counts what the cache did, takes
+//! the blocks back and tells the owner of frees made by other threads.
+//!
+//! The protocol, all of it through these atomics:
+//! - `state` is `ARMED` while the owner may hand out cached blocks. The
+//!   owner hands one out only after switching `ARMED` to `BUSY` (its one
+//!   atomic read-modify-write per request), and sets `ARMED` again after.
+//!   The heap stops handing out by switching `ARMED` to `DISARMED`
+//!   (`disarm`, waiting out a `BUSY` owner); only the heap arms again, at
+//!   the owner's request, under its lock. So while a slot is disarmed its
+//!   `ups` do not move, and the heap can count them exactly.
+//! - `entries` holds the cached blocks' addresses (0: empty). Only the
+//!   owner fills an empty entry (a plain store, frees need no
+//!   read-modify-write); only a disarmed slot's entries are emptied by the
+//!   heap (`take_entries`), and only a `BUSY` owner empties one.
+//! - `ups` and `downs` are sums the owner alone writes: what its hand-outs
+//!   added to the allocation, allocated-bytes and requested-bytes gauges of
+//!   each pool kind, and what its frees took away. The heap folds the
+//!   difference since it last looked into its own gauges (`absorb`).
+//! - `remote` lists lent blocks freed by other threads (through the heap),
+//!   for the owner to forget; `has_remote` says it is not empty.
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+
+use parking_lot::Mutex;
+
+/// The owner may hand out cached blocks.
+pub const ARMED: u8 = 0;
+/// The owner is handing one out.
+pub const BUSY: u8 = 1;
+/// The heap has stopped hand-outs until it arms the slot again.
+pub const DISARMED: u8 = 2;
+
+/// The gauges a hand-out moves: `allocation`, `allocated_bytes`, `requested_bytes`.
+pub const GAUGES: usize = 3;
+
+/// Per gauge, per pool kind (small, large).
+pub type Amounts = [[u64; 2]; GAUGES];
+
+/// What one thread's cache shares (see the top of this file). Aligned so
+/// that two threads' slots share no cache line.
+#[repr(align(128))]
+pub struct CacheSlot {
+    state: AtomicU8,
+    entries: Box<[AtomicU64]>,
+    ups: [[AtomicU64; 2]; GAUGES],
+    downs: [[AtomicU64; 2]; GAUGES],
+    /// The owner's count of requests and frees it served: unchanged between
+    /// two reclaimer passes, the cache is idle.
+    activity: AtomicU64,
+    has_remote: AtomicBool,
+    remote: Mutex<Vec<u64>>,
+}
+
+impl CacheSlot {
+    /// A disarmed slot of `entries` entries.
+    pub fn new(entries: usize) -> CacheSlot {
+        CacheSlot {
+            state: AtomicU8::new(DISARMED),
+            entries: (0..entries).map(|_| AtomicU64::new(0)).collect(),
+            ups: Default::default(),
+            downs: Default::default(),
+            activity: AtomicU64::new(0),
+            has_remote: AtomicBool::new(false),
+            remote: Mutex::new(Vec::new()),
+        }
+    }
+
+    // The owner's side.
+
+    /// Starts a hand-out: true when the slot was armed (it is now busy).
+    #[inline(always)]
+    pub fn begin_hand_out(&self) -> bool {
+        self.state.compare_exchange(ARMED, BUSY, Ordering::Acquire, Ordering::Relaxed).is_ok()
+    }
+
+    /// Ends a hand-out begun by `begin_hand_out`.
+    #[inline(always)]
+    pub fn end_hand_out(&self) {
+        self.state.store(ARMED, Ordering::Release);
+    }
+
+    /// The address in entry `index` (0: empty).
+    #[inline(always)]
+    pub fn entry(&self, index: usize) -> u64 {
+        self.entries[index].load(Ordering::Acquire)
+    }
+
+    /// Fills the empty entry `index` (owner, any state) or empties it (owner, busy).
+    #[inline(always)]
+    pub fn set_entry(&self, index: usize, addr: u64) {
+        self.entries[index].store(addr, Ordering::Release);
+    }
+
+    /// Adds `amounts` (allocation, bytes, requested) of `kind` to the hand-outs' sums.
+    #[inline(always)]
+    pub fn count_up(&self, kind: usize, amounts: [u64; GAUGES]) {
+        for (sums, amount) in self.ups.iter().zip(amounts) {
+            sums[kind].store(sums[kind].load(Ordering::Relaxed) + amount, Ordering::Release);
+        }
+        self.tick();
+    }
+
+    /// Adds `amounts` of `kind` to the frees' sums.
+    #[inline(always)]
+    pub fn count_down(&self, kind: usize, amounts: [u64; GAUGES]) {
+        for (sums, amount) in self.downs.iter().zip(amounts) {
+            sums[kind].store(sums[kind].load(Ordering::Relaxed) + amount, Ordering::Release);
+        }
+        self.tick();
+    }
+
+    #[inline(always)]
+    fn tick(&self) {
+        self.activity.store(self.activity.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+
+    /// Whether other threads freed lent blocks the owner has not forgotten yet.
+    #[inline(always)]
+    pub fn has_remote(&self) -> bool {
+        self.has_remote.load(Ordering::Acquire)
+    }
+
+    /// The lent blocks other threads freed since the last call.
+    pub fn take_remote(&self) -> Vec<u64> {
+        let mut remote = self.remote.lock();
+        self.has_remote.store(false, Ordering::Release);
+        std::mem::take(&mut *remote)
+    }
+
+    // The heap's side, under its lock.
+
+    pub fn is_armed(&self) -> bool {
+        self.state.load(Ordering::Acquire) != DISARMED
+    }
+
+    /// Stops hand-outs, waiting for one under way to end. Afterwards `ups`
+    /// stay as they are until the slot is armed again.
+    pub fn disarm(&self) {
+        loop {
+            match self.state.compare_exchange(ARMED, DISARMED, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) | Err(DISARMED) => return,
+                Err(_) => std::thread::yield_now(), // BUSY: a hand-out of a few instructions
+            }
+        }
+    }
+
+    /// Lets the owner hand out again (the heap, under its lock, at the
+    /// owner's request: no one else can be arming or disarming).
+    pub fn arm(&self) {
+        self.state.store(ARMED, Ordering::Release);
+    }
+
+    /// Empties every entry of a disarmed slot; returns the addresses taken.
+    pub fn take_entries(&self) -> Vec<u64> {
+        debug_assert!(!self.is_armed(), "entries are taken from a disarmed slot only");
+        self.entries.iter().map(|e| e.swap(0, Ordering::AcqRel)).filter(|&a| a != 0).collect()
+    }
+
+    /// Whether `addr` is in one of the entries.
+    pub fn holds(&self, addr: u64) -> bool {
+        self.entries.iter().any(|e| e.load(Ordering::Acquire) == addr)
+    }
+
+    /// The addresses in the entries now.
+    pub fn cached(&self) -> Vec<u64> {
+        self.entries.iter().map(|e| e.load(Ordering::Acquire)).filter(|&a| a != 0).collect()
+    }
+
+    /// The hand-outs' and the frees' sums. Read the frees first: of a
+    /// disarmed slot, whose hand-outs do not move, the two then describe a
+    /// moment (frees made between the reads are of blocks already counted up).
+    pub fn sums(&self) -> (Amounts, Amounts) {
+        let read = |sums: &[[AtomicU64; 2]; GAUGES]| sums.each_ref().map(|kinds| kinds.each_ref().map(|s| s.load(Ordering::Acquire)));
+        let downs = read(&self.downs);
+        (read(&self.ups), downs)
+    }
+
+    pub fn activity(&self) -> u64 {
+        self.activity.load(Ordering::Relaxed)
+    }
+
+    /// Tells the owner that `addr`, a block it was lent, was freed by another thread.
+    pub fn push_remote(&self, addr: u64) {
+        let mut remote = self.remote.lock();
+        remote.push(addr);
+        self.has_remote.store(true, Ordering::Release);
+    }
+}

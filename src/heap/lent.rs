@@ -1,0 +1,415 @@
+//! Blocks lent to threads' caches (`thread_cache.rs`): a block freed by a
+//! thread that keeps a cache goes into one of the cache's entries instead of
+//! the bins, lent (`BlockState::Lent`), and the thread hands it out again
+//! and takes it back without this heap's lock. Its slot (`cache_slot.rs`)
+//! says what the thread did; here, under the lock, the heap
+//! - counts it: a lent block is free when lent, and the slot's sums of
+//!   hand-outs and frees are folded into the gauges (`absorb`) whenever a
+//!   figure is read, a peak reset or the slot disarmed;
+//! - keeps every peak exact: while a slot is armed, its claim (what its
+//!   cached blocks would add to each gauge if all were handed out) is set
+//!   aside, and the gauges plus all claims never pass the peaks. A growth
+//!   that would pass them disarms the slots and folds their sums in first,
+//!   so that the new peak is exact; a slot is armed again only while its
+//!   claim fits under the peaks;
+//! - takes cached blocks back to the bins (`recall`) on every operation
+//!   that looks at the whole heap (statistics, snapshots, releases, an
+//!   out-of-memory, a tag's pause), for idle caches at the reclaimer's
+//!   pass, and when the thread exits (its blocks handed out again then
+//!   become plain allocated blocks);
+//! - frees a lent block freed by another thread (or by its owner past its
+//!   cache's bounds) as any allocated block, after telling the owner.
+//!
+//! Only blocks of the "default" tag's shared pools are lent: not while a
+//! private pool is open (a capture may be underway), not with frees
+//! pending on other streams' events, not blocks used on other streams.
+//!
+//! Invariants, checked by `validate()` (with the slots disarmed and absorbed):
+//! - each lent block is on its slot's list, and the lists hold only lent blocks;
+//! - the gauges of allocated memory count the lent blocks not in an entry
+//!   (handed out again) as allocated, those in an entry as free;
+//! - every slot's claim is zero unless it is armed, and the gauges plus the
+//!   claims stay within the peaks.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use crate::cache_slot::{Amounts, CacheSlot, GAUGES};
+
+use super::*;
+
+/// What the heap keeps of one thread's cache.
+struct SlotRecord {
+    slot: Arc<CacheSlot>,
+    /// The slot's sums when last folded into the gauges.
+    ups: Amounts,
+    downs: Amounts,
+    /// Set aside for the slot's cached blocks while it is armed.
+    claim: Amounts,
+    /// The slot's lent blocks, linked through `link_prev`/`link_next`.
+    head: BlockId,
+    /// The slot's activity at the reclaimer's last pass.
+    activity: u64,
+}
+
+/// The caches of threads this heap lends to.
+#[derive(Default)]
+pub(crate) struct Lending {
+    slots: Vec<Option<SlotRecord>>,
+    /// Sum of the slots' claims.
+    claims: Amounts,
+    armed: usize,
+}
+
+/// A free the heap answered by lending the block to the freeing thread's cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LentBlock {
+    pub size: u64,
+    pub requested: u64,
+    pub kind: PoolKind,
+    pub stream: Stream,
+}
+
+/// What a slow free on a thread with a cache did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreedOrLent {
+    Freed(Freed),
+    Lent(LentBlock),
+}
+
+/// The amounts a block of `size` bytes, `requested` asked for, adds to the gauges.
+fn amounts(size: u64, requested: u64) -> [u64; GAUGES] {
+    [1, size, requested]
+}
+
+impl Lending {
+    /// Whether some slot is armed (an allocation under the lock must then
+    /// keep the claims under the peaks).
+    #[inline(always)]
+    pub(super) fn armed(&self) -> bool {
+        self.armed != 0
+    }
+}
+
+impl DeviceHeap {
+    /// Registers a thread's cache; returns the slot's index here.
+    pub(crate) fn register_slot(&mut self, slot: Arc<CacheSlot>) -> u32 {
+        let record = SlotRecord { slot, ups: Amounts::default(), downs: Amounts::default(), claim: Amounts::default(), head: NIL, activity: 0 };
+        let slots = &mut self.lending.slots;
+        match slots.iter().position(Option::is_none) {
+            Some(free) => {
+                slots[free] = Some(record);
+                free as u32
+            }
+            None => {
+                slots.push(Some(record));
+                (slots.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Forgets a thread's cache, called by its thread as it exits: cached
+    /// blocks go to the bins, those handed out again become plain
+    /// allocated blocks.
+    pub(crate) fn retire_slot(&mut self, index: u32) {
+        self.recall(index);
+        while let Some(id) = self.lending.slots[index as usize].as_ref().map(|r| r.head).filter(|&h| h != NIL) {
+            self.unlink_lent(id);
+            self.blocks[id].state = BlockState::Allocated;
+        }
+        self.lending.slots[index as usize] = None;
+    }
+
+    /// The slow free of `ptr` on the thread whose cache is slot `index`: a
+    /// plain free, except that an allocated block of the shared pools, of at
+    /// most `max_size` bytes, is lent to the cache's empty entry `entry`.
+    pub(crate) fn free_or_lend(&mut self, ptr: u64, index: u32, entry: Option<usize>, max_size: u64) -> Result<FreedOrLent, AllocError> {
+        let found = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
+        let lendable = match (found, entry) {
+            (Some(id), Some(_)) => self.may_lend(id, max_size),
+            _ => false,
+        };
+        let (Some(id), Some(entry), true) = (found, entry, lendable) else {
+            return self.free(ptr).map(FreedOrLent::Freed);
+        };
+        let freed = self.count_free(id, ptr, true);
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Lent;
+        b.lent_to = index;
+        let (kind, pool) = (b.kind, b.pool);
+        self.link_lent(index, id);
+        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        record.slot.set_entry(entry, ptr);
+        if record.slot.is_armed() {
+            // The free made room under the peaks for exactly this claim.
+            let add = amounts(freed.size, freed.requested);
+            for (g, amount) in add.into_iter().enumerate() {
+                record.claim[g][kind as usize] += amount;
+                self.lending.claims[g][kind as usize] += amount;
+            }
+        }
+        self.arm_slot(index);
+        let stream = self.pools[pool as usize].stream;
+        Ok(FreedOrLent::Lent(LentBlock { size: freed.size, requested: freed.requested, kind, stream }))
+    }
+
+    /// Whether the allocated block `id` may go to a thread's cache.
+    fn may_lend(&self, id: BlockId, max_size: u64) -> bool {
+        let b = &self.blocks[id];
+        let pool = &self.pools[b.pool as usize];
+        b.size <= max_size
+            && pool.tag == 0
+            && pool.private.is_none()
+            && self.may_release()
+            && self.pending.is_empty()
+            && !self.observers.observed
+            && (self.recorded_streams.is_empty() || !self.recorded_streams.contains_key(&b.addr))
+    }
+
+    /// Arms slot `index` at its owner's request, if its claim fits under
+    /// the peaks and nothing forbids lending now; true when armed.
+    pub(crate) fn arm_slot(&mut self, index: u32) -> bool {
+        if !self.may_release() || !self.pending.is_empty() || self.observers.observed {
+            return false;
+        }
+        let Some(record) = self.lending.slots[index as usize].as_ref() else {
+            return false;
+        };
+        if record.slot.is_armed() {
+            return true;
+        }
+        self.absorb(index);
+        let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
+        let mut claim = Amounts::default();
+        for addr in record.slot.cached() {
+            let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
+            let b = &self.blocks[id];
+            for (g, amount) in amounts(b.size, b.requested).into_iter().enumerate() {
+                claim[g][b.kind as usize] += amount;
+            }
+        }
+        if !self.fits_under_peaks(&claim) {
+            return false;
+        }
+        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        record.claim = claim;
+        record.slot.arm();
+        for g in 0..GAUGES {
+            for k in 0..2 {
+                self.lending.claims[g][k] += claim[g][k];
+            }
+        }
+        self.lending.armed += 1;
+        true
+    }
+
+    /// Arms slot `index` (true), or when it may not be armed now, takes
+    /// back the blocks it caches, for the heap to serve (false).
+    pub(crate) fn arm_or_recall(&mut self, index: u32) -> bool {
+        if self.arm_slot(index) {
+            return true;
+        }
+        self.recall(index);
+        false
+    }
+
+    /// Whether the gauges, plus all claims, plus `more`, stay within the peaks.
+    fn fits_under_peaks(&self, more: &Amounts) -> bool {
+        let gauges = [&self.stats.allocation, &self.stats.allocated_bytes, &self.stats.requested_bytes];
+        gauges.iter().enumerate().all(|(g, gauge)| {
+            let claims = self.lending.claims[g];
+            let with = [0, 1].map(|k| gauge.current_of(k) + claims[k] + more[g][k]);
+            with[0] <= gauge.peak_of(0) && with[1] <= gauge.peak_of(1) && with[0] + with[1] <= gauge.peak_total()
+        })
+    }
+
+    /// Before an allocation under the lock adds `size` bytes (`requested`
+    /// asked for) of `kind`: if that, with the claims, could pass a peak,
+    /// every slot is disarmed and folded in, so that the peak the
+    /// allocation sets is exact.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn make_room_under_peaks(&mut self, kind: PoolKind, size: u64, requested: u64) {
+        if self.lending.armed == 0 {
+            return;
+        }
+        let mut more = Amounts::default();
+        for (g, amount) in amounts(size, requested).into_iter().enumerate() {
+            more[g][kind as usize] = amount;
+        }
+        if !self.fits_under_peaks(&more) {
+            self.disarm_all();
+        }
+    }
+
+    /// Disarms every slot and folds in what it did.
+    pub(super) fn disarm_all(&mut self) {
+        for index in 0..self.lending.slots.len() as u32 {
+            if self.lending.slots[index as usize].is_some() {
+                self.absorb(index);
+            }
+        }
+    }
+
+    /// Disarms slot `index` and folds its hand-outs and frees since the
+    /// last look into the gauges; its claim goes.
+    fn absorb(&mut self, index: u32) {
+        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        if record.slot.is_armed() {
+            record.slot.disarm();
+            self.lending.armed -= 1;
+        }
+        let (ups, downs) = record.slot.sums();
+        let gauges = [&mut self.stats.allocation, &mut self.stats.allocated_bytes, &mut self.stats.requested_bytes];
+        for (g, gauge) in gauges.into_iter().enumerate() {
+            for (k, kind) in [PoolKind::Small, PoolKind::Large].into_iter().enumerate() {
+                gauge.absorb(kind, ups[g][k] - record.ups[g][k], downs[g][k] - record.downs[g][k]);
+                self.lending.claims[g][k] -= record.claim[g][k];
+            }
+        }
+        (record.ups, record.downs, record.claim) = (ups, downs, Amounts::default());
+    }
+
+    /// Takes back the blocks slot `index` caches, to the bins, and folds in
+    /// what it did. (Its blocks handed out again stay lent: its owner may
+    /// be freeing one right now, unlocked; they are settled when freed.)
+    pub(super) fn recall(&mut self, index: u32) {
+        self.absorb(index);
+        let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
+        let slot = record.slot.clone();
+        for addr in slot.take_entries() {
+            let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
+            if self.blocks[id].state != BlockState::Lent {
+                debug_assert!(false, "slot {index} cached {addr:#x}, not lent to it (a double free raced)");
+                continue;
+            }
+            self.unlink_lent(id);
+            self.blocks[id].requested = 0;
+            self.bin_freed(id);
+        }
+    }
+
+    /// Takes back every block of every thread's cache.
+    pub(super) fn recall_all(&mut self) {
+        for index in 0..self.lending.slots.len() as u32 {
+            if self.lending.slots[index as usize].is_some() {
+                self.recall(index);
+            }
+        }
+    }
+
+    /// The reclaimer's pass: takes back the blocks of caches whose thread
+    /// did nothing since the last pass.
+    pub(super) fn recall_idle(&mut self) {
+        for index in 0..self.lending.slots.len() as u32 {
+            let Some(record) = self.lending.slots[index as usize].as_mut() else {
+                continue;
+            };
+            let activity = record.slot.activity();
+            let idle = activity == record.activity;
+            record.activity = activity;
+            if idle && !record.slot.cached().is_empty() {
+                self.recall(index);
+            }
+        }
+    }
+
+    /// The lent block `id`, found by a free or a `record_stream`: if it is
+    /// in its cache's entries, it is free (false); otherwise it was handed
+    /// out again and becomes a plain allocated block, its owner told to
+    /// forget it (true).
+    pub(super) fn settle_lent(&mut self, id: BlockId) -> bool {
+        let index = self.blocks[id].lent_to;
+        let slot = self.lending.slots[index as usize].as_ref().expect("a lent block's slot is registered").slot.clone();
+        let addr = self.blocks[id].addr;
+        if slot.holds(addr) {
+            return false;
+        }
+        self.absorb(index);
+        self.unlink_lent(id);
+        self.blocks[id].state = BlockState::Allocated;
+        slot.push_remote(addr);
+        true
+    }
+
+    fn link_lent(&mut self, index: u32, id: BlockId) {
+        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let head = std::mem::replace(&mut record.head, id);
+        self.blocks[id].link_prev = NIL;
+        self.blocks[id].link_next = head;
+        if head != NIL {
+            self.blocks[head].link_prev = id;
+        }
+    }
+
+    fn unlink_lent(&mut self, id: BlockId) {
+        let (prev, next, index) = (self.blocks[id].link_prev, self.blocks[id].link_next, self.blocks[id].lent_to);
+        if prev != NIL {
+            self.blocks[prev].link_next = next;
+        } else {
+            self.lending.slots[index as usize].as_mut().expect("registered slot").head = next;
+        }
+        if next != NIL {
+            self.blocks[next].link_prev = prev;
+        }
+        self.blocks[id].link_prev = NIL;
+        self.blocks[id].link_next = NIL;
+    }
+
+    /// Checks the invariants at the top of this file that the block walk
+    /// of `validate()` does not; the slots are disarmed and folded in first,
+    /// so that `validate()` can count the gauges from the blocks.
+    pub(crate) fn validate_lending(&mut self) -> Result<(), String> {
+        self.disarm_all();
+        for (index, record) in self.lending.slots.iter().enumerate() {
+            let Some(record) = record else { continue };
+            if record.claim != Amounts::default() {
+                return Err(format!("slot {index} is disarmed but claims {:?}", record.claim));
+            }
+            let mut cur = record.head;
+            while cur != NIL {
+                let b = &self.blocks[cur];
+                if b.state != BlockState::Lent || b.lent_to != index as u32 {
+                    return Err(format!("block {cur} on slot {index}'s list is {:?} (lent to {})", b.state, b.lent_to));
+                }
+                cur = b.link_next;
+            }
+            for addr in record.slot.cached() {
+                let lent = self.by_addr.get(addr).is_some_and(|id| self.blocks[id].state == BlockState::Lent && self.blocks[id].lent_to == index as u32);
+                if !lent {
+                    return Err(format!("slot {index} caches {addr:#x}, which is not lent to it"));
+                }
+            }
+        }
+        if self.lending.claims != Amounts::default() || self.lending.armed != 0 {
+            return Err(format!("claims {:?} with {} slots armed after disarming all", self.lending.claims, self.lending.armed));
+        }
+        Ok(())
+    }
+
+    /// Whether the lent block `id` is in its cache's entries (free), for
+    /// `validate()`, which needs the slots disarmed and folded in.
+    pub(super) fn lent_is_cached(&self, id: BlockId) -> Result<bool, String> {
+        let index = self.blocks[id].lent_to as usize;
+        let Some(Some(record)) = self.lending.slots.get(index) else {
+            return Err(format!("block {id} is lent to slot {index}, which is not registered"));
+        };
+        if record.slot.is_armed() {
+            return Err("validate() with a thread's cache armed: validate_lending() first".into());
+        }
+        Ok(record.slot.holds(self.blocks[id].addr))
+    }
+
+    /// How many blocks the slots' lists hold.
+    pub(super) fn lent_listed(&self) -> usize {
+        let mut count = 0;
+        for record in self.lending.slots.iter().flatten() {
+            let mut cur = record.head;
+            while cur != NIL {
+                count += 1;
+                cur = self.blocks[cur].link_next;
+            }
+        }
+        count
+    }
+}

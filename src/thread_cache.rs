@@ -1,0 +1,245 @@
+//! Threads' caches of freed blocks: the cached path without the device's
+//! lock. A thread that frees a block it allocated (of the shared pools,
+//! not used on other streams, within the cache's bounds) keeps it in its
+//! own cache, lent by the heap (`heap/lent.rs`), and its next request of
+//! the same size on the same stream takes it back: one atomic
+//! read-modify-write, no lock, no shared cache line. This file is the
+//! owner's side, kept in thread-local storage: which entry holds which
+//! size, and which handed-out blocks it may take back without asking the
+//! heap. The heap's side (counting, peaks, taking blocks back) and the
+//! protocol between them are in `heap/lent.rs` and `cache_slot.rs`.
+//!
+//! Every figure stays as without caches: the heap folds the caches' counts
+//! in when it is read and keeps the peaks exact. Bounds: `thread_cache_blocks`
+//! entries and `thread_cache_mb` bytes per thread and device. A thread's
+//! cache goes back to the heap at every statistics read, snapshot, release
+//! (`empty_cache`, an out-of-memory), tag pause, at the reclaimer's pass
+//! after a pass without use, and when the thread exits.
+#![forbid(unsafe_code)]
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+use crate::addr_map::AddrMap;
+use crate::cache_slot::CacheSlot;
+use crate::device::Device;
+use crate::error::AllocError;
+use crate::heap::FreedOrLent;
+use crate::types::Stream;
+
+/// The bounds of each thread's cache on a device, and the allocator they
+/// belong to.
+#[derive(Clone)]
+pub(crate) struct Bounds {
+    /// Tells one allocator's caches from another's in the same thread.
+    pub allocator: u64,
+    pub blocks: usize,
+    pub bytes: u64,
+}
+
+impl Bounds {
+    /// Bounds for a new allocator, with its own id.
+    pub fn new(blocks: usize, bytes: u64) -> Bounds {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Bounds { allocator: NEXT.fetch_add(1, Ordering::Relaxed), blocks, bytes }
+    }
+}
+
+/// What a cached block serves: requests of exactly `requested` bytes on `stream`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+struct Class {
+    requested: u64,
+    size: u64,
+    stream: Stream,
+    kind: usize,
+}
+
+/// One thread's cache on one device of one allocator.
+struct OwnerCache {
+    allocator: u64,
+    device: usize,
+    slot: Arc<CacheSlot>,
+    /// The slot's index in the heap.
+    index: u32,
+    /// What each entry holds, when it holds something (`slot.entry(i) != 0`).
+    entries: Vec<Class>,
+    /// Blocks handed out from the cache, by address: their index in `classes`.
+    live: AddrMap,
+    classes: Vec<Class>,
+    class_index: HashMap<Class, u32>,
+    max_bytes: u64,
+    /// For giving everything back when the thread exits.
+    devices: Weak<[Device]>,
+}
+
+impl OwnerCache {
+    /// Forgets the blocks other threads freed (the heap has them back).
+    #[cold]
+    fn forget_remote(&mut self) {
+        for addr in self.slot.take_remote() {
+            self.live.remove(addr);
+        }
+    }
+
+    /// An empty entry and the bytes the cache can still take.
+    fn room(&self) -> Option<(usize, u64)> {
+        let mut empty = None;
+        let mut bytes = 0;
+        for (i, class) in self.entries.iter().enumerate() {
+            if self.slot.entry(i) == 0 {
+                empty.get_or_insert(i);
+            } else {
+                bytes += class.size;
+            }
+        }
+        empty.map(|i| (i, self.max_bytes.saturating_sub(bytes)))
+    }
+
+    fn class_index(&mut self, class: Class) -> u32 {
+        *self.class_index.entry(class).or_insert_with(|| {
+            self.classes.push(class);
+            (self.classes.len() - 1) as u32
+        })
+    }
+}
+
+impl Drop for OwnerCache {
+    /// The thread exits: its cached blocks go back and those it handed out
+    /// become plain ones.
+    fn drop(&mut self) {
+        if let Some(devices) = self.devices.upgrade() {
+            devices[self.device].retire_slot(self.index);
+        }
+    }
+}
+
+thread_local! {
+    static CACHES: RefCell<Vec<OwnerCache>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on this thread's cache for (`allocator`, `device`), if it has
+/// one (and the thread is not exiting).
+#[inline(always)]
+fn with_cache<R>(allocator: u64, device: usize, f: impl FnOnce(&mut OwnerCache) -> Option<R>) -> Option<R> {
+    CACHES
+        .try_with(|caches| {
+            let mut caches = caches.try_borrow_mut().ok()?;
+            let cache = caches.iter_mut().find(|c| c.allocator == allocator && c.device == device)?;
+            if cache.slot.has_remote() {
+                cache.forget_remote();
+            }
+            f(cache)
+        })
+        .ok()
+        .flatten()
+}
+
+impl Bounds {
+    /// A request of `size` bytes on `stream` served from this thread's cache.
+    #[inline(always)]
+    pub fn allocate(&self, device: usize, size: u64, stream: Stream) -> Option<u64> {
+        with_cache(self.allocator, device, |cache| {
+            let slot = &cache.slot;
+            let i = cache.entries.iter().enumerate().position(|(i, c)| c.requested == size && c.stream == stream && slot.entry(i) != 0)?;
+            if !slot.begin_hand_out() {
+                return None;
+            }
+            let addr = slot.entry(i);
+            let class = cache.entries[i];
+            slot.set_entry(i, 0);
+            slot.count_up(class.kind, [1, class.size, class.requested]);
+            slot.end_hand_out();
+            let index = cache.class_index[&class];
+            cache.live.insert(addr, index);
+            Some(addr)
+        })
+    }
+
+    /// Frees `ptr` into this thread's cache if the cache handed it out, is
+    /// armed and has room; `size`, when the caller states one, must be the
+    /// size requested. False: the heap must free it (`free_slow`).
+    #[inline(always)]
+    pub fn free(&self, device: usize, ptr: u64, size: Option<u64>) -> bool {
+        with_cache(self.allocator, device, |cache| {
+            let class = cache.classes[cache.live.get(ptr)? as usize];
+            if size.is_some_and(|s| s != class.requested) || !cache.slot.is_armed() {
+                return None;
+            }
+            let (entry, room) = cache.room()?;
+            if class.size > room {
+                return None;
+            }
+            cache.live.remove(ptr);
+            cache.entries[entry] = class;
+            // The entry first: a recall that takes it then counts the free
+            // later, never a free of a block it does not find.
+            cache.slot.set_entry(entry, ptr);
+            cache.slot.count_down(class.kind, [1, class.size, class.requested]);
+            Some(())
+        })
+        .is_some()
+    }
+
+    /// This thread's slot on `device`, if it is disarmed and caches a block
+    /// for a request of `size` bytes on `stream`.
+    #[cold]
+    pub fn disarmed_holding(&self, device: usize, size: u64, stream: Stream) -> Option<u32> {
+        with_cache(self.allocator, device, |cache| {
+            let slot = &cache.slot;
+            let holds = cache.entries.iter().enumerate().any(|(i, c)| c.requested == size && c.stream == stream && slot.entry(i) != 0);
+            (holds && !slot.is_armed()).then_some(cache.index)
+        })
+    }
+
+    /// The free of `ptr` through `devices[device]`'s heap, which lends the
+    /// block to this thread's cache when it may (the cache registered on
+    /// first use). `size`: as the caller states it (a different one is
+    /// counted as a mismatch).
+    pub fn free_slow(&self, devices: &Arc<[Device]>, device: usize, ptr: u64, size: Option<u64>) -> Result<u64, AllocError> {
+        let dev = &devices[device];
+        let lent = CACHES.try_with(|caches| {
+            let mut caches = caches.try_borrow_mut().ok()?;
+            let position = match caches.iter().position(|c| c.allocator == self.allocator && c.device == device) {
+                Some(position) => position,
+                None => {
+                    let slot = Arc::new(CacheSlot::new(self.blocks));
+                    let index = dev.register_slot(slot.clone());
+                    caches.push(OwnerCache {
+                        allocator: self.allocator,
+                        device,
+                        slot,
+                        index,
+                        entries: vec![Class::default(); self.blocks],
+                        live: AddrMap::default(),
+                        classes: Vec::new(),
+                        class_index: HashMap::new(),
+                        max_bytes: self.bytes,
+                        devices: Arc::downgrade(devices),
+                    });
+                    caches.len() - 1
+                }
+            };
+            let cache = &mut caches[position];
+            cache.live.remove(ptr);
+            let (entry, room) = cache.room().map_or((None, 0), |(entry, room)| (Some(entry), room));
+            let result = dev.free_or_lend(ptr, cache.index, entry, room, size);
+            if let (Ok(FreedOrLent::Lent(lent)), Some(entry)) = (&result, entry) {
+                let class = Class { requested: lent.requested, size: lent.size, stream: lent.stream, kind: lent.kind as usize };
+                cache.class_index(class);
+                cache.entries[entry] = class;
+            }
+            Some(result)
+        });
+        let result = match lent {
+            Ok(Some(result)) => result,
+            // The thread is exiting, or this is a free from inside the cache's own drop.
+            _ => dev.free_or_lend(ptr, u32::MAX, None, 0, size),
+        };
+        result.map(|outcome| match outcome {
+            FreedOrLent::Freed(freed) => freed.requested,
+            FreedOrLent::Lent(lent) => lent.requested,
+        })
+    }
+}
