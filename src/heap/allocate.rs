@@ -68,9 +68,13 @@ impl DeviceHeap {
     /// fit, else one from new memory. In an expandable segment the pages
     /// under the block's allocated part are mapped first.
     pub(super) fn take_block(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
-        let p = &self.pools[pool as usize];
-        let paged = p.vm.is_some();
-        let block = match p.best_fit(&self.blocks, rounded, &self.rules) {
+        let paged = self.pools[pool as usize].vm.is_some();
+        let mut fit = self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules);
+        if fit.is_none() && self.recall_cached() {
+            // Threads' caches never make the heap grow: their blocks come back first.
+            fit = self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules);
+        }
+        let block = match fit {
             Some(id) => {
                 self.remove_free(id);
                 id

@@ -12,8 +12,9 @@
 //!   that would pass them disarms the slots and folds their sums in first,
 //!   so that the new peak is exact; a slot is armed again only while its
 //!   claim fits under the peaks;
-//! - takes cached blocks back to the bins (`recall`) on every operation
-//!   that looks at the whole heap (statistics, snapshots, releases, an
+//! - takes cached blocks back to the bins (`recall`) before it grows (so
+//!   caches never make it take more memory), on every operation that
+//!   looks at the whole heap (statistics, snapshots, releases, an
 //!   out-of-memory, a tag's pause), for idle caches at the reclaimer's
 //!   pass, and when the thread exits (its blocks handed out again then
 //!   become plain allocated blocks);
@@ -285,6 +286,8 @@ impl DeviceHeap {
             }
             self.unlink_lent(id);
             self.blocks[id].requested = 0;
+            // A block stashed beside it would no longer be where best fit goes.
+            self.flush_stash(self.blocks[id].pool);
             self.bin_freed(id);
         }
     }
@@ -296,6 +299,16 @@ impl DeviceHeap {
                 self.recall(index);
             }
         }
+    }
+
+    /// Before the heap grows: takes back every cached block; true when
+    /// some came back.
+    pub(super) fn recall_cached(&mut self) -> bool {
+        let cached = self.lending.slots.iter().flatten().any(|r| !r.slot.cached().is_empty());
+        if cached {
+            self.recall_all();
+        }
+        cached
     }
 
     /// The reclaimer's pass: takes back the blocks of caches whose thread

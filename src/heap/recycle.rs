@@ -146,7 +146,8 @@ impl DeviceHeap {
             return donors;
         }
         let page = self.vm.map_or(0, |vm| vm.page);
-        // A stashed block is a hole too.
+        // A stashed block is a hole too, and so are threads' cached blocks.
+        self.recall_cached();
         self.flush_stashes();
         let mut candidates: Vec<(u64, Source)> = Vec::new();
         if let Some(block) = carved {

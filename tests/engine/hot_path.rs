@@ -79,7 +79,7 @@ fn cached_allocations_and_frees_make_no_host_allocation() {
 
 #[test]
 fn a_stashed_block_is_merged_before_a_request_of_another_size() {
-    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let (alloc, _) = host_allocator(1, 1 << 30, "thread_cache_blocks:0");
     let a = alloc.allocate(0, 4096, Stream::DEFAULT).unwrap();
     alloc.free(0, a).unwrap();
     // 8 KiB fits only once the stashed 4 KiB block is merged back into the
@@ -96,7 +96,7 @@ fn a_large_block_comes_back_where_best_fit_puts_it_not_where_the_stash_held_it()
     // merged, A and B are one free 8 MiB block at A, which best fit picks
     // (the lowest of the two 8 MiB blocks); the stash would hand B back.
     // The model of PyTorch, which has no stash, puts it at A too.
-    for conf in ["", "stash:false"] {
+    for conf in ["thread_cache_blocks:0", "thread_cache_blocks:0,stash:false"] {
         let (alloc, _) = host_allocator(1, 1 << 30, conf);
         let [a, b, _c] = [0; 3].map(|_| alloc.allocate(0, 4 * MIB as usize, Stream::DEFAULT).unwrap());
         alloc.free(0, a).unwrap();
@@ -113,7 +113,7 @@ fn a_small_block_comes_back_where_best_fit_puts_it_so_a_whole_segment_can_go_bac
     // and Z is the exact fit for the next 1 MiB request; the stash would
     // hand X back and pin both segments. Afterwards only the second
     // segment is held, as in the model of PyTorch.
-    for conf in ["", "stash:false"] {
+    for conf in ["thread_cache_blocks:0", "thread_cache_blocks:0,stash:false"] {
         let (alloc, _) = host_allocator(1, 1 << 30, conf);
         let [x, n, z, _w] = [0; 4].map(|_| alloc.allocate(0, MIB as usize, Stream::DEFAULT).unwrap());
         assert_eq!(alloc.stats(0).unwrap().segment.small_pool.current, 2);
@@ -134,7 +134,7 @@ fn the_rest_of_a_block_taken_back_goes_first_of_its_size_as_best_fit_puts_it() {
     // and split: the rest, N, goes back ahead of O (the free block of its
     // size freed last comes first), so the next 512 B request gets N. The
     // stash, handing back X alone, would leave O first.
-    for conf in ["", "stash:false"] {
+    for conf in ["thread_cache_blocks:0", "thread_cache_blocks:0,stash:false"] {
         let (alloc, _) = host_allocator(1, 1 << 30, conf);
         let x = alloc.allocate(0, 1024, Stream::DEFAULT).unwrap();
         let [n, _y, o, _z] = [0; 4].map(|_| alloc.allocate(0, 512, Stream::DEFAULT).unwrap());

@@ -256,7 +256,8 @@ fn pair_op() -> impl Strategy<Value = PairOp> {
 type Placements = (Vec<(usize, u64)>, [u64; 7], u64);
 
 fn placements(ops: &[PairOp], conf: &str) -> Result<Placements, TestCaseError> {
-    let (alloc, backend) = host_allocator(1, 4 << 30, conf);
+    // The heap's placement: threads' caches, which move it, off.
+    let (alloc, backend) = host_allocator(1, 4 << 30, &format!("thread_cache_blocks:0,{conf}"));
     let (mut live, mut segments, mut out) = (Vec::new(), BTreeMap::new(), Vec::new());
     let mut created = 0;
     for op in ops {
