@@ -52,6 +52,9 @@ pub struct CacheSlot {
     /// The owner's count of requests and frees it served: unchanged between
     /// two reclaimer passes, the cache is idle.
     activity: AtomicU64,
+    /// How many times the heap emptied the entries (the owner's view of
+    /// them is stale when this moved).
+    recalls: AtomicU64,
     has_remote: AtomicBool,
     remote: Mutex<Vec<u64>>,
 }
@@ -65,6 +68,7 @@ impl CacheSlot {
             ups: Default::default(),
             downs: Default::default(),
             activity: AtomicU64::new(0),
+            recalls: AtomicU64::new(0),
             has_remote: AtomicBool::new(false),
             remote: Mutex::new(Vec::new()),
         }
@@ -119,6 +123,12 @@ impl CacheSlot {
         self.activity.store(self.activity.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
     }
 
+    /// How many times the heap emptied the entries.
+    #[inline(always)]
+    pub fn recalls(&self) -> u64 {
+        self.recalls.load(Ordering::Acquire)
+    }
+
     /// Whether other threads freed lent blocks the owner has not forgotten yet.
     #[inline(always)]
     pub fn has_remote(&self) -> bool {
@@ -158,6 +168,7 @@ impl CacheSlot {
     /// Empties every entry of a disarmed slot; returns the addresses taken.
     pub fn take_entries(&self) -> Vec<u64> {
         debug_assert!(!self.is_armed(), "entries are taken from a disarmed slot only");
+        self.recalls.fetch_add(1, Ordering::AcqRel);
         self.entries.iter().map(|e| e.swap(0, Ordering::AcqRel)).filter(|&a| a != 0).collect()
     }
 

@@ -400,7 +400,14 @@ impl Device {
 
     /// The slow free of `ptr` on a thread with a cache (`heap/lent.rs`),
     /// counting a stated `size` that differs from the requested one.
-    pub(crate) fn free_or_lend(&self, ptr: u64, index: u32, entry: Option<usize>, max_size: u64, size: Option<u64>) -> Result<FreedOrLent, AllocError> {
+    pub(crate) fn free_or_lend(
+        &self,
+        ptr: u64,
+        index: u32,
+        entry: Option<usize>,
+        max_size: u64,
+        size: Option<u64>,
+    ) -> Result<FreedOrLent, AllocError> {
         let mut heap = self.shards[0].lock();
         let outcome = heap.free_or_lend(ptr, index, entry, max_size)?;
         let requested = match outcome {

@@ -39,10 +39,10 @@
 //! ```
 
 mod addr_map;
-mod cache_slot;
 mod allocator;
 pub mod backend;
 pub mod buffer;
+mod cache_slot;
 pub mod config;
 mod cooperation;
 mod device;
@@ -54,7 +54,6 @@ pub mod heap;
 mod log;
 pub mod pickle;
 mod process;
-mod thread_cache;
 pub mod reclaim;
 pub mod recording;
 pub mod registry;
@@ -62,6 +61,7 @@ pub mod size_class;
 pub mod snapshot;
 pub mod stats;
 pub mod tag;
+mod thread_cache;
 pub mod types;
 
 /// cudarc interop: tidepool buffers as cudarc device memory (feature `cudarc`).

@@ -18,8 +18,8 @@
 #![forbid(unsafe_code)]
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use crate::addr_map::AddrMap;
@@ -63,8 +63,13 @@ struct OwnerCache {
     slot: Arc<CacheSlot>,
     /// The slot's index in the heap.
     index: u32,
-    /// What each entry holds, when it holds something (`slot.entry(i) != 0`).
-    entries: Vec<Class>,
+    /// What each entry holds, where `occupied` has its bit.
+    entries: Vec<Entry>,
+    occupied: u64,
+    /// The bytes of the occupied entries.
+    bytes: u64,
+    /// The slot's count of recalls when `occupied` was last true.
+    recalls: u64,
     /// Blocks handed out from the cache, by address: their index in `classes`.
     live: AddrMap,
     classes: Vec<Class>,
@@ -72,6 +77,14 @@ struct OwnerCache {
     max_bytes: u64,
     /// For giving everything back when the thread exits.
     devices: Weak<[Device]>,
+}
+
+/// What an entry holds: the request it serves, and its class.
+#[derive(Clone, Copy, Debug, Default)]
+struct Entry {
+    requested: u64,
+    stream: Stream,
+    class: u32,
 }
 
 impl OwnerCache {
@@ -83,25 +96,62 @@ impl OwnerCache {
         }
     }
 
-    /// An empty entry and the bytes the cache can still take.
-    fn room(&self) -> Option<(usize, u64)> {
-        let mut empty = None;
-        let mut bytes = 0;
-        for (i, class) in self.entries.iter().enumerate() {
-            if self.slot.entry(i) == 0 {
-                empty.get_or_insert(i);
-            } else {
-                bytes += class.size;
+    /// After the heap took the entries back: which are still occupied.
+    #[cold]
+    fn resync(&mut self) {
+        self.recalls = self.slot.recalls();
+        let (mut occupied, mut bytes) = (0, 0);
+        for (i, entry) in self.entries.iter().enumerate() {
+            if self.slot.entry(i) != 0 {
+                occupied |= 1 << i;
+                bytes += self.classes[entry.class as usize].size;
             }
         }
-        empty.map(|i| (i, self.max_bytes.saturating_sub(bytes)))
+        (self.occupied, self.bytes) = (occupied, bytes);
     }
 
-    fn class_index(&mut self, class: Class) -> u32 {
-        *self.class_index.entry(class).or_insert_with(|| {
-            self.classes.push(class);
-            (self.classes.len() - 1) as u32
-        })
+    /// The occupied entry serving a request of `size` bytes on `stream`.
+    #[inline(always)]
+    fn find(&self, size: u64, stream: Stream) -> Option<usize> {
+        let mut bits = self.occupied;
+        while bits != 0 {
+            let i = bits.trailing_zeros() as usize;
+            let entry = &self.entries[i];
+            if entry.requested == size && entry.stream == stream {
+                return Some(i);
+            }
+            bits &= bits - 1;
+        }
+        None
+    }
+
+    /// An empty entry and the bytes the cache can still take.
+    #[inline(always)]
+    fn room(&self) -> Option<(usize, u64)> {
+        let empty = (!self.occupied).trailing_zeros() as usize;
+        (empty < self.entries.len()).then(|| (empty, self.max_bytes.saturating_sub(self.bytes)))
+    }
+
+    /// Notes that entry `i` now holds a block of `class`.
+    #[inline(always)]
+    fn fill(&mut self, i: usize, class: Class) {
+        let index = match self.class_index.get(&class) {
+            Some(&index) => index,
+            None => {
+                self.classes.push(class);
+                self.class_index.insert(class, (self.classes.len() - 1) as u32);
+                (self.classes.len() - 1) as u32
+            }
+        };
+        self.fill_with(i, index);
+    }
+
+    #[inline(always)]
+    fn fill_with(&mut self, i: usize, index: u32) {
+        let class = self.classes[index as usize];
+        self.entries[i] = Entry { requested: class.requested, stream: class.stream, class: index };
+        self.occupied |= 1 << i;
+        self.bytes += class.size;
     }
 }
 
@@ -130,6 +180,9 @@ fn with_cache<R>(allocator: u64, device: usize, f: impl FnOnce(&mut OwnerCache) 
             if cache.slot.has_remote() {
                 cache.forget_remote();
             }
+            if cache.slot.recalls() != cache.recalls {
+                cache.resync();
+            }
             f(cache)
         })
         .ok()
@@ -141,18 +194,22 @@ impl Bounds {
     #[inline(always)]
     pub fn allocate(&self, device: usize, size: u64, stream: Stream) -> Option<u64> {
         with_cache(self.allocator, device, |cache| {
+            let i = cache.find(size, stream)?;
             let slot = &cache.slot;
-            let i = cache.entries.iter().enumerate().position(|(i, c)| c.requested == size && c.stream == stream && slot.entry(i) != 0)?;
             if !slot.begin_hand_out() {
                 return None;
             }
+            // Armed without a break since the entries were last synced (only
+            // this thread arms): entry `i` still holds its block.
             let addr = slot.entry(i);
-            let class = cache.entries[i];
+            let entry = cache.entries[i];
+            let class = cache.classes[entry.class as usize];
             slot.set_entry(i, 0);
             slot.count_up(class.kind, [1, class.size, class.requested]);
             slot.end_hand_out();
-            let index = cache.class_index[&class];
-            cache.live.insert(addr, index);
+            cache.occupied &= !(1 << i);
+            cache.bytes -= class.size;
+            cache.live.insert(addr, entry.class);
             Some(addr)
         })
     }
@@ -163,7 +220,8 @@ impl Bounds {
     #[inline(always)]
     pub fn free(&self, device: usize, ptr: u64, size: Option<u64>) -> bool {
         with_cache(self.allocator, device, |cache| {
-            let class = cache.classes[cache.live.get(ptr)? as usize];
+            let index = cache.live.get(ptr)?;
+            let class = cache.classes[index as usize];
             if size.is_some_and(|s| s != class.requested) || !cache.slot.is_armed() {
                 return None;
             }
@@ -172,7 +230,7 @@ impl Bounds {
                 return None;
             }
             cache.live.remove(ptr);
-            cache.entries[entry] = class;
+            cache.fill_with(entry, index);
             // The entry first: a recall that takes it then counts the free
             // later, never a free of a block it does not find.
             cache.slot.set_entry(entry, ptr);
@@ -186,11 +244,7 @@ impl Bounds {
     /// for a request of `size` bytes on `stream`.
     #[cold]
     pub fn disarmed_holding(&self, device: usize, size: u64, stream: Stream) -> Option<u32> {
-        with_cache(self.allocator, device, |cache| {
-            let slot = &cache.slot;
-            let holds = cache.entries.iter().enumerate().any(|(i, c)| c.requested == size && c.stream == stream && slot.entry(i) != 0);
-            (holds && !slot.is_armed()).then_some(cache.index)
-        })
+        with_cache(self.allocator, device, |cache| (cache.find(size, stream).is_some() && !cache.slot.is_armed()).then_some(cache.index))
     }
 
     /// The free of `ptr` through `devices[device]`'s heap, which lends the
@@ -211,7 +265,10 @@ impl Bounds {
                         device,
                         slot,
                         index,
-                        entries: vec![Class::default(); self.blocks],
+                        entries: vec![Entry::default(); self.blocks],
+                        occupied: 0,
+                        bytes: 0,
+                        recalls: 0,
                         live: AddrMap::default(),
                         classes: Vec::new(),
                         class_index: HashMap::new(),
@@ -226,9 +283,7 @@ impl Bounds {
             let (entry, room) = cache.room().map_or((None, 0), |(entry, room)| (Some(entry), room));
             let result = dev.free_or_lend(ptr, cache.index, entry, room, size);
             if let (Ok(FreedOrLent::Lent(lent)), Some(entry)) = (&result, entry) {
-                let class = Class { requested: lent.requested, size: lent.size, stream: lent.stream, kind: lent.kind as usize };
-                cache.class_index(class);
-                cache.entries[entry] = class;
+                cache.fill(entry, Class { requested: lent.requested, size: lent.size, stream: lent.stream, kind: lent.kind as usize });
             }
             Some(result)
         });

@@ -69,6 +69,10 @@ impl DeviceHeap {
     /// under the block's allocated part are mapped first.
     pub(super) fn take_block(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
         let paged = self.pools[pool as usize].vm.is_some();
+        if paged && self.past_high_water(rounded) {
+            // Mapping may grow the heap: threads' cached blocks come back first.
+            self.recall_cached();
+        }
         let mut fit = self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules);
         if fit.is_none() && self.recall_cached() {
             // Threads' caches never make the heap grow: their blocks come back first.

@@ -95,7 +95,8 @@ impl Lending {
 impl DeviceHeap {
     /// Registers a thread's cache; returns the slot's index here.
     pub(crate) fn register_slot(&mut self, slot: Arc<CacheSlot>) -> u32 {
-        let record = SlotRecord { slot, ups: Amounts::default(), downs: Amounts::default(), claim: Amounts::default(), head: NIL, activity: 0 };
+        let record =
+            SlotRecord { slot, ups: Amounts::default(), downs: Amounts::default(), claim: Amounts::default(), head: NIL, activity: 0 };
         let slots = &mut self.lending.slots;
         match slots.iter().position(Option::is_none) {
             Some(free) => {
@@ -388,7 +389,10 @@ impl DeviceHeap {
                 cur = b.link_next;
             }
             for addr in record.slot.cached() {
-                let lent = self.by_addr.get(addr).is_some_and(|id| self.blocks[id].state == BlockState::Lent && self.blocks[id].lent_to == index as u32);
+                let lent = self
+                    .by_addr
+                    .get(addr)
+                    .is_some_and(|id| self.blocks[id].state == BlockState::Lent && self.blocks[id].lent_to == index as u32);
                 if !lent {
                     return Err(format!("slot {index} caches {addr:#x}, which is not lent to it"));
                 }
@@ -411,6 +415,12 @@ impl DeviceHeap {
             return Err("validate() with a thread's cache armed: validate_lending() first".into());
         }
         Ok(record.slot.holds(self.blocks[id].addr))
+    }
+
+    /// Whether the lent block `id` was handed out again (not in its cache's entries).
+    pub(super) fn lent_is_live(&self, id: BlockId) -> bool {
+        let index = self.blocks[id].lent_to as usize;
+        self.lending.slots.get(index).and_then(Option::as_ref).is_some_and(|r| !r.slot.holds(self.blocks[id].addr))
     }
 
     /// How many blocks the slots' lists hold.

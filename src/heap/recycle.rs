@@ -108,6 +108,13 @@ impl DeviceHeap {
         self.recycling.off = !on;
     }
 
+    /// Whether taking `bytes` more from the device would take the heap past
+    /// its high-water mark (where `recycle_before_growth` looks for pages).
+    pub(super) fn past_high_water(&self, bytes: u64) -> bool {
+        let reserved = &self.stats.reserved_bytes;
+        reserved.total() + bytes > self.recycling.high_water.max(reserved.peak_total())
+    }
+
     /// Before the heap takes `bytes` more from the device for a request of
     /// `request` bytes: when that would take it past its high-water mark,
     /// releases whole free small segments and returns the mapped pages of
@@ -146,8 +153,8 @@ impl DeviceHeap {
             return donors;
         }
         let page = self.vm.map_or(0, |vm| vm.page);
-        // A stashed block is a hole too, and so are threads' cached blocks.
-        self.recall_cached();
+        // A stashed block is a hole too (threads' cached blocks came back
+        // before the block to map was taken: `take_block`).
         self.flush_stashes();
         let mut candidates: Vec<(u64, Source)> = Vec::new();
         if let Some(block) = carved {

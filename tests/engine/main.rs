@@ -24,3 +24,4 @@ mod private_pools;
 mod reclaim;
 mod shards;
 mod tags;
+mod thread_cache;
