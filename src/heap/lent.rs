@@ -196,10 +196,9 @@ impl DeviceHeap {
         let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
         record.claim = claim;
         record.slot.arm();
-        for g in 0..GAUGES {
-            for k in 0..2 {
-                self.lending.claims[g][k] += claim[g][k];
-            }
+        for (claims, claim) in self.lending.claims.iter_mut().zip(claim) {
+            claims[0] += claim[0];
+            claims[1] += claim[1];
         }
         self.lending.armed += 1;
         true
