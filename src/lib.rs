@@ -14,12 +14,14 @@
 //!   process's fork count), `error`, `tag`, `frames`, `pickle` (the
 //!   snapshot writer), `recording` (trace rows written live), `reclaim`
 //!   (the release policy, pure, and the thread that runs a pass),
-//!   `stats`, `config`, `registry` (the file processes on one device share);
+//!   `stats`, `config`, `registry` (the file processes on one device share), `cache_slot`
+//!   (what a thread's cache shares with the heap);
 //! - `heap`: one `DeviceHeap` per stream shard (pools, segments, pages,
 //!   blocks, statistics, history);
 //! - the device: `cooperation` (its registry slot, asking and answering),
 //!   `device` (one GPU's shards, routing, reserved count and cap, the
-//!   out-of-memory ladder, figures over the shards);
+//!   out-of-memory ladder, figures over the shards), `thread_cache` (a
+//!   thread's side of its cache: the cached path without the lock);
 //! - the faces: `allocator` (`Allocator`, the Rust API), `process` (the
 //!   process-wide allocator, `global()`), `snapshot` (PyTorch's snapshot
 //!   format), `buffer` (`Buffer<T>`), `cudarc_interop`, `ffi` (the C ABI).

@@ -39,7 +39,8 @@
 //! stream when the device is full); `private.rs` routes allocations to
 //! private pools (CUDA graphs, MemPools); `tags.rs` serves tagged
 //! allocations from each tag's own pools and pauses and resumes a tag's
-//! memory; `expandable.rs`, `pages.rs` and `recycle.rs` map and move the
+//! memory; `lent.rs` lends freed blocks to threads' caches and counts
+//! what they do; `expandable.rs`, `pages.rs` and `recycle.rs` map and move the
 //! pages of expandable segments; `observe.rs` and `history.rs` are who
 //! watches the heap; `reserve.rs` keeps the reserved count, its peak and
 //! its cap shared by the heaps of one device; `pool.rs` and `block.rs`
@@ -48,15 +49,18 @@
 //!
 //! Invariants, checked by `validate()`:
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
-//! - no two free blocks are neighbours, unless one of them is a stashed block;
+//! - no two free blocks are neighbours, unless one of them is a stashed
+//!   block or in a thread's cache;
 //! - each free block is either in exactly one bin (the bin of its size, in
 //!   its segment's pool) or the stash of its pool, where best fit would
 //!   put the next request of its size;
-//! - each allocated, pending or stashed block is in `by_addr` under its
-//!   address, and nothing else is;
+//! - each allocated, pending, stashed or lent block is in `by_addr` under
+//!   its address, and nothing else is; each lent block is on its thread
+//!   cache's list (`lent.rs`, whose own invariants `validate_lending` checks);
 //! - every gauge equals the sum recomputed from the blocks (stashed blocks
 //!   count as free, but as inactive-split only once merged; pending blocks
-//!   as active, not allocated);
+//!   as active, not allocated; lent blocks as free while cached, allocated
+//!   once handed out again);
 //! - each pending block waits for as many queued events as it is named in,
 //!   and at least one, or for the end of a capture (`streams.rs`);
 //! - each pool grows as its tag and kind say (`Pool::vm`: pages of reserved
