@@ -1,6 +1,9 @@
-//! The cached path: one allocation and its free, served from the cache,
-//! next to glibc's malloc+free and the raw host backend (mmap+munmap) of
-//! the same size, all in one run so the ratios compare like with like.
+//! The cached path: one allocation and its free, served from the cache
+//! (the thread's cache, and without it the heap's), next to glibc's
+//! malloc+free, mimalloc's, the `offset-allocator` crate's allocate+free
+//! (an O(1) bitmap sub-allocator of one address range, the algorithmic
+//! peer) and the raw host backend (mmap+munmap) of the same size, all in
+//! one run so the ratios compare like with like.
 //!
 //! The heap holds 1,000 or 100,000 live blocks around the pair, with as
 //! many free holes between them (every other block of 2N freed), so the
@@ -8,10 +11,12 @@
 //!
 //! `python3 benches/table.py` turns the medians into docs/benchmarks.md's table.
 
+use std::alloc::GlobalAlloc;
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use mimalloc::MiMalloc;
 use tidepool::backend::host::HostBackend;
 use tidepool::backend::Backend;
 use tidepool::{Allocator, Config, DevicePtr, Stream};
@@ -19,8 +24,8 @@ use tidepool::{Allocator, Config, DevicePtr, Stream};
 const SIZES: [(&str, usize); 4] = [("512B", 512), ("64KiB", 64 << 10), ("4MiB", 4 << 20), ("64MiB", 64 << 20)];
 
 /// An allocator with `live` blocks of 512 B to 8 KiB live and about as many free holes.
-fn populated(live: usize) -> (Allocator, Vec<DevicePtr>) {
-    let config = quiet().build().unwrap();
+fn populated(live: usize, conf: &str) -> (Allocator, Vec<DevicePtr>) {
+    let config = quiet().conf(conf).unwrap().build().unwrap();
     let alloc = Allocator::new(config).unwrap();
     let mut seed = 0x2545_F491_4F6C_DD1Du64;
     let mut blocks = Vec::with_capacity(2 * live);
@@ -43,7 +48,12 @@ fn populated(live: usize) -> (Allocator, Vec<DevicePtr>) {
 }
 
 fn cached_pair(c: &mut Criterion) {
-    let heaps = [("tidepool_1k_live", populated(1_000)), ("tidepool_100k_live", populated(100_000))];
+    let heaps = [
+        ("tidepool_1k_live", populated(1_000, "")),
+        ("tidepool_100k_live", populated(100_000, "")),
+        ("tidepool_no_thread_cache_1k_live", populated(1_000, "thread_cache_blocks:0")),
+    ];
+    let mut offsets = offset_allocator::Allocator::<u32>::new(1 << 30);
     let backend = HostBackend::new(1, 1 << 40);
     for (size_name, size) in SIZES {
         let mut group = c.benchmark_group(format!("cached_pair/{size_name}"));
@@ -62,6 +72,19 @@ fn cached_pair(c: &mut Criterion) {
             b.iter(|| {
                 // SAFETY: a plain malloc/free pair; the pointer is not used.
                 unsafe { libc::free(black_box(libc::malloc(black_box(size)))) }
+            })
+        });
+        group.bench_function(BenchmarkId::from_parameter("mimalloc"), |b| {
+            let layout = std::alloc::Layout::from_size_align(size, 16).unwrap();
+            b.iter(|| {
+                // SAFETY: a plain alloc/dealloc pair of one layout; the pointer is not used.
+                unsafe { GlobalAlloc::dealloc(&MiMalloc, black_box(GlobalAlloc::alloc(&MiMalloc, layout)), layout) }
+            })
+        });
+        group.bench_function(BenchmarkId::from_parameter("offset_allocator"), |b| {
+            b.iter(|| {
+                let allocation = offsets.allocate(black_box(size as u32)).unwrap();
+                offsets.free(black_box(allocation));
             })
         });
         group.bench_function(BenchmarkId::from_parameter("host_backend_mmap_munmap"), |b| {
@@ -134,5 +157,11 @@ fn config() -> Criterion {
     Criterion::default().sample_size(40).warm_up_time(Duration::from_millis(400)).measurement_time(Duration::from_millis(1500))
 }
 
-criterion_group! { name = benches; config = config(); targets = cached_pair, recording, reclaimer, expandable }
+/// Threads' caches: the mixed three-size loop through the bins, off and on.
+fn thread_caches(c: &mut Criterion) {
+    let both = || [("off", quiet().conf("thread_cache_blocks:0").unwrap().build().unwrap()), ("on", quiet().build().unwrap())];
+    off_and_on(c, "thread_cache_mixed", both(), &[512, 3 << 20, 64 << 10]);
+}
+
+criterion_group! { name = benches; config = config(); targets = cached_pair, recording, reclaimer, expandable, thread_caches }
 criterion_main!(benches);

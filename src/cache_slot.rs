@@ -21,10 +21,13 @@
 //!   each pool kind, and what its frees took away. The heap folds the
 //!   difference since it last looked into its own gauges (`absorb`).
 //! - `remote` lists lent blocks freed by other threads (through the heap),
-//!   for the owner to forget; `has_remote` says it is not empty.
+//!   for the owner to forget.
+//! - `news` counts what the heap did that the owner must look at: entries
+//!   emptied, blocks freed by other threads (one load tells the owner it
+//!   has nothing to look at).
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use parking_lot::Mutex;
 
@@ -49,13 +52,7 @@ pub struct CacheSlot {
     entries: Box<[AtomicU64]>,
     ups: [[AtomicU64; 2]; GAUGES],
     downs: [[AtomicU64; 2]; GAUGES],
-    /// The owner's count of requests and frees it served: unchanged between
-    /// two reclaimer passes, the cache is idle.
-    activity: AtomicU64,
-    /// How many times the heap emptied the entries (the owner's view of
-    /// them is stale when this moved).
-    recalls: AtomicU64,
-    has_remote: AtomicBool,
+    news: AtomicU64,
     remote: Mutex<Vec<u64>>,
 }
 
@@ -67,9 +64,7 @@ impl CacheSlot {
             entries: (0..entries).map(|_| AtomicU64::new(0)).collect(),
             ups: Default::default(),
             downs: Default::default(),
-            activity: AtomicU64::new(0),
-            recalls: AtomicU64::new(0),
-            has_remote: AtomicBool::new(false),
+            news: AtomicU64::new(0),
             remote: Mutex::new(Vec::new()),
         }
     }
@@ -103,43 +98,31 @@ impl CacheSlot {
     /// Adds `amounts` (allocation, bytes, requested) of `kind` to the hand-outs' sums.
     #[inline(always)]
     pub fn count_up(&self, kind: usize, amounts: [u64; GAUGES]) {
+        let kind = kind & 1;
         for (sums, amount) in self.ups.iter().zip(amounts) {
             sums[kind].store(sums[kind].load(Ordering::Relaxed) + amount, Ordering::Release);
         }
-        self.tick();
     }
 
     /// Adds `amounts` of `kind` to the frees' sums.
     #[inline(always)]
     pub fn count_down(&self, kind: usize, amounts: [u64; GAUGES]) {
+        let kind = kind & 1;
         for (sums, amount) in self.downs.iter().zip(amounts) {
             sums[kind].store(sums[kind].load(Ordering::Relaxed) + amount, Ordering::Release);
         }
-        self.tick();
     }
 
+    /// The count of the heap's doings the owner must look at (it changed:
+    /// `take_remote`, and the entries may have been emptied).
     #[inline(always)]
-    fn tick(&self) {
-        self.activity.store(self.activity.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-    }
-
-    /// How many times the heap emptied the entries.
-    #[inline(always)]
-    pub fn recalls(&self) -> u64 {
-        self.recalls.load(Ordering::Acquire)
-    }
-
-    /// Whether other threads freed lent blocks the owner has not forgotten yet.
-    #[inline(always)]
-    pub fn has_remote(&self) -> bool {
-        self.has_remote.load(Ordering::Acquire)
+    pub fn news(&self) -> u64 {
+        self.news.load(Ordering::Acquire)
     }
 
     /// The lent blocks other threads freed since the last call.
     pub fn take_remote(&self) -> Vec<u64> {
-        let mut remote = self.remote.lock();
-        self.has_remote.store(false, Ordering::Release);
-        std::mem::take(&mut *remote)
+        std::mem::take(&mut *self.remote.lock())
     }
 
     // The heap's side, under its lock.
@@ -168,8 +151,9 @@ impl CacheSlot {
     /// Empties every entry of a disarmed slot; returns the addresses taken.
     pub fn take_entries(&self) -> Vec<u64> {
         debug_assert!(!self.is_armed(), "entries are taken from a disarmed slot only");
-        self.recalls.fetch_add(1, Ordering::AcqRel);
-        self.entries.iter().map(|e| e.swap(0, Ordering::AcqRel)).filter(|&a| a != 0).collect()
+        let taken = self.entries.iter().map(|e| e.swap(0, Ordering::AcqRel)).filter(|&a| a != 0).collect();
+        self.news.fetch_add(1, Ordering::AcqRel);
+        taken
     }
 
     /// Whether `addr` is in one of the entries.
@@ -191,14 +175,16 @@ impl CacheSlot {
         (read(&self.ups), downs)
     }
 
+    /// How many hand-outs and frees the owner made: unchanged between two
+    /// reclaimer passes, the cache is idle.
     pub fn activity(&self) -> u64 {
-        self.activity.load(Ordering::Relaxed)
+        let count = |sums: &[[AtomicU64; 2]; GAUGES]| sums[0][0].load(Ordering::Relaxed) + sums[0][1].load(Ordering::Relaxed);
+        count(&self.ups) + count(&self.downs)
     }
 
     /// Tells the owner that `addr`, a block it was lent, was freed by another thread.
     pub fn push_remote(&self, addr: u64) {
-        let mut remote = self.remote.lock();
-        remote.push(addr);
-        self.has_remote.store(true, Ordering::Release);
+        self.remote.lock().push(addr);
+        self.news.fetch_add(1, Ordering::AcqRel);
     }
 }

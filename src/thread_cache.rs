@@ -68,8 +68,8 @@ struct OwnerCache {
     occupied: u64,
     /// The bytes of the occupied entries.
     bytes: u64,
-    /// The slot's count of recalls when `occupied` was last true.
-    recalls: u64,
+    /// The slot's news when last looked at (`cache_slot.rs`).
+    news: u64,
     /// Blocks handed out from the cache, by address: their index in `classes`.
     live: AddrMap,
     classes: Vec<Class>,
@@ -88,18 +88,15 @@ struct Entry {
 }
 
 impl OwnerCache {
-    /// Forgets the blocks other threads freed (the heap has them back).
+    /// After the heap did something: forgets the blocks other threads
+    /// freed (the heap has them back) and looks at which entries are
+    /// still occupied.
     #[cold]
-    fn forget_remote(&mut self) {
+    fn catch_up(&mut self) {
+        self.news = self.slot.news();
         for addr in self.slot.take_remote() {
             self.live.remove(addr);
         }
-    }
-
-    /// After the heap took the entries back: which are still occupied.
-    #[cold]
-    fn resync(&mut self) {
-        self.recalls = self.slot.recalls();
         let (mut occupied, mut bytes) = (0, 0);
         for (i, entry) in self.entries.iter().enumerate() {
             if self.slot.entry(i) != 0 {
@@ -177,11 +174,8 @@ fn with_cache<R>(allocator: u64, device: usize, f: impl FnOnce(&mut OwnerCache) 
         .try_with(|caches| {
             let mut caches = caches.try_borrow_mut().ok()?;
             let cache = caches.iter_mut().find(|c| c.allocator == allocator && c.device == device)?;
-            if cache.slot.has_remote() {
-                cache.forget_remote();
-            }
-            if cache.slot.recalls() != cache.recalls {
-                cache.resync();
+            if cache.slot.news() != cache.news {
+                cache.catch_up();
             }
             f(cache)
         })
@@ -268,7 +262,7 @@ impl Bounds {
                         entries: vec![Entry::default(); self.blocks],
                         occupied: 0,
                         bytes: 0,
-                        recalls: 0,
+                        news: 0,
                         live: AddrMap::default(),
                         classes: Vec::new(),
                         class_index: HashMap::new(),

@@ -72,10 +72,11 @@ impl Block {
         self.state == BlockState::Allocated
     }
 
-    /// Allocated or pending: the block's memory is in use and cannot be reused.
+    /// Allocated, pending or lent to a thread's cache: the heap cannot
+    /// reuse the block's memory (nor merge it, nor give it back).
     #[inline]
     pub fn is_active(&self) -> bool {
-        matches!(self.state, BlockState::Allocated | BlockState::Pending)
+        matches!(self.state, BlockState::Allocated | BlockState::Pending | BlockState::Lent)
     }
 
     /// True when the block does not cover its whole segment.

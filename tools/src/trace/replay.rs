@@ -167,7 +167,9 @@ impl ReplayReport {
 /// The configuration a policy replays with.
 pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, ConfigError> {
     // A replay has no wall clock: the time-driven release policies stay off.
-    let mut builder = Config::builder().conf("release_after_ms:off,headroom_mb:0")?;
+    // It plays the heap's placement: threads' caches, a live process's
+    // shortcut that moves it (docs/allocation.md), stay off too.
+    let mut builder = Config::builder().conf("release_after_ms:off,headroom_mb:0,thread_cache_blocks:0")?;
     let pytorch = matches!(options.policy, Policy::Pytorch | Policy::PytorchExpandable);
     match options.policy {
         Policy::Pytorch | Policy::PytorchExpandable => builder = builder.conf(&trace.pytorch_conf)?,

@@ -22,7 +22,8 @@ fn child_replay_driver_calls() {
     let options = ReplayOptions { capacity: 1 << 40, policy, conf: conf.clone(), samples: 0, record_to: None };
     let replayed = replay(&trace, &options).unwrap().driver_calls;
 
-    let alloc = cuda_allocator("");
+    // The heap's placement, which replay plays: threads' caches off.
+    let alloc = cuda_allocator("thread_cache_blocks:0");
     let sim = Simgpu::load();
     // SAFETY: a simgpu entry point with no arguments.
     let before = unsafe { (sim.memory_calls)() };
