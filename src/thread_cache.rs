@@ -68,6 +68,8 @@ struct OwnerCache {
     occupied: u64,
     /// The bytes of the occupied entries.
     bytes: u64,
+    /// The entry the next free evicts when all are occupied (round robin).
+    evict_next: usize,
     /// The slot's news when last looked at (`cache_slot.rs`).
     news: u64,
     /// Blocks handed out from the cache, by address: their index in `classes`.
@@ -262,6 +264,7 @@ impl Bounds {
                         entries: vec![Entry::default(); self.blocks],
                         occupied: 0,
                         bytes: 0,
+                        evict_next: 0,
                         news: 0,
                         live: AddrMap::default(),
                         classes: Vec::new(),
@@ -273,10 +276,23 @@ impl Bounds {
                 }
             };
             let cache = &mut caches[position];
+            if cache.slot.news() != cache.news {
+                cache.catch_up();
+            }
             cache.live.remove(ptr);
-            let (entry, room) = cache.room().map_or((None, 0), |(entry, room)| (Some(entry), room));
-            let result = dev.free_or_lend(ptr, cache.index, entry, room, size);
-            if let (Ok(FreedOrLent::Lent(lent)), Some(entry)) = (&result, entry) {
+            // An empty entry, else the next in turn, whose block goes back.
+            let (entry, room) = cache.room().unwrap_or_else(|| {
+                let victim = cache.evict_next;
+                cache.evict_next = (victim + 1) % cache.entries.len();
+                let victim_size = cache.classes[cache.entries[victim].class as usize].size;
+                (victim, cache.max_bytes.saturating_sub(cache.bytes - victim_size))
+            });
+            let result = dev.free_or_lend(ptr, cache.index, Some(entry), room, size);
+            if let Ok(FreedOrLent::Lent(lent)) = &result {
+                if cache.occupied & (1 << entry) != 0 {
+                    cache.occupied &= !(1 << entry);
+                    cache.bytes -= cache.classes[cache.entries[entry].class as usize].size;
+                }
                 cache.fill(entry, Class { requested: lent.requested, size: lent.size, stream: lent.stream, kind: lent.kind as usize });
             }
             Some(result)

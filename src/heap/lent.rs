@@ -122,9 +122,11 @@ impl DeviceHeap {
         self.lending.slots[index as usize] = None;
     }
 
-    /// The slow free of `ptr` on the thread whose cache is slot `index`: a
-    /// plain free, except that an allocated block of the shared pools, of at
-    /// most `max_size` bytes, is lent to the cache's empty entry `entry`.
+    /// The slow free of `ptr` on the thread whose cache is slot `index`
+    /// (called by that thread): a plain free, except that an allocated
+    /// block of the shared pools, of at most `max_size` bytes, is lent to
+    /// the cache's entry `entry`, whose block, if it holds one, comes back
+    /// to the bins first (the cache is full: the entry its owner evicts).
     pub(crate) fn free_or_lend(&mut self, ptr: u64, index: u32, entry: Option<usize>, max_size: u64) -> Result<FreedOrLent, AllocError> {
         let found = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
         let lendable = match (found, entry) {
@@ -134,6 +136,11 @@ impl DeviceHeap {
         let (Some(id), Some(entry), true) = (found, entry, lendable) else {
             return self.free(ptr).map(FreedOrLent::Freed);
         };
+        let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
+        let evicted = record.slot.entry(entry);
+        if evicted != 0 {
+            self.take_back_entry(index, entry, evicted);
+        }
         let freed = self.count_free(id, ptr, true);
         let b = &mut self.blocks[id];
         b.state = BlockState::Lent;
@@ -153,6 +160,25 @@ impl DeviceHeap {
         self.arm_slot(index);
         let stream = self.pools[pool as usize].stream;
         Ok(FreedOrLent::Lent(LentBlock { size: freed.size, requested: freed.requested, kind, stream }))
+    }
+
+    /// Takes the block at `addr` out of entry `entry` of slot `index`, to
+    /// the bins (its owner asks: it is not handing out meanwhile).
+    fn take_back_entry(&mut self, index: u32, entry: usize, addr: u64) {
+        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        record.slot.set_entry(entry, 0);
+        let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
+        let (size, requested, kind) = (self.blocks[id].size, self.blocks[id].requested, self.blocks[id].kind as usize);
+        if record.slot.is_armed() {
+            for (g, amount) in amounts(size, requested).into_iter().enumerate() {
+                record.claim[g][kind] -= amount;
+                self.lending.claims[g][kind] -= amount;
+            }
+        }
+        self.unlink_lent(id);
+        self.blocks[id].requested = 0;
+        self.flush_stash(self.blocks[id].pool);
+        self.bin_freed(id);
     }
 
     /// Whether the allocated block `id` may go to a thread's cache.
