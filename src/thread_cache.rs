@@ -74,6 +74,9 @@ struct OwnerCache {
     news: u64,
     /// Blocks handed out from the cache, by address: their index in `classes`.
     live: AddrMap,
+    /// The block handed out last (0: none) and its class, kept out of
+    /// `live` until the next hand-out: a pair frees it before then.
+    last_out: (u64, u32),
     classes: Vec<Class>,
     class_index: HashMap<Class, u32>,
     max_bytes: u64,
@@ -97,7 +100,7 @@ impl OwnerCache {
     fn catch_up(&mut self) {
         self.news = self.slot.news();
         for addr in self.slot.take_remote() {
-            self.live.remove(addr);
+            self.forget(addr);
         }
         let (mut occupied, mut bytes) = (0, 0);
         for (i, entry) in self.entries.iter().enumerate() {
@@ -107,6 +110,35 @@ impl OwnerCache {
             }
         }
         (self.occupied, self.bytes) = (occupied, bytes);
+    }
+
+    /// Notes `addr`, of class `index`, as handed out.
+    #[inline(always)]
+    fn remember(&mut self, addr: u64, index: u32) {
+        let (last, last_index) = std::mem::replace(&mut self.last_out, (addr, index));
+        if last != 0 {
+            self.live.insert(last, last_index);
+        }
+    }
+
+    /// Forgets `addr` as handed out; its class if it was.
+    #[inline(always)]
+    fn forget(&mut self, addr: u64) -> Option<u32> {
+        if self.last_out.0 == addr && addr != 0 {
+            let index = self.last_out.1;
+            self.last_out = (0, 0);
+            return Some(index);
+        }
+        self.live.remove(addr)
+    }
+
+    /// The class of `addr` if it was handed out.
+    #[inline(always)]
+    fn handed_out(&self, addr: u64) -> Option<u32> {
+        if self.last_out.0 == addr && addr != 0 {
+            return Some(self.last_out.1);
+        }
+        self.live.get(addr)
     }
 
     /// The occupied entry serving a request of `size` bytes on `stream`.
@@ -205,7 +237,7 @@ impl Bounds {
             slot.end_hand_out();
             cache.occupied &= !(1 << i);
             cache.bytes -= class.size;
-            cache.live.insert(addr, entry.class);
+            cache.remember(addr, entry.class);
             Some(addr)
         })
     }
@@ -216,7 +248,7 @@ impl Bounds {
     #[inline(always)]
     pub fn free(&self, device: usize, ptr: u64, size: Option<u64>) -> bool {
         with_cache(self.allocator, device, |cache| {
-            let index = cache.live.get(ptr)?;
+            let index = cache.handed_out(ptr)?;
             let class = cache.classes[index as usize];
             if size.is_some_and(|s| s != class.requested) || !cache.slot.is_armed() {
                 return None;
@@ -225,7 +257,7 @@ impl Bounds {
             if class.size > room {
                 return None;
             }
-            cache.live.remove(ptr);
+            cache.forget(ptr);
             cache.fill_with(entry, index);
             // The entry first: a recall that takes it then counts the free
             // later, never a free of a block it does not find.
@@ -267,6 +299,7 @@ impl Bounds {
                         evict_next: 0,
                         news: 0,
                         live: AddrMap::default(),
+                        last_out: (0, 0),
                         classes: Vec::new(),
                         class_index: HashMap::new(),
                         max_bytes: self.bytes,
@@ -279,7 +312,7 @@ impl Bounds {
             if cache.slot.news() != cache.news {
                 cache.catch_up();
             }
-            cache.live.remove(ptr);
+            cache.forget(ptr);
             // An empty entry, else the next in turn, whose block goes back.
             let (entry, room) = cache.room().unwrap_or_else(|| {
                 let victim = cache.evict_next;
