@@ -295,3 +295,134 @@ fn two_threads_on_one_stream_keep_exact_counts() {
     assert!(stats.allocated_bytes.all.peak <= 1024, "peak {}", stats.allocated_bytes.all.peak);
     alloc.validate().unwrap();
 }
+
+/// Threads that run closures one at a time, in the order given: a random
+/// sequence of calls spread over several threads, still one sequence.
+struct Workers {
+    jobs: Vec<std::sync::mpsc::Sender<Box<dyn FnOnce() + Send>>>,
+    handles: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Workers {
+    fn new(count: usize) -> Workers {
+        let (mut jobs, mut handles) = (Vec::new(), Vec::new());
+        for _ in 0..count {
+            let (send, receive) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+            jobs.push(send);
+            handles.push(std::thread::spawn(move || receive.into_iter().for_each(|job| job())));
+        }
+        Workers { jobs, handles }
+    }
+
+    /// Runs `job` on thread `thread` and returns its result.
+    fn run<R: Send + 'static>(&self, thread: usize, job: impl FnOnce() -> R + Send + 'static) -> R {
+        let (send, receive) = std::sync::mpsc::channel();
+        self.jobs[thread].send(Box::new(move || send.send(job()).unwrap())).unwrap();
+        receive.recv().unwrap()
+    }
+
+    /// Ends the threads (their caches go back to the heap).
+    fn join(self) {
+        drop(self.jobs);
+        self.handles.into_iter().for_each(|h| h.join().unwrap());
+    }
+}
+
+mod model {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    use crate::common::{check, fill};
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Alloc { thread: usize, size: u64 },
+        Free { thread: usize, pick: usize },
+        DoubleFree { thread: usize, pick: usize },
+        Stats,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let size = prop_oneof![Just(512u64), Just(4096), Just(65_536), Just(MIB + 512), Just(3 * MIB), 1u64..(6 * MIB)];
+        prop_oneof![
+            10 => (0usize..3, size).prop_map(|(thread, size)| Op::Alloc { thread, size }),
+            8 => (0usize..3, any::<usize>()).prop_map(|(thread, pick)| Op::Free { thread, pick }),
+            1 => (0usize..3, any::<usize>()).prop_map(|(thread, pick)| Op::DoubleFree { thread, pick }),
+            1 => Just(Op::Stats),
+        ]
+    }
+
+    /// Every block handed out lies apart from the others and keeps its
+    /// contents; every figure read equals what is live; a double free on
+    /// any thread is refused; the heap stays valid.
+    fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+        let (alloc, _) = host_allocator(1, 1 << 34, "thread_cache_blocks:4,thread_cache_mb:8");
+        let alloc = Arc::new(alloc);
+        let workers = Workers::new(3);
+        let mut live: BTreeMap<u64, (u64, u64, u64)> = BTreeMap::new(); // addr -> (block, requested, tag)
+        let mut freed = Vec::new();
+        let mut refused = 0;
+        for (step, op) in ops.into_iter().enumerate() {
+            match op {
+                Op::Alloc { thread, size } => {
+                    let a = alloc.clone();
+                    let ptr = workers.run(thread, move || a.allocate(0, size as usize, Stream::DEFAULT).unwrap());
+                    let block = alloc.device(0).unwrap().live_size(ptr).expect("a block handed out is live");
+                    if let Some((&addr, &(len, _, _))) = live.range(..ptr.0).next_back() {
+                        prop_assert!(addr + len <= ptr.0, "overlaps the block at {:#x}", addr);
+                    }
+                    if let Some((&addr, _)) = live.range(ptr.0..).next() {
+                        prop_assert!(ptr.0 + block <= addr, "overlaps the block at {:#x}", addr);
+                    }
+                    fill(ptr, size, step as u64);
+                    live.insert(ptr.0, (block, size, step as u64));
+                }
+                Op::Free { thread, pick } if !live.is_empty() => {
+                    let addr = *live.keys().nth(pick % live.len()).unwrap();
+                    let (_, requested, tag) = live.remove(&addr).unwrap();
+                    prop_assert_eq!(check(DevicePtr(addr), requested, tag), Ok(()));
+                    let a = alloc.clone();
+                    workers.run(thread, move || a.free(0, DevicePtr(addr)).unwrap());
+                    freed.push(addr);
+                }
+                Op::DoubleFree { thread, pick } if !freed.is_empty() => {
+                    let addr = freed[pick % freed.len()];
+                    if !live.contains_key(&addr) {
+                        let a = alloc.clone();
+                        let result = workers.run(thread, move || a.free(0, DevicePtr(addr)));
+                        prop_assert!(matches!(result, Err(AllocError::InvalidFree { .. })), "{:?}", result);
+                        refused += 1;
+                    }
+                }
+                Op::Stats => {
+                    let stats = alloc.stats(0).unwrap();
+                    prop_assert_eq!(stats.allocation.all.current, live.len() as u64);
+                    prop_assert_eq!(stats.requested_bytes.all.current, live.values().map(|v| v.1).sum::<u64>());
+                    prop_assert_eq!(stats.allocated_bytes.all.current, live.values().map(|v| v.0).sum::<u64>());
+                    prop_assert_eq!(stats.events.num_invalid_frees, refused);
+                    alloc.validate().map_err(TestCaseError::fail)?;
+                }
+                _ => {}
+            }
+        }
+        for (addr, (_, requested, tag)) in std::mem::take(&mut live) {
+            prop_assert_eq!(check(DevicePtr(addr), requested, tag), Ok(()));
+            alloc.free(0, DevicePtr(addr)).unwrap();
+        }
+        workers.join();
+        alloc.validate().map_err(TestCaseError::fail)?;
+        let stats = alloc.stats(0).unwrap();
+        prop_assert_eq!((stats.allocated_bytes.all.current, stats.num_allocs), (0, stats.num_frees));
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+        #[test]
+        fn calls_spread_over_threads_agree_with_a_model_of_live_ranges(ops in prop::collection::vec(op(), 1..120)) {
+            run(ops)?;
+        }
+    }
+}
