@@ -187,17 +187,18 @@ impl Allocator {
         let dev = &self.devices[device];
         let heap = dev.shard(stream);
         if let Some(caches) = &self.thread_caches {
-            if let Some(addr) = caches.allocate(device, size as u64, stream) {
-                return Ok(DevicePtr(addr));
-            }
-            // A cached block fits but the cache is disarmed: armed again,
-            // the cache serves it; else the block goes back for the heap to serve.
-            if let Some(index) = caches.disarmed_holding(device, size as u64, stream) {
-                if heap.lock().arm_or_recall(index) {
-                    if let Some(addr) = caches.allocate(device, size as u64, stream) {
-                        return Ok(DevicePtr(addr));
+            match caches.allocate(device, size as u64, stream) {
+                Ok(addr) => return Ok(DevicePtr(addr)),
+                // A cached block fits but the cache is disarmed: armed again,
+                // the cache serves it; else the block goes back for the heap to serve.
+                Err(Some(index)) => {
+                    if heap.lock().arm_or_recall(index) {
+                        if let Ok(addr) = caches.allocate(device, size as u64, stream) {
+                            return Ok(DevicePtr(addr));
+                        }
                     }
                 }
+                Err(None) => {}
             }
         }
         let result = heap.lock().allocate(size as u64, stream);

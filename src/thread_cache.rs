@@ -218,14 +218,18 @@ fn with_cache<R>(allocator: u64, device: usize, f: impl FnOnce(&mut OwnerCache) 
 }
 
 impl Bounds {
-    /// A request of `size` bytes on `stream` served from this thread's cache.
+    /// A request of `size` bytes on `stream` served from this thread's
+    /// cache: `Ok` with the address, else `Err` with the slot's index
+    /// when the cache holds a block for it but is disarmed (`None`: it holds none).
     #[inline(always)]
-    pub fn allocate(&self, device: usize, size: u64, stream: Stream) -> Option<u64> {
+    pub fn allocate(&self, device: usize, size: u64, stream: Stream) -> Result<u64, Option<u32>> {
         with_cache(self.allocator, device, |cache| {
-            let i = cache.find(size, stream)?;
+            let Some(i) = cache.find(size, stream) else {
+                return Some(Err(None));
+            };
             let slot = &cache.slot;
             if !slot.begin_hand_out() {
-                return None;
+                return Some(Err(Some(cache.index)));
             }
             // Armed without a break since the entries were last synced (only
             // this thread arms): entry `i` still holds its block.
@@ -238,8 +242,9 @@ impl Bounds {
             cache.occupied &= !(1 << i);
             cache.bytes -= class.size;
             cache.remember(addr, entry.class);
-            Some(addr)
+            Some(Ok(addr))
         })
+        .unwrap_or(Err(None))
     }
 
     /// Frees `ptr` into this thread's cache if the cache handed it out, is
@@ -266,13 +271,6 @@ impl Bounds {
             Some(())
         })
         .is_some()
-    }
-
-    /// This thread's slot on `device`, if it is disarmed and caches a block
-    /// for a request of `size` bytes on `stream`.
-    #[cold]
-    pub fn disarmed_holding(&self, device: usize, size: u64, stream: Stream) -> Option<u32> {
-        with_cache(self.allocator, device, |cache| (cache.find(size, stream).is_some() && !cache.slot.is_armed()).then_some(cache.index))
     }
 
     /// The free of `ptr` through `devices[device]`'s heap, which lends the

@@ -134,7 +134,15 @@ impl DeviceHeap {
             _ => false,
         };
         let (Some(id), Some(entry), true) = (found, entry, lendable) else {
-            return self.free(ptr).map(FreedOrLent::Freed);
+            return match found {
+                // An allocated block that stays with the heap: freed as `free` would.
+                Some(id) if self.recorded_streams.is_empty() => {
+                    let freed = self.count_free(id, ptr, true);
+                    self.deactivate(id);
+                    Ok(FreedOrLent::Freed(freed))
+                }
+                _ => self.free(ptr).map(FreedOrLent::Freed),
+            };
         };
         let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
         let evicted = record.slot.entry(entry);
