@@ -284,6 +284,8 @@ impl Bounds {
             let position = match caches.iter().position(|c| c.allocator == self.allocator && c.device == device) {
                 Some(position) => position,
                 None => {
+                    // Caches of allocators since dropped have nothing left to give back.
+                    caches.retain(|c| c.devices.strong_count() > 0);
                     let slot = Arc::new(CacheSlot::new(self.blocks));
                     let index = dev.register_slot(slot.clone());
                     caches.push(OwnerCache {

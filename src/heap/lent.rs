@@ -171,18 +171,14 @@ impl DeviceHeap {
     }
 
     /// Takes the block at `addr` out of entry `entry` of slot `index`, to
-    /// the bins (its owner asks: it is not handing out meanwhile).
+    /// the bins (its owner asks: it is not handing out meanwhile). The slot
+    /// is folded in and disarmed first: its claim is recomputed when it is
+    /// armed again.
     fn take_back_entry(&mut self, index: u32, entry: usize, addr: u64) {
+        self.absorb(index);
         let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
         record.slot.set_entry(entry, 0);
         let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
-        let (size, requested, kind) = (self.blocks[id].size, self.blocks[id].requested, self.blocks[id].kind as usize);
-        if record.slot.is_armed() {
-            for (g, amount) in amounts(size, requested).into_iter().enumerate() {
-                record.claim[g][kind] -= amount;
-                self.lending.claims[g][kind] -= amount;
-            }
-        }
         self.unlink_lent(id);
         self.blocks[id].requested = 0;
         self.flush_stash(self.blocks[id].pool);
@@ -365,6 +361,9 @@ impl DeviceHeap {
     /// in its cache's entries, it is free (false); otherwise it was handed
     /// out again and becomes a plain allocated block, its owner told to
     /// forget it (true).
+    /// (The slot is folded in first, so that the gauges count the block
+    /// as allocated before the caller frees it: that disarms the slot until
+    /// its owner's next request.)
     pub(super) fn settle_lent(&mut self, id: BlockId) -> bool {
         let index = self.blocks[id].lent_to;
         let slot = self.lending.slots[index as usize].as_ref().expect("a lent block's slot is registered").slot.clone();
