@@ -426,3 +426,33 @@ mod model {
         }
     }
 }
+
+#[test]
+fn evicting_a_block_freed_into_the_cache_after_it_was_armed_keeps_the_figures() {
+    // Two entries. `a` is handed out by the cache, then the cache is
+    // armed again (its claim: what it holds then, not `a`), then `a` comes
+    // back into it, and fuller caches evict it: the heap must take it back
+    // without counting it out of a claim it was never in.
+    let (alloc, _) = host_allocator(1, 1 << 30, "thread_cache_blocks:2");
+    // Peaks (of bytes and of blocks) well above what follows: the cache
+    // stays armed throughout.
+    let many: Vec<_> = (0..8).map(|_| alloc.allocate(0, 128 << 10, Stream::DEFAULT).unwrap()).collect();
+    many.into_iter().for_each(|p| alloc.free(0, p).unwrap());
+    alloc.stats(0).unwrap();
+    let a = alloc.allocate(0, 64 << 10, Stream::DEFAULT).unwrap();
+    alloc.free(0, a).unwrap();
+    let a = alloc.allocate(0, 64 << 10, Stream::DEFAULT).unwrap();
+    alloc.stats(0).unwrap(); // takes the cache back and folds it in
+    let b = alloc.allocate(0, 4096, Stream::DEFAULT).unwrap();
+    alloc.free(0, b).unwrap(); // lent, the cache armed again
+    alloc.free(0, a).unwrap(); // into the cache's second entry
+    for size in [8192, 12288, 16384] {
+        let p = alloc.allocate(0, size, Stream::DEFAULT).unwrap();
+        alloc.free(0, p).unwrap(); // each evicts the entry in turn
+    }
+    let stats = alloc.stats(0).unwrap();
+    assert_eq!((stats.allocated_bytes.all.current, stats.allocation.all.current), (0, 0));
+    assert_eq!(stats.allocated_bytes.all.peak, MIB);
+    assert_eq!(stats.allocation.all.peak, 8);
+    alloc.validate().unwrap();
+}
