@@ -106,7 +106,10 @@ impl Allocator {
         let fork_generation = backend::fork::watch_forks();
         let pid = std::process::id();
         let contexts = frames::Contexts::default();
-        let thread_caches = (config.thread_cache_blocks > 0 && config.stream_shards == 1)
+        // A heap recorded from the start (a trace, history) sees every
+        // event under its lock: caches would only be looked at and passed by.
+        let recorded = recorder.is_some() || config.history_entries > 0;
+        let thread_caches = (config.thread_cache_blocks > 0 && config.stream_shards == 1 && !recorded)
             .then(|| thread_cache::Bounds::new(config.thread_cache_blocks, config.thread_cache_bytes));
         Allocator { config, backend, devices, recorder, reclaimer, pid, fork_generation, contexts, thread_caches }
     }
