@@ -161,6 +161,11 @@ impl CacheSlot {
         self.entries.iter().any(|e| e.load(Ordering::Acquire) == addr)
     }
 
+    /// Whether no entry holds a block.
+    pub fn is_empty(&self) -> bool {
+        self.entries.iter().all(|e| e.load(Ordering::Acquire) == 0)
+    }
+
     /// The addresses in the entries now.
     pub fn cached(&self) -> Vec<u64> {
         self.entries.iter().map(|e| e.load(Ordering::Acquire)).filter(|&a| a != 0).collect()

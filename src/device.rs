@@ -410,11 +410,7 @@ impl Device {
     ) -> Result<FreedOrLent, AllocError> {
         let mut heap = self.shards[0].lock();
         let outcome = heap.free_or_lend(ptr, index, entry, max_size)?;
-        let requested = match outcome {
-            FreedOrLent::Freed(freed) => freed.requested,
-            FreedOrLent::Lent(lent) => lent.requested,
-        };
-        if size.is_some_and(|size| size != requested) {
+        if size.is_some_and(|size| size != outcome.requested()) {
             heap.count_size_mismatch();
         }
         Ok(outcome)

@@ -84,7 +84,8 @@ struct OwnerCache {
     devices: Weak<[Device]>,
 }
 
-/// What an entry holds: the request it serves, and its class.
+/// What an entry holds: its class, and the request it serves copied from
+/// the class (the search for a request reads the entries alone).
 #[derive(Clone, Copy, Debug, Default)]
 struct Entry {
     requested: u64,
@@ -93,6 +94,37 @@ struct Entry {
 }
 
 impl OwnerCache {
+    /// The cache of this thread on `devices[device]`, registered there.
+    fn new(bounds: &Bounds, devices: &Arc<[Device]>, device: usize) -> OwnerCache {
+        let slot = Arc::new(CacheSlot::new(bounds.blocks));
+        let index = devices[device].register_slot(slot.clone());
+        OwnerCache {
+            allocator: bounds.allocator,
+            device,
+            slot,
+            index,
+            entries: vec![Entry::default(); bounds.blocks],
+            occupied: 0,
+            bytes: 0,
+            evict_next: 0,
+            news: 0,
+            live: AddrMap::default(),
+            last_out: (0, 0),
+            classes: Vec::new(),
+            class_index: HashMap::new(),
+            max_bytes: bounds.bytes,
+            devices: Arc::downgrade(devices),
+        }
+    }
+
+    /// Looks at what the heap did since the last look, if anything.
+    #[inline(always)]
+    fn catch_up_if_news(&mut self) {
+        if self.slot.news() != self.news {
+            self.catch_up();
+        }
+    }
+
     /// After the heap did something: forgets the blocks other threads
     /// freed (the heap has them back) and looks at which entries are
     /// still occupied.
@@ -184,6 +216,13 @@ impl OwnerCache {
         self.occupied |= 1 << i;
         self.bytes += class.size;
     }
+
+    /// Notes that entry `i`, occupied, is now empty.
+    #[inline(always)]
+    fn empty(&mut self, i: usize) {
+        self.occupied &= !(1 << i);
+        self.bytes -= self.classes[self.entries[i].class as usize].size;
+    }
 }
 
 impl Drop for OwnerCache {
@@ -208,9 +247,7 @@ fn with_cache<R>(allocator: u64, device: usize, f: impl FnOnce(&mut OwnerCache) 
         .try_with(|caches| {
             let mut caches = caches.try_borrow_mut().ok()?;
             let cache = caches.iter_mut().find(|c| c.allocator == allocator && c.device == device)?;
-            if cache.slot.news() != cache.news {
-                cache.catch_up();
-            }
+            cache.catch_up_if_news();
             f(cache)
         })
         .ok()
@@ -239,8 +276,7 @@ impl Bounds {
             slot.set_entry(i, 0);
             slot.count_up(class.kind, [1, class.size, class.requested]);
             slot.end_hand_out();
-            cache.occupied &= !(1 << i);
-            cache.bytes -= class.size;
+            cache.empty(i);
             cache.remember(addr, entry.class);
             Some(Ok(addr))
         })
@@ -286,32 +322,12 @@ impl Bounds {
                 None => {
                     // Caches of allocators since dropped have nothing left to give back.
                     caches.retain(|c| c.devices.strong_count() > 0);
-                    let slot = Arc::new(CacheSlot::new(self.blocks));
-                    let index = dev.register_slot(slot.clone());
-                    caches.push(OwnerCache {
-                        allocator: self.allocator,
-                        device,
-                        slot,
-                        index,
-                        entries: vec![Entry::default(); self.blocks],
-                        occupied: 0,
-                        bytes: 0,
-                        evict_next: 0,
-                        news: 0,
-                        live: AddrMap::default(),
-                        last_out: (0, 0),
-                        classes: Vec::new(),
-                        class_index: HashMap::new(),
-                        max_bytes: self.bytes,
-                        devices: Arc::downgrade(devices),
-                    });
+                    caches.push(OwnerCache::new(self, devices, device));
                     caches.len() - 1
                 }
             };
             let cache = &mut caches[position];
-            if cache.slot.news() != cache.news {
-                cache.catch_up();
-            }
+            cache.catch_up_if_news();
             cache.forget(ptr);
             // An empty entry, else the next in turn, whose block goes back.
             let (entry, room) = cache.room().unwrap_or_else(|| {
@@ -323,8 +339,7 @@ impl Bounds {
             let result = dev.free_or_lend(ptr, cache.index, Some(entry), room, size);
             if let Ok(FreedOrLent::Lent(lent)) = &result {
                 if cache.occupied & (1 << entry) != 0 {
-                    cache.occupied &= !(1 << entry);
-                    cache.bytes -= cache.classes[cache.entries[entry].class as usize].size;
+                    cache.empty(entry); // evicted
                 }
                 cache.fill(entry, Class { requested: lent.requested, size: lent.size, stream: lent.stream, kind: lent.kind as usize });
             }
@@ -335,9 +350,6 @@ impl Bounds {
             // The thread is exiting, or this is a free from inside the cache's own drop.
             _ => dev.free_or_lend(ptr, u32::MAX, None, 0, size),
         };
-        result.map(|outcome| match outcome {
-            FreedOrLent::Freed(freed) => freed.requested,
-            FreedOrLent::Lent(lent) => lent.requested,
-        })
+        result.map(|outcome| outcome.requested())
     }
 }

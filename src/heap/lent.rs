@@ -35,7 +35,7 @@
 
 use std::sync::Arc;
 
-use crate::cache_slot::{Amounts, CacheSlot, GAUGES};
+use crate::cache_slot::{Amounts, CacheSlot};
 
 use super::*;
 
@@ -78,9 +78,22 @@ pub enum FreedOrLent {
     Lent(LentBlock),
 }
 
-/// The amounts a block of `size` bytes, `requested` asked for, adds to the gauges.
-fn amounts(size: u64, requested: u64) -> [u64; GAUGES] {
-    [1, size, requested]
+/// Adds what a block of `kind`, `size` bytes, `requested` asked for,
+/// adds to the gauges (one allocation, its bytes, its request).
+fn add_block(to: &mut Amounts, kind: PoolKind, size: u64, requested: u64) {
+    for (gauge, amount) in to.iter_mut().zip([1, size, requested]) {
+        gauge[kind as usize] += amount;
+    }
+}
+
+impl FreedOrLent {
+    /// The bytes the freed block's caller had asked for.
+    pub fn requested(&self) -> u64 {
+        match self {
+            FreedOrLent::Freed(freed) => freed.requested,
+            FreedOrLent::Lent(lent) => lent.requested,
+        }
+    }
 }
 
 impl Lending {
@@ -129,20 +142,8 @@ impl DeviceHeap {
     /// to the bins first (the cache is full: the entry its owner evicts).
     pub(crate) fn free_or_lend(&mut self, ptr: u64, index: u32, entry: Option<usize>, max_size: u64) -> Result<FreedOrLent, AllocError> {
         let found = self.by_addr.get(ptr).filter(|&id| self.blocks[id].is_allocated());
-        let lendable = match (found, entry) {
-            (Some(id), Some(_)) => self.may_lend(id, max_size),
-            _ => false,
-        };
-        let (Some(id), Some(entry), true) = (found, entry, lendable) else {
-            return match found {
-                // An allocated block that stays with the heap: freed as `free` would.
-                Some(id) if self.recorded_streams.is_empty() => {
-                    let freed = self.count_free(id, ptr, true);
-                    self.deactivate(id);
-                    Ok(FreedOrLent::Freed(freed))
-                }
-                _ => self.free(ptr).map(FreedOrLent::Freed),
-            };
+        let (Some(id), Some(entry)) = (found.filter(|&id| self.may_lend(id, max_size)), entry) else {
+            return self.free(ptr).map(FreedOrLent::Freed);
         };
         let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
         let evicted = record.slot.entry(entry);
@@ -159,11 +160,8 @@ impl DeviceHeap {
         record.slot.set_entry(entry, ptr);
         if record.slot.is_armed() {
             // The free made room under the peaks for exactly this claim.
-            let add = amounts(freed.size, freed.requested);
-            for (g, amount) in add.into_iter().enumerate() {
-                record.claim[g][kind as usize] += amount;
-                self.lending.claims[g][kind as usize] += amount;
-            }
+            add_block(&mut record.claim, kind, freed.size, freed.requested);
+            add_block(&mut self.lending.claims, kind, freed.size, freed.requested);
         }
         self.arm_slot(index);
         let stream = self.pools[pool as usize].stream;
@@ -179,10 +177,24 @@ impl DeviceHeap {
         let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
         record.slot.set_entry(entry, 0);
         let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
+        self.return_to_bins(id);
+    }
+
+    /// The cached block `id`, taken out of its entry, goes to the bins.
+    fn return_to_bins(&mut self, id: BlockId) {
         self.unlink_lent(id);
         self.blocks[id].requested = 0;
+        // A block stashed beside it would no longer be where best fit goes.
         self.flush_stash(self.blocks[id].pool);
         self.bin_freed(id);
+    }
+
+    /// Whether threads' caches may hold blocks now: no private pool open
+    /// (a capture may be underway), no frees pending on other streams'
+    /// events (active memory's peaks are noted under the lock only), no
+    /// one watching every event.
+    fn lending_allowed(&self) -> bool {
+        self.may_release() && self.pending.is_empty() && !self.observers.observed
     }
 
     /// Whether the allocated block `id` may go to a thread's cache.
@@ -192,16 +204,14 @@ impl DeviceHeap {
         b.size <= max_size
             && pool.tag == 0
             && pool.private.is_none()
-            && self.may_release()
-            && self.pending.is_empty()
-            && !self.observers.observed
+            && self.lending_allowed()
             && (self.recorded_streams.is_empty() || !self.recorded_streams.contains_key(&b.addr))
     }
 
     /// Arms slot `index` at its owner's request, if its claim fits under
     /// the peaks and nothing forbids lending now; true when armed.
     pub(crate) fn arm_slot(&mut self, index: u32) -> bool {
-        if !self.may_release() || !self.pending.is_empty() || self.observers.observed {
+        if !self.lending_allowed() {
             return false;
         }
         let Some(record) = self.lending.slots[index as usize].as_ref() else {
@@ -216,9 +226,7 @@ impl DeviceHeap {
         for addr in record.slot.cached() {
             let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
             let b = &self.blocks[id];
-            for (g, amount) in amounts(b.size, b.requested).into_iter().enumerate() {
-                claim[g][b.kind as usize] += amount;
-            }
+            add_block(&mut claim, b.kind, b.size, b.requested);
         }
         if !self.fits_under_peaks(&claim) {
             return false;
@@ -261,13 +269,8 @@ impl DeviceHeap {
     #[cold]
     #[inline(never)]
     pub(super) fn make_room_under_peaks(&mut self, kind: PoolKind, size: u64, requested: u64) {
-        if self.lending.armed == 0 {
-            return;
-        }
         let mut more = Amounts::default();
-        for (g, amount) in amounts(size, requested).into_iter().enumerate() {
-            more[g][kind as usize] = amount;
-        }
+        add_block(&mut more, kind, size, requested);
         if !self.fits_under_peaks(&more) {
             self.disarm_all();
         }
@@ -314,11 +317,7 @@ impl DeviceHeap {
                 debug_assert!(false, "slot {index} cached {addr:#x}, not lent to it (a double free raced)");
                 continue;
             }
-            self.unlink_lent(id);
-            self.blocks[id].requested = 0;
-            // A block stashed beside it would no longer be where best fit goes.
-            self.flush_stash(self.blocks[id].pool);
-            self.bin_freed(id);
+            self.return_to_bins(id);
         }
     }
 
@@ -334,7 +333,7 @@ impl DeviceHeap {
     /// Before the heap grows: takes back every cached block; true when
     /// some came back.
     pub(super) fn recall_cached(&mut self) -> bool {
-        let cached = self.lending.slots.iter().flatten().any(|r| !r.slot.cached().is_empty());
+        let cached = self.lending.slots.iter().flatten().any(|r| !r.slot.is_empty());
         if cached {
             self.recall_all();
         }
@@ -351,7 +350,7 @@ impl DeviceHeap {
             let activity = record.slot.activity();
             let idle = activity == record.activity;
             record.activity = activity;
-            if idle && !record.slot.cached().is_empty() {
+            if idle && !record.slot.is_empty() {
                 self.recall(index);
             }
         }
@@ -449,10 +448,13 @@ impl DeviceHeap {
         Ok(record.slot.holds(self.blocks[id].addr))
     }
 
-    /// Whether the lent block `id` was handed out again (not in its cache's entries).
-    pub(super) fn lent_is_live(&self, id: BlockId) -> bool {
-        let index = self.blocks[id].lent_to as usize;
-        self.lending.slots.get(index).and_then(Option::as_ref).is_some_and(|r| !r.slot.holds(self.blocks[id].addr))
+    /// Whether block `id` is live: allocated, or lent and handed out again
+    /// (not in its cache's entries).
+    pub(super) fn is_live(&self, id: BlockId) -> bool {
+        let b = &self.blocks[id];
+        b.is_allocated()
+            || (b.state == BlockState::Lent
+                && self.lending.slots.get(b.lent_to as usize).and_then(Option::as_ref).is_some_and(|r| !r.slot.holds(b.addr)))
     }
 
     /// How many blocks the slots' lists hold.

@@ -114,8 +114,7 @@ impl DeviceHeap {
 
     /// The size of the live block at `ptr`, if there is one.
     pub fn live_size(&self, ptr: u64) -> Option<u64> {
-        let live = |id| self.blocks[id].is_allocated() || (self.blocks[id].state == BlockState::Lent && self.lent_is_live(id));
-        self.by_addr.get(ptr).filter(|&id| live(id)).map(|id| self.blocks[id].size)
+        self.by_addr.get(ptr).filter(|&id| self.is_live(id)).map(|id| self.blocks[id].size)
     }
 
     /// The statistics, with the cache figures computed now (stashed
