@@ -188,14 +188,13 @@ impl Allocator {
             return self.allocate_cold(device, size, stream, 0);
         }
         let dev = &self.devices[device];
-        let heap = dev.shard(stream);
         if let Some(caches) = &self.thread_caches {
             match caches.allocate(device, size as u64, stream) {
                 Ok(addr) => return Ok(DevicePtr(addr)),
                 // A cached block fits but the cache is disarmed: armed again,
                 // the cache serves it; else the block goes back for the heap to serve.
                 Err(Some(index)) => {
-                    if heap.lock().arm_or_recall(index) {
+                    if dev.shard(stream).lock().arm_or_recall(index) {
                         if let Ok(addr) = caches.allocate(device, size as u64, stream) {
                             return Ok(DevicePtr(addr));
                         }
@@ -204,6 +203,7 @@ impl Allocator {
                 Err(None) => {}
             }
         }
+        let heap = dev.shard(stream);
         let result = heap.lock().allocate(size as u64, stream);
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),

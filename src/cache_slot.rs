@@ -31,6 +31,32 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use parking_lot::Mutex;
 
+/// The slot of no cache: what an unused place in a thread's caches points at.
+pub static UNUSED: CacheSlot = CacheSlot::new();
+
+/// Slots no thread uses now (their threads exited), for the next to take.
+static SPARE: Mutex<Vec<&'static CacheSlot>> = parking_lot::const_mutex(Vec::new());
+
+/// A slot for a new thread's cache: a spare one, disarmed and emptied, else
+/// a new one. Slots live as long as the process (one per thread and device
+/// that used a cache at the same time, at most).
+pub fn take() -> &'static CacheSlot {
+    match SPARE.lock().pop() {
+        Some(slot) => {
+            slot.state.store(DISARMED, Ordering::Release);
+            slot.entries.iter().for_each(|e| e.store(0, Ordering::Release));
+            slot.remote.lock().clear();
+            slot
+        }
+        None => Box::leak(Box::new(CacheSlot::new())),
+    }
+}
+
+/// Gives back a slot no heap and no thread uses any more.
+pub fn give_back(slot: &'static CacheSlot) {
+    SPARE.lock().push(slot);
+}
+
 /// The owner may hand out cached blocks.
 pub const ARMED: u8 = 0;
 /// The owner is handing one out.
@@ -44,28 +70,33 @@ pub const GAUGES: usize = 3;
 /// Per gauge, per pool kind (small, large).
 pub type Amounts = [[u64; 2]; GAUGES];
 
+/// The most entries a slot has (`thread_cache_blocks`' bound): the owner
+/// keeps which are occupied in one `u64`.
+pub const MAX_ENTRIES: usize = 64;
+
 /// What one thread's cache shares (see the top of this file). Aligned so
 /// that two threads' slots share no cache line.
 #[repr(align(128))]
 pub struct CacheSlot {
     state: AtomicU8,
-    entries: Box<[AtomicU64]>,
-    ups: [[AtomicU64; 2]; GAUGES],
-    downs: [[AtomicU64; 2]; GAUGES],
+    entries: [AtomicU64; MAX_ENTRIES],
+    /// Per pool kind, per gauge (one kind's three sums side by side).
+    ups: [[AtomicU64; GAUGES]; 2],
+    downs: [[AtomicU64; GAUGES]; 2],
     news: AtomicU64,
     remote: Mutex<Vec<u64>>,
 }
 
 impl CacheSlot {
-    /// A disarmed slot of `entries` entries.
-    pub fn new(entries: usize) -> CacheSlot {
+    /// A disarmed slot, every entry empty.
+    pub const fn new() -> CacheSlot {
         CacheSlot {
             state: AtomicU8::new(DISARMED),
-            entries: (0..entries).map(|_| AtomicU64::new(0)).collect(),
-            ups: Default::default(),
-            downs: Default::default(),
+            entries: [const { AtomicU64::new(0) }; MAX_ENTRIES],
+            ups: [const { [const { AtomicU64::new(0) }; GAUGES] }; 2],
+            downs: [const { [const { AtomicU64::new(0) }; GAUGES] }; 2],
             news: AtomicU64::new(0),
-            remote: Mutex::new(Vec::new()),
+            remote: parking_lot::const_mutex(Vec::new()),
         }
     }
 
@@ -86,31 +117,25 @@ impl CacheSlot {
     /// The address in entry `index` (0: empty).
     #[inline(always)]
     pub fn entry(&self, index: usize) -> u64 {
-        self.entries[index].load(Ordering::Acquire)
+        self.entries[index % MAX_ENTRIES].load(Ordering::Acquire)
     }
 
     /// Fills the empty entry `index` (owner, any state) or empties it (owner, busy).
     #[inline(always)]
     pub fn set_entry(&self, index: usize, addr: u64) {
-        self.entries[index].store(addr, Ordering::Release);
+        self.entries[index % MAX_ENTRIES].store(addr, Ordering::Release);
     }
 
     /// Adds `amounts` (allocation, bytes, requested) of `kind` to the hand-outs' sums.
     #[inline(always)]
     pub fn count_up(&self, kind: usize, amounts: [u64; GAUGES]) {
-        let kind = kind & 1;
-        for (sums, amount) in self.ups.iter().zip(amounts) {
-            sums[kind].store(sums[kind].load(Ordering::Relaxed) + amount, Ordering::Release);
-        }
+        add(&self.ups[kind & 1], amounts);
     }
 
     /// Adds `amounts` of `kind` to the frees' sums.
     #[inline(always)]
     pub fn count_down(&self, kind: usize, amounts: [u64; GAUGES]) {
-        let kind = kind & 1;
-        for (sums, amount) in self.downs.iter().zip(amounts) {
-            sums[kind].store(sums[kind].load(Ordering::Relaxed) + amount, Ordering::Release);
-        }
+        add(&self.downs[kind & 1], amounts);
     }
 
     /// The count of the heap's doings the owner must look at (it changed:
@@ -175,7 +200,8 @@ impl CacheSlot {
     /// disarmed slot, whose hand-outs do not move, the two then describe a
     /// moment (frees made between the reads are of blocks already counted up).
     pub fn sums(&self) -> (Amounts, Amounts) {
-        let read = |sums: &[[AtomicU64; 2]; GAUGES]| sums.each_ref().map(|kinds| kinds.each_ref().map(|s| s.load(Ordering::Acquire)));
+        let read =
+            |sums: &[[AtomicU64; GAUGES]; 2]| std::array::from_fn(|gauge| [0, 1].map(|kind| sums[kind][gauge].load(Ordering::Acquire)));
         let downs = read(&self.downs);
         (read(&self.ups), downs)
     }
@@ -183,7 +209,7 @@ impl CacheSlot {
     /// How many hand-outs and frees the owner made: unchanged between two
     /// reclaimer passes, the cache is idle.
     pub fn activity(&self) -> u64 {
-        let count = |sums: &[[AtomicU64; 2]; GAUGES]| sums[0][0].load(Ordering::Relaxed) + sums[0][1].load(Ordering::Relaxed);
+        let count = |sums: &[[AtomicU64; GAUGES]; 2]| sums[0][0].load(Ordering::Relaxed) + sums[1][0].load(Ordering::Relaxed);
         count(&self.ups) + count(&self.downs)
     }
 
@@ -191,5 +217,19 @@ impl CacheSlot {
     pub fn push_remote(&self, addr: u64) {
         self.remote.lock().push(addr);
         self.news.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// Adds `amounts` to `sums`, which only the owner writes (no read-modify-write needed).
+#[inline(always)]
+fn add(sums: &[AtomicU64; GAUGES], amounts: [u64; GAUGES]) {
+    for (sum, amount) in sums.iter().zip(amounts) {
+        sum.store(sum.load(Ordering::Relaxed) + amount, Ordering::Release);
+    }
+}
+
+impl Default for CacheSlot {
+    fn default() -> CacheSlot {
+        CacheSlot::new()
     }
 }

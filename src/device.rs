@@ -389,7 +389,7 @@ impl Device {
 
     /// Registers a thread's cache (`thread_cache.rs`; caches are kept only
     /// with one shard); returns its index in the heap.
-    pub(crate) fn register_slot(&self, slot: Arc<CacheSlot>) -> u32 {
+    pub(crate) fn register_slot(&self, slot: &'static CacheSlot) -> u32 {
         self.shards[0].lock().register_slot(slot)
     }
 

@@ -9,6 +9,16 @@
 //! heap. The heap's side (counting, peaks, taking blocks back) and the
 //! protocol between them are in `heap/lent.rs` and `cache_slot.rs`.
 //!
+//! The owner's side is in two thread-locals: the hot one (`HOT`: the
+//! entries, what was handed out last; plain data, so reaching it costs no
+//! check of a destructor's state) and the cold one (`COLD`: the blocks
+//! handed out before the last, the sizes seen, and the destructor that
+//! gives everything back when the thread exits). A thread keeps caches for
+//! at most `HOT_CACHES` (allocator, device) pairs; requests on others go
+//! to the heap. Slots live as long as the process and are used again by
+//! later threads (`cache_slot::take`), so the hot side holds a plain
+//! reference to its slot.
+//!
 //! Every figure stays as without caches: the heap folds the caches' counts
 //! in when it is read and keeps the peaks exact. Bounds: `thread_cache_blocks`
 //! entries and `thread_cache_mb` bytes per thread and device. A thread's
@@ -23,17 +33,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use crate::addr_map::AddrMap;
-use crate::cache_slot::CacheSlot;
+use crate::cache_slot::{self, CacheSlot, MAX_ENTRIES};
 use crate::device::Device;
 use crate::error::AllocError;
 use crate::heap::FreedOrLent;
 use crate::types::Stream;
 
+/// The most (allocator, device) pairs one thread keeps caches for.
+pub const HOT_CACHES: usize = 4;
+
 /// The bounds of each thread's cache on a device, and the allocator they
 /// belong to.
 #[derive(Clone)]
 pub(crate) struct Bounds {
-    /// Tells one allocator's caches from another's in the same thread.
+    /// Tells one allocator's caches from another's in the same thread (never 0).
     pub allocator: u64,
     pub blocks: usize,
     pub bytes: u64,
@@ -48,7 +61,7 @@ impl Bounds {
 }
 
 /// What a cached block serves: requests of exactly `requested` bytes on `stream`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Class {
     requested: u64,
     size: u64,
@@ -56,66 +69,59 @@ struct Class {
     kind: usize,
 }
 
-/// One thread's cache on one device of one allocator.
-struct OwnerCache {
+/// A class and its index in `ColdCache::classes`: what an entry holds,
+/// and what the owner remembers of a block it handed out.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    class: Class,
+    index: u32,
+}
+
+impl Held {
+    const NONE: Held = Held { class: Class { requested: 0, size: 0, stream: Stream::DEFAULT, kind: 0 }, index: 0 };
+}
+
+/// The hot side of one thread's cache on one device of one allocator.
+#[derive(Clone, Copy)]
+struct HotCache {
+    /// 0: this place holds no cache.
     allocator: u64,
     device: usize,
-    slot: Arc<CacheSlot>,
+    slot: &'static CacheSlot,
     /// The slot's index in the heap.
     index: u32,
-    /// What each entry holds, where `occupied` has its bit.
-    entries: Vec<Entry>,
+    /// What each entry holds, where `occupied` has its bit; `usable` has
+    /// a bit for each of the `thread_cache_blocks` entries.
+    entries: [Held; MAX_ENTRIES],
     occupied: u64,
-    /// The bytes of the occupied entries.
+    usable: u64,
+    /// The bytes of the occupied entries, and the most they may be.
     bytes: u64,
+    max_bytes: u64,
     /// The entry the next free evicts when all are occupied (round robin).
     evict_next: usize,
     /// The slot's news when last looked at (`cache_slot.rs`).
     news: u64,
-    /// Blocks handed out from the cache, by address: their index in `classes`.
-    live: AddrMap,
-    /// The block handed out last (0: none) and its class, kept out of
-    /// `live` until the next hand-out: a pair frees it before then.
-    last_out: (u64, u32),
-    classes: Vec<Class>,
-    class_index: HashMap<Class, u32>,
-    max_bytes: u64,
-    /// For giving everything back when the thread exits.
-    devices: Weak<[Device]>,
+    /// The block handed out last (0: none) and what it is, kept out of the
+    /// cold side's `live` until the next hand-out: a pair frees it before then.
+    last_out: (u64, Held),
 }
 
-/// What an entry holds: its class, and the request it serves copied from
-/// the class (the search for a request reads the entries alone).
-#[derive(Clone, Copy, Debug, Default)]
-struct Entry {
-    requested: u64,
-    stream: Stream,
-    class: u32,
-}
-
-impl OwnerCache {
-    /// The cache of this thread on `devices[device]`, registered there.
-    fn new(bounds: &Bounds, devices: &Arc<[Device]>, device: usize) -> OwnerCache {
-        let slot = Arc::new(CacheSlot::new(bounds.blocks));
-        let index = devices[device].register_slot(slot.clone());
-        OwnerCache {
-            allocator: bounds.allocator,
-            device,
-            slot,
-            index,
-            entries: vec![Entry::default(); bounds.blocks],
-            occupied: 0,
-            bytes: 0,
-            evict_next: 0,
-            news: 0,
-            live: AddrMap::default(),
-            last_out: (0, 0),
-            classes: Vec::new(),
-            class_index: HashMap::new(),
-            max_bytes: bounds.bytes,
-            devices: Arc::downgrade(devices),
-        }
-    }
+impl HotCache {
+    const NONE: HotCache = HotCache {
+        allocator: 0,
+        device: 0,
+        slot: &cache_slot::UNUSED,
+        index: 0,
+        entries: [Held::NONE; MAX_ENTRIES],
+        occupied: 0,
+        usable: 0,
+        bytes: 0,
+        max_bytes: 0,
+        evict_next: 0,
+        news: 0,
+        last_out: (0, Held::NONE),
+    };
 
     /// Looks at what the heap did since the last look, if anything.
     #[inline(always)]
@@ -135,42 +141,45 @@ impl OwnerCache {
             self.forget(addr);
         }
         let (mut occupied, mut bytes) = (0, 0);
-        for (i, entry) in self.entries.iter().enumerate() {
+        for (i, held) in self.entries.iter().enumerate() {
             if self.slot.entry(i) != 0 {
                 occupied |= 1 << i;
-                bytes += self.classes[entry.class as usize].size;
+                bytes += held.class.size;
             }
         }
         (self.occupied, self.bytes) = (occupied, bytes);
     }
 
-    /// Notes `addr`, of class `index`, as handed out.
+    /// Notes `addr` as handed out.
     #[inline(always)]
-    fn remember(&mut self, addr: u64, index: u32) {
-        let (last, last_index) = std::mem::replace(&mut self.last_out, (addr, index));
+    fn remember(&mut self, addr: u64, held: Held) {
+        let (last, last_held) = std::mem::replace(&mut self.last_out, (addr, held));
         if last != 0 {
-            self.live.insert(last, last_index);
+            with_cold(self, |cold| cold.live.insert(last, last_held.index));
         }
     }
 
-    /// Forgets `addr` as handed out; its class if it was.
+    /// Forgets `addr` (not 0) as handed out.
     #[inline(always)]
-    fn forget(&mut self, addr: u64) -> Option<u32> {
-        if self.last_out.0 == addr && addr != 0 {
-            let index = self.last_out.1;
-            self.last_out = (0, 0);
-            return Some(index);
+    fn forget(&mut self, addr: u64) {
+        if self.last_out.0 == addr {
+            self.last_out.0 = 0;
+        } else {
+            with_cold(self, |cold| cold.live.remove(addr));
         }
-        self.live.remove(addr)
     }
 
-    /// The class of `addr` if it was handed out.
+    /// What `addr` (not 0) is, if this cache handed it out.
     #[inline(always)]
-    fn handed_out(&self, addr: u64) -> Option<u32> {
-        if self.last_out.0 == addr && addr != 0 {
+    fn handed_out(&self, addr: u64) -> Option<Held> {
+        if self.last_out.0 == addr {
             return Some(self.last_out.1);
         }
-        self.live.get(addr)
+        with_cold(self, |cold| {
+            let index = cold.live.get(addr)?;
+            Some(Held { class: cold.classes[index as usize], index })
+        })
+        .flatten()
     }
 
     /// The occupied entry serving a request of `size` bytes on `stream`.
@@ -178,9 +187,9 @@ impl OwnerCache {
     fn find(&self, size: u64, stream: Stream) -> Option<usize> {
         let mut bits = self.occupied;
         while bits != 0 {
-            let i = bits.trailing_zeros() as usize;
-            let entry = &self.entries[i];
-            if entry.requested == size && entry.stream == stream {
+            let i = bits.trailing_zeros() as usize % MAX_ENTRIES;
+            let class = &self.entries[i].class;
+            if class.requested == size && class.stream == stream {
                 return Some(i);
             }
             bits &= bits - 1;
@@ -191,67 +200,101 @@ impl OwnerCache {
     /// An empty entry and the bytes the cache can still take.
     #[inline(always)]
     fn room(&self) -> Option<(usize, u64)> {
-        let empty = (!self.occupied).trailing_zeros() as usize;
-        (empty < self.entries.len()).then(|| (empty, self.max_bytes.saturating_sub(self.bytes)))
+        let empty = self.usable & !self.occupied;
+        (empty != 0).then(|| (empty.trailing_zeros() as usize, self.max_bytes.saturating_sub(self.bytes)))
     }
 
-    /// Notes that entry `i` now holds a block of `class`.
+    /// Notes that entry `i` now holds `held`.
     #[inline(always)]
-    fn fill(&mut self, i: usize, class: Class) {
-        let index = match self.class_index.get(&class) {
-            Some(&index) => index,
-            None => {
-                self.classes.push(class);
-                self.class_index.insert(class, (self.classes.len() - 1) as u32);
-                (self.classes.len() - 1) as u32
-            }
-        };
-        self.fill_with(i, index);
-    }
-
-    #[inline(always)]
-    fn fill_with(&mut self, i: usize, index: u32) {
-        let class = self.classes[index as usize];
-        self.entries[i] = Entry { requested: class.requested, stream: class.stream, class: index };
+    fn fill(&mut self, i: usize, held: Held) {
+        let i = i % MAX_ENTRIES;
+        self.entries[i] = held;
         self.occupied |= 1 << i;
-        self.bytes += class.size;
+        self.bytes += held.class.size;
     }
 
     /// Notes that entry `i`, occupied, is now empty.
     #[inline(always)]
     fn empty(&mut self, i: usize) {
+        let i = i % MAX_ENTRIES;
         self.occupied &= !(1 << i);
-        self.bytes -= self.classes[self.entries[i].class as usize].size;
+        self.bytes -= self.entries[i].class.size;
     }
 }
 
-impl Drop for OwnerCache {
-    /// The thread exits: its cached blocks go back and those it handed out
-    /// become plain ones.
+/// The cold side of one thread's cache: what the hot side needs seldom,
+/// and its thread's exit.
+struct ColdCache {
+    allocator: u64,
+    device: usize,
+    slot: &'static CacheSlot,
+    index: u32,
+    /// Blocks handed out before the last, by address: their index in `classes`.
+    live: AddrMap,
+    classes: Vec<Class>,
+    class_index: HashMap<Class, u32>,
+    /// For giving everything back when the thread exits.
+    devices: Weak<[Device]>,
+}
+
+impl ColdCache {
+    /// The index of `class` in `classes`, added if new.
+    fn class_index(&mut self, class: Class) -> u32 {
+        if let Some(&index) = self.class_index.get(&class) {
+            return index;
+        }
+        self.classes.push(class);
+        let index = (self.classes.len() - 1) as u32;
+        self.class_index.insert(class, index);
+        index
+    }
+}
+
+impl Drop for ColdCache {
+    /// The thread exits (or the allocator was dropped): its cached blocks
+    /// go back and those it handed out become plain ones; the slot is
+    /// free for another thread.
     fn drop(&mut self) {
+        let _ = HOT.try_with(|hot| {
+            if let Ok(mut hot) = hot.try_borrow_mut() {
+                if let Some(cache) = hot.iter_mut().find(|c| c.allocator == self.allocator && c.device == self.device) {
+                    *cache = HotCache::NONE;
+                }
+            }
+        });
         if let Some(devices) = self.devices.upgrade() {
             devices[self.device].retire_slot(self.index);
         }
+        cache_slot::give_back(self.slot);
     }
 }
 
 thread_local! {
-    static CACHES: RefCell<Vec<OwnerCache>> = const { RefCell::new(Vec::new()) };
+    static HOT: RefCell<[HotCache; HOT_CACHES]> = const { RefCell::new([HotCache::NONE; HOT_CACHES]) };
+    static COLD: RefCell<Vec<ColdCache>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` on this thread's cache for (`allocator`, `device`), if it has
-/// one (and the thread is not exiting).
+/// Runs `f` on this thread's hot cache for (`allocator`, `device`), if it
+/// has one.
 #[inline(always)]
-fn with_cache<R>(allocator: u64, device: usize, f: impl FnOnce(&mut OwnerCache) -> Option<R>) -> Option<R> {
-    CACHES
-        .try_with(|caches| {
-            let mut caches = caches.try_borrow_mut().ok()?;
-            let cache = caches.iter_mut().find(|c| c.allocator == allocator && c.device == device)?;
-            cache.catch_up_if_news();
-            f(cache)
-        })
-        .ok()
-        .flatten()
+fn with_hot<R>(allocator: u64, device: usize, f: impl FnOnce(&mut HotCache) -> Option<R>) -> Option<R> {
+    HOT.with(|hot| {
+        let mut hot = hot.try_borrow_mut().ok()?;
+        let cache = hot.iter_mut().find(|c| c.allocator == allocator && c.device == device)?;
+        cache.catch_up_if_news();
+        f(cache)
+    })
+}
+
+/// Runs `f` on the cold side of `hot` (none once the thread is exiting).
+#[inline(never)]
+fn with_cold<R>(hot: &HotCache, f: impl FnOnce(&mut ColdCache) -> R) -> Option<R> {
+    COLD.try_with(|cold| {
+        let mut cold = cold.try_borrow_mut().ok()?;
+        cold.iter_mut().find(|c| c.allocator == hot.allocator && c.device == hot.device).map(f)
+    })
+    .ok()
+    .flatten()
 }
 
 impl Bounds {
@@ -260,37 +303,36 @@ impl Bounds {
     /// when the cache holds a block for it but is disarmed (`None`: it holds none).
     #[inline(always)]
     pub fn allocate(&self, device: usize, size: u64, stream: Stream) -> Result<u64, Option<u32>> {
-        with_cache(self.allocator, device, |cache| {
+        with_hot(self.allocator, device, |cache| {
             let Some(i) = cache.find(size, stream) else {
                 return Some(Err(None));
             };
-            let slot = &cache.slot;
+            let slot = cache.slot;
             if !slot.begin_hand_out() {
                 return Some(Err(Some(cache.index)));
             }
             // Armed without a break since the entries were last synced (only
             // this thread arms): entry `i` still holds its block.
             let addr = slot.entry(i);
-            let entry = cache.entries[i];
-            let class = cache.classes[entry.class as usize];
+            let held = cache.entries[i % MAX_ENTRIES];
             slot.set_entry(i, 0);
-            slot.count_up(class.kind, [1, class.size, class.requested]);
+            slot.count_up(held.class.kind, [1, held.class.size, held.class.requested]);
             slot.end_hand_out();
             cache.empty(i);
-            cache.remember(addr, entry.class);
+            cache.remember(addr, held);
             Some(Ok(addr))
         })
         .unwrap_or(Err(None))
     }
 
-    /// Frees `ptr` into this thread's cache if the cache handed it out, is
-    /// armed and has room; `size`, when the caller states one, must be the
-    /// size requested. False: the heap must free it (`free_slow`).
+    /// Frees `ptr` (not 0) into this thread's cache if the cache handed it
+    /// out, is armed and has room; `size`, when the caller states one, must
+    /// be the size requested. False: the heap must free it (`free_slow`).
     #[inline(always)]
     pub fn free(&self, device: usize, ptr: u64, size: Option<u64>) -> bool {
-        with_cache(self.allocator, device, |cache| {
-            let index = cache.handed_out(ptr)?;
-            let class = cache.classes[index as usize];
+        with_hot(self.allocator, device, |cache| {
+            let held = cache.handed_out(ptr)?;
+            let class = held.class;
             if size.is_some_and(|s| s != class.requested) || !cache.slot.is_armed() {
                 return None;
             }
@@ -299,7 +341,7 @@ impl Bounds {
                 return None;
             }
             cache.forget(ptr);
-            cache.fill_with(entry, index);
+            cache.fill(entry, held);
             // The entry first: a recall that takes it then counts the free
             // later, never a free of a block it does not find.
             cache.slot.set_entry(entry, ptr);
@@ -315,25 +357,20 @@ impl Bounds {
     /// counted as a mismatch).
     pub fn free_slow(&self, devices: &Arc<[Device]>, device: usize, ptr: u64, size: Option<u64>) -> Result<u64, AllocError> {
         let dev = &devices[device];
-        let lent = CACHES.try_with(|caches| {
-            let mut caches = caches.try_borrow_mut().ok()?;
-            let position = match caches.iter().position(|c| c.allocator == self.allocator && c.device == device) {
+        let lent = HOT.with(|hot| {
+            let mut hot = hot.try_borrow_mut().ok()?;
+            let position = match hot.iter().position(|c| c.allocator == self.allocator && c.device == device) {
                 Some(position) => position,
-                None => {
-                    // Caches of allocators since dropped have nothing left to give back.
-                    caches.retain(|c| c.devices.strong_count() > 0);
-                    caches.push(OwnerCache::new(self, devices, device));
-                    caches.len() - 1
-                }
+                None => self.open(&mut hot, devices, device)?,
             };
-            let cache = &mut caches[position];
+            let cache = &mut hot[position];
             cache.catch_up_if_news();
             cache.forget(ptr);
             // An empty entry, else the next in turn, whose block goes back.
             let (entry, room) = cache.room().unwrap_or_else(|| {
                 let victim = cache.evict_next;
-                cache.evict_next = (victim + 1) % cache.entries.len();
-                let victim_size = cache.classes[cache.entries[victim].class as usize].size;
+                cache.evict_next = (victim + 1) % (cache.usable.count_ones() as usize);
+                let victim_size = cache.entries[victim].class.size;
                 (victim, cache.max_bytes.saturating_sub(cache.bytes - victim_size))
             });
             let result = dev.free_or_lend(ptr, cache.index, Some(entry), room, size);
@@ -341,15 +378,65 @@ impl Bounds {
                 if cache.occupied & (1 << entry) != 0 {
                     cache.empty(entry); // evicted
                 }
-                cache.fill(entry, Class { requested: lent.requested, size: lent.size, stream: lent.stream, kind: lent.kind as usize });
+                let class = Class { requested: lent.requested, size: lent.size, stream: lent.stream, kind: lent.kind as usize };
+                let index = with_cold(cache, |cold| cold.class_index(class))?;
+                cache.fill(entry, Held { class, index });
             }
             Some(result)
         });
         let result = match lent {
-            Ok(Some(result)) => result,
-            // The thread is exiting, or this is a free from inside the cache's own drop.
-            _ => dev.free_or_lend(ptr, u32::MAX, None, 0, size),
+            Some(result) => result,
+            // No room for another cache, the thread is exiting, or this is a
+            // free from inside a cache's own drop.
+            None => dev.free_or_lend(ptr, u32::MAX, None, 0, size),
         };
         result.map(|outcome| outcome.requested())
+    }
+
+    /// Opens this thread's cache on `devices[device]` in an empty place of
+    /// `hot`, registered with the device; its place (None: no place, or the
+    /// thread is exiting).
+    #[cold]
+    fn open(&self, hot: &mut [HotCache; HOT_CACHES], devices: &Arc<[Device]>, device: usize) -> Option<usize> {
+        COLD.try_with(|cold| {
+            let mut cold = cold.try_borrow_mut().ok()?;
+            // Caches of allocators since dropped have nothing left to give
+            // back: their places are free again.
+            let (dead, kept): (Vec<ColdCache>, Vec<ColdCache>) = cold.drain(..).partition(|c| c.devices.strong_count() == 0);
+            *cold = kept;
+            drop(cold);
+            for gone in &dead {
+                hot.iter_mut().filter(|c| c.allocator == gone.allocator).for_each(|c| *c = HotCache::NONE);
+            }
+            drop(dead);
+            let position = hot.iter().position(|c| c.allocator == 0)?;
+            let slot = cache_slot::take();
+            let index = devices[device].register_slot(slot);
+            hot[position] = HotCache {
+                allocator: self.allocator,
+                device,
+                slot,
+                index,
+                usable: u64::MAX >> (MAX_ENTRIES - self.blocks.clamp(1, MAX_ENTRIES)),
+                max_bytes: self.bytes,
+                news: slot.news(),
+                ..HotCache::NONE
+            };
+            let devices = Arc::downgrade(devices);
+            let record = ColdCache {
+                allocator: self.allocator,
+                device,
+                slot,
+                index,
+                live: AddrMap::default(),
+                classes: Vec::new(),
+                class_index: HashMap::new(),
+                devices,
+            };
+            COLD.with(|cold| cold.borrow_mut().push(record));
+            Some(position)
+        })
+        .ok()
+        .flatten()
     }
 }

@@ -33,15 +33,13 @@
 //!   claims stay within the peaks.
 #![forbid(unsafe_code)]
 
-use std::sync::Arc;
-
 use crate::cache_slot::{Amounts, CacheSlot};
 
 use super::*;
 
 /// What the heap keeps of one thread's cache.
 struct SlotRecord {
-    slot: Arc<CacheSlot>,
+    slot: &'static CacheSlot,
     /// The slot's sums when last folded into the gauges.
     ups: Amounts,
     downs: Amounts,
@@ -107,9 +105,10 @@ impl Lending {
 
 impl DeviceHeap {
     /// Registers a thread's cache; returns the slot's index here.
-    pub(crate) fn register_slot(&mut self, slot: Arc<CacheSlot>) -> u32 {
-        let record =
-            SlotRecord { slot, ups: Amounts::default(), downs: Amounts::default(), claim: Amounts::default(), head: NIL, activity: 0 };
+    pub(crate) fn register_slot(&mut self, slot: &'static CacheSlot) -> u32 {
+        // A slot used before keeps its sums: what it did from now on counts.
+        let (ups, downs) = slot.sums();
+        let record = SlotRecord { slot, ups, downs, claim: Amounts::default(), head: NIL, activity: slot.activity() };
         let slots = &mut self.lending.slots;
         match slots.iter().position(Option::is_none) {
             Some(free) => {
@@ -310,7 +309,7 @@ impl DeviceHeap {
     pub(super) fn recall(&mut self, index: u32) {
         self.absorb(index);
         let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
-        let slot = record.slot.clone();
+        let slot = record.slot;
         for addr in slot.take_entries() {
             let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
             if self.blocks[id].state != BlockState::Lent {
@@ -365,7 +364,7 @@ impl DeviceHeap {
     /// its owner's next request.)
     pub(super) fn settle_lent(&mut self, id: BlockId) -> bool {
         let index = self.blocks[id].lent_to;
-        let slot = self.lending.slots[index as usize].as_ref().expect("a lent block's slot is registered").slot.clone();
+        let slot = self.lending.slots[index as usize].as_ref().expect("a lent block's slot is registered").slot;
         let addr = self.blocks[id].addr;
         if slot.holds(addr) {
             return false;

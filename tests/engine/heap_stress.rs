@@ -29,14 +29,14 @@ use common::{Rng, MIB};
 /// The host backend, with events of other streams' work that finish at
 /// random, and (`chaos`) calls that fail at random where the host backend
 /// has no fault of its own to inject.
-struct RandomBackend {
-    host: Arc<HostBackend>,
-    next_event: AtomicU64,
-    rng: Mutex<Rng>,
-    events_on: bool,
-    outstanding: Mutex<HashSet<u64>>,
+pub(crate) struct RandomBackend {
+    pub host: Arc<HostBackend>,
+    pub next_event: AtomicU64,
+    pub rng: Mutex<Rng>,
+    pub events_on: bool,
+    pub outstanding: Mutex<HashSet<u64>>,
     /// Percent chance that a call the host backend cannot fail fails.
-    chaos: u64,
+    pub chaos: u64,
 }
 
 impl RandomBackend {
@@ -133,31 +133,31 @@ impl Backend for RandomBackend {
 
 #[derive(Clone, Copy, Debug)]
 /// One configuration of the random steps.
-struct Opts {
+pub(crate) struct Opts {
     /// Expandable segments (else whole segments).
-    expandable: bool,
+    pub expandable: bool,
     /// The device's memory.
-    capacity: u64,
+    pub capacity: u64,
     /// Steps that make the backend fail its next allocations or releases.
-    faults: bool,
+    pub faults: bool,
     /// Allocations under tags 1 and 2, and steps that pause and resume them.
-    tags: bool,
+    pub tags: bool,
     /// Steps that begin, end and release private pools.
-    private: bool,
+    pub private: bool,
     /// Frees recorded on another stream (events that finish at random).
-    events: bool,
+    pub events: bool,
     /// Budgets (`max_reserved`, the shared reserve's limit) as well as idle decay.
-    budget: bool,
+    pub budget: bool,
     /// The largest request.
-    max_size: u64,
+    pub max_size: u64,
     /// Each pool's stash of its last freed block.
-    stash: bool,
+    pub stash: bool,
     /// Expandable segments' page (0: the backend's).
-    page: u64,
+    pub page: u64,
     /// Percent of the calls the host backend cannot fail that fail.
-    chaos: u64,
+    pub chaos: u64,
     /// max_split_size and roundup_power2_divisions as PyTorch's settings write them.
-    split_rules: bool,
+    pub split_rules: bool,
 }
 
 impl Default for Opts {
@@ -196,7 +196,7 @@ fn pattern(addr: u64) -> u64 {
 /// # Safety
 /// `addr` is a live block of at least `size` bytes of host memory (the host
 /// backend's), at least 8 of them.
-unsafe fn write_pattern(addr: u64, size: u64) {
+pub(crate) unsafe fn write_pattern(addr: u64, size: u64) {
     let p = pattern(addr);
     // SAFETY: per the contract, both words lie inside the live block.
     unsafe {
@@ -211,7 +211,7 @@ unsafe fn write_pattern(addr: u64, size: u64) {
 ///
 /// # Safety
 /// As `write_pattern`.
-unsafe fn check_pattern(addr: u64, size: u64) -> bool {
+pub(crate) unsafe fn check_pattern(addr: u64, size: u64) -> bool {
     let p = pattern(addr);
     // SAFETY: per the contract, both words lie inside the live block.
     unsafe {
@@ -468,10 +468,10 @@ fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn seeds() -> u64 {
+pub(crate) fn seeds() -> u64 {
     std::env::var("STRESS_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2)
 }
-fn steps() -> usize {
+pub(crate) fn steps() -> usize {
     std::env::var("STRESS_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(1200)
 }
 
@@ -488,7 +488,7 @@ fn sweep(name: &str, o: Opts) {
 }
 
 /// Every configuration, by name.
-fn configurations() -> Vec<(&'static str, Opts)> {
+pub(crate) fn configurations() -> Vec<(&'static str, Opts)> {
     vec![
         ("plain", Opts { expandable: false, ..Opts::default() }),
         ("expandable_budget", Opts { budget: true, capacity: 256 * MIB, ..Opts::default() }),

@@ -16,6 +16,7 @@ mod concurrency;
 mod contexts;
 mod expandable;
 mod heap_stress;
+mod heap_stress_caches;
 mod history;
 mod hot_path;
 mod layers;
