@@ -23,7 +23,7 @@ use crate::reclaim;
 use crate::recording;
 use crate::stats::{Released, Stats};
 use crate::tag::{self, TagId};
-use crate::thread_cache;
+use crate::thread_cache::{self, Cached};
 use crate::types::{DevicePtr, Stream};
 
 /// A caching allocator over all devices of one backend. `Send + Sync`:
@@ -190,17 +190,13 @@ impl Allocator {
         let dev = &self.devices[device];
         if let Some(caches) = &self.thread_caches {
             match caches.allocate(device, size as u64, stream) {
-                Ok(addr) => return Ok(DevicePtr(addr)),
-                // A cached block fits but the cache is disarmed: armed again,
-                // the cache serves it; else the block goes back for the heap to serve.
-                Err(Some(index)) => {
-                    if dev.shard(stream).lock().arm_or_recall(index) {
-                        if let Ok(addr) = caches.allocate(device, size as u64, stream) {
-                            return Ok(DevicePtr(addr));
-                        }
+                Cached::Hit(addr) => return Ok(DevicePtr(addr)),
+                Cached::Disarmed(index) => {
+                    if let Some(addr) = Self::arm_and_take(caches, dev, index, device, size, stream) {
+                        return Ok(addr);
                     }
                 }
-                Err(None) => {}
+                Cached::Miss => {}
             }
         }
         let heap = dev.shard(stream);
@@ -208,6 +204,27 @@ impl Allocator {
         match result {
             Ok(addr) => Ok(DevicePtr(addr)),
             Err(err) => Self::allocate_after(err, dev, heap, size, stream, 0),
+        }
+    }
+
+    /// A cached block fits but the cache is disarmed: armed again, the
+    /// cache serves it; else the block goes back for the heap to serve.
+    #[cold]
+    #[inline(never)]
+    fn arm_and_take(
+        caches: &thread_cache::Bounds,
+        dev: &Device,
+        index: u32,
+        device: usize,
+        size: usize,
+        stream: Stream,
+    ) -> Option<DevicePtr> {
+        if !dev.shard(stream).lock().arm_or_recall(index) {
+            return None;
+        }
+        match caches.allocate_again(device, size as u64, stream) {
+            Cached::Hit(addr) => Some(DevicePtr(addr)),
+            _ => None,
         }
     }
 

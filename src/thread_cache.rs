@@ -60,6 +60,17 @@ impl Bounds {
     }
 }
 
+/// What a thread's cache answers a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Cached {
+    /// A block's address.
+    Hit(u64),
+    /// The cache holds no block for it.
+    Miss,
+    /// The cache holds one but the heap disarmed it: slot `index` must be armed again first.
+    Disarmed(u32),
+}
+
 /// What a cached block serves: requests of exactly `requested` bytes on `stream`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Class {
@@ -148,6 +159,28 @@ impl HotCache {
             }
         }
         (self.occupied, self.bytes) = (occupied, bytes);
+    }
+
+    /// Hands out the block of an entry serving `size` bytes on `stream`.
+    #[inline(always)]
+    fn take(&mut self, size: u64, stream: Stream) -> Cached {
+        let Some(i) = self.find(size, stream) else {
+            return Cached::Miss;
+        };
+        let slot = self.slot;
+        if !slot.begin_hand_out() {
+            return Cached::Disarmed(self.index);
+        }
+        // Armed without a break since the entries were last synced (only
+        // this thread arms): entry `i` still holds its block.
+        let addr = slot.entry(i);
+        let held = self.entries[i % MAX_ENTRIES];
+        slot.set_entry(i, 0);
+        slot.count_up(held.class.kind, [1, held.class.size, held.class.requested]);
+        slot.end_hand_out();
+        self.empty(i);
+        self.remember(addr, held);
+        Cached::Hit(addr)
     }
 
     /// Notes `addr` as handed out.
@@ -298,31 +331,17 @@ fn with_cold<R>(hot: &HotCache, f: impl FnOnce(&mut ColdCache) -> R) -> Option<R
 }
 
 impl Bounds {
-    /// A request of `size` bytes on `stream` served from this thread's
-    /// cache: `Ok` with the address, else `Err` with the slot's index
-    /// when the cache holds a block for it but is disarmed (`None`: it holds none).
+    /// A request of `size` bytes on `stream` served from this thread's cache.
     #[inline(always)]
-    pub fn allocate(&self, device: usize, size: u64, stream: Stream) -> Result<u64, Option<u32>> {
-        with_hot(self.allocator, device, |cache| {
-            let Some(i) = cache.find(size, stream) else {
-                return Some(Err(None));
-            };
-            let slot = cache.slot;
-            if !slot.begin_hand_out() {
-                return Some(Err(Some(cache.index)));
-            }
-            // Armed without a break since the entries were last synced (only
-            // this thread arms): entry `i` still holds its block.
-            let addr = slot.entry(i);
-            let held = cache.entries[i % MAX_ENTRIES];
-            slot.set_entry(i, 0);
-            slot.count_up(held.class.kind, [1, held.class.size, held.class.requested]);
-            slot.end_hand_out();
-            cache.empty(i);
-            cache.remember(addr, held);
-            Some(Ok(addr))
-        })
-        .unwrap_or(Err(None))
+    pub fn allocate(&self, device: usize, size: u64, stream: Stream) -> Cached {
+        with_hot(self.allocator, device, |cache| Some(cache.take(size, stream))).unwrap_or(Cached::Miss)
+    }
+
+    /// `allocate` again, once the heap armed the cache (a call of its own,
+    /// so that `allocate`, the hot path, is all inlined where it is called).
+    #[inline(never)]
+    pub fn allocate_again(&self, device: usize, size: u64, stream: Stream) -> Cached {
+        with_hot(self.allocator, device, |cache| Some(cache.take(size, stream))).unwrap_or(Cached::Miss)
     }
 
     /// Frees `ptr` (not 0) into this thread's cache if the cache handed it

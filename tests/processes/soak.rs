@@ -3,7 +3,7 @@
 //! (TIDEPOOL_SOAK_SECS: 30 s under CI=true, 10 s otherwise). Random sizes
 //! and streams, `record_stream` with work queued on the other stream,
 //! `empty_cache`, a memory fraction in one process, expandable segments in
-//! two, cooperation on in all; the device is too small for all of them, so
+//! two, threads' caches and cooperation on in all (tight cache bounds in one); the device is too small for all of them, so
 //! requests fail, processes ask each other and answer. One process is
 //! killed with SIGKILL partway and started again.
 //!
@@ -207,8 +207,10 @@ struct Soak {
 impl Soak {
     /// Starts worker `index` for `secs` seconds; returns once it is ready.
     fn spawn(&self, index: u64, secs: f64) -> (Child, BufReader<std::process::ChildStdout>) {
-        // Two expandable, one capped by a memory fraction, one plain.
-        let extra = ["", "expandable:true", "stream_shards:2", "expandable:true"][index as usize];
+        // Two expandable, one capped by a memory fraction with threads'
+        // caches of tight bounds (they fill and evict), one plain; threads'
+        // caches on in all four.
+        let extra = ["", "expandable:true", "thread_cache_blocks:4,thread_cache_mb:2", "expandable:true"][index as usize];
         let conf = format!(
             "backend:cuda,registry_dir:{},cooperative:true,reclaim_interval_ms:20,oom_wait_ms:300,release_after_ms:200,{extra}",
             self.dir.join("registry").display()
