@@ -86,10 +86,16 @@ struct Class {
 struct Held {
     class: Class,
     index: u32,
+    /// `bucket(class.requested, class.stream)`.
+    bucket: u32,
 }
 
 impl Held {
-    const NONE: Held = Held { class: Class { requested: 0, size: 0, stream: Stream::DEFAULT, kind: 0 }, index: 0 };
+    const NONE: Held = Held { class: Class { requested: 0, size: 0, stream: Stream::DEFAULT, kind: 0 }, index: 0, bucket: 0 };
+
+    fn new(class: Class, index: u32) -> Held {
+        Held { class, index, bucket: bucket(class.requested, class.stream) as u32 }
+    }
 }
 
 /// The hot side of one thread's cache on one device of one allocator.
@@ -106,6 +112,9 @@ struct HotCache {
     entries: [Held; MAX_ENTRIES],
     occupied: u64,
     usable: u64,
+    /// By a hash of the request (`bucket`): the entries that may serve it,
+    /// so that a request looks at one entry, not at all of them.
+    buckets: [u64; MAX_ENTRIES],
     /// The bytes of the occupied entries, and the most they may be.
     bytes: u64,
     max_bytes: u64,
@@ -127,6 +136,7 @@ impl HotCache {
         entries: [Held::NONE; MAX_ENTRIES],
         occupied: 0,
         usable: 0,
+        buckets: [0; MAX_ENTRIES],
         bytes: 0,
         max_bytes: 0,
         evict_next: 0,
@@ -210,7 +220,7 @@ impl HotCache {
         }
         with_cold(self, |cold| {
             let index = cold.live.get(addr)?;
-            Some(Held { class: cold.classes[index as usize], index })
+            Some(Held::new(cold.classes[index as usize], index))
         })
         .flatten()
     }
@@ -218,7 +228,7 @@ impl HotCache {
     /// The occupied entry serving a request of `size` bytes on `stream`.
     #[inline(always)]
     fn find(&self, size: u64, stream: Stream) -> Option<usize> {
-        let mut bits = self.occupied;
+        let mut bits = self.occupied & self.buckets[bucket(size, stream)];
         while bits != 0 {
             let i = bits.trailing_zeros() as usize % MAX_ENTRIES;
             let class = &self.entries[i].class;
@@ -241,6 +251,8 @@ impl HotCache {
     #[inline(always)]
     fn fill(&mut self, i: usize, held: Held) {
         let i = i % MAX_ENTRIES;
+        self.buckets[self.entries[i].bucket as usize % MAX_ENTRIES] &= !(1 << i);
+        self.buckets[held.bucket as usize % MAX_ENTRIES] |= 1 << i;
         self.entries[i] = held;
         self.occupied |= 1 << i;
         self.bytes += held.class.size;
@@ -253,6 +265,12 @@ impl HotCache {
         self.occupied &= !(1 << i);
         self.bytes -= self.entries[i].class.size;
     }
+}
+
+/// The bucket of a request of `size` bytes on `stream` (a multiplicative hash).
+#[inline(always)]
+fn bucket(size: u64, stream: Stream) -> usize {
+    ((size ^ stream.0.rotate_left(32)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as usize % MAX_ENTRIES
 }
 
 /// The cold side of one thread's cache: what the hot side needs seldom,
@@ -399,7 +417,7 @@ impl Bounds {
                 }
                 let class = Class { requested: lent.requested, size: lent.size, stream: lent.stream, kind: lent.kind as usize };
                 let index = with_cold(cache, |cold| cold.class_index(class))?;
-                cache.fill(entry, Held { class, index });
+                cache.fill(entry, Held::new(class, index));
             }
             Some(result)
         });
