@@ -122,9 +122,11 @@ struct HotCache {
     evict_next: usize,
     /// The slot's news when last looked at (`cache_slot.rs`).
     news: u64,
-    /// The block handed out last (0: none) and what it is, kept out of the
-    /// cold side's `live` until the next hand-out: a pair frees it before then.
-    last_out: (u64, Held),
+    /// The block handed out last (0: none) and the entry it came from,
+    /// kept out of the cold side's `live` until the next hand-out (a pair
+    /// frees it before then). That entry's record stays as it was until
+    /// the entry is filled again, which first moves the block to `live`.
+    last_out: (u64, u32),
 }
 
 impl HotCache {
@@ -141,7 +143,7 @@ impl HotCache {
         max_bytes: 0,
         evict_next: 0,
         news: 0,
-        last_out: (0, Held::NONE),
+        last_out: (0, 0),
     };
 
     /// Looks at what the heap did since the last look, if anything.
@@ -184,21 +186,22 @@ impl HotCache {
         // Armed without a break since the entries were last synced (only
         // this thread arms): entry `i` still holds its block.
         let addr = slot.entry(i);
-        let held = self.entries[i % MAX_ENTRIES];
+        let class = &self.entries[i % MAX_ENTRIES].class;
         slot.set_entry(i, 0);
-        slot.count_up(held.class.kind, [1, held.class.size, held.class.requested]);
+        slot.count_up(class.kind, [1, class.size, class.requested]);
         slot.end_hand_out();
         self.empty(i);
-        self.remember(addr, held);
+        self.remember(addr, i);
         Cached::Hit(addr)
     }
 
-    /// Notes `addr` as handed out.
+    /// Notes `addr`, from entry `i`, as handed out.
     #[inline(always)]
-    fn remember(&mut self, addr: u64, held: Held) {
-        let (last, last_held) = std::mem::replace(&mut self.last_out, (addr, held));
+    fn remember(&mut self, addr: u64, i: usize) {
+        let (last, entry) = std::mem::replace(&mut self.last_out, (addr, i as u32));
         if last != 0 {
-            with_cold(self, |cold| cold.live.insert(last, last_held.index));
+            let index = self.entries[entry as usize % MAX_ENTRIES].index;
+            with_cold(self, |cold| cold.live.insert(last, index));
         }
     }
 
@@ -213,10 +216,9 @@ impl HotCache {
     }
 
     /// What `addr` (not 0) is, if this cache handed it out.
-    #[inline(always)]
     fn handed_out(&self, addr: u64) -> Option<Held> {
         if self.last_out.0 == addr {
-            return Some(self.last_out.1);
+            return Some(self.entries[self.last_out.1 as usize % MAX_ENTRIES]);
         }
         with_cold(self, |cold| {
             let index = cold.live.get(addr)?;
@@ -251,6 +253,12 @@ impl HotCache {
     #[inline(always)]
     fn fill(&mut self, i: usize, held: Held) {
         let i = i % MAX_ENTRIES;
+        if self.last_out.0 != 0 && self.last_out.1 as usize == i {
+            // The record of the block handed out last is about to go.
+            let (last, index) = (self.last_out.0, self.entries[i].index);
+            with_cold(self, |cold| cold.live.insert(last, index));
+            self.last_out.0 = 0;
+        }
         self.buckets[self.entries[i].bucket as usize % MAX_ENTRIES] &= !(1 << i);
         self.buckets[held.bucket as usize % MAX_ENTRIES] |= 1 << i;
         self.entries[i] = held;
@@ -368,6 +376,22 @@ impl Bounds {
     #[inline(always)]
     pub fn free(&self, device: usize, ptr: u64, size: Option<u64>) -> bool {
         with_hot(self.allocator, device, |cache| {
+            if cache.last_out.0 == ptr {
+                // A pair: the block goes back to the entry it came from,
+                // still empty and still holding its record.
+                let i = cache.last_out.1 as usize % MAX_ENTRIES;
+                let class = &cache.entries[i].class;
+                let fits = cache.bytes + class.size <= cache.max_bytes;
+                if size.is_some_and(|s| s != class.requested) || !fits || !cache.slot.is_armed() {
+                    return None;
+                }
+                cache.last_out.0 = 0;
+                cache.occupied |= 1 << i;
+                cache.bytes += class.size;
+                cache.slot.set_entry(i, ptr);
+                cache.slot.count_down(class.kind, [1, class.size, class.requested]);
+                return Some(());
+            }
             let held = cache.handed_out(ptr)?;
             let class = held.class;
             if size.is_some_and(|s| s != class.requested) || !cache.slot.is_armed() {
