@@ -222,7 +222,7 @@ impl Allocator {
         if !dev.shard(stream).lock().arm_or_recall(index) {
             return None;
         }
-        match caches.allocate_again(device, size as u64, stream) {
+        match caches.allocate(device, size as u64, stream) {
             Cached::Hit(addr) => Some(DevicePtr(addr)),
             _ => None,
         }

@@ -215,11 +215,8 @@ impl HotCache {
         }
     }
 
-    /// What `addr` (not 0) is, if this cache handed it out.
-    fn handed_out(&self, addr: u64) -> Option<Held> {
-        if self.last_out.0 == addr {
-            return Some(self.entries[self.last_out.1 as usize % MAX_ENTRIES]);
-        }
+    /// What `addr` is, if this cache handed it out before the last hand-out.
+    fn handed_out_earlier(&self, addr: u64) -> Option<Held> {
         with_cold(self, |cold| {
             let index = cold.live.get(addr)?;
             Some(Held::new(cold.classes[index as usize], index))
@@ -262,8 +259,25 @@ impl HotCache {
         self.buckets[self.entries[i].bucket as usize % MAX_ENTRIES] &= !(1 << i);
         self.buckets[held.bucket as usize % MAX_ENTRIES] |= 1 << i;
         self.entries[i] = held;
+        self.occupy(i);
+    }
+
+    /// Notes that entry `i`, empty, holds its block again.
+    #[inline(always)]
+    fn occupy(&mut self, i: usize) {
+        let i = i % MAX_ENTRIES;
         self.occupied |= 1 << i;
-        self.bytes += held.class.size;
+        self.bytes += self.entries[i].class.size;
+    }
+
+    /// Puts `ptr`, just freed, in entry `i` (noted as occupied) for the heap to see.
+    #[inline(always)]
+    fn publish_free(&self, i: usize, ptr: u64) {
+        let class = &self.entries[i % MAX_ENTRIES].class;
+        // The entry first: a recall that takes it then counts the free
+        // later, never a free of a block it does not find.
+        self.slot.set_entry(i, ptr);
+        self.slot.count_down(class.kind, [1, class.size, class.requested]);
     }
 
     /// Notes that entry `i`, occupied, is now empty.
@@ -363,13 +377,6 @@ impl Bounds {
         with_hot(self.allocator, device, |cache| Some(cache.take(size, stream))).unwrap_or(Cached::Miss)
     }
 
-    /// `allocate` again, once the heap armed the cache (a call of its own,
-    /// so that `allocate`, the hot path, is all inlined where it is called).
-    #[inline(never)]
-    pub fn allocate_again(&self, device: usize, size: u64, stream: Stream) -> Cached {
-        with_hot(self.allocator, device, |cache| Some(cache.take(size, stream))).unwrap_or(Cached::Miss)
-    }
-
     /// Frees `ptr` (not 0) into this thread's cache if the cache handed it
     /// out, is armed and has room; `size`, when the caller states one, must
     /// be the size requested. False: the heap must free it (`free_slow`).
@@ -386,13 +393,11 @@ impl Bounds {
                     return None;
                 }
                 cache.last_out.0 = 0;
-                cache.occupied |= 1 << i;
-                cache.bytes += class.size;
-                cache.slot.set_entry(i, ptr);
-                cache.slot.count_down(class.kind, [1, class.size, class.requested]);
+                cache.occupy(i);
+                cache.publish_free(i, ptr);
                 return Some(());
             }
-            let held = cache.handed_out(ptr)?;
+            let held = cache.handed_out_earlier(ptr)?;
             let class = held.class;
             if size.is_some_and(|s| s != class.requested) || !cache.slot.is_armed() {
                 return None;
@@ -403,10 +408,7 @@ impl Bounds {
             }
             cache.forget(ptr);
             cache.fill(entry, held);
-            // The entry first: a recall that takes it then counts the free
-            // later, never a free of a block it does not find.
-            cache.slot.set_entry(entry, ptr);
-            cache.slot.count_down(class.kind, [1, class.size, class.requested]);
+            cache.publish_free(entry, ptr);
             Some(())
         })
         .is_some()

@@ -179,12 +179,12 @@ impl Default for Opts {
     }
 }
 
-struct Live {
-    size: u64,
-    tag: u32,
+pub(crate) struct Live {
+    pub size: u64,
+    pub tag: u32,
     /// Pattern written and expected intact.
-    intact: bool,
-    stream: Stream,
+    pub intact: bool,
+    pub stream: Stream,
 }
 
 fn pattern(addr: u64) -> u64 {
@@ -439,22 +439,7 @@ fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
             eprintln!("{step}: {desc}");
         }
         heap.validate().map_err(|e| format!("step {step} after {desc}: validate: {e}"))?;
-        // live blocks never overlap and are all known to the heap
-        let mut ranges: BTreeMap<u64, u64> = BTreeMap::new();
-        for (&a, l) in &live {
-            let sz = heap.live_size(a).ok_or_else(|| format!("step {step} after {desc}: live block {a:#x} unknown to heap"))?;
-            if sz < l.size {
-                return Err(format!("step {step}: block {a:#x} has {sz} < requested {}", l.size));
-            }
-            ranges.insert(a, sz);
-        }
-        let mut end = 0;
-        for (&a, &s) in &ranges {
-            if a < end {
-                return Err(format!("step {step} after {desc}: block {a:#x} overlaps the previous one"));
-            }
-            end = a + s;
-        }
+        check_live_blocks(&live, |a| heap.live_size(a)).map_err(|e| format!("step {step} after {desc}: {e}"))?;
         let totals = heap.totals();
         let used = o.capacity - host.mem_info(0).unwrap().free;
         if reserve.bytes() != totals.reserved || used != totals.reserved {
@@ -475,11 +460,33 @@ pub(crate) fn steps() -> usize {
     std::env::var("STRESS_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(1200)
 }
 
-fn sweep(name: &str, o: Opts) {
+/// Live blocks are all the heap's (`live_size`), hold at least what was
+/// requested, and never overlap.
+pub(crate) fn check_live_blocks(live: &HashMap<u64, Live>, live_size: impl Fn(u64) -> Option<u64>) -> Result<(), String> {
+    let mut ranges: BTreeMap<u64, u64> = BTreeMap::new();
+    for (&a, l) in live {
+        let sz = live_size(a).ok_or_else(|| format!("live block {a:#x} unknown to the heap"))?;
+        if sz < l.size {
+            return Err(format!("block {a:#x} has {sz} < requested {}", l.size));
+        }
+        ranges.insert(a, sz);
+    }
+    let mut end = 0;
+    for (&a, &s) in &ranges {
+        if a < end {
+            return Err(format!("block {a:#x} overlaps the previous one"));
+        }
+        end = a + s;
+    }
+    Ok(())
+}
+
+/// Runs `run` (seed, steps, configuration) on each seed; fails with the first failure.
+pub(crate) fn sweep(name: &str, o: Opts, run: impl Fn(u64, usize, Opts) -> Result<(), String>) {
     let base: u64 = std::env::var("STRESS_BASE").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
     let mut failures = Vec::new();
     for seed in base..base + seeds() {
-        if let Err(e) = run(seed, steps(), o, false) {
+        if let Err(e) = run(seed, steps(), o) {
             eprintln!("{name} seed {seed}: {e}");
             failures.push((seed, e));
         }
@@ -570,7 +577,7 @@ fn opts_by_name(name: &str) -> Opts {
 #[test]
 fn random_steps_keep_every_invariant_with_expandable_segments() {
     for (name, opts) in configurations().into_iter().filter(|(_, opts)| opts.expandable) {
-        sweep(name, opts);
+        sweep(name, opts, |seed, steps, o| run(seed, steps, o, false));
     }
 }
 
@@ -578,7 +585,7 @@ fn random_steps_keep_every_invariant_with_expandable_segments() {
 #[test]
 fn random_steps_keep_every_invariant_with_whole_segments() {
     for (name, opts) in configurations().into_iter().filter(|(_, opts)| !opts.expandable) {
-        sweep(name, opts);
+        sweep(name, opts, |seed, steps, o| run(seed, steps, o, false));
     }
 }
 

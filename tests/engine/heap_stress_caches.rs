@@ -12,7 +12,7 @@
 //! the allocation count and the requested bytes equal what is live.
 //! `STRESS_SEEDS` and `STRESS_STEPS` run more, as for `heap_stress.rs`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -23,7 +23,7 @@ use tidepool::backend::Backend;
 use tidepool::{AllocError, Allocator, Config, DevicePtr, PrivatePoolId, Stream};
 
 use crate::common::Rng;
-use crate::heap_stress::{check_pattern, configurations, seeds, steps, write_pattern, Opts, RandomBackend};
+use crate::heap_stress::{check_live_blocks, check_pattern, configurations, sweep, write_pattern, Live, Opts, RandomBackend};
 
 /// A second thread that runs what it is given, one call at a time.
 struct Worker {
@@ -46,13 +46,6 @@ impl Worker {
         self.calls.send(Box::new(move || done.send(f()).unwrap())).unwrap();
         result.recv().expect("the worker ran the call")
     }
-}
-
-struct Live {
-    size: u64,
-    tag: usize,
-    intact: bool,
-    stream: Stream,
 }
 
 const TAGS: [&str; 3] = ["default", "stress-caches-1", "stress-caches-2"];
@@ -94,7 +87,7 @@ fn run(seed: u64, steps: usize, o: Opts) -> Result<(), String> {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let mut live: HashMap<u64, Live> = HashMap::new();
     let mut order: Vec<u64> = Vec::new();
-    let mut paused: HashMap<usize, bool> = HashMap::new(); // tag -> offload
+    let mut paused: HashMap<u32, bool> = HashMap::new(); // tag -> offload
     let mut open: Vec<PrivatePoolId> = Vec::new();
     let streams = [Stream(0), Stream(7), Stream(9)];
     let device = |alloc: &Allocator| alloc.device(0).map(|_| ()).map_err(|e| format!("{e}"));
@@ -109,11 +102,11 @@ fn run(seed: u64, steps: usize, o: Opts) -> Result<(), String> {
                 // Sizes repeat often, so that caches serve them.
                 let size = if rng.chance(50) { [512, 4096, 65536][rng.below(3) as usize] } else { size };
                 let stream = streams[rng.below(3) as usize];
-                let tag = if o.tags && rng.chance(30) { 1 + rng.below(2) as usize } else { 0 };
+                let tag = if o.tags && rng.chance(30) { 1 + rng.below(2) as u32 } else { 0 };
                 desc = format!("allocate({size}, {stream:?}, tag {tag}) on {}", if here { "main" } else { "worker" });
                 let a = alloc.clone();
                 let result = worker.run(here, move || {
-                    let _tag = (tag != 0).then(|| tidepool::tag::region(TAGS[tag]).unwrap());
+                    let _tag = (tag != 0).then(|| tidepool::tag::region(TAGS[tag as usize]).unwrap());
                     a.allocate(0, size as usize, stream)
                 });
                 match result {
@@ -176,10 +169,10 @@ fn run(seed: u64, steps: usize, o: Opts) -> Result<(), String> {
                 alloc.device(0).unwrap().set_reserved_limit(limit);
             }
             89..=91 if o.tags => {
-                let tag = 1 + rng.below(2) as usize;
+                let tag = 1 + rng.below(2) as u32;
                 if let Some(&offload) = paused.get(&tag) {
                     desc = format!("resume({tag})");
-                    if alloc.resume(TAGS[tag], Some(0)).is_ok() {
+                    if alloc.resume(TAGS[tag as usize], Some(0)).is_ok() {
                         paused.remove(&tag);
                         for (&a, l) in live.iter_mut().filter(|(_, l)| l.tag == tag) {
                             if !offload {
@@ -192,7 +185,7 @@ fn run(seed: u64, steps: usize, o: Opts) -> Result<(), String> {
                 } else {
                     let offload = rng.chance(50);
                     desc = format!("pause({tag}, offload {offload})");
-                    if alloc.pause(TAGS[tag], Some(0), offload).is_ok() {
+                    if alloc.pause(TAGS[tag as usize], Some(0), offload).is_ok() {
                         paused.insert(tag, offload);
                     }
                 }
@@ -257,22 +250,7 @@ fn run(seed: u64, steps: usize, o: Opts) -> Result<(), String> {
         }
         alloc.validate().map_err(|e| format!("step {step} after {desc}: validate: {e}"))?;
         let dev = alloc.device(0).unwrap();
-        let mut ranges: BTreeMap<u64, u64> = BTreeMap::new();
-        for (&a, l) in &live {
-            let sz =
-                dev.live_size(DevicePtr(a)).ok_or_else(|| format!("step {step} after {desc}: live block {a:#x} unknown to the heap"))?;
-            if sz < l.size {
-                return Err(format!("step {step}: block {a:#x} has {sz} < requested {}", l.size));
-            }
-            ranges.insert(a, sz);
-        }
-        let mut end = 0;
-        for (&a, &s) in &ranges {
-            if a < end {
-                return Err(format!("step {step} after {desc}: block {a:#x} overlaps the previous one"));
-            }
-            end = a + s;
-        }
+        check_live_blocks(&live, |a| dev.live_size(DevicePtr(a))).map_err(|e| format!("step {step} after {desc}: {e}"))?;
         let used = o.capacity - host.mem_info(0).unwrap().free;
         if used != dev.totals().reserved {
             return Err(format!("step {step} after {desc}: backend used {used}, reserved {}", dev.totals().reserved));
@@ -281,15 +259,10 @@ fn run(seed: u64, steps: usize, o: Opts) -> Result<(), String> {
     Ok(())
 }
 
-fn sweep(name: &str, o: Opts) {
-    let failures: Vec<_> = (1..1 + seeds()).filter_map(|seed| run(seed, steps(), o).err().map(|e| (seed, e))).collect();
-    assert!(failures.is_empty(), "{name} with caches: {} failures, first: {:?}", failures.len(), failures[0]);
-}
-
 /// Every configuration of the heap stress test, through the allocator with caches on.
 #[test]
 fn random_steps_on_two_threads_with_caches_keep_every_invariant() {
     for (name, opts) in configurations() {
-        sweep(name, opts);
+        sweep(&format!("{name} with caches"), opts, run);
     }
 }
