@@ -200,9 +200,17 @@ impl HotCache {
     fn remember(&mut self, addr: u64, i: usize) {
         let (last, entry) = std::mem::replace(&mut self.last_out, (addr, i as u32));
         if last != 0 {
-            let index = self.entries[entry as usize % MAX_ENTRIES].index;
-            with_cold(self, |cold| cold.live.insert(last, index));
+            self.remember_earlier(last, entry);
         }
+    }
+
+    /// Notes `addr`, handed out before the last hand-out from entry `i`,
+    /// on the cold side.
+    #[cold]
+    #[inline(never)]
+    fn remember_earlier(&self, addr: u64, i: u32) {
+        let index = self.entries[i as usize % MAX_ENTRIES].index;
+        with_cold(self, |cold| cold.live.insert(addr, index));
     }
 
     /// Forgets `addr` (not 0) as handed out.
@@ -213,6 +221,26 @@ impl HotCache {
         } else {
             with_cold(self, |cold| cold.live.remove(addr));
         }
+    }
+
+    /// Frees `ptr` into an empty entry if this cache handed it out before
+    /// the last hand-out, is armed and has room for it.
+    #[cold]
+    #[inline(never)]
+    fn free_earlier(&mut self, ptr: u64, size: Option<u64>) -> Option<()> {
+        let held = self.handed_out_earlier(ptr)?;
+        let class = held.class;
+        if size.is_some_and(|s| s != class.requested) || !self.slot.is_armed() {
+            return None;
+        }
+        let (entry, room) = self.room()?;
+        if class.size > room {
+            return None;
+        }
+        self.forget(ptr);
+        self.fill(entry, held);
+        self.publish_free(entry, ptr);
+        Some(())
     }
 
     /// What `addr` is, if this cache handed it out before the last hand-out.
@@ -349,14 +377,40 @@ thread_local! {
 
 /// Runs `f` on this thread's hot cache for (`allocator`, `device`), if it
 /// has one.
+///
+/// Speed depends on what `f` and this function inline: LLVM inlines
+/// `LocalKey::with` into the allocator's `allocate` and `free` only while
+/// the closure is small, and the call it costs otherwise is ~100
+/// instructions a 512 B pair (243 against 147 measured with callgrind).
+/// So the branches a pair does not take stay out of line (`other_place`,
+/// `remember_earlier`, `free_earlier`, `catch_up`); check with
+/// `docs/benchmarks.md`'s callgrind recipe after changing this path.
 #[inline(always)]
 fn with_hot<R>(allocator: u64, device: usize, f: impl FnOnce(&mut HotCache) -> Option<R>) -> Option<R> {
     HOT.with(|hot| {
         let mut hot = hot.try_borrow_mut().ok()?;
-        let cache = hot.iter_mut().find(|c| c.allocator == allocator && c.device == device)?;
+        let position = place(&hot, allocator, device)?;
+        let cache = &mut hot[position % HOT_CACHES];
         cache.catch_up_if_news();
         f(cache)
     })
+}
+
+/// The place of the cache for (`allocator`, `device`) in `hot`: the first
+/// looked at inline, the others out of line (so that the hot path stays
+/// small enough to be inlined where it is used).
+#[inline(always)]
+fn place(hot: &[HotCache; HOT_CACHES], allocator: u64, device: usize) -> Option<usize> {
+    if hot[0].allocator == allocator && hot[0].device == device {
+        return Some(0);
+    }
+    other_place(hot, allocator, device)
+}
+
+/// `place`'s out-of-line part.
+#[inline(never)]
+fn other_place(hot: &[HotCache; HOT_CACHES], allocator: u64, device: usize) -> Option<usize> {
+    hot.iter().position(|c| c.allocator == allocator && c.device == device)
 }
 
 /// Runs `f` on the cold side of `hot` (none once the thread is exiting).
@@ -397,19 +451,7 @@ impl Bounds {
                 cache.publish_free(i, ptr);
                 return Some(());
             }
-            let held = cache.handed_out_earlier(ptr)?;
-            let class = held.class;
-            if size.is_some_and(|s| s != class.requested) || !cache.slot.is_armed() {
-                return None;
-            }
-            let (entry, room) = cache.room()?;
-            if class.size > room {
-                return None;
-            }
-            cache.forget(ptr);
-            cache.fill(entry, held);
-            cache.publish_free(entry, ptr);
-            Some(())
+            cache.free_earlier(ptr, size)
         })
         .is_some()
     }
