@@ -25,11 +25,18 @@
 //! - `news` counts what the heap did that the owner must look at: entries
 //!   emptied, blocks freed by other threads (one load tells the owner it
 //!   has nothing to look at).
+//!
+//! The slot also keeps the owner's own records (`owner`, `cache_owner.rs`),
+//! which no one else reads: a slot outlives its thread, so the owner
+//! reaches them through its `&'static` slot.
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use parking_lot::Mutex;
+
+use crate::cache_owner::Owner;
+pub use crate::cache_owner::MAX_ENTRIES;
 
 /// The slot of no cache: what an unused place in a thread's caches points at.
 pub static UNUSED: CacheSlot = CacheSlot::new();
@@ -46,6 +53,7 @@ pub fn take() -> &'static CacheSlot {
             slot.state.store(DISARMED, Ordering::Release);
             slot.entries.iter().for_each(|e| e.store(0, Ordering::Release));
             slot.remote.lock().clear();
+            slot.owner.reset();
             slot
         }
         None => Box::leak(Box::new(CacheSlot::new())),
@@ -70,10 +78,6 @@ pub const GAUGES: usize = 3;
 /// Per gauge, per pool kind (small, large).
 pub type Amounts = [[u64; 2]; GAUGES];
 
-/// The most entries a slot has (`thread_cache_blocks`' bound): the owner
-/// keeps which are occupied in one `u64`.
-pub const MAX_ENTRIES: usize = 64;
-
 /// What one thread's cache shares (see the top of this file). Aligned so
 /// that two threads' slots share no cache line.
 #[repr(align(128))]
@@ -85,6 +89,8 @@ pub struct CacheSlot {
     downs: [[AtomicU64; GAUGES]; 2],
     news: AtomicU64,
     remote: Mutex<Vec<u64>>,
+    /// The owner's records, for the owner alone.
+    pub owner: Owner,
 }
 
 impl CacheSlot {
@@ -97,6 +103,7 @@ impl CacheSlot {
             downs: [const { [const { AtomicU64::new(0) }; GAUGES] }; 2],
             news: AtomicU64::new(0),
             remote: parking_lot::const_mutex(Vec::new()),
+            owner: Owner::new(),
         }
     }
 

@@ -14,8 +14,9 @@
 //!   process's fork count), `error`, `tag`, `frames`, `pickle` (the
 //!   snapshot writer), `recording` (trace rows written live), `reclaim`
 //!   (the release policy, pure, and the thread that runs a pass),
-//!   `stats`, `config`, `registry` (the file processes on one device share), `cache_slot`
-//!   (what a thread's cache shares with the heap);
+//!   `stats`, `config`, `registry` (the file processes on one device share), `cache_owner`
+//!   (a thread's records of its cache), `cache_slot` (what a thread's cache
+//!   shares with the heap);
 //! - `heap`: one `DeviceHeap` per stream shard (pools, segments, pages,
 //!   blocks, statistics, history);
 //! - the device: `cooperation` (its registry slot, asking and answering),
@@ -44,6 +45,7 @@ mod addr_map;
 mod allocator;
 pub mod backend;
 pub mod buffer;
+mod cache_owner;
 mod cache_slot;
 pub mod config;
 mod cooperation;

@@ -41,6 +41,7 @@ const UNITS: &[Unit] = &[
             "stats",
             "config",
             "registry",
+            "cache_owner",
             "cache_slot",
             "heap",
             "cooperation",
