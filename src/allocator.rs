@@ -445,9 +445,11 @@ impl Allocator {
         Ok(self.device(device)?.snapshot())
     }
 
-    /// Checks every invariant of every device; see `device.rs` and `heap/mod.rs`.
+    /// Checks every invariant of every device (`device.rs`, `heap/mod.rs`)
+    /// and of the calling thread's caches (`cache_owner.rs`).
     pub fn validate(&self) -> Result<(), String> {
-        self.devices().map_err(|e| e.to_string())?.iter().try_for_each(Device::validate)
+        self.devices().map_err(|e| e.to_string())?.iter().try_for_each(Device::validate)?;
+        self.thread_caches.as_ref().map_or(Ok(()), |caches| caches.validate_this_thread())
     }
 
     /// Ends the recording: every row is written and the file closed. Later

@@ -249,6 +249,8 @@ fn run(seed: u64, steps: usize, o: Opts) -> Result<(), String> {
             continue;
         }
         alloc.validate().map_err(|e| format!("step {step} after {desc}: validate: {e}"))?;
+        let a = alloc.clone();
+        worker.run(false, move || a.validate()).map_err(|e| format!("step {step} after {desc}: validate on the worker: {e}"))?;
         let dev = alloc.device(0).unwrap();
         check_live_blocks(&live, |a| dev.live_size(DevicePtr(a))).map_err(|e| format!("step {step} after {desc}: {e}"))?;
         let used = o.capacity - host.mem_info(0).unwrap().free;

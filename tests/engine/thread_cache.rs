@@ -402,6 +402,11 @@ mod model {
                     prop_assert_eq!(stats.allocated_bytes.all.current, live.values().map(|v| v.0).sum::<u64>());
                     prop_assert_eq!(stats.events.num_invalid_frees, refused);
                     alloc.validate().map_err(TestCaseError::fail)?;
+                    // Each thread's own records, which only it can read.
+                    for thread in 0..3 {
+                        let a = alloc.clone();
+                        workers.run(thread, move || a.validate()).map_err(TestCaseError::fail)?;
+                    }
                 }
                 _ => {}
             }
