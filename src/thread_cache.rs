@@ -227,35 +227,32 @@ impl HotCache {
     }
 
     /// Frees `ptr` into an empty entry if this cache handed it out before
-    /// the last hand-out, is armed and has room for it.
+    /// the last hand-out, is armed and has room for it (one look at the
+    /// cold side, which forgets the block if it goes into the entry).
     #[cold]
     #[inline(never)]
     fn free_earlier(self, ptr: u64, size: Option<u64>) -> bool {
-        let Some(held) = self.handed_out_earlier(ptr) else {
+        if !self.slot.is_armed() {
+            return false;
+        }
+        let Some((entry, room)) = self.room() else {
             return false;
         };
-        let class = held.class;
-        if size.is_some_and(|s| s != class.requested) || !self.slot.is_armed() {
-            return false;
-        }
-        match self.room() {
-            Some((entry, room)) if class.size <= room => {
-                self.forget(ptr);
-                self.fill(entry, held);
-                self.publish_free(entry, ptr);
-                true
+        let held = with_cold(self, |cold| {
+            let index = cold.live.get(ptr)?;
+            let class = *cold.classes.get(index as usize)?;
+            if size.is_some_and(|s| s != class.requested) || class.size > room {
+                return None;
             }
-            _ => false,
-        }
-    }
-
-    /// What `addr` is, if this cache handed it out before the last hand-out.
-    fn handed_out_earlier(self, addr: u64) -> Option<Held> {
-        with_cold(self, |cold| {
-            let index = cold.live.get(addr)?;
-            Some(Held::new(*cold.classes.get(index as usize)?, index))
-        })
-        .flatten()
+            cold.live.remove(ptr);
+            Some(Held::new(class, index))
+        });
+        let Some(held) = held.flatten() else {
+            return false;
+        };
+        self.fill(entry, held);
+        self.publish_free(entry, ptr);
+        true
     }
 
     /// The occupied entry serving a request of `size` bytes on `stream`.
