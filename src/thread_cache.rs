@@ -210,46 +210,43 @@ impl HotCache {
 
     /// Frees `ptr`, the block handed out last, into the entry it came
     /// from (still empty, its record kept) if the cache is armed, has room
-    /// for it and `size` (when stated) is the size requested.
+    /// for it and `size` (when stated) is the size requested. Forgets it
+    /// either way.
     #[inline(always)]
     fn free_last(self, ptr: u64, size: Option<u64>) -> bool {
         let own = self.own();
+        own.last_out.set(0);
         let i = own.last_entry.get() as usize % MAX_ENTRIES;
         let record = &own.entries[i];
         let fits = own.bytes.get() + record.size.get() <= own.max_bytes.get();
         if size.is_some_and(|s| s != record.requested.get()) || !fits || !self.slot.is_armed() {
             return false;
         }
-        own.last_out.set(0);
         self.occupy(i);
         self.publish_free(i, ptr);
         true
     }
 
     /// Frees `ptr` into an empty entry if this cache handed it out before
-    /// the last hand-out, is armed and has room for it (one look at the
-    /// cold side, which forgets the block if it goes into the entry).
+    /// the last hand-out, is armed and has room for it. Forgets it either
+    /// way (one look at the cold side).
     #[cold]
     #[inline(never)]
     fn free_earlier(self, ptr: u64, size: Option<u64>) -> bool {
-        if !self.slot.is_armed() {
-            return false;
-        }
-        let Some((entry, room)) = self.room() else {
-            return false;
-        };
         let held = with_cold(self, |cold| {
-            let index = cold.live.get(ptr)?;
-            let class = *cold.classes.get(index as usize)?;
-            if size.is_some_and(|s| s != class.requested) || class.size > room {
-                return None;
-            }
-            cold.live.remove(ptr);
-            Some(Held::new(class, index))
+            let index = cold.live.remove(ptr)?;
+            Some(Held::new(*cold.classes.get(index as usize)?, index))
         });
         let Some(held) = held.flatten() else {
             return false;
         };
+        let class = held.class;
+        let Some((entry, room)) = self.room() else {
+            return false;
+        };
+        if size.is_some_and(|s| s != class.requested) || class.size > room || !self.slot.is_armed() {
+            return false;
+        }
         self.fill(entry, held);
         self.publish_free(entry, ptr);
         true
@@ -484,7 +481,8 @@ impl Bounds {
 
     /// Frees `ptr` (not 0) into this thread's cache if the cache handed it
     /// out, is armed and has room; `size`, when the caller states one, must
-    /// be the size requested. False: the heap must free it (`free_slow`).
+    /// be the size requested. False: the heap must free it (`free_slow`);
+    /// the cache has forgotten it then.
     #[inline(always)]
     pub fn free(&self, device: usize, ptr: u64, size: Option<u64>) -> bool {
         let Some(cache) = hot_cache(self.allocator, device) else {
@@ -514,7 +512,7 @@ impl Bounds {
             // No room for another cache, or the thread is exiting.
             return dev.free_or_lend(ptr, u32::MAX, None, 0, size).map(|outcome| outcome.requested());
         };
-        cache.forget(ptr);
+        // `free` forgot `ptr`: it looked at this cache first.
         let own = cache.own();
         // An empty entry, else the next in turn, whose block goes back.
         let (entry, room) = cache.room().unwrap_or_else(|| {
