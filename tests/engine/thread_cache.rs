@@ -461,3 +461,48 @@ fn evicting_a_block_freed_into_the_cache_after_it_was_armed_keeps_the_figures() 
     assert_eq!(stats.allocation.all.peak, 8);
     alloc.validate().unwrap();
 }
+
+#[test]
+fn one_thread_uses_more_allocators_and_devices_than_it_keeps_caches_for() {
+    // Three allocators of two devices each: six (allocator, device) pairs
+    // on a thread that keeps caches for four (the others go through the
+    // heap), used in random turns, so that the caches change places; one
+    // allocator is dropped midway and replaced (its places go to others).
+    let new = || host_allocator(2, 1 << 32, "thread_cache_blocks:4").0;
+    let mut allocs: Vec<Allocator> = (0..3).map(|_| new()).collect();
+    let mut live: Vec<Vec<(usize, DevicePtr, u64)>> = vec![Vec::new(); 3];
+    let sizes = [512u64, 4096, 64 << 10];
+    let mut rng = Rng(7);
+    for step in 0..4_000 {
+        let k = rng.below(3) as usize;
+        if step == 2_000 {
+            live[k].drain(..).for_each(|(device, ptr, _)| allocs[k].free(device, ptr).unwrap());
+            allocs[k] = new();
+        }
+        if !live[k].is_empty() && rng.chance(50) {
+            let pick = rng.below(live[k].len() as u64) as usize;
+            let (device, ptr, _) = live[k].swap_remove(pick);
+            allocs[k].free(device, ptr).unwrap();
+        } else {
+            let (device, size) = (rng.below(2) as usize, sizes[rng.below(3) as usize]);
+            live[k].push((device, allocs[k].allocate(device, size as usize, Stream::DEFAULT).unwrap(), size));
+        }
+        if step % 250 != 249 {
+            continue;
+        }
+        for (k, alloc) in allocs.iter().enumerate() {
+            alloc.validate().unwrap_or_else(|e| panic!("step {step}, allocator {k}: {e}"));
+            for device in 0..2 {
+                let mine: Vec<u64> = live[k].iter().filter(|l| l.0 == device).map(|l| l.2).collect();
+                let stats = alloc.stats(device).unwrap();
+                let counted = (stats.allocation.all.current, stats.requested_bytes.all.current);
+                assert_eq!(counted, (mine.len() as u64, mine.iter().sum()), "step {step}, allocator {k}, device {device}");
+            }
+        }
+    }
+    for (k, alloc) in allocs.iter().enumerate() {
+        live[k].drain(..).for_each(|(device, ptr, _)| alloc.free(device, ptr).unwrap());
+        alloc.validate().unwrap();
+        assert_eq!(alloc.stats(0).unwrap().allocation.all.current + alloc.stats(1).unwrap().allocation.all.current, 0);
+    }
+}
