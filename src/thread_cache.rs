@@ -321,9 +321,33 @@ impl HotCache {
 
     /// Checks `cache_owner.rs`'s invariants, after catching up with the
     /// heap's news; and, since nothing is news then, that the occupied
-    /// entries are those holding a block and `bytes` their sizes.
+    /// entries are those holding a block and `bytes` their sizes. Another
+    /// thread's recall (a statistics read, `empty_cache`) may empty the
+    /// entries while this looks; it is news once done (at once: the heap
+    /// empties every entry, then counts the news), so a mismatch is looked
+    /// at again after the news.
     fn validate(self) -> Result<(), String> {
-        self.catch_up_if_news();
+        let mut result = Ok(());
+        for _ in 0..1000 {
+            self.catch_up_if_news();
+            let seen = self.own().news.get();
+            result = self.check();
+            if result.is_ok() {
+                return result;
+            }
+            let waiting = std::time::Instant::now();
+            while self.slot.news() == seen && waiting.elapsed() < std::time::Duration::from_millis(100) {
+                std::thread::yield_now();
+            }
+            if self.slot.news() == seen {
+                return result;
+            }
+        }
+        result
+    }
+
+    /// `validate`'s checks, on the records as they are.
+    fn check(self) -> Result<(), String> {
         let own = self.own();
         let (occupied, usable) = (own.occupied.get(), own.usable.get());
         if occupied & !usable != 0 {
