@@ -406,26 +406,7 @@ fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
                     }
                 }
             }
-            95..=97 if o.faults => {
-                let n = 1 + rng.below(4);
-                let kind = if rng.chance(50) { FaultKind::OutOfMemory } else { FaultKind::DriverError };
-                match rng.below(3) {
-                    0 => {
-                        desc = format!("fail_nth_allocate({n}) {kind:?}");
-                        host.faults().fail_nth_allocate(n)
-                    }
-                    1 => {
-                        desc = format!("fail_nth_release({n}) {kind:?}");
-                        host.faults().fail_nth_release(n)
-                    }
-                    _ => {
-                        desc = "faults off".into();
-                        host.faults().fail_nth_allocate(0);
-                        host.faults().fail_nth_release(0);
-                    }
-                }
-                host.faults().set_kind(kind);
-            }
+            95..=97 if o.faults => desc = inject_faults(&mut rng, &host),
             _ => {
                 desc = "stats".into();
                 let s = heap.stats();
@@ -451,6 +432,30 @@ fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Arms the backend to fail its next few allocations or releases (as out
+/// of memory or a driver error), or turns the faults off; says which.
+pub(crate) fn inject_faults(rng: &mut Rng, host: &HostBackend) -> String {
+    let n = 1 + rng.below(4);
+    let kind = if rng.chance(50) { FaultKind::OutOfMemory } else { FaultKind::DriverError };
+    let desc = match rng.below(3) {
+        0 => {
+            host.faults().fail_nth_allocate(n);
+            format!("fail_nth_allocate({n}) {kind:?}")
+        }
+        1 => {
+            host.faults().fail_nth_release(n);
+            format!("fail_nth_release({n}) {kind:?}")
+        }
+        _ => {
+            host.faults().fail_nth_allocate(0);
+            host.faults().fail_nth_release(0);
+            "faults off".into()
+        }
+    };
+    host.faults().set_kind(kind);
+    desc
 }
 
 pub(crate) fn seeds() -> u64 {

@@ -18,12 +18,14 @@ use std::sync::mpsc;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use tidepool::backend::host::{FaultKind, HostBackend};
+use tidepool::backend::host::HostBackend;
 use tidepool::backend::Backend;
 use tidepool::{AllocError, Allocator, Config, DevicePtr, PrivatePoolId, Stream};
 
 use crate::common::Rng;
-use crate::heap_stress::{check_live_blocks, check_pattern, configurations, sweep, write_pattern, Live, Opts, RandomBackend};
+use crate::heap_stress::{
+    check_live_blocks, check_pattern, configurations, inject_faults, sweep, write_pattern, Live, Opts, RandomBackend,
+};
 
 /// A second thread that runs what it is given, one call at a time.
 struct Worker {
@@ -214,20 +216,7 @@ fn run(seed: u64, steps: usize, o: Opts) -> Result<(), String> {
                     }
                 }
             }
-            95..=97 if o.faults => {
-                let n = 1 + rng.below(4);
-                let kind = if rng.chance(50) { FaultKind::OutOfMemory } else { FaultKind::DriverError };
-                desc = format!("faults {n} {kind:?}");
-                match rng.below(3) {
-                    0 => host.faults().fail_nth_allocate(n),
-                    1 => host.faults().fail_nth_release(n),
-                    _ => {
-                        host.faults().fail_nth_allocate(0);
-                        host.faults().fail_nth_release(0);
-                    }
-                }
-                host.faults().set_kind(kind);
-            }
+            95..=97 if o.faults => desc = inject_faults(&mut rng, &host),
             _ => {
                 desc = "stats".into();
                 let s = alloc.stats(0).map_err(|e| format!("{e}"))?;
