@@ -309,6 +309,14 @@ impl HotCache {
         own.bytes.set(own.bytes.get() + own.entries[i % MAX_ENTRIES].size.get());
     }
 
+    /// Notes that entry `i`, occupied, is now empty.
+    #[inline(always)]
+    fn empty(self, i: usize) {
+        let own = self.own();
+        own.occupied.set(own.occupied.get() & !(1 << (i % MAX_ENTRIES)));
+        own.bytes.set(own.bytes.get() - own.entries[i % MAX_ENTRIES].size.get());
+    }
+
     /// Puts `ptr`, just freed, in entry `i` (noted as occupied) for the heap to see.
     #[inline(always)]
     fn publish_free(self, i: usize, ptr: u64) {
@@ -385,14 +393,6 @@ impl HotCache {
         }
         Ok(())
     }
-
-    /// Notes that entry `i`, occupied, is now empty.
-    #[inline(always)]
-    fn empty(self, i: usize) {
-        let own = self.own();
-        own.occupied.set(own.occupied.get() & !(1 << (i % MAX_ENTRIES)));
-        own.bytes.set(own.bytes.get() - own.entries[i % MAX_ENTRIES].size.get());
-    }
 }
 
 /// The bucket of a request of `size` bytes on `stream` (a multiplicative hash).
@@ -406,7 +406,6 @@ fn bucket(size: u64, stream: Stream) -> usize {
 struct ColdCache {
     device: usize,
     slot: &'static CacheSlot,
-    index: u32,
     /// Blocks handed out before the last, by address: their index in `classes`.
     live: AddrMap,
     classes: Vec<Class>,
@@ -441,7 +440,7 @@ impl Drop for ColdCache {
             }
         });
         if let Some(devices) = self.devices.upgrade() {
-            devices[self.device].retire_slot(self.index);
+            devices[self.device].retire_slot(self.slot.owner.heap_index.get() as u32);
         }
         cache_slot::give_back(self.slot);
     }
@@ -584,7 +583,6 @@ impl Bounds {
             let record = ColdCache {
                 device,
                 slot,
-                index,
                 live: AddrMap::default(),
                 classes: Vec::new(),
                 class_index: HashMap::new(),

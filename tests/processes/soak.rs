@@ -3,8 +3,9 @@
 //! (TIDEPOOL_SOAK_SECS: 30 s under CI=true, 10 s otherwise). Random sizes
 //! and streams, `record_stream` with work queued on the other stream,
 //! `empty_cache`, a memory fraction in one process, expandable segments in
-//! two, threads' caches and cooperation on in all (tight cache bounds in one); the device is too small for all of them, so
-//! requests fail, processes ask each other and answer. One process is
+//! two, threads' caches and cooperation on in all (tight cache bounds in
+//! one); the device is too small for all of them, so requests fail,
+//! processes ask each other and answer. One process is
 //! killed with SIGKILL partway and started again.
 //!
 //! Checked: every block's byte pattern is intact when it is freed; each
