@@ -35,8 +35,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::cache_owner::Owner;
-use crate::cache_owner::MAX_ENTRIES;
+use crate::cache_owner::{Owner, MAX_ENTRIES};
 
 /// The slot of no cache: what an unused place in a thread's caches points at.
 pub static UNUSED: CacheSlot = CacheSlot::new();
