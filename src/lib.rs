@@ -56,6 +56,7 @@ pub mod ffi;
 pub mod frames;
 pub mod heap;
 mod log;
+mod page_map;
 pub mod pickle;
 mod process;
 pub mod reclaim;

@@ -42,7 +42,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::{Backend, BackendError, HostMemory, HostRegion, MemInfo};
-use crate::addr_map::AddrMap;
+use crate::page_map::PageMap;
 use crate::types::Stream;
 
 /// How an injected failure presents itself.
@@ -174,8 +174,8 @@ pub struct HostBackend {
     vm_unmap_calls: AtomicU64,
     vm_move_calls: AtomicU64,
     vm_moved_bytes: AtomicU64,
-    /// The allocations `vm_map` made, by address: their pages.
-    vm_allocations: Mutex<AddrMap>,
+    /// The reserved ranges and the allocations `vm_map` made in them.
+    vm_ranges: Mutex<Reserved>,
     driver: DriverCallCounts,
     /// Unbacked: the next address handed out (None: real mappings).
     unbacked: Option<AtomicU64>,
@@ -248,7 +248,7 @@ impl HostBackend {
             vm_unmap_calls: AtomicU64::new(0),
             vm_move_calls: AtomicU64::new(0),
             vm_moved_bytes: AtomicU64::new(0),
-            vm_allocations: Mutex::new(AddrMap::default()),
+            vm_ranges: Mutex::new(Reserved::default()),
             driver: DriverCallCounts::default(),
             unbacked: None,
         }
@@ -347,21 +347,6 @@ impl HostBackend {
             unmap: get(&d.unmap),
             set_access: get(&d.set_access),
         }
-    }
-
-    /// The allocations making up `[addr, addr + len)` exactly, as
-    /// (address, length), or None when the range begins or ends inside one
-    /// or holds unmapped pages (the driver refuses those).
-    fn whole_allocations(allocations: &AddrMap, addr: u64, len: u64) -> Option<Vec<(u64, u64)>> {
-        let mut out = Vec::new();
-        let mut at = addr;
-        // Each allocation begins where the one before ends.
-        while at < addr + len {
-            let n = u64::from(allocations.get(at)?) * HOST_PAGE;
-            out.push((at, n));
-            at += n;
-        }
-        (at == addr + len && len > 0).then_some(out)
     }
 
     fn device(&self, device: usize, call: &'static str) -> Result<&HostDevice, BackendError> {
@@ -486,6 +471,7 @@ impl Backend for HostBackend {
             }
         }
         self.vm_reserve_calls.fetch_add(1, Ordering::Relaxed);
+        self.vm_ranges.lock().add(base, size);
         Ok(base)
     }
 
@@ -493,8 +479,9 @@ impl Backend for HostBackend {
         const CALL: &str = "munmap";
         self.device(device, CALL)?;
         self.driver.address_free.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the engine frees only a range it reserved above, once,
-        // with no page of it mapped and no block in it.
+        self.vm_ranges.lock().remove(base, size).map_err(|message| BackendError::Driver { call: CALL, code: 1, message })?;
+        // SAFETY: the range was reserved above (just checked, and forgotten
+        // now) with no page of it mapped, and the engine holds no block in it.
         let rc = unsafe { self.unplace(base, size as usize) };
         if rc != 0 {
             return Err(os_error(CALL));
@@ -510,6 +497,9 @@ impl Backend for HostBackend {
         if sizes.is_empty() || sizes.iter().any(|&n| n == 0 || !n.is_multiple_of(HOST_PAGE) || n / HOST_PAGE > u64::from(u32::MAX)) {
             return Err(BackendError::Driver { call: CALL, code: 1, message: format!("allocations of {sizes:?} bytes") });
         }
+        let mut ranges = self.vm_ranges.lock();
+        let (range, first, _) =
+            ranges.unmapped(addr, sizes.iter().sum()).map_err(|message| BackendError::Driver { call: CALL, code: 1, message })?;
         let always = self.faults.allocate_always.load(Ordering::SeqCst);
         if Faults::countdown_hits(&self.faults.allocate_countdown) || always {
             self.driver.create.fetch_add(1, Ordering::Relaxed);
@@ -550,9 +540,11 @@ impl Backend for HostBackend {
             return Err(err);
         }
         self.driver.set_access.fetch_add(1, Ordering::Relaxed);
-        let mut allocations = self.vm_allocations.lock();
-        for (at, each) in made {
-            allocations.insert(at, pages_of(each));
+        let pages = &mut ranges.ranges[range].1;
+        let mut page = first;
+        for (_, each) in made {
+            pages.set_mapped(page, each / HOST_PAGE, each / HOST_PAGE);
+            page += each / HOST_PAGE;
         }
         Ok(())
     }
@@ -562,10 +554,8 @@ impl Backend for HostBackend {
         self.vm_unmap_calls.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         self.device(device, CALL)?;
-        let mut allocations = self.vm_allocations.lock();
-        let Some(whole) = Self::whole_allocations(&allocations, addr, len) else {
-            return Err(part_of_an_allocation(CALL, addr, len));
-        };
+        let mut ranges = self.vm_ranges.lock();
+        let (range, first, count) = ranges.whole(addr, len).map_err(|message| BackendError::Driver { call: CALL, code: 1, message })?;
         if Faults::countdown_hits(&self.faults.release_countdown) {
             self.driver.unmap.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
@@ -577,10 +567,9 @@ impl Backend for HostBackend {
         if placed.is_none() {
             return Err(os_error(CALL));
         }
-        for (start, _) in &whole {
-            allocations.remove(*start);
-        }
-        let n = whole.len() as u64;
+        let pages = &mut ranges.ranges[range].1;
+        let n = pages.allocation_count(first, count);
+        pages.set_unmapped(first, count);
         self.driver.unmap.fetch_add(n, Ordering::Relaxed);
         self.driver.release.fetch_add(n, Ordering::Relaxed);
         self.unclaim(device, len, true);
@@ -592,10 +581,10 @@ impl Backend for HostBackend {
         self.vm_move_calls.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         self.device(device, CALL)?;
-        let mut allocations = self.vm_allocations.lock();
-        let Some(whole) = Self::whole_allocations(&allocations, from, len) else {
-            return Err(part_of_an_allocation(CALL, from, len));
-        };
+        let mut ranges = self.vm_ranges.lock();
+        let refused = |message| BackendError::Driver { call: CALL, code: 1, message };
+        let (source, first, count) = ranges.whole(from, len).map_err(refused)?;
+        let (target, to_first, _) = ranges.unmapped(to, len).map_err(refused)?;
         if Faults::countdown_hits(&self.faults.allocate_countdown) || self.faults.allocate_always.load(Ordering::SeqCst) {
             self.driver.unmap.fetch_add(1, Ordering::Relaxed);
             self.driver.map.fetch_add(1, Ordering::Relaxed);
@@ -618,11 +607,12 @@ impl Backend for HostBackend {
         }
         // Each allocation unmapped from `from` and mapped at `to`, then
         // access granted over the run.
-        for &(start, n) in &whole {
-            allocations.remove(start);
-            allocations.insert(to + (start - from), pages_of(n));
+        let moved: Vec<(u64, u64)> = ranges.ranges[source].1.allocations_in(first, count).collect();
+        ranges.ranges[source].1.set_unmapped(first, count);
+        for &(page, n) in &moved {
+            ranges.ranges[target].1.set_mapped(to_first + (page - first), n, n);
         }
-        let n = whole.len() as u64;
+        let n = moved.len() as u64;
         self.driver.unmap.fetch_add(n, Ordering::Relaxed);
         self.driver.map.fetch_add(n, Ordering::Relaxed);
         self.driver.set_access.fetch_add(1, Ordering::Relaxed);
@@ -735,18 +725,70 @@ impl Drop for HostBuffer {
     }
 }
 
-/// The driver's refusal of a range that cuts an allocation.
-fn part_of_an_allocation(call: &'static str, addr: u64, len: u64) -> BackendError {
-    BackendError::Driver {
-        call,
-        code: 1, // CUDA_ERROR_INVALID_VALUE
-        message: format!("[{addr:#x}, {:#x}) is not whole allocations", addr + len),
-    }
+/// The ranges `vm_reserve` made, in address order, each with a page map
+/// of the allocations `vm_map` placed in it: what the driver knows, so that
+/// the backend refuses what the driver refuses (a map over mapped pages or
+/// outside a reservation, an unmap or move of part of an allocation) and
+/// counts the calls it makes per allocation. A page map reads a range's
+/// allocations in address order a word of 64 pages at a time.
+#[derive(Default)]
+struct Reserved {
+    ranges: Vec<(u64, PageMap)>,
 }
 
-/// The pages of an allocation of `bytes` (a multiple of the page).
-fn pages_of(bytes: u64) -> u32 {
-    u32::try_from(bytes / HOST_PAGE).expect("an allocation under 8 PiB")
+impl Reserved {
+    fn add(&mut self, base: u64, size: u64) {
+        let at = self.ranges.partition_point(|(b, _)| *b < base);
+        self.ranges.insert(at, (base, PageMap::new(size.next_multiple_of(HOST_PAGE), HOST_PAGE)));
+    }
+
+    /// Forgets the range reserved at `base`, refused while a page of it is mapped.
+    fn remove(&mut self, base: u64, size: u64) -> Result<(), String> {
+        let at = self.ranges.partition_point(|(b, _)| *b < base);
+        match self.ranges.get(at) {
+            Some((b, pages)) if *b == base && pages.page_count() == size.div_ceil(HOST_PAGE) => {
+                if pages.mapped_bytes() > 0 {
+                    return Err(format!("the range at {base:#x} still has {} bytes mapped", pages.mapped_bytes()));
+                }
+                self.ranges.remove(at);
+                Ok(())
+            }
+            _ => Err(format!("no range of {size} bytes is reserved at {base:#x}")),
+        }
+    }
+
+    /// The range holding `[addr, addr + len)` (whole pages): its index, the first page and the pages.
+    fn locate(&self, addr: u64, len: u64) -> Result<(usize, u64, u64), String> {
+        let outside = || format!("[{addr:#x}, {:#x}) is not whole pages of one reserved range", addr.saturating_add(len));
+        if len == 0 || !addr.is_multiple_of(HOST_PAGE) || !len.is_multiple_of(HOST_PAGE) {
+            return Err(outside());
+        }
+        let at = self.ranges.partition_point(|(b, _)| *b <= addr).checked_sub(1).ok_or_else(outside)?;
+        let (base, pages) = &self.ranges[at];
+        let (first, count) = ((addr - base) / HOST_PAGE, len / HOST_PAGE);
+        if first + count > pages.page_count() {
+            return Err(outside());
+        }
+        Ok((at, first, count))
+    }
+
+    /// As `locate`, for pages none of which is mapped.
+    fn unmapped(&self, addr: u64, len: u64) -> Result<(usize, u64, u64), String> {
+        let (at, first, count) = self.locate(addr, len)?;
+        if self.ranges[at].1.next_mapped(first, first + count) < first + count {
+            return Err(format!("[{addr:#x}, {:#x}) holds mapped pages", addr + len));
+        }
+        Ok((at, first, count))
+    }
+
+    /// As `locate`, for pages that are whole allocations.
+    fn whole(&self, addr: u64, len: u64) -> Result<(usize, u64, u64), String> {
+        let (at, first, count) = self.locate(addr, len)?;
+        if !self.ranges[at].1.whole(first, count) {
+            return Err(format!("[{addr:#x}, {:#x}) is not whole allocations", addr + len));
+        }
+        Ok((at, first, count))
+    }
 }
 
 /// The last OS error as a backend error of `call`.
@@ -851,6 +893,42 @@ mod tests {
         assert_eq!(backend.mem_info(0).unwrap().free, 4 * HOST_PAGE);
         let calls = backend.driver_calls();
         assert_eq!((calls.mem_alloc, calls.address_reserve, calls.create, calls.map, calls.unmap, calls.release), (1, 1, 2, 2, 2, 1));
+    }
+
+    #[test]
+    fn what_the_driver_refuses_is_refused_and_changes_nothing() {
+        let backend = HostBackend::unbacked(1, 64 * HOST_PAGE);
+        let a = backend.vm_reserve(0, 16 * HOST_PAGE).unwrap();
+        let b = backend.vm_reserve(0, 16 * HOST_PAGE).unwrap();
+        backend.vm_map(0, a, &[4 * HOST_PAGE, HOST_PAGE]).unwrap();
+        let refused = |r: Result<(), BackendError>, says: &str| {
+            let err = r.unwrap_err().to_string();
+            assert!(err.contains(says), "{err}");
+        };
+        refused(backend.vm_map(0, a + 4 * HOST_PAGE, &[2 * HOST_PAGE]), "holds mapped pages");
+        refused(backend.vm_map(0, a + 15 * HOST_PAGE, &[2 * HOST_PAGE]), "not whole pages of one reserved range");
+        refused(backend.vm_map(0, a - 64 * HOST_PAGE, &[HOST_PAGE]), "not whole pages of one reserved range");
+        refused(backend.vm_unmap(0, a, 2 * HOST_PAGE), "not whole allocations");
+        refused(backend.vm_unmap(0, a + HOST_PAGE, 4 * HOST_PAGE), "not whole allocations");
+        refused(backend.vm_unmap(0, a, 6 * HOST_PAGE), "not whole allocations");
+        refused(backend.vm_unmap(0, a + 1, HOST_PAGE), "not whole pages");
+        refused(backend.vm_move(0, a, a + 2 * HOST_PAGE, 4 * HOST_PAGE), "holds mapped pages");
+        refused(backend.vm_move(0, a + HOST_PAGE, b, 4 * HOST_PAGE), "not whole allocations");
+        refused(backend.vm_free(0, a, 16 * HOST_PAGE), "still has");
+        refused(backend.vm_free(0, a + HOST_PAGE, 15 * HOST_PAGE), "no range");
+        assert_eq!(backend.mem_info(0).unwrap().free, 59 * HOST_PAGE, "nothing claimed or given back");
+        let before = backend.driver_calls();
+        // Both allocations move to the other range in one call, then go back
+        // whole: two unmaps, two maps, one grant; two unmaps and releases.
+        backend.vm_move(0, a, b + 8 * HOST_PAGE, 5 * HOST_PAGE).unwrap();
+        refused(backend.vm_unmap(0, b + 8 * HOST_PAGE, 2 * HOST_PAGE), "not whole allocations");
+        backend.vm_unmap(0, b + 8 * HOST_PAGE, 5 * HOST_PAGE).unwrap();
+        let after = backend.driver_calls();
+        assert_eq!((after.unmap - before.unmap, after.map - before.map, after.set_access - before.set_access), (4, 2, 1));
+        assert_eq!(after.release - before.release, 2);
+        backend.vm_free(0, a, 16 * HOST_PAGE).unwrap();
+        backend.vm_free(0, b, 16 * HOST_PAGE).unwrap();
+        assert_eq!(backend.mem_info(0).unwrap().free, 64 * HOST_PAGE);
     }
 
     #[test]

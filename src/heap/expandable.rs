@@ -28,10 +28,10 @@
 
 use super::block::{Block, BlockId, BlockState, NIL};
 use super::history::HistoryAction;
-use super::pages::{self, PageMap};
 use super::recycle::Donor;
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
+use crate::page_map::{self, PageMap};
 use crate::size_class::PoolKind;
 
 /// Pages `map_block` maps: `pages` from page `first`, an edge page (an
@@ -279,7 +279,7 @@ impl DeviceHeap {
         };
         allocations.sort_unstable();
         let mut stuck = Vec::new();
-        for (first, n) in pages::runs_of(&allocations) {
+        for (first, n) in page_map::runs_of(&allocations) {
             if self.backend.vm_unmap(self.device, base + first * page, n * page).is_ok() {
                 self.reserve.give_back(n * page);
             } else {
@@ -346,7 +346,7 @@ impl DeviceHeap {
         }
         let segment = self.segments[segment_id].as_ref().expect("checked above");
         let (base, stream) = (segment.base, self.pools[segment.pool as usize].stream);
-        for (p, n) in pages::runs_of(allocations) {
+        for (p, n) in page_map::runs_of(allocations) {
             self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
         }
         self.stats.reserved_bytes.increase(kind, total * page);
@@ -462,7 +462,7 @@ impl DeviceHeap {
         let segment = self.blocks[id].segment;
         let runs = self
             .pages_inside_block(id)
-            .map(|(pages, first, count)| pages::runs_of(&pages.allocations_in(first, count).collect::<Vec<_>>()));
+            .map(|(pages, first, count)| page_map::runs_of(&pages.allocations_in(first, count).collect::<Vec<_>>()));
         runs.unwrap_or_default().into_iter().map(|(p, n)| self.unmap_run(segment, p, n)).sum()
     }
 

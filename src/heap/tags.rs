@@ -391,7 +391,7 @@ impl DeviceHeap {
         false
     }
 
-    fn segment_pages(&self, base: u64) -> Option<&super::pages::PageMap> {
+    fn segment_pages(&self, base: u64) -> Option<&crate::page_map::PageMap> {
         let id = *self.segment_by_base.get(&base)?;
         self.segments[id as usize].as_ref()?.pages.as_ref()
     }

@@ -29,6 +29,7 @@ const UNITS: &[Unit] = &[
         modules: &[
             "types",
             "addr_map",
+            "page_map",
             "log",
             "size_class",
             "backend",

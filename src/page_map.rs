@@ -1,5 +1,7 @@
 //! The page map of an expandable segment: which pages of its virtual range
-//! are backed by physical memory, and how that memory was allocated.
+//! are backed by physical memory, and how that memory was allocated. The
+//! heap keeps one per expandable segment; the host backend one per reserved
+//! range, to refuse and count what the driver would.
 //!
 //! An expandable segment is a range of address space reserved once; pages
 //! (the driver's granularity, 2 MiB on CUDA) are mapped when a block needs
@@ -42,6 +44,11 @@ impl PageMap {
 
     pub fn page_size(&self) -> u64 {
         self.page
+    }
+
+    /// Pages in the range.
+    pub fn page_count(&self) -> u64 {
+        self.pages
     }
 
     /// Bytes mapped.
@@ -173,6 +180,21 @@ impl PageMap {
             at = find(&self.starts, start + len, stop, true);
             Some((start, len))
         })
+    }
+
+    /// How many allocations begin in pages `[first, first + count)`.
+    pub fn allocation_count(&self, first: u64, count: u64) -> u64 {
+        let mut n = 0;
+        let mut page = first;
+        let stop = (first + count).min(self.end);
+        while page < stop {
+            let index = (page / 64) as usize;
+            let high = (stop - index as u64 * 64).min(64);
+            let mask = (u64::MAX >> (64 - (high - page % 64))) << (page % 64);
+            n += u64::from((self.starts[index] & mask).count_ones());
+            page = index as u64 * 64 + high;
+        }
+        n
     }
 
     /// Whether an allocation lies entirely inside pages `[first, first +
@@ -376,7 +398,9 @@ mod tests {
         assert_eq!((map.allocation(150), map.end_bytes()), ((60, 100), 160 * PAGE));
         assert_eq!(map.runs(0, 200, true), vec![(0, 4), (8, 3), (60, 100)]);
         assert_eq!(map.runs(3, 100, false), vec![(4, 4), (11, 49)]);
-        map.set_unmapped(60, 100);
+        map.set_mapped(160, 70, 1);
+        assert_eq!((map.allocation_count(0, 256), map.allocation_count(3, 100), map.allocation_count(61, 166)), (73, 2, 67));
+        map.set_unmapped(60, 170);
         assert_eq!(map.end_bytes(), 11 * PAGE);
         map.check().unwrap();
     }
