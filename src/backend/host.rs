@@ -542,9 +542,11 @@ impl Backend for HostBackend {
         self.driver.set_access.fetch_add(1, Ordering::Relaxed);
         let pages = &mut ranges.ranges[range].1;
         let mut page = first;
-        for (_, each) in made {
-            pages.set_mapped(page, each / HOST_PAGE, each / HOST_PAGE);
-            page += each / HOST_PAGE;
+        // Allocations of one size side by side in one mark.
+        for same in sizes.chunk_by(|a, b| a == b) {
+            let each = same[0] / HOST_PAGE;
+            pages.set_mapped(page, each * same.len() as u64, each);
+            page += each * same.len() as u64;
         }
         Ok(())
     }

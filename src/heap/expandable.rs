@@ -420,8 +420,7 @@ impl DeviceHeap {
     /// The bytes of the allocations lying entirely inside the block `id`
     /// of an expandable segment: what unmapping its pages gives back.
     pub(super) fn hole_bytes(&self, id: BlockId) -> u64 {
-        self.pages_inside_block(id)
-            .map_or(0, |(pages, first, count)| pages.allocations_in(first, count).map(|(_, n)| n).sum::<u64>() * pages.page_size())
+        self.pages_inside_block(id).map_or(0, |(pages, first, count)| pages.pages_of_allocations_in(first, count) * pages.page_size())
     }
 
     /// Whether an allocation lies entirely inside the block `id` of an
