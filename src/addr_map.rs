@@ -1,5 +1,5 @@
 //! `AddrMap`: address -> u32, the O(1) pointer lookup of the heap's `free`
-//! (block ids) and of the host backend's allocations (their pages).
+//! (block ids) and of a thread cache's hand-outs.
 //!
 //! Open addressing with linear probing and backward-shift deletion (no
 //! tombstones, so a table that sees endless insert/remove cycles never
