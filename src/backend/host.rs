@@ -479,7 +479,7 @@ impl Backend for HostBackend {
         const CALL: &str = "munmap";
         self.device(device, CALL)?;
         self.driver.address_free.fetch_add(1, Ordering::Relaxed);
-        self.vm_ranges.lock().remove(base, size).map_err(|message| BackendError::Driver { call: CALL, code: 1, message })?;
+        self.vm_ranges.lock().remove(base, size).map_err(|message| invalid_value(CALL, message))?;
         // SAFETY: the range was reserved above (just checked, and forgotten
         // now) with no page of it mapped, and the engine holds no block in it.
         let rc = unsafe { self.unplace(base, size as usize) };
@@ -495,11 +495,10 @@ impl Backend for HostBackend {
         self.faults.delay();
         self.device(device, CALL)?;
         if sizes.is_empty() || sizes.iter().any(|&n| n == 0 || !n.is_multiple_of(HOST_PAGE) || n / HOST_PAGE > u64::from(u32::MAX)) {
-            return Err(BackendError::Driver { call: CALL, code: 1, message: format!("allocations of {sizes:?} bytes") });
+            return Err(invalid_value(CALL, format!("allocations of {sizes:?} bytes")));
         }
         let mut ranges = self.vm_ranges.lock();
-        let (range, first, _) =
-            ranges.unmapped(addr, sizes.iter().sum()).map_err(|message| BackendError::Driver { call: CALL, code: 1, message })?;
+        let (range, first, _) = ranges.unmapped(addr, sizes.iter().sum()).map_err(|message| invalid_value(CALL, message))?;
         let always = self.faults.allocate_always.load(Ordering::SeqCst);
         if Faults::countdown_hits(&self.faults.allocate_countdown) || always {
             self.driver.create.fetch_add(1, Ordering::Relaxed);
@@ -557,7 +556,7 @@ impl Backend for HostBackend {
         self.faults.delay();
         self.device(device, CALL)?;
         let mut ranges = self.vm_ranges.lock();
-        let (range, first, count) = ranges.whole(addr, len).map_err(|message| BackendError::Driver { call: CALL, code: 1, message })?;
+        let (range, first, count) = ranges.whole(addr, len).map_err(|message| invalid_value(CALL, message))?;
         if Faults::countdown_hits(&self.faults.release_countdown) {
             self.driver.unmap.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
@@ -584,7 +583,7 @@ impl Backend for HostBackend {
         self.faults.delay();
         self.device(device, CALL)?;
         let mut ranges = self.vm_ranges.lock();
-        let refused = |message| BackendError::Driver { call: CALL, code: 1, message };
+        let refused = |message| invalid_value(CALL, message);
         let (source, first, count) = ranges.whole(from, len).map_err(refused)?;
         let (target, to_first, _) = ranges.unmapped(to, len).map_err(refused)?;
         if Faults::countdown_hits(&self.faults.allocate_countdown) || self.faults.allocate_always.load(Ordering::SeqCst) {
@@ -791,6 +790,12 @@ impl Reserved {
         }
         Ok((at, first, count))
     }
+}
+
+/// The driver's refusal of a request it finds wrong (a range it does not
+/// hold as asked), as `call`'s error.
+fn invalid_value(call: &'static str, message: String) -> BackendError {
+    BackendError::Driver { call, code: 1 /* CUDA_ERROR_INVALID_VALUE */, message }
 }
 
 /// The last OS error as a backend error of `call`.
