@@ -314,38 +314,38 @@ fn find(words: &[u64], from: u64, stop: u64, set: bool) -> u64 {
     stop
 }
 
-/// Sets (or clears) the bits of pages `[first, first + count)`, a word at a time.
-fn set_range(words: &mut [u64], first: u64, count: u64, value: bool) {
-    let mut page = first;
+/// The words holding pages `[first, first + count)`, each with the mask of
+/// those pages in it.
+fn word_masks(first: u64, count: u64) -> impl Iterator<Item = (usize, u64)> {
     let stop = first + count;
-    while page < stop {
+    let mut page = first;
+    std::iter::from_fn(move || {
+        if page >= stop {
+            return None;
+        }
         let index = (page / 64) as usize;
         let low = page % 64;
         let high = (stop - index as u64 * 64).min(64);
-        let mask = (u64::MAX >> (64 - (high - low))) << low;
+        page = index as u64 * 64 + high;
+        Some((index, (u64::MAX >> (64 - (high - low))) << low))
+    })
+}
+
+/// Sets (or clears) the bits of pages `[first, first + count)`, a word at a time.
+fn set_range(words: &mut [u64], first: u64, count: u64, value: bool) {
+    for (index, mask) in word_masks(first, count) {
         if value {
             words[index] |= mask;
         } else {
             words[index] &= !mask;
         }
-        page = index as u64 * 64 + high;
     }
 }
 
 /// How many of pages `[first, first + count)` have their bit set, a word
 /// at a time (the pages must lie within the words).
 fn count_set(words: &[u64], first: u64, count: u64) -> u64 {
-    let mut n = 0;
-    let mut page = first;
-    let stop = first + count;
-    while page < stop {
-        let index = (page / 64) as usize;
-        let high = (stop - index as u64 * 64).min(64);
-        let mask = (u64::MAX >> (64 - (high - page % 64))) << (page % 64);
-        n += u64::from((words[index] & mask).count_ones());
-        page = index as u64 * 64 + high;
-    }
-    n
+    word_masks(first, count).map(|(index, mask)| u64::from((words[index] & mask).count_ones())).sum()
 }
 
 /// The last page at or before `page` whose bit is set (one must be).
