@@ -251,8 +251,8 @@ fn show_path(path: &impl AsRef<std::path::Path>) -> String {
 /// With expandable segments, the most bytes one physical allocation holds
 /// unless configured (`expandable_allocation_mb`): a page, the least memory
 /// (over the shared traces 1.0049x the peak of live bytes, geometric mean
-/// of the real snapshots, with 11.8x the driver calls of PyTorch's
-/// expandable segments; 1.0073x and 4.2x at 8 MiB, 1.0097x and 1.9x at
+/// of the real snapshots, with 11.0x the driver calls of PyTorch's
+/// expandable segments; 1.0073x and 3.8x at 8 MiB, 1.0097x and 1.8x at
 /// 64 MiB: docs/expandable-segments.md).
 pub const DEFAULT_EXPANDABLE_ALLOCATION: u64 = 2 * MIB;
 

@@ -191,6 +191,27 @@ impl PageMap {
         })
     }
 
+    /// The runs of adjacent allocations lying entirely inside pages
+    /// `[first, first + count)` (`runs_of` over `allocations_in`), found a
+    /// word at a time: the mapped runs there, less the part of an
+    /// allocation begun before the range at its start and of one reaching
+    /// past it at its end (a run after an unmapped page begins an
+    /// allocation).
+    pub fn allocation_runs(&self, first: u64, count: u64) -> Vec<(u64, u64)> {
+        let stop = first + count;
+        let mut runs = self.runs(first, count, true);
+        if let Some(run) = runs.first_mut().filter(|&&mut (p, _)| self.continues(p)) {
+            let next = find(&self.starts, run.0, run.0 + run.1, true);
+            *run = (next, run.0 + run.1 - next);
+        }
+        if let Some(run) = runs.last_mut().filter(|&&mut (p, n)| p + n == stop && self.continues(stop)) {
+            let cut = last_set_at_or_before(&self.starts, stop).max(run.0);
+            run.1 = cut - run.0;
+        }
+        runs.retain(|&(_, n)| n > 0);
+        runs
+    }
+
     /// How many allocations begin in pages `[first, first + count)`.
     pub fn allocation_count(&self, first: u64, count: u64) -> u64 {
         let stop = (first + count).min(self.end);
@@ -433,11 +454,14 @@ mod tests {
         assert_eq!(map.runs(3, 100, false), vec![(4, 4), (11, 49)]);
         map.set_mapped(160, 70, 1);
         assert_eq!((map.allocation_count(0, 256), map.allocation_count(3, 100), map.allocation_count(61, 166)), (73, 2, 67));
-        // Counted a word at a time, the same as walked allocation by allocation.
+        // Counted (and runs found) a word at a time, the same as walked
+        // allocation by allocation.
         for first in (0..256).step_by(3) {
             for count in [1, 2, 5, 40, 64, 100, 170, 256 - first] {
                 let walked: u64 = map.allocations_in(first, count).map(|(_, n)| n).sum();
                 assert_eq!(map.pages_of_allocations_in(first, count), walked, "pages {first}+{count}");
+                let walked_runs = runs_of(&map.allocations_in(first, count).collect::<Vec<_>>());
+                assert_eq!(map.allocation_runs(first, count), walked_runs, "runs in pages {first}+{count}");
             }
         }
         map.set_unmapped(60, 170);

@@ -28,7 +28,7 @@
 
 use super::block::{Block, BlockId, BlockState, NIL};
 use super::history::HistoryAction;
-use super::recycle::Donor;
+use super::recycle::{self, Donor};
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::page_map::{self, PageMap};
@@ -226,18 +226,27 @@ impl DeviceHeap {
                     // (An edge page takes a donor of one page only.)
                     let left = piece.first + piece.pages - at;
                     let room = left.max(self.unmapped_from(segment_id, at, piece.room_end));
-                    // The latest chosen donor that fits; what is batched goes
-                    // first: the donor lands after it.
-                    if let Some(index) = donors.iter().rposition(|d| d.pages <= room) {
+                    // The latest chosen donor that fits, with the donors just
+                    // before it in memory that fit too (one move, one grant
+                    // of access); what is batched goes first: the donors
+                    // land after it.
+                    if let Some(last) = donors.iter().rposition(|d| d.pages <= room) {
                         if let Err(err) = self.map_batch(segment_id, &mut batch, &mut mapped, &mut donors) {
                             failed = Some(err);
                             break 'pieces;
                         }
-                        if let Some(k) = self.move_donor(&mut donors, index, base + at * page) {
-                            mapped.push((at, k));
-                            at += k;
+                        let run = recycle::adjacent_run(&donors, last, room);
+                        let before = mapped.len();
+                        let mut next = at;
+                        for donor in &donors[run.clone()] {
+                            mapped.push((next, donor.pages));
+                            next += donor.pages;
+                        }
+                        if self.move_donors(&mut donors, run, base + at * page) {
+                            at = next;
                             continue;
                         }
+                        mapped.truncate(before);
                     }
                 }
                 let rest = if piece.edge { 1 } else { piece.first + piece.pages - at };
@@ -340,8 +349,11 @@ impl DeviceHeap {
         };
         let page = pages.page_size();
         let mut total = 0;
-        for &(p, n) in allocations {
-            pages.set_mapped(p, n, n);
+        // Allocations of one size side by side in one mark.
+        for same in allocations.chunk_by(|a, b| a.1 == b.1 && a.0 + a.1 == b.0) {
+            let (p, each) = same[0];
+            let n = each * same.len() as u64;
+            pages.set_mapped(p, n, each);
             total += n;
         }
         let segment = self.segments[segment_id].as_ref().expect("checked above");
@@ -459,9 +471,7 @@ impl DeviceHeap {
     /// neighbours. Returns the bytes unmapped.
     fn unmap_inside(&mut self, id: BlockId) -> u64 {
         let segment = self.blocks[id].segment;
-        let runs = self
-            .pages_inside_block(id)
-            .map(|(pages, first, count)| page_map::runs_of(&pages.allocations_in(first, count).collect::<Vec<_>>()));
+        let runs = self.pages_inside_block(id).map(|(pages, first, count)| pages.allocation_runs(first, count));
         runs.unwrap_or_default().into_iter().map(|(p, n)| self.unmap_run(segment, p, n)).sum()
     }
 

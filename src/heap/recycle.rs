@@ -29,6 +29,8 @@
 //!   it is; one that drifts further pays moves to stay within it.
 #![forbid(unsafe_code)]
 
+use std::ops::Range;
+
 use super::block::BlockId;
 use super::DeviceHeap;
 
@@ -230,21 +232,28 @@ impl DeviceHeap {
         donors
     }
 
-    /// Moves the memory of the donor allocation `donors[index]` to the
-    /// unmapped pages at `to` (one run of a reserved range it fits). Returns
-    /// its pages, or None when the backend cannot move (every donor gives
-    /// its memory back then, and the caller maps new memory in its place).
-    pub(super) fn move_donor(&mut self, donors: &mut Vec<Donor>, index: usize, to: u64) -> Option<u64> {
-        let donor = donors[index];
-        let (base, page) = self.segments[donor.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))?;
-        if self.backend.vm_move(self.device, base + donor.first * page, to, donor.pages * page).is_err() {
+    /// Moves the memory of the donors `run` (allocations next to each other
+    /// in one segment, in address order: `adjacent_run`) to the unmapped
+    /// pages at `to` (one run of a reserved range they fit), in one
+    /// `vm_move`: one grant of access for them all. Returns false when the
+    /// backend cannot move (every donor gives its memory back then, and the
+    /// caller maps new memory in their place).
+    pub(super) fn move_donors(&mut self, donors: &mut Vec<Donor>, run: Range<usize>, to: u64) -> bool {
+        let (first, last) = (donors[run.start], donors[run.end - 1]);
+        let Some((base, page)) = self.segments[first.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))
+        else {
+            return false;
+        };
+        let pages = last.first + last.pages - first.first;
+        if self.backend.vm_move(self.device, base + first.first * page, to, pages * page).is_err() {
             self.release_donors(std::mem::take(donors));
-            return None;
+            return false;
         }
         // The memory stays on the device: only where it is mapped changed.
-        donors.remove(index);
-        self.forget_mapped_run(donor.segment, donor.first, donor.pages);
-        Some(donor.pages)
+        for donor in donors.drain(run) {
+            self.forget_mapped_run(donor.segment, donor.first, donor.pages);
+        }
+        true
     }
 
     /// Unmaps donors until they have given back at least `bytes` (or none
@@ -278,5 +287,43 @@ impl DeviceHeap {
         for donor in donors {
             self.unmap_run(donor.segment, donor.first, donor.pages);
         }
+    }
+}
+
+/// The donors from the first of those just before `donors[last]` in memory
+/// (one segment, each ending where the next begins) to `last`, as many as
+/// fit `room` pages together: what one move can carry.
+pub(super) fn adjacent_run(donors: &[Donor], last: usize, room: u64) -> Range<usize> {
+    let mut first = last;
+    let mut pages = donors[last].pages;
+    while first > 0 {
+        let (before, next) = (donors[first - 1], donors[first]);
+        if before.segment != next.segment || before.first + before.pages != next.first || pages + before.pages > room {
+            break;
+        }
+        pages += before.pages;
+        first -= 1;
+    }
+    first..last + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn donor(segment: u32, first: u64, pages: u64) -> Donor {
+        Donor { segment, first, pages, spare: false }
+    }
+
+    #[test]
+    fn a_run_is_the_donors_before_the_last_that_touch_in_one_segment_and_fit() {
+        // Pages 0-1, 2, 3-5 of segment 0 touch; 7 does not (page 6 between);
+        // page 8 of segment 1 follows 7 in the list but not in memory.
+        let donors = [donor(0, 0, 2), donor(0, 2, 1), donor(0, 3, 3), donor(0, 7, 1), donor(1, 8, 1)];
+        assert_eq!(adjacent_run(&donors, 2, 6), 0..3, "all three that touch fit 6 pages");
+        assert_eq!(adjacent_run(&donors, 2, 5), 1..3, "the first would take 7 pages: left out");
+        assert_eq!(adjacent_run(&donors, 2, 3), 2..3, "the last alone");
+        assert_eq!(adjacent_run(&donors, 3, 16), 3..4, "a gap before it");
+        assert_eq!(adjacent_run(&donors, 4, 16), 4..5, "another segment before it");
     }
 }
