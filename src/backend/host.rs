@@ -504,6 +504,16 @@ impl Backend for HostBackend {
             self.driver.create.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
         }
+        // Unbacked, when all of them fit, there is nothing to place: the
+        // driver's calls are counted in one step.
+        let count = sizes.len() as u64;
+        if self.unbacked.is_some() && self.claim(device, sizes.iter().sum()) {
+            self.driver.create.fetch_add(count, Ordering::Relaxed);
+            self.driver.map.fetch_add(count, Ordering::Relaxed);
+            self.driver.set_access.fetch_add(1, Ordering::Relaxed);
+            mark_mapped(&mut ranges.ranges[range].1, first, sizes);
+            return Ok(());
+        }
         // As the driver: each allocation made (`cuMemCreate`) and mapped in
         // turn; the first that does not fit ends it, and the ones made go.
         let mut made: Vec<(u64, u64)> = Vec::new();
@@ -539,14 +549,7 @@ impl Backend for HostBackend {
             return Err(err);
         }
         self.driver.set_access.fetch_add(1, Ordering::Relaxed);
-        let pages = &mut ranges.ranges[range].1;
-        let mut page = first;
-        // Allocations of one size side by side in one mark.
-        for same in sizes.chunk_by(|a, b| a == b) {
-            let each = same[0] / HOST_PAGE;
-            pages.set_mapped(page, each * same.len() as u64, each);
-            page += each * same.len() as u64;
-        }
+        mark_mapped(&mut ranges.ranges[range].1, first, sizes);
         Ok(())
     }
 
@@ -789,6 +792,17 @@ impl Reserved {
             return Err(format!("[{addr:#x}, {:#x}) is not whole allocations", addr + len));
         }
         Ok((at, first, count))
+    }
+}
+
+/// Marks allocations of `sizes` bytes, side by side from `first`, mapped in
+/// `pages`: allocations of one size in one mark.
+fn mark_mapped(pages: &mut PageMap, first: u64, sizes: &[u64]) {
+    let mut page = first;
+    for same in sizes.chunk_by(|a, b| a == b) {
+        let each = same[0] / HOST_PAGE;
+        pages.set_mapped(page, each * same.len() as u64, each);
+        page += each * same.len() as u64;
     }
 }
 

@@ -213,11 +213,12 @@ impl DeviceHeap {
         }
         let need = pieces.iter().map(|piece| piece.pages * page).sum();
         let mut donors = self.recycle_before_growth(need, used, Some(id));
-        // `mapped`: the allocations (first page, pages) done so far;
-        // `batch`: new allocations not yet asked for, which one `vm_map`
+        // `mapped`: the allocations (first page, pages) done so far, and
+        // from `batched` on those not yet asked for, which one `vm_map`
         // makes (one grant of access for the run).
-        let mut mapped: Vec<(u64, u64)> = Vec::new();
-        let mut batch: Vec<(u64, u64)> = Vec::new();
+        let most = (self.max_allocation / page).max(1);
+        let mut mapped: Vec<(u64, u64)> = Vec::with_capacity((need / page).div_ceil(most) as usize + 2 * pieces.len());
+        let mut batched = 0;
         let mut failed = None;
         'pieces: for piece in &pieces {
             let mut at = piece.first;
@@ -231,7 +232,7 @@ impl DeviceHeap {
                     // of access); what is batched goes first: the donors
                     // land after it.
                     if let Some(last) = donors.iter().rposition(|d| d.pages <= room) {
-                        if let Err(err) = self.map_batch(segment_id, &mut batch, &mut mapped, &mut donors) {
+                        if let Err(err) = self.map_batch(segment_id, &mut mapped, &mut batched, &mut donors) {
                             failed = Some(err);
                             break 'pieces;
                         }
@@ -243,29 +244,31 @@ impl DeviceHeap {
                             next += donor.pages;
                         }
                         if self.move_donors(&mut donors, run, base + at * page) {
-                            at = next;
+                            (at, batched) = (next, mapped.len());
                             continue;
                         }
                         mapped.truncate(before);
                     }
                 }
-                let rest = if piece.edge { 1 } else { piece.first + piece.pages - at };
-                for each in self.allocations_for(rest, page) {
-                    batch.push((at, each));
+                // New allocations of `most` pages each, the last the rest.
+                let end = if piece.edge { at + 1 } else { piece.first + piece.pages };
+                while at < end {
+                    let each = most.min(end - at);
+                    mapped.push((at, each));
                     at += each;
                 }
             }
             // A batch is one run: it ends where the next piece does not follow.
             let next = piece.first + piece.pages;
             if !pieces.iter().any(|p| p.first == next) {
-                if let Err(err) = self.map_batch(segment_id, &mut batch, &mut mapped, &mut donors) {
+                if let Err(err) = self.map_batch(segment_id, &mut mapped, &mut batched, &mut donors) {
                     failed = Some(err);
                     break 'pieces;
                 }
             }
         }
         if failed.is_none() {
-            if let Err(err) = self.map_batch(segment_id, &mut batch, &mut mapped, &mut donors) {
+            if let Err(err) = self.map_batch(segment_id, &mut mapped, &mut batched, &mut donors) {
                 failed = Some(err);
             }
         }
@@ -298,32 +301,34 @@ impl DeviceHeap {
         self.commit_mapped(segment_id, kind, &stuck);
     }
 
-    /// Asks the backend for the new allocations of `batch` (first page and
-    /// pages each, adjacent, in address order) in one `vm_map`, and records
-    /// them in `mapped`. All or nothing. Donors no room took give back as
-    /// much memory first (`recycle.rs`), so that the heap grows no further
-    /// than moving them would have taken it.
+    /// Asks the backend for the new allocations of `mapped` from `batched`
+    /// on (first page and pages each, adjacent, in address order) in one
+    /// `vm_map`, and moves `batched` past them; all or nothing: on failure
+    /// they leave `mapped`. Donors no room took give back as much memory
+    /// first (`recycle.rs`), so that the heap grows no further than moving
+    /// them would have taken it.
     fn map_batch(
         &mut self,
         segment_id: usize,
-        batch: &mut Vec<(u64, u64)>,
         mapped: &mut Vec<(u64, u64)>,
+        batched: &mut usize,
         donors: &mut Vec<Donor>,
     ) -> Result<(), BackendError> {
+        let batch = &mapped[*batched..];
         let Some(&(first, _)) = batch.first() else { return Ok(()) };
         let (base, page) =
             self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size()))).expect("an expandable segment");
         let sizes: Vec<u64> = batch.iter().map(|&(_, n)| n * page).collect();
         let bytes = sizes.iter().sum();
         self.release_donors_for(donors, bytes);
-        self.claim_reserved(bytes)?;
-        if let Err(err) = self.backend.vm_map(self.device, base + first * page, &sizes) {
-            self.reserve.give_back(bytes);
-            batch.clear();
-            return Err(err);
+        let result = self
+            .claim_reserved(bytes)
+            .and_then(|()| self.backend.vm_map(self.device, base + first * page, &sizes).inspect_err(|_| self.reserve.give_back(bytes)));
+        if result.is_err() {
+            mapped.truncate(*batched);
         }
-        mapped.append(batch);
-        Ok(())
+        *batched = mapped.len();
+        result
     }
 
     /// How many unmapped pages follow page `from` (itself included) of the
@@ -358,8 +363,9 @@ impl DeviceHeap {
         }
         let segment = self.segments[segment_id].as_ref().expect("checked above");
         let (base, stream) = (segment.base, self.pools[segment.pool as usize].stream);
-        for (p, n) in page_map::runs_of(allocations) {
-            self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
+        for run in allocations.chunk_by(|a, b| a.0 + a.1 == b.0) {
+            let (first, last) = (run[0], run[run.len() - 1]);
+            self.note(HistoryAction::SegmentMap, base + first.0 * page, (last.0 + last.1 - first.0) * page, stream);
         }
         self.stats.reserved_bytes.increase(kind, total * page);
         self.reserve.note_peak();
@@ -510,16 +516,16 @@ impl DeviceHeap {
         if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
             return 0;
         }
-        self.forget_mapped_run(segment_id, p, n);
+        self.forget_mapped_run(segment_id, p, n, 1);
         self.reserve.give_back(n * page);
         n * page
     }
 
     /// Marks the `n` pages from page `p` of the expandable segment
     /// `segment_id` unmapped (their memory now elsewhere, or given back)
-    /// and counts them; the device's count of reserved bytes is the
-    /// caller's.
-    pub(super) fn forget_mapped_run(&mut self, segment_id: u32, p: u64, n: u64) {
+    /// and counts them, as `allocations` freed; the device's count of
+    /// reserved bytes is the caller's.
+    pub(super) fn forget_mapped_run(&mut self, segment_id: u32, p: u64, n: u64, allocations: u64) {
         let segment = self.segments[segment_id as usize].as_mut().expect("an expandable segment");
         let (base, pool) = (segment.base, segment.pool);
         let pages = segment.pages.as_mut().expect("an expandable segment");
@@ -529,7 +535,7 @@ impl DeviceHeap {
         self.note(HistoryAction::SegmentUnmap, base + p * page, n * page, stream);
         self.stats.reserved_bytes.decrease(kind, n * page);
         self.stats.events.num_pages_unmapped += n;
-        self.stats.events.num_device_free += 1;
+        self.stats.events.num_device_free += allocations;
     }
 
     /// Gives back the expandable range `segment_id` if it is one free block

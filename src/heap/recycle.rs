@@ -177,7 +177,8 @@ impl DeviceHeap {
                 let b = &self.blocks[id];
                 let segment = self.segments[b.segment as usize].as_ref().expect("a binned block's segment");
                 if segment.pages.is_some() {
-                    if self.is_hole(id) {
+                    // (A block smaller than a page holds no whole one.)
+                    if b.size >= page && self.is_hole(id) {
                         candidates.push((b.freed_at, Source::Pages { block: id, from: b.addr }));
                     }
                 } else if !b.is_split() {
@@ -250,9 +251,9 @@ impl DeviceHeap {
             return false;
         }
         // The memory stays on the device: only where it is mapped changed.
-        for donor in donors.drain(run) {
-            self.forget_mapped_run(donor.segment, donor.first, donor.pages);
-        }
+        let moved = run.len() as u64;
+        donors.drain(run);
+        self.forget_mapped_run(first.segment, first.first, pages, moved);
         true
     }
 
