@@ -79,6 +79,11 @@ pub struct Config {
     /// `heap/expandable.rs`). The replay's model of PyTorch's expandable
     /// segments makes one allocation per 20 MiB page.
     pub expandable_allocation: u64,
+    /// With expandable segments and allocations larger than a page: a block
+    /// carved from freed memory that ends inside a larger allocation no
+    /// live block uses gives that allocation back and maps its own pages
+    /// (`heap/expandable.rs`).
+    pub expandable_split_allocations: bool,
     /// With expandable segments, move idle cached pages to where the heap
     /// grows before it grows past its high-water mark (`heap/recycle.rs`).
     /// Not an option of TIDEPOOL_CONF: off in the model of PyTorch.
@@ -134,6 +139,7 @@ impl Default for Config {
             expandable: false,
             expandable_page: None,
             expandable_allocation: DEFAULT_EXPANDABLE_ALLOCATION,
+            expandable_split_allocations: false,
             move_pages: true,
             history_entries: 0,
             oom_snapshot: None,
@@ -295,6 +301,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             bytes => (bytes / MIB).to_string(),
         },
     },
+    flag!("expandable_split_allocations", "false", "with expandable and allocations larger than a page (expandable_allocation_mb): a block carved from freed memory that ends inside a larger physical allocation no live block uses gives that allocation back, once its stream's queued work has run, and maps its own pages; large allocations then hold no memory a smaller block does not use (unlimited allocations with it: about a third of page by page's driver calls, the same memory on the shared traces)", expandable_split_allocations),
     flag!("stash", "true", "keep each pool's last freed block unmerged until the next request, which takes it back if it is the same size; only a block where best fit would put that request, so it never changes placement", stash),
     bounded!("thread_cache_blocks", "16", "blocks each thread keeps of its own frees, per device, for its next requests of the same size and stream, served without the device's lock; every statistic stays exact (0: off; kept only with stream_shards:1)", thread_cache_blocks: usize, 0..=64),
     size!("thread_cache_mb", "16", "the most one thread's cache holds per device, in MiB", thread_cache_bytes, MIB),

@@ -67,6 +67,7 @@ impl Device {
                     }
                 }
                 heap.set_max_allocation(config.expandable_allocation);
+                heap.set_split_allocations(config.expandable_split_allocations);
                 heap.set_move_pages(config.move_pages);
                 heap.set_policy(config.policy(), clock.clone());
                 heap.record_history(Some(config.history_entries));

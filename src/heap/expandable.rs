@@ -114,6 +114,12 @@ impl DeviceHeap {
         self.max_allocation = bytes.max(1);
     }
 
+    /// Turns on giving back a larger allocation that a block carved from
+    /// freed memory ends inside (`split_allocation_past`).
+    pub fn set_split_allocations(&mut self, on: bool) {
+        self.split_allocations = on;
+    }
+
     /// Tells the default pools made so far how they grow now.
     fn refresh_pool_vms(&mut self) {
         for id in 0..self.pools.len() {
@@ -180,11 +186,14 @@ impl DeviceHeap {
         if self.pool_vm(pool).is_none() {
             return Ok(());
         }
+        let used = if self.should_split(pool, size, rounded) { rounded } else { size };
+        if self.split_allocations {
+            self.split_allocation_past(id, used);
+        }
         let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
             return Ok(());
         };
         let page = pages.page_size();
-        let used = if self.should_split(pool, size, rounded) { rounded } else { size };
         let (start, end) = (addr - base, addr - base + used);
         let (first, count) = pages.touched(start, end);
         // Past the pages the request uses, a moved allocation may reach into
@@ -279,6 +288,41 @@ impl DeviceHeap {
         }
         self.commit_mapped(segment_id, kind, &mapped);
         Ok(())
+    }
+
+    /// When the first `used` bytes of the free block `id` (about to be
+    /// carved) end inside a physical allocation lying wholly inside the
+    /// block and reaching past them, gives that allocation back once the
+    /// stream's queued work has run, so that `map_block` maps the block's
+    /// own pages and the rest of the block holds none of it: a large
+    /// allocation made for a block freed since holds no memory a smaller
+    /// one does not use (`Config::expandable_split_allocations`). Not while
+    /// the pool keeps its memory (a held private pool, a paused tag) or a
+    /// capture is open.
+    fn split_allocation_past(&mut self, id: BlockId, used: u64) {
+        let b = &self.blocks[id];
+        let (addr, size, pool, segment_id) = (b.addr, b.size, b.pool, b.segment);
+        if !self.may_release() || self.keeps_memory(pool) {
+            return;
+        }
+        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return };
+        let Some(pages) = segment.pages.as_ref() else { return };
+        let (first, count) = pages.touched(addr - segment.base, addr - segment.base + used);
+        let last = first + count - 1;
+        if !pages.is_mapped(last) {
+            return;
+        }
+        let (start, length) = pages.allocation(last);
+        let (inside, inside_count) = pages.inside(addr - segment.base, addr - segment.base + size);
+        if start + length <= last + 1 || start < inside || start + length > inside + inside_count {
+            return;
+        }
+        let stream = self.pools[pool as usize].stream;
+        if self.backend.synchronize_stream(self.device, stream).is_err() {
+            self.stats.events.num_stream_sync_errors += 1;
+            return;
+        }
+        self.unmap_run(segment_id, start, length);
     }
 
     /// Unmaps the allocations (first page, pages) that a map failing midway

@@ -170,6 +170,9 @@ pub struct DeviceHeap {
     /// holds (`expandable.rs`: a run of new pages is mapped in allocations
     /// this large, and each goes back or moves only whole).
     max_allocation: u64,
+    /// A block carved from freed memory gives back the larger allocation
+    /// it ends inside (`expandable.rs`: `split_allocation_past`).
+    split_allocations: bool,
     /// Which holes' pages move to where growth needs them (`recycle.rs`).
     recycling: recycle::Recycling,
     // Pools of their own: CUDA graphs and MemPools, tags.
@@ -224,6 +227,7 @@ impl DeviceHeap {
             lend_across_streams: true,
             vm: None,
             max_allocation: crate::config::DEFAULT_EXPANDABLE_ALLOCATION,
+            split_allocations: false,
             stats: Counters::default(),
             lending: lent::Lending::default(),
             observers: Observers::default(),

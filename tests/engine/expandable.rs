@@ -686,3 +686,64 @@ fn expandable_allocation_mb_refuses_what_is_not_a_size() {
     let (config, warnings) = Config::parse("expandable_allocation_mb:unlimited");
     assert_eq!((config.expandable_allocation, warnings.len()), (u64::MAX, 0));
 }
+
+/// [A 4][B 32][C 4] MiB in allocations as large as each block: B is one
+/// allocation of 16 pages. B is freed and a 6 MiB request lands at its
+/// start.
+fn a_freed_large_allocation_carved_smaller(conf: &str) -> (Allocator, Arc<HostBackend>, DevicePtr) {
+    let (a, backend) = host_allocator(1, 1 << 30, conf);
+    let _a = alloc(&a, 4 * MIB);
+    let b = alloc(&a, 32 * MIB);
+    let _c = alloc(&a, 4 * MIB);
+    a.free(0, b).unwrap();
+    let before = backend.driver_calls();
+    let again = alloc(&a, 6 * MIB);
+    assert_eq!(again, b);
+    let calls = backend.driver_calls();
+    let made = (calls.create - before.create, calls.unmap - before.unmap, calls.release - before.release);
+    let split = conf.contains("expandable_split_allocations:true");
+    let expected = if split { (1, 1, 1) } else { (0, 0, 0) };
+    assert_eq!(made, expected, "{conf}: (allocations made, unmapped, released) for the 6 MiB block");
+    (a, backend, again)
+}
+
+#[test]
+fn with_split_allocations_a_block_carved_from_a_freed_large_allocation_maps_its_own_pages() {
+    const UNLIMITED: &str = "expandable:true,expandable_allocation_mb:unlimited";
+    // Without: the 6 MiB block reuses B's allocation, whose other 26 MiB
+    // stay held by it, even through empty_cache.
+    let (a, _, _) = a_freed_large_allocation_carved_smaller(UNLIMITED);
+    a.empty_cache();
+    assert_eq!(reserved(&a), 40 * MIB, "B's allocation is pinned by the 6 MiB block");
+    a.validate().unwrap();
+    // With: B's allocation goes back and the block maps its 3 pages.
+    let (a, _, again) = a_freed_large_allocation_carved_smaller(&format!("{UNLIMITED},expandable_split_allocations:true"));
+    assert_eq!(reserved(&a), 14 * MIB, "the block holds its own 6 MiB, the rest of B none");
+    fill(again, 6 * MIB, 3);
+    assert_eq!(check(again, 6 * MIB, 3), Ok(()), "the new pages are usable");
+    let stats = a.stats(0).unwrap();
+    assert_eq!(stats.reserved_bytes.all.peak, 40 * MIB, "given back before the new pages were taken");
+    a.validate().unwrap();
+}
+
+#[test]
+fn split_allocations_leave_a_capture_s_memory_where_it_is() {
+    // During a capture nothing goes back: the 6 MiB block is carved from B
+    // as it is.
+    let (a, backend) = host_allocator(1, 1 << 30, "expandable:true,expandable_allocation_mb:unlimited,expandable_split_allocations:true");
+    let graph = tidepool::PrivatePoolId(5, 0);
+    a.begin_private(0, graph).unwrap();
+    let b = alloc(&a, 32 * MIB);
+    let _c = alloc(&a, 4 * MIB);
+    a.end_private(0, graph).unwrap();
+    a.free(0, b).unwrap();
+    a.stats(0).unwrap();
+    let before = backend.driver_calls();
+    a.begin_private(0, graph).unwrap();
+    let again = alloc(&a, 6 * MIB);
+    assert_eq!(again, b);
+    assert_eq!(backend.driver_calls().unmap, before.unmap, "nothing unmapped during the capture");
+    a.end_private(0, graph).unwrap();
+    assert_eq!(reserved(&a), 36 * MIB);
+    a.validate().unwrap();
+}

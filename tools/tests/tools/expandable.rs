@@ -125,3 +125,29 @@ fn allocations_of_8_mib_cut_the_driver_calls_of_page_by_page_for_little_memory_o
     let mean = (log_sum / counted as f64).exp();
     assert!(mean <= 0.5, "8 MiB allocations make {mean:.2}x the calls of page by page in geometric mean");
 }
+
+#[test]
+fn allocations_as_large_as_each_run_that_split_when_reused_hold_page_by_page_s_memory_for_a_third_of_its_calls() {
+    const SPLIT: &str = "expandable_allocation_mb:unlimited,expandable_split_allocations:true";
+    let (mut log_sum, mut counted) = (0.0, 0);
+    for (name, _, trace) in device_traces() {
+        let run = |conf: &str| {
+            let options = ReplayOptions { capacity: 1 << 50, policy: Policy::Expandable, conf: conf.into(), samples: 0, record_to: None };
+            let report = replay(&trace, &options).unwrap();
+            (report.driver_calls as f64, report.peak_reserved_bytes as f64)
+        };
+        let ((by_page, page_reserved), (split, split_reserved)) = (run(""), run(SPLIT));
+        if by_page == 0.0 {
+            continue;
+        }
+        eprintln!(
+            "{name}: driver calls page by page {by_page}, split {split}; reserved {:.4}x page by page's",
+            split_reserved / page_reserved
+        );
+        assert!(split_reserved <= 1.005 * page_reserved, "{name}: {split_reserved} reserved against {page_reserved} page by page");
+        log_sum += (split / by_page).ln();
+        counted += 1;
+    }
+    let mean = (log_sum / counted as f64).exp();
+    assert!(mean <= 0.4, "split allocations make {mean:.2}x the calls of page by page in geometric mean");
+}

@@ -1,7 +1,8 @@
 //! Replay's driver calls are the backend's: a trace played live on the
 //! `cuda` backend over simgpu makes exactly the calls `tidepool replay`
 //! reports for it, with and without expandable segments, in allocations
-//! page by page or of 8 MiB, pages moved and given back included.
+//! page by page, of 8 MiB or as large as each run and split when reused,
+//! pages moved and given back included.
 
 use tidepool_tools::trace::replay::{replay, Policy, ReplayOptions};
 use tidepool_tools::trace::Event;
@@ -52,6 +53,7 @@ fn replay_counts_the_driver_calls_the_cuda_backend_makes() {
         ("transformer-varlen-train.csv", "expandable:true"),
         ("kv-generate.csv", "expandable:true"),
         ("kv-generate.csv", "expandable:true,expandable_allocation_mb:8"),
+        ("kv-generate.csv", "expandable:true,expandable_allocation_mb:unlimited,expandable_split_allocations:true"),
     ] {
         child_prints(
             "child_replay_driver_calls",
