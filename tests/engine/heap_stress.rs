@@ -158,6 +158,9 @@ pub(crate) struct Opts {
     pub chaos: u64,
     /// max_split_size and roundup_power2_divisions as PyTorch's settings write them.
     pub split_rules: bool,
+    /// Expandable segments' physical allocations as large as each run, split
+    /// when a smaller block reuses them (`expandable_split_allocations`).
+    pub large_allocations: bool,
 }
 
 impl Default for Opts {
@@ -175,6 +178,7 @@ impl Default for Opts {
             page: 0,
             chaos: 0,
             split_rules: false,
+            large_allocations: false,
         }
     }
 }
@@ -239,6 +243,10 @@ fn run(seed: u64, steps: usize, o: Opts, log: bool) -> Result<(), String> {
     let mut heap = DeviceHeap::new(0, rules, backend.clone());
     let reserve = Arc::new(Reserve::default());
     heap.share_reserve(reserve.clone());
+    if o.large_allocations {
+        heap.set_max_allocation(u64::MAX);
+        heap.set_split_allocations(true);
+    }
     if o.expandable {
         heap.set_expandable(true).unwrap();
         if o.page != 0 {
@@ -571,6 +579,10 @@ pub(crate) fn configurations() -> Vec<(&'static str, Opts)> {
             Opts { expandable: false, split_rules: true, tags: true, events: true, budget: true, faults: true, ..Opts::default() },
         ),
         ("split_nostash", Opts { stash: false, split_rules: true, events: true, ..Opts::default() }),
+        (
+            "large_allocations",
+            Opts { large_allocations: true, tags: true, events: true, private: true, faults: true, budget: true, ..Opts::default() },
+        ),
     ]
 }
 

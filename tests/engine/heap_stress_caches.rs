@@ -65,6 +65,9 @@ fn conf(o: &Opts, seed: u64) -> String {
         "reclaim_interval_ms:60000".into(),
     ];
     // `o.page`: the allocator maps the backend's page (no option sets another).
+    if o.large_allocations {
+        conf.push("expandable_allocation_mb:unlimited,expandable_split_allocations:true".into());
+    }
     if o.split_rules {
         conf.push("max_split_size_mb:24".into());
         conf.push("roundup_power2_divisions:4".into());
