@@ -9,8 +9,10 @@
 //! the ordinary best fit, so a pool's blocks pack against each other across
 //! what would have been segment boundaries. Before a block is handed out,
 //! the pages under it that hold no memory are mapped (`map_block`), in
-//! physical allocations of one or more pages (`pages.rs`: the driver takes
-//! an allocation back only whole). An allocation lying entirely inside free
+//! physical allocations of one or more pages (`page_map.rs`: the driver
+//! takes an allocation back only whole; with `split_allocations`, a block
+//! carved from freed memory that ends inside a larger allocation gives it
+//! back first and maps its own pages). An allocation lying entirely inside free
 //! blocks can be unmapped when a release policy asks for memory
 //! (`release_free_pages`): holes left by freed blocks give their memory
 //! back even while live blocks sit on both sides, and the address space
