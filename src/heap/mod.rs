@@ -41,8 +41,8 @@
 //! allocations from each tag's own pools and pauses and resumes a tag's
 //! memory; `lent.rs` lends freed blocks to threads' caches and counts
 //! what they do; `expandable.rs` and `recycle.rs` map and move the
-//! pages of expandable segments (their page maps: `crate::page_map`); `observe.rs` and `history.rs` are who
-//! watches the heap; `reserve.rs` keeps the reserved count, its peak and
+//! pages of expandable segments (their page maps: `crate::page_map`);
+//! `observe.rs` and `history.rs` are who watches the heap; `reserve.rs` keeps the reserved count, its peak and
 //! its cap shared by the heaps of one device; `pool.rs` and `block.rs`
 //! (with `crate::addr_map`) are the data structures, `validate.rs` the
 //! invariants.
