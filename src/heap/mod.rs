@@ -42,10 +42,10 @@
 //! memory; `lent.rs` lends freed blocks to threads' caches and counts
 //! what they do; `expandable.rs` and `recycle.rs` map and move the
 //! pages of expandable segments (their page maps: `crate::page_map`);
-//! `observe.rs` and `history.rs` are who watches the heap; `reserve.rs` keeps the reserved count, its peak and
-//! its cap shared by the heaps of one device; `pool.rs` and `block.rs`
-//! (with `crate::addr_map`) are the data structures, `validate.rs` the
-//! invariants.
+//! `observe.rs` and `history.rs` are who watches the heap; `reserve.rs`
+//! keeps the reserved count, its peak and its cap shared by the heaps of
+//! one device; `pool.rs` and `block.rs` (with `crate::addr_map`) are the
+//! data structures, `validate.rs` the invariants.
 //!
 //! Invariants, checked by `validate()`:
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
