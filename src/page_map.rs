@@ -385,20 +385,12 @@ fn bit(words: &[u64], page: u64) -> bool {
 }
 
 /// The runs of adjacent allocations among `allocations` (first page and
-/// pages each, in address order).
-pub fn runs_of(allocations: &[(u64, u64)]) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    for &(p, n) in allocations {
-        push_run(&mut out, p, n);
-    }
-    out
-}
-
-fn push_run(out: &mut Vec<(u64, u64)>, page: u64, count: u64) {
-    match out.last_mut() {
-        Some((first, n)) if *first + *n == page => *n += count,
-        _ => out.push((page, count)),
-    }
+/// pages each, in address order), as (first page, pages).
+pub fn runs_of(allocations: &[(u64, u64)]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    allocations.chunk_by(|a, b| a.0 + a.1 == b.0).map(|run| {
+        let (first, last) = (run[0], run[run.len() - 1]);
+        (first.0, last.0 + last.1 - first.0)
+    })
 }
 
 #[cfg(test)]
@@ -437,7 +429,7 @@ mod tests {
         assert!(!map.whole(5, 3) && !map.whole(4, 5) && !map.whole(0, 3), "a part of an allocation is not whole");
         // Only allocations wholly inside a range can go back from it.
         assert_eq!(map.allocations_in(1, 10).collect::<Vec<_>>(), vec![(4, 4), (8, 3)]);
-        assert_eq!(runs_of(&[(4, 4), (8, 3)]), vec![(4, 7)]);
+        assert_eq!(runs_of(&[(4, 4), (8, 3), (12, 1)]).collect::<Vec<_>>(), vec![(4, 7), (12, 1)]);
         assert_eq!(map.allocations_in(0, 7).collect::<Vec<_>>(), vec![(0, 4)]);
         assert!(map.any_allocation_within(0, 4) && map.any_allocation_within(1, 10) && map.any_allocation_within(3, 8));
         assert!(!map.any_allocation_within(1, 6) && !map.any_allocation_within(5, 5) && !map.any_allocation_within(11, 20));
@@ -460,7 +452,7 @@ mod tests {
             for count in [1, 2, 5, 40, 64, 100, 170, 256 - first] {
                 let walked: u64 = map.allocations_in(first, count).map(|(_, n)| n).sum();
                 assert_eq!(map.pages_of_allocations_in(first, count), walked, "pages {first}+{count}");
-                let walked_runs = runs_of(&map.allocations_in(first, count).collect::<Vec<_>>());
+                let walked_runs: Vec<_> = runs_of(&map.allocations_in(first, count).collect::<Vec<_>>()).collect();
                 assert_eq!(map.allocation_runs(first, count), walked_runs, "runs in pages {first}+{count}");
             }
         }

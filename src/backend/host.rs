@@ -349,6 +349,43 @@ impl HostBackend {
         }
     }
 
+    /// As the driver: each allocation of `sizes` made (`cuMemCreate`) and
+    /// mapped from `addr` in turn; the first that does not fit ends it, and
+    /// the ones made go.
+    fn map_each(&self, device: usize, addr: u64, sizes: &[u64]) -> Result<(), BackendError> {
+        let mut made: Vec<(u64, u64)> = Vec::new();
+        let mut failed = None;
+        let mut at = addr;
+        for &each in sizes {
+            self.driver.create.fetch_add(1, Ordering::Relaxed);
+            if !self.claim(device, each) {
+                failed = Some(BackendError::OutOfMemory);
+                break;
+            }
+            self.driver.map.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: [at, at + each) lies in a range this backend reserved
+            // and the engine maps only pages it holds no mapping of;
+            // MAP_FIXED replaces the inaccessible placeholder there and
+            // nothing else.
+            if unsafe { self.place(Some(at), each as usize, libc::PROT_READ | libc::PROT_WRITE) }.is_none() {
+                self.unclaim(device, each, true);
+                failed = Some(BackendError::OutOfMemory);
+                break;
+            }
+            made.push((at, each));
+            at += each;
+        }
+        let Some(err) = failed else { return Ok(()) };
+        for (at, each) in made {
+            self.driver.unmap.fetch_add(1, Ordering::Relaxed);
+            self.driver.release.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: mapped just above, used by nothing yet.
+            unsafe { self.place(Some(at), each as usize, libc::PROT_NONE) };
+            self.unclaim(device, each, true);
+        }
+        Err(err)
+    }
+
     fn device(&self, device: usize, call: &'static str) -> Result<&HostDevice, BackendError> {
         self.devices.get(device).ok_or_else(|| BackendError::Driver {
             call,
@@ -497,56 +534,21 @@ impl Backend for HostBackend {
         if sizes.is_empty() || sizes.iter().any(|&n| n == 0 || !n.is_multiple_of(HOST_PAGE) || n / HOST_PAGE > u64::from(u32::MAX)) {
             return Err(invalid_value(CALL, format!("allocations of {sizes:?} bytes")));
         }
+        let total = sizes.iter().sum();
         let mut ranges = self.vm_ranges.lock();
-        let (range, first, _) = ranges.unmapped(addr, sizes.iter().sum()).map_err(|message| invalid_value(CALL, message))?;
+        let (range, first, _) = ranges.unmapped(addr, total).map_err(|message| invalid_value(CALL, message))?;
         let always = self.faults.allocate_always.load(Ordering::SeqCst);
         if Faults::countdown_hits(&self.faults.allocate_countdown) || always {
             self.driver.create.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
         }
-        // Unbacked, when all of them fit, there is nothing to place: the
-        // driver's calls are counted in one step.
-        let count = sizes.len() as u64;
-        if self.unbacked.is_some() && self.claim(device, sizes.iter().sum()) {
-            self.driver.create.fetch_add(count, Ordering::Relaxed);
-            self.driver.map.fetch_add(count, Ordering::Relaxed);
-            self.driver.set_access.fetch_add(1, Ordering::Relaxed);
-            mark_mapped(&mut ranges.ranges[range].1, first, sizes);
-            return Ok(());
-        }
-        // As the driver: each allocation made (`cuMemCreate`) and mapped in
-        // turn; the first that does not fit ends it, and the ones made go.
-        let mut made: Vec<(u64, u64)> = Vec::new();
-        let mut failed = None;
-        let mut at = addr;
-        for &each in sizes {
-            self.driver.create.fetch_add(1, Ordering::Relaxed);
-            if !self.claim(device, each) {
-                failed = Some(BackendError::OutOfMemory);
-                break;
-            }
-            self.driver.map.fetch_add(1, Ordering::Relaxed);
-            // SAFETY: [at, at + each) lies in a range this backend reserved
-            // and the engine maps only pages it holds no mapping of;
-            // MAP_FIXED replaces the inaccessible placeholder there and
-            // nothing else.
-            if unsafe { self.place(Some(at), each as usize, libc::PROT_READ | libc::PROT_WRITE) }.is_none() {
-                self.unclaim(device, each, true);
-                failed = Some(BackendError::OutOfMemory);
-                break;
-            }
-            made.push((at, each));
-            at += each;
-        }
-        if let Some(err) = failed {
-            for (at, each) in made {
-                self.driver.unmap.fetch_add(1, Ordering::Relaxed);
-                self.driver.release.fetch_add(1, Ordering::Relaxed);
-                // SAFETY: mapped just above, used by nothing yet.
-                unsafe { self.place(Some(at), each as usize, libc::PROT_NONE) };
-                self.unclaim(device, each, true);
-            }
-            return Err(err);
+        if self.unbacked.is_some() && self.claim(device, total) {
+            // Unbacked, when all of them fit, there is nothing to place: the
+            // allocations are made and mapped in one count.
+            self.driver.create.fetch_add(sizes.len() as u64, Ordering::Relaxed);
+            self.driver.map.fetch_add(sizes.len() as u64, Ordering::Relaxed);
+        } else {
+            self.map_each(device, addr, sizes)?;
         }
         self.driver.set_access.fetch_add(1, Ordering::Relaxed);
         mark_mapped(&mut ranges.ranges[range].1, first, sizes);

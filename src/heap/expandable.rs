@@ -248,7 +248,6 @@ impl DeviceHeap {
                             break 'pieces;
                         }
                         let run = recycle::adjacent_run(&donors, last, room);
-                        let before = mapped.len();
                         let mut next = at;
                         for donor in &donors[run.clone()] {
                             mapped.push((next, donor.pages));
@@ -258,13 +257,11 @@ impl DeviceHeap {
                             (at, batched) = (next, mapped.len());
                             continue;
                         }
-                        mapped.truncate(before);
+                        mapped.truncate(batched);
                     }
                 }
-                // New allocations of `most` pages each, the last the rest.
-                let end = if piece.edge { at + 1 } else { piece.first + piece.pages };
-                while at < end {
-                    let each = most.min(end - at);
+                let rest = if piece.edge { 1 } else { piece.first + piece.pages - at };
+                for each in self.allocations_for(rest, page) {
                     mapped.push((at, each));
                     at += each;
                 }
@@ -386,9 +383,9 @@ impl DeviceHeap {
 
     /// The pages of each allocation a run of `pages` new pages is mapped
     /// in, in address order: `max_allocation` each, the last the rest.
-    pub(super) fn allocations_for(&self, pages: u64, page: u64) -> Vec<u64> {
+    pub(super) fn allocations_for(&self, pages: u64, page: u64) -> impl Iterator<Item = u64> {
         let most = (self.max_allocation / page).max(1);
-        (0..pages.div_ceil(most)).map(|i| most.min(pages - i * most)).collect()
+        (0..pages.div_ceil(most)).map(move |i| most.min(pages - i * most))
     }
 
     /// Marks allocations just mapped (first page, pages; in address order)
@@ -409,9 +406,8 @@ impl DeviceHeap {
         }
         let segment = self.segments[segment_id].as_ref().expect("checked above");
         let (base, stream) = (segment.base, self.pools[segment.pool as usize].stream);
-        for run in allocations.chunk_by(|a, b| a.0 + a.1 == b.0) {
-            let (first, last) = (run[0], run[run.len() - 1]);
-            self.note(HistoryAction::SegmentMap, base + first.0 * page, (last.0 + last.1 - first.0) * page, stream);
+        for (p, n) in page_map::runs_of(allocations) {
+            self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
         }
         self.stats.reserved_bytes.increase(kind, total * page);
         self.reserve.note_peak();

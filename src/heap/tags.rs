@@ -465,7 +465,7 @@ impl DeviceHeap {
             let id = self.segment_by_base[&base];
             let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("a range of the tag");
             for (p, n) in pages.runs(first, count, false) {
-                todo.push((base, p, self.allocations_for(n, page)));
+                todo.push((base, p, self.allocations_for(n, page).collect::<Vec<_>>()));
             }
         }
         // The allocations mapped (first page, pages), by range.
