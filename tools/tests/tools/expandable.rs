@@ -56,7 +56,7 @@ fn peak_ratio(trace: &tidepool_tools::trace::Trace, policy: Policy) -> f64 {
 
 #[test]
 fn with_plentiful_memory_expandable_reserves_no_more_than_pytorch_either_way_on_every_trace() {
-    let (mut log_sum, mut counted) = (0.0, 0);
+    let mut ratios = Vec::new();
     for (name, _, trace) in device_traces() {
         let (ours, pytorch) = (peak_ratio(&trace, Policy::Expandable), peak_ratio(&trace, Policy::Pytorch));
         let theirs = peak_ratio(&trace, Policy::PytorchExpandable);
@@ -66,11 +66,10 @@ fn with_plentiful_memory_expandable_reserves_no_more_than_pytorch_either_way_on_
         assert!(ours <= pytorch, "{name}: {ours:.4} above PyTorch's {pytorch:.4}");
         assert!(ours <= theirs, "{name}: {ours:.4} above PyTorch's expandable segments' {theirs:.4}");
         assert!(ours <= 1.05, "{name}: {ours:.4} > 1.05");
-        log_sum += ours.ln();
-        counted += 1;
+        ratios.push(ours);
     }
-    let geomean = (log_sum / counted as f64).exp();
-    eprintln!("geometric mean of peak reserved / peak live: {geomean:.4} over {counted} traces and devices");
+    let geomean = geometric_mean(&ratios);
+    eprintln!("geometric mean of peak reserved / peak live: {geomean:.4} over {} traces and devices", ratios.len());
     assert!(geomean <= 1.015, "geometric mean {geomean:.4} > 1.015");
 }
 
@@ -103,51 +102,72 @@ fn the_smallest_device_that_fits_is_within_1_5_percent_or_16_mib_of_peak_live_on
     }
 }
 
-#[test]
-fn allocations_of_8_mib_cut_the_driver_calls_of_page_by_page_for_little_memory_on_every_trace() {
-    let (mut log_sum, mut counted) = (0.0, 0);
+/// A replay's driver calls and peak reserved bytes.
+struct Run {
+    calls: f64,
+    reserved: f64,
+}
+
+/// Each device of each trace that makes driver calls, with plentiful
+/// memory: its name, its peak of live bytes, and its replay page by page
+/// and with `conf`.
+fn page_by_page_and(conf: &str) -> Vec<(String, f64, Run, Run)> {
+    let mut out = Vec::new();
     for (name, _, trace) in device_traces() {
         let run = |conf: &str| {
             let options = ReplayOptions { capacity: 1 << 50, policy: Policy::Expandable, conf: conf.into(), samples: 0, record_to: None };
             let report = replay(&trace, &options).unwrap();
-            (report.driver_calls as f64, report.peak_reserved_bytes as f64 / trace.peak_requested() as f64)
+            Run { calls: report.driver_calls as f64, reserved: report.peak_reserved_bytes as f64 }
         };
-        let ((by_page, _), (by_8_mib, reserved)) = (run(""), run("expandable_allocation_mb:8"));
-        if by_page == 0.0 {
-            continue;
+        let (by_page, other) = (run(""), run(conf));
+        if by_page.calls > 0.0 {
+            out.push((name, trace.peak_requested() as f64, by_page, other));
         }
-        eprintln!("{name}: driver calls page by page {by_page}, in 8 MiB allocations {by_8_mib}; reserved {reserved:.4}");
-        assert!(by_8_mib <= 0.85 * by_page, "{name}: {by_8_mib} calls in 8 MiB allocations against {by_page} page by page");
-        assert!(reserved <= 1.05, "{name}: {reserved:.4} reserved in 8 MiB allocations");
-        log_sum += (by_8_mib / by_page).ln();
-        counted += 1;
     }
-    let mean = (log_sum / counted as f64).exp();
+    out
+}
+
+fn geometric_mean(ratios: &[f64]) -> f64 {
+    (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64).exp()
+}
+
+#[test]
+fn allocations_of_8_mib_cut_the_driver_calls_of_page_by_page_for_little_memory_on_every_trace() {
+    let mut ratios = Vec::new();
+    for (name, live, by_page, by_8_mib) in page_by_page_and("expandable_allocation_mb:8") {
+        let reserved = by_8_mib.reserved / live;
+        eprintln!("{name}: driver calls page by page {}, in 8 MiB allocations {}; reserved {reserved:.4}", by_page.calls, by_8_mib.calls);
+        assert!(
+            by_8_mib.calls <= 0.85 * by_page.calls,
+            "{name}: {} calls in 8 MiB allocations against {} page by page",
+            by_8_mib.calls,
+            by_page.calls
+        );
+        assert!(reserved <= 1.05, "{name}: {reserved:.4} reserved in 8 MiB allocations");
+        ratios.push(by_8_mib.calls / by_page.calls);
+    }
+    let mean = geometric_mean(&ratios);
     assert!(mean <= 0.5, "8 MiB allocations make {mean:.2}x the calls of page by page in geometric mean");
 }
 
 #[test]
 fn allocations_as_large_as_each_run_that_split_when_reused_hold_page_by_page_s_memory_for_a_third_of_its_calls() {
-    const SPLIT: &str = "expandable_allocation_mb:unlimited,expandable_split_allocations:true";
-    let (mut log_sum, mut counted) = (0.0, 0);
-    for (name, _, trace) in device_traces() {
-        let run = |conf: &str| {
-            let options = ReplayOptions { capacity: 1 << 50, policy: Policy::Expandable, conf: conf.into(), samples: 0, record_to: None };
-            let report = replay(&trace, &options).unwrap();
-            (report.driver_calls as f64, report.peak_reserved_bytes as f64)
-        };
-        let ((by_page, page_reserved), (split, split_reserved)) = (run(""), run(SPLIT));
-        if by_page == 0.0 {
-            continue;
-        }
+    let mut ratios = Vec::new();
+    for (name, _, by_page, split) in page_by_page_and("expandable_allocation_mb:unlimited,expandable_split_allocations:true") {
         eprintln!(
-            "{name}: driver calls page by page {by_page}, split {split}; reserved {:.4}x page by page's",
-            split_reserved / page_reserved
+            "{name}: driver calls page by page {}, split {}; reserved {:.4}x page by page's",
+            by_page.calls,
+            split.calls,
+            split.reserved / by_page.reserved
         );
-        assert!(split_reserved <= 1.005 * page_reserved, "{name}: {split_reserved} reserved against {page_reserved} page by page");
-        log_sum += (split / by_page).ln();
-        counted += 1;
+        assert!(
+            split.reserved <= 1.005 * by_page.reserved,
+            "{name}: {} reserved against {} page by page",
+            split.reserved,
+            by_page.reserved
+        );
+        ratios.push(split.calls / by_page.calls);
     }
-    let mean = (log_sum / counted as f64).exp();
+    let mean = geometric_mean(&ratios);
     assert!(mean <= 0.4, "split allocations make {mean:.2}x the calls of page by page in geometric mean");
 }
