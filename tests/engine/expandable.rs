@@ -690,7 +690,7 @@ fn expandable_allocation_mb_refuses_what_is_not_a_size() {
 /// [A 4][B 32][C 4] MiB in allocations as large as each block: B is one
 /// allocation of 16 pages. B is freed and a 6 MiB request lands at its
 /// start.
-fn a_freed_large_allocation_carved_smaller(conf: &str) -> (Allocator, Arc<HostBackend>, DevicePtr) {
+fn a_freed_large_allocation_carved_smaller(conf: &str) -> (Allocator, DevicePtr) {
     let (a, backend) = host_allocator(1, 1 << 30, conf);
     let _a = alloc(&a, 4 * MIB);
     let b = alloc(&a, 32 * MIB);
@@ -704,7 +704,7 @@ fn a_freed_large_allocation_carved_smaller(conf: &str) -> (Allocator, Arc<HostBa
     let split = conf.contains("expandable_split_allocations:true");
     let expected = if split { (1, 1, 1) } else { (0, 0, 0) };
     assert_eq!(made, expected, "{conf}: (allocations made, unmapped, released) for the 6 MiB block");
-    (a, backend, again)
+    (a, again)
 }
 
 #[test]
@@ -712,12 +712,12 @@ fn with_split_allocations_a_block_carved_from_a_freed_large_allocation_maps_its_
     const UNLIMITED: &str = "expandable:true,expandable_allocation_mb:unlimited";
     // Without: the 6 MiB block reuses B's allocation, whose other 26 MiB
     // stay held by it, even through empty_cache.
-    let (a, _, _) = a_freed_large_allocation_carved_smaller(UNLIMITED);
+    let (a, _) = a_freed_large_allocation_carved_smaller(UNLIMITED);
     a.empty_cache();
     assert_eq!(reserved(&a), 40 * MIB, "B's allocation is pinned by the 6 MiB block");
     a.validate().unwrap();
     // With: B's allocation goes back and the block maps its 3 pages.
-    let (a, _, again) = a_freed_large_allocation_carved_smaller(&format!("{UNLIMITED},expandable_split_allocations:true"));
+    let (a, again) = a_freed_large_allocation_carved_smaller(&format!("{UNLIMITED},expandable_split_allocations:true"));
     assert_eq!(reserved(&a), 14 * MIB, "the block holds its own 6 MiB, the rest of B none");
     fill(again, 6 * MIB, 3);
     assert_eq!(check(again, 6 * MIB, 3), Ok(()), "the new pages are usable");
