@@ -271,9 +271,12 @@ fn driver_calls_count_each_call_the_cuda_backend_makes() {
     assert_eq!((failed.ooms, failed.driver_calls), (1, 2));
 }
 
-/// Every trace: examples/traces, and ../shared/traces when present.
+/// Every trace: examples/traces, tools/tests/traces (a bf16 autocast
+/// training step, for the expandable targets), and ../shared/traces when
+/// present.
 pub(crate) fn all_traces() -> Vec<PathBuf> {
-    let dirs = [Some(common::repo_root().join("examples/traces")), shared("pytorch-snapshots"), shared("rmm-csv")];
+    let root = common::repo_root();
+    let dirs = [Some(root.join("examples/traces")), Some(root.join("tools/tests/traces")), shared("pytorch-snapshots"), shared("rmm-csv")];
     let mut files: Vec<PathBuf> = dirs
         .iter()
         .flatten()
