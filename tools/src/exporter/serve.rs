@@ -9,10 +9,11 @@
 //!   `max_connections` are open. A connection is idle while no request of
 //!   it is in progress (connected and silent, sending its headers a byte at
 //!   a time, or between two requests); when the bound is reached, the
-//!   oldest idle one is closed to make room, and only when every open
-//!   connection has a request in progress is the newcomer closed at once.
-//!   Open files and memory are bounded by `max_connections`, whatever the
-//!   clients do;
+//!   oldest idle one is closed to make room (the newcomer waits until its
+//!   socket is closed: a closing connection still counts), and only when
+//!   every open connection has a request in progress is the newcomer
+//!   closed at once. Open files and memory are bounded by
+//!   `max_connections` (plus the newcomer), whatever the clients do;
 //! - a request's headers must arrive within `timeout` of the connection
 //!   opening or of the previous response (a client that connects and sends
 //!   nothing, or dribbles, is dropped then); headers larger than 16 KiB are
@@ -38,7 +39,7 @@ use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use parking_lot::Mutex;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 /// How many timeouts a connection may live.
 const MAX_AGE_TIMEOUTS: u32 = 6;
@@ -63,23 +64,42 @@ struct Connections {
 struct Open {
     /// Requests received whose response is not yet written.
     busy: u32,
-    /// Closes the connection (its task drops it at once).
+    /// Closes the connection (its task drops it at once); `None` once
+    /// sent: the connection is closing and still counts until its task
+    /// has closed the socket.
     close: Option<oneshot::Sender<()>>,
 }
 
+/// What `make_room` found.
+#[derive(Debug, PartialEq, Eq)]
+enum Room {
+    /// Fewer than the bound are open: the newcomer may be added.
+    Free,
+    /// Connections are closing to make room: wait until one has.
+    Closing,
+    /// Every open connection has a request in progress.
+    Busy,
+}
+
 impl Connections {
-    /// Room for one more connection under `max`: the oldest idle one is
-    /// closed if need be. False when every open one is busy.
-    fn make_room(&mut self, max: usize) -> bool {
-        while self.open.len() >= max {
-            let Some(oldest_idle) = self.open.iter().find(|(_, c)| c.busy == 0).map(|(&id, _)| id) else {
-                return false;
-            };
-            if let Some(close) = self.open.remove(&oldest_idle).and_then(|mut c| c.close.take()) {
-                let _ = close.send(());
-            }
+    /// Room for one more connection under `max`. A connection closed to
+    /// make room counts until its socket is closed (so open files never
+    /// pass the bound): the oldest idle one is told to close, and the
+    /// caller waits for it.
+    fn make_room(&mut self, max: usize) -> Room {
+        if self.open.len() < max {
+            return Room::Free;
         }
-        true
+        if self.open.values().any(|c| c.close.is_none()) {
+            return Room::Closing;
+        }
+        let Some(oldest_idle) = self.open.values_mut().find(|c| c.busy == 0) else {
+            return Room::Busy;
+        };
+        if let Some(close) = oldest_idle.close.take() {
+            let _ = close.send(());
+        }
+        Room::Closing
     }
 
     fn add(&mut self, close: oneshot::Sender<()>) -> u64 {
@@ -95,15 +115,22 @@ impl Connections {
     }
 }
 
-/// The connections, shared by the accept loop and the connections' tasks.
-type Shared = Arc<Mutex<Connections>>;
+/// The connections, shared by the accept loop and the connections' tasks,
+/// and the accept loop's wake-up when one has closed.
+#[derive(Default)]
+struct Shared {
+    connections: Mutex<Connections>,
+    one_closed: Notify,
+}
 
-/// Forgets connection `id` when its task ends, however it ends.
-struct Registered(Shared, u64);
+/// Forgets connection `id` when its task ends, however it ends (after its
+/// socket is closed).
+struct Registered(Arc<Shared>, u64);
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        self.0.lock().open.remove(&self.1);
+        self.0.connections.lock().open.remove(&self.1);
+        self.0.one_closed.notify_one();
     }
 }
 
@@ -111,7 +138,7 @@ impl Drop for Registered {
 /// (hyper drops the body once sent, or when the connection goes).
 struct Tracked {
     body: Full<Bytes>,
-    connections: Shared,
+    connections: Arc<Shared>,
     id: u64,
 }
 
@@ -134,7 +161,7 @@ impl Body for Tracked {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        self.connections.lock().busy(self.id, -1);
+        self.connections.connections.lock().busy(self.id, -1);
     }
 }
 
@@ -150,7 +177,7 @@ pub fn serve(exporter: Arc<Exporter>, listener: TcpListener, options: ServeOptio
         .map_err(|e| format!("cannot start the server's runtime: {e}"))?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| format!("listener: {e}"))?;
-        let connections: Shared = Arc::default();
+        let connections: Arc<Shared> = Arc::default();
         let max = options.max_connections.max(1);
         loop {
             let stream = match listener.accept().await {
@@ -163,12 +190,20 @@ pub fn serve(exporter: Arc<Exporter>, listener: TcpListener, options: ServeOptio
                 }
             };
             let (close, closed) = oneshot::channel();
-            let id = {
-                let mut open = connections.lock();
-                if !open.make_room(max) {
-                    continue; // every connection has a request in progress: this one is closed
+            let id = loop {
+                let one_closed = connections.one_closed.notified();
+                {
+                    let mut open = connections.connections.lock();
+                    match open.make_room(max) {
+                        Room::Free => break Some(open.add(close)),
+                        Room::Busy => break None,
+                        Room::Closing => {}
+                    }
                 }
-                open.add(close)
+                one_closed.await;
+            };
+            let Some(id) = id else {
+                continue; // every connection has a request in progress: this one is closed
             };
             let (exporter, connections, timeout) = (exporter.clone(), connections.clone(), options.timeout);
             tokio::spawn(serve_connection(stream, exporter, Registered(connections, id), closed, timeout));
@@ -187,7 +222,7 @@ async fn serve_connection(
 ) {
     let (connections, id) = (registered.0.clone(), registered.1);
     let service = service_fn(move |request| {
-        connections.lock().busy(id, 1);
+        connections.connections.lock().busy(id, 1);
         let (exporter, connections) = (exporter.clone(), connections.clone());
         async move {
             let response = respond(exporter, request).await?;
@@ -196,16 +231,18 @@ async fn serve_connection(
     });
     let mut builder = http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(timeout).max_buf_size(16 << 10);
-    let mut connection = std::pin::pin!(builder.serve_connection(TokioIo::new(stream), service));
-    tokio::select! {
-        _ = closed => {}
-        lived = tokio::time::timeout(timeout * MAX_AGE_TIMEOUTS, connection.as_mut()) => {
-            if lived.is_err() {
-                connection.as_mut().graceful_shutdown();
-                let _ = tokio::time::timeout(timeout, connection).await;
+    {
+        let mut connection = std::pin::pin!(builder.serve_connection(TokioIo::new(stream), service));
+        tokio::select! {
+            _ = closed => {}
+            lived = tokio::time::timeout(timeout * MAX_AGE_TIMEOUTS, connection.as_mut()) => {
+                if lived.is_err() {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(timeout, connection).await;
+                }
             }
         }
-    }
+    } // the socket is closed here, before the connection stops counting
     drop(registered);
 }
 
@@ -245,4 +282,49 @@ fn plain(status: StatusCode, text: &'static str) -> Response<Full<Bytes>> {
     *response.status_mut() = status;
     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_open(count: usize) -> (Connections, Vec<oneshot::Receiver<()>>) {
+        let mut open = Connections::default();
+        let receivers = (0..count)
+            .map(|_| {
+                let (close, closed) = oneshot::channel();
+                open.add(close);
+                closed
+            })
+            .collect();
+        (open, receivers)
+    }
+
+    #[test]
+    fn a_connection_closed_to_make_room_counts_until_its_task_forgets_it() {
+        let (mut open, mut closed) = with_open(3);
+        assert_eq!(open.make_room(4), Room::Free);
+        open.busy(1, 1);
+        // At the bound: the oldest idle one (2, as 1 is busy) is told to close.
+        assert_eq!(open.make_room(3), Room::Closing);
+        assert!(closed[0].try_recv().is_err(), "a busy connection is not closed");
+        assert_eq!(closed[1].try_recv(), Ok(()));
+        assert!(closed[2].try_recv().is_err());
+        // Until its task has closed the socket it still counts, and no other is closed.
+        assert_eq!(open.open.len(), 3);
+        assert_eq!(open.make_room(3), Room::Closing);
+        assert!(closed[2].try_recv().is_err(), "one closing is enough");
+        open.open.remove(&2);
+        assert_eq!(open.make_room(3), Room::Free);
+    }
+
+    #[test]
+    fn the_newcomer_is_refused_only_while_every_connection_is_busy() {
+        let (mut open, _closed) = with_open(2);
+        open.busy(1, 1);
+        open.busy(2, 1);
+        assert_eq!(open.make_room(2), Room::Busy);
+        open.busy(2, -1);
+        assert_eq!(open.make_room(2), Room::Closing);
+    }
 }

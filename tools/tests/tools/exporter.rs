@@ -635,6 +635,7 @@ fn a_thousand_idle_connections_and_twenty_slow_clients_do_not_delay_a_scrape() {
     let dir = scratch.path();
     let _sleepers = busy_registry(dir, 4);
     let (mut exporter, addr) = exporter(&[dir], &[]);
+    metrics(addr); // the server's own files (its runtime's) opened before counting
     let (before_rss, before_files) = (exporter.rss_kib(), exporter.open_files());
     // 1,000 connections that send nothing (fewer where this process may not open so many files).
     let idle_count = (open_files_limit(1300).saturating_sub(200) as usize).min(1000);
@@ -672,7 +673,8 @@ fn a_thousand_idle_connections_and_twenty_slow_clients_do_not_delay_a_scrape() {
          open files {before_files} -> {files}"
     );
     assert!(slowest < Duration::from_millis(100), "a scrape took {slowest:?}");
-    assert!(files <= before_files + 64 + 2, "open files grew from {before_files} to {files}: past --max-connections");
+    // The default --max-connections, and a newcomer waiting for a closed one's room.
+    assert!(files <= before_files + 64 + 1, "open files grew from {before_files} to {files}: past --max-connections");
     assert!(rss <= before_rss + 16 * 1024, "memory grew from {before_rss} KiB to {rss} KiB");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     drop(idle);
