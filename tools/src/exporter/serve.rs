@@ -123,13 +123,19 @@ struct Shared {
     one_closed: Notify,
 }
 
+impl Shared {
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Connections> {
+        self.connections.lock()
+    }
+}
+
 /// Forgets connection `id` when its task ends, however it ends (after its
 /// socket is closed).
 struct Registered(Arc<Shared>, u64);
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        self.0.connections.lock().open.remove(&self.1);
+        self.0.lock().open.remove(&self.1);
         self.0.one_closed.notify_one();
     }
 }
@@ -161,7 +167,7 @@ impl Body for Tracked {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        self.connections.connections.lock().busy(self.id, -1);
+        self.connections.lock().busy(self.id, -1);
     }
 }
 
@@ -179,7 +185,7 @@ pub fn serve(exporter: Arc<Exporter>, listener: TcpListener, options: ServeOptio
         let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| format!("listener: {e}"))?;
         let connections: Arc<Shared> = Arc::default();
         let max = options.max_connections.max(1);
-        loop {
+        'accept: loop {
             let stream = match listener.accept().await {
                 Ok((stream, _)) => stream,
                 Err(err) => {
@@ -193,17 +199,14 @@ pub fn serve(exporter: Arc<Exporter>, listener: TcpListener, options: ServeOptio
             let id = loop {
                 let one_closed = connections.one_closed.notified();
                 {
-                    let mut open = connections.connections.lock();
+                    let mut open = connections.lock();
                     match open.make_room(max) {
-                        Room::Free => break Some(open.add(close)),
-                        Room::Busy => break None,
+                        Room::Free => break open.add(close),
+                        Room::Busy => continue 'accept, // every connection has a request in progress: this one is closed
                         Room::Closing => {}
                     }
                 }
                 one_closed.await;
-            };
-            let Some(id) = id else {
-                continue; // every connection has a request in progress: this one is closed
             };
             let (exporter, connections, timeout) = (exporter.clone(), connections.clone(), options.timeout);
             tokio::spawn(serve_connection(stream, exporter, Registered(connections, id), closed, timeout));
@@ -222,7 +225,7 @@ async fn serve_connection(
 ) {
     let (connections, id) = (registered.0.clone(), registered.1);
     let service = service_fn(move |request| {
-        connections.connections.lock().busy(id, 1);
+        connections.lock().busy(id, 1);
         let (exporter, connections) = (exporter.clone(), connections.clone());
         async move {
             let response = respond(exporter, request).await?;
