@@ -1,26 +1,45 @@
 #!/usr/bin/env bash
-# GPU checks of tidepool, for a machine with an NVIDIA GPU, nvcc, PyTorch
-# and transformers, but no cargo: build elsewhere first
-#   cargo build --release -p tidepool --lib && cargo build --release -p tidepool-tools --bin tidepool
-#   cargo test --release -p tidepool --test engine --no-run
-#   cp target/release/deps/engine-<hash> target/release/backends-test
-#   cargo build --release --features cudarc --example rust_runtime
-# (carry target/release/libtidepool.so, target/release/tidepool,
-# target/release/backends-test and target/release/examples/rust_runtime),
-# then run this from the repository root. Prints a short table last.
-# Record what it prints in docs/gpu-results.md with the date, GPU and driver.
+# tidepool's GPU check, the second of two steps (docs/testing.md#on-a-gpu):
+#   here, where cargo is:  cuda/check/prepare.sh  (builds, strips and stages
+#                          what this script needs in cuda/check/staged/)
+#   on the GPU machine:    bash cuda/check/run.sh  (carry cuda/check/staged)
+# The GPU machine needs an NVIDIA GPU, nvcc, a C++ compiler, Python with
+# PyTorch and transformers; no cargo. Run from anywhere in the checkout.
+#
+#   bash cuda/check/run.sh --rehearse
+# runs, here and without a GPU, every section that can run over simgpu
+# (the stand-in libcuda.so of cuda/simgpu, built with cc) with the staged
+# files, and names each section it skips and why: CI runs it after
+# prepare.sh, so that a broken section, a missing file or a wrong path
+# fails long before a GPU is lent.
 #
 # The whole script finishes within BUDGET seconds (default 450: a device
-# lent for 10 minutes a command, start-up included): each section runs
-# under `timeout` with its own limit, cut to what is left of the budget
-# (less what the summary needs), writes its results under $OUT as it
-# goes, and a section that times out leaves the others' figures; the
-# summary is printed whatever happened.
+# lent for 15 minutes in all, start-up included): each section runs under
+# `timeout` with its own limit, cut to what is left of the budget (less
+# what the summary needs), writes its results under $OUT as it goes, and a
+# section that times out leaves the others' figures; the summary, printed
+# whatever happened, lists every section (ok, FAILED, timed out, skipped)
+# and the figures. Record what it prints in docs/gpu-results.md with the
+# date, GPU and driver.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+REHEARSE=0
+case "${1:-}" in
+  --rehearse) REHEARSE=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--rehearse]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 BUDGET=${BUDGET:-450}
+STAGE=${STAGE:-cuda/check/staged}
+PYTHON=${PYTHON:-python3}
 START=$SECONDS
+# Builds and copies that need not come back with $OUT.
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+: > "$OUT/sections.tsv"
+
 # limit SECONDS: the seconds a section may take, at most SECONDS and what
 # the budget has left (20 s kept for the summary); 0 when none is left.
 limit() {
@@ -28,81 +47,173 @@ limit() {
   (( left < 0 )) && left=0
   echo $(( $1 < left ? $1 : left ))
 }
-# bounded SECONDS CMD...: runs CMD under timeout (limit SECONDS); a section
-# with no time left is skipped with exit status 124, as a timeout.
+# bounded SECONDS CMD...: runs CMD (a command, or a function of this
+# script) under timeout (limit SECONDS); a section with no time left is not
+# started, with exit status 124, as a timeout.
 bounded() {
   local seconds; seconds=$(limit "$1"); shift
-  if (( seconds == 0 )); then echo "run.sh: out of time budget: skipped: $*"; return 124; fi
-  timeout "$seconds" "$@"
+  if (( seconds == 0 )); then echo "run.sh: out of time budget: not started: $*"; return 124; fi
+  declare -F "$1" >/dev/null && export -f "$1"
+  timeout "$seconds" bash -c '"$@"' bash "$@"
 }
-LIB=target/release/libtidepool.so
-[ -f "$LIB" ] || { echo "run.sh: $LIB missing: build it with cargo first" >&2; exit 2; }
-export TIDEPOOL_LIBRARY=$PWD/$LIB TIDEPOOL_CONF=${TIDEPOOL_CONF:-backend:cuda}
+# record NAME STATUS: a section's outcome for the summary (an exit status,
+# or a word: skipped, missing).
+record() {
+  local verdict
+  case "$2" in
+    0) verdict=ok ;;
+    124|137) verdict="timed out" ;;
+    [0-9]*) verdict="FAILED ($2)" ;;
+    *) verdict=$2 ;;
+  esac
+  printf '%s\t%s\n' "$1" "$verdict" >> "$OUT/sections.tsv"
+}
+# section NAME SECONDS CMD...: runs CMD bounded, its output shown and kept
+# in $OUT/NAME.txt, and records its outcome.
+section() {
+  local name=$1 seconds=$2; shift 2
+  echo "-- $name"
+  bounded "$seconds" "$@" 2>&1 | tee "$OUT/$name.txt"
+  record "$name" "${PIPESTATUS[0]}"
+}
+# skip NAME REASON: a section this mode cannot run, named with the reason.
+skip() {
+  echo "-- $1: skipped: $2" | tee "$OUT/$1.txt"
+  record "$1" "skipped: $2"
+}
+# gpu_only NAME SECONDS CMD...: a section that needs a GPU (and nvcc).
+gpu_only() {
+  if (( REHEARSE )); then skip "$1" "needs a GPU"; else section "$@"; fi
+}
 
-# tidepool (through cudarc) opens libcuda.so; drivers often ship only libcuda.so.1.
-if ! ldconfig -p | grep -q 'libcuda.so '; then
-  real=$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')
-  mkdir -p "$OUT/libcuda" && ln -sf "$real" "$OUT/libcuda/libcuda.so"
-  export LD_LIBRARY_PATH=$OUT/libcuda:${LD_LIBRARY_PATH:-}
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+# The staged files (prepare.sh), from which everything below runs.
+for file in libtidepool.so tidepool engine-test rust_runtime; do
+  [ -x "$STAGE/$file" ] || { echo "run.sh: $STAGE/$file missing: run cuda/check/prepare.sh first (where cargo is)" >&2; exit 2; }
+done
+STAGE=$(cd "$STAGE" && pwd)
+# What the sections' functions read (they run in a shell of their own, under timeout).
+export REHEARSE STAGE WORK OUT PYTHON
+export TIDEPOOL_LIBRARY=$STAGE/libtidepool.so TIDEPOOL_CONF=${TIDEPOOL_CONF:-backend:cuda}
+# Child processes of the engine's tests and the registries of the processes
+# below keep their files here, not in the machine's /tmp.
+export TMPDIR=$WORK XDG_RUNTIME_DIR=$WORK
 
-echo "== build"
-nvcc -O2 -I ffi cuda/check/tidepool_check.cu -L target/release -ltidepool -lcuda \
-  -Xlinker -rpath -Xlinker "$PWD/target/release" -o "$OUT/tidepool_check" || exit 1
-
-echo "== conformance suite on the real driver"
-if [ -x target/release/backends-test ]; then
-  TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda bounded 45 \
-    target/release/backends-test --ignored --exact backends::child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance.txt"
-  echo "-- with expandable segments"
-  TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda TIDEPOOL_TEST_CONF=expandable:true bounded 45 \
-    target/release/backends-test --ignored --exact backends::child_cuda_conformance --nocapture --test-threads=1 | tee "$OUT/conformance-expandable.txt"
+echo "== the driver"
+if (( REHEARSE )); then
+  # simgpu: the CUDA driver's calls on host memory, two devices of 4 GiB.
+  mkdir -p "$WORK/simgpu"
+  cc -std=c11 -O2 -shared -fPIC -pthread cuda/simgpu/simgpu.c -o "$WORK/simgpu/libcuda.so" || exit 1
+  export LD_LIBRARY_PATH=$WORK/simgpu:${LD_LIBRARY_PATH:-} SIMGPU_DEVICES=2 SIMGPU_CAPACITY=4G
+  echo "simgpu (a rehearsal: nothing here is measured)" | tee "$OUT/gpu.txt"
 else
-  echo "target/release/backends-test missing: conformance skipped" | tee "$OUT/conformance.txt" "$OUT/conformance-expandable.txt"
+  # tidepool (through cudarc) opens libcuda.so; drivers often ship only libcuda.so.1.
+  if ! ldconfig -p | grep -q 'libcuda.so '; then
+    real=$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')
+    mkdir -p "$WORK/libcuda" && ln -sf "$real" "$WORK/libcuda/libcuda.so"
+    export LD_LIBRARY_PATH=$WORK/libcuda:${LD_LIBRARY_PATH:-}
+  fi
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 fi
 
-echo "== what each driver call of expandable segments costs, and a 20 GiB warm-up in each setting"
-bounded 60 python3 cuda/check/vmm_calls.py --json "$OUT/vmm.json" | tee "$OUT/vmm.txt"
-vmm_rc=${PIPESTATUS[0]}
+echo "== build: the CUDA programs (nvcc) and the Python package's C++ libraries (against this machine's torch)"
+if (( REHEARSE )); then
+  skip build-cuda "needs nvcc"
+else
+  build_cuda() {
+    for program in tidepool_check tags_check; do
+      nvcc -O2 -I ffi "cuda/check/$program.cu" -L "$STAGE" -ltidepool -lcuda \
+        -Xlinker -rpath -Xlinker "$STAGE" -o "$WORK/$program" || return 1
+    done
+  }
+  section build-cuda 120 build_cuda
+fi
+# The package's pure-Python files from the tree, its two C++ libraries
+# built here beside them (pip builds them where cargo is at hand), in a
+# copy: the checkout keeps no build of this machine's.
+build_package() {
+  mkdir -p "$WORK/python" && cp -r ffi/python/tidepool "$WORK/python/" || return 1
+  c++ -std=c++17 -O2 -shared -fPIC ffi/python/csrc/torch_alloc.cpp -o "$WORK/python/tidepool/libtidepool_torch.so" || return 1
+  c++ -std=c++17 -O2 -shared -fPIC "-I$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    ffi/python/csrc/stacks.cpp -o "$WORK/python/tidepool/_stacks$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
+    || return 1
+  # The package as the scripts below import it: made PyTorch's allocator
+  # (torch starts no CUDA here, so this runs without a GPU too).
+  PYTHONPATH=$WORK/python "$PYTHON" -c 'import tidepool, torch; tidepool.install(); print("tidepool installed into torch", torch.__version__, "from", tidepool.__file__)'
+}
+export TIDEPOOL_CHECK_PACKAGE=$WORK/python
+section python-package 120 build_package
+
+echo "== conformance suite on the driver"
+conformance() {
+  if (( REHEARSE )); then
+    env TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_BACKEND=cuda SIMGPU_CAPACITY=256M "$@" \
+      "$STAGE/engine-test" --ignored --exact backends::child_cuda_conformance --nocapture --test-threads=1
+  else
+    env TIDEPOOL_TEST_CHILD=1 TIDEPOOL_TEST_DEVICE_MEMORY=1 TIDEPOOL_TEST_BACKEND=cuda "$@" \
+      "$STAGE/engine-test" --ignored --exact backends::child_cuda_conformance --nocapture --test-threads=1
+  fi
+}
+section conformance 45 conformance
+section conformance-expandable 45 conformance TIDEPOOL_TEST_CONF=expandable:true
+
+echo "== the C ABI from C (tests/c/ffi_test.c; on a GPU over the host backend: its checks write into the memory they get)"
+c_abi() {
+  cc -std=c11 -D_DEFAULT_SOURCE -O1 -pthread -I ffi tests/c/ffi_test.c -L "$STAGE" -ltidepool \
+    -Wl,-rpath,"$STAGE" -o "$WORK/ffi_test" || return 1
+  local conf=backend:host,host_capacity_mb:4096
+  (( REHEARSE )) && conf=backend:cuda
+  TIDEPOOL_CONF=$conf "$WORK/ffi_test" "$WORK/ffi_test.pickle" 2000
+}
+section c-abi 60 c_abi
+
+echo "== the command-line tools (the staged tidepool command)"
+tools() {
+  local tp=$STAGE/tidepool
+  "$tp" --version && "$tp" cards &&
+    TIDEPOOL_CONF=expandable:true,max_split_size_mb:256 "$tp" config &&
+    "$tp" replay examples/traces/transformer-varlen-train.csv --policy all &&
+    "$tp" plan examples/traces/transformer-varlen-train.csv
+}
+section tools 60 tools
+
+echo "== what each driver call of expandable segments costs, and a warm-up in each setting"
+if (( REHEARSE )); then
+  section vmm 60 "$PYTHON" cuda/check/vmm_calls.py --sizes-mib 2,20,128 --repeats 3 --warm-up 1 --json "$OUT/vmm.json"
+else
+  section vmm 60 "$PYTHON" cuda/check/vmm_calls.py --json "$OUT/vmm.json"
+fi
 
 echo "== a 20 GiB trace's warm-up through PyTorch: its expandable segments, tidepool's page by page, in 8 MiB allocations, and as large as each run split when reused (a stream synchronization each)"
 warmup() {
-  bounded 30 python3 cuda/check/trace_warmup.py --trace examples/traces/transformer-varlen-train.csv "$@" | tail -1 | tee -a "$OUT/warmup.json"
+  "$PYTHON" cuda/check/trace_warmup.py --trace examples/traces/transformer-varlen-train.csv "$@" | tail -1 | tee -a "$OUT/warmup.json"
+  return "${PIPESTATUS[0]}"
 }
-warmup --allocator native-expandable
-warmup --allocator tidepool-expandable
-warmup --allocator tidepool-expandable --conf expandable_allocation_mb:8
-warmup --allocator tidepool-expandable --conf expandable_allocation_mb:unlimited,expandable_split_allocations:true
-
-echo "== patterns across streams, and latency"
-bounded 60 "$OUT/tidepool_check" 10000 | tee "$OUT/check.txt"
-check_rc=${PIPESTATUS[0]}
-echo "-- with expandable segments (kernels write into pages tidepool mapped)"
-TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" bounded 30 "$OUT/tidepool_check" 3000 | tee "$OUT/check-expandable.txt"
-check_expandable_rc=${PIPESTATUS[0]}
-
-echo "== tags: a CUDA graph across pause and resume, offload bandwidth, pause/resume latency"
-nvcc -O2 -I ffi cuda/check/tags_check.cu -L target/release -ltidepool -lcuda \
-  -Xlinker -rpath -Xlinker "$PWD/target/release" -o "$OUT/tags_check" || exit 1
-bounded 60 "$OUT/tags_check" 2 | tee "$OUT/tags.txt"
-tags_rc=${PIPESTATUS[0]}
-
-echo "== Rust runtime: Buffer<T> through cudarc, a PTX kernel per layer, results against the host"
-RUNTIME=target/release/examples/rust_runtime
-if [ -x "$RUNTIME" ]; then
-  bounded 30 "$RUNTIME" 48 8 2>&1 | tee "$OUT/rust-runtime.txt"
-  runtime_rc=${PIPESTATUS[0]}
-  echo "-- with expandable segments"
-  TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" bounded 30 "$RUNTIME" 48 8 2>&1 | tee "$OUT/rust-runtime-expandable.txt"
-  runtime_expandable_rc=${PIPESTATUS[0]}
+: > "$OUT/warmup.json"
+if (( REHEARSE )); then
+  # On the host: the script and the trace, nothing measured.
+  section warmup 60 warmup --allocator native --device cpu --target-gib 1
 else
-  echo "$RUNTIME missing: build it with --features cudarc; skipped" | tee "$OUT/rust-runtime.txt"
-  runtime_rc=missing runtime_expandable_rc=missing
+  section warmup-native-expandable 30 warmup --allocator native-expandable
+  section warmup-page-by-page 30 warmup --allocator tidepool-expandable
+  section warmup-8mib 30 warmup --allocator tidepool-expandable --conf expandable_allocation_mb:8
+  section warmup-split 30 warmup --allocator tidepool-expandable --conf expandable_allocation_mb:unlimited,expandable_split_allocations:true
 fi
 
+echo "== patterns across streams, and latency"
+gpu_only check 60 "$WORK/tidepool_check" 10000
+echo "-- with expandable segments (kernels write into pages tidepool mapped)"
+gpu_only check-expandable 30 env TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" "$WORK/tidepool_check" 3000
+
+echo "== tags: a CUDA graph across pause and resume, offload bandwidth, pause/resume latency"
+gpu_only tags 60 "$WORK/tags_check" 2
+
+echo "== Rust runtime: Buffer<T> through cudarc, a PTX kernel per layer, results against the host"
+section rust-runtime 30 "$STAGE/rust_runtime" 48 8
+section rust-runtime-expandable 30 env TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" "$STAGE/rust_runtime" 48 8
+
 echo "== what the card gives an allocator (tidepool cards assumes nvidia-smi's total less 1.5 GiB)"
-bounded 30 python3 - <<'PY' 2>&1 | tee "$OUT/card.txt"
+card() {
+  "$PYTHON" - <<'PY'
 import subprocess
 import torch
 a = torch.randn(1024, 1024, device="cuda")
@@ -115,90 +226,27 @@ smi = int(smi[0]) if smi else total >> 20
 print(f"card: nvidia-smi total {smi} MiB, CUDA total {total >> 20} MiB, available to an allocator after init and a "
       f"matmul {available} MiB: {smi - available} MiB kept (tidepool cards assumes 1536)")
 PY
+}
+gpu_only card 30 card
 
 echo "== PyTorch end to end"
-# The C++ entry points PyTorch calls and the frame capture, built in place
-# (pip builds them into the package where cargo is at hand).
-c++ -std=c++17 -O2 -shared -fPIC ffi/python/csrc/torch_alloc.cpp -o ffi/python/tidepool/libtidepool_torch.so || exit 1
-c++ -std=c++17 -O2 -shared -fPIC "-I$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-  ffi/python/csrc/stacks.cpp -o "ffi/python/tidepool/_stacks$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || exit 1
+e2e() {
+  "$PYTHON" cuda/check/torch_e2e.py --allocator "$1" --steps 20 --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$1.json"
+  return "${PIPESTATUS[0]}"
+}
 for a in native native-expandable tidepool tidepool-expandable; do
-  bounded 45 python3 cuda/check/torch_e2e.py --allocator $a --steps 20 --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$a.json"
+  gpu_only "e2e-$a" 45 e2e "$a"
 done
 
 echo "== tidepool's models of PyTorch's allocator against PyTorch itself (the loop recorded, then replayed)"
-if [ -x target/release/tidepool ]; then
-  for a in native native-expandable; do
-    bounded 30 python3 cuda/check/torch_e2e.py --allocator $a --steps 10 --history "$OUT/history-$a.pickle" | tail -1
-  done
-  bounded 15 target/release/tidepool replay "$OUT/history-native.pickle" --policy pytorch --json | tee "$OUT/model-native.json"
-  bounded 15 target/release/tidepool replay "$OUT/history-native-expandable.pickle" --policy pytorch-expandable --json \
-    | tee "$OUT/model-native-expandable.json"
-else
-  echo "target/release/tidepool missing: the models are not checked"
-fi
+model() {
+  "$PYTHON" cuda/check/torch_e2e.py --allocator "$1" --steps 10 --history "$OUT/history-$1.pickle" | tail -1 || return 1
+  "$STAGE/tidepool" replay "$OUT/history-$1.pickle" --policy "$2" --json | tee "$OUT/model-$1.json"
+  return "${PIPESTATUS[0]}"
+}
+gpu_only model-native 45 model native pytorch
+gpu_only model-native-expandable 45 model native-expandable pytorch-expandable
 
 echo
 echo "== summary (after $(( SECONDS - START )) s of a $BUDGET s budget)"
-python3 - "$OUT" "$check_rc" "$check_expandable_rc" "$runtime_rc" "$runtime_expandable_rc" "$tags_rc" "$vmm_rc" <<'PY'
-import json, sys, pathlib
-out, check_rc, check_expandable_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-runtime_rcs = sys.argv[4:6]
-tags_rc, vmm_rc = sys.argv[6], sys.argv[7]
-print("gpu:", (out / "gpu.txt").read_text().strip())
-card = (out / "card.txt").read_text().strip().splitlines() if (out / "card.txt").exists() else []
-print(card[-1] if card else "card: no result")
-for name in ["conformance", "conformance-expandable"]:
-    print(f"{name} on the driver:", "ok" if "cuda conformance: ok" in (out / f"{name}.txt").read_text() else "not ok")
-print("patterns/latency check:", "ok" if check_rc == 0 else f"FAILED ({check_rc})")
-print("patterns check, expandable segments:", "ok" if check_expandable_rc == 0 else f"FAILED ({check_expandable_rc})")
-tags_text = (out / "tags.txt").read_text() if (out / "tags.txt").exists() else ""
-print("tags (graph across pause, bandwidth, latency):", "ok" if tags_rc == "0" and "tags check: ok" in tags_text else f"FAILED ({tags_rc})")
-for line in tags_text.splitlines():
-    if line.startswith(("graph across pause", "bandwidth", "latency")):
-        print("  " + line)
-vmm_text = (out / "vmm.txt").read_text() if (out / "vmm.txt").exists() else ""
-print("driver calls of expandable segments:", "ok" if vmm_rc == "0" and "vmm calls: ok" in vmm_text else f"FAILED ({vmm_rc})")
-for line in vmm_text.splitlines():
-    if line.startswith(("calls at", "warm-up")):
-        print("  " + line)
-warmups = [json.loads(l) for l in (out / "warmup.json").read_text().splitlines() if l.startswith("{")] if (out / "warmup.json").exists() else []
-for w in warmups:
-    print(f"  trace warm-up, {w['allocator']} {w['conf']}: {w['warm_up_s']} s then {w['steady_s']} s, peak reserved "
-          f"{w['peak_reserved_bytes'] / 2**30:.2f} GiB for {w['peak_live_bytes'] / 2**30:.2f} live, allocations {w.get('device_allocs')}")
-if len(warmups) < 4:
-    print(f"  trace warm-up: {len(warmups)} of 4 runs reported")
-for name, rc in zip(["rust-runtime", "rust-runtime-expandable"], runtime_rcs):
-    text = (out / f"{name}.txt").read_text() if (out / f"{name}.txt").exists() else ""
-    verdict = "ok" if rc == "0" and "equal to the host's" in text else ("skipped" if rc == "missing" else f"FAILED ({rc})")
-    print(f"{name} (cudarc, PTX kernel, results vs host): {verdict}")
-runs = {}
-for name in ["native", "native-expandable", "tidepool", "tidepool-expandable"]:
-    try:
-        runs[name] = json.loads((out / f"e2e-{name}.json").read_text())
-    except Exception as e:
-        print(f"{name}: no result ({e})")
-if "native" in runs and "tidepool" in runs:
-    n, t = runs["native"], runs["tidepool"]
-    print(f"losses identical: {n['losses'] == t['losses']}")
-    print(f"step time tidepool/native: {t['median_step_s'] / n['median_step_s']:.3f} (target <= 1.02)")
-    for name, r in runs.items():
-        print(f"peak reserved {name:18s} {r['peak_reserved_bytes'] / 2**30:7.3f} GiB")
-    print(f"tidepool stats sane: {t.get('stats_sane')}, snapshot in memory_viz: {t.get('snapshot_loads_in_memory_viz')}")
-    for key in ["oom_raises", "oom_observer_calls", "continues_after_oom", "batch_search_found", "peak_api_ok",
-                "memory_stats_keys", "frames_name_this_file", "api_error"]:
-        print(f"{key:22s} " + ", ".join(f"{name} {r.get(key)}" for name, r in runs.items()))
-    print("CUDA graph replay intact: " + ", ".join(f"{name} {r.get('graph_ok')}" for name, r in runs.items()))
-    if "tidepool-expandable" in runs:
-        e = runs["tidepool-expandable"]
-        print(f"expandable: losses identical {n['losses'] == e['losses']}, step time/native {e['median_step_s'] / n['median_step_s']:.3f}, "
-              f"pages mapped/unmapped after warm-up {e.get('pages_mapped_after_warm_up')}/{e.get('pages_unmapped_after_warm_up')} (target 0/0)")
-for name in ["native", "native-expandable"]:
-    try:
-        m = json.loads((out / f"model-{name}.json").read_text().splitlines()[0])
-        recorded = m["pytorch_recorded_peak_reserved_bytes"]
-        print(f"model of {name}: peak reserved {m['peak_reserved_bytes'] / 2**30:.3f} GiB, PyTorch recorded "
-              f"{recorded / 2**30:.3f} GiB ({100 * (m['peak_reserved_bytes'] / recorded - 1):+.2f} %)")
-    except Exception as e:  # noqa: BLE001 - a missing file is reported, the summary goes on
-        print(f"model of {name}: no result ({e})")
-PY
+"$PYTHON" cuda/check/summary.py "$OUT"

@@ -35,7 +35,8 @@ if args.history and args.allocator.startswith("tidepool"):
     parser.error("--history records PyTorch's own allocator (native, native-expandable)")
 
 if args.allocator.startswith("tidepool"):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "ffi", "python"))
+    # run.sh builds the package's C++ libraries into a copy of it (TIDEPOOL_CHECK_PACKAGE).
+    sys.path.insert(0, os.environ.get("TIDEPOOL_CHECK_PACKAGE") or os.path.join(os.path.dirname(__file__), "..", "..", "ffi", "python"))
     import tidepool
 
     conf = os.environ.get("TIDEPOOL_CONF", "")

@@ -29,7 +29,8 @@ parser.add_argument("--device", default="cuda")
 args = parser.parse_args()
 
 if args.allocator == "tidepool-expandable" and args.device == "cuda":
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "ffi", "python"))
+    # run.sh builds the package's C++ libraries into a copy of it (TIDEPOOL_CHECK_PACKAGE).
+    sys.path.insert(0, os.environ.get("TIDEPOOL_CHECK_PACKAGE") or os.path.join(os.path.dirname(__file__), "..", "..", "ffi", "python"))
     import tidepool
 
     tidepool.install(",".join(c for c in [os.environ.get("TIDEPOOL_CONF", ""), "expandable:true", args.conf] if c))

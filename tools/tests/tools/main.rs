@@ -3,7 +3,8 @@
 //! read back, `tidepool top`, the exporter with a real Prometheus, the
 //! documentation (the configuration page; README's and docs/' commands and
 //! links), the Python package built and installed as a user would, and
-//! the GPU check that times the driver calls, over simgpu.
+//! the GPU check: its staging's size check, and the script that times
+//! the driver calls, over simgpu.
 //!
 //! One test binary, one module per file (cargo links each binary once).
 
@@ -14,6 +15,7 @@ mod config;
 mod docs;
 mod expandable;
 mod exporter;
+mod gpu_check;
 mod live_replay;
 mod python;
 mod readme;

@@ -69,6 +69,10 @@ const COVERED: &[(&str, &str)] = &[
     ("~/.cache/tidepool-ci/venv-torch-2.15.0/bin/pip install", ".ci/run (installs these packages into it)"),
     ("TIDEPOOL_TEST_PYTHON=~/.cache/tidepool-ci/venv-torch-2.15.0/bin/python cargo test --locked", ".ci/run"),
     ("TIDEPOOL_SOAK_SECS=600 cargo test --locked --test processes -- soak::", ".ci/run (the soak, 30 s under CI=true)"),
+    // The GPU check (docs/testing.md#on-a-gpu): staged and rehearsed by .ci/run.
+    ("cuda/check/prepare.sh", ".ci/run (stages the GPU check; gpu_check::* checks its size check)"),
+    ("bash cuda/check/run.sh --rehearse", ".ci/run (the rehearsal over simgpu, after prepare.sh)"),
+    ("bash cuda/check/run.sh", ".ci/run (rehearsed with --rehearse; on a GPU only by hand, see docs/gpu-results.md)"),
 ];
 
 /// README.md and every page of docs/, as (path from the root, text).
