@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 
 use crate::backend::host::HostBackend;
 use crate::backend::{self, Backend};
@@ -103,7 +103,7 @@ impl Allocator {
         } else {
             None
         };
-        let fork_generation = backend::fork::watch_forks();
+        let fork_generation = crate::fork::watch_forks();
         let pid = std::process::id();
         let contexts = frames::Contexts::default();
         // A heap recorded from the start (a trace, history) sees every
@@ -152,7 +152,7 @@ impl Allocator {
     /// Whether this process is a fork child of the one that made the allocator.
     #[inline]
     fn forked(&self) -> bool {
-        backend::fork::fork_generation() != self.fork_generation
+        crate::fork::fork_generation() != self.fork_generation
     }
 
     /// Whether a background reclaimer runs for this allocator.

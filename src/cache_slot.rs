@@ -31,37 +31,42 @@
 //! reaches them through its `&'static` slot.
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 
 use crate::cache_owner::{Owner, MAX_ENTRIES};
+use crate::fork::LeakedList;
 
 /// The slot of no cache: what an unused place in a thread's caches points at.
 pub static UNUSED: CacheSlot = CacheSlot::new();
 
-/// Slots no thread uses now (their threads exited), for the next to take.
-static SPARE: Mutex<Vec<&'static CacheSlot>> = parking_lot::const_mutex(Vec::new());
+/// Every slot made so far. A slot is claimed (`in_use`) by the thread
+/// whose cache it is and released when that thread exits; a fork child
+/// finds the slots of its parent's threads claimed and leaves them so.
+static SLOTS: LeakedList<CacheSlot> = LeakedList::new();
 
-/// A slot for a new thread's cache: a spare one, disarmed and emptied, else
-/// a new one. Slots live as long as the process (one per thread and device
-/// that used a cache at the same time, at most).
+/// A slot for a new thread's cache: a released one, disarmed and emptied,
+/// else a new one. Slots live as long as the process (one per thread and
+/// device that used a cache at the same time, at most). No lock: a fork
+/// child takes one whatever its parent's threads were doing (`fork.rs`).
 pub fn take() -> &'static CacheSlot {
-    match SPARE.lock().pop() {
-        Some(slot) => {
-            slot.state.store(DISARMED, Ordering::Release);
-            slot.entries.iter().for_each(|e| e.store(0, Ordering::Release));
-            slot.remote.lock().clear();
-            slot.owner.reset();
-            slot
-        }
-        None => Box::leak(Box::new(CacheSlot::new())),
+    let claim = |slot: &CacheSlot| slot.in_use.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok();
+    if let Some(slot) = SLOTS.iter().find(|slot| claim(slot)) {
+        slot.state.store(DISARMED, Ordering::Release);
+        slot.entries.iter().for_each(|e| e.store(0, Ordering::Release));
+        slot.remote.lock().clear();
+        slot.owner.reset();
+        return slot;
     }
+    let fresh = CacheSlot::new();
+    fresh.in_use.store(true, Ordering::Relaxed);
+    SLOTS.push(fresh)
 }
 
 /// Gives back a slot no heap and no thread uses any more.
 pub fn give_back(slot: &'static CacheSlot) {
-    SPARE.lock().push(slot);
+    slot.in_use.store(false, Ordering::Release);
 }
 
 /// The owner may hand out cached blocks.
@@ -88,6 +93,8 @@ pub struct CacheSlot {
     downs: [[AtomicU64; GAUGES]; 2],
     news: AtomicU64,
     remote: Mutex<Vec<u64>>,
+    /// Claimed by a thread's cache (`take`), released when it exits (`give_back`).
+    in_use: AtomicBool,
     /// The owner's records, for the owner alone.
     pub owner: Owner,
 }
@@ -101,7 +108,8 @@ impl CacheSlot {
             ups: [const { [const { AtomicU64::new(0) }; GAUGES] }; 2],
             downs: [const { [const { AtomicU64::new(0) }; GAUGES] }; 2],
             news: AtomicU64::new(0),
-            remote: parking_lot::const_mutex(Vec::new()),
+            remote: Mutex::new(Vec::new()),
+            in_use: AtomicBool::new(false),
             owner: Owner::new(),
         }
     }

@@ -25,17 +25,17 @@
 //! trait is `unsafe`, and wrapping a stream handle is too.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::{
     sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, LaunchArgs, PushKernelArg, SyncOnDrop,
 };
-use parking_lot::Mutex;
 
 use crate::allocator::Allocator;
 use crate::backend::BackendError;
 use crate::buffer::Buffer;
 use crate::error::AllocError;
+use crate::fork::ProcessLock;
 use crate::types::Stream;
 
 impl From<&CudaStream> for Stream {
@@ -111,14 +111,14 @@ fn borrowed_stream(context: &Arc<CudaContext>, stream: Stream) -> Arc<CudaStream
 /// The primary context of `device` as cudarc holds it, one per device
 /// for the process.
 fn context(device: usize) -> Result<Arc<CudaContext>, DriverError> {
-    static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
-    let mut contexts = CONTEXTS.get_or_init(Default::default).lock();
-    if let Some(context) = contexts.get(&device) {
+    // A process lock, so taken only around the map: the driver is called without it.
+    static CONTEXTS: ProcessLock<Option<HashMap<usize, Arc<CudaContext>>>> = ProcessLock::new(None);
+    if let Some(context) = CONTEXTS.lock().get_or_insert_with(HashMap::new).get(&device) {
         return Ok(context.clone());
     }
     let context = CudaContext::new(device)?;
-    contexts.insert(device, context.clone());
-    Ok(context)
+    // A thread that made one meanwhile wins: one wrapper per device.
+    Ok(CONTEXTS.lock().get_or_insert_with(HashMap::new).entry(device).or_insert(context).clone())
 }
 
 fn driver_error(call: &'static str, err: DriverError) -> AllocError {

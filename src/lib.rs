@@ -9,9 +9,11 @@
 //! each from the module that defines it (never through this root, which
 //! only declares and re-exports); tests/engine/layers.rs checks it. Code
 //! that must call upward takes a closure.
-//! - below the heap: `types` (Stream, DevicePtr), `log`, `size_class` (the
-//!   bin math), `backend` (the only code that talks to a driver; the
-//!   process's fork count), `error`, `tag`, `frames`, `pickle` (the
+//! - below the heap: `types` (Stream, DevicePtr), `sync` (the lock: std's,
+//!   which keeps no state outside its word), `fork` (the fork count, the
+//!   locks held across a fork, lists claimed without a lock), `log`,
+//!   `size_class` (the bin math), `backend` (the only code that talks to a
+//!   driver), `error`, `tag`, `frames`, `pickle` (the
 //!   snapshot writer), `recording` (trace rows written live), `reclaim`
 //!   (the release policy, pure, and the thread that runs a pass),
 //!   `stats`, `config`, `registry` (the file processes on one device share), `cache_owner`
@@ -53,6 +55,7 @@ mod device;
 pub mod error;
 #[allow(non_camel_case_types)]
 pub mod ffi;
+mod fork;
 pub mod frames;
 pub mod heap;
 mod log;
@@ -65,6 +68,7 @@ pub mod registry;
 pub mod size_class;
 pub mod snapshot;
 pub mod stats;
+mod sync;
 pub mod tag;
 mod thread_cache;
 pub mod types;

@@ -42,7 +42,7 @@ extern "C" fn finish_trace_at_exit() {
 /// rather than over its parent's trace.
 fn process_config() -> Config {
     let mut config = Config::from_env();
-    if crate::backend::fork::fork_generation() > 0 {
+    if crate::fork::fork_generation() > 0 {
         if let Some(path) = config.trace_path.as_mut() {
             path.as_mut_os_string().push(format!(".{}", std::process::id()));
         }
@@ -72,7 +72,7 @@ pub fn global() -> Result<&'static Allocator, AllocError> {
         // never freed, so the reference is valid for the whole process.
         return Ok(unsafe { &*current });
     }
-    crate::backend::fork::watch_forks();
+    crate::fork::watch_forks();
     AT_FORK.call_once(|| {
         // SAFETY: registers a fork handler that only performs an atomic store.
         unsafe { libc::pthread_atfork(None, None, Some(on_fork_child)) };

@@ -18,7 +18,7 @@ use std::cell::Cell;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use crate::fork::ProcessLock;
 
 use crate::error::{AllocError, InvalidArgument};
 
@@ -38,7 +38,7 @@ impl TagId {
 
 /// Every name interned so far, by id (the first, "default", is added on
 /// first use).
-static NAMES: Mutex<Vec<Arc<str>>> = Mutex::new(Vec::new());
+static NAMES: ProcessLock<Vec<Arc<str>>> = ProcessLock::new(Vec::new());
 
 thread_local! {
     /// The calling thread's tag for its next allocations.

@@ -36,6 +36,7 @@ use crate::cache_owner::{Owner, MAX_ENTRIES};
 use crate::cache_slot::{self, CacheSlot};
 use crate::device::Device;
 use crate::error::AllocError;
+use crate::fork;
 use crate::heap::FreedOrLent;
 use crate::types::Stream;
 
@@ -406,6 +407,9 @@ fn bucket(size: u64, stream: Stream) -> usize {
 struct ColdCache {
     device: usize,
     slot: &'static CacheSlot,
+    /// The fork count when it was opened: in a fork child the cache, its
+    /// slot and its heap are the parent's, and are left as they are.
+    generation: u64,
     /// Blocks handed out before the last, by address: their index in `classes`.
     live: AddrMap,
     classes: Vec<Class>,
@@ -427,10 +431,20 @@ impl ColdCache {
     }
 }
 
+impl ColdCache {
+    /// Whether it was opened in a parent of this process (before a fork).
+    fn inherited(&self) -> bool {
+        self.generation != fork::fork_generation()
+    }
+}
+
 impl Drop for ColdCache {
     /// The thread exits (or the allocator was dropped): its cached blocks
     /// go back and those it handed out become plain ones; the slot is
     /// free for another thread, once no place of this thread names it.
+    /// In a fork child, a cache opened by the parent only leaves its
+    /// place: its heap may have been locked by a thread the child does not
+    /// have, and its blocks are the parent's (`fork.rs`).
     fn drop(&mut self) {
         let _ = PLACES.try_with(|places| {
             for place in places {
@@ -439,6 +453,9 @@ impl Drop for ColdCache {
                 }
             }
         });
+        if self.inherited() {
+            return;
+        }
         if let Some(devices) = self.devices.upgrade() {
             devices[self.device].retire_slot(self.slot.owner.heap_index.get() as u32);
         }
@@ -566,8 +583,10 @@ impl Bounds {
         COLD.try_with(|cold| {
             let mut cold = cold.try_borrow_mut().ok()?;
             // Caches of allocators since dropped have nothing left to give
-            // back: their places are free again (their drop empties them).
-            let (dead, kept): (Vec<ColdCache>, Vec<ColdCache>) = cold.drain(..).partition(|c| c.devices.strong_count() == 0);
+            // back, and those a fork child inherited are not its own: their
+            // places are free again (their drop empties them).
+            let (dead, kept): (Vec<ColdCache>, Vec<ColdCache>) =
+                cold.drain(..).partition(|c| c.devices.strong_count() == 0 || c.inherited());
             *cold = kept;
             drop(cold);
             drop(dead);
@@ -583,6 +602,7 @@ impl Bounds {
             let record = ColdCache {
                 device,
                 slot,
+                generation: fork::fork_generation(),
                 live: AddrMap::default(),
                 classes: Vec::new(),
                 class_index: HashMap::new(),

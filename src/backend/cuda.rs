@@ -27,7 +27,7 @@
 use std::collections::BTreeMap;
 use std::ffi::{c_char, CStr};
 
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 
 use cudarc::driver::sys;
 

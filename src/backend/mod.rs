@@ -10,7 +10,6 @@
 //! the expandable segments of `heap/expandable.rs`.
 
 pub(crate) mod cuda;
-pub(crate) mod fork;
 pub mod host;
 
 use std::fmt;

@@ -6,8 +6,6 @@ use std::panic::catch_unwind;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::Mutex;
-
 use super::boundary::{
     allocator_or_internal, boundary, return_code, set_last_error, Failure, LAST_ERROR, TIDEPOOL_ERR_INTERNAL,
     TIDEPOOL_ERR_INVALID_ARGUMENT, TIDEPOOL_ERR_IO, TIDEPOOL_OK,
@@ -15,6 +13,7 @@ use super::boundary::{
 use super::types::tidepool_oom_observer;
 use crate::allocator::Allocator;
 use crate::error::OomReport;
+use crate::fork::ProcessLock;
 use crate::log::log_line;
 use crate::process::global;
 
@@ -23,7 +22,7 @@ const MAX_OOM_OBSERVERS: usize = 64;
 
 /// The process's OOM observers with their `user` pointers, in attach order.
 type Observer = (unsafe extern "C" fn(c_int, usize, usize, usize, *mut c_void), usize);
-static OOM_OBSERVERS: Mutex<Vec<Observer>> = Mutex::new(Vec::new());
+static OOM_OBSERVERS: ProcessLock<Vec<Observer>> = ProcessLock::new(Vec::new());
 
 /// Set once the `oom_snapshot` was tried: only the first out-of-memory writes it.
 static OOM_SNAPSHOT_TRIED: AtomicBool = AtomicBool::new(false);

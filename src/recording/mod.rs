@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 
 use rows::{Action, Row, RowWriter, HEADER};
 

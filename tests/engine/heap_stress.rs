@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use std::sync::Mutex;
 use tidepool::backend::host::{FaultKind, HostBackend};
 use tidepool::backend::{Backend, BackendError, HostMemory, MemInfo};
 use tidepool::heap::reserve::Reserve;
@@ -41,7 +41,7 @@ pub(crate) struct RandomBackend {
 
 impl RandomBackend {
     fn fail(&self, call: &'static str) -> Result<(), BackendError> {
-        if self.chaos > 0 && self.rng.lock().chance(self.chaos) {
+        if self.chaos > 0 && self.rng.lock().unwrap().chance(self.chaos) {
             return Err(BackendError::Driver { call, code: -7, message: "chaos".into() });
         }
         Ok(())
@@ -73,20 +73,20 @@ impl Backend for RandomBackend {
         }
         self.fail("record_event")?;
         let e = self.next_event.fetch_add(1, Ordering::SeqCst) + 1;
-        self.outstanding.lock().insert(e);
+        self.outstanding.lock().unwrap().insert(e);
         Ok(Some(e))
     }
     fn event_done(&self, _d: usize, e: u64) -> Result<bool, BackendError> {
-        assert!(self.outstanding.lock().contains(&e), "query of recycled event {e}");
+        assert!(self.outstanding.lock().unwrap().contains(&e), "query of recycled event {e}");
         self.fail("event_done")?;
-        Ok(self.rng.lock().chance(40))
+        Ok(self.rng.lock().unwrap().chance(40))
     }
     fn wait_event(&self, _d: usize, e: u64) -> Result<(), BackendError> {
-        assert!(self.outstanding.lock().contains(&e), "wait of recycled event {e}");
+        assert!(self.outstanding.lock().unwrap().contains(&e), "wait of recycled event {e}");
         self.fail("wait_event")
     }
     fn recycle_event(&self, _d: usize, e: u64) {
-        assert!(self.outstanding.lock().remove(&e), "double recycle of event {e}");
+        assert!(self.outstanding.lock().unwrap().remove(&e), "double recycle of event {e}");
     }
     fn vm_page_size(&self, d: usize) -> Option<u64> {
         self.host.vm_page_size(d)
@@ -124,7 +124,7 @@ impl Backend for RandomBackend {
         self.host.copy_to_host(d, src, dst, s)
     }
     fn host_memory(&self, len: u64) -> Result<Box<dyn HostMemory>, BackendError> {
-        if self.chaos > 0 && self.rng.lock().chance(self.chaos) {
+        if self.chaos > 0 && self.rng.lock().unwrap().chance(self.chaos) {
             return Err(BackendError::OutOfMemory);
         }
         self.host.host_memory(len)

@@ -17,7 +17,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use std::sync::Mutex;
 use tidepool::backend::host::HostBackend;
 use tidepool::backend::Backend;
 use tidepool::{AllocError, Allocator, Config, DevicePtr, PrivatePoolId, Stream};

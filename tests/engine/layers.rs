@@ -28,6 +28,8 @@ const UNITS: &[Unit] = &[
         root: "lib.rs",
         modules: &[
             "types",
+            "sync",
+            "fork",
             "addr_map",
             "page_map",
             "log",
@@ -55,7 +57,7 @@ const UNITS: &[Unit] = &[
             "cudarc_interop",
             "ffi",
         ],
-        unsafe_allowed: &["backend", "process", "cudarc_interop", "ffi"],
+        unsafe_allowed: &["fork", "backend", "process", "cudarc_interop", "ffi"],
     },
     Unit { name: "tidepool-tools", dir: "tools/src", root: "lib.rs", modules: &["pickle", "trace", "exporter"], unsafe_allowed: &[] },
     Unit { name: "the tidepool command", dir: "tools/src", root: "main.rs", modules: &["cli"], unsafe_allowed: &[] },

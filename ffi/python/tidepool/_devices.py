@@ -1,15 +1,19 @@
 """What a `device` argument means: the memory functions and tags take one
 as torch.cuda's memory functions do (None or "cuda" for the current
 device, an int, "cuda:N", a torch.device); the library takes its index."""
+import sys
 
 
 def current_device():
-    """PyTorch's current CUDA device, or 0 before CUDA starts (or without torch)."""
-    try:
-        import torch
-    except ImportError:
+    """PyTorch's current CUDA device, or 0 before CUDA starts (or without
+    torch). torch is not imported here: a program that has not imported it
+    has not started CUDA through it, and an import made by whichever thread
+    first reads a statistic would cost seconds and could be under way when
+    another thread forks (the child would wait for its lock forever)."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is None or not cuda.is_initialized():
         return 0
-    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    return cuda.current_device()
 
 
 def device_index(device):
