@@ -218,7 +218,14 @@ int tidepool_reset_peak_stats(int device);
  * Returns as above. */
 int tidepool_reset_accumulated_stats(int device);
 
-/* Writes a PyTorch-schema snapshot pickle of every device to path. */
+/* Writes a PyTorch-schema snapshot pickle of every device to path: a
+ * regular file is replaced at once (a reader never sees half of it), a
+ * symbolic link is written through to its target, a FIFO (with a reader)
+ * or a device is written into and never replaced; a directory, a FIFO no
+ * process reads, a missing folder, no space or no permission return
+ * TIDEPOOL_ERR_IO with the reason in tidepool_last_error. Returns
+ * TIDEPOOL_OK, TIDEPOOL_ERR_INVALID_ARGUMENT (NULL or non-UTF-8 path),
+ * TIDEPOOL_ERR_IO or TIDEPOOL_ERR_INTERNAL. */
 int tidepool_dump_snapshot(const char* path);
 
 /* Copies this thread's last error into buf (NUL-terminated, cut to len - 1

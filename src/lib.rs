@@ -12,6 +12,7 @@
 //! - below the heap: `types` (Stream, DevicePtr), `sync` (the lock: std's,
 //!   which keeps no state outside its word), `fork` (the fork count, the
 //!   locks held across a fork, lists claimed without a lock), `log`,
+//!   `user_file` (writing a file to a path the user named),
 //!   `size_class` (the bin math), `backend` (the only code that talks to a
 //!   driver), `error`, `tag`, `frames`, `pickle` (the
 //!   snapshot writer), `recording` (trace rows written live), `reclaim`
@@ -72,6 +73,7 @@ mod sync;
 pub mod tag;
 mod thread_cache;
 pub mod types;
+mod user_file;
 
 /// cudarc interop: tidepool buffers as cudarc device memory (feature `cudarc`).
 #[cfg(feature = "cudarc")]

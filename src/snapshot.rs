@@ -5,7 +5,6 @@
 //! and events allocated with a context carry its frames (`crate::frames`).
 #![forbid(unsafe_code)]
 
-use std::io::Write;
 use std::path::Path;
 
 use crate::allocator::Allocator;
@@ -102,25 +101,10 @@ fn block_state(block: &BlockSnapshot) -> &'static str {
     }
 }
 
-/// Writes the snapshot as a pickle to `path` (via a temporary file of
-/// this writer's own beside it, so a reader never sees half a file and two
-/// writers never write into one).
+/// Writes the snapshot as a pickle to `path`: replacing a regular file at
+/// once (a reader never sees half of it), through a symbolic link to its
+/// target, into a FIFO or a device; never over a directory
+/// (`user_file.rs`).
 pub fn write_snapshot(alloc: &Allocator, path: &Path) -> std::io::Result<()> {
-    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let bytes = dumps(&pytorch_snapshot(alloc));
-    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".{}.{n}.tidepool-tmp", std::process::id()));
-    let tmp = std::path::PathBuf::from(tmp);
-    let written = std::fs::File::create(&tmp).and_then(|mut file| {
-        file.write_all(&bytes)?;
-        file.sync_all()
-    });
-    match written.and_then(|()| std::fs::rename(&tmp, path)) {
-        Ok(()) => Ok(()),
-        Err(err) => {
-            let _ = std::fs::remove_file(&tmp);
-            Err(err)
-        }
-    }
+    crate::user_file::write_whole(path, &dumps(&pytorch_snapshot(alloc)))
 }

@@ -33,6 +33,7 @@ const UNITS: &[Unit] = &[
             "addr_map",
             "page_map",
             "log",
+            "user_file",
             "size_class",
             "backend",
             "error",
