@@ -314,7 +314,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     bounded!("history_entries", "0", "keep each device's last this many allocation and segment events, written into snapshots as device_traces (memory_viz's timeline) (0: off)", history_entries: usize, 0..=1_000_000_000),
     optional!("oom_snapshot", "none", "at the process's first out-of-memory (C ABI), write a PyTorch-schema snapshot (pickle, with device_traces when history is on) to this path (none: off)", oom_snapshot or "none", path, show_path),
     optional!("registry_dir", "auto", "directory of the registries of processes sharing a device (auto: $XDG_RUNTIME_DIR/tidepool or /tmp/tidepool-<uid>)", registry_dir or "auto", path, show_path),
-    optional!("host_shared", "none", "host backend: a file whose name makes processes share one capacity, as on one GPU", host_shared or "none", path, show_path),
+    optional!("host_shared", "none", "host backend: a file whose name makes processes share one capacity, as on one GPU (what a process holds is given back when it ends, killed or not)", host_shared or "none", path, show_path),
     OptionSpec {
         key: "max_split_size_mb",
         default: "unlimited",

@@ -12,7 +12,8 @@
 //! - below the heap: `types` (Stream, DevicePtr), `sync` (the lock: std's,
 //!   which keeps no state outside its word), `fork` (the fork count, the
 //!   locks held across a fork, lists claimed without a lock), `log`,
-//!   `user_file` (writing a file to a path the user named),
+//!   `user_file` (writing a file to a path the user named), `proc_info`
+//!   (when a process started: a live pid from a reused one),
 //!   `size_class` (the bin math), `backend` (the only code that talks to a
 //!   driver), `error`, `tag`, `frames`, `pickle` (the
 //!   snapshot writer), `recording` (trace rows written live), `reclaim`
@@ -62,6 +63,7 @@ pub mod heap;
 mod log;
 mod page_map;
 pub mod pickle;
+mod proc_info;
 mod process;
 pub mod reclaim;
 pub mod recording;

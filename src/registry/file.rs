@@ -8,7 +8,9 @@ use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::format::{own_comm, process_start, Entry, FILE_BYTES, HEADER, MAGIC, OLD_SLOTS, SLOT, SLOTS, VERSION};
+use crate::proc_info::process_start;
+
+use super::format::{own_comm, Entry, FILE_BYTES, HEADER, MAGIC, OLD_SLOTS, SLOT, SLOTS, VERSION};
 
 /// How long to wait for the registry's lock before giving up this time.
 pub(super) const LOCK_WAIT: Duration = Duration::from_millis(50);

@@ -17,6 +17,8 @@ use std::io::ErrorKind;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use crate::proc_info::is_running;
+
 pub(super) const MAGIC: &[u8; 8] = b"TIDEPOOL";
 pub const VERSION: u32 = 3;
 pub const SLOTS: usize = 64;
@@ -160,7 +162,7 @@ impl Entry {
     /// and started when the slot says (not a reused pid, not a forgery
     /// naming another process).
     pub fn is_live(&self) -> bool {
-        self.pid != 0 && process_start(self.pid) == Some(self.start_ticks)
+        is_running(self.pid, self.start_ticks)
     }
 
     /// The process name as text, safe to print: invalid UTF-8 replaced,
@@ -229,16 +231,6 @@ pub fn printable(text: &str) -> String {
         }
     }
     out
-}
-
-/// When process `pid` started, in clock ticks after boot (field 22 of
-/// /proc/PID/stat); None when there is no such process.
-pub fn process_start(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The name (field 2) is in parentheses and may hold spaces and ")":
-    // the fields after it start at the last ")".
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// Whether `key` is a device key as tidepool names registries (`scan`

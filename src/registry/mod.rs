@@ -36,6 +36,7 @@ mod scan;
 #[cfg(test)]
 mod tests;
 
+pub use crate::proc_info::process_start;
 pub use file::{default_dir, Asked, Registry, RegistryError, REQUEST_FRESH_MS};
-pub use format::{is_device_key, printable, process_start, write_file, Entry, FILE_BYTES, SLOTS, VERSION};
+pub use format::{is_device_key, printable, write_file, Entry, FILE_BYTES, SLOTS, VERSION};
 pub use scan::{scan, slot_pids, DeviceRegistry, Scan, ScanError, MAX_FILES};

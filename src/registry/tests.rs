@@ -6,6 +6,8 @@ use std::os::unix::fs::{DirBuilderExt, FileExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::proc_info::process_start;
+
 use super::file::*;
 use super::format::*;
 use super::scan::*;

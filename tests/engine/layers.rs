@@ -34,6 +34,7 @@ const UNITS: &[Unit] = &[
             "page_map",
             "log",
             "user_file",
+            "proc_info",
             "size_class",
             "backend",
             "error",

@@ -9,5 +9,6 @@ mod common;
 
 mod cooperation;
 mod fork;
+mod shared_capacity;
 mod soak;
 mod tags_devices;

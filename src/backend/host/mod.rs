@@ -8,8 +8,7 @@
 //!
 //! With a shared capacity file (`host_shared`), the capacity is counted
 //! across every process that names the same file, as several processes
-//! share one GPU: the file holds the bytes in use per device, updated under
-//! an exclusive file lock.
+//! share one GPU, each process's share given back when it ends (`shared.rs`).
 //!
 //! Virtual memory, for expandable segments: a range is reserved with an
 //! inaccessible `PROT_NONE` mapping, pages are committed by mapping fresh
@@ -33,14 +32,15 @@
 //! `HostBuffer` is the host memory every backend without pinned memory
 //! hands out for offloads: an anonymous mapping, zero pages until written.
 
-use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+mod shared;
+
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::sync::Mutex;
 
+use self::shared::SharedCapacity;
 use super::{Backend, BackendError, HostMemory, HostRegion, MemInfo};
 use crate::page_map::PageMap;
 use crate::types::Stream;
@@ -125,43 +125,6 @@ impl Faults {
 struct HostDevice {
     capacity: u64,
     used: AtomicU64,
-}
-
-/// Bytes in use per device, counted across processes in one file.
-struct SharedCapacity {
-    path: PathBuf,
-    file: File,
-}
-
-impl SharedCapacity {
-    fn open(path: &Path) -> std::io::Result<SharedCapacity> {
-        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(path)?;
-        Ok(SharedCapacity { path: path.to_path_buf(), file })
-    }
-
-    fn used(&self, device: usize) -> std::io::Result<u64> {
-        let mut bytes = [0u8; 8];
-        match self.file.read_exact_at(&mut bytes, 8 * device as u64) {
-            Ok(()) => Ok(u64::from_le_bytes(bytes)),
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(0),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Adds `delta` to the device's use if the result stays within `capacity`.
-    fn update(&self, device: usize, delta: i128, capacity: u64) -> std::io::Result<bool> {
-        self.file.lock()?;
-        let result = (|| {
-            let used = self.used(device)? as i128 + delta;
-            if used < 0 || used > capacity as i128 {
-                return Ok(false);
-            }
-            self.file.write_all_at(&(used as u64).to_le_bytes(), 8 * device as u64)?;
-            Ok(true)
-        })();
-        self.file.unlock()?;
-        result
-    }
 }
 
 /// Simulated devices on host memory.
@@ -299,7 +262,7 @@ impl HostBackend {
 
     /// Devices whose capacity every process naming `path` shares.
     pub fn shared(devices: usize, capacity: u64, path: &Path) -> std::io::Result<HostBackend> {
-        Ok(HostBackend { shared: Some(SharedCapacity::open(path)?), ..HostBackend::new(devices, capacity) })
+        Ok(HostBackend { shared: Some(SharedCapacity::open(path, devices)?), ..HostBackend::new(devices, capacity) })
     }
 
     /// The failure and latency injection hooks.
@@ -398,7 +361,7 @@ impl HostBackend {
     fn claim(&self, device: usize, size: u64) -> bool {
         let dev = &self.devices[device];
         if let Some(shared) = &self.shared {
-            if !shared.update(device, size as i128, dev.capacity).unwrap_or(false) {
+            if !shared.charge(device, size as i128, dev.capacity).unwrap_or(false) {
                 return false;
             }
         }
@@ -415,7 +378,7 @@ impl HostBackend {
     /// Gives back a claim (of the shared count too, and of this process's when `local`).
     fn unclaim(&self, device: usize, size: u64, local: bool) {
         if let Some(shared) = &self.shared {
-            let _ = shared.update(device, -(size as i128), u64::MAX);
+            let _ = shared.charge(device, -(size as i128), u64::MAX);
         }
         if local {
             self.devices[device].used.fetch_sub(size, Ordering::SeqCst);
