@@ -13,7 +13,11 @@
 //! A registry that cannot be joined when the allocator starts (locked for
 //! a moment by another process, a folder being made) is joined at a later
 //! reclaimer pass, backing off up to `JOIN_BACKOFF_MAX`: until then this
-//! process neither publishes nor asks, and says so once.
+//! process neither publishes nor asks, and says so once. A registry that
+//! another tidepool rewrites to a format this one does not know, while
+//! this process is in it, is left at once, with a warning that names the
+//! file and what this process stops doing; it is joined again once the
+//! file is of this version (the newer processes gone, the file removed).
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -38,6 +42,8 @@ const JOIN_BACKOFF_MAX: Duration = Duration::from_millis(400);
 /// (`num_coop_*`, `coop_last_wait_ms`: added to the device's statistics).
 pub(crate) struct Cooperation {
     oom_wait: Duration,
+    /// How often this process publishes (its reclaim interval).
+    interval_ms: u64,
     /// The registry's folder and key.
     dir: PathBuf,
     key: String,
@@ -82,7 +88,13 @@ impl Cooperation {
         let dir = config.registry_dir.clone().unwrap_or_else(registry::default_dir);
         let backoff = Duration::from_millis(config.reclaim_interval_ms);
         let state = State { registry: None, next_join: Instant::now(), join_backoff: backoff, events: Events::default(), askers: 0 };
-        let cooperation = Cooperation { oom_wait: Duration::from_millis(config.oom_wait_ms), dir, key, state: Mutex::new(state) };
+        let cooperation = Cooperation {
+            oom_wait: Duration::from_millis(config.oom_wait_ms),
+            interval_ms: config.reclaim_interval_ms,
+            dir,
+            key,
+            state: Mutex::new(state),
+        };
         if let Err(err) = cooperation.join_again(&mut cooperation.state.lock()) {
             crate::log::warn_once(
                 "cooperation",
@@ -98,7 +110,7 @@ impl Cooperation {
         if state.registry.is_some() || Instant::now() < state.next_join {
             return Ok(());
         }
-        match Registry::join(&self.dir, &self.key) {
+        match Registry::join(&self.dir, &self.key, self.interval_ms) {
             Ok(registry) => {
                 state.registry = Some(registry);
                 Ok(())
@@ -108,6 +120,31 @@ impl Cooperation {
                 state.join_backoff = (state.join_backoff * 2).min(JOIN_BACKOFF_MAX);
                 Err(err)
             }
+        }
+    }
+
+    /// The value of a registry operation (`None`: not joined, or it
+    /// failed). A registry rewritten to a format this process does not
+    /// know is left, once, with a warning (see the top of this file);
+    /// other failures (a lock held too long) pass.
+    fn checked<T>(&self, state: &mut State, result: Option<Result<T, registry::RegistryError>>) -> Option<T> {
+        match result? {
+            Ok(value) => Some(value),
+            Err(err @ registry::RegistryError::Version { .. }) => {
+                crate::log::warn_once(
+                    "cooperation",
+                    &[format!(
+                        "{err}: another tidepool rewrote it; this process (registry version {}) stops writing to it, so it no \
+                         longer shows in tidepool top or the exporter and neither asks the other processes for memory nor \
+                         answers them, until the file is of its version again",
+                        registry::VERSION
+                    )],
+                );
+                state.registry = None;
+                state.next_join = Instant::now() + JOIN_BACKOFF_MAX;
+                None
+            }
+            Err(_) => None,
         }
     }
 
@@ -129,7 +166,8 @@ impl Cooperation {
         let asked = {
             let mut state = self.state.lock();
             let _ = self.join_again(&mut state);
-            state.registry.as_mut().map_or(0, |registry| registry.publish(entry).unwrap_or(0))
+            let published = state.registry.as_mut().map(|registry| registry.publish(entry));
+            self.checked(&mut state, published).unwrap_or(0)
         };
         if asked == 0 {
             return Released::default();
@@ -139,9 +177,8 @@ impl Cooperation {
         if answer.bytes > 0 || answer.segments > 0 {
             state.events.num_coop_served += 1;
         }
-        if let Some(registry) = state.registry.as_mut() {
-            let _ = registry.mark_answered();
-        }
+        let marked = state.registry.as_mut().map(Registry::mark_answered);
+        self.checked(&mut state, marked);
         answer
     }
 
@@ -157,7 +194,8 @@ impl Cooperation {
         }
         let asked = {
             let mut state = self.state.lock();
-            let asked = state.registry.as_mut()?.ask(need).ok()??;
+            let asked = state.registry.as_mut().map(|registry| registry.ask(need));
+            let asked = self.checked(&mut state, asked)??;
             state.events.num_coop_requests += 1;
             state.askers += 1;
             asked
@@ -168,7 +206,11 @@ impl Cooperation {
             std::thread::sleep(POLL);
             // Read before the retry: an answer seen here is in what the retry
             // finds. A registry that cannot be read counts as answered.
-            let answered = self.state.lock().registry.as_mut().is_none_or(|registry| registry.answered(&asked).unwrap_or(true));
+            let answered = {
+                let mut state = self.state.lock();
+                let answered = state.registry.as_mut().map(|registry| registry.answered(&asked));
+                self.checked(&mut state, answered).unwrap_or(true)
+            };
             match retry() {
                 Err(AllocError::OutOfMemory(_)) if !answered && start.elapsed() < self.oom_wait => continue,
                 other => break other,
@@ -197,12 +239,18 @@ mod tests {
     fn two_threads_asking_at_once_share_the_request_until_the_last_is_done() {
         let scratch = tempfile::Builder::new().prefix("tidepool-coop-askers-").tempdir().unwrap();
         let dir = scratch.path().join("registry");
-        let registry = Registry::join(&dir, "dev").unwrap();
+        let registry = Registry::join(&dir, "dev", 100).unwrap();
         // Another process's slot (the same pid: alive) with cache to give back.
-        let mut helper = Registry::join(&dir, "dev").unwrap();
+        let mut helper = Registry::join(&dir, "dev", 100).unwrap();
         helper.publish(Entry { cached_free: 1 << 20, ..Entry::default() }).unwrap();
         let state = State { registry: Some(registry), next_join: Instant::now(), join_backoff: POLL, events: Events::default(), askers: 0 };
-        let coop = Cooperation { oom_wait: Duration::from_secs(5), dir: dir.clone(), key: "dev".into(), state: Mutex::new(state) };
+        let coop = Cooperation {
+            oom_wait: Duration::from_secs(5),
+            interval_ms: 100,
+            dir: dir.clone(),
+            key: "dev".into(),
+            state: Mutex::new(state),
+        };
         let (a_waits, b_posted) = (mpsc::channel::<()>(), mpsc::channel::<()>());
         let (a_done, seen_after_a) = (mpsc::channel::<()>(), mpsc::channel::<u64>());
         std::thread::scope(|scope| {

@@ -14,13 +14,6 @@ use super::format::{own_comm, Entry, FILE_BYTES, HEADER, MAGIC, OLD_SLOTS, SLOT,
 
 /// How long to wait for the registry's lock before giving up this time.
 pub(super) const LOCK_WAIT: Duration = Duration::from_millis(50);
-/// A request counts only while its process showed life this recently: one
-/// that waits refreshes its heartbeat as it polls (`answered`), so a
-/// request left by a process stopped mid-wait (SIGSTOP, a frozen cgroup)
-/// stops making the others release their cache. A heartbeat ahead of the
-/// reader's clock (written before the wall clock stepped back) shows no
-/// life: a stopped asker's request does not outlive a step back.
-pub const REQUEST_FRESH_MS: u64 = 10_000;
 /// Why the registry could not be used (cooperation is then off for it).
 #[derive(Debug)]
 pub enum RegistryError {
@@ -70,7 +63,8 @@ fn io(operation: &'static str) -> impl Fn(std::io::Error) -> RegistryError {
     move |error| RegistryError::Io { operation, path: None, error }
 }
 
-pub(super) fn now_ms() -> u64 {
+/// The wall-clock time in milliseconds since the Unix epoch: what heartbeats are stamped with.
+pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
@@ -97,6 +91,8 @@ pub struct Registry {
     comm: [u8; 16],
     /// When this process started (`Entry::start_ticks`).
     start_ticks: u64,
+    /// How often this process publishes (`Entry::interval_ms`).
+    interval_ms: u64,
     /// The heartbeat of the last publication that saw a request (0: none
     /// since the last `mark_answered`).
     saw_request_ms: u64,
@@ -112,8 +108,9 @@ pub struct Asked {
 }
 
 impl Registry {
-    /// Opens (creating if needed) the registry of `key` in `dir` and claims a slot.
-    pub fn join(dir: &Path, key: &str) -> Result<Registry, RegistryError> {
+    /// Opens (creating if needed) the registry of `key` in `dir` and claims
+    /// a slot, for a process that publishes every `interval_ms`.
+    pub fn join(dir: &Path, key: &str, interval_ms: u64) -> Result<Registry, RegistryError> {
         let fail = |operation: &'static str, error| RegistryError::Io { operation, path: Some(dir.to_path_buf()), error };
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| fail("cannot create", e))?;
         // A directory made in advance by someone else (in /tmp, say) would
@@ -142,9 +139,8 @@ impl Registry {
         }
         let (pid, comm) = (std::process::id(), own_comm());
         let start_ticks = process_start(pid).unwrap_or(0);
-        let mut registry = Registry { file, path, slot: 0, pid, comm, start_ticks, saw_request_ms: 0 };
+        let mut registry = Registry { file, path, slot: 0, pid, comm, start_ticks, interval_ms, saw_request_ms: 0 };
         registry.with_lock(|r| {
-            r.heal()?;
             r.slot = r.free_slot()?;
             r.write_slot(r.slot, &r.own_entry(Entry { heartbeat_ms: now_ms(), ..Entry::default() }))
         })?;
@@ -162,21 +158,24 @@ impl Registry {
             .ok_or(RegistryError::Full)
     }
 
-    /// `entry` as this process's: its pid, name and start time.
+    /// `entry` as this process's: its pid, name, start time and interval.
     fn own_entry(&self, entry: Entry) -> Entry {
-        Entry { pid: self.pid, comm: self.comm, start_ticks: self.start_ticks, ..entry }
+        Entry { pid: self.pid, comm: self.comm, start_ticks: self.start_ticks, interval_ms: self.interval_ms, ..entry }
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Runs `f` under the registry's exclusive lock, waiting at most LOCK_WAIT.
+    /// Runs `f` under the registry's exclusive lock, waiting at most
+    /// LOCK_WAIT, on a file made whole and of this version first (`heal`):
+    /// a file another tidepool rewrote to a version this one does not know
+    /// is never written (`RegistryError::Version`).
     fn with_lock<T>(&mut self, f: impl FnOnce(&mut Registry) -> Result<T, RegistryError>) -> Result<T, RegistryError> {
         if !lock_within(&self.file, LOCK_WAIT, false) {
             return Err(RegistryError::Locked);
         }
-        let result = f(self);
+        let result = self.heal().and_then(|()| f(self));
         let _ = self.file.unlock();
         result
     }
@@ -256,7 +255,6 @@ impl Registry {
     /// live processes are asking for.
     pub fn publish(&mut self, mut mine: Entry) -> Result<u64, RegistryError> {
         self.with_lock(|r| {
-            r.heal()?;
             match r.read_slot(r.slot) {
                 Some(previous) if previous.pid == r.pid => {
                     mine.request_bytes = previous.request_bytes;
@@ -279,12 +277,14 @@ impl Registry {
                 match r.read_slot(slot) {
                     Some(other) if other.pid == 0 => {}
                     Some(other) if other.is_live() => {
-                        // A heartbeat later than ours was written before the wall
-                        // clock stepped back (we hold the lock, so no writer is
-                        // newer): no life since, as far as this clock can tell. A
-                        // waiting asker refreshes it at its next poll.
-                        let since = mine.heartbeat_ms.checked_sub(other.heartbeat_ms);
-                        if since.is_some_and(|ms| ms <= REQUEST_FRESH_MS) {
+                        // A request counts only while its process beats: one
+                        // that waits refreshes its heartbeat as it polls
+                        // (`answered`), so a request left by a process stopped
+                        // mid-wait (SIGSTOP, a frozen cgroup) stops making the
+                        // others release their cache; so does one stamped
+                        // before the wall clock stepped back (it looks ahead
+                        // of ours, and we hold the lock: no writer is newer).
+                        if other.is_beating(mine.heartbeat_ms) {
                             asked = asked.saturating_add(other.request_bytes);
                         }
                     }
@@ -317,15 +317,18 @@ impl Registry {
         })
     }
 
-    /// Posts a request for `bytes`, if any other live slot shows memory it
-    /// could give back (cached free bytes: whole free segments, or free
-    /// pages of holes); `None`, and nothing posted, when no one can help.
+    /// Posts a request for `bytes`, if any other live slot that still beats
+    /// shows memory it could give back (cached free bytes: whole free
+    /// segments, or free pages of holes); `None`, and nothing posted, when
+    /// no one can help. A process stopped or hung, or a slot no tidepool
+    /// process writes, is not waited for.
     pub fn ask(&mut self, bytes: u64) -> Result<Option<Asked>, RegistryError> {
         self.with_lock(|r| {
+            let now = now_ms();
             let helpers: Vec<(usize, u32, u64)> = (0..SLOTS)
                 .filter(|&s| s != r.slot)
                 .filter_map(|s| r.read_slot(s).map(|e| (s, e)))
-                .filter(|(_, e)| e.pid != 0 && e.cached_free > 0 && e.is_live())
+                .filter(|(_, e)| e.pid != 0 && e.cached_free > 0 && e.is_beating(now) && e.is_live())
                 .map(|(s, e)| (s, e.pid, e.answered_ms))
                 .collect();
             if helpers.is_empty() {
@@ -338,7 +341,8 @@ impl Registry {
     }
 
     /// Whether every helper of `asked` has answered it (a publication
-    /// after the request, its cache given back since) or is gone. An answer
+    /// after the request, its cache given back since), is gone or has
+    /// stopped beating (stopped or hung since it was asked). An answer
     /// is a new stamp later than the request: a stamp left from before it
     /// never counts, even one that looks later because the wall clock
     /// stepped back since.
@@ -349,8 +353,11 @@ impl Registry {
                 mine.heartbeat_ms = now_ms();
                 r.write_slot(r.slot, &mine)?;
             }
+            let now = now_ms();
             Ok(asked.helpers.iter().all(|&(slot, pid, before)| match r.read_slot(slot) {
-                Some(e) if e.pid == pid => (e.answered_ms != before && e.answered_ms > asked.posted_ms) || !e.is_live(),
+                Some(e) if e.pid == pid => {
+                    (e.answered_ms != before && e.answered_ms > asked.posted_ms) || !e.is_beating(now) || !e.is_live()
+                }
                 _ => true, // the slot was left or taken over: that process is gone
             }))
         })

@@ -3,14 +3,17 @@
 //! bytes, each an `Entry` with its checksum; the names registry files
 //! have; whether the process of a slot lives; reading a file whole.
 //!
-//! A slot, version 3: pid u32, device u32, the `U64_FIELDS` u64 figures of
+//! A slot, version 4: pid u32, device u32, the `U64_FIELDS` u64 figures of
 //! `Entry` in its order, the process name (16 bytes, NUL padded),
 //! `answered_ms` u64, the process's start time u64 (clock ticks after
 //! boot, as /proc/PID/stat gives it: a pid reused by another process does
-//! not match), and the FNV-1a checksum of everything before it. A slot
-//! whose pid is 0 is free. Older versions (1: 112-byte slots, 2: 192 bytes
-//! without the start time) are refused while one of their processes lives
-//! and rewritten once none does.
+//! not match), the interval at which it publishes (ms, u64: a heartbeat
+//! older than a few of them shows a process that stopped, or a slot
+//! written by no tidepool process), and the FNV-1a checksum of everything
+//! before it. A slot whose pid is 0 is free. Older versions (1: 112-byte
+//! slots, 2: 192 bytes without the start time, 3: 200 bytes without the
+//! interval) are refused while one of their processes lives and rewritten
+//! once none does.
 
 use std::fs::File;
 use std::io::ErrorKind;
@@ -20,10 +23,10 @@ use std::path::Path;
 use crate::proc_info::is_running;
 
 pub(super) const MAGIC: &[u8; 8] = b"TIDEPOOL";
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 pub const SLOTS: usize = 64;
 pub(super) const HEADER: u64 = 16;
-pub(super) const SLOT: u64 = 200;
+pub(super) const SLOT: u64 = 208;
 /// The bytes of a whole registry file.
 pub const FILE_BYTES: u64 = HEADER + SLOT * SLOTS as u64;
 /// The u64 figures of a slot, after pid and device.
@@ -31,10 +34,16 @@ pub(super) const U64_FIELDS: usize = 19;
 pub(super) const COMM_AT: usize = 8 + 8 * U64_FIELDS;
 pub(super) const ANSWERED_AT: usize = COMM_AT + 16;
 pub(super) const START_AT: usize = ANSWERED_AT + 8;
+pub(super) const INTERVAL_AT: usize = START_AT + 8;
 pub(super) const CHECKSUM_AT: usize = SLOT as usize - 8;
 /// The slot size of each older version, to tell whether an old file is
 /// still in use (a slot's pid comes first in every version).
-pub(super) const OLD_SLOTS: [(u32, u64); 2] = [(1, 112), (2, 192)];
+pub(super) const OLD_SLOTS: [(u32, u64); 3] = [(1, 112), (2, 192), (3, 200)];
+/// A heartbeat counts as life for this many of its process's intervals
+/// (`Entry::is_beating`), plus `BEAT_SLACK_MS`: a reclaimer pass that runs
+/// late (a release under way) is not taken for a stopped process.
+pub const BEATS_MISSED: u64 = 3;
+pub const BEAT_SLACK_MS: u64 = 100;
 /// One process's entry, as published.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Entry {
@@ -73,6 +82,9 @@ pub struct Entry {
     /// When the process started (clock ticks after boot, /proc/PID/stat):
     /// with the pid, which process this is.
     pub start_ticks: u64,
+    /// How often the process publishes (its reclaim interval, ms): the
+    /// most its heartbeat may age between two publications.
+    pub interval_ms: u64,
 }
 
 /// FNV-1a, 64 bits: the slot checksum.
@@ -116,6 +128,7 @@ impl Entry {
         out[COMM_AT..COMM_AT + 16].copy_from_slice(&self.comm);
         out[ANSWERED_AT..ANSWERED_AT + 8].copy_from_slice(&self.answered_ms.to_le_bytes());
         out[START_AT..START_AT + 8].copy_from_slice(&self.start_ticks.to_le_bytes());
+        out[INTERVAL_AT..INTERVAL_AT + 8].copy_from_slice(&self.interval_ms.to_le_bytes());
         let sum = fnv1a(&out[..CHECKSUM_AT]);
         out[CHECKSUM_AT..].copy_from_slice(&sum.to_le_bytes());
         out
@@ -155,6 +168,7 @@ impl Entry {
             comm: raw[COMM_AT..COMM_AT + 16].try_into().expect("16 bytes"),
             answered_ms: u64_at(ANSWERED_AT),
             start_ticks: u64_at(START_AT),
+            interval_ms: u64_at(INTERVAL_AT),
         })
     }
 
@@ -163,6 +177,18 @@ impl Entry {
     /// naming another process).
     pub fn is_live(&self) -> bool {
         is_running(self.pid, self.start_ticks)
+    }
+
+    /// Whether the process published recently enough to be running, at
+    /// wall-clock time `now_ms`: its heartbeat is at most `BEATS_MISSED` of
+    /// its intervals (10 ms to 60 s) and `BEAT_SLACK_MS` old. A process
+    /// stopped (SIGSTOP, a frozen container), hung, or a slot written by no
+    /// tidepool process stops beating; so does a heartbeat ahead of the
+    /// clock (written before the wall clock stepped back), until its
+    /// process publishes again.
+    pub fn is_beating(&self, now_ms: u64) -> bool {
+        let interval = self.interval_ms.clamp(10, 60_000);
+        now_ms.checked_sub(self.heartbeat_ms).is_some_and(|age| age <= BEATS_MISSED * interval + BEAT_SLACK_MS)
     }
 
     /// The process name as text, safe to print: invalid UTF-8 replaced,

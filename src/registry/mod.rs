@@ -37,6 +37,6 @@ mod scan;
 mod tests;
 
 pub use crate::proc_info::process_start;
-pub use file::{default_dir, Asked, Registry, RegistryError, REQUEST_FRESH_MS};
-pub use format::{is_device_key, printable, write_file, Entry, FILE_BYTES, SLOTS, VERSION};
+pub use file::{default_dir, now_ms, Asked, Registry, RegistryError};
+pub use format::{is_device_key, printable, write_file, Entry, BEATS_MISSED, BEAT_SLACK_MS, FILE_BYTES, SLOTS, VERSION};
 pub use scan::{scan, slot_pids, DeviceRegistry, Scan, ScanError, MAX_FILES};

@@ -1,12 +1,13 @@
 //! Reading every registry of a folder without joining (`tidepool top`,
-//! the exporter): the live entries of each device, and what was skipped.
+//! the exporter): the live entries of each device (a running process's
+//! slot whose heartbeat beats), and what was skipped.
 
 use std::fs::OpenOptions;
 use std::io::ErrorKind;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use super::file::{lock_within, LOCK_WAIT};
+use super::file::{lock_within, now_ms, LOCK_WAIT};
 use super::format::{is_device_key, read_all_at, Entry, FILE_BYTES, HEADER, MAGIC, SLOT, SLOTS, VERSION};
 
 /// Registry files `scan` reads in one directory at most: the most
@@ -29,11 +30,21 @@ pub enum ScanError {
     Locked,
     /// Past `MAX_FILES` in one directory.
     TooMany,
+    /// A slot of a running pid whose heartbeat stopped (`Entry::is_beating`):
+    /// a process stopped or hung, or a slot no tidepool process writes.
+    Stale,
 }
 
 impl ScanError {
-    pub const ALL: [ScanError; 6] =
-        [ScanError::Unreadable, ScanError::Truncated, ScanError::Version, ScanError::Corrupt, ScanError::Locked, ScanError::TooMany];
+    pub const ALL: [ScanError; 7] = [
+        ScanError::Unreadable,
+        ScanError::Truncated,
+        ScanError::Version,
+        ScanError::Corrupt,
+        ScanError::Locked,
+        ScanError::TooMany,
+        ScanError::Stale,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -43,6 +54,7 @@ impl ScanError {
             ScanError::Corrupt => "corrupt",
             ScanError::Locked => "locked",
             ScanError::TooMany => "too_many",
+            ScanError::Stale => "stale",
         }
     }
 }
@@ -53,7 +65,7 @@ pub struct DeviceRegistry {
     pub path: PathBuf,
     /// The device's key: the file name without `.registry`.
     pub key: String,
-    /// The entries of live processes.
+    /// The entries of running processes whose heartbeat beats.
     pub entries: Vec<Entry>,
 }
 
@@ -103,8 +115,9 @@ pub fn scan(dir: &Path) -> Scan {
     files.sort_by(|a, b| a.1.cmp(&b.1));
     for (_, path) in files {
         match read_registry(&path) {
-            Ok((entries, corrupt)) => {
+            Ok((entries, corrupt, stale)) => {
                 out.errors.extend(std::iter::repeat_n((path.clone(), ScanError::Corrupt), corrupt));
+                out.errors.extend(std::iter::repeat_n((path.clone(), ScanError::Stale), stale));
                 let key = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
                 out.registries.push(DeviceRegistry { path, key, entries });
             }
@@ -114,10 +127,14 @@ pub fn scan(dir: &Path) -> Scan {
     out
 }
 
-/// The live entries of one registry file and the count of corrupt slots.
-fn read_registry(path: &Path) -> Result<(Vec<Entry>, usize), ScanError> {
+/// The entries of one registry file whose processes run and beat, and the
+/// counts of corrupt slots and of stale ones (running, not beating). Dead
+/// processes' slots are nobody's: not counted.
+fn read_registry(path: &Path) -> Result<(Vec<Entry>, usize, usize), ScanError> {
     let (entries, corrupt) = read_slots(path)?;
-    Ok((entries.into_iter().filter(Entry::is_live).collect(), corrupt))
+    let now = now_ms();
+    let (beating, stale): (Vec<Entry>, Vec<Entry>) = entries.into_iter().filter(Entry::is_live).partition(|e| e.is_beating(now));
+    Ok((beating, corrupt, stale.len()))
 }
 
 /// The pid of every slot of the registry file at `path` that names a

@@ -36,7 +36,7 @@ fn make_private(dir: &Path) {
 #[test]
 fn counters_are_published_as_the_device_counts_them_reset_included() {
     let (_scratch, dir) = dir("counters");
-    let mut a = Registry::join(&dir, "dev").unwrap();
+    let mut a = Registry::join(&dir, "dev", 100).unwrap();
     let served = |a: &mut Registry| a.entries().unwrap().into_iter().find(|e| e.pid == a.pid).unwrap().requests_served;
     a.publish(Entry { requests_served: 5, ..Entry::default() }).unwrap();
     assert_eq!(served(&mut a), 5);
@@ -51,7 +51,7 @@ fn a_directory_others_can_use_is_refused() {
     let (_scratch, dir) = dir("shared");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let err = Registry::join(&dir, "dev").unwrap_err().to_string();
+    let err = Registry::join(&dir, "dev", 100).unwrap_err().to_string();
     assert!(err.contains("only this user") && err.contains("mode 777"), "{err}");
     assert!(!dir.join("dev.registry").exists(), "nothing was created in it");
     // A link to a private directory is not one either.
@@ -60,7 +60,7 @@ fn a_directory_others_can_use_is_refused() {
     let link = dir.with_extension("link");
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(&private, &link).unwrap();
-    assert!(Registry::join(&link, "dev").unwrap_err().to_string().contains("only this user"));
+    assert!(Registry::join(&link, "dev", 100).unwrap_err().to_string().contains("only this user"));
     for path in [&dir, &private] {
         let _ = std::fs::remove_dir_all(path);
     }
@@ -91,6 +91,7 @@ fn entries_round_trip_through_their_encoding() {
         comm,
         answered_ms: 22,
         start_ticks: 23,
+        interval_ms: 24,
     };
     assert_eq!(Entry::decode(&e.encode()), Some(e));
     assert_eq!(e.comm(), "python");
@@ -107,8 +108,8 @@ fn entries_round_trip_through_their_encoding() {
 #[test]
 fn a_request_is_seen_by_the_other_processes() {
     let (_scratch, dir) = dir("request");
-    let mut a = Registry::join(&dir, "dev").unwrap();
-    let mut b = Registry::join(&dir, "dev").unwrap();
+    let mut a = Registry::join(&dir, "dev", 100).unwrap();
+    let mut b = Registry::join(&dir, "dev", 100).unwrap();
     // Both slots belong to this pid here; slots differ.
     assert_ne!(a.slot, b.slot);
     a.request(100).unwrap();
@@ -123,8 +124,8 @@ fn a_request_is_seen_by_the_other_processes() {
 #[test]
 fn a_request_is_posted_only_when_someone_can_help_and_answered_once() {
     let (_scratch, dir) = dir("ask");
-    let mut a = Registry::join(&dir, "dev").unwrap();
-    let mut b = Registry::join(&dir, "dev").unwrap();
+    let mut a = Registry::join(&dir, "dev", 100).unwrap();
+    let mut b = Registry::join(&dir, "dev", 100).unwrap();
     b.publish(Entry { allocated: 5, ..Entry::default() }).unwrap();
     assert!(a.ask(100).unwrap().is_none(), "b holds no cache: nothing posted");
     assert_eq!(b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap(), 0);
@@ -149,8 +150,8 @@ fn a_request_is_posted_only_when_someone_can_help_and_answered_once() {
 #[test]
 fn an_answer_stamped_before_the_request_never_counts_even_after_the_clock_steps_back() {
     let (_scratch, dir) = dir("clock-step");
-    let mut a = Registry::join(&dir, "dev").unwrap();
-    let mut b = Registry::join(&dir, "dev").unwrap();
+    let mut a = Registry::join(&dir, "dev", 100).unwrap();
+    let mut b = Registry::join(&dir, "dev", 100).unwrap();
     b.publish(Entry { cached_free: 7, ..Entry::default() }).unwrap();
     // b answered an earlier request an hour "ahead": the wall clock has since stepped back.
     let mut slot = b.read_slot(b.slot).unwrap();
@@ -168,7 +169,7 @@ fn an_answer_stamped_before_the_request_never_counts_even_after_the_clock_steps_
 #[test]
 fn dead_processes_are_cleared() {
     let (_scratch, dir) = dir("dead");
-    let mut a = Registry::join(&dir, "dev").unwrap();
+    let mut a = Registry::join(&dir, "dev", 100).unwrap();
     // A slot of a process that no longer exists, asking for memory.
     let ghost = Entry { pid: u32::MAX - 1, request_bytes: 1 << 30, ..Entry::default() };
     a.write_slot(5, &ghost).unwrap();
@@ -182,7 +183,7 @@ fn dead_processes_are_cleared() {
 #[test]
 fn a_registry_locked_forever_by_another_process_does_not_hang() {
     let (_scratch, dir) = dir("locked");
-    let mut a = Registry::join(&dir, "dev").unwrap();
+    let mut a = Registry::join(&dir, "dev", 100).unwrap();
     let squatter = File::open(a.path()).unwrap();
     squatter.lock().unwrap();
     let start = Instant::now();
@@ -201,7 +202,7 @@ fn a_hostile_registry_is_refused_or_harmless() {
     // Random bytes: no header at all, so the file is rebuilt, whole.
     let path = dir.join("junk.registry");
     std::fs::write(&path, (0..5000u32).map(|i| (i * 7919 % 251) as u8).collect::<Vec<_>>()).unwrap();
-    let rebuilt = Registry::join(&dir, "junk").unwrap();
+    let rebuilt = Registry::join(&dir, "junk", 100).unwrap();
     assert_eq!(std::fs::metadata(&path).unwrap().len(), FILE_BYTES);
     assert_eq!(slot_pids(&path).unwrap(), [std::process::id()]);
     drop(rebuilt);
@@ -210,12 +211,20 @@ fn a_hostile_registry_is_refused_or_harmless() {
     bad.extend_from_slice(&99u32.to_le_bytes());
     bad.extend_from_slice(&64u32.to_le_bytes());
     std::fs::write(dir.join("v99.registry"), &bad).unwrap();
-    assert!(Registry::join(&dir, "v99").is_err());
+    assert!(Registry::join(&dir, "v99", 100).is_err());
     // Right header, huge counts and a live pid (ours) asking for everything:
     // the worst outcome is a request to release cache.
-    let mut a = Registry::join(&dir, "huge").unwrap();
+    let mut a = Registry::join(&dir, "huge", 100).unwrap();
     let (pid, start_ticks) = (std::process::id(), process_start(std::process::id()).unwrap());
-    let liar = Entry { pid, start_ticks, request_bytes: u64::MAX, reserved: u64::MAX, heartbeat_ms: now_ms(), ..Entry::default() };
+    let liar = Entry {
+        pid,
+        start_ticks,
+        request_bytes: u64::MAX,
+        reserved: u64::MAX,
+        heartbeat_ms: now_ms(),
+        interval_ms: 1000,
+        ..Entry::default()
+    };
     let others_publish = |a: &mut Registry, entry: &Entry| {
         for slot in (0..SLOTS).filter(|&slot| slot != a.slot) {
             a.write_slot(slot, entry).unwrap();
@@ -223,9 +232,9 @@ fn a_hostile_registry_is_refused_or_harmless() {
         a.publish(Entry::default()).unwrap()
     };
     assert_eq!(others_publish(&mut a, &liar), u64::MAX, "saturates, no overflow");
-    // The same requests from processes that showed no life for longer
-    // than REQUEST_FRESH_MS (stopped mid-wait): not honoured.
-    let stale = Entry { heartbeat_ms: now_ms() - REQUEST_FRESH_MS - 1000, ..liar };
+    // The same requests from processes that stopped beating (stopped
+    // mid-wait: no heartbeat for three of their intervals): not honoured.
+    let stale = Entry { heartbeat_ms: now_ms() - BEATS_MISSED * 1000 - BEAT_SLACK_MS - 50, ..liar };
     assert_eq!(others_publish(&mut a, &stale), 0);
     // Heartbeats from before the wall clock stepped back an hour look an
     // hour ahead: those requests are not honoured either.
@@ -241,7 +250,7 @@ fn a_hostile_registry_is_refused_or_harmless() {
 #[test]
 fn scan_reads_live_entries_and_names_every_file_it_skips() {
     let (_scratch, dir) = dir("scan");
-    let mut a = Registry::join(&dir, KEY).unwrap();
+    let mut a = Registry::join(&dir, KEY, 100).unwrap();
     a.publish(Entry { allocated: 5, reserved: 10, inactive_split: 2, ..Entry::default() }).unwrap();
     // A slot of ours with a damaged checksum is skipped and counted.
     let mut raw = Entry { pid: std::process::id(), reserved: 1, ..Entry::default() }.encode();
@@ -312,7 +321,7 @@ fn device_keys_are_the_names_tidepool_gives_registries() {
 #[test]
 fn ten_thousand_junk_files_hide_no_device_and_keep_the_scan_fast() {
     let (_scratch, dir) = dir("junk-files");
-    let mut a = Registry::join(&dir, KEY).unwrap();
+    let mut a = Registry::join(&dir, KEY, 100).unwrap();
     // Written long ago: older than the device's file, which its process rewrites.
     let old = std::time::SystemTime::now() - Duration::from_secs(3600);
     for i in 0..10_000u32 {
@@ -336,7 +345,7 @@ fn ten_thousand_junk_files_hide_no_device_and_keep_the_scan_fast() {
 #[test]
 fn a_slot_whose_pid_was_reused_or_forged_is_neither_shown_nor_kept() {
     let (_scratch, dir) = dir("forged");
-    let mut a = Registry::join(&dir, KEY).unwrap();
+    let mut a = Registry::join(&dir, KEY, 100).unwrap();
     let me = std::process::id();
     let start = process_start(me).unwrap();
     // A dead pid; this process's pid with another start time (a reused
@@ -355,8 +364,8 @@ fn a_slot_whose_pid_was_reused_or_forged_is_neither_shown_nor_kept() {
 #[test]
 fn a_damaged_file_is_rebuilt_by_its_next_writer_and_every_process_claims_its_slot_again() {
     let (_scratch, dir) = dir("heal");
-    let mut a = Registry::join(&dir, KEY).unwrap();
-    let mut b = Registry::join(&dir, KEY).unwrap();
+    let mut a = Registry::join(&dir, KEY, 100).unwrap();
+    let mut b = Registry::join(&dir, KEY, 100).unwrap();
     let publish_both = |a: &mut Registry, b: &mut Registry| {
         a.publish(Entry { allocated: 1, ..Entry::default() }).unwrap();
         b.publish(Entry { allocated: 2, ..Entry::default() }).unwrap();
@@ -402,11 +411,11 @@ fn an_older_version_is_taken_over_once_its_processes_are_gone() {
         // A live process (this one) in slot 3: refused.
         old[(HEADER + slot * 3) as usize..][..4].copy_from_slice(&std::process::id().to_le_bytes());
         std::fs::write(dir.join(format!("{KEY}.registry")), &old).unwrap();
-        assert!(Registry::join(&dir, KEY).unwrap_err().to_string().contains("not a version 3"), "version {version}");
+        assert!(Registry::join(&dir, KEY, 100).unwrap_err().to_string().contains("not a version 4"), "version {version}");
         // Only dead processes: rewritten as this version.
         old[(HEADER + slot * 3) as usize..][..4].copy_from_slice(&(u32::MAX - 1).to_le_bytes());
         std::fs::write(dir.join(format!("{KEY}.registry")), &old).unwrap();
-        let a = Registry::join(&dir, KEY).unwrap();
+        let a = Registry::join(&dir, KEY, 100).unwrap();
         assert_eq!(std::fs::metadata(a.path()).unwrap().len(), FILE_BYTES);
         assert_eq!(scan(&dir).registries[0].entries.len(), 1, "version {version}");
         drop(a);

@@ -380,7 +380,10 @@ fn busy_registry(dir: &Path, n: usize) -> Vec<Guard> {
             Entry {
                 pid: s.pid(),
                 start_ticks: registry::process_start(s.pid()).unwrap(),
-                heartbeat_ms: 1_700_000_000_000,
+                // A slot of a process that publishes every minute, just now:
+                // it beats (a heartbeat older than three intervals would not).
+                heartbeat_ms: registry::now_ms(),
+                interval_ms: 60_000,
                 reserved: (i as u64 + 2) * 100 * MIB,
                 allocated: (i as u64 + 1) * 100 * MIB,
                 cached_free: 100 * MIB,
@@ -458,6 +461,7 @@ fn two_allocators_in_one_process_are_one_series_with_their_figures_added() {
         pid: sleeper.pid(),
         start_ticks: registry::process_start(sleeper.pid()).unwrap(),
         heartbeat_ms,
+        interval_ms: 60_000,
         reserved: allocated + 10 * MIB,
         allocated,
         cached_free: 10 * MIB,
@@ -470,7 +474,9 @@ fn two_allocators_in_one_process_are_one_series_with_their_figures_added() {
         comm,
         ..Entry::default()
     };
-    let entries = [slot(100 * MIB, 8 * MIB, 1_700_000_000_000, 1), slot(300 * MIB, 6 * MIB, 1_700_000_005_000, 2)];
+    // Heartbeats of the last minute, in whole seconds (the metric is in seconds).
+    let latest = registry::now_ms() / 1000 * 1000;
+    let entries = [slot(100 * MIB, 8 * MIB, latest - 5000, 1), slot(300 * MIB, 6 * MIB, latest, 2)];
     registry::write_file(&dir.join(format!("cuda-{:032x}.registry", 0x77u128)), &entries).unwrap();
     let (_exporter, addr) = exporter(&[dir], &[]);
     let text = metrics(addr);
@@ -483,8 +489,8 @@ fn two_allocators_in_one_process_are_one_series_with_their_figures_added() {
     assert_eq!(sample(&text, "tidepool_fragmentation_ratio", &this), Some(4.0 / 420.0));
     assert_eq!(sample(&text, "tidepool_ooms_total", &this), Some(3.0));
     assert_eq!(sample(&text, "tidepool_released_bytes_total", &[this[0], ("reason", "cooperation")]), Some(12.0));
-    assert_eq!(sample(&text, "tidepool_last_publish_timestamp_seconds", &this), Some(1_700_000_005.0));
-    assert_eq!(sample(&text, "tidepool_device_free_bytes", &[]), Some(1_700_000_005_000.0), "as the latest publisher saw it");
+    assert_eq!(sample(&text, "tidepool_last_publish_timestamp_seconds", &this), Some((latest / 1000) as f64));
+    assert_eq!(sample(&text, "tidepool_device_free_bytes", &[]), Some(latest as f64), "as the latest publisher saw it");
     assert_eq!(sample(&text, "tidepool_processes", &[]), Some(1.0));
     if let Some(promtool) = tool("promtool") {
         promtool_check(&promtool, &text).unwrap_or_else(|problems| panic!("promtool check metrics:\n{problems}\n{text}"));

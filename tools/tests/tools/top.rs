@@ -60,7 +60,7 @@ fn top_lists_the_processes_of_the_registry() {
     assert!(me(&named).is_some(), "{named}");
     // A GPU's key is 40 characters ("GPU-" and its UUID): another device's registry of this process.
     let gpu_key = "GPU-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718";
-    let mut gpu = tidepool::registry::Registry::join(&dir.join("registry"), gpu_key).unwrap();
+    let mut gpu = tidepool::registry::Registry::join(&dir.join("registry"), gpu_key, 100).unwrap();
     gpu.publish(tidepool::registry::Entry { allocated: 3 * MIB, ..Default::default() }).unwrap();
     let table = top(&["--once"]);
     assert!(table.contains(&std::process::id().to_string()) && table.contains("5.00 MiB"), "{table}");
@@ -204,7 +204,7 @@ fn the_registry_heals_and_every_process_is_seen_and_cooperates_again() {
         processes.filter(|p| p["reserved_bytes"].as_u64() > Some(0)).map(|p| p["pid"].as_u64().unwrap() as u32).collect()
     };
     // This test is a fourth process: its request for memory is answered by the children.
-    let mut asker = Registry::join(&registries, &key).unwrap();
+    let mut asker = Registry::join(&registries, &key, 100).unwrap();
     let mut answered = || -> bool {
         let _ = asker.publish(Entry::default());
         let Ok(Some(asked)) = asker.ask(MIB) else { return false };
