@@ -72,7 +72,7 @@ pub fn run(args: Args) -> Result<(), String> {
             .ok()
             .and_then(|mut addrs| addrs.next())
             .ok_or_else(|| format!("exporter: --listen: expected ADDR:PORT or HOST:PORT, got {listen:?}"))?;
-        let listener = std::net::TcpListener::bind(addr).map_err(|e| format!("exporter: cannot listen on {addr}: {e}"))?;
+        let listener = exporter::serve::listen(addr).map_err(|e| format!("exporter: cannot listen on {addr}: {e}"))?;
         let bound = listener.local_addr().map_err(|e| e.to_string())?;
         if !bound.ip().is_loopback() {
             eprintln!("tidepool exporter: warning: serving on {bound}, beyond this machine: whoever reaches it sees process names and memory figures");
