@@ -163,13 +163,23 @@ fn number(value: &str) -> Result<u64, String> {
     value.trim().parse::<u64>().map_err(|_| format!("expected a non-negative integer, got {value:?}"))
 }
 
-/// `true` or `false`, in any case (PyTorch's settings write `True`).
+/// `true` or `on`, `false` or `off`, in any case (PyTorch's settings
+/// write `True`): the one set of spellings every flag takes.
 fn boolean(value: &str) -> Result<bool, String> {
     match value.trim() {
-        v if v.eq_ignore_ascii_case("true") => Ok(true),
-        v if v.eq_ignore_ascii_case("false") => Ok(false),
-        other => Err(format!("expected true or false, got {other:?}")),
+        v if v.eq_ignore_ascii_case("true") || v.eq_ignore_ascii_case("on") => Ok(true),
+        v if v.eq_ignore_ascii_case("false") || v.eq_ignore_ascii_case("off") => Ok(false),
+        other => Err(format!("expected true or false (on or off), got {other:?}")),
     }
+}
+
+/// Whether `value` is the word `word`, in any case. The words of "no
+/// value" (`off`, `none`) mean the same wherever one is taken; `unlimited`
+/// and `auto` are each their option's own.
+fn is_word(value: &str, word: &str) -> bool {
+    let value = value.trim();
+    let no_value = |w: &str| w.eq_ignore_ascii_case("off") || w.eq_ignore_ascii_case("none");
+    value.eq_ignore_ascii_case(word) || (no_value(word) && no_value(value))
 }
 
 fn scaled(value: &str, unit: u64) -> Result<u64, String> {
@@ -240,14 +250,19 @@ macro_rules! optional {
             key: $key,
             default: $default,
             help: $help,
-            apply: |c, v| Ok(c.$($field).+ = if v.trim() == $none { None } else { Some($parse(v)?) }),
+            apply: |c, v| Ok(c.$($field).+ = if is_word(v, $none) { None } else { Some($parse(v)?) }),
             show: |c| c.$($field).+.as_ref().map_or($none.into(), $show),
         }
     };
 }
 
+/// A path: not empty (an empty one would name nothing, and fail at the
+/// first use instead of here).
 fn path(value: &str) -> Result<std::path::PathBuf, String> {
-    Ok(value.trim().into())
+    match value.trim() {
+        "" => Err("expected a path, got nothing".into()),
+        path => Ok(path.into()),
+    }
 }
 
 fn show_path(path: &impl AsRef<std::path::Path>) -> String {
@@ -293,7 +308,7 @@ pub static OPTIONS: &[OptionSpec] = &[
         default: "2",
         help: "with expandable: the most one physical allocation of new pages holds, in MiB (at least 1; unlimited: one per run of pages a block needs); the driver takes memory back only by whole allocations, so the default, a 2 MiB page each, holds the least, and larger ones make fewer driver calls (8: a third of them, for 0.25 % more memory on the shared traces)",
         apply: |c, v| {
-            c.expandable_allocation = if v.trim() == "unlimited" { u64::MAX } else { at_least(scaled(v, MIB)?, 1, MIB)? };
+            c.expandable_allocation = if is_word(v, "unlimited") { u64::MAX } else { at_least(scaled(v, MIB)?, 1, MIB)? };
             Ok(())
         },
         show: |c| match c.expandable_allocation {
@@ -320,7 +335,7 @@ pub static OPTIONS: &[OptionSpec] = &[
         default: "unlimited",
         help: "blocks at least this large are never split and only serve requests within 20 MiB of their size (above 20 and above large_segment_mb and small_segment_mb; whole segments only: expandable segments split any block)",
         apply: |c, v| {
-            if v.trim() == "unlimited" {
+            if is_word(v, "unlimited") {
                 c.rules.max_split_size = u64::MAX;
                 return Ok(());
             }
@@ -401,6 +416,8 @@ impl Config {
     pub fn parse_bytes(text: &[u8]) -> (Config, Vec<String>) {
         let mut config = Config::default();
         let mut warnings = Vec::new();
+        // Each option's entries, in order: one given twice is named once.
+        let mut given: Vec<(&'static str, Vec<String>)> = Vec::new();
         for raw in text.split(|&byte| byte == b',') {
             let Ok(entry) = std::str::from_utf8(raw) else {
                 warnings.push(format!("ignoring {:?}: not UTF-8", String::from_utf8_lossy(raw).trim()));
@@ -416,9 +433,19 @@ impl Config {
             };
             let mut trial = config.clone();
             match apply(&mut trial, key.trim(), value) {
-                Ok(()) => config = trial,
+                Ok(spec) => {
+                    config = trial;
+                    match given.iter_mut().find(|(key, _)| *key == spec.key) {
+                        Some((_, values)) => values.push(value.trim().into()),
+                        None => given.push((spec.key, vec![value.trim().into()])),
+                    }
+                }
                 Err(err) => warnings.push(format!("ignoring {entry:?}: {err}")),
             }
+        }
+        for (key, values) in given.iter().filter(|(_, values)| values.len() > 1) {
+            let (last, earlier) = values.split_last().expect("two or more");
+            warnings.push(format!("{key} is given {} times: the last, {last:?}, is used ({earlier:?} not)", values.len()));
         }
         if let Err(msg) = config.rules.check() {
             warnings.push(format!("ignoring the size options: {msg}; using the defaults"));
@@ -458,10 +485,12 @@ impl Config {
 /// otherwise.
 const PYTORCH_NAMES: &[(&str, &str)] = &[("expandable_segments", "expandable")];
 
-fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError> {
+/// Sets the option `key` (or PyTorch's name for it) to `value`; its row.
+fn apply(config: &mut Config, key: &str, value: &str) -> Result<&'static OptionSpec, ConfigError> {
     let key = PYTORCH_NAMES.iter().find(|(pytorch, _)| *pytorch == key).map_or(key, |(_, ours)| ours);
     let spec = OPTIONS.iter().find(|o| o.key == key).ok_or_else(|| ConfigError::UnknownOption { key: key.into() })?;
-    (spec.apply)(config, value).map_err(|why| ConfigError::BadValue { key: key.into(), why })
+    (spec.apply)(config, value).map_err(|why| ConfigError::BadValue { key: key.into(), why })?;
+    Ok(spec)
 }
 
 /// Builds a configuration in code; every bad value is an error.
@@ -557,6 +586,51 @@ mod tests {
         assert!(warnings.is_empty() && c.expandable && !c.stash, "{warnings:?}");
         let (_, warnings) = Config::parse("expandable:yes");
         assert!(warnings[0].contains("expected true or false"), "{warnings:?}");
+    }
+
+    #[test]
+    fn on_off_none_and_unlimited_are_read_in_any_case_everywhere() {
+        let (c, warnings) = Config::parse(
+            "expandable:On,stash:OFF,cooperative:off,release_after_ms:NONE,max_reserved_mb:Unlimited,max_split_size_mb:UNLIMITED,\
+             expandable_allocation_mb:Unlimited,oom_snapshot:Off,registry_dir:AUTO,host_shared:None",
+        );
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert!(c.expandable && !c.stash && !c.cooperative);
+        assert_eq!((c.release_after_ms, c.max_reserved, c.oom_snapshot, c.registry_dir, c.host_shared), (None, None, None, None, None));
+        assert_eq!((c.rules.max_split_size, c.expandable_allocation), (u64::MAX, u64::MAX));
+        // "off" and "none" say the same wherever one is taken; "unlimited" is not "off".
+        assert_eq!(Config::parse("release_after_ms:none").0.release_after_ms, None);
+        assert!(!Config::parse("max_reserved_mb:off").1.is_empty());
+    }
+
+    #[test]
+    fn an_empty_path_is_an_error_at_the_check_not_at_the_first_use() {
+        for key in ["host_shared", "registry_dir", "oom_snapshot"] {
+            for value in ["", "  "] {
+                let (c, warnings) = Config::parse(&format!("{key}:{value}"));
+                assert_eq!(c, Config::default(), "{key}");
+                assert!(warnings.len() == 1 && warnings[0].contains("expected a path, got nothing"), "{key}: {warnings:?}");
+            }
+            assert!(Config::builder().set(key, "").is_err());
+        }
+        for key in ["reclaim_interval_ms", "host_capacity_mb", "max_reserved_mb", "thread_cache_blocks"] {
+            assert!(!Config::parse(&format!("{key}:")).1.is_empty(), "{key}: an empty number");
+        }
+    }
+
+    #[test]
+    fn a_key_given_twice_is_named_once_and_the_last_is_used() {
+        let (c, warnings) = Config::parse("expandable:true,stash:false,expandable_segments:False,expandable:true,stash:false");
+        assert!(c.expandable && !c.stash);
+        assert_eq!(
+            warnings,
+            vec![
+                "expandable is given 3 times: the last, \"true\", is used ([\"true\", \"False\"] not)".to_string(),
+                "stash is given 2 times: the last, \"false\", is used ([\"false\"] not)".to_string(),
+            ]
+        );
+        // In code, a later value overrides, as `set` does.
+        assert!(Config::builder().conf("stash:false,stash:true").unwrap().build().unwrap().stash);
     }
 
     #[test]

@@ -129,6 +129,12 @@ static void bad_input(void) {
     /* A byte that is not UTF-8 costs its entry only. */
     CHECK(tidepool_check_conf("backend:host,x:\xff,stash:false", problems, sizeof problems) == 1, "%s", problems);
     CHECK(strstr(problems, "not UTF-8") != NULL, "%s", problems);
+    /* Checked as it will be used: an empty path is a problem now, not a
+     * NULL from every allocation later; a key given twice is named. */
+    CHECK(tidepool_check_conf("host_shared:,registry_dir: ", problems, sizeof problems) == 2, "%s", problems);
+    CHECK(strstr(problems, "expected a path, got nothing") != NULL, "%s", problems);
+    CHECK(tidepool_check_conf("stash:off,stash:ON,release_after_ms:None", problems, sizeof problems) == 1, "%s", problems);
+    CHECK(strstr(problems, "stash is given 2 times") != NULL, "%s", problems);
 }
 
 static void segments_and_streams(void) {

@@ -49,13 +49,18 @@ TIDEPOOL_CONF=\"max_split_size_mb:256,roundup_power2_divisions:4\"
 ```
 
 An unknown key or a bad value prints a warning on stderr and keeps the
-default; it never stops the process. True and false are read in any case,
-and PyTorch's `expandable_segments` is `expandable`, so a
+default; it never stops the process. A key given twice is named in one
+warning, and its last value is used. Every word is read in any case:
+`true` or `on`, `false` or `off` for a flag; `off` and `none` alike where
+an option takes one of them (no value); `unlimited` and `auto` where the
+option says so. An empty value where a number or a path is needed is a
+bad value. PyTorch's `expandable_segments` is `expandable`, so a
 `PYTORCH_CUDA_ALLOC_CONF` of `expandable_segments:True` means the same
 here. `tidepool_check_conf` (C) and `tidepool.install(conf)` (Python)
-check a string before anything starts. In code, `Config::builder()` takes
-the same keys (`.set(key, value)`, `.conf(\"k:v,...\")`) and rejects bad
-values with an error. `tidepool config` prints every option with its
+check a string before anything starts, as it will be used: each warning
+is a problem there. In code, `Config::builder()` takes
+the same keys (`.set(key, value)`, `.conf(\"k:v,...\")`; a key set again
+overrides) and rejects bad values with an error. `tidepool config` prints every option with its
 default and the value the current environment gives it.
 
 ";
