@@ -33,7 +33,7 @@ extern "C" {
 
 #define TIDEPOOL_PAUSE_OFFLOAD 1 /* tidepool_pause: keep the contents in host memory */
 
-#define TIDEPOOL_STATS_VERSION 5
+#define TIDEPOOL_STATS_VERSION 6
 #define TIDEPOOL_TAG_STATS_VERSION 1
 
 /* One gauge, as torch.cuda.memory_stats reports it. */
@@ -77,7 +77,8 @@ typedef struct tidepool_stats {
     uint64_t num_ooms;
     uint64_t num_invalid_frees;
     uint64_t num_size_mismatches;
-    uint64_t reserved_limit_bytes; /* 0: no limit */
+    uint64_t reserved_limit_bytes; /* the cap on reserved bytes when has_reserved_limit
+                                    * is 1 (a cap of 0 included), else 0 */
     /* torch.cuda.memory_stats' gauges, in this order: allocation, segment,
      * active, inactive_split, allocated_bytes, reserved_bytes, active_bytes,
      * inactive_split_bytes, requested_bytes. */
@@ -111,6 +112,10 @@ typedef struct tidepool_stats {
     uint64_t coop_last_wait_ms;
     uint64_t num_stream_sync_errors;
     uint64_t num_cross_stream_reuses;
+    /* Version 6: 1 when reserved_limit_bytes is a limit (max_reserved_mb or
+     * tidepool_set_memory_fraction, whose fraction 0 makes a limit of 0 B),
+     * 0 when the device has none. */
+    uint64_t has_reserved_limit;
 } tidepool_stats;
 
 /* What one tag holds on one device (tidepool_get_tag_stats). Versioned as

@@ -41,6 +41,7 @@ fn c_stats(s: &Stats, reserved_limit: Option<u64>) -> tidepool_stats {
         num_allocs: s.num_allocs,
         num_frees: s.num_frees,
         reserved_limit_bytes: reserved_limit.unwrap_or(0),
+        has_reserved_limit: reserved_limit.is_some() as u64,
         gauges,
         released_idle_decay_bytes: s.released(Reason::IdleDecay).bytes,
         released_budget_bytes: s.released(Reason::Budget).bytes,

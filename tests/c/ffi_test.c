@@ -66,6 +66,11 @@ static void basic_use(void) {
     CHECK(v4.coop_last_wait_ms == 0xEEEEEEEEEEEEEEEEull && v4.num_cross_stream_reuses == 0xEEEEEEEEEEEEEEEEull,
           "version 5's fields not written for a version 4 caller");
     CHECK(s.num_stream_sync_errors == 0 && s.num_cross_stream_reuses == 0 && s.coop_last_wait_ms == 0, "version 5 counters");
+    /* One built against version 5 (up to num_cross_stream_reuses) gets no version 6 field. */
+    tidepool_stats v5;
+    memset(&v5, 0xEE, sizeof v5);
+    v5.size = (uint32_t)offsetof(tidepool_stats, has_reserved_limit);
+    CHECK(tidepool_get_stats(0, &v5) == TIDEPOOL_OK && v5.size == 1176 && v5.has_reserved_limit == 0xEEEEEEEEEEEEEEEEull, "v5 caller");
 }
 
 static void bad_input(void) {
@@ -111,11 +116,19 @@ static void bad_input(void) {
     /* Memory fraction. */
     tidepool_set_memory_fraction(2.0, 0);
     CHECK(strstr(last_error(), "between 0 and 1") != NULL, "fraction 2: %s", last_error());
+    CHECK(stats_of(0).has_reserved_limit == 0 && stats_of(0).reserved_limit_bytes == 0, "no limit");
     tidepool_set_memory_fraction(0.5, 0);
     CHECK(stats_of(0).reserved_limit_bytes == 2048 * MIB, "limit %llu", (unsigned long long)stats_of(0).reserved_limit_bytes);
+    CHECK(stats_of(0).has_reserved_limit == 1, "a limit");
     CHECK(tidepool_malloc(3000 * MIB, 0, NULL) == NULL, "over the memory fraction");
+    /* A fraction of 0 (or one too small for a byte) is a limit of 0 B, not none. */
+    for (int i = 0; i < 2; i++) {
+        tidepool_set_memory_fraction(i == 0 ? 0.0 : 1e-300, 0);
+        CHECK(stats_of(0).has_reserved_limit == 1 && stats_of(0).reserved_limit_bytes == 0, "a limit of 0 B");
+        CHECK(tidepool_malloc(4096, 0, NULL) == NULL && strstr(last_error(), "at most 0 B") != NULL, "%s", last_error());
+    }
     tidepool_set_memory_fraction(1.0, 0);
-    CHECK(stats_of(0).reserved_limit_bytes == 0, "limit lifted");
+    CHECK(stats_of(0).reserved_limit_bytes == 0 && stats_of(0).has_reserved_limit == 0, "limit lifted");
     /* Last error: length query and truncation. */
     size_t len = tidepool_last_error(NULL, 0);
     char tiny[8];

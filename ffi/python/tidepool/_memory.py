@@ -37,7 +37,9 @@ def memory_stats_as_nested_dict(device=None):
         "external_fragmentation": fragmentation,
         "num_allocs": s.num_allocs,
         "num_frees": s.num_frees,
+        # A limit only when has_reserved_limit is 1 (a limit of 0 B included).
         "reserved_limit_bytes": s.reserved_limit_bytes,
+        "has_reserved_limit": s.has_reserved_limit,
         "released_bytes": {reason: getattr(s, f"released_{reason}_bytes") for reason in _native.RELEASE_REASONS},
     }
     # Every event counter, PyTorch's at the top, tidepool's under "tidepool".

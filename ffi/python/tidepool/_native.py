@@ -49,7 +49,7 @@ ERR_IO = 4
 ERR_TAG_STATE = 5
 ERR_OUT_OF_MEMORY = 6
 PAUSE_OFFLOAD = 1
-STATS_VERSION = 5
+STATS_VERSION = 6
 TAG_STATS_VERSION = 1
 
 
@@ -108,6 +108,7 @@ class Stats(ctypes.Structure):
             "coop_last_wait_ms",
             "num_stream_sync_errors",
             "num_cross_stream_reuses",
+            "has_reserved_limit",
         )
     ]
 
