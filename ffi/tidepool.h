@@ -251,7 +251,8 @@ int tidepool_check_conf(const char* conf, char* buf, size_t len);
 
 /* Sets the calling thread's tag for its later allocations (NULL:
  * "default"). Returns TIDEPOOL_OK or TIDEPOOL_ERR_INVALID_ARGUMENT (empty,
- * longer than 63 bytes, not UTF-8). */
+ * longer than 63 bytes, not UTF-8, or a new name past the 1,024 a process
+ * may use, "default" included). */
 int tidepool_set_tag(const char* tag);
 
 /* Waits for the work queued on the streams that used tag's blocks, then

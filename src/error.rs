@@ -46,6 +46,8 @@ pub enum InvalidArgument {
     TagTooLong { start: String, len: usize, max: usize },
     /// A tag name holding a NUL byte.
     TagWithNul { tag: String },
+    /// A new tag name when the process already has `max` ("default" included).
+    TooManyTags { tag: String, max: usize },
     /// Tags map pages into reserved ranges; the backend cannot.
     TagsNeedVirtualMemory { backend: &'static str },
     /// A buffer of more bytes than the address space has.
@@ -76,6 +78,12 @@ impl fmt::Display for InvalidArgument {
             InvalidArgument::EmptyTag => f.write_str("a tag cannot be empty (use \"default\", or NULL in C)"),
             InvalidArgument::TagTooLong { start, len, max } => write!(f, "tag {start:?}... is {len} bytes long; a tag has at most {max}"),
             InvalidArgument::TagWithNul { tag } => write!(f, "tag {tag:?} contains a NUL byte"),
+            InvalidArgument::TooManyTags { tag, max } => write!(
+                f,
+                "tag {tag:?} would be a new name past the {max} a process may use (\"default\" included): a tag names \
+                 a kind of memory to pause and resume together (weights, KV cache), and each name keeps its pools \
+                 for the life of the process"
+            ),
             InvalidArgument::TagsNeedVirtualMemory { backend } => {
                 write!(f, "tags need virtual memory (reserved ranges mapped page by page); the {backend} backend has none")
             }

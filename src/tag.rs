@@ -11,7 +11,13 @@
 //! Invariants:
 //! - id 0 is "default"; id n names the n-th name interned, for the life of
 //!   the process (names are never forgotten, so an id never changes meaning);
-//! - a name is 1 to `MAX_TAG_LEN` bytes of UTF-8 with no NUL.
+//! - a name is 1 to `MAX_TAG_LEN` bytes of UTF-8 with no NUL;
+//! - a process has at most `MAX_TAGS` names, "default" included: a new one
+//!   past it is refused with an error that says why. Each name keeps its
+//!   pools (about 16 KiB of records per stream it allocated on) for the
+//!   life of the process; the memory of an empty tag goes back as any
+//!   cache does (`empty_cache`, idle release): 1,023 tags of one small
+//!   block each cost 17 MiB of records (docs/sleep-and-wake.md).
 #![forbid(unsafe_code)]
 
 use std::cell::Cell;
@@ -24,6 +30,9 @@ use crate::error::{AllocError, InvalidArgument};
 
 /// The longest tag name, in bytes (the C ABI's limit: 63 plus the NUL).
 pub const MAX_TAG_LEN: usize = 63;
+
+/// The most tag names one process may use, "default" included.
+pub const MAX_TAGS: usize = 1024;
 
 /// The tag of allocations made outside any region.
 pub const DEFAULT_TAG: &str = "default";
@@ -74,13 +83,16 @@ fn with_names<R>(f: impl FnOnce(&mut Vec<Arc<str>>) -> R) -> R {
 /// The id of `name`, interning it if it is new.
 pub fn intern(name: &str) -> Result<TagId, AllocError> {
     check_name(name)?;
-    Ok(with_names(|names| match names.iter().position(|n| &**n == name) {
-        Some(id) => TagId(id as u32),
+    with_names(|names| match names.iter().position(|n| &**n == name) {
+        Some(id) => Ok(TagId(id as u32)),
+        None if names.len() >= MAX_TAGS => {
+            Err(AllocError::InvalidArgument(InvalidArgument::TooManyTags { tag: name.into(), max: MAX_TAGS }))
+        }
         None => {
             names.push(Arc::from(name));
-            TagId(names.len() as u32 - 1)
+            Ok(TagId(names.len() as u32 - 1))
         }
-    }))
+    })
 }
 
 /// The id of `name` if some thread of this process ever used it.

@@ -636,3 +636,60 @@ fn a_pause_that_cannot_wait_for_a_freed_blocks_other_streams_fails_and_unmaps_no
     assert_eq!(heap.tag_stats(tag).reserved_bytes, reserved, "nothing unmapped");
     heap.validate().unwrap();
 }
+
+/// The size (`VmSize`) and resident memory (`VmRSS`) of this process, in KiB.
+fn memory_kib() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let field = |name: &str| {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap()
+    };
+    (field("VmSize:"), field("VmRSS:"))
+}
+
+#[test]
+fn ten_thousand_tag_names_stop_at_the_bound_with_a_clear_error_and_cost_a_bounded_memory() {
+    // Tag names are the process's: in a process of its own.
+    let (ok, text) = common::child_output(&mut common::child_command("child_ten_thousand_tags"));
+    assert!(ok, "{text}");
+}
+
+#[test]
+#[ignore = "child process: run by ten_thousand_tag_names_stop_at_the_bound_with_a_clear_error_and_cost_a_bounded_memory"]
+fn child_ten_thousand_tags() {
+    common::child_only();
+    let (alloc, _) = host_allocator(1, 64 << 30, "");
+    let (start_size, start_rss) = memory_kib();
+    let mut blocks = Vec::new();
+    let mut refused = 0;
+    for i in 0..10_000 {
+        let name = format!("tag-{i}");
+        match region(&name) {
+            Ok(_region) => blocks.push(alloc.allocate(0, 512, S).unwrap()),
+            Err(AllocError::InvalidArgument(err)) => {
+                refused += 1;
+                assert!(err.to_string().contains("past the 1024 a process may use"), "{err}");
+            }
+            Err(other) => panic!("{other}"),
+        }
+    }
+    // "default" and 1,023 others; every name past them refused, nothing else broken.
+    assert_eq!((blocks.len(), refused), (tidepool::tag::MAX_TAGS - 1, 10_000 - 1023));
+    assert!(region("tag-7").is_ok() && alloc.allocate(0, 512, S).is_ok_and(|p| alloc.free(0, p).is_ok()), "a known name still works");
+    let (size, rss) = memory_kib();
+    eprintln!(
+        "1,023 tags of one 512 B block each: {} KiB resident ({} KiB a tag), {} GiB of address space",
+        rss - start_rss,
+        (rss - start_rss) / 1023,
+        (size - start_size) >> 20
+    );
+    // Records, about 16 KiB a tag; 1 GiB of address space a tag while it holds memory.
+    assert!(rss - start_rss < 40 << 10, "resident memory grew by {} KiB", rss - start_rss);
+    for p in blocks {
+        alloc.free(0, p).unwrap();
+    }
+    alloc.empty_cache();
+    let (size, _) = memory_kib();
+    assert!(size - start_size < 512 << 10, "{} MiB of address space left after empty_cache", (size - start_size) >> 10);
+    alloc.validate().unwrap();
+}
