@@ -700,7 +700,11 @@ fn listen_overflows() -> u64 {
     at.and_then(|i| values.split_whitespace().nth(i)).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
+/// A load test: it measures time with four threads flooding the machine,
+/// so it runs alone, after the suite (`.ci/run`); beside the suite's other
+/// tests on two cores it would measure them.
 #[test]
+#[ignore = "a load test, run alone after the suite by .ci/run"]
 fn a_flood_of_connects_and_partial_requests_fails_no_scrape_and_delays_none_past_100_ms() {
     let scratch = common::scratch_dir("exporter-flood");
     let dir = scratch.path();
