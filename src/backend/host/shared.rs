@@ -19,7 +19,7 @@
 //! refused.
 
 use std::fs::File;
-use std::io::{self, ErrorKind};
+use std::io::{self, ErrorKind, Read, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -111,9 +111,9 @@ impl SharedCapacity {
             self.file.lock()?;
         }
         let result = (|| {
-            let mut table = vec![0u8; FILE_BYTES];
-            let read = read_at_most(&self.file, &mut table)?;
-            table.truncate(read);
+            let mut table = Vec::with_capacity(FILE_BYTES);
+            (&self.file).seek(SeekFrom::Start(0))?;
+            (&self.file).take(FILE_BYTES as u64).read_to_end(&mut table)?;
             f(&table)
         })();
         self.file.unlock()?;
@@ -180,20 +180,6 @@ impl SharedCapacity {
 /// The format version a table says it has.
 fn version(table: &[u8]) -> u32 {
     table.get(8..12).map_or(0, |v| u32::from_le_bytes(v.try_into().expect("4 bytes")))
-}
-
-/// Reads into `buf` from offset 0 until it is full or the file ends; the bytes read.
-fn read_at_most(file: &File, buf: &mut [u8]) -> io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], done as u64) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
 }
 
 #[cfg(test)]
