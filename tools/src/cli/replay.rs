@@ -177,6 +177,9 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
     row("device allocs", &|r| r.device_allocs.to_string(), None);
     row("device frees", &|r| r.device_frees.to_string(), None);
     row("driver calls", &|r| r.driver_calls.to_string(), None);
+    // The warm-up is the trace's, the same for every policy.
+    let steady = reports.first().map_or("", |r| r.warm_up.by.name());
+    row(&format!("  {steady}"), &|r| r.steady_driver_calls.to_string(), None);
     row("OOMs", &|r| r.ooms.to_string(), None);
     row("fragmentation (peak)", &|r| format!("{:.1} %", 100.0 * r.fragmentation()), None);
     row("replay speed", &|r| format!("{:.1} M ev/s", r.events_per_second() / 1e6), None);
@@ -201,6 +204,9 @@ fn report_json(r: &ReplayReport) -> serde_json::Value {
         "device_allocs": r.device_allocs,
         "device_frees": r.device_frees,
         "driver_calls": r.driver_calls,
+        "steady_driver_calls": r.steady_driver_calls,
+        "warm_up_events": r.warm_up.events,
+        "warm_up_ends": r.warm_up.by.name(),
         "ooms": r.ooms,
         "first_oom": r.first_oom.as_ref().map(|oom| serde_json::json!({ "event": oom.event, "message": oom.message })),
         "peak_inactive_split_bytes": r.peak_inactive_split_bytes,

@@ -85,7 +85,44 @@ pub struct Trace {
     pub pytorch_expandable_segments: bool,
     /// The out-of-memory errors PyTorch recorded (snapshots' `oom` entries).
     pub pytorch_ooms: Vec<RecordedOom>,
+    /// The points its recorder named, in order (`mark` rows of an RMM CSV:
+    /// the planner marks the end of each step).
+    pub marks: Vec<Mark>,
     pub warnings: Warnings,
+}
+
+/// A point of a trace its recorder named.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mark {
+    pub label: String,
+    /// The events before it.
+    pub event: usize,
+}
+
+/// Where a trace's warm-up ends, and how that was told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WarmUp {
+    /// The events of the warm-up: the steady state is every event after them.
+    pub events: usize,
+    pub by: WarmUpEnd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WarmUpEnd {
+    /// The end of the trace's second step, as its marks say (`step N`).
+    SecondStep,
+    /// The first event at which the trace's live bytes reach their peak
+    /// (a trace that marks no steps).
+    PeakLive,
+}
+
+impl WarmUpEnd {
+    pub fn name(self) -> &'static str {
+        match self {
+            WarmUpEnd::SecondStep => "after step 2",
+            WarmUpEnd::PeakLive => "after the peak of live bytes",
+        }
+    }
 }
 
 /// An allocation PyTorch could not serve, as its snapshot recorded it.
@@ -126,8 +163,44 @@ impl Trace {
             pytorch_conf: String::new(),
             pytorch_expandable_segments: false,
             pytorch_ooms: Vec::new(),
+            marks: Vec::new(),
             warnings: Warnings::default(),
         }
+    }
+
+    /// Names the point after the events so far.
+    pub fn mark(&mut self, label: impl Into<String>) {
+        self.marks.push(Mark { label: label.into(), event: self.events.len() });
+    }
+
+    /// Where the warm-up ends: after the second step where the trace marks
+    /// its steps (marks labelled `step N`, N a number: a step's end), else
+    /// at the first event at which its live bytes (of its busiest device)
+    /// reach their peak. The driver calls after it are the steady state's.
+    pub fn warm_up(&self) -> WarmUp {
+        let is_step_end = |m: &&Mark| m.label.strip_prefix("step ").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if let Some(second) = self.marks.iter().filter(is_step_end).nth(1) {
+            return WarmUp { events: second.event, by: WarmUpEnd::SecondStep };
+        }
+        let peak = self.peak_requested();
+        let mut sizes = vec![(0u64, 0u32); self.allocs as usize];
+        let mut live = vec![0u64; self.devices.max(1) as usize];
+        for (index, event) in self.events.iter().enumerate() {
+            match *event {
+                Event::Alloc { id, size, device, .. } => {
+                    sizes[id as usize] = (size, device);
+                    live[device as usize] += size;
+                    if live[device as usize] == peak {
+                        return WarmUp { events: index + 1, by: WarmUpEnd::PeakLive };
+                    }
+                }
+                Event::Free { id } => {
+                    let (size, device) = std::mem::take(&mut sizes[id as usize]);
+                    live[device as usize] -= size;
+                }
+            }
+        }
+        WarmUp { events: self.events.len(), by: WarmUpEnd::PeakLive }
     }
 
     /// Appends an allocation and returns its id.
@@ -207,12 +280,17 @@ impl Trace {
     pub fn with_failed_requests(&self) -> (Trace, Vec<u64>) {
         let mut whole = self.clone();
         whole.events.clear();
+        whole.marks.clear();
         whole.allocs = 0;
+        let mut marks = self.marks.iter().peekable();
         let mut ooms: Vec<&RecordedOom> = self.pytorch_ooms.iter().filter(|oom| oom.device == 0).collect();
         ooms.sort_by_key(|oom| oom.event);
         let (mut ids, mut origin) = (vec![u32::MAX; self.allocs as usize], Vec::with_capacity(self.events.len()));
         let mut next_oom = ooms.into_iter().peekable();
         for index in 0..=self.events.len() {
+            while let Some(mark) = marks.next_if(|m| m.event <= index) {
+                whole.mark(mark.label.clone());
+            }
             while let Some(oom) = next_oom.next_if(|oom| oom.event <= index) {
                 let id = whole.alloc(oom.requested.max(1), oom.stream, 0);
                 whole.free(id);
@@ -245,7 +323,11 @@ impl Trace {
         }
         part.pytorch_peak_reserved_per_device = part.pytorch_peak_reserved.into_iter().collect();
         let mut ids = vec![u32::MAX; self.allocs as usize];
-        for event in &self.events {
+        let mut marks = self.marks.iter().peekable();
+        for (index, event) in self.events.iter().enumerate() {
+            while let Some(mark) = marks.next_if(|m| m.event <= index) {
+                part.mark(mark.label.clone());
+            }
             match *event {
                 Event::Alloc { id, size, stream, device: d } if d == device => ids[id as usize] = part.alloc(size, stream, 0),
                 Event::Alloc { .. } => {}
@@ -256,6 +338,7 @@ impl Trace {
                 }
             }
         }
+        marks.for_each(|mark| part.mark(mark.label.clone()));
         part
     }
 }

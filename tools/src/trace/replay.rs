@@ -23,7 +23,7 @@
 
 use std::time::Instant;
 
-use super::{Event, RecordedOom, Trace};
+use super::{WarmUp, Event, RecordedOom, Trace};
 use tidepool::backend::host::HostBackend;
 use tidepool::{AllocError, Allocator, Config, ConfigError, DevicePtr, Stream};
 
@@ -129,6 +129,11 @@ pub struct ReplayReport {
     /// two (`cuMemMap`, `cuMemUnmap`), plus one per run moved
     /// (`cuMemSetAccess`). Failed attempts count.
     pub driver_calls: u64,
+    /// Where the trace's warm-up ends (`Trace::warm_up`), and the driver
+    /// calls made after it: the steady state's, which a repeated step
+    /// should not make.
+    pub warm_up: WarmUp,
+    pub steady_driver_calls: u64,
     /// Allocations that failed for lack of memory (0: the trace fits).
     pub ooms: u64,
     /// The first of them: where in the trace, and the allocator's report
@@ -193,6 +198,25 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
         config.move_pages = false;
     }
     Ok(config)
+}
+
+/// The driver calls so far: every call the `cuda` backend makes for what
+/// the heaps asked (segments, ranges of address space, physical
+/// allocations, maps, unmaps and access), and, for the model of PyTorch's
+/// expandable segments, what its small pool's mapped pieces cost there.
+fn driver_calls(alloc: &Allocator, backend: &HostBackend, policy: Policy, devices: usize) -> u64 {
+    let mut calls = backend.driver_calls().total();
+    if policy == Policy::PytorchExpandable {
+        for device in 0..devices {
+            let s = alloc.stats(device).expect("device exists");
+            // Its small pool's 2 MiB pieces are mapped pages there too:
+            // cuMemCreate, cuMemMap and cuMemSetAccess each, cuMemUnmap and
+            // cuMemRelease to go back, where a segment here is one call
+            // each way (counted with the backend's calls).
+            calls += 2 * s.segment.small_pool.allocated + s.segment.small_pool.freed;
+        }
+    }
+    calls
 }
 
 /// Replays each device of `trace` on its own: one report per device, in
@@ -272,10 +296,15 @@ pub fn replay_with_progress(
     let mut ooms = 0u64;
     let mut first_oom = None;
     let tick = (trace.events.len() / 100).max(1);
+    let warm_up = trace.warm_up();
+    let mut warm_up_calls = None;
     let start = Instant::now();
     for (index, event) in trace.events.iter().enumerate() {
         if index % tick == 0 {
             progress(index, trace.events.len());
+        }
+        if index == warm_up.events {
+            warm_up_calls = Some(driver_calls(&alloc, &backend, options.policy, devices));
         }
         match *event {
             Event::Alloc { id, size, stream, device } => match alloc.allocate(device as usize, size as usize, Stream(stream)) {
@@ -319,6 +348,8 @@ pub fn replay_with_progress(
         device_allocs: 0,
         device_frees: 0,
         driver_calls: 0,
+        warm_up,
+        steady_driver_calls: 0,
         ooms,
         first_oom,
         peak_inactive_split_bytes: 0,
@@ -334,17 +365,9 @@ pub fn replay_with_progress(
         report.device_allocs += s.events.num_device_alloc;
         report.device_frees += s.events.num_device_free;
         report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
-        if options.policy == Policy::PytorchExpandable {
-            // Its small pool's 2 MiB pieces are mapped pages there too:
-            // cuMemCreate, cuMemMap and cuMemSetAccess each, cuMemUnmap and
-            // cuMemRelease to go back, where a segment here is one call
-            // each way (counted below with the backend's calls).
-            report.driver_calls += 2 * s.segment.small_pool.allocated + s.segment.small_pool.freed;
-        }
     }
-    // Every call the `cuda` backend makes for what the heaps asked: segments,
-    // ranges of address space, physical allocations, maps, unmaps and access.
-    report.driver_calls += backend.driver_calls().total();
+    report.driver_calls = driver_calls(&alloc, &backend, options.policy, devices);
+    report.steady_driver_calls = report.driver_calls - warm_up_calls.unwrap_or(report.driver_calls);
     alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
     // The blocks the trace leaves live go back too, so that the replay
     // holds no memory or address space once dropped (`plan` runs dozens).

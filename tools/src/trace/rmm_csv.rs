@@ -2,7 +2,9 @@
 //! row per `allocate`, `free` or `allocate failure`. Pointers are hex with
 //! `0x`, streams hex without, times `HH:MM:SS.ffffff`. tidepool reads these
 //! logs and writes its own recordings in the same format, so traces move
-//! between the two tools.
+//! between the two tools. One action is tidepool's: `mark` names a point of
+//! the trace (its label in an `Operator` column when there is one; the
+//! planner marks each step's end), and allocates nothing.
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -23,6 +25,8 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
     let mut live: HashMap<u64, u32> = HashMap::new();
     let mut line = Vec::new();
     let mut columns: Option<[usize; 4]> = None;
+    // The optional Operator column (tidepool's recordings have it): a mark's label.
+    let mut operator_at: Option<usize> = None;
     for number in 1.. {
         let error = |message: String| TraceError { file: file.to_string(), location: format!("line {number}"), message };
         line.clear();
@@ -42,13 +46,18 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
         let Some([action_at, pointer_at, size_at, stream_at]) = columns else {
             let find = |name: &str| fields.iter().position(|f| f.eq_ignore_ascii_case(name));
             match (find("Action"), find("Pointer"), find("Size"), find("Stream")) {
-                (Some(a), Some(p), Some(s), Some(st)) => columns = Some([a, p, s, st]),
+                (Some(a), Some(p), Some(s), Some(st)) => (columns, operator_at) = (Some([a, p, s, st]), find("Operator")),
                 _ => return Err(error(format!("expected the header {HEADER:?}, found {text:?}"))),
             }
             continue;
         };
         let field = |at: usize| fields.get(at).copied().ok_or_else(|| error(format!("missing column {}", at + 1)));
         let action = field(action_at)?;
+        if action == "mark" {
+            let operator = operator_at.and_then(|at| fields.get(at)).copied().unwrap_or("");
+            trace.mark(operator);
+            continue;
+        }
         if action == "allocate failure" {
             trace.warnings.add(format!("line {number}: allocate failure in the log (not replayed)"));
             continue;

@@ -494,15 +494,29 @@ class Recorder(TorchDispatchMode):
 
     # -- results -----------------------------------------------------------
     def write(self, path):
-        """Writes the events as RMM CSV (with the Operator column)."""
+        """Writes the events as RMM CSV (with the Operator column), each
+        mark as a `mark` row where it was made, its label as its operator
+        (`tidepool replay` tells a step's end by it: `step N`)."""
+        marks = sorted(self.marks, key=lambda mark: mark[1])
         with open(path, "w") as out:
             out.write(HEADER)
-            for micros, action, pointer, size, operator in self.events:
+
+            def row(micros, action, pointer, size, operator):
                 secs = micros // 1_000_000
                 out.write(
                     f"1,{secs // 3600:02}:{secs // 60 % 60:02}:{secs % 60:02}.{micros % 1_000_000:06},"
                     f"{action},{pointer:#x},{size},0,{operator}\n"
                 )
+
+            at = 0
+            for index, (micros, action, pointer, size, operator) in enumerate(self.events):
+                while at < len(marks) and marks[at][1] <= index:
+                    row(micros, "mark", 0, 0, marks[at][0].replace(",", ";"))
+                    at += 1
+                row(micros, action, pointer, size, operator)
+            last = self.events[-1][0] if self.events else 0
+            for label, _ in marks[at:]:
+                row(last, "mark", 0, 0, label.replace(",", ";"))
 
     def snapshot(self):
         """The recording as a PyTorch memory snapshot (the dict
