@@ -136,7 +136,7 @@ impl Default for Config {
             host_shared: None,
             stream_shards: 1,
             lend_across_streams: true,
-            expandable: false,
+            expandable: true,
             expandable_page: None,
             expandable_allocation: DEFAULT_EXPANDABLE_ALLOCATION,
             expandable_split_allocations: false,
@@ -270,12 +270,12 @@ fn show_path(path: &impl AsRef<std::path::Path>) -> String {
 }
 
 /// With expandable segments, the most bytes one physical allocation holds
-/// unless configured (`expandable_allocation_mb`): a page, the least memory
-/// (over the shared traces 1.0049x the peak of live bytes, geometric mean
-/// of the real snapshots, with 11.0x the driver calls of PyTorch's
-/// expandable segments; 1.0073x and 3.8x at 8 MiB, 1.0097x and 1.8x at
-/// 64 MiB: docs/expandable-segments.md).
-pub const DEFAULT_EXPANDABLE_ALLOCATION: u64 = 2 * MIB;
+/// unless configured (`expandable_allocation_mb`): over the traces, the
+/// warm-up makes 3.0 times the driver calls of PyTorch's expandable
+/// segments (geometric mean; 7.8 times page by page, 2.1 at 20 MiB) and
+/// the smallest device holds 1.0089x the peak of live bytes (1.0055x page
+/// by page, 1.0138x at 20 MiB; PyTorch's 1.0219x): docs/expandable-segments.md.
+pub const DEFAULT_EXPANDABLE_ALLOCATION: u64 = 8 * MIB;
 
 /// The options table; `tidepool config --markdown` writes docs/configuration.md from it.
 pub static OPTIONS: &[OptionSpec] = &[
@@ -302,11 +302,11 @@ pub static OPTIONS: &[OptionSpec] = &[
     size!("host_capacity_mb", "16384", "memory of each simulated device, in MiB (address space only: untouched memory costs nothing)", host_capacity, MIB, at least 1),
     bounded!("stream_shards", "1", "heaps per device, streams spread over them: threads on different streams stop contending (1 to 64; above 1, peaks are summed over heaps)", stream_shards: usize, 1..=64),
     flag!("lend_across_streams", "true", "when the device is full, serve a stream from blocks cached for another (after a device-side wait on that stream)", lend_across_streams),
-    flag!("expandable", "false", "grow the large pool inside one reserved range of address space, mapping pages as blocks need them and unmapping pages inside free blocks when memory is released (cuda and host backends)", expandable),
+    flag!("expandable", "true", "grow the large pool inside one reserved range of address space, mapping pages as blocks need them and unmapping pages inside free blocks when memory is released or moving them where a growth needs them when the device or the cap is full (cuda and host backends; cuda_async keeps its driver pool's segments; false: whole segments, as PyTorch's default)", expandable),
     OptionSpec {
         key: "expandable_allocation_mb",
-        default: "2",
-        help: "with expandable: the most one physical allocation of new pages holds, in MiB (at least 1; unlimited: one per run of pages a block needs); the driver takes memory back only by whole allocations, so the default, a 2 MiB page each, holds the least, and larger ones make fewer driver calls (8: a third of them, for 0.25 % more memory on the shared traces)",
+        default: "8",
+        help: "with expandable: the most one physical allocation of new pages holds, in MiB (at least 1; unlimited: one per run of pages a block needs); the driver takes memory back, or moves it, only by whole allocations, so smaller ones hold less on a full device and larger ones make fewer driver calls while the heap grows (2, a page each: 1.5 times the calls of 8, the smallest device 0.3 % smaller over the shared traces)",
         apply: |c, v| {
             c.expandable_allocation = if is_word(v, "unlimited") { u64::MAX } else { at_least(scaled(v, MIB)?, 1, MIB)? };
             Ok(())

@@ -57,8 +57,11 @@ impl Device {
                 heap.share_reserve(reserve.clone());
                 heap.set_stash(config.stash);
                 heap.set_lend_across_streams(config.lend_across_streams);
-                let expandable = heap.set_expandable(config.expandable).and_then(|()| match config.expandable_page {
-                    Some(page) if config.expandable => heap.set_expandable_page(page),
+                // On by default where the backend maps pages; a device that
+                // cannot (an old driver) says so and keeps whole segments.
+                let expandable = config.expandable && backend.maps_pages();
+                let expandable = heap.set_expandable(expandable).and_then(|()| match config.expandable_page {
+                    Some(page) if expandable => heap.set_expandable_page(page),
                     _ => Ok(()),
                 });
                 if let Err(err) = expandable {

@@ -65,6 +65,11 @@ impl PageMap {
         page < self.end && bit(&self.bits, page)
     }
 
+    /// Whether every page of `[first, first + count)` is mapped.
+    pub fn all_mapped(&self, first: u64, count: u64) -> bool {
+        first + count <= self.end && find(&self.bits, first, first + count, false) >= first + count
+    }
+
     /// The first mapped page in `[from, stop)`, or `stop`.
     pub fn next_mapped(&self, from: u64, stop: u64) -> u64 {
         find(&self.bits, from, stop, true)

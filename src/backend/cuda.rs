@@ -401,6 +401,10 @@ impl Backend for CudaBackend {
         self.devices.get(device).map(|d| d.vm_page).filter(|&page| page > 0)
     }
 
+    fn maps_pages(&self) -> bool {
+        !self.stream_ordered
+    }
+
     fn vm_reserve(&self, device: usize, size: u64) -> Result<u64, BackendError> {
         self.enter(device, "cuMemAddressReserve")?;
         let page = self.devices[device].vm_page as usize;

@@ -122,6 +122,14 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Whether this kind of backend grows by mapping pages where the device
+    /// can (`cuda`, `host`), rather than through a pool of the driver's
+    /// (`cuda_async`): expandable segments, on by default, are off without
+    /// a word on one that does not.
+    fn maps_pages(&self) -> bool {
+        false
+    }
+
     /// Reserves `size` bytes of address space (a multiple of the page size)
     /// on `device`, backed by nothing. Returns its base, page-aligned.
     fn vm_reserve(&self, _device: usize, _size: u64) -> Result<u64, BackendError> {

@@ -7,6 +7,11 @@
 
 use super::*;
 
+/// How many free blocks past the best fit a request of an expandable
+/// segment looks at for one whose pages are mapped (`DeviceHeap::fit`):
+/// a bound on the allocation path's work.
+const MAPPED_FIT_CANDIDATES: usize = 8;
+
 impl DeviceHeap {
     /// Serves a request of `size` bytes on `stream`; 0 bytes gives address 0.
     #[inline]
@@ -64,19 +69,17 @@ impl DeviceHeap {
         Ok(addr)
     }
 
-    /// A free block for `rounded` bytes, unlinked from its bin: the best
-    /// fit, else one from new memory. In an expandable segment the pages
-    /// under the block's allocated part are mapped first.
+    /// A free block for `rounded` bytes, unlinked from its bin (`fit`),
+    /// else one from new memory. In an expandable segment the pages under
+    /// the block's allocated part are mapped first. Threads' caches never
+    /// make the heap grow: before new memory (a segment, or pages to map),
+    /// their blocks come back and the fit is looked for again.
     pub(super) fn take_block(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
         let paged = self.pools[pool as usize].vm.is_some();
-        if paged && self.past_high_water(rounded) {
-            // Mapping may grow the heap: threads' cached blocks come back first.
-            self.recall_cached();
-        }
-        let mut fit = self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules);
-        if fit.is_none() && self.recall_cached() {
-            // Threads' caches never make the heap grow: their blocks come back first.
-            fit = self.pools[pool as usize].best_fit(&self.blocks, rounded, &self.rules);
+        let mut fit = self.fit(pool, rounded);
+        let grows = |heap: &Self, fit: Option<BlockId>| fit.is_none_or(|id| paged && !heap.mapped_under(id, rounded));
+        if grows(self, fit) && self.recall_cached() {
+            fit = self.fit(pool, rounded);
         }
         let block = match fit {
             Some(id) => {
@@ -92,6 +95,22 @@ impl DeviceHeap {
             }
         }
         Ok(block)
+    }
+
+    /// The free block of `pool` a request of `rounded` bytes takes: the
+    /// best fit; in an expandable segment, the best fit among the first
+    /// `MAPPED_FIT_CANDIDATES` that fit whose pages under the request are
+    /// all mapped, when the best fit's are not (no driver call: the way
+    /// PyTorch's expandable segments place, whose free blocks are all
+    /// mapped), else the best fit.
+    fn fit(&self, pool: u32, rounded: u64) -> Option<BlockId> {
+        let pool_ref = &self.pools[pool as usize];
+        let best = pool_ref.best_fit(&self.blocks, rounded, &self.rules)?;
+        if pool_ref.vm.is_none() || self.mapped_under(best, rounded) {
+            return Some(best);
+        }
+        let mapped = pool_ref.fits_after(&self.blocks, best).take(MAPPED_FIT_CANDIDATES).find(|&id| self.mapped_under(id, rounded));
+        Some(mapped.unwrap_or(best))
     }
 
     /// When the device has no room: another stream's cached block, else the

@@ -150,6 +150,19 @@ impl DeviceHeap {
         }
     }
 
+    /// Whether the pages a request of `rounded` bytes would use in the free
+    /// block `id` are all mapped (it takes the block with no driver call);
+    /// true outside expandable segments.
+    pub(super) fn mapped_under(&self, id: BlockId, rounded: u64) -> bool {
+        let b = &self.blocks[id];
+        let Some((base, pages)) = self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
+            return true;
+        };
+        let used = if self.should_split(b.pool, b.size, rounded) { rounded } else { b.size };
+        let (first, count) = pages.touched(b.addr - base, b.addr - base + used);
+        pages.all_mapped(first, count)
+    }
+
     /// Whether this heap grows by expandable segments.
     pub fn is_expandable(&self) -> bool {
         self.vm.is_some()
@@ -280,7 +293,8 @@ impl DeviceHeap {
                 failed = Some(err);
             }
         }
-        self.settle_donors(donors);
+        // Donors no room took stay cached where they are.
+        drop(donors);
         if let Some(err) = failed {
             self.undo_mapped(segment_id, kind, mapped);
             return Err(err);

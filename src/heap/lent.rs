@@ -196,13 +196,19 @@ impl DeviceHeap {
         self.may_release() && self.pending.is_empty() && !self.observers.observed
     }
 
-    /// Whether the allocated block `id` may go to a thread's cache.
+    /// Whether the allocated block `id` may go to a thread's cache. Not a
+    /// block of an expandable segment: held apart from the heap, it moves
+    /// best fit's later choices and the layout drifts step after step,
+    /// each drift a mapping (the planner's vit and hand-written optimizer
+    /// steps made 10 and 19 driver calls in their third and fourth steps
+    /// with them lent, none without).
     fn may_lend(&self, id: BlockId, max_size: u64) -> bool {
         let b = &self.blocks[id];
         let pool = &self.pools[b.pool as usize];
         b.size <= max_size
             && pool.tag == 0
             && pool.private.is_none()
+            && pool.vm.is_none()
             && self.lending_allowed()
             && (self.recorded_streams.is_empty() || !self.recorded_streams.contains_key(&b.addr))
     }

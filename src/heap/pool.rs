@@ -171,6 +171,15 @@ impl Pool {
         Some(blocks[cur].size)
     }
 
+    /// The free blocks after `id` in size order (each at least as large).
+    pub fn fits_after<'a>(&'a self, blocks: &'a BlockArena, id: BlockId) -> impl Iterator<Item = BlockId> + 'a {
+        let mut cur = Some(id);
+        std::iter::from_fn(move || {
+            cur = self.next_in_size_order(blocks, cur?);
+            cur
+        })
+    }
+
     /// The first block of at least `rounded` bytes in size order: looks in
     /// the request's own bin first (blocks there may be smaller), then
     /// takes the head of the first non-empty bin above it.

@@ -1,32 +1,30 @@
-//! Moving cached memory to where it is needed before the heap grows (heaps
-//! with expandable segments): when a heap is about to take memory from the
-//! device past its high-water mark, the memory it caches and does not use
-//! goes first, longest free first: the free pages inside holes of every
-//! pool's ranges (the free block the growing request is carved from
-//! included: it may cache pages past where the request lands), and the
-//! small pools' segments that are one whole free block. The allocations
-//! lying inside holes become donors: their physical memory is moved
-//! (`Backend::vm_move`: one unmap and one map per allocation, where giving
-//! it back and taking new memory would be four driver calls) to the pages
-//! the growth needs, an allocation whole (it may reach past the request
-//! into the rest of the block the request is carved from). Within the
-//! budget below, a hole donates allocations until the growth has what it
-//! needs and keeps the rest cached (no driver call); past it, all of a
-//! hole's allocations go and those the growth leaves are unmapped.
+//! Moving cached memory to where it is needed when the heap cannot grow
+//! (heaps with expandable segments): when taking more memory from the
+//! device would pass what the device has free or the heap's cap
+//! (`max_reserved_mb`, the memory fraction), the memory the heap caches and
+//! does not use goes first, longest free first: the free pages inside
+//! holes of every pool's ranges (the free block the growing request is
+//! carved from included: it may cache pages past where the request lands),
+//! and the small pools' segments that are one whole free block. The
+//! allocations lying inside holes become donors: their physical memory is
+//! moved (`Backend::vm_move`: one unmap and one map per allocation, where
+//! giving it back and taking new memory would be four driver calls) to the
+//! pages the growth needs, an allocation whole (it may reach past the
+//! request into the rest of the block the request is carved from); a hole
+//! donates allocations until the growth has what the limits leave it short
+//! of, and keeps the rest cached.
 //!
-//! Invariants:
-//! - below the high-water mark nothing moves, so a loop that has met its
-//!   largest step makes no driver call here;
-//! - over a heap's life, moving starts freely only while
-//!   `Recycling::moved` is below `MOVES_PER_HIGH_WATER` times the
-//!   high-water mark;
-//! - past that budget, pages move only for the part of a growth that would
-//!   take the heap above its bound: `MOST_HELD_OVER_LIVE_PERCENT` above the
-//!   most it has had live, and at least `LEAST_HELD_OVER_LIVE` (whole pages
-//!   and small segments make more than a few percent of a small heap). A
-//!   workload whose layout drifts from step to step within the bound pays
-//!   a bounded number of driver calls, once, and then holds its memory as
-//!   it is; one that drifts further pays moves to stay within it.
+//! While memory is plentiful nothing moves: the heap grows by new pages,
+//! and the pages it maps stay where they are until something asks for
+//! memory (a limit reached here, an out-of-memory, `empty_cache`, another
+//! process, idle release). So a step repeated finds every page it needs
+//! mapped where it left it, and makes no driver call once it has run
+//! (docs/expandable-segments.md: moving to keep reserved a few percent
+//! tighter while memory is plentiful made hundreds of calls a step, the
+//! same moves each step).
+//!
+//! Invariant: pages move only for the part of a growth that would pass the
+//! device's free memory or the cap.
 #![forbid(unsafe_code)]
 
 use std::ops::Range;
@@ -34,44 +32,9 @@ use std::ops::Range;
 use super::block::BlockId;
 use super::DeviceHeap;
 
-/// How many times its high-water mark a heap moves freely over its life.
-/// Decoding (caches grown by `torch.cat`, every one replaced as it grows)
-/// moves the most before its layout settles, more as the caches outweigh
-/// the model: GPT-2 small decoding (three calls to `generate`) settled
-/// after 1.7 times at batch 16, 2.3 at batch 32, 3.1 at batch 64, and
-/// reserved 1.054x / 1.068x its peak of live bytes at batch 32 / 64 with
-/// a budget of two (measured before the carved block's pages could
-/// move), 1.007x / 1.005x with four.
-const MOVES_PER_HIGH_WATER: u64 = 4;
-
-/// Past its budget, a heap still moves pages rather than hold more than
-/// this many percent above the most it has had live (or
-/// `LEAST_HELD_OVER_LIVE`, whichever is more). A generation that
-/// grows its caches every token never settles (120 tokens at batch 64:
-/// 27 times its high-water mark moved with no budget; 1.050x reserved
-/// with a budget of two and no bound, 1.053x with four, 1.029x with the
-/// bound, which moves 9.9 times).
-const MOST_HELD_OVER_LIVE_PERCENT: u64 = 4;
-
-/// The bound above live memory is never below this: a heap of a few
-/// hundred MiB holds more than 4 % in page and segment rounding that no
-/// move gives back (an 88 MiB training step: 96 MiB at best), and would
-/// otherwise move pages at every growth for ever.
-const LEAST_HELD_OVER_LIVE: u64 = 16 << 20;
-
 /// What the heap knows of its moves over its life.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Recycling {
-    /// The most bytes the heap has held reserved (as of its last growth;
-    /// `reset_peak_stats` does not lower it).
-    pub high_water: u64,
-    /// Bytes taken from cached memory so that the heap would not grow past
-    /// `high_water`.
-    pub moved: u64,
-    /// The most bytes the heap has had allocated, as the peak statistics
-    /// said at each growth (a reset between two growths can hide a peak;
-    /// no reset lowers this).
-    pub live_high_water: u64,
     /// Frees and growths so far (counted in heaps with expandable
     /// segments; `DeviceHeap::stamp_freed`): the clock that orders free
     /// blocks by age, the same in a live run and a replay, stash or not.
@@ -94,14 +57,12 @@ enum Source {
 
 /// An allocation inside a hole whose stream has no work left on it, about
 /// to move: `pages` pages from page `first` of the expandable segment
-/// `segment`. A `spare` one that no growth takes is unmapped (past the
-/// budget); another stays where it is, cached.
+/// `segment`. One that no growth takes stays where it is, cached.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Donor {
     segment: u32,
     first: u64,
     pub pages: u64,
-    spare: bool,
 }
 
 impl DeviceHeap {
@@ -110,24 +71,26 @@ impl DeviceHeap {
         self.recycling.off = !on;
     }
 
-    /// Whether taking `bytes` more from the device would take the heap past
-    /// its high-water mark (where `recycle_before_growth` looks for pages).
-    pub(super) fn past_high_water(&self, bytes: u64) -> bool {
-        let reserved = &self.stats.reserved_bytes;
-        reserved.total() + bytes > self.recycling.high_water.max(reserved.peak_total())
+    /// How far taking `bytes` more from the device would go past what the
+    /// device has free (every process counted) or past the heap's cap: what
+    /// cached memory must give (0: the heap may grow). One question to the
+    /// driver (its free memory), asked only when the heap is about to grow.
+    pub(super) fn over_limits(&self, bytes: u64) -> u64 {
+        let free = self.backend.mem_info(self.device).map_or(u64::MAX, |info| info.free);
+        let over_cap = self.reserved_limit().map_or(0, |cap| (self.reserve.bytes() + bytes).saturating_sub(cap));
+        bytes.saturating_sub(free).max(over_cap)
     }
 
     /// Before the heap takes `bytes` more from the device for a request of
-    /// `request` bytes: when that would take it past its high-water mark,
-    /// releases whole free small segments and returns the mapped pages of
-    /// holes (as donors, ready to move) until enough is found, longest free
-    /// first, within the heap's budget of moves, or past it as far as the
-    /// growth would take the heap above its bound over live memory. The
-    /// block about to be mapped is not binned, so it is never among the
-    /// holes; `carved` names it (the request takes its first `request`
-    /// bytes), so that the mapped pages of the rest of it (the free block
-    /// the request is carved from may hold cached pages past where it
-    /// lands) are donors too. The caller moves or unmaps every donor.
+    /// `request` bytes: when that would pass the device's free memory or
+    /// the cap (`over_limits`), releases whole free small segments and
+    /// returns the mapped pages of holes (as donors, ready to move) until
+    /// the excess is found, longest free first. The block about to be
+    /// mapped is not binned, so it is never among the holes; `carved` names
+    /// it (the request takes its first `request` bytes), so that the mapped
+    /// pages of the rest of it (the free block the request is carved from
+    /// may hold cached pages past where it lands) are donors too. The
+    /// caller moves the donors it has room for and leaves the others cached.
     pub(super) fn recycle_before_growth(&mut self, bytes: u64, request: u64, carved: Option<BlockId>) -> Vec<Donor> {
         let mut donors = Vec::new();
         // Donors and their destinations must have pages of one size: the
@@ -137,20 +100,7 @@ impl DeviceHeap {
         if self.vm.is_none_or(|vm| Some(vm.page) != driver_page) || self.recycling.off || !self.may_release() {
             return donors;
         }
-        let (reserved, allocated) = (&self.stats.reserved_bytes, &self.stats.allocated_bytes);
-        let recycling = &mut self.recycling;
-        recycling.high_water = recycling.high_water.max(reserved.peak_total());
-        recycling.live_high_water = recycling.live_high_water.max(allocated.peak_total());
-        // The request counts as live for this growth only: it may still fail.
-        let live = recycling.live_high_water.max(allocated.total() + request);
-        let bound = live + (live * MOST_HELD_OVER_LIVE_PERCENT / 100).max(LEAST_HELD_OVER_LIVE);
-        let after = reserved.total() + bytes;
-        let past_peak = after.saturating_sub(recycling.high_water);
-        let budget_left = (MOVES_PER_HIGH_WATER * recycling.high_water).saturating_sub(recycling.moved);
-        let mut want = past_peak.min(budget_left.max(after.saturating_sub(bound)));
-        // What the growth needs past the high-water mark: within the budget,
-        // no hole gives more.
-        let mut need = past_peak;
+        let mut want = self.over_limits(bytes);
         if want == 0 {
             return donors;
         }
@@ -203,12 +153,8 @@ impl DeviceHeap {
                         continue;
                     }
                     let b = &self.blocks[block];
-                    // Within the budget a growth takes only the allocations
-                    // it needs and the rest stay cached; past it, all of
-                    // them, and what the growth leaves goes back, so that a
-                    // heap that keeps drifting holds no more than it must.
-                    let spare = budget_left == 0;
-                    let mut left = if spare { u64::MAX } else { need.div_ceil(page) };
+                    // The allocations the growth needs; the rest stay cached.
+                    let mut left = want.div_ceil(page);
                     let mut got = 0;
                     let segment = b.segment;
                     for (first, pages) in self.allocations_within(segment, from, b.addr + b.size) {
@@ -216,16 +162,14 @@ impl DeviceHeap {
                             break;
                         }
                         left = left.saturating_sub(pages);
-                        donors.push(Donor { segment, first, pages, spare });
+                        donors.push(Donor { segment, first, pages });
                         got += pages * page;
                     }
                     got
                 }
                 Source::Segment(segment) => self.release_whole_segment(segment).bytes,
             };
-            self.recycling.moved += got;
             want = want.saturating_sub(got);
-            need = need.saturating_sub(got);
             if want == 0 {
                 break;
             }
@@ -276,12 +220,6 @@ impl DeviceHeap {
         }
     }
 
-    /// Unmaps the spare donors no growth took, giving their memory back;
-    /// the others stay cached where they are.
-    pub(super) fn settle_donors(&mut self, donors: Vec<Donor>) {
-        self.release_donors(donors.into_iter().filter(|d| d.spare).collect());
-    }
-
     /// Unmaps donors, giving their memory back (where a growth takes new
     /// memory of another kind: a small segment).
     pub(super) fn release_donors(&mut self, donors: Vec<Donor>) {
@@ -313,7 +251,7 @@ mod tests {
     use super::*;
 
     fn donor(segment: u32, first: u64, pages: u64) -> Donor {
-        Donor { segment, first, pages, spare: false }
+        Donor { segment, first, pages }
     }
 
     #[test]

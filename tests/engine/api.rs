@@ -119,7 +119,7 @@ fn holes_in_partly_used_segments_show_as_inactive_split_and_fragmentation() {
 /// sizes read as 90 % fragmented, though every byte of it can go back at once.
 #[test]
 fn an_idle_process_holding_only_whole_free_segments_is_not_fragmented() {
-    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let (alloc, _) = host_allocator(1, 1 << 30, "expandable:false");
     let sizes = [2 * MIB, 12 * MIB, 22 * MIB, 40 * MIB];
     let blocks: Vec<_> = sizes.iter().map(|&size| alloc.allocate(0, size as usize, S0).unwrap()).collect();
     for b in blocks {
@@ -136,7 +136,7 @@ fn an_idle_process_holding_only_whole_free_segments_is_not_fragmented() {
 
 #[test]
 fn large_requests_share_20_mib_segments_below_10_mib_and_get_their_own_above() {
-    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let (alloc, _) = host_allocator(1, 1 << 30, "expandable:false");
     let a = alloc.allocate(0, (3 * MIB) as usize, S0).unwrap();
     let b = alloc.allocate(0, (3 * MIB) as usize, S0).unwrap();
     assert_eq!(alloc.segment_of(0, a).unwrap(), alloc.segment_of(0, b).unwrap());
@@ -152,7 +152,7 @@ fn large_requests_share_20_mib_segments_below_10_mib_and_get_their_own_above() {
 
 #[test]
 fn max_split_size_keeps_big_cached_blocks_whole() {
-    let (alloc, _) = host_allocator(1, 1 << 30, "max_split_size_mb:32");
+    let (alloc, _) = host_allocator(1, 1 << 30, "expandable:false,max_split_size_mb:32");
     let big = alloc.allocate(0, (64 * MIB) as usize, S0).unwrap();
     alloc.free(0, big).unwrap();
     // A 12 MiB request would split the cached 64 MiB block without the option.
@@ -167,7 +167,7 @@ fn max_split_size_keeps_big_cached_blocks_whole() {
 
 #[test]
 fn a_refused_growth_releases_the_cache_and_retries_once() {
-    let (alloc, backend) = host_allocator(1, 64 * MIB, "");
+    let (alloc, backend) = host_allocator(1, 64 * MIB, "expandable:false");
     let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();
     alloc.free(0, a).unwrap();
     // 50 MiB does not fit next to the cached 40 MiB segment: release it, retry.
@@ -412,7 +412,7 @@ fn resetting_accumulated_stats_zeroes_the_sums_and_counters_and_keeps_current_va
 
 #[test]
 fn a_memory_fraction_caps_what_the_heap_reserves() {
-    let (alloc, _) = host_allocator(1, 100 * MIB, "");
+    let (alloc, _) = host_allocator(1, 100 * MIB, "expandable:false");
     let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();
     alloc.free(0, a).unwrap();
     alloc.set_memory_fraction(0, 0.5).unwrap();
@@ -485,7 +485,7 @@ fn a_snapshot_lists_segments_with_their_blocks_in_address_order() {
 
 #[test]
 fn a_full_device_lends_another_streams_cached_block_instead_of_failing() {
-    let (alloc, _) = host_allocator(1, 64 * MIB, "");
+    let (alloc, _) = host_allocator(1, 64 * MIB, "expandable:false");
     let a = alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap();
     alloc.free(0, a).unwrap();
     // 40 MiB cached for stream 1 + 30 MiB new would not fit: stream 2 borrows.
@@ -501,7 +501,7 @@ fn a_full_device_lends_another_streams_cached_block_instead_of_failing() {
 
 #[test]
 fn lending_across_streams_can_be_turned_off() {
-    let (alloc, _) = host_allocator(1, 64 * MIB, "lend_across_streams:false");
+    let (alloc, _) = host_allocator(1, 64 * MIB, "expandable:false,lend_across_streams:false");
     let a = alloc.allocate(0, (40 * MIB) as usize, Stream(1)).unwrap();
     alloc.free(0, a).unwrap();
     // No lending: stream 1's cache is released and stream 2 grows instead.

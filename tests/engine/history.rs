@@ -15,7 +15,7 @@ fn actions(alloc: &Allocator) -> Vec<(HistoryAction, u64, u64)> {
 
 #[test]
 fn each_allocation_free_and_segment_is_an_event_in_pytorchs_words() {
-    let (alloc, _) = host_allocator(1, 1 << 30, "");
+    let (alloc, _) = host_allocator(1, 1 << 30, "expandable:false");
     alloc.allocate(0, 100, S).unwrap(); // before history: not kept
     alloc.record_history(Some(1000)).unwrap();
     let ptr = alloc.allocate(0, 3 * MIB as usize, S).unwrap();

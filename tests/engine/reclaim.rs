@@ -60,7 +60,9 @@ fn a_steady_loop_is_never_churned() {
 
 #[test]
 fn the_budget_releases_cache_first_and_fails_only_for_live_memory() {
-    let (alloc, _) = host_allocator(1, 1 << 30, "max_reserved_mb:64");
+    // Whole segments: the cached one must go (expandable segments would
+    // carve the 50 MiB from its pages: tests/engine/expandable.rs).
+    let (alloc, _) = host_allocator(1, 1 << 30, "expandable:false,max_reserved_mb:64");
     let a = alloc.allocate(0, (40 * MIB) as usize, S0).unwrap();
     alloc.free(0, a).unwrap();
     let b = alloc.allocate(0, (50 * MIB) as usize, S0).unwrap();

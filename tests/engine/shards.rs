@@ -20,7 +20,7 @@ fn the_conformance_suite_holds_with_stream_shards() {
 
 #[test]
 fn statistics_add_up_over_the_shards() {
-    let (alloc, _) = host_allocator(1, 1 << 30, "stream_shards:4");
+    let (alloc, _) = host_allocator(1, 1 << 30, "expandable:false,stream_shards:4");
     let a = alloc.allocate(0, 4096, Stream(1)).unwrap();
     let b = alloc.allocate(0, 3 * MIB as usize, Stream(2)).unwrap();
     let s = alloc.stats(0).unwrap();

@@ -184,7 +184,9 @@ fn empty_cache_and_exiting_threads_leave_nothing_cached() {
     // A live thread's cache goes back at empty_cache.
     let p = alloc.allocate(0, 4 * MIB as usize, Stream::DEFAULT).unwrap();
     alloc.free(0, p).unwrap();
-    assert_eq!(alloc.empty_cache().bytes, 20 * MIB);
+    let held = reserved(&alloc);
+    assert!(held >= 4 * MIB);
+    assert_eq!(alloc.empty_cache().bytes, held);
     assert_eq!(reserved(&alloc), 0);
     alloc.validate().unwrap();
 }

@@ -94,10 +94,12 @@ fn process_h_holds_memory() {
         panic!("a child-process test: its parent test sets TIDEPOOL_TEST_COOP_CONF and TIDEPOOL_TEST_COOP_DIR");
     };
     let dir = PathBuf::from(dir);
-    let alloc = common::conf_allocator(&conf);
+    // Cache that cannot go back: a 2 MiB block alone in a whole 20 MiB segment.
+    let split = std::env::var_os("TIDEPOOL_TEST_COOP_SPLIT").is_some();
+    let alloc = common::conf_allocator(&if split { format!("{conf},expandable:false") } else { conf.clone() });
     let hold: usize = std::env::var("TIDEPOOL_TEST_COOP_HOLD").unwrap().parse().unwrap();
     let live = alloc.allocate(0, hold * MIB as usize, Stream::DEFAULT).unwrap();
-    let split = std::env::var_os("TIDEPOOL_TEST_COOP_SPLIT").map(|_| alloc.allocate(0, (2 * MIB) as usize, Stream::DEFAULT).unwrap());
+    let split = split.then(|| alloc.allocate(0, (2 * MIB) as usize, Stream::DEFAULT).unwrap());
     let cached = if split.is_some() { 18 * MIB } else { 0 };
     assert!(published(&conf, |e| e.allocated > 0 && e.cached_free == cached), "the figures were never published");
     std::fs::write(dir.join("ready"), b"").unwrap();
@@ -281,7 +283,8 @@ fn two_processes_asking_each_other_are_both_answered_within_an_interval() {
     let conf = format!("{},oom_wait_ms:6000", common::shared_host_conf(dir, true));
     let oom_wait = Duration::from_millis(6000);
     let h = spawn_h_with(dir, &conf, 300, true, vec![("TIDEPOOL_TEST_COOP_ASK", "500".into())]);
-    let p = common::conf_allocator(&conf);
+    // Whole segments: the 2 MiB block splits a 20 MiB segment.
+    let p = common::conf_allocator(&format!("{conf},expandable:false"));
     let live = p.allocate(0, (300 * MIB) as usize, Stream::DEFAULT).unwrap();
     let split = p.allocate(0, (2 * MIB) as usize, Stream::DEFAULT).unwrap();
     assert!(published(&conf, |e| e.cached_free == 18 * MIB), "P's cache was never published");

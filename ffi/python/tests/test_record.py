@@ -33,8 +33,11 @@ class Record(unittest.TestCase):
             if r["Action"] == "allocate":
                 self.assertNotIn(r["Pointer"], live, "a pointer reused while live")
                 live[r["Pointer"]] = int(r["Size"])
-            else:
+            elif r["Action"] == "free":
                 self.assertEqual(live.pop(r["Pointer"]), int(r["Size"]), "a free of an unknown pointer")
+        # Each step's end is marked: replay counts the driver calls after step 2.
+        marks = [r["Operator"] for r in rows if r["Action"] == "mark"]
+        self.assertEqual(marks, ["step 1", "step 2"])
         # The weights are recorded first: the first Linear's 1024x4096 fp32 weight.
         self.assertEqual(int(rows[0]["Size"]), 1024 * 4096 * 4)
         # AdamW keeps two states per parameter, and the parameters stay: all live at the end.
@@ -57,7 +60,7 @@ class Record(unittest.TestCase):
         for r in rows:
             if r["Action"] == "allocate":
                 live[r["Pointer"]] = r["Operator"]
-            else:
+            elif r["Action"] == "free":
                 live.pop(r["Pointer"])
         # After the call only what existed before it is live (the weights) and
         # the cuBLAS workspace: the caches, ids and masks are all freed.

@@ -442,6 +442,10 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    fn maps_pages(&self) -> bool {
+        true
+    }
+
     fn vm_page_size(&self, _device: usize) -> Option<u64> {
         Some(HOST_PAGE)
     }

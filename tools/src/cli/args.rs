@@ -41,7 +41,7 @@ pub fn size(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-/// "pytorch,expandable" (each `--policy` given) -> the policies, each once,
+/// "pytorch,tidepool" (each `--policy` given) -> the policies, each once,
 /// where first named.
 pub fn policies(given: &[String]) -> Result<Vec<Policy>, String> {
     let mut policies = Vec::new();
@@ -56,9 +56,12 @@ pub fn policies(given: &[String]) -> Result<Vec<Policy>, String> {
                 policies.extend([Policy::Tidepool, Policy::Pytorch]);
                 continue;
             }
+            // Earlier releases' name for tidepool with expandable segments,
+            // now tidepool's default.
+            "expandable" => Some(Policy::Tidepool),
             other => Policy::ALL.into_iter().find(|p| p.name() == other),
         };
-        let expected = "pytorch, tidepool, expandable, pytorch-expandable or all";
+        let expected = "pytorch, tidepool, whole-segments, pytorch-expandable or all";
         policies.push(policy.ok_or_else(|| format!("--policy: expected {expected}, got {name:?}"))?);
     }
     let mut unique = Vec::new();

@@ -12,8 +12,9 @@ use tidepool_tools::trace::RecordedOom;
 use super::{args, out, SIZES};
 
 /// The smallest device the trace fits, with PyTorch's allocator (with and
-/// without its expandable segments) and with tidepool (with and without
-/// its own); a trace of several GPUs gets one answer per device
+/// without its expandable segments) and with tidepool (with its expandable
+/// segments, as it runs by default, and with whole segments); a trace of
+/// several GPUs gets one answer per device
 #[derive(clap::Args)]
 #[command(override_usage = "tidepool plan FILE [--conf KEY:VAL,...] [--step SIZE] [--json]", after_help = SIZES)]
 pub struct Args {
@@ -38,9 +39,9 @@ pub fn run(args: Args) -> Result<(), String> {
         return Err("plan takes one trace file".into());
     }
     let trace = args::load(&args.files[0])?;
-    let [pytorch, tidepool, expandable, pytorch_expandable] =
+    let [pytorch, tidepool, whole, pytorch_expandable] =
         Policy::ALL.map(|policy| smallest_capacity_per_device(&trace, policy, &conf, args.step));
-    let (pytorch, tidepool, expandable, pytorch_expandable) = (pytorch?, tidepool?, expandable?, pytorch_expandable?);
+    let (pytorch, tidepool, whole, pytorch_expandable) = (pytorch?, tidepool?, whole?, pytorch_expandable?);
     let peaks: Vec<u64> = {
         let all = trace.peak_requested_per_device();
         pytorch.iter().map(|p| all.get(p.device as usize).copied().unwrap_or(0)).collect()
@@ -80,7 +81,7 @@ pub fn run(args: Args) -> Result<(), String> {
                     "step_bytes": pytorch[d].step,
                     "pytorch": policy(&pytorch[d]),
                     "tidepool": policy(&tidepool[d]),
-                    "expandable": policy(&expandable[d]),
+                    "whole_segments": policy(&whole[d]),
                     "pytorch_expandable": policy(&pytorch_expandable[d]),
                     "pytorch_recorded_oom": recorded_ooms[d].as_ref().map(|(oom, served)| serde_json::json!({
                         "event": oom.event,
@@ -100,7 +101,7 @@ pub fn run(args: Args) -> Result<(), String> {
             "step_bytes": step,
             "pytorch": card(&pytorch),
             "tidepool": card(&tidepool),
-            "expandable": card(&expandable),
+            "whole_segments": card(&whole),
             "pytorch_expandable": card(&pytorch_expandable),
             "devices": devices,
         });
@@ -116,11 +117,11 @@ pub fn run(args: Args) -> Result<(), String> {
             let step = pytorch[d].step;
             out!(
                 "{prefix}needs {} with PyTorch's allocator, {} with PyTorch's expandable_segments:True, \
-                 {} with tidepool, {} with tidepool expandable:true (in steps of {})",
+                 {} with tidepool, {} with tidepool expandable:false (in steps of {})",
                 capacity_text(pytorch[d].min_capacity, step),
                 capacity_text(pytorch_expandable[d].min_capacity, step),
                 capacity_text(tidepool[d].min_capacity, step),
-                capacity_text(expandable[d].min_capacity, step),
+                capacity_text(whole[d].min_capacity, step),
                 step_text(step),
             );
             if let Some((oom, served)) = &recorded_ooms[d] {
@@ -135,7 +136,7 @@ pub fn run(args: Args) -> Result<(), String> {
                 out!(
                     "  The recorded run ran out of memory at event {} asking {} (the needs above serve it too), with {} to use \
                      ({} held, {} free): there, PyTorch's allocator {}, with expandable_segments:True {}, tidepool {}, \
-                     tidepool expandable:true {}",
+                     tidepool expandable:false {}",
                     oom.event,
                     human_bytes(oom.requested),
                     human_bytes(oom.usable()),
@@ -144,25 +145,20 @@ pub fn run(args: Args) -> Result<(), String> {
                     verdict(Policy::Pytorch),
                     verdict(Policy::PytorchExpandable),
                     verdict(Policy::Tidepool),
-                    verdict(Policy::Expandable)
+                    verdict(Policy::WholeSegments)
                 );
             }
-            if let Some(oom) = &expandable[d].one_step_less {
-                let less = expandable[d].min_capacity - expandable[d].step;
-                out!(
-                    "  on {} (one step less), tidepool expandable:true runs out at event {}: {}",
-                    capacity_text(less, step),
-                    oom.event,
-                    oom.message
-                );
+            if let Some(oom) = &tidepool[d].one_step_less {
+                let less = tidepool[d].min_capacity - tidepool[d].step;
+                out!("  on {} (one step less), tidepool runs out at event {}: {}", capacity_text(less, step), oom.event, oom.message);
             }
         }
         if trace.allocs == 0 {
             out!("The trace allocates nothing: no device needed.");
             return Ok(());
         }
-        let best = need(&tidepool).min(need(&expandable));
-        let ours_name = if need(&expandable) < need(&tidepool) { "tidepool expandable:true" } else { "tidepool" };
+        let best = need(&tidepool).min(need(&whole));
+        let ours_name = if need(&whole) < need(&tidepool) { "tidepool expandable:false" } else { "tidepool" };
         let each = if pytorch.len() > 1 { format!("each of the {} devices ", pytorch.len()) } else { String::new() };
         let (theirs, how) = match Policy::pytorch_as_recorded(&trace) {
             Policy::PytorchExpandable => (&pytorch_expandable, " with expandable segments (as recorded)"),

@@ -34,9 +34,9 @@ pub struct Args {
     /// tidepool's configuration, as TIDEPOOL_CONF takes it (given twice, both apply; later keys win)
     #[arg(long, value_name = "KEY:VAL,...")]
     conf: Vec<String>,
-    /// Which to compare, comma-separated: pytorch (the model of PyTorch's allocator), tidepool, expandable (tidepool with
-    /// expandable:true), pytorch-expandable (the model of PyTorch with expandable_segments:True), or all. Default: PyTorch's
-    /// model as the trace says it ran, tidepool and expandable
+    /// Which to compare, comma-separated: pytorch (the model of PyTorch's allocator), tidepool (as configured: expandable
+    /// segments by default), whole-segments (tidepool with expandable:false), pytorch-expandable (the model of PyTorch with
+    /// expandable_segments:True), or all. Default: PyTorch's model as the trace says it ran, tidepool and whole-segments
     #[arg(long, value_name = "LIST")]
     policy: Vec<String>,
     /// One JSON object per policy, a line each
@@ -127,9 +127,9 @@ fn spinner(message: String) -> ProgressBar {
 }
 
 /// What replay compares when --policy is not given: PyTorch's model as the
-/// trace says PyTorch ran, and tidepool without and with expandable segments.
+/// trace says PyTorch ran, and tidepool with and without expandable segments.
 fn default_policies(trace: &Trace) -> Vec<Policy> {
-    vec![Policy::pytorch_as_recorded(trace), Policy::Tidepool, Policy::Expandable]
+    vec![Policy::pytorch_as_recorded(trace), Policy::Tidepool, Policy::WholeSegments]
 }
 
 fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
@@ -206,7 +206,7 @@ fn report_json(r: &ReplayReport) -> serde_json::Value {
         "driver_calls": r.driver_calls,
         "steady_driver_calls": r.steady_driver_calls,
         "warm_up_events": r.warm_up.events,
-        "warm_up_ends": r.warm_up.by.name(),
+        "warm_up_ends": r.warm_up.by.key(),
         "ooms": r.ooms,
         "first_oom": r.first_oom.as_ref().map(|oom| serde_json::json!({ "event": oom.event, "message": oom.message })),
         "peak_inactive_split_bytes": r.peak_inactive_split_bytes,

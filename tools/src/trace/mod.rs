@@ -120,7 +120,15 @@ impl WarmUpEnd {
     pub fn name(self) -> &'static str {
         match self {
             WarmUpEnd::SecondStep => "after step 2",
-            WarmUpEnd::PeakLive => "after the peak of live bytes",
+            WarmUpEnd::PeakLive => "after the live peak",
+        }
+    }
+
+    /// The name in JSON.
+    pub fn key(self) -> &'static str {
+        match self {
+            WarmUpEnd::SecondStep => "step_2",
+            WarmUpEnd::PeakLive => "live_peak",
         }
     }
 }

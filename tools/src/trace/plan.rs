@@ -125,14 +125,19 @@ mod tests {
         assert_eq!(plan.step, 2 << 20);
         // Nothing smaller than the peak can hold it: no device one step less to explain.
         assert_eq!(plan.one_step_less, None);
-        // A 2 MiB block keeps its 20 MiB segment while 300 MiB is asked:
-        // 320 MiB fits, and one step less runs out at that request.
+        // With whole segments a 2 MiB block keeps its 20 MiB segment while
+        // 300 MiB is asked: 320 MiB fits, and one step less runs out at
+        // that request.
         let mut trace = Trace::new("t", crate::trace::Format::RmmCsv);
         let small = trace.alloc(2 << 20, 0, 0);
         let c = trace.alloc(300 << 20, 0, 0);
         trace.free(c);
         trace.free(small);
-        let plan = smallest_capacity(&trace, Policy::Tidepool, "").unwrap();
+        // With expandable segments (tidepool's default) the block holds
+        // its own 2 MiB page: 302 MiB fits.
+        let expandable = smallest_capacity(&trace, Policy::Tidepool, "").unwrap();
+        assert_eq!(expandable.min_capacity, 302 << 20);
+        let plan = smallest_capacity(&trace, Policy::WholeSegments, "").unwrap();
         assert_eq!(plan.min_capacity, 320 << 20);
         let oom = plan.one_step_less.expect("the device one step smaller runs out");
         assert_eq!(oom.event, 1, "at the 300 MiB request");
@@ -145,7 +150,7 @@ mod tests {
         let empty = trace.alloc(0, 0, 0);
         trace.free(empty);
         for t in [Trace::new("t", crate::trace::Format::RmmCsv), trace] {
-            let plan = smallest_capacity(&t, Policy::Expandable, "").unwrap();
+            let plan = smallest_capacity(&t, Policy::WholeSegments, "").unwrap();
             assert_eq!((plan.min_capacity, plan.one_step_less.is_none()), (0, true));
         }
     }

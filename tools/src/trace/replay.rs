@@ -3,7 +3,8 @@
 //! sizing a GPU needs: peaks, the driver calls, OOMs, fragmentation.
 //!
 //! Three policies: `tidepool` (tidepool's configuration, TIDEPOOL_CONF
-//! syntax via `conf`), `expandable` (the same with `expandable:true`) and
+//! syntax via `conf`: expandable segments, as tidepool runs by default),
+//! `whole-segments` (the same with `expandable:false`) and
 //! `pytorch`, the model of PyTorch's native caching
 //! allocator: the rules it shares with tidepool's engine (512-byte
 //! rounding, 2 MiB segments for requests up to 1 MiB, 20 MiB below 10 MiB,
@@ -23,15 +24,16 @@
 
 use std::time::Instant;
 
-use super::{WarmUp, Event, RecordedOom, Trace};
+use super::{Event, RecordedOom, Trace, WarmUp};
 use tidepool::backend::host::HostBackend;
 use tidepool::{AllocError, Allocator, Config, ConfigError, DevicePtr, Stream};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
+    /// tidepool as configured: by default, expandable segments.
     Tidepool,
-    /// tidepool with expandable segments (`expandable:true`).
-    Expandable,
+    /// tidepool with whole segments (`expandable:false`).
+    WholeSegments,
     Pytorch,
     /// The model of PyTorch with `expandable_segments:True`.
     PytorchExpandable,
@@ -43,7 +45,7 @@ const PYTORCH_EXPANDABLE_PAGE: u64 = 20 << 20;
 
 impl Policy {
     /// Every policy (`--policy all`).
-    pub const ALL: [Policy; 4] = [Policy::Pytorch, Policy::Tidepool, Policy::Expandable, Policy::PytorchExpandable];
+    pub const ALL: [Policy; 4] = [Policy::Pytorch, Policy::Tidepool, Policy::WholeSegments, Policy::PytorchExpandable];
 
     /// The model of PyTorch as `trace` says it ran: with expandable
     /// segments or without.
@@ -58,7 +60,7 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::Tidepool => "tidepool",
-            Policy::Expandable => "expandable",
+            Policy::WholeSegments => "whole-segments",
             Policy::Pytorch => "pytorch",
             Policy::PytorchExpandable => "pytorch-expandable",
         }
@@ -68,7 +70,7 @@ impl Policy {
     pub fn title(self) -> &'static str {
         match self {
             Policy::Tidepool => "tidepool",
-            Policy::Expandable => "tidepool expandable",
+            Policy::WholeSegments => "tidepool whole segments",
             Policy::Pytorch => "pytorch model",
             Policy::PytorchExpandable => "pytorch expandable model",
         }
@@ -178,7 +180,7 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
     let pytorch = matches!(options.policy, Policy::Pytorch | Policy::PytorchExpandable);
     match options.policy {
         Policy::Pytorch | Policy::PytorchExpandable => builder = builder.conf(&trace.pytorch_conf)?,
-        Policy::Expandable => builder = builder.set("expandable", "true")?,
+        Policy::WholeSegments => builder = builder.set("expandable", "false")?,
         Policy::Tidepool => {}
     }
     if let Some(path) = &options.record_to {

@@ -90,7 +90,7 @@ fn a_trace_of_several_gpus_gets_each_cards_figures_not_their_sum() {
     let trace = trace::load(&path).unwrap();
     let peaks = trace.peak_requested_per_device();
     assert_eq!(trace.peak_requested(), *peaks.iter().max().unwrap(), "one card's peak, never a sum");
-    let reports = replay_per_device(&trace, &options(Policy::Expandable)).unwrap();
+    let reports = replay_per_device(&trace, &options(Policy::Tidepool)).unwrap();
     assert!(reports.len() >= 2);
     for report in &reports {
         let device = report.device as usize;
@@ -118,7 +118,7 @@ fn a_plan_serves_the_request_the_recorded_run_could_not_and_names_each_device_in
     let (whole, origin) = trace.on_device(1).with_failed_requests();
     assert_eq!((whole.events.len(), whole.peak_requested()), (4, 302 << 20));
     assert_eq!(origin, [0, 1, 1, 1], "each event's index in the recorded part");
-    let plans = smallest_capacity_per_device(&trace, Policy::Tidepool, "", Some(2 << 20)).unwrap();
+    let plans = smallest_capacity_per_device(&trace, Policy::WholeSegments, "", Some(2 << 20)).unwrap();
     assert_eq!((plans[1].device, plans[1].min_capacity), (1, 320 << 20), "the 2 MiB block's segment and the request");
     let less = plans[1].one_step_less.as_ref().unwrap();
     assert_eq!(less.event, 1, "the failed request, numbered as the trace numbers it");
@@ -190,10 +190,10 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     let error = report.peak_reserved_bytes as f64 / recorded - 1.0;
     assert!(error.abs() <= 0.001, "device 1 on {} bytes: {:.3} %", oom.usable(), 100.0 * error);
     assert_eq!((report.ooms, report.device_frees), (0, 6));
-    let err = replay::serves_recorded_oom(&trace, &oom, Policy::Expandable, "").unwrap_err();
+    let err = replay::serves_recorded_oom(&trace, &oom, Policy::Tidepool, "").unwrap_err();
     assert!(err.contains("one device's part"), "{err}");
     assert!(stdout.contains("The recorded run ran out of memory at event 287 asking 4.94 GiB (the needs above serve it too)"), "{stdout}");
-    assert!(stdout.contains("tidepool expandable:true runs out too"), "{stdout}");
+    assert!(stdout.contains("tidepool runs out too, tidepool expandable:false runs out too"), "{stdout}");
 }
 
 #[test]
@@ -210,9 +210,9 @@ fn a_recorded_out_of_memory_is_tried_again_with_each_policy_on_the_memory_pytorc
     }
     let oom = trace::RecordedOom { device: 0, event: 15, requested: 30 << 20, stream: 0, reserved: 40 << 20, device_free: 20 << 20 };
     let served = |policy| replay::serves_recorded_oom(&trace, &oom, policy, "").unwrap();
-    assert!(!served(Policy::Pytorch) && !served(Policy::Tidepool), "the model runs out where PyTorch did");
+    assert!(!served(Policy::Pytorch) && !served(Policy::WholeSegments), "the model runs out where PyTorch did");
     assert!(!served(Policy::PytorchExpandable));
-    assert!(served(Policy::Expandable));
+    assert!(served(Policy::Tidepool));
     // With less memory than live + asked, nobody serves it.
     let tight = trace::RecordedOom { device_free: 8 << 20, ..oom };
     assert!(Policy::ALL.iter().all(|&p| !replay::serves_recorded_oom(&trace, &tight, p, "").unwrap()));
@@ -246,14 +246,14 @@ fn driver_calls_count_each_call_the_cuda_backend_makes() {
     let mut trace = Trace::new("one", trace::Format::RmmCsv);
     let id = trace.alloc(64 << 20, 0, 0);
     trace.free(id);
-    let plain = replay(&trace, &options(Policy::Tidepool)).unwrap();
+    let plain = replay(&trace, &options(Policy::WholeSegments)).unwrap();
     assert_eq!(plain.driver_calls, 1);
-    // cuMemAddressReserve, cuMemCreate and cuMemMap per allocation (a page
-    // each by default), cuMemSetAccess per run.
-    let expandable = replay(&trace, &options(Policy::Expandable)).unwrap();
-    assert_eq!(expandable.driver_calls, 1 + 2 * 32 + 1);
-    let by_8_mib = ReplayOptions { conf: "expandable_allocation_mb:8".into(), ..options(Policy::Expandable) };
-    assert_eq!(replay(&trace, &by_8_mib).unwrap().driver_calls, 1 + 2 * 8 + 1);
+    // cuMemAddressReserve, cuMemCreate and cuMemMap per allocation (8 MiB
+    // by default), cuMemSetAccess per run.
+    let expandable = replay(&trace, &options(Policy::Tidepool)).unwrap();
+    assert_eq!(expandable.driver_calls, 1 + 2 * 8 + 1);
+    let by_2_mib = ReplayOptions { conf: "expandable_allocation_mb:2".into(), ..options(Policy::Tidepool) };
+    assert_eq!(replay(&trace, &by_2_mib).unwrap().driver_calls, 1 + 2 * 32 + 1);
     // PyTorch's expandable segments map 20 MiB at a time: 4 pieces for 64 MiB.
     let pytorch = replay(&trace, &options(Policy::PytorchExpandable)).unwrap();
     assert_eq!((pytorch.driver_calls, pytorch.peak_reserved_bytes), (1 + 2 * 4 + 1, 80 << 20));
@@ -272,11 +272,17 @@ fn driver_calls_count_each_call_the_cuda_backend_makes() {
 }
 
 /// Every trace: examples/traces, tools/tests/traces (a bf16 autocast
-/// training step, for the expandable targets), and ../shared/traces when
-/// present.
+/// training step, and the planner's repeated steps in steps/, for the
+/// expandable targets), and ../shared/traces when present.
 pub(crate) fn all_traces() -> Vec<PathBuf> {
     let root = common::repo_root();
-    let dirs = [Some(root.join("examples/traces")), Some(root.join("tools/tests/traces")), shared("pytorch-snapshots"), shared("rmm-csv")];
+    let dirs = [
+        Some(root.join("examples/traces")),
+        Some(root.join("tools/tests/traces")),
+        Some(root.join("tools/tests/traces/steps")),
+        shared("pytorch-snapshots"),
+        shared("rmm-csv"),
+    ];
     let mut files: Vec<PathBuf> = dirs
         .iter()
         .flatten()
@@ -290,10 +296,10 @@ pub(crate) fn all_traces() -> Vec<PathBuf> {
 }
 
 #[test]
-fn the_default_policy_never_reserves_more_than_pytorchs_model_on_any_trace_or_device() {
+fn whole_segments_never_reserve_more_than_pytorchs_model_and_the_default_never_needs_a_larger_device_on_any_trace() {
     for file in all_traces() {
         let trace = trace::load(&file).unwrap();
-        let ours = replay_per_device(&trace, &options(Policy::Tidepool)).unwrap();
+        let ours = replay_per_device(&trace, &options(Policy::WholeSegments)).unwrap();
         let model = replay_per_device(&trace, &options(Policy::Pytorch)).unwrap();
         for (ours, model) in ours.iter().zip(&model) {
             assert!(
@@ -568,20 +574,23 @@ fn replay_json_has_one_object_per_policy_with_the_documented_keys() {
         assert!(lines[0].contains(key), "{key} missing from {}", lines[0]);
     }
     let policies: Vec<&str> = lines.iter().map(|l| l.split("\"policy\":\"").nth(1).unwrap().split('"').next().unwrap()).collect();
-    assert_eq!(policies, ["pytorch", "tidepool", "expandable"]);
-    let (ok, stdout, _) = tidepool_cli(&["replay", path.to_str().unwrap(), "--json", "--policy", "expandable,pytorch"]);
-    assert!(ok && stdout.lines().count() == 2 && stdout.starts_with("{") && stdout.contains("\"policy\":\"expandable\""), "{stdout}");
+    assert_eq!(policies, ["pytorch", "tidepool", "whole-segments"]);
+    let (ok, stdout, _) = tidepool_cli(&["replay", path.to_str().unwrap(), "--json", "--policy", "whole-segments,pytorch"]);
+    assert!(ok && stdout.lines().count() == 2 && stdout.starts_with("{") && stdout.contains("\"policy\":\"whole-segments\""), "{stdout}");
+    // Earlier releases' name for tidepool with expandable segments, now its default.
+    let (ok, stdout, _) = tidepool_cli(&["replay", path.to_str().unwrap(), "--json", "--policy", "expandable"]);
+    assert!(ok && stdout.lines().count() == 1 && stdout.contains("\"policy\":\"tidepool\""), "{stdout}");
 }
 
 #[test]
 fn a_replay_that_runs_out_says_where_and_why() {
     let path = write_small_csv();
     // 50 allocations of 0.1 to 5 MB, 122 MiB in all, on a 64 MiB device.
-    let args = ["replay", path.to_str().unwrap(), "--policy", "expandable", "--capacity", "64M"];
+    let args = ["replay", path.to_str().unwrap(), "--policy", "tidepool", "--capacity", "64M"];
     let (ok, stdout, stderr) = tidepool_cli(&args);
     assert!(ok, "{stderr}");
     let line = stdout.lines().find(|l| l.contains("first OOM")).unwrap_or_else(|| panic!("no first OOM line:\n{stdout}"));
-    assert!(line.contains("tidepool expandable: event ") && line.contains("tried to allocate"), "{line}");
+    assert!(line.contains("first OOM, tidepool: event ") && line.contains("tried to allocate"), "{line}");
     // It served less than the trace asks: no ratio of reserved to requested.
     let ratio = stdout.lines().find(|l| l.contains("reserved / requested")).unwrap();
     assert!(ratio.trim_end().ends_with("ran out"), "{ratio}");
@@ -602,12 +611,12 @@ fn plan_answers_in_plain_words_and_in_json() {
     assert!(ok, "{stderr}");
     assert!(stdout.contains("with PyTorch's allocator") && stdout.contains("with tidepool"), "{stdout}");
     // A small trace: the smallest card named, with what it gives an allocator.
-    assert!(stdout.contains("tidepool expandable:true and PyTorch's allocator: fits a T4 (13.5 GiB for the allocator)."), "{stdout}");
+    assert!(stdout.contains("tidepool and PyTorch's allocator: fits a T4 (13.5 GiB for the allocator)."), "{stdout}");
     // Sizes as precise as the 2 MiB step: in whole MiB, not hundredths of a GiB.
     let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
     assert!(needs.contains(" MiB with PyTorch's allocator") && needs.ends_with("(in steps of 2 MiB)"), "{needs}");
     assert!(needs.contains(" MiB with PyTorch's expandable_segments:True"), "{needs}");
-    assert!(stdout.contains("(one step less), tidepool expandable:true runs out at event "), "{stdout}");
+    assert!(stdout.contains("(one step less), tidepool runs out at event "), "{stdout}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--json"]);
     assert!(ok);
     for key in [
@@ -615,7 +624,7 @@ fn plan_answers_in_plain_words_and_in_json() {
         "\"peak_requested_bytes\"",
         "\"tidepool\":{\"min_capacity_bytes\"",
         "\"pytorch\":{\"min_capacity_bytes\"",
-        "\"expandable\":{\"min_capacity_bytes\"",
+        "\"whole_segments\":{\"min_capacity_bytes\"",
         "\"pytorch_expandable\":{\"min_capacity_bytes\"",
         "\"pytorch_recorded_oom\":null",
         "\"step_bytes\":2097152",
@@ -625,8 +634,8 @@ fn plan_answers_in_plain_words_and_in_json() {
     }
     // Why one step less does not do: where the replay runs out, per policy and device.
     let plan: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    let less = &plan["devices"][0]["expandable"]["one_step_less"];
-    let (need, step) = (plan["devices"][0]["expandable"]["min_capacity_bytes"].as_u64().unwrap(), plan["step_bytes"].as_u64().unwrap());
+    let less = &plan["devices"][0]["tidepool"]["one_step_less"];
+    let (need, step) = (plan["devices"][0]["tidepool"]["min_capacity_bytes"].as_u64().unwrap(), plan["step_bytes"].as_u64().unwrap());
     assert_eq!(less["capacity_bytes"].as_u64(), Some(need - step), "{plan}");
     assert!(less["event"].as_u64().unwrap() < 75 && less["message"].as_str().unwrap().contains("out of memory"), "{plan}");
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--step", "4MiB"]);
@@ -647,12 +656,12 @@ fn a_replay_of_every_policy_keeps_its_columns_apart() {
         let header = stdout.lines().nth(1).unwrap().to_string();
         header.split("  ").map(str::trim).filter(|t| !t.is_empty()).map(String::from).collect::<Vec<_>>()
     };
-    assert_eq!(titles("all"), ["pytorch model", "tidepool", "tidepool expandable", "pytorch expandable model"]);
+    assert_eq!(titles("all"), ["pytorch model", "tidepool", "tidepool whole segments", "pytorch expandable model"]);
     // A policy named twice is replayed once, where first named.
-    assert_eq!(titles("expandable,all"), ["tidepool expandable", "pytorch model", "tidepool", "pytorch expandable model"]);
+    assert_eq!(titles("whole-segments,all"), ["tidepool whole segments", "pytorch model", "tidepool", "pytorch expandable model"]);
     // Given twice, --policy and --conf add up rather than the last replacing the first.
     let (ok, stdout, stderr) =
-        tidepool_cli(&["replay", path.to_str().unwrap(), "--policy", "expandable", "--policy", "pytorch,expandable"]);
+        tidepool_cli(&["replay", path.to_str().unwrap(), "--policy", "whole-segments", "--policy", "pytorch,whole-segments"]);
     assert!(ok && stdout.lines().nth(1).unwrap().contains("pytorch model"), "{stdout}{stderr}");
     for confs in [["bogus:1", "stash:false"], ["stash:false", "bogus:1"]] {
         let (ok, _, stderr) = tidepool_cli(&["replay", path.to_str().unwrap(), "--conf", confs[0], "--conf", confs[1]]);

@@ -30,7 +30,8 @@ fn top_lists_the_processes_of_the_registry() {
     let scratch = common::scratch_dir("coop-top");
     let dir = scratch.path();
     let conf = common::shared_host_conf(dir, true);
-    let alloc = common::conf_allocator(&conf);
+    // Whole segments: the 5 MiB block's segment is 20 MiB.
+    let alloc = common::conf_allocator(&format!("{conf},expandable:false"));
     let p = alloc.allocate(0, (5 * MIB) as usize, Stream::DEFAULT).unwrap();
     // One reclaimer pass (20 ms) publishes the figures.
     std::thread::sleep(Duration::from_millis(200));

@@ -395,7 +395,7 @@ def _finish(result, cards):
         plan = _plan_result(result.pop("process"))
         result["pytorch"] = plan["pytorch"]["min_capacity_bytes"]
         result["pytorch_expandable"] = plan["pytorch_expandable"]["min_capacity_bytes"]
-        result["tidepool"] = plan["expandable"]["min_capacity_bytes"]
+        result["tidepool"] = plan["tidepool"]["min_capacity_bytes"]
         for allocator, suffix in ALLOCATORS:
             needs = {card: need_on(card, result[allocator], result) for card in cards}
             result["fits" + suffix] = [card.name for card, need in needs.items() if need <= card.usable]
