@@ -97,6 +97,8 @@ pub struct Sample {
     pub requested: u64,
     pub allocated: u64,
     pub reserved: u64,
+    /// The driver calls made so far (`ReplayReport::driver_calls`).
+    pub driver_calls: u64,
 }
 
 /// The first allocation of a replay that failed for lack of memory.
@@ -325,7 +327,8 @@ pub fn replay_with_progress(
             }
         }
         if (index as u64).is_multiple_of(every) || index + 1 == trace.events.len() {
-            let mut sample = Sample { event: index as u64, requested: 0, allocated: 0, reserved: 0 };
+            let driver_calls = driver_calls(&alloc, &backend, options.policy, devices);
+            let mut sample = Sample { event: index as u64, requested: 0, allocated: 0, reserved: 0, driver_calls };
             for device in 0..devices {
                 let t = alloc.device(device).map(|d| d.totals()).unwrap_or_default();
                 sample.requested += t.requested;

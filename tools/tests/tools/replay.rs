@@ -677,12 +677,25 @@ fn the_plot_is_an_svg_with_every_series() {
     assert!(ok, "{stderr}");
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"), "not an SVG document");
-    for label in
-        ["requested", "allocated (tidepool)", "reserved (tidepool)", "allocated (pytorch)", "reserved (pytorch)", "memory (GiB)", "event"]
-    {
-        assert!(text.contains(&format!(">{label}<")) || text.contains(label), "{label} missing");
+    for label in [
+        "requested",
+        "allocated (tidepool)",
+        "reserved (tidepool)",
+        "allocated (pytorch model)",
+        "reserved (tidepool whole segments)",
+        "memory (GiB)",
+        "driver calls so far",
+        "warm-up ends (after the live peak)",
+        "event",
+    ] {
+        assert!(text.contains(label), "{label} missing");
     }
-    assert!(text.matches("<polyline").count() >= 5, "expected five line series");
+    // Requested, then per policy allocated and reserved above and calls below.
+    assert!(text.matches("<polyline").count() >= 1 + 3 * 3, "expected ten line series");
+    // Each policy in a colour of its own (series and legend), the same in both panels.
+    for colour in ["#D62728", "#1F77B4", "#2CA02C"] {
+        assert!(text.matches(&format!("stroke=\"{colour}\"")).count() >= 4, "{colour}");
+    }
     // Well formed: every element that opens closes.
     let opens = text.matches("<text").count();
     assert_eq!(opens, text.matches("</text>").count());
