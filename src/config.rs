@@ -270,11 +270,12 @@ fn show_path(path: &impl AsRef<std::path::Path>) -> String {
 }
 
 /// With expandable segments, the most bytes one physical allocation holds
-/// unless configured (`expandable_allocation_mb`): over the traces, the
-/// warm-up makes 3.0 times the driver calls of PyTorch's expandable
-/// segments (geometric mean; 7.8 times page by page, 2.1 at 20 MiB) and
-/// the smallest device holds 1.0089x the peak of live bytes (1.0055x page
-/// by page, 1.0138x at 20 MiB; PyTorch's 1.0219x): docs/expandable-segments.md.
+/// unless configured (`expandable_allocation_mb`): over the 32 traces of
+/// docs/benchmarks.md, the warm-up makes 2.90 times the driver calls of
+/// PyTorch's expandable segments (geometric mean; 7.35 times page by page,
+/// 2.01 at 20 MiB) and the smallest device holds 1.0143x the peak of live
+/// bytes (1.0107x page by page, 1.0189x at 20 MiB; PyTorch's expandable
+/// segments 1.0306x): docs/expandable-segments.md.
 pub const DEFAULT_EXPANDABLE_ALLOCATION: u64 = 8 * MIB;
 
 /// The options table; `tidepool config --markdown` writes docs/configuration.md from it.
@@ -306,7 +307,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     OptionSpec {
         key: "expandable_allocation_mb",
         default: "8",
-        help: "with expandable: the most one physical allocation of new pages holds, in MiB (at least 1; unlimited: one per run of pages a block needs); the driver takes memory back, or moves it, only by whole allocations, so smaller ones hold less on a full device and larger ones make fewer driver calls while the heap grows (2, a page each: 1.5 times the calls of 8, the smallest device 0.3 % smaller over the shared traces)",
+        help: "with expandable: the most one physical allocation of new pages holds, in MiB (at least 1; unlimited: one per run of pages a block needs); the driver takes memory back, or moves it, only by whole allocations, so smaller ones hold less on a full device and larger ones make fewer driver calls while the heap grows (2, a page each: 3.2 times the calls of 8 while growing, the smallest device 0.4 % smaller over the traces of docs/benchmarks.md)",
         apply: |c, v| {
             c.expandable_allocation = if is_word(v, "unlimited") { u64::MAX } else { at_least(scaled(v, MIB)?, 1, MIB)? };
             Ok(())
@@ -316,7 +317,7 @@ pub static OPTIONS: &[OptionSpec] = &[
             bytes => (bytes / MIB).to_string(),
         },
     },
-    flag!("expandable_split_allocations", "false", "with expandable and allocations larger than a page (expandable_allocation_mb): a block carved from freed memory that ends inside a larger physical allocation no live block uses gives that allocation back, once its stream's queued work has run, and maps its own pages; large allocations then hold no memory a smaller block does not use (unlimited allocations with it: about a third of page by page's driver calls, the same memory on the shared traces)", expandable_split_allocations),
+    flag!("expandable_split_allocations", "false", "with expandable and allocations larger than a page (expandable_allocation_mb): a block carved from freed memory that ends inside a larger physical allocation no live block uses gives that allocation back, once its stream's queued work has run, and maps its own pages; large allocations then hold no memory a smaller block does not use (unlimited allocations with it: the smallest device of page by page for a quarter of its driver calls while growing, but it splits again at every step: not for a repeated training step)", expandable_split_allocations),
     flag!("stash", "true", "keep each pool's last freed block unmerged until the next request, which takes it back if it is the same size; only a block where best fit would put that request, so it never changes placement", stash),
     bounded!("thread_cache_blocks", "16", "blocks each thread keeps of its own frees, per device, for its next requests of the same size and stream, served without the device's lock; every statistic stays exact (0: off; kept only with stream_shards:1)", thread_cache_blocks: usize, 0..=64),
     size!("thread_cache_mb", "16", "the most one thread's cache holds per device, in MiB", thread_cache_bytes, MIB),

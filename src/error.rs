@@ -303,9 +303,9 @@ impl fmt::Display for OomReport {
         } else if self.cached_free >= self.requested && !self.expandable {
             write!(
                 f,
-                "The cache holds enough free memory but in pieces too small: set \
-                 TIDEPOOL_CONF=expandable:true (free pages of holes go back to the device) or \
-                 max_split_size_mb:<MB> so large blocks are not split, or reduce the batch size."
+                "The cache holds enough free memory but in pieces too small: leave expandable segments \
+                 on (TIDEPOOL_CONF=expandable:true, the default: free pages of holes go back to the device) or \
+                 set max_split_size_mb:<MB> so large blocks are not split, or reduce the batch size."
             )
         } else if self.expandable {
             // Every page inside a free block went back before this failed.
@@ -318,7 +318,8 @@ impl fmt::Display for OomReport {
             write!(
                 f,
                 "Live memory needs more than the device has: reduce the batch size, use mixed precision \
-                 or gradient checkpointing; if fragmentation is high, try TIDEPOOL_CONF=expandable:true."
+                 or gradient checkpointing; if fragmentation is high, leave expandable segments on \
+                 (TIDEPOOL_CONF=expandable:true, the default)."
             )
         }
     }
