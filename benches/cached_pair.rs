@@ -148,7 +148,7 @@ fn reclaimer(c: &mut Criterion) {
 /// Expandable segments: the cached pair, and a loop of three sizes whose
 /// requests go through the bins (and the page check of expandable segments).
 fn expandable(c: &mut Criterion) {
-    let both = || [("off", quiet().build().unwrap()), ("on", quiet().conf("expandable:true").unwrap().build().unwrap())];
+    let both = || [("off", quiet().conf("expandable:false").unwrap().build().unwrap()), ("on", quiet().build().unwrap())];
     off_and_on(c, "expandable_pair", both(), &[512]);
     off_and_on(c, "expandable_mixed", both(), &[512, 3 << 20, 64 << 10]);
 }
