@@ -21,6 +21,20 @@
 # whatever happened, lists every section (ok, FAILED, timed out, skipped)
 # and the figures. Record what it prints in docs/gpu-results.md with the
 # date, GPU and driver.
+#
+# The sections' own limits on a GPU: build-cuda 90, python-package 60,
+# conformance and conformance-whole 45 each, c-abi 60, tools 60, vmm 60,
+# warmup-* 4 x 30, check 60, check-whole 30, tags 60, rust-runtime and
+# rust-runtime-whole 30 each, card 30, e2e-* 4 x 45, model-* 2 x 45:
+# 1050 s in all, more than the 430 s the budget leaves them (450 less 20
+# for the summary). A limit stops a section that hangs; the budget bounds
+# the whole: a section gets what is left of it when it starts, so the run
+# ends by 450 s whatever the sections take, and a section whose turn comes
+# with nothing left is recorded as timed out, not started. What each takes
+# on a GPU has not been measured yet: the first run's times (the summary
+# gives each section's seconds against its limit) are the ones to set the
+# limits from. The rehearsal's sections (warmup on the host 60,
+# e2e-tidepool on the host 60, the GPU's skipped) run within the same budget.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REHEARSE=0
@@ -56,8 +70,8 @@ bounded() {
   declare -F "$1" >/dev/null && export -f "$1"
   timeout "$seconds" bash -c '"$@"' bash "$@"
 }
-# record NAME STATUS: a section's outcome for the summary (an exit status,
-# or a word: skipped, missing).
+# record NAME STATUS [TIME]: a section's outcome for the summary (an exit
+# status, or a word: skipped, missing), and the time it took of its limit.
 record() {
   local verdict
   case "$2" in
@@ -66,15 +80,16 @@ record() {
     [0-9]*) verdict="FAILED ($2)" ;;
     *) verdict=$2 ;;
   esac
-  printf '%s\t%s\n' "$1" "$verdict" >> "$OUT/sections.tsv"
+  printf '%s\t%s\t%s\n' "$1" "$verdict" "${3:-}" >> "$OUT/sections.tsv"
 }
 # section NAME SECONDS CMD...: runs CMD bounded, its output shown and kept
 # in $OUT/NAME.txt, and records its outcome.
 section() {
-  local name=$1 seconds=$2; shift 2
+  local name=$1 seconds=$2 began=$SECONDS given; shift 2
+  given=$(limit "$seconds")
   echo "-- $name"
   bounded "$seconds" "$@" 2>&1 | tee "$OUT/$name.txt"
-  record "$name" "${PIPESTATUS[0]}"
+  record "$name" "${PIPESTATUS[0]}" "$(( SECONDS - began )) s of $given s"
 }
 # skip NAME REASON: a section this mode cannot run, named with the reason.
 skip() {
@@ -125,7 +140,7 @@ else
         -Xlinker -rpath -Xlinker "$STAGE" -o "$WORK/$program" || return 1
     done
   }
-  section build-cuda 120 build_cuda
+  section build-cuda 90 build_cuda
 fi
 # The package's pure-Python files from the tree, its two C++ libraries
 # built here beside them (pip builds them where cargo is at hand), in a
@@ -141,7 +156,7 @@ build_package() {
   PYTHONPATH=$WORK/python "$PYTHON" -c 'import tidepool, torch; tidepool.install(); print("tidepool installed into torch", torch.__version__, "from", tidepool.__file__)'
 }
 export TIDEPOOL_CHECK_PACKAGE=$WORK/python
-section python-package 120 build_package
+section python-package 60 build_package
 
 echo "== conformance suite on the driver"
 conformance() {
@@ -153,8 +168,9 @@ conformance() {
       "$STAGE/engine-test" --ignored --exact backends::child_cuda_conformance --nocapture --test-threads=1
   fi
 }
+# tidepool's default (expandable segments: the cuda backend maps pages), then whole segments.
 section conformance 45 conformance
-section conformance-expandable 45 conformance TIDEPOOL_TEST_CONF=expandable:true
+section conformance-whole 45 conformance TIDEPOOL_TEST_CONF=expandable:false
 
 echo "== the C ABI from C (tests/c/ffi_test.c; on a GPU over the host backend: its checks write into the memory they get)"
 c_abi() {
@@ -170,7 +186,7 @@ echo "== the command-line tools (the staged tidepool command)"
 tools() {
   local tp=$STAGE/tidepool
   "$tp" --version && "$tp" cards &&
-    TIDEPOOL_CONF=expandable:true,max_split_size_mb:256 "$tp" config &&
+    TIDEPOOL_CONF=expandable:false,max_split_size_mb:256 "$tp" config &&
     "$tp" replay examples/traces/transformer-varlen-train.csv --policy all &&
     "$tp" plan examples/traces/transformer-varlen-train.csv
 }
@@ -183,7 +199,7 @@ else
   section vmm 60 "$PYTHON" cuda/check/vmm_calls.py --json "$OUT/vmm.json"
 fi
 
-echo "== a 20 GiB trace's warm-up through PyTorch: its expandable segments, tidepool's page by page, in 8 MiB allocations, and as large as each run split when reused (a stream synchronization each)"
+echo "== a 20 GiB trace's warm-up through PyTorch: its expandable segments, tidepool's default (8 MiB allocations), page by page, and as large as each run split when reused (a stream synchronization each)"
 warmup() {
   "$PYTHON" cuda/check/trace_warmup.py --trace examples/traces/transformer-varlen-train.csv "$@" | tail -1 | tee -a "$OUT/warmup.json"
   return "${PIPESTATUS[0]}"
@@ -194,22 +210,23 @@ if (( REHEARSE )); then
   section warmup 60 warmup --allocator native --device cpu --target-gib 1
 else
   section warmup-native-expandable 30 warmup --allocator native-expandable
-  section warmup-page-by-page 30 warmup --allocator tidepool-expandable
-  section warmup-8mib 30 warmup --allocator tidepool-expandable --conf expandable_allocation_mb:8
-  section warmup-split 30 warmup --allocator tidepool-expandable --conf expandable_allocation_mb:unlimited,expandable_split_allocations:true
+  section warmup-default 30 warmup --allocator tidepool
+  section warmup-page-by-page 30 warmup --allocator tidepool --conf expandable_allocation_mb:2
+  section warmup-split 30 warmup --allocator tidepool --conf expandable_allocation_mb:unlimited,expandable_split_allocations:true
 fi
 
 echo "== patterns across streams, and latency"
+echo "-- tidepool's default: expandable segments (kernels write into pages tidepool mapped)"
 gpu_only check 60 "$WORK/tidepool_check" 10000
-echo "-- with expandable segments (kernels write into pages tidepool mapped)"
-gpu_only check-expandable 30 env TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" "$WORK/tidepool_check" 3000
+echo "-- whole segments"
+gpu_only check-whole 30 env TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:false" "$WORK/tidepool_check" 3000
 
 echo "== tags: a CUDA graph across pause and resume, offload bandwidth, pause/resume latency"
 gpu_only tags 60 "$WORK/tags_check" 2
 
 echo "== Rust runtime: Buffer<T> through cudarc, a PTX kernel per layer, results against the host"
 section rust-runtime 30 "$STAGE/rust_runtime" 48 8
-section rust-runtime-expandable 30 env TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:true" "$STAGE/rust_runtime" 48 8
+section rust-runtime-whole 30 env TIDEPOOL_CONF="$TIDEPOOL_CONF,expandable:false" "$STAGE/rust_runtime" 48 8
 
 echo "== what the card gives an allocator (tidepool cards assumes nvidia-smi's total less 1.5 GiB)"
 card() {
@@ -229,13 +246,26 @@ PY
 }
 gpu_only card 30 card
 
-echo "== PyTorch end to end"
+echo "== PyTorch end to end, and a training step's time: PyTorch's allocator, its expandable segments, tidepool's default, tidepool's whole segments"
+# e2e ALLOCATOR [ARGS...]: torch_e2e.py in a process of its own (PyTorch's
+# allocator is chosen before CUDA starts); its JSON line to
+# $OUT/e2e-ALLOCATOR.json, which must hold the step figures.
 e2e() {
-  "$PYTHON" cuda/check/torch_e2e.py --allocator "$1" --steps 20 --snapshot "$OUT/snapshot.pickle" | tail -1 | tee "$OUT/e2e-$1.json"
-  return "${PIPESTATUS[0]}"
+  local allocator=$1; shift
+  "$PYTHON" cuda/check/torch_e2e.py --allocator "$allocator" --steps 20 --snapshot "$OUT/snapshot.pickle" "$@" \
+    | tail -1 | tee "$OUT/e2e-$allocator.json"
+  local status=${PIPESTATUS[0]}
+  (( status == 0 )) || return "$status"
+  grep -q '"steady_step_ms"' "$OUT/e2e-$allocator.json" || { echo "run.sh: e2e-$allocator wrote no step figures"; return 1; }
 }
-for a in native native-expandable tidepool tidepool-expandable; do
-  gpu_only "e2e-$a" 45 e2e "$a"
+for a in native native-expandable tidepool tidepool-whole; do
+  if (( REHEARSE )) && [ "$a" = tidepool ]; then
+    # On the host: the script, the model, tidepool installed and its
+    # statistics read from the library (over simgpu), nothing measured.
+    section "e2e-$a" 60 e2e "$a" --device cpu --steps 3 --batch 1 --lengths 32,16,64
+  else
+    gpu_only "e2e-$a" 45 e2e "$a"
+  fi
 done
 
 echo "== tidepool's models of PyTorch's allocator against PyTorch itself (the loop recorded, then replayed)"

@@ -1,15 +1,39 @@
 """PyTorch end to end on a GPU: a small GPT-2-style model (transformers,
-random init), bf16 autocast, AdamW, a sequence length that changes every
-step, with a side stream and record_stream; then a CUDA graph of an MLP's
-forward pass, replayed after eager tensors were made: its output must
-match eager execution and the eager tensors must survive the replay (a graph
-replays into the blocks it freed during capture; an allocator that hands
-them out again corrupts them). Run once per allocator in fresh processes
-(`--allocator native|native-expandable|tidepool|tidepool-expandable`);
-prints one JSON line. With `--history PATH` (PyTorch's own allocator
-only) it records the training loop's allocations from an empty allocator
-into a snapshot at PATH and stops there: `tidepool replay` of it checks
-tidepool's models of PyTorch's allocator against what PyTorch did.
+random init: nothing downloaded), bf16 autocast, AdamW, a sequence length
+that changes every step, with a side stream and record_stream; then a CUDA
+graph of an MLP's forward pass, replayed after eager tensors were made: its
+output must match eager execution and the eager tensors must survive the
+replay (a graph replays into the blocks it freed during capture; an
+allocator that hands them out again corrupts them). Run once per allocator,
+each in a fresh process (PyTorch's allocator is chosen before CUDA starts):
+`--allocator native` (PyTorch's), `native-expandable` (its
+expandable_segments:True), `tidepool` (tidepool's default: expandable
+segments where the backend maps pages) or `tidepool-whole` (tidepool with
+expandable:false, whole segments; `tidepool-expandable`, the name from
+before expandable segments were tidepool's default, is accepted for
+`tidepool`); prints one JSON line. With `--history PATH` (PyTorch's own
+allocator only) it records the training loop's allocations from an empty
+allocator into a snapshot at PATH and stops there: `tidepool replay` of it
+checks tidepool's models of PyTorch's allocator against what PyTorch did.
+
+What a training step costs with each allocator, in the JSON line:
+`steady_step_ms`, the median of steps 3..N (forward, backward and the
+optimizer's step, synchronized); `warm_up_ms`, steps 1 and 2 together;
+`warm_up_extra_ms`, what they took beyond steady steps of the same
+sequence lengths (each against the median of the later steps of its length
+where the lengths repeat, else against `steady_step_ms`): CUDA's and
+cuBLAS's start-up and the optimizer's state are in it for every allocator
+alike, so the allocator's part is its difference from PyTorch's; and the
+allocator's driver calls, read from torch.cuda.memory_stats() after step 2
+(`driver_calls_after_step_2`: what the later steps made) and after every
+sequence length was seen once (`driver_calls_after_warm_up`, which a
+caching allocator should bring to 0), counted as `driver_calls_counted`
+says: tidepool's own count of its calls (`tidepool.num_driver_calls`) where
+the library has it, else, for every allocator, its allocations and frees of
+device memory (num_device_alloc + num_device_free: PyTorch's cudaMalloc and
+cudaFree, or its expandable segments' mapped pieces; tidepool's segments,
+or its physical allocations of pages, each of those costing more than one
+call).
 
 Then, for every allocator alike (tidepool must behave as PyTorch's own):
 an allocation larger than the GPU raises "CUDA out of memory." where it is
@@ -18,21 +42,42 @@ accelerate-style batch-size search finds a batch that fits;
 max_memory_allocated and reset_peak_memory_stats behave; a snapshot
 recorded with Python frames opens in memory_viz's segment and trace plots
 and names this file in its frames.
+
+`--device cpu` trains on the host (run.sh's rehearsal runs it so, with a
+few short steps: nothing there is measured, but the script, the model and
+the figures' code run; tidepool is installed into torch all the same and
+its statistics are read from the library, over simgpu there).
 """
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
+ALLOCATORS = ["native", "native-expandable", "tidepool", "tidepool-whole"]
+# Earlier names: tidepool-expandable was expandable:true before it was the default.
+ALIASES = {"tidepool-expandable": "tidepool"}
+LENGTHS = [512, 128, 1024, 256, 768, 384, 896, 640]
+
 parser = argparse.ArgumentParser()
-parser.add_argument("--allocator", choices=["native", "native-expandable", "tidepool", "tidepool-expandable"], required=True)
+parser.add_argument("--allocator", choices=ALLOCATORS + list(ALIASES), required=True)
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--snapshot", default=None)
 parser.add_argument("--history", default=None, help="native allocators: record the training loop to this snapshot, then stop")
+parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: the training loop on the host, nothing measured (the rehearsal)")
+parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                    help="the sequence lengths, one a step, in turn")
 args = parser.parse_args()
+args.allocator = ALIASES.get(args.allocator, args.allocator)
 if args.history and args.allocator.startswith("tidepool"):
     parser.error("--history records PyTorch's own allocator (native, native-expandable)")
+if args.history and args.device != "cuda":
+    parser.error("--history records PyTorch's CUDA allocator")
+lengths = [int(n) for n in args.lengths.split(",")]
+cuda = args.device == "cuda"
 
 if args.allocator.startswith("tidepool"):
     # run.sh builds the package's C++ libraries into a copy of it (TIDEPOOL_CHECK_PACKAGE).
@@ -40,8 +85,8 @@ if args.allocator.startswith("tidepool"):
     import tidepool
 
     conf = os.environ.get("TIDEPOOL_CONF", "")
-    if args.allocator == "tidepool-expandable":
-        conf += ",expandable:true"
+    if args.allocator == "tidepool-whole":
+        conf = ",".join(c for c in [conf, "expandable:false"] if c)
     tidepool.install(conf)  # first thing: before CUDA starts
 elif args.allocator == "native-expandable":
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -56,36 +101,121 @@ if args.history:
 torch.manual_seed(0)
 torch.backends.cudnn.deterministic = True
 torch.use_deterministic_algorithms(True, warn_only=True)
-config = GPT2Config(n_layer=6, n_head=8, n_embd=512, vocab_size=8192, n_positions=1024)
-model = GPT2LMHeadModel(config).cuda()
+# Its special tokens inside the vocabulary (GPT-2's are past it); nothing
+# here generates text, so only transformers' warnings change.
+config = GPT2Config(n_layer=6, n_head=8, n_embd=512, vocab_size=8192, n_positions=max(1024, max(lengths)),
+                    bos_token_id=0, eos_token_id=0)
+model = GPT2LMHeadModel(config).to(args.device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-lengths = [512, 128, 1024, 256, 768, 384, 896, 640]
-side = torch.cuda.Stream()
+
+
+def synchronize():
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def allocator_stats():
+    """The allocator's statistics: torch.cuda.memory_stats() (tidepool's
+    once installed); on the host, tidepool's from the library itself
+    (torch reports nothing before CUDA starts), PyTorch's none."""
+    if cuda:
+        return torch.cuda.memory_stats()
+    return tidepool.memory_stats() if args.allocator.startswith("tidepool") else {}
+
+
+def calls(stats):
+    """(driver calls so far, what was counted) from a memory_stats dict:
+    tidepool's count of its calls where the library keeps one, else the
+    allocations and frees of device memory; (None, None) with neither."""
+    for key in ("tidepool.num_driver_calls", "num_driver_calls"):
+        if key in stats:
+            return stats[key], key
+    if "num_device_alloc" in stats:
+        return stats["num_device_alloc"] + stats.get("num_device_free", 0), "num_device_alloc+num_device_free"
+    return None, None
+
+
+def counters(stats):
+    """The counters read at a step's end, for the differences below."""
+    total, counted = calls(stats)
+    return {"driver_calls": total, "counted": counted, "device_allocs": stats.get("num_device_alloc"),
+            "device_frees": stats.get("num_device_free"), "pages_mapped": stats.get("tidepool.num_pages_mapped"),
+            "pages_unmapped": stats.get("tidepool.num_pages_unmapped")}
+
+
+def since(later, earlier):
+    """Each counter's growth from `earlier` to `later` (None where unknown)."""
+    return {k: (later[k] - earlier[k] if isinstance(later[k], int) and isinstance(earlier.get(k), int) else None)
+            for k in later if k != "counted"}
+
+
+side = torch.cuda.Stream() if cuda else None
 losses, times = [], []
-pages_at_warm_up = None
+at_step_2 = at_warm_up = None
 for step in range(args.steps):
-    if step == len(lengths) and args.allocator.startswith("tidepool"):
-        # Every sequence length has been seen once: warm.
-        s = tidepool.memory_stats()
-        pages_at_warm_up = (s["tidepool.num_pages_mapped"], s["tidepool.num_pages_unmapped"])
     n = lengths[step % len(lengths)]
-    ids = torch.randint(0, config.vocab_size, (8, n), device="cuda", generator=None)
-    # A side stream uses the batch too: record_stream keeps it from early reuse.
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        shadow = ids.float().mean()
-    ids.record_stream(side)
-    torch.cuda.synchronize()
+    ids = torch.randint(0, config.vocab_size, (args.batch, n), device=args.device, generator=None)
+    shadow = None
+    if cuda:
+        # A side stream uses the batch too: record_stream keeps it from early reuse.
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            shadow = ids.float().mean()
+        ids.record_stream(side)
+    synchronize()
     start = time.perf_counter()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(args.device, dtype=torch.bfloat16):
         loss = model(ids, labels=ids).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    synchronize()
     times.append(time.perf_counter() - start)
     losses.append(round(loss.item(), 4))
     del shadow
+    # Read after the step, outside its time: after step 2, and once every
+    # sequence length has been seen (warm: a caching allocator calls the
+    # driver no more).
+    if step + 1 == 2:
+        at_step_2 = counters(allocator_stats())
+    if step + 1 == len(lengths):
+        at_warm_up = counters(allocator_stats())
+at_end = counters(allocator_stats())
+
+
+def step_figures():
+    """Steady step, warm-up and warm-up extra in ms, and the driver calls
+    after step 2 and after the warm-up (module docstring)."""
+    ms = [round(t * 1000, 3) for t in times]
+    out = {"steps": len(ms), "step_ms": ms, "step_lengths": [lengths[i % len(lengths)] for i in range(len(ms))]}
+    if len(ms) >= 3:
+        steady = statistics.median(ms[2:])
+        out["steady_step_ms"] = round(steady, 3)
+        out["warm_up_ms"] = round(ms[0] + ms[1], 3)
+        extra = 0.0
+        for i in (0, 1):
+            # Later steps of the same length, past the first round of lengths.
+            same = [ms[j] for j in range(len(lengths), len(ms)) if j % len(lengths) == i % len(lengths)]
+            extra += ms[i] - (statistics.median(same) if same else steady)
+        out["warm_up_extra_ms"] = round(extra, 3)
+    out["driver_calls_counted"] = at_end["counted"]
+    out["driver_calls"] = at_end["driver_calls"]
+    if at_step_2 is not None:
+        after = since(at_end, at_step_2)
+        out["driver_calls_after_step_2"] = after["driver_calls"]
+        out["device_allocs_after_step_2"] = after["device_allocs"]
+        out["device_frees_after_step_2"] = after["device_frees"]
+        if args.allocator.startswith("tidepool"):
+            out["pages_mapped_after_step_2"] = after["pages_mapped"]
+            out["pages_unmapped_after_step_2"] = after["pages_unmapped"]
+    if at_warm_up is not None:
+        after = since(at_end, at_warm_up)
+        out["driver_calls_after_warm_up"] = after["driver_calls"]
+        if args.allocator.startswith("tidepool"):
+            out["pages_mapped_after_warm_up"] = after["pages_mapped"]
+            out["pages_unmapped_after_warm_up"] = after["pages_unmapped"]
+    return out
+
 
 if args.history:
     torch.cuda.memory._dump_snapshot(args.history)
@@ -197,7 +327,14 @@ def api_check():
     return out
 
 
-result = {"allocator": args.allocator, "losses": losses, "median_step_s": sorted(times[5:])[len(times[5:]) // 2]}
+result = {"allocator": args.allocator, "device": args.device, "batch": args.batch, "losses": losses}
+result.update(step_figures())
+if not cuda:
+    # The host: the loop and its figures ran; the GPU's checks need a GPU.
+    print(json.dumps(result))
+    sys.exit(0)
+# The training loop's own peak (the checks below allocate far more).
+result["train_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
 try:
     result["graph_ok"] = graph_check()
 except Exception as e:  # reported, not fatal: the rest of the run still counts
@@ -208,9 +345,6 @@ except Exception as e:  # noqa: BLE001
     result["api_error"] = f"{type(e).__name__}: {e}"[:300]
 if args.allocator.startswith("tidepool"):
     stats = tidepool.memory_stats()
-    if pages_at_warm_up is not None:
-        result["pages_mapped_after_warm_up"] = stats["tidepool.num_pages_mapped"] - pages_at_warm_up[0]
-        result["pages_unmapped_after_warm_up"] = stats["tidepool.num_pages_unmapped"] - pages_at_warm_up[1]
     result["peak_reserved_bytes"] = stats["reserved_bytes.all.peak"]
     result["peak_allocated_bytes"] = stats["allocated_bytes.all.peak"]
     result["stats_sane"] = stats["allocated_bytes.all.peak"] <= stats["reserved_bytes.all.peak"] and stats["num_ooms"] >= 1
