@@ -22,10 +22,11 @@
 # and the figures. Record what it prints in docs/gpu-results.md with the
 # date, GPU and driver.
 #
-# The sections' own limits on a GPU: build-cuda 90, python-package 60,
-# conformance and conformance-whole 45 each, c-abi 60, tools 60, vmm 60,
-# warmup-* 4 x 30, check 60, check-whole 30, tags 60, rust-runtime and
-# rust-runtime-whole 30 each, card 30, e2e-* 4 x 45, model-* 2 x 45:
+# The sections' own limits on a GPU, in their order: build-cuda 90,
+# python-package 60, e2e-* 4 x 45 (the training step's time: 330 s at most
+# by then), conformance and conformance-whole 45 each, c-abi 60, tools 60,
+# vmm 60, warmup-* 4 x 30, check 60, check-whole 30, tags 60, rust-runtime
+# and rust-runtime-whole 30 each, card 30, model-* 2 x 45:
 # 1050 s in all, more than the 430 s the budget leaves them (450 less 20
 # for the summary). A limit stops a section that hangs; the budget bounds
 # the whole: a section gets what is left of it when it starts, so the run
@@ -158,6 +159,30 @@ build_package() {
 export TIDEPOOL_CHECK_PACKAGE=$WORK/python
 section python-package 60 build_package
 
+# First after the package it needs: the step figures issue 51 asks for
+# (4 x 45 s) are in before the sections that may run long.
+echo "== PyTorch end to end, and a training step's time: PyTorch's allocator, its expandable segments, tidepool's default, tidepool's whole segments"
+# e2e ALLOCATOR [ARGS...]: torch_e2e.py in a process of its own (PyTorch's
+# allocator is chosen before CUDA starts); its JSON line to
+# $OUT/e2e-ALLOCATOR.json, which must hold the step figures.
+e2e() {
+  local allocator=$1; shift
+  "$PYTHON" cuda/check/torch_e2e.py --allocator "$allocator" --steps 20 --snapshot "$OUT/snapshot.pickle" "$@" \
+    | tail -1 | tee "$OUT/e2e-$allocator.json"
+  local status=${PIPESTATUS[0]}
+  (( status == 0 )) || return "$status"
+  grep -q '"steady_step_ms"' "$OUT/e2e-$allocator.json" || { echo "run.sh: e2e-$allocator wrote no step figures"; return 1; }
+}
+for a in native native-expandable tidepool tidepool-whole; do
+  if (( REHEARSE )) && [ "$a" = tidepool ]; then
+    # On the host: the script, the model, tidepool installed and its
+    # statistics read from the library (over simgpu), nothing measured.
+    section "e2e-$a" 60 e2e "$a" --device cpu --steps 3 --batch 1 --lengths 32,16,64
+  else
+    gpu_only "e2e-$a" 45 e2e "$a"
+  fi
+done
+
 echo "== conformance suite on the driver"
 conformance() {
   if (( REHEARSE )); then
@@ -245,28 +270,6 @@ print(f"card: nvidia-smi total {smi} MiB, CUDA total {total >> 20} MiB, availabl
 PY
 }
 gpu_only card 30 card
-
-echo "== PyTorch end to end, and a training step's time: PyTorch's allocator, its expandable segments, tidepool's default, tidepool's whole segments"
-# e2e ALLOCATOR [ARGS...]: torch_e2e.py in a process of its own (PyTorch's
-# allocator is chosen before CUDA starts); its JSON line to
-# $OUT/e2e-ALLOCATOR.json, which must hold the step figures.
-e2e() {
-  local allocator=$1; shift
-  "$PYTHON" cuda/check/torch_e2e.py --allocator "$allocator" --steps 20 --snapshot "$OUT/snapshot.pickle" "$@" \
-    | tail -1 | tee "$OUT/e2e-$allocator.json"
-  local status=${PIPESTATUS[0]}
-  (( status == 0 )) || return "$status"
-  grep -q '"steady_step_ms"' "$OUT/e2e-$allocator.json" || { echo "run.sh: e2e-$allocator wrote no step figures"; return 1; }
-}
-for a in native native-expandable tidepool tidepool-whole; do
-  if (( REHEARSE )) && [ "$a" = tidepool ]; then
-    # On the host: the script, the model, tidepool installed and its
-    # statistics read from the library (over simgpu), nothing measured.
-    section "e2e-$a" 60 e2e "$a" --device cpu --steps 3 --batch 1 --lengths 32,16,64
-  else
-    gpu_only "e2e-$a" 45 e2e "$a"
-  fi
-done
 
 echo "== tidepool's models of PyTorch's allocator against PyTorch itself (the loop recorded, then replayed)"
 model() {
