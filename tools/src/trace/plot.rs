@@ -53,10 +53,7 @@ pub fn write_svg(path: &Path, title: &str, reports: &[&ReplayReport]) -> Result<
                 .label(format!("allocated ({name})"))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], light));
             chart
-                .draw_series(LineSeries::new(
-                    report.series.iter().map(|s| (s.event, s.reserved as f64 / GIB)),
-                    full.stroke_width(2),
-                ))?
+                .draw_series(LineSeries::new(report.series.iter().map(|s| (s.event, s.reserved as f64 / GIB)), full.stroke_width(2)))?
                 .label(format!("reserved ({name})"))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], full.stroke_width(2)));
         }
