@@ -33,7 +33,7 @@ extern "C" {
 
 #define TIDEPOOL_PAUSE_OFFLOAD 1 /* tidepool_pause: keep the contents in host memory */
 
-#define TIDEPOOL_STATS_VERSION 6
+#define TIDEPOOL_STATS_VERSION 7
 #define TIDEPOOL_TAG_STATS_VERSION 1
 
 /* One gauge, as torch.cuda.memory_stats reports it. */
@@ -116,6 +116,11 @@ typedef struct tidepool_stats {
      * tidepool_set_memory_fraction, whose fraction 0 makes a limit of 0 B),
      * 0 when the device has none. */
     uint64_t has_reserved_limit;
+    /* Version 7: memory driver calls made on the device, failed ones
+     * included (cuMemAlloc/cuMemFree or cuMemAllocFromPoolAsync/cuMemFreeAsync,
+     * cuMemAddressReserve/cuMemAddressFree, cuMemCreate/cuMemRelease,
+     * cuMemMap/cuMemUnmap, cuMemSetAccess): a steady step makes none. */
+    uint64_t num_driver_calls;
 } tidepool_stats;
 
 /* What one tag holds on one device (tidepool_get_tag_stats). Versioned as

@@ -197,6 +197,7 @@ impl Device {
             device_free: info.map_or(0, |i| i.free),
             paused: stats.paused_bytes,
             released: Reason::ALL.map(|r| stats.released(r).bytes),
+            driver_calls: stats.events.num_driver_calls,
             ..Entry::default()
         }
     }
@@ -214,11 +215,13 @@ impl Device {
     /// over the shards, so a peak is an upper bound of the device's (the
     /// shards may peak at different times), except the peak of all reserved
     /// bytes (small and large pools together), which the shards' shared
-    /// count keeps for the device.
+    /// count keeps for the device, and the driver calls, which each shard
+    /// reads whole from the backend (the latest read, the largest, is kept).
     pub fn stats(&self) -> Stats {
         let each: Vec<Stats> = self.shards.iter().map(|h| h.lock().stats()).collect();
         let mut stats = Stats::combine(&each);
         stats.reserved_bytes.all.peak = self.reserve.peak();
+        stats.events.num_driver_calls = each.iter().map(|s| s.events.num_driver_calls).max().unwrap_or(0);
         if let Some(cooperation) = &self.cooperation {
             stats.events.add(&cooperation.events());
         }

@@ -206,6 +206,13 @@ macro_rules! for_each_counter {
             num_pages_mapped: sum, "tidepool.num_pages_mapped", num_pages_mapped;
             /// Pages of expandable segments unmapped.
             num_pages_unmapped: sum, "tidepool.num_pages_unmapped", num_pages_unmapped;
+            /// Memory driver calls made on the device, failed ones included:
+            /// `cuMemAlloc`/`cuMemFree` (or the stream-ordered pair),
+            /// `cuMemAddressReserve`/`cuMemAddressFree`, `cuMemCreate`/`cuMemRelease`,
+            /// `cuMemMap`/`cuMemUnmap`, `cuMemSetAccess`. Read from the backend
+            /// (`Backend::driver_calls_on`) when statistics are read, less its
+            /// value at the last reset: the whole device's in every shard's.
+            num_driver_calls: sum, "tidepool.num_driver_calls", num_driver_calls;
         }
     };
 }
@@ -626,7 +633,7 @@ mod tests {
         assert_eq!(keys["allocated_bytes.small_pool.current"], 0);
         assert_eq!(keys["inactive_split_bytes.all.freed"], 0);
         assert_eq!(keys["num_ooms"], 2);
-        assert_eq!(keys.len(), 9 * 3 * 4 + 15 + 6 + 12);
+        assert_eq!(keys.len(), 9 * 3 * 4 + 16 + 6 + 12);
         for counter in Events::COUNTERS {
             assert!(keys.contains_key(counter.key), "{} has no key", counter.field);
         }

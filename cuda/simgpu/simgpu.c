@@ -366,8 +366,9 @@ static long relaxed_allocs, relaxed_unmaps;
 
 /* Calls that take or give back device memory or address space (cuMemAlloc,
  * cuMemFree, cuMemAddressReserve, cuMemAddressFree, cuMemCreate, cuMemMap,
- * cuMemSetAccess, cuMemUnmap, cuMemRelease), as `tidepool replay` counts
- * its driver calls. */
+ * cuMemSetAccess, cuMemUnmap, cuMemRelease; cuMemAllocFromPoolAsync,
+ * cuMemAllocAsync and cuMemFreeAsync, each one call), as `tidepool replay`
+ * counts its driver calls and tidepool's num_driver_calls counts its own. */
 static long memory_calls;
 #define COUNT_MEMORY_CALL() __atomic_fetch_add(&memory_calls, 1, __ATOMIC_RELAXED)
 
@@ -1175,18 +1176,21 @@ CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
     return pool ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
+/* The stream-ordered allocations are cuMemAlloc_v2's, which counts them;
+ * one refused before it is counted here. */
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s) {
-    if (!pool) return CUDA_ERROR_INVALID_VALUE;
-    if (s && !known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
+    if (!pool) return COUNT_MEMORY_CALL(), CUDA_ERROR_INVALID_VALUE;
+    if (s && !known_stream(s)) return COUNT_MEMORY_CALL(), CUDA_ERROR_INVALID_HANDLE;
     return cuMemAlloc_v2(dptr, bytes);
 }
 
 CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s) {
-    if (s && !known_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
+    if (s && !known_stream(s)) return COUNT_MEMORY_CALL(), CUDA_ERROR_INVALID_HANDLE;
     return cuMemAlloc_v2(dptr, bytes);
 }
 
 CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s) {
+    COUNT_MEMORY_CALL();
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
     return enqueue(s, (struct op){.kind = OP_FREE, .ptr = (uintptr_t)dptr});
 }

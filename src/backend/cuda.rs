@@ -18,6 +18,12 @@
 //! `cuMemHostAlloc`, freed with `cuMemFreeHost`, so the copies of a pause
 //! and a resume run at the bus's speed.
 //!
+//! Every memory call (`cuMemAlloc`/`cuMemFree` or the stream-ordered pair,
+//! `cuMemAddressReserve`/`cuMemAddressFree`, `cuMemCreate`/`cuMemRelease`,
+//! `cuMemMap`/`cuMemUnmap`, `cuMemSetAccess`) is counted on its device as it
+//! is made, failed or not (`driver_calls_on`), as the host backend models
+//! them and as simgpu counts them.
+//!
 //! Each device works in its primary context, made current on the calling
 //! thread when it is not (PyTorch's threads have it already; a plain Rust
 //! program's do not). Every driver result is mapped in `check`: out of
@@ -26,6 +32,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, CStr};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::sync::Mutex;
 
@@ -49,6 +56,16 @@ struct Device {
     vm_page: u64,
     /// The physical allocations mapped, by address: each one's handle and length.
     vm_handles: Mutex<BTreeMap<u64, (sys::CUmemGenericAllocationHandle, u64)>>,
+    /// The memory driver calls made on this device (`Backend::driver_calls_on`).
+    driver_calls: AtomicU64,
+}
+
+impl Device {
+    /// Counts one memory driver call on this device: called right before
+    /// each one, which counts whether it succeeds or fails.
+    fn count_call(&self) {
+        self.driver_calls.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// A physical allocation mapped whole at `addr`.
@@ -167,6 +184,7 @@ impl CudaBackend {
                 events: Mutex::new(Vec::new()),
                 vm_page,
                 vm_handles: Mutex::new(BTreeMap::new()),
+                driver_calls: AtomicU64::new(0),
             });
         }
         Ok(CudaBackend {
@@ -279,8 +297,10 @@ impl CudaBackend {
     /// unmapped counts as unmapped (its addresses are free again), with a
     /// warning.
     fn unmap_allocations(&self, device: usize, whole: &[Allocation]) -> Result<(), BackendError> {
+        let d = &self.devices[device];
         let mut unmapped = Vec::new();
         for a in whole {
+            d.count_call();
             // SAFETY: `a` is an allocation this backend mapped whole, and the
             // engine unmaps it only once no work uses it.
             match check(unsafe { sys::cuMemUnmap(a.addr, a.len as usize) }, "cuMemUnmap") {
@@ -291,9 +311,10 @@ impl CudaBackend {
                 }
             }
         }
-        let mut handles = self.devices[device].vm_handles.lock();
+        let mut handles = d.vm_handles.lock();
         for a in unmapped {
             handles.remove(&a.addr);
+            d.count_call();
             // SAFETY: `a.handle` is no longer mapped anywhere; this is its one release.
             if let Err(err) = check(unsafe { sys::cuMemRelease(a.handle) }, "cuMemRelease") {
                 log_line(format_args!("tidepool: warning: device {device}: the memory unmapped at {:#x} was not freed: {err}", a.addr));
@@ -305,12 +326,14 @@ impl CudaBackend {
     /// Maps each allocation of `device` again at its address, readable and
     /// writable: undoes unmaps that a failure made void.
     fn map_again(&self, device: usize, allocations: &[Allocation]) {
-        let prop = page_properties(self.devices[device].ordinal);
+        let d = &self.devices[device];
+        let prop = page_properties(d.ordinal);
         for a in allocations {
+            d.count_call();
             // SAFETY: `a.addr` was unmapped just before from `a.handle`, which
             // is still alive; nothing else maps there meanwhile (the heap's lock).
             let result = check(unsafe { sys::cuMemMap(a.addr, a.len as usize, 0, a.handle, 0) }, "cuMemMap")
-                .and_then(|()| grant_access(&prop, a.addr, a.len));
+                .and_then(|()| grant_access(d, &prop, a.addr, a.len));
             if let Err(err) = result {
                 log_line(format_args!("tidepool: warning: device {device}: the memory at {:#x} could not be mapped again: {err}", a.addr));
             }
@@ -352,13 +375,19 @@ impl Backend for CudaBackend {
         self.devices.len()
     }
 
+    fn driver_calls_on(&self, device: usize) -> u64 {
+        self.devices.get(device).map_or(0, |d| d.driver_calls.load(Ordering::Relaxed))
+    }
+
     fn allocate(&self, device: usize, size: u64, stream: Stream) -> Result<u64, BackendError> {
         self.enter(device, "cuMemAlloc")?;
         let bytes = usize::try_from(size).map_err(|_| BackendError::OutOfMemory)?;
         let mut ptr: sys::CUdeviceptr = 0;
-        let pool = self.devices[device].pool;
+        let d = &self.devices[device];
+        let pool = d.pool;
         if pool != 0 {
             self.refuse_capturing_stream(stream)?;
+            d.count_call();
             // SAFETY: the context is current, `pool` was created for this
             // device, `stream` is the requester's; the driver writes the address.
             check(
@@ -367,6 +396,7 @@ impl Backend for CudaBackend {
             )?;
         } else {
             let _relaxed = RelaxedCapture::new(self);
+            d.count_call();
             // SAFETY: the device's context is current; the driver writes the address into a local.
             check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, "cuMemAlloc_v2")?;
         }
@@ -375,7 +405,11 @@ impl Backend for CudaBackend {
 
     fn release(&self, device: usize, base: u64, _size: u64, stream: Stream) -> Result<(), BackendError> {
         self.enter(device, "cuMemFree")?;
-        let pool = self.devices[device].pool;
+        let d = &self.devices[device];
+        // One call either way: cuMemFree_v2, or cuMemFreeAsync (the trim
+        // that follows it takes back no address and is not counted).
+        d.count_call();
+        let pool = d.pool;
         if pool != 0 {
             // SAFETY: `base` came from this device's pool and is released once,
             // in the order of the stream it was last used on.
@@ -410,6 +444,7 @@ impl Backend for CudaBackend {
         let page = self.devices[device].vm_page as usize;
         let mut base: sys::CUdeviceptr = 0;
         let _relaxed = RelaxedCapture::new(self);
+        self.devices[device].count_call();
         // SAFETY: reserves address space only (no memory); the driver writes its base.
         check(unsafe { sys::cuMemAddressReserve(&mut base, size as usize, page, 0, 0) }, "cuMemAddressReserve")?;
         Ok(base)
@@ -417,6 +452,7 @@ impl Backend for CudaBackend {
 
     fn vm_free(&self, device: usize, base: u64, size: u64) -> Result<(), BackendError> {
         self.enter(device, "cuMemAddressFree")?;
+        self.devices[device].count_call();
         // SAFETY: `base`/`size` is a range from vm_reserve with no page mapped.
         check(unsafe { sys::cuMemAddressFree(base, size as usize) }, "cuMemAddressFree")
     }
@@ -439,14 +475,17 @@ impl Backend for CudaBackend {
         let mut at = addr;
         for &each in sizes {
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            d.count_call();
             // SAFETY: `prop` describes pages of this device's memory; the driver writes the handle.
             result = check(unsafe { sys::cuMemCreate(&mut handle, each as usize, &prop, 0) }, "cuMemCreate");
             if result.is_err() {
                 break;
             }
+            d.count_call();
             // SAFETY: `[at, at + each)` is unmapped in a range reserved by vm_reserve.
             result = check(unsafe { sys::cuMemMap(at, each as usize, 0, handle, 0) }, "cuMemMap");
             if result.is_err() {
+                d.count_call();
                 // SAFETY: the handle was never mapped; this is its one release.
                 unsafe { sys::cuMemRelease(handle) };
                 break;
@@ -455,11 +494,12 @@ impl Backend for CudaBackend {
             at += each;
         }
         if result.is_ok() {
-            result = grant_access(&prop, addr, len);
+            result = grant_access(d, &prop, addr, len);
         }
         if result.is_err() {
             // All or nothing: the allocations made so far go back.
             for a in &made {
+                d.count_call();
                 // SAFETY: mapped just above, used by nothing yet.
                 if let Err(err) = check(unsafe { sys::cuMemUnmap(a.addr, a.len as usize) }, "cuMemUnmap") {
                     log_line(format_args!(
@@ -469,6 +509,7 @@ impl Backend for CudaBackend {
                     d.vm_handles.lock().insert(a.addr, (a.handle, a.len));
                     continue;
                 }
+                d.count_call();
                 // SAFETY: unmapped just above; its one release.
                 unsafe { sys::cuMemRelease(a.handle) };
             }
@@ -484,7 +525,8 @@ impl Backend for CudaBackend {
     fn vm_move(&self, device: usize, from: u64, to: u64, len: u64) -> Result<(), BackendError> {
         self.enter(device, "cuMemMap")?;
         let whole = self.allocations_in(device, from, len, "cuMemUnmap")?;
-        let prop = page_properties(self.devices[device].ordinal);
+        let d = &self.devices[device];
+        let prop = page_properties(d.ordinal);
         let _relaxed = RelaxedCapture::new(self);
         // Each allocation is unmapped from `from` (its memory stays with its
         // handle), then mapped at `to`. A failure undoes what was done
@@ -492,6 +534,7 @@ impl Backend for CudaBackend {
         // maps by unmapping (the one undo that can itself fail, reported).
         let mut unmapped = Vec::new();
         for a in &whole {
+            d.count_call();
             // SAFETY: `a` is an allocation this backend mapped whole, which
             // the engine moves only once no work uses it; the handle is not
             // released, so its memory stays.
@@ -505,6 +548,7 @@ impl Backend for CudaBackend {
         let mut result = Ok(());
         for a in &unmapped {
             let at = to + (a.addr - from);
+            d.count_call();
             // SAFETY: `[at, at + a.len)` is unmapped in a range reserved by
             // vm_reserve; `a.handle` is live memory of this device, mapped
             // nowhere now.
@@ -514,9 +558,10 @@ impl Backend for CudaBackend {
             }
             mapped.push((at, a.len));
         }
-        let result = result.and_then(|()| grant_access(&prop, to, len));
+        let result = result.and_then(|()| grant_access(d, &prop, to, len));
         if let Err(err) = result {
             for (at, n) in mapped {
+                d.count_call();
                 // SAFETY: mapped just above; its handle stays alive and is
                 // mapped at `from` again below.
                 if let Err(undo) = check(unsafe { sys::cuMemUnmap(at, n as usize) }, "cuMemUnmap") {
@@ -528,7 +573,7 @@ impl Backend for CudaBackend {
             self.map_again(device, &unmapped);
             return Err(err);
         }
-        let mut handles = self.devices[device].vm_handles.lock();
+        let mut handles = d.vm_handles.lock();
         for a in unmapped {
             handles.remove(&a.addr);
             handles.insert(to + (a.addr - from), (a.handle, a.len));
@@ -687,9 +732,10 @@ impl Drop for PinnedHost {
     }
 }
 
-/// Lets the device of `prop` read and write [addr, addr + len), pages just
-/// mapped by the caller.
-fn grant_access(prop: &sys::CUmemAllocationProp, addr: u64, len: u64) -> Result<(), BackendError> {
+/// Lets the device of `prop` (`device`'s) read and write [addr, addr + len),
+/// pages just mapped by the caller: one call, counted on `device`.
+fn grant_access(device: &Device, prop: &sys::CUmemAllocationProp, addr: u64, len: u64) -> Result<(), BackendError> {
+    device.count_call();
     let access = sys::CUmemAccessDesc { location: prop.location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
     // SAFETY: the caller mapped [addr, addr + len); one access descriptor.
     check(unsafe { sys::cuMemSetAccess(addr, len as usize, &access, 1) }, "cuMemSetAccess")

@@ -94,6 +94,17 @@ pub trait Backend: Send + Sync {
     /// A name for `device` that every process sharing it agrees on (a GPU's
     /// UUID), or None when no other process can share it.
     fn shared_device_key(&self, device: usize) -> Option<String>;
+    /// The memory driver calls this backend has made on `device` so far,
+    /// successful or failed: `cuMemAlloc` and `cuMemFree` (or the
+    /// stream-ordered `cuMemAllocFromPoolAsync` and `cuMemFreeAsync`) for
+    /// segments, `cuMemAddressReserve` and `cuMemAddressFree`,
+    /// `cuMemCreate` and `cuMemRelease`, `cuMemMap` and `cuMemUnmap`,
+    /// `cuMemSetAccess` (those made to undo a failed step included); for a
+    /// backend that stands in for a driver, the calls the `cuda` backend
+    /// would have made. Never reset: statistics (`num_driver_calls`) count
+    /// from it. Every backend answers (no default), so that no real one
+    /// reports a steady 0.
+    fn driver_calls_on(&self, device: usize) -> u64;
     /// Waits until the work queued on `stream` so far has run. Backends
     /// without asynchronous work have nothing to wait for.
     fn synchronize_stream(&self, _device: usize, _stream: Stream) -> Result<(), BackendError> {

@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_void};
 use super::boundary::{Failure, TIDEPOOL_ERR_INVALID_ARGUMENT};
 
 /// Version of `tidepool_stats` this library fills.
-pub const TIDEPOOL_STATS_VERSION: u32 = 6;
+pub const TIDEPOOL_STATS_VERSION: u32 = 7;
 /// Version of `tidepool_tag_stats` this library fills.
 pub const TIDEPOOL_TAG_STATS_VERSION: u32 = 1;
 
@@ -85,6 +85,8 @@ pub struct tidepool_stats {
     pub num_cross_stream_reuses: u64,
     /// Version 6: 1 when `reserved_limit_bytes` is a limit (0 included).
     pub has_reserved_limit: u64,
+    /// Version 7: the memory driver calls made on the device.
+    pub num_driver_calls: u64,
 }
 
 /// What one tag holds on a device (`tidepool_get_tag_stats`); versioned as

@@ -197,6 +197,10 @@ pub struct DeviceHeap {
     clock: Arc<Clock>,
     // What it counts and who watches.
     stats: Counters,
+    /// The backend's driver calls on this device when the heap was made or
+    /// its accumulated statistics last reset: `num_driver_calls` counts
+    /// from there.
+    driver_calls_at_reset: u64,
     /// Blocks lent to threads' caches and what those caches did (`lent.rs`).
     lending: lent::Lending,
     /// The recording, the history and the contexts (`observe.rs`).
@@ -206,6 +210,7 @@ pub struct DeviceHeap {
 impl DeviceHeap {
     pub fn new(device: usize, rules: SizeRules, backend: Arc<dyn Backend>) -> DeviceHeap {
         DeviceHeap {
+            driver_calls_at_reset: backend.driver_calls_on(device),
             device,
             rules,
             backend,

@@ -118,7 +118,10 @@ impl DeviceHeap {
     }
 
     /// The statistics, with the cache figures computed now (stashed
-    /// blocks are merged first, so the figures are those of a merged heap).
+    /// blocks are merged first, so the figures are those of a merged heap)
+    /// and the backend's driver calls on the device since the heap was made
+    /// or last reset (those of every heap of the device: the backend counts
+    /// per device).
     pub fn stats(&mut self) -> Stats {
         self.recall_all();
         self.process_pending(false);
@@ -132,6 +135,7 @@ impl DeviceHeap {
         let classic =
             (0..self.pools.len() as u32).filter(|&p| self.pool_vm(p).is_none()).map(|p| self.pools[p as usize].largest(&self.blocks));
         stats.largest_free_block_bytes = classic.max().unwrap_or(0).max(self.largest_mapped_free_run());
+        stats.events.num_driver_calls = self.backend.driver_calls_on(self.device).saturating_sub(self.driver_calls_at_reset);
         stats
     }
 
@@ -143,6 +147,7 @@ impl DeviceHeap {
     pub fn reset_accumulated_stats(&mut self) {
         self.disarm_all();
         self.stats.reset_accumulated();
+        self.driver_calls_at_reset = self.backend.driver_calls_on(self.device);
     }
 
     /// The report of an out-of-memory for `requested` bytes, which the

@@ -3,7 +3,7 @@
 //! bytes, each an `Entry` with its checksum; the names registry files
 //! have; whether the process of a slot lives; reading a file whole.
 //!
-//! A slot, version 4: pid u32, device u32, the `U64_FIELDS` u64 figures of
+//! A slot, version 5: pid u32, device u32, the `U64_FIELDS` u64 figures of
 //! `Entry` in its order, the process name (16 bytes, NUL padded),
 //! `answered_ms` u64, the process's start time u64 (clock ticks after
 //! boot, as /proc/PID/stat gives it: a pid reused by another process does
@@ -12,8 +12,8 @@
 //! written by no tidepool process), and the FNV-1a checksum of everything
 //! before it. A slot whose pid is 0 is free. Older versions (1: 112-byte
 //! slots, 2: 192 bytes without the start time, 3: 200 bytes without the
-//! interval) are refused while one of their processes lives and rewritten
-//! once none does.
+//! interval, 4: 208 bytes without the driver calls) are refused while one
+//! of their processes lives and rewritten once none does.
 
 use std::fs::File;
 use std::io::ErrorKind;
@@ -23,14 +23,14 @@ use std::path::Path;
 use crate::proc_info::is_running;
 
 pub(super) const MAGIC: &[u8; 8] = b"TIDEPOOL";
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 pub const SLOTS: usize = 64;
 pub(super) const HEADER: u64 = 16;
-pub(super) const SLOT: u64 = 208;
+pub(super) const SLOT: u64 = 216;
 /// The bytes of a whole registry file.
 pub const FILE_BYTES: u64 = HEADER + SLOT * SLOTS as u64;
 /// The u64 figures of a slot, after pid and device.
-pub(super) const U64_FIELDS: usize = 19;
+pub(super) const U64_FIELDS: usize = 20;
 pub(super) const COMM_AT: usize = 8 + 8 * U64_FIELDS;
 pub(super) const ANSWERED_AT: usize = COMM_AT + 16;
 pub(super) const START_AT: usize = ANSWERED_AT + 8;
@@ -38,7 +38,7 @@ pub(super) const INTERVAL_AT: usize = START_AT + 8;
 pub(super) const CHECKSUM_AT: usize = SLOT as usize - 8;
 /// The slot size of each older version, to tell whether an old file is
 /// still in use (a slot's pid comes first in every version).
-pub(super) const OLD_SLOTS: [(u32, u64); 3] = [(1, 112), (2, 192), (3, 200)];
+pub(super) const OLD_SLOTS: [(u32, u64); 4] = [(1, 112), (2, 192), (3, 200), (4, 208)];
 /// A heartbeat counts as life for this many of its process's intervals
 /// (`Entry::is_beating`), plus `BEAT_SLACK_MS`: a reclaimer pass that runs
 /// late (a release under way) is not taken for a stopped process.
@@ -74,6 +74,8 @@ pub struct Entry {
     pub paused: u64,
     /// Bytes given back to the driver, by `Reason` (index).
     pub released: [u64; 6],
+    /// Memory driver calls made on the device (`num_driver_calls`).
+    pub driver_calls: u64,
     /// The process's name (`/proc/PID/comm`), NUL padded.
     pub comm: [u8; 16],
     /// The heartbeat of the last publication that saw another process's
@@ -115,6 +117,7 @@ impl Entry {
             r[3],
             r[4],
             r[5],
+            self.driver_calls,
         ]
     }
 
@@ -165,6 +168,7 @@ impl Entry {
             device_free: f[11],
             paused: f[12],
             released: [f[13], f[14], f[15], f[16], f[17], f[18]],
+            driver_calls: f[19],
             comm: raw[COMM_AT..COMM_AT + 16].try_into().expect("16 bytes"),
             answered_ms: u64_at(ANSWERED_AT),
             start_ticks: u64_at(START_AT),

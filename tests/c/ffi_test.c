@@ -42,13 +42,28 @@ static void basic_use(void) {
     CHECK(s.reserved_bytes == 2 * MIB, "reserved %llu", (unsigned long long)s.reserved_bytes);
     /* gauges[4] is allocated_bytes, as torch.cuda.memory_stats names it */
     CHECK(s.gauges[4].all.current == 1024 && s.gauges[4].small_pool.current == 1024, "gauges");
+    /* The driver calls that page cost: with expandable segments (the
+     * default here) a range reserved, then the page created, mapped and
+     * opened; with whole segments, the segment's allocation. */
+    uint64_t first_calls = s.num_pages_mapped > 0 ? 4 : s.num_device_allocs;
+    CHECK(s.num_driver_calls == first_calls, "driver calls %llu (pages %llu)", (unsigned long long)s.num_driver_calls,
+          (unsigned long long)s.num_pages_mapped);
     tidepool_free(p, 1000, 0, NULL);
     s = stats_of(0);
     CHECK(s.allocated_bytes == 0 && s.num_frees == 1 && s.num_allocs == 1, "after free");
+    /* Served from the cache: no driver call. */
+    void* again = tidepool_malloc(1000, 0, NULL);
+    tidepool_free(again, 1000, 0, NULL);
+    CHECK(stats_of(0).num_driver_calls == first_calls, "the cache serves it: %llu driver calls",
+          (unsigned long long)stats_of(0).num_driver_calls);
     CHECK(tidepool_malloc(0, 0, NULL) == NULL, "size 0 gives NULL");
     tidepool_empty_cache();
     s = stats_of(0);
     CHECK(s.reserved_bytes == 0, "empty_cache releases the segment");
+    /* Given back: the page unmapped and released (the range stays
+     * reserved), or the segment freed. */
+    CHECK(s.num_driver_calls == first_calls + (s.num_pages_unmapped > 0 ? 2 : s.num_device_frees), "driver calls after empty_cache: %llu",
+          (unsigned long long)s.num_driver_calls);
     CHECK(s.released_empty_cache_bytes == 2 * MIB, "counted as released by empty_cache");
     /* A caller built against version 1 of the struct gets its prefix. */
     tidepool_stats v1;
@@ -71,6 +86,13 @@ static void basic_use(void) {
     memset(&v5, 0xEE, sizeof v5);
     v5.size = (uint32_t)offsetof(tidepool_stats, has_reserved_limit);
     CHECK(tidepool_get_stats(0, &v5) == TIDEPOOL_OK && v5.size == 1176 && v5.has_reserved_limit == 0xEEEEEEEEEEEEEEEEull, "v5 caller");
+    /* And one built against version 6 (up to has_reserved_limit) gets no version 7 field. */
+    tidepool_stats v6;
+    memset(&v6, 0xEE, sizeof v6);
+    v6.size = (uint32_t)offsetof(tidepool_stats, num_driver_calls);
+    CHECK(tidepool_get_stats(0, &v6) == TIDEPOOL_OK && v6.size == 1184 && v6.has_reserved_limit == 0, "v6 caller");
+    CHECK(v6.num_driver_calls == 0xEEEEEEEEEEEEEEEEull, "version 7's field not written for a version 6 caller");
+    CHECK(sizeof(tidepool_stats) == 1192 && s.version == 7, "version 7 is 1192 bytes");
 }
 
 static void bad_input(void) {
@@ -197,6 +219,7 @@ static void reset_stats(void) {
     tidepool_free(big, 30 * MIB, 0, NULL);
     tidepool_stats before = stats_of(0);
     CHECK(before.peak_allocated_bytes > before.allocated_bytes, "a peak above the current value");
+    CHECK(before.num_driver_calls > 0, "driver calls counted before the reset");
     CHECK(before.num_ooms > 0 && before.num_allocs > 0 && before.num_invalid_frees > 0, "counted before the reset");
     CHECK(tidepool_reset_peak_stats(0) == TIDEPOOL_OK, "reset_peak_stats: %s", last_error());
     tidepool_stats s = stats_of(0);
@@ -208,8 +231,9 @@ static void reset_stats(void) {
     CHECK(tidepool_reset_accumulated_stats(-1) == TIDEPOOL_OK, "reset_accumulated_stats(-1): %s", last_error());
     s = stats_of(0);
     CHECK(s.num_ooms == 0 && s.num_allocs == 0 && s.num_frees == 0 && s.num_device_allocs == 0 &&
-              s.num_device_frees == 0 && s.num_alloc_retries == 0 && s.num_invalid_frees == 0,
-          "counters zeroed: ooms %llu allocs %llu", (unsigned long long)s.num_ooms, (unsigned long long)s.num_allocs);
+              s.num_device_frees == 0 && s.num_alloc_retries == 0 && s.num_invalid_frees == 0 && s.num_driver_calls == 0,
+          "counters zeroed: ooms %llu allocs %llu driver calls %llu", (unsigned long long)s.num_ooms,
+          (unsigned long long)s.num_allocs, (unsigned long long)s.num_driver_calls);
     CHECK(s.gauges[4].all.allocated == 0 && s.gauges[4].all.freed == 0, "allocated and freed sums zeroed");
     CHECK(s.allocated_bytes == before.allocated_bytes && s.reserved_bytes == before.reserved_bytes, "current values stay");
     CHECK(tidepool_reset_peak_stats(-1) == TIDEPOOL_OK, "reset_peak_stats(-1): %s", last_error());
@@ -218,6 +242,10 @@ static void reset_stats(void) {
     CHECK(tidepool_reset_peak_stats(-2) == TIDEPOOL_ERR_INVALID_DEVICE, "reset_peak_stats(-2)");
     CHECK(tidepool_reset_accumulated_stats(7) == TIDEPOOL_ERR_INVALID_DEVICE, "reset_accumulated_stats(7)");
     CHECK(tidepool_reset_accumulated_stats(-2) == TIDEPOOL_ERR_INVALID_DEVICE, "reset_accumulated_stats(-2)");
+    /* Growth after the reset is counted from 0. */
+    void* grown = tidepool_malloc(768 * MIB, 0, NULL);
+    CHECK(grown != NULL && stats_of(0).num_driver_calls > 0, "driver calls counted again after the reset: %s", last_error());
+    tidepool_free(grown, 768 * MIB, 0, NULL);
     tidepool_free(keep, 4096, 0, NULL);
 }
 

@@ -909,3 +909,149 @@ fn simgpu_gives_back_the_memory_of_a_killed_process() {
         assert!(text.contains("free 1024 total 1024") && text.contains("1000 MiB: ok"), "{conf:?}: {text}");
     }
 }
+
+// ---- num_driver_calls: the backend's count of its memory driver calls ----
+
+/// A mix of work on each of the two devices of `alloc` (segments or pages
+/// as the configuration has it, frees, `empty_cache` with blocks live and
+/// without, a request larger than the device, a steady step, a reset),
+/// checking after each part that the devices' `num_driver_calls` add up to
+/// `made()`, the memory calls the driver saw, that work on one device
+/// leaves the other's count alone, and (unless the driver fails calls on
+/// purpose, `faults`: each failed growth releases cache and grows again)
+/// that a steady step counts none.
+fn driver_calls_match(alloc: &Allocator, capacity: u64, made: &dyn Fn() -> u64, faults: bool) {
+    let calls = |device: usize| alloc.stats(device).unwrap().events.num_driver_calls;
+    let check = |what: &str| {
+        let (zero, one) = (calls(0), calls(1));
+        assert_eq!(zero + one, made(), "{what}: device 0 counts {zero}, device 1 {one}");
+    };
+    let s = tidepool::Stream::DEFAULT;
+    assert_eq!((calls(0), calls(1), made()), (0, 0, 0), "no call before the first allocation");
+    let sizes: [usize; 8] = [512, 200_000, 1 << 20, 3 << 20, (5 << 20) + 7, 11 << 20, 24 << 20, 60 << 20];
+    for device in [0, 1] {
+        let other = calls(1 - device);
+        let mut live = Vec::new();
+        for round in 1..=3 {
+            for size in sizes {
+                // Under injected faults some fail: what was called still counts.
+                live.extend(alloc.allocate(device, size * round, s).ok());
+            }
+        }
+        check("after the allocations");
+        let kept: Vec<_> = live.iter().copied().step_by(2).collect();
+        for &p in live.iter().skip(1).step_by(2) {
+            alloc.free(device, p).unwrap();
+        }
+        check("after freeing half");
+        // (`empty_cache` below serves every device: the other's count may
+        // move there, when injected failures left it pages to give back.)
+        assert_eq!(calls(1 - device), other, "device {device}'s calls are not counted on the other");
+        alloc.empty_cache();
+        check("after empty_cache with blocks live");
+        assert!(alloc.allocate(device, (capacity + (64 << 20)) as usize, s).is_err(), "larger than the device");
+        check("after a request larger than the device");
+        for p in kept {
+            alloc.free(device, p).unwrap();
+        }
+        alloc.empty_cache();
+        check("after empty_cache with nothing live");
+        assert!(calls(device) > 0, "device {device} made calls");
+    }
+
+    // A steady step (the same allocations and frees, again) makes no
+    // driver call once the cache holds its memory, and the count says so.
+    let step = || {
+        let live: Vec<_> = sizes.iter().filter_map(|&size| alloc.allocate(0, size, s).ok()).collect();
+        live.into_iter().for_each(|p| alloc.free(0, p).unwrap());
+    };
+    let mut steady = false;
+    for _ in 0..4 {
+        let (before, seen) = (calls(0), made());
+        step();
+        check("after a step");
+        assert_eq!(calls(0) - before, made() - seen);
+        if calls(0) == before {
+            steady = true;
+            break;
+        }
+    }
+    assert!(steady || faults, "a repeated step still makes driver calls");
+
+    // Resetting the accumulated statistics restarts the count from 0.
+    let (one, seen) = (calls(1), made());
+    alloc.reset_accumulated_stats(0).unwrap();
+    assert_eq!(calls(0), 0, "reset");
+    let big = alloc.allocate(0, 40 << 20, s).ok();
+    big.into_iter().for_each(|p| alloc.free(0, p).unwrap());
+    alloc.empty_cache();
+    assert!(calls(0) > 0, "counted again after the reset");
+    assert_eq!(calls(0) + calls(1), made() - seen + one, "from the reset on, device 0 counts what the driver saw");
+    alloc.validate().unwrap();
+}
+
+/// The child side: the statistics' driver calls are simgpu's count of the
+/// memory calls the `cuda` or `cuda_async` backend made.
+#[test]
+#[ignore = "child process: run by num_driver_calls_is_the_count_of_memory_calls_simgpu_saw"]
+fn child_driver_calls() {
+    common::child_only();
+    let alloc = cuda_allocator("");
+    let sim = Simgpu::load();
+    // SAFETY: a simgpu entry point with no arguments.
+    let made = || unsafe { (sim.memory_calls)() } as u64;
+    driver_calls_match(&alloc, 512 << 20, &made, std::env::var_os("SIMGPU_FAIL_EVERY").is_some());
+    println!(
+        "driver calls: {} on device 0, {} on device 1, {} seen by simgpu",
+        alloc.backend().driver_calls_on(0),
+        alloc.backend().driver_calls_on(1),
+        made()
+    );
+}
+
+#[test]
+fn num_driver_calls_is_the_count_of_memory_calls_simgpu_saw() {
+    for (backend, conf, faults) in [
+        ("cuda", "", &[][..]),
+        ("cuda", "expandable:false", &[]),
+        ("cuda", "expandable_allocation_mb:2", &[]),
+        ("cuda_async", "", &[]),
+        // Failed calls count: every 5th allocation or cuMemCreate, every 3rd
+        // cuMemUnmap and every 4th cuMemFree fail.
+        ("cuda", "", &[("SIMGPU_FAIL_EVERY", "5"), ("SIMGPU_FAIL_UNMAP_EVERY", "3")]),
+        ("cuda", "expandable:false", &[("SIMGPU_FAIL_EVERY", "5"), ("SIMGPU_FAIL_FREE_EVERY", "4")]),
+    ] {
+        let mut env = vec![("SIMGPU_DEVICES", "2"), ("TIDEPOOL_TEST_BACKEND", backend), ("TIDEPOOL_TEST_CONF", conf)];
+        env.extend_from_slice(faults);
+        let text = on_simgpu("child_driver_calls", "512M", &env);
+        assert!(text.contains("seen by simgpu"), "{backend} {conf:?} {faults:?}:\n{text}");
+    }
+}
+
+#[test]
+fn num_driver_calls_is_the_host_backends_count_for_the_device() {
+    const HOST: u64 = 512 << 20;
+    for conf in ["", "expandable:false", "expandable_allocation_mb:2"] {
+        let (alloc, backend) = host_allocator(2, HOST, conf);
+        let made = || backend.driver_calls().total();
+        driver_calls_match(&alloc, HOST, &made, false);
+        // Device by device, as the host backend counts them for a replay.
+        alloc.reset_accumulated_stats(1).unwrap();
+        let before = backend.device_driver_calls(1).total();
+        let p = alloc.allocate(1, 30 << 20, tidepool::Stream::DEFAULT).unwrap();
+        alloc.free(1, p).unwrap();
+        alloc.empty_cache();
+        let made_on_1 = backend.device_driver_calls(1).total() - before;
+        assert!(made_on_1 > 0);
+        assert_eq!(alloc.stats(1).unwrap().events.num_driver_calls, made_on_1, "{conf:?}");
+    }
+    // A fresh allocator on each device counts every call its backend made there.
+    let (alloc, backend) = host_allocator(2, HOST, "");
+    backend.faults().fail_nth_allocate(2);
+    let p = alloc.allocate(1, 30 << 20, tidepool::Stream::DEFAULT).unwrap();
+    for device in [0, 1] {
+        assert_eq!(alloc.stats(device).unwrap().events.num_driver_calls, backend.device_driver_calls(device).total(), "device {device}");
+    }
+    assert!(backend.device_driver_calls(1).total() > 0 && backend.device_driver_calls(0).total() == 0);
+    alloc.free(1, p).unwrap();
+}

@@ -55,6 +55,9 @@ impl Backend for RandomBackend {
     fn device_count(&self) -> usize {
         1
     }
+    fn driver_calls_on(&self, d: usize) -> u64 {
+        self.host.driver_calls_on(d)
+    }
     fn allocate(&self, d: usize, s: u64, st: Stream) -> Result<u64, BackendError> {
         self.host.allocate(d, s, st)
     }

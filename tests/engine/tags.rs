@@ -582,6 +582,9 @@ impl Backend for EventsThatFail {
     fn device_count(&self) -> usize {
         1
     }
+    fn driver_calls_on(&self, d: usize) -> u64 {
+        self.0.driver_calls_on(d)
+    }
     fn allocate(&self, d: usize, size: u64, s: Stream) -> Result<u64, tidepool::backend::BackendError> {
         self.0.allocate(d, size, s)
     }

@@ -208,6 +208,41 @@ class ResetStats(unittest.TestCase):
         free(keep, 2 * MIB)
         self.assertEqual(tidepool.memory_stats()["allocated_bytes.all.freed"], 2 * MIB)
 
+    def test_driver_calls_are_counted_and_none_when_the_cache_serves(self):
+        self.assertIn("tidepool.num_driver_calls", tidepool.memory_stats())
+        self.assertEqual(tidepool.memory_stats_as_nested_dict()["tidepool"]["num_driver_calls"], _native.get_stats(0).num_driver_calls)
+        # In a process of its own, whose cache goes back only on empty_cache
+        # (release_after_ms:off): every call made is the script's. The
+        # process's own configuration decides segments or pages.
+        for conf in ("release_after_ms:off", "release_after_ms:off,expandable:false"):
+            script = (
+                "import tidepool\n"
+                "from tidepool import _native\n"
+                "lib = _native.lib()\n"
+                "calls = lambda: tidepool.memory_stats()['tidepool.num_driver_calls']\n"
+                "seen = [calls()]\n"
+                "p = lib.tidepool_malloc(24 << 20, 0, None)\n"
+                "seen.append(calls())\n"
+                "lib.tidepool_free(p, 24 << 20, 0, None)\n"
+                "p = lib.tidepool_malloc(24 << 20, 0, None)\n"
+                "lib.tidepool_free(p, 24 << 20, 0, None)\n"
+                "seen.append(calls())\n"
+                "tidepool.empty_cache()\n"
+                "seen.append(calls())\n"
+                "tidepool.reset_accumulated_memory_stats()\n"
+                "seen.append(calls())\n"
+                "print(*seen)\n"
+            )
+            env = dict(os.environ, TIDEPOOL_CONF=f"backend:host,host_capacity_mb:64,{conf}")
+            done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            start, grown, reused, emptied, reset = map(int, done.stdout.split())
+            self.assertEqual(start, 0, conf)
+            self.assertGreater(grown, 0, f"{conf}: growing takes driver calls")
+            self.assertEqual(reused, grown, f"{conf}: the cache serves the second allocation, no driver call")
+            self.assertGreater(emptied, reused, f"{conf}: empty_cache gives memory back with driver calls")
+            self.assertEqual(reset, 0, f"{conf}: reset_accumulated_memory_stats zeroes it")
+
     def test_a_bad_device_is_an_error(self):
         with self.assertRaisesRegex(tidepool.TidepoolError, "device"):
             tidepool.reset_peak_memory_stats(7)

@@ -39,6 +39,7 @@ COUNTERS = (
     ("tidepool.num_cross_stream_reuses", "num_cross_stream_reuses"),
     ("tidepool.num_pages_mapped", "num_pages_mapped"),
     ("tidepool.num_pages_unmapped", "num_pages_unmapped"),
+    ("tidepool.num_driver_calls", "num_driver_calls"),
 )
 
 OK = 0
@@ -49,7 +50,7 @@ ERR_IO = 4
 ERR_TAG_STATE = 5
 ERR_OUT_OF_MEMORY = 6
 PAUSE_OFFLOAD = 1
-STATS_VERSION = 6
+STATS_VERSION = 7
 TAG_STATS_VERSION = 1
 
 
@@ -108,7 +109,10 @@ class Stats(ctypes.Structure):
             "coop_last_wait_ms",
             "num_stream_sync_errors",
             "num_cross_stream_reuses",
+            # Version 6.
             "has_reserved_limit",
+            # Version 7.
+            "num_driver_calls",
         )
     ]
 

@@ -16,8 +16,9 @@
 //! `PROT_NONE` over them again, which drops their contents. Pages count
 //! against the capacity while mapped; reserved ranges count for nothing.
 //! The backend keeps the allocations each `vm_map` made, refuses to unmap
-//! or move part of one, as the driver does, and counts the driver calls the
-//! `cuda` backend would make for the same requests (`driver_calls`).
+//! or move part of one, as the driver does, and counts, device by device,
+//! the driver calls the `cuda` backend would make for the same requests
+//! (`device_driver_calls`, `driver_calls` for all devices).
 //!
 //! Test hooks (`faults()`) fail the Nth call, fail every call, or add
 //! latency. The allocate hooks also hit `vm_map` (both take memory), the
@@ -125,6 +126,8 @@ impl Faults {
 struct HostDevice {
     capacity: u64,
     used: AtomicU64,
+    /// The driver calls the `cuda` backend would have made on this device.
+    calls: DriverCallCounts,
 }
 
 /// Simulated devices on host memory.
@@ -139,7 +142,6 @@ pub struct HostBackend {
     vm_moved_bytes: AtomicU64,
     /// The reserved ranges and the allocations `vm_map` made in them.
     vm_ranges: Mutex<Reserved>,
-    driver: DriverCallCounts,
     /// Unbacked: the next address handed out (None: real mappings).
     unbacked: Option<AtomicU64>,
 }
@@ -159,7 +161,8 @@ struct DriverCallCounts {
 }
 
 /// The driver calls the `cuda` backend would have made for the requests a
-/// `HostBackend` served: what a replay reports as driver calls.
+/// `HostBackend` served (on one device, or all): what a replay reports as
+/// driver calls.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DriverCalls {
     /// `cuMemAlloc` and `cuMemFree`: segments.
@@ -203,7 +206,7 @@ impl HostBackend {
     /// `devices` devices of `capacity` bytes each.
     pub fn new(devices: usize, capacity: u64) -> HostBackend {
         HostBackend {
-            devices: (0..devices).map(|_| HostDevice { capacity, used: AtomicU64::new(0) }).collect(),
+            devices: (0..devices).map(|_| HostDevice { capacity, used: AtomicU64::new(0), calls: DriverCallCounts::default() }).collect(),
             shared: None,
             faults: Faults::default(),
             vm_reserve_calls: AtomicU64::new(0),
@@ -212,7 +215,6 @@ impl HostBackend {
             vm_move_calls: AtomicU64::new(0),
             vm_moved_bytes: AtomicU64::new(0),
             vm_ranges: Mutex::new(Reserved::default()),
-            driver: DriverCallCounts::default(),
             unbacked: None,
         }
     }
@@ -270,14 +272,14 @@ impl HostBackend {
         &self.faults
     }
 
-    /// Successful and failed allocate calls so far.
+    /// Successful and failed allocate calls so far, on every device.
     pub fn allocate_calls(&self) -> u64 {
-        self.driver.mem_alloc.load(Ordering::Relaxed)
+        self.driver_calls().mem_alloc
     }
 
-    /// Release calls so far.
+    /// Release calls so far, on every device.
     pub fn release_calls(&self) -> u64 {
-        self.driver.mem_free.load(Ordering::Relaxed)
+        self.driver_calls().mem_free
     }
 
     /// Successful `vm_reserve` calls so far.
@@ -295,9 +297,26 @@ impl HostBackend {
         (self.vm_move_calls.load(Ordering::Relaxed), self.vm_moved_bytes.load(Ordering::Relaxed))
     }
 
-    /// The driver calls the `cuda` backend would have made so far.
+    /// The driver calls the `cuda` backend would have made so far, on
+    /// every device (a call naming no device of this backend makes none).
     pub fn driver_calls(&self) -> DriverCalls {
-        let d = &self.driver;
+        (0..self.devices.len()).map(|device| self.device_driver_calls(device)).fold(DriverCalls::default(), |sum, d| DriverCalls {
+            mem_alloc: sum.mem_alloc + d.mem_alloc,
+            mem_free: sum.mem_free + d.mem_free,
+            address_reserve: sum.address_reserve + d.address_reserve,
+            address_free: sum.address_free + d.address_free,
+            create: sum.create + d.create,
+            release: sum.release + d.release,
+            map: sum.map + d.map,
+            unmap: sum.unmap + d.unmap,
+            set_access: sum.set_access + d.set_access,
+        })
+    }
+
+    /// The driver calls the `cuda` backend would have made so far on
+    /// `device` (none for a device this backend does not have).
+    pub fn device_driver_calls(&self, device: usize) -> DriverCalls {
+        let Some(HostDevice { calls: d, .. }) = self.devices.get(device) else { return DriverCalls::default() };
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         DriverCalls {
             mem_alloc: get(&d.mem_alloc),
@@ -320,12 +339,12 @@ impl HostBackend {
         let mut failed = None;
         let mut at = addr;
         for &each in sizes {
-            self.driver.create.fetch_add(1, Ordering::Relaxed);
+            self.calls(device).create.fetch_add(1, Ordering::Relaxed);
             if !self.claim(device, each) {
                 failed = Some(BackendError::OutOfMemory);
                 break;
             }
-            self.driver.map.fetch_add(1, Ordering::Relaxed);
+            self.calls(device).map.fetch_add(1, Ordering::Relaxed);
             // SAFETY: [at, at + each) lies in a range this backend reserved
             // and the engine maps only pages it holds no mapping of;
             // MAP_FIXED replaces the inaccessible placeholder there and
@@ -340,13 +359,18 @@ impl HostBackend {
         }
         let Some(err) = failed else { return Ok(()) };
         for (at, each) in made {
-            self.driver.unmap.fetch_add(1, Ordering::Relaxed);
-            self.driver.release.fetch_add(1, Ordering::Relaxed);
+            self.calls(device).unmap.fetch_add(1, Ordering::Relaxed);
+            self.calls(device).release.fetch_add(1, Ordering::Relaxed);
             // SAFETY: mapped just above, used by nothing yet.
             unsafe { self.place(Some(at), each as usize, libc::PROT_NONE) };
             self.unclaim(device, each, true);
         }
         Err(err)
+    }
+
+    /// The driver calls counted on `device`, a device of this backend.
+    fn calls(&self, device: usize) -> &DriverCallCounts {
+        &self.devices[device].calls
     }
 
     fn device(&self, device: usize, call: &'static str) -> Result<&HostDevice, BackendError> {
@@ -395,11 +419,15 @@ impl Backend for HostBackend {
         self.devices.len()
     }
 
+    fn driver_calls_on(&self, device: usize) -> u64 {
+        self.device_driver_calls(device).total()
+    }
+
     fn allocate(&self, device: usize, size: u64, _stream: Stream) -> Result<u64, BackendError> {
         const CALL: &str = "mmap";
-        self.driver.mem_alloc.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
         let dev = self.device(device, CALL)?;
+        dev.calls.mem_alloc.fetch_add(1, Ordering::Relaxed);
         let always = self.faults.allocate_always.load(Ordering::SeqCst);
         if Faults::countdown_hits(&self.faults.allocate_countdown) || always {
             return Err(self.faults.injected(CALL));
@@ -420,9 +448,8 @@ impl Backend for HostBackend {
 
     fn release(&self, device: usize, base: u64, size: u64, _stream: Stream) -> Result<(), BackendError> {
         const CALL: &str = "munmap";
-        self.driver.mem_free.fetch_add(1, Ordering::Relaxed);
         self.faults.delay();
-        self.device(device, CALL)?;
+        self.device(device, CALL)?.calls.mem_free.fetch_add(1, Ordering::Relaxed);
         if Faults::countdown_hits(&self.faults.release_countdown) {
             return Err(self.faults.injected(CALL));
         }
@@ -453,7 +480,7 @@ impl Backend for HostBackend {
     fn vm_reserve(&self, device: usize, size: u64) -> Result<u64, BackendError> {
         const CALL: &str = "mmap(PROT_NONE)";
         self.device(device, CALL)?;
-        self.driver.address_reserve.fetch_add(1, Ordering::Relaxed);
+        self.calls(device).address_reserve.fetch_add(1, Ordering::Relaxed);
         let len = usize::try_from(size).map_err(|_| BackendError::OutOfMemory)?;
         // Over-reserve by a page so the range can start on a page boundary.
         let padded = len.checked_add(HOST_PAGE as usize).ok_or(BackendError::OutOfMemory)?;
@@ -482,7 +509,7 @@ impl Backend for HostBackend {
     fn vm_free(&self, device: usize, base: u64, size: u64) -> Result<(), BackendError> {
         const CALL: &str = "munmap";
         self.device(device, CALL)?;
-        self.driver.address_free.fetch_add(1, Ordering::Relaxed);
+        self.calls(device).address_free.fetch_add(1, Ordering::Relaxed);
         self.vm_ranges.lock().remove(base, size).map_err(|message| invalid_value(CALL, message))?;
         // SAFETY: the range was reserved above (just checked, and forgotten
         // now) with no page of it mapped, and the engine holds no block in it.
@@ -506,18 +533,18 @@ impl Backend for HostBackend {
         let (range, first, _) = ranges.unmapped(addr, total).map_err(|message| invalid_value(CALL, message))?;
         let always = self.faults.allocate_always.load(Ordering::SeqCst);
         if Faults::countdown_hits(&self.faults.allocate_countdown) || always {
-            self.driver.create.fetch_add(1, Ordering::Relaxed);
+            self.calls(device).create.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
         }
         if self.unbacked.is_some() && self.claim(device, total) {
             // Unbacked, when all of them fit, there is nothing to place: the
             // allocations are made and mapped in one count.
-            self.driver.create.fetch_add(sizes.len() as u64, Ordering::Relaxed);
-            self.driver.map.fetch_add(sizes.len() as u64, Ordering::Relaxed);
+            self.calls(device).create.fetch_add(sizes.len() as u64, Ordering::Relaxed);
+            self.calls(device).map.fetch_add(sizes.len() as u64, Ordering::Relaxed);
         } else {
             self.map_each(device, addr, sizes)?;
         }
-        self.driver.set_access.fetch_add(1, Ordering::Relaxed);
+        self.calls(device).set_access.fetch_add(1, Ordering::Relaxed);
         mark_mapped(&mut ranges.ranges[range].1, first, sizes);
         Ok(())
     }
@@ -530,7 +557,7 @@ impl Backend for HostBackend {
         let mut ranges = self.vm_ranges.lock();
         let (range, first, count) = ranges.whole(addr, len).map_err(|message| invalid_value(CALL, message))?;
         if Faults::countdown_hits(&self.faults.release_countdown) {
-            self.driver.unmap.fetch_add(1, Ordering::Relaxed);
+            self.calls(device).unmap.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
         }
         // SAFETY: [addr, addr + len) holds pages mapped by `vm_map` that no
@@ -543,8 +570,8 @@ impl Backend for HostBackend {
         let pages = &mut ranges.ranges[range].1;
         let n = pages.allocation_count(first, count);
         pages.set_unmapped(first, count);
-        self.driver.unmap.fetch_add(n, Ordering::Relaxed);
-        self.driver.release.fetch_add(n, Ordering::Relaxed);
+        self.calls(device).unmap.fetch_add(n, Ordering::Relaxed);
+        self.calls(device).release.fetch_add(n, Ordering::Relaxed);
         self.unclaim(device, len, true);
         Ok(())
     }
@@ -559,8 +586,8 @@ impl Backend for HostBackend {
         let (source, first, count) = ranges.whole(from, len).map_err(refused)?;
         let (target, to_first, _) = ranges.unmapped(to, len).map_err(refused)?;
         if Faults::countdown_hits(&self.faults.allocate_countdown) || self.faults.allocate_always.load(Ordering::SeqCst) {
-            self.driver.unmap.fetch_add(1, Ordering::Relaxed);
-            self.driver.map.fetch_add(1, Ordering::Relaxed);
+            self.calls(device).unmap.fetch_add(1, Ordering::Relaxed);
+            self.calls(device).map.fetch_add(1, Ordering::Relaxed);
             return Err(self.faults.injected(CALL));
         }
         // The device's count does not change: the memory only moves.
@@ -586,9 +613,9 @@ impl Backend for HostBackend {
             ranges.ranges[target].1.set_mapped(to_first + (page - first), n, n);
         }
         let n = moved.len() as u64;
-        self.driver.unmap.fetch_add(n, Ordering::Relaxed);
-        self.driver.map.fetch_add(n, Ordering::Relaxed);
-        self.driver.set_access.fetch_add(1, Ordering::Relaxed);
+        self.calls(device).unmap.fetch_add(n, Ordering::Relaxed);
+        self.calls(device).map.fetch_add(n, Ordering::Relaxed);
+        self.calls(device).set_access.fetch_add(1, Ordering::Relaxed);
         self.vm_moved_bytes.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }
@@ -919,6 +946,28 @@ mod tests {
         backend.vm_free(0, a, 16 * HOST_PAGE).unwrap();
         backend.vm_free(0, b, 16 * HOST_PAGE).unwrap();
         assert_eq!(backend.mem_info(0).unwrap().free, 64 * HOST_PAGE);
+    }
+
+    #[test]
+    fn driver_calls_are_counted_on_the_device_they_are_made_on() {
+        let backend = HostBackend::new(2, 16 * HOST_PAGE);
+        let a = backend.allocate(1, HOST_PAGE, Stream::DEFAULT).unwrap();
+        let base = backend.vm_reserve(1, 8 * HOST_PAGE).unwrap();
+        backend.vm_map(1, base, &[HOST_PAGE, 2 * HOST_PAGE]).unwrap();
+        backend.faults().fail_nth_allocate(1);
+        assert!(backend.allocate(1, HOST_PAGE, Stream::DEFAULT).is_err(), "a failed call counts too");
+        assert!(backend.allocate(2, HOST_PAGE, Stream::DEFAULT).is_err(), "no device 2: no call made");
+        // Device 1: alloc, failed alloc, reserve, 2 creates, 2 maps, 1 grant.
+        assert_eq!((backend.driver_calls_on(0), backend.driver_calls_on(1), backend.driver_calls_on(2)), (0, 8, 0));
+        let b = backend.allocate(0, HOST_PAGE, Stream::DEFAULT).unwrap();
+        backend.release(0, b, HOST_PAGE, Stream::DEFAULT).unwrap();
+        backend.vm_unmap(1, base, 3 * HOST_PAGE).unwrap();
+        backend.vm_free(1, base, 8 * HOST_PAGE).unwrap();
+        backend.release(1, a, HOST_PAGE, Stream::DEFAULT).unwrap();
+        let (zero, one) = (backend.device_driver_calls(0), backend.device_driver_calls(1));
+        assert_eq!((zero.total(), one.total()), (2, 14), "{zero:?} {one:?}");
+        assert_eq!((one.mem_alloc, one.mem_free, one.unmap, one.release, one.address_free), (2, 1, 2, 2, 1));
+        assert_eq!(backend.driver_calls().total(), 16, "all devices together, as a replay counts them");
     }
 
     #[test]

@@ -122,6 +122,7 @@ fn top_json(dir: &Path) -> String {
                 "requests_served": e.requests_served,
                 "requests_posted": e.requests_posted,
                 "ooms": e.ooms,
+                "driver_calls": e.driver_calls,
                 "request_bytes": e.request_bytes,
                 "device_total_bytes": e.device_total,
                 "device_free_bytes": e.device_free,

@@ -48,7 +48,7 @@ const BYTE_GAUGES: [Figure; 7] = [
 ];
 
 /// The counters of one process on one device.
-const COUNTERS: [Figure; 3] = [
+const COUNTERS: [Figure; 4] = [
     ("tidepool_cooperation_requests", "Requests for memory the process posted to the other processes on the device.", |e| {
         e.requests_posted
     }),
@@ -56,6 +56,12 @@ const COUNTERS: [Figure; 3] = [
         e.requests_served
     }),
     ("tidepool_ooms", "Allocations that failed for lack of memory.", |e| e.ooms),
+    (
+        "tidepool_driver_calls",
+        "Memory driver calls the process made on the device (cuMemAlloc, cuMemFree, cuMemAddressReserve, cuMemAddressFree, \
+         cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess), failed ones included: a steady step makes none.",
+        |e| e.driver_calls,
+    ),
 ];
 
 /// Reads the registries of some directories and renders them; keeps the
@@ -213,6 +219,7 @@ fn one_per_series(entries: Vec<Entry>) -> Vec<Entry> {
             (&mut into.requests_served, e.requests_served),
             (&mut into.requests_posted, e.requests_posted),
             (&mut into.ooms, e.ooms),
+            (&mut into.driver_calls, e.driver_calls),
             (&mut into.paused, e.paused),
         ] {
             *sum = sum.saturating_add(add);

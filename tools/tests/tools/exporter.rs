@@ -250,8 +250,8 @@ impl Prometheus {
 
 /// A tidepool process on simgpu: runs only when spawned by the test below.
 /// Allocates what TIDEPOOL_TEST_EXPORTER_MIB says, frees a block so that its
-/// cache is not empty, writes what its own statistics report, and waits for
-/// its stop file.
+/// cache is not empty, writes what its own statistics report (its driver
+/// calls, which are those simgpu saw), and waits for its stop file.
 #[test]
 #[ignore = "child process: run by prometheus_scrapes_every_process_on_a_shared_simgpu_device_and_sees_an_exited_one_go_stale"]
 fn exporter_process_holds_memory() {
@@ -269,10 +269,14 @@ fn exporter_process_holds_memory() {
     let cached = alloc.allocate(0, (3 * MIB) as usize, Stream::DEFAULT).unwrap();
     alloc.free(0, cached).unwrap();
     let stats = alloc.stats(0).unwrap();
+    // SAFETY: a simgpu entry point with no arguments.
+    let simgpu_calls = unsafe { (common::simgpu::Simgpu::load().memory_calls)() } as u64;
+    assert_eq!(stats.events.num_driver_calls, simgpu_calls, "the driver calls simgpu saw");
+    assert!(simgpu_calls > 0);
     let me = std::process::id();
     common::write_whole(
         &dir.join(format!("{me}.stats")),
-        format!("{} {}", stats.allocated_bytes.all.current, stats.reserved_bytes.all.current),
+        format!("{} {} {}", stats.allocated_bytes.all.current, stats.reserved_bytes.all.current, stats.events.num_driver_calls),
     );
     let stop = dir.join(format!("{me}.stop"));
     let start = Instant::now();
@@ -283,8 +287,8 @@ fn exporter_process_holds_memory() {
 }
 
 /// Spawns `exporter_process_holds_memory` over simgpu; its guard and the
-/// (allocated, reserved) it reports.
-fn tidepool_process(dir: &Path, simgpu: &Path, mib: u64) -> (Guard, u64, u64) {
+/// (allocated, reserved, driver calls) it reports.
+fn tidepool_process(dir: &Path, simgpu: &Path, mib: u64) -> (Guard, u64, u64, u64) {
     let conf = format!(
         "backend:cuda,registry_dir:{},release_after_ms:off,headroom_mb:0,reclaim_interval_ms:50,cooperative:true",
         dir.join("registry").display()
@@ -307,8 +311,8 @@ fn tidepool_process(dir: &Path, simgpu: &Path, mib: u64) -> (Guard, u64, u64) {
         std::thread::sleep(Duration::from_millis(10));
     }
     let text = std::fs::read_to_string(stats).unwrap();
-    let (allocated, reserved) = text.split_once(' ').unwrap();
-    (guard, allocated.parse().unwrap(), reserved.parse().unwrap())
+    let figures: Vec<u64> = text.split(' ').map(|f| f.parse().unwrap()).collect();
+    (guard, figures[0], figures[1], figures[2])
 }
 
 #[test]
@@ -317,8 +321,8 @@ fn prometheus_scrapes_every_process_on_a_shared_simgpu_device_and_sees_an_exited
     let scratch = common::scratch_dir("exporter-prometheus-scenario");
     let dir = scratch.path();
     let simgpu = common::simgpu_dir();
-    let (mut a, a_allocated, a_reserved) = tidepool_process(dir, &simgpu, 100);
-    let (b, b_allocated, _) = tidepool_process(dir, &simgpu, 200);
+    let (mut a, a_allocated, a_reserved, a_calls) = tidepool_process(dir, &simgpu, 100);
+    let (b, b_allocated, _, b_calls) = tidepool_process(dir, &simgpu, 200);
     assert_ne!(a_allocated, b_allocated);
     let (mut exporter, addr) = exporter(&[&dir.join("registry")], &["--timeout", "2"]);
     let server = Prometheus::start(&prometheus, addr);
@@ -330,6 +334,11 @@ fn prometheus_scrapes_every_process_on_a_shared_simgpu_device_and_sees_an_exited
     }
     let query = format!("tidepool_reserved_bytes{{pid=\"{}\"}}", a.pid());
     server.wait_for(&query, Duration::from_secs(5), |v| v == [a_reserved as f64]);
+    // Each process's driver calls, as simgpu counted them in that process.
+    for (process, calls) in [(&a, a_calls), (&b, b_calls)] {
+        let query = format!("tidepool_driver_calls_total{{pid=\"{}\"}}", process.pid());
+        server.wait_for(&query, Duration::from_secs(5), |v| v == [calls as f64]);
+    }
     let device = "GPU-73696d67-7075-0000-0000-000000000000"; // simgpu's UUID
     server.wait_for(&format!("tidepool_processes{{device=\"{device}\"}}"), Duration::from_secs(5), |v| v == [2.0]);
     server.wait_for(&format!("tidepool_device_total_bytes{{device=\"{device}\"}}"), Duration::from_secs(5), |v| v == [1024.0 * MIB as f64]);
@@ -393,6 +402,7 @@ fn busy_registry(dir: &Path, n: usize) -> Vec<Guard> {
                 device_free: 1 << 30,
                 paused: 7 * MIB,
                 released: [1, 2, 3, 4, 5, 6],
+                driver_calls: 40 + i as u64,
                 comm,
                 ..Entry::default()
             }
@@ -420,6 +430,8 @@ fn the_exporter_output_passes_promtool_and_escapes_label_values() {
     assert_eq!(sample(&text, "tidepool_largest_free_block_bytes", &second), Some((60 * MIB) as f64));
     assert_eq!(sample(&text, "tidepool_paused_bytes", &second), Some((7 * MIB) as f64));
     assert_eq!(sample(&text, "tidepool_released_bytes_total", &[second[0], ("reason", "cooperation")]), Some(6.0));
+    assert_eq!(sample(&text, "tidepool_driver_calls_total", &second), Some(41.0));
+    assert!(text.contains("# TYPE tidepool_driver_calls_total counter\n"), "{text}");
     promtool_check(&promtool, &text).unwrap_or_else(|problems| panic!("promtool check metrics:\n{problems}\n{text}"));
 
     // The textfile: the same text, written whole, no temporary file left.
@@ -458,6 +470,7 @@ fn two_allocators_in_one_process_are_one_series_with_their_figures_added() {
     let mut comm = [0u8; 16];
     comm[..7].copy_from_slice(b"python3");
     let slot = |allocated: u64, largest: u64, heartbeat_ms: u64, ooms: u64| Entry {
+        driver_calls: 10 * ooms,
         pid: sleeper.pid(),
         start_ticks: registry::process_start(sleeper.pid()).unwrap(),
         heartbeat_ms,
@@ -488,6 +501,7 @@ fn two_allocators_in_one_process_are_one_series_with_their_figures_added() {
     assert_eq!(sample(&text, "tidepool_largest_free_block_bytes", &this), Some((8 * MIB) as f64));
     assert_eq!(sample(&text, "tidepool_fragmentation_ratio", &this), Some(4.0 / 420.0));
     assert_eq!(sample(&text, "tidepool_ooms_total", &this), Some(3.0));
+    assert_eq!(sample(&text, "tidepool_driver_calls_total", &this), Some(30.0));
     assert_eq!(sample(&text, "tidepool_released_bytes_total", &[this[0], ("reason", "cooperation")]), Some(12.0));
     assert_eq!(sample(&text, "tidepool_last_publish_timestamp_seconds", &this), Some((latest / 1000) as f64));
     assert_eq!(sample(&text, "tidepool_device_free_bytes", &[]), Some(latest as f64), "as the latest publisher saw it");
@@ -872,7 +886,7 @@ fn guide_queries() -> Vec<String> {
             queries.push(expr);
         }
     }
-    assert_eq!(queries.len(), 2, "both alert rules");
+    assert_eq!(queries.len(), 3, "the three alert rules");
     let path = common::repo_root().join("docs/monitoring/tidepool-dashboard.json");
     let dashboard: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let panels = dashboard["panels"].as_array().unwrap();
@@ -884,7 +898,7 @@ fn guide_queries() -> Vec<String> {
     }
     assert!(panels.len() >= 6 && queries.len() > 12);
     let titles: Vec<&str> = panels.iter().map(|p| p["title"].as_str().unwrap()).collect();
-    for needed in ["Reserved vs allocated", "Fragmentation", "by reason"] {
+    for needed in ["Reserved vs allocated", "Fragmentation", "by reason", "Driver calls"] {
         assert!(titles.iter().any(|t| t.contains(needed)), "the dashboard shows {needed}: {titles:?}");
     }
     queries
@@ -921,18 +935,32 @@ fn the_guides_scrape_config_and_alert_rules_pass_promtool_and_the_alerts_fire_wh
         input += &series("tidepool_memory_request_bytes", &labels("GPU-c", pid, comm), "0x10");
         input += &series("tidepool_cooperation_requests_total", &labels("GPU-c", pid, comm), asks);
     }
+    // Device D: "churn" (pid 7) makes 60 driver calls a minute for 45
+    // minutes; "steady" (pid 8) makes 500 in its first 3 minutes (the
+    // warm-up), then none.
+    input += &series("tidepool_driver_calls_total", &labels("GPU-d", 7, "churn"), "0+60x45");
+    input += &series("tidepool_driver_calls_total", &labels("GPU-d", 8, "steady"), "0 200 400 500x42");
     let expect = |alert: &str, at: &str, fires: Option<(&str, u32, &str, String)>| {
         let mut text = format!("      - eval_time: {at}\n        alertname: {alert}\n        exp_alerts:");
         match fires {
             None => text += " []\n",
             Some((device, pid, comm, summary)) => {
-                let description = if alert.contains("Fragmented") {
-                    "Set TIDEPOOL_CONF=expandable:true (free pages inside holes go back) or max_split_size_mb for this job."
+                let (severity, description) = if alert.contains("Fragmented") {
+                    ("warning", "Set TIDEPOOL_CONF=expandable:true (free pages inside holes go back) or max_split_size_mb for this job.")
+                } else if alert.contains("Churn") {
+                    (
+                        "info",
+                        "A steady step makes none once its cache is warm: look for a budget or memory fraction below the step's peak, \
+                         headroom_mb, cooperation with another process, memory used less often than release_after_ms, or empty_cache every step.",
+                    )
                 } else {
-                    "Keep cooperative:true (the default) and the registry directory shared by both jobs, or lower release_after_ms for the holder."
+                    (
+                        "warning",
+                        "Keep cooperative:true (the default) and the registry directory shared by both jobs, or lower release_after_ms for the holder.",
+                    )
                 };
                 text += &format!(
-                    "\n          - exp_labels: {{severity: warning, hostname: n1, device: {device}, device_index: \"0\", pid: \"{pid}\", comm: {comm}}}\n\
+                    "\n          - exp_labels: {{severity: {severity}, hostname: n1, device: {device}, device_index: \"0\", pid: \"{pid}\", comm: {comm}}}\n\
                      \x20           exp_annotations:\n              summary: \"{summary}\"\n              description: \"{description}\"\n"
                 );
             }
@@ -948,6 +976,12 @@ fn the_guides_scrape_config_and_alert_rules_pass_promtool_and_the_alerts_fire_wh
     tests += &expect(frag_alert, "3m", None); // asking, but not yet for 2 minutes
     let frag_summary = "frag (5) on n1 waits for memory while 50% of its memory is fragments".to_string();
     tests += &expect(frag_alert, "5m", Some(("GPU-c", 5, "frag", frag_summary)));
+    // Churn: pending from the second minute, firing once it has lasted 30
+    // minutes; the steady process, flat after its warm-up, never.
+    let churn_alert = "TidepoolDriverCallChurn";
+    tests += &expect(churn_alert, "20m", None);
+    let churn_summary = "churn (7) on n1 still makes 1 memory driver calls a second after 30 minutes".to_string();
+    tests += &expect(churn_alert, "40m", Some(("GPU-d", 7, "churn", churn_summary)));
     let unit = format!(
         "rule_files:\n  - tidepool-rules.yml\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n{input}    alert_rule_test:\n{tests}"
     );

@@ -1,5 +1,5 @@
 //! `tidepool top`: the processes of a registry folder, their figures as a
-//! table and as JSON, with a paused tag's memory.
+//! table and as JSON (driver calls included), with a paused tag's memory.
 
 use std::process::Command;
 use std::time::Duration;
@@ -46,6 +46,9 @@ fn top_lists_the_processes_of_the_registry() {
     assert_eq!(entry["inactive_split_bytes"], 15 * MIB, "{json}");
     assert_eq!(entry["largest_free_block_bytes"], 15 * MIB, "{json}");
     assert_eq!(entry["fragmentation"], 0.75, "{json}");
+    // One driver call: the segment's allocation, as the process's statistics count it.
+    assert_eq!(alloc.stats(0).unwrap().events.num_driver_calls, 1);
+    assert_eq!(entry["driver_calls"], 1, "{json}");
     let exe = std::env::current_exe().unwrap().file_name().unwrap().to_string_lossy().into_owned();
     assert_eq!(entry["comm"].as_str().unwrap(), &exe[..exe.len().min(15)], "{json}");
     assert_eq!(json["skipped"], serde_json::json!([]), "{json}");
