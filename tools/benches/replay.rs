@@ -23,16 +23,16 @@ fn traces() -> Vec<(String, tidepool_tools::trace::Trace)> {
     paths.into_iter().map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), tidepool_tools::trace::load(&p).unwrap())).collect()
 }
 
-/// Each trace with tidepool's default policy and with its expandable
-/// segments (what `plan` bisects with).
+/// Each trace with tidepool's default policy (expandable segments, what
+/// `plan` bisects with) and with whole segments.
 fn replay_speed(c: &mut Criterion) {
     let mut group = c.benchmark_group("replay");
     group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     for (name, trace) in traces() {
         group.throughput(Throughput::Elements(trace.events.len() as u64));
-        for policy in [Policy::Tidepool, Policy::Expandable] {
+        for policy in [Policy::Tidepool, Policy::WholeSegments] {
             let options = ReplayOptions { capacity: 1 << 50, policy, conf: String::new(), samples: 0, record_to: None };
-            let id = BenchmarkId::new(format!("{policy:?}").to_lowercase(), &name);
+            let id = BenchmarkId::new(policy.name(), &name);
             group.bench_function(id, |b| b.iter(|| replay(&trace, &options).unwrap()));
         }
     }

@@ -691,7 +691,7 @@ fn the_plot_is_an_svg_with_every_series() {
         assert!(text.contains(label), "{label} missing");
     }
     // Requested, then per policy allocated and reserved above and calls below.
-    assert!(text.matches("<polyline").count() >= 1 + 3 * 3, "expected ten line series");
+    assert!(text.matches("<polyline").count() > 3 * 3, "expected ten line series");
     // Each policy in a colour of its own (series and legend), the same in both panels.
     for colour in ["#D62728", "#1F77B4", "#2CA02C"] {
         assert!(text.matches(&format!("stroke=\"{colour}\"")).count() >= 4, "{colour}");
