@@ -946,7 +946,10 @@ fn the_guides_scrape_config_and_alert_rules_pass_promtool_and_the_alerts_fire_wh
             None => text += " []\n",
             Some((device, pid, comm, summary)) => {
                 let (severity, description) = if alert.contains("Fragmented") {
-                    ("warning", "Keep expandable segments on (the default; free pages inside holes go back) or set max_split_size_mb for this job.")
+                    (
+                        "warning",
+                        "Keep expandable segments on (the default; free pages inside holes go back) or set max_split_size_mb for this job.",
+                    )
                 } else if alert.contains("Churn") {
                     (
                         "info",
