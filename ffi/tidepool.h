@@ -30,6 +30,7 @@ extern "C" {
 #define TIDEPOOL_ERR_IO 4               /* a file could not be written */
 #define TIDEPOOL_ERR_TAG_STATE 5        /* tag unknown, paused, not paused; or pause refused now */
 #define TIDEPOOL_ERR_OUT_OF_MEMORY 6    /* device or host memory could not be had */
+#define TIDEPOOL_ERR_INVALID_FREE 7     /* a free of what is not a live allocation */
 
 #define TIDEPOOL_PAUSE_OFFLOAD 1 /* tidepool_pause: keep the contents in host memory */
 
@@ -178,6 +179,18 @@ int tidepool_attach_oom_observer(tidepool_oom_observer observer, void* user);
  * and counted; a size that differs from the allocation's is counted and the
  * recorded size used. */
 void tidepool_free(void* ptr, size_t size, int device, void* stream);
+
+/* Frees ptr with the pointer alone (CuPy's CFunctionAllocator, a cudaFree
+ * interposer): the device is the one whose memory holds it, the stream the
+ * one it was allocated on. NULL: nothing, TIDEPOOL_OK. A pointer tidepool
+ * does not hold, one freed twice or one inside a block is refused and
+ * counted (num_invalid_frees: on the device holding it, else device 0),
+ * logged once and kept as the last error, as tidepool_free does. Returns
+ * TIDEPOOL_OK, TIDEPOOL_ERR_INVALID_FREE or TIDEPOOL_ERR_INTERNAL (the
+ * allocator cannot be had). As fast as tidepool_free for a block the
+ * thread's cache handed out; else, with several devices, one lookup in
+ * each device's heaps until one holds it. */
+int tidepool_free_ptr(void* ptr);
 
 /* Creates the allocator now (PyTorch's init hook). */
 void tidepool_init(int device_count);

@@ -23,7 +23,7 @@ use crate::reclaim;
 use crate::recording;
 use crate::stats::{Released, Stats};
 use crate::tag::{self, TagId};
-use crate::thread_cache::{self, Cached};
+use crate::thread_cache::{self, Cached, Unnamed};
 use crate::types::{DevicePtr, Stream};
 
 /// A caching allocator over all devices of one backend. `Send + Sync`:
@@ -306,6 +306,42 @@ impl Allocator {
             return self.free_cached(caches, device, ptr, None).map(|_| ());
         }
         self.device(device)?.with_owner(ptr, stream, |heap| heap.free(ptr.0)).map(|_| ())
+    }
+
+    /// Frees `ptr`, returned by `allocate` on any device, without saying
+    /// which (nor its size, nor its stream: the block's own, recorded at
+    /// its allocation, is used). Freeing NULL does nothing. The device is
+    /// found by the thread's cache when it handed the block out (no lock:
+    /// the cached path), else with one device, at once, else by asking
+    /// each device's heaps in turn whether the address lies in one of their
+    /// segments (one address-map lookup, else one segment lookup, under
+    /// each heap's lock). A pointer no device holds is refused as
+    /// `InvalidFree` and counted on device 0 (`num_invalid_frees`); a
+    /// double free or an interior pointer, on the device that holds it.
+    #[inline(always)]
+    pub fn free_ptr(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        if let Some(caches) = self.thread_caches.as_ref().filter(|_| !self.forked()) {
+            match caches.free_unnamed(ptr.0) {
+                Unnamed::Cached => return Ok(()),
+                Unnamed::Heap(device) => return caches.free_slow(&self.devices, device, ptr.0, None).map(|_| ()),
+                Unnamed::Unknown => {}
+            }
+        }
+        let device = self.owner_of(ptr)?;
+        self.free_on_stream(device, ptr, Stream::DEFAULT)
+    }
+
+    /// The device that must answer a free of `ptr` that names none: the
+    /// one whose heaps hold it, device 0 when none does (or the only one).
+    fn owner_of(&self, ptr: DevicePtr) -> Result<usize, AllocError> {
+        let devices = self.devices()?;
+        if devices.len() == 1 {
+            return Ok(0);
+        }
+        Ok(devices.iter().position(|device| device.holds(ptr)).unwrap_or(0))
     }
 
     /// A free on a thread with caches: into the thread's cache, else

@@ -100,8 +100,10 @@ impl Device {
     }
 
     /// Runs `f` on the heap holding the block `ptr`, locked once:
-    /// `stream`'s heap first, then the others; if none holds it, `stream`'s
-    /// heap (which then reports the bad pointer).
+    /// `stream`'s heap first, then the others; if none holds such a block,
+    /// the heap whose segments hold the address, else `stream`'s (which
+    /// then reports the bad pointer: a double free, an interior or a
+    /// foreign pointer).
     #[inline(always)]
     pub(crate) fn with_owner<R>(&self, ptr: DevicePtr, stream: Stream, f: impl FnOnce(&mut DeviceHeap) -> R) -> R {
         let first = self.shard(stream);
@@ -117,7 +119,8 @@ impl Device {
                 return f(&mut heap);
             }
         }
-        f(&mut first.lock())
+        let holder = self.shards.iter().find(|h| h.lock().holds(ptr.0)).unwrap_or(first);
+        f(&mut holder.lock())
     }
 
     /// The out-of-memory ladder, run here and nowhere else: `attempt` (an
@@ -271,6 +274,12 @@ impl Device {
     /// The base and size of the segment holding `ptr`.
     pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, u64)> {
         self.shards.iter().find_map(|h| h.lock().segment_of(ptr.0)).map(|(base, size)| (DevicePtr(base), size))
+    }
+
+    /// Whether one of this device's heaps holds `ptr` (`DeviceHeap::holds`:
+    /// a block, or an address inside a segment), one lock at a time.
+    pub fn holds(&self, ptr: DevicePtr) -> bool {
+        self.shards.iter().any(|h| h.lock().holds(ptr.0))
     }
 
     /// The requested size of the live block at `ptr`.

@@ -72,6 +72,18 @@ pub(crate) enum Cached {
     Disarmed(u32),
 }
 
+/// What a thread's cache did with a free that names no device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unnamed {
+    /// Freed into the cache.
+    Cached,
+    /// The cache of `device` handed it out but cannot keep it: the heap of
+    /// that device must free it (`free_slow`).
+    Heap(usize),
+    /// No cache of this thread handed it out (or it was freed since).
+    Unknown,
+}
+
 /// What a cached block serves: requests of exactly `requested` bytes on `stream`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Class {
@@ -532,6 +544,43 @@ impl Bounds {
             return cache.free_last(ptr, size);
         }
         cache.free_earlier(ptr, size)
+    }
+
+    /// Frees `ptr` (not 0), which names no device, into the cache of this
+    /// thread that handed it out and has not seen it freed, if any: the
+    /// device is then that cache's. The first place's last hand-out is
+    /// looked at inline (a cached pair's free), the rest out of line; each
+    /// cache catches up with the heap first, so that a block another thread
+    /// freed is not taken for this one's.
+    #[inline(always)]
+    pub fn free_unnamed(&self, ptr: u64) -> Unnamed {
+        let first = PLACES.with(|places| places[0].get());
+        if first.allocator == self.allocator {
+            let cache = HotCache { slot: first.slot };
+            cache.catch_up_if_news();
+            if cache.own().last_out.get() == ptr {
+                return if cache.free_last(ptr, None) { Unnamed::Cached } else { Unnamed::Heap(first.device) };
+            }
+        }
+        self.free_unnamed_cold(ptr)
+    }
+
+    /// `free_unnamed` past the first place's last hand-out: every place of
+    /// this allocator, its last hand-out and the blocks handed out before.
+    #[inline(never)]
+    fn free_unnamed_cold(&self, ptr: u64) -> Unnamed {
+        let places: [Place; HOT_CACHES] = PLACES.with(|places| std::array::from_fn(|i| places[i].get()));
+        let known = places.iter().filter(|place| place.allocator == self.allocator).find_map(|place| {
+            let cache = HotCache { slot: place.slot };
+            cache.catch_up_if_news();
+            let known = cache.own().last_out.get() == ptr || with_cold(cache, |cold| cold.live.get(ptr).is_some()).unwrap_or(false);
+            known.then_some(place.device)
+        });
+        match known {
+            Some(device) if self.free(device, ptr, None) => Unnamed::Cached,
+            Some(device) => Unnamed::Heap(device),
+            None => Unnamed::Unknown,
+        }
     }
 
     /// Checks this thread's caches of this allocator (`HotCache::validate`;

@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use super::boundary::{
     allocator_or_internal, boundary, copy_out, device_index, failure, log_once, return_code, set_last_error, Failure,
-    TIDEPOOL_ERR_INTERNAL, TIDEPOOL_ERR_INVALID_ARGUMENT,
+    TIDEPOOL_ERR_INTERNAL, TIDEPOOL_ERR_INVALID_ARGUMENT, TIDEPOOL_OK,
 };
 use super::oom::after_oom;
 use super::types::tidepool_frame;
@@ -135,6 +135,35 @@ pub extern "C" fn tidepool_free(ptr: *mut c_void, size: usize, device: c_int, st
             }
         }
     })
+}
+
+/// Frees `ptr` without its size, device or stream (NULL: nothing, and
+/// TIDEPOOL_OK): the device is the one whose memory holds it, the stream
+/// the block's own. Returns TIDEPOOL_OK, TIDEPOOL_ERR_INVALID_FREE (a
+/// pointer tidepool does not hold, freed twice or inside a block: refused,
+/// counted in `num_invalid_frees`, the reason the last error) or
+/// TIDEPOOL_ERR_INTERNAL (no allocator).
+#[no_mangle]
+pub extern "C" fn tidepool_free_ptr(ptr: *mut c_void) -> c_int {
+    boundary!(TIDEPOOL_ERR_INTERNAL, {
+        if ptr.is_null() {
+            return TIDEPOOL_OK;
+        }
+        match global().and_then(|a| a.free_ptr(DevicePtr(ptr as u64))) {
+            Ok(()) => TIDEPOOL_OK,
+            Err(err) => free_ptr_failed(err),
+        }
+    })
+}
+
+/// Logs a refused `tidepool_free_ptr` once (as `tidepool_free` does) and
+/// sets the last error; returns the code.
+#[cold]
+fn free_ptr_failed(err: AllocError) -> c_int {
+    log_once(&LOGGED_INVALID_FREE, &format!("{err}"));
+    let (code, message) = failure(err);
+    set_last_error(message);
+    code
 }
 
 /// PyTorch's init hook: creates the allocator now rather than at the

@@ -27,6 +27,9 @@ pub const TIDEPOOL_ERR_IO: c_int = 4;
 pub const TIDEPOOL_ERR_TAG_STATE: c_int = 5;
 /// Device or host memory could not be had (a resume, an offload); nothing changed.
 pub const TIDEPOOL_ERR_OUT_OF_MEMORY: c_int = 6;
+/// A free of a pointer that is not a live allocation (never allocated,
+/// freed twice, inside a block); refused and counted, nothing changed.
+pub const TIDEPOOL_ERR_INVALID_FREE: c_int = 7;
 
 thread_local! {
     pub(super) static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
@@ -82,6 +85,7 @@ pub(super) fn failure(err: AllocError) -> Failure {
         AllocError::InvalidDevice { .. } => TIDEPOOL_ERR_INVALID_DEVICE,
         AllocError::Tag(_) => TIDEPOOL_ERR_TAG_STATE,
         AllocError::OutOfMemory(_) | AllocError::HostOutOfMemory { .. } => TIDEPOOL_ERR_OUT_OF_MEMORY,
+        AllocError::InvalidFree { .. } | AllocError::UnknownPointer { .. } => TIDEPOOL_ERR_INVALID_FREE,
         _ => TIDEPOOL_ERR_INTERNAL,
     };
     (code, err.to_string())

@@ -112,6 +112,17 @@ impl DeviceHeap {
         out
     }
 
+    /// Whether `ptr` lies in one of this heap's segments or ranges (a
+    /// block's address, any byte inside, or freed memory): the heap that
+    /// must answer a free of it, which needs no device. One lookup in the
+    /// address map (a block's address), else one in the segments by base.
+    pub fn holds(&self, ptr: u64) -> bool {
+        self.by_addr.get(ptr).is_some()
+            || self.segment_by_base.range(..=ptr).next_back().is_some_and(|(_, &id)| {
+                self.segments[id as usize].as_ref().is_some_and(|segment| ptr < segment.base + segment.size)
+            })
+    }
+
     /// The size of the live block at `ptr`, if there is one.
     pub fn live_size(&self, ptr: u64) -> Option<u64> {
         self.by_addr.get(ptr).filter(|&id| self.is_live(id)).map(|id| self.blocks[id].size)

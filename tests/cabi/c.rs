@@ -107,3 +107,58 @@ fn the_c_abi_works_over_the_cuda_backend_on_simgpu() {
     assert!(ok, "ffi_test over cuda/simgpu failed:\n{text}");
     assert!(text.contains(" passed, 0 failed"), "{text}");
 }
+
+/// Builds tests/c/free_ptr_test.c and runs it on two devices under
+/// `conf` (TIDEPOOL_CONF) and `env`, optionally under a wrapper (valgrind).
+fn run_free_ptr_test(name: &str, conf: &str, env: &[(&str, &str)], wrapper: &[&str], iterations: &str) -> String {
+    let flags = ["-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread"];
+    let program = common::build_against_cdylib("cc", &flags, &["tests/c/free_ptr_test.c"], name);
+    let mut command = match wrapper.split_first() {
+        Some((tool, args)) => {
+            let mut c = Command::new(tool);
+            c.args(args).arg(&program);
+            c
+        }
+        None => Command::new(&program),
+    };
+    command.arg("-").arg(iterations);
+    common::contained(&mut command);
+    command.env("TIDEPOOL_CONF", conf).envs(env.iter().copied());
+    let output = command.output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success() && text.contains(" passed, 0 failed"), "free_ptr_test ({conf}) failed:\n{text}");
+    // A refused free is logged once, then only counted.
+    assert_eq!(text.matches("(further ones are only counted)").count(), 1, "{text}");
+    text
+}
+
+const TWO_HOST_DEVICES: &str = "backend:host,host_devices:2,host_capacity_mb:1024";
+
+#[test]
+fn the_free_by_pointer_alone_works_from_c_on_two_devices() {
+    for (name, conf) in [
+        ("free_ptr_test", ""),
+        ("free_ptr_test_no_caches", ",thread_cache_blocks:0"),
+        ("free_ptr_test_shards", ",stream_shards:2"),
+        ("free_ptr_test_segments", ",expandable:false"),
+    ] {
+        run_free_ptr_test(name, &format!("{TWO_HOST_DEVICES}{conf}"), &[], &[], "200");
+    }
+}
+
+#[test]
+fn the_free_by_pointer_alone_works_over_the_cuda_backend_on_two_simgpu_devices() {
+    let simgpu = common::simgpu_dir();
+    let env = [("LD_LIBRARY_PATH", simgpu.to_str().unwrap()), ("SIMGPU_CAPACITY", "1024M"), ("SIMGPU_DEVICES", "2")];
+    run_free_ptr_test("free_ptr_test_cuda", "backend:cuda", &env, &[], "50");
+}
+
+#[test]
+fn the_free_by_pointer_alone_is_clean_under_valgrind_memcheck() {
+    if common::tool("valgrind", "apt-get install valgrind").is_none() {
+        return;
+    }
+    let valgrind = ["valgrind", "--error-exitcode=99", "--leak-check=no", "-q"];
+    let text = run_free_ptr_test("free_ptr_test_valgrind", TWO_HOST_DEVICES, &[], &valgrind, "5");
+    assert!(!text.contains("Invalid read") && !text.contains("Invalid write"), "{text}");
+}

@@ -15,6 +15,7 @@ mod buffer;
 mod concurrency;
 mod contexts;
 mod expandable;
+mod free_ptr;
 mod heap_stress;
 mod heap_stress_caches;
 mod history;

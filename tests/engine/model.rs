@@ -1,6 +1,8 @@
 //! A state machine test against a reference model: random sequences of
 //! allocations, frees, cache releases, injected growth and release failures
-//! (the first or the second driver call of a request), bad frees, and
+//! (the first or the second driver call of a request), bad frees (each
+//! free, good or bad, named with its device or by the pointer alone:
+//! `free_ptr`, a path of its own through the thread's cache), and
 //! private pools begun, ended and released (in order or not) over several
 //! streams, with whole segments and with expandable segments. After every
 //! step the heap validates, live ranges never overlap, patterns written into
@@ -21,13 +23,14 @@ use tidepool::{AllocError, DevicePtr, PrivatePoolId, Stream};
 #[derive(Clone, Debug)]
 enum Op {
     Alloc { stream: u64, size: u64 },
-    Free { pick: usize },
+    /// `by_ptr`: with `free_ptr`, which names no device.
+    Free { pick: usize, by_ptr: bool },
     EmptyCache,
     FailNextGrowth,
     FailSecondGrowth,
     FailNextRelease,
-    FreeForeign,
-    DoubleFree { pick: usize },
+    FreeForeign { by_ptr: bool },
+    DoubleFree { pick: usize, by_ptr: bool },
     Begin { pool: u64 },
     End { pool: u64 },
     Release { pool: u64 },
@@ -45,13 +48,13 @@ fn size() -> impl Strategy<Value = u64> {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         10 => (0u64..3, size()).prop_map(|(stream, size)| Op::Alloc { stream, size }),
-        7 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        7 => (any::<usize>(), any::<bool>()).prop_map(|(pick, by_ptr)| Op::Free { pick, by_ptr }),
         1 => Just(Op::EmptyCache),
         1 => Just(Op::FailNextGrowth),
         1 => Just(Op::FailSecondGrowth),
         1 => Just(Op::FailNextRelease),
-        1 => Just(Op::FreeForeign),
-        1 => any::<usize>().prop_map(|pick| Op::DoubleFree { pick }),
+        1 => any::<bool>().prop_map(|by_ptr| Op::FreeForeign { by_ptr }),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(pick, by_ptr)| Op::DoubleFree { pick, by_ptr }),
         1 => (1u64..3).prop_map(|pool| Op::Begin { pool }),
         1 => (1u64..3).prop_map(|pool| Op::End { pool }),
         1 => (1u64..3).prop_map(|pool| Op::Release { pool }),
@@ -76,6 +79,7 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
     // and every range handed out from each while any is held.
     let (mut open, mut uses) = (Vec::<u64>::new(), BTreeMap::<u64, u64>::new());
     let mut private_ranges: Vec<(u64, u64, u64)> = Vec::new();
+    let free = |ptr: DevicePtr, by_ptr: bool| if by_ptr { alloc.free_ptr(ptr) } else { alloc.free(0, ptr) };
     for (step, op) in ops.into_iter().enumerate() {
         let reserved_before = alloc.stats(0).unwrap().reserved_bytes.all.current;
         match op {
@@ -106,11 +110,11 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
                 Err(AllocError::OutOfMemory(report)) => prop_assert_eq!(report.requested, size),
                 Err(other) => prop_assert!(false, "unexpected error {other:?}"),
             },
-            Op::Free { pick } if !live.is_empty() => {
+            Op::Free { pick, by_ptr } if !live.is_empty() => {
                 let addr = *live.keys().nth(pick % live.len()).unwrap();
                 let entry = live.remove(&addr).unwrap();
                 prop_assert_eq!(check(DevicePtr(addr), entry.requested, entry.tag), Ok(()), "pattern of {:#x} damaged", addr);
-                alloc.free(0, DevicePtr(addr)).unwrap();
+                free(DevicePtr(addr), by_ptr).unwrap();
                 freed.push(addr);
             }
             Op::Free { .. } => {}
@@ -120,14 +124,14 @@ fn run(ops: Vec<Op>, conf: &str) -> Result<(), TestCaseError> {
             Op::FailNextGrowth => backend.faults().fail_nth_allocate(1),
             Op::FailSecondGrowth => backend.faults().fail_nth_allocate(2),
             Op::FailNextRelease => backend.faults().fail_nth_release(1),
-            Op::FreeForeign => {
-                prop_assert!(alloc.free(0, DevicePtr(0x1000)).is_err());
+            Op::FreeForeign { by_ptr } => {
+                prop_assert!(free(DevicePtr(0x1000), by_ptr).is_err());
                 invalid_frees += 1;
             }
-            Op::DoubleFree { pick } => {
+            Op::DoubleFree { pick, by_ptr } => {
                 if let Some(&addr) = freed.get(pick % freed.len().max(1)) {
                     if !live.contains_key(&addr) {
-                        prop_assert!(alloc.free(0, DevicePtr(addr)).is_err());
+                        prop_assert!(free(DevicePtr(addr), by_ptr).is_err());
                         invalid_frees += 1;
                     }
                 }
