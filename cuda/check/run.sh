@@ -24,10 +24,10 @@
 #
 # The sections' own limits on a GPU, in their order: build-cuda 90,
 # python-package 60, e2e-* 4 x 45 (the training step's time: 330 s at most
-# by then), conformance and conformance-whole 45 each, c-abi 60, tools 60,
-# vmm 60, warmup-* 4 x 30, check 60, check-whole 30, tags 60, rust-runtime
-# and rust-runtime-whole 30 each, card 30, model-* 2 x 45:
-# 1050 s in all, more than the 430 s the budget leaves them (450 less 20
+# by then), runtimes 90, memory-saver 45, conformance and conformance-whole
+# 45 each, c-abi 60, tools 60, vmm 60, warmup-* 4 x 30, check 60,
+# check-whole 30, tags 60, rust-runtime and rust-runtime-whole 30 each,
+# card 30, model-* 2 x 45: 1185 s in all, more than the 430 s the budget leaves them (450 less 20
 # for the summary). A limit stops a section that hangs; the budget bounds
 # the whole: a section gets what is left of it when it starts, so the run
 # ends by 450 s whatever the sections take, and a section whose turn comes
@@ -182,6 +182,21 @@ for a in native native-expandable tidepool tidepool-whole; do
     gpu_only "e2e-$a" 45 e2e "$a"
   fi
 done
+
+echo "== other runtimes on tidepool: CuPy and Numba (tidepool.cupy, tidepool.numba; each skipped where not installed)"
+# Each runtime in a process of its own (45 s each): arrays, kernels, out of
+# memory and tidepool's figures; the rehearsal runs the allocators' layer
+# under the runtimes over simgpu, no kernel.
+runtimes=("$PYTHON" cuda/check/runtimes_check.py --timeout 45 --json "$OUT/runtimes.json")
+(( REHEARSE )) && runtimes+=(--rehearse)
+section runtimes 90 "${runtimes[@]}"
+
+echo "== sleep and wake as RL and serving frameworks call it: torch_memory_saver's API and vLLM's CuMemAllocator (tidepool.memory_saver, tidepool.vllm)"
+# A model's weights paused and resumed (with and without CPU backup, under
+# a CUDA graph, through vLLM's sleep and wake_up): the same forward output.
+memory_saver=("$PYTHON" cuda/check/memory_saver_check.py --json "$OUT/memory_saver.json")
+(( REHEARSE )) && memory_saver+=(--rehearse)
+section memory-saver 45 env PYTHONPATH="$WORK/python" "${memory_saver[@]}"
 
 echo "== conformance suite on the driver"
 conformance() {

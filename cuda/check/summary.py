@@ -164,9 +164,29 @@ def models():
                   f"{recorded / 2**30:.3f} GiB ({100 * (m['peak_reserved_bytes'] / recorded - 1):+.2f} %)")
 
 
+def other_runtimes():
+    """runtimes_check.py's verdict per runtime (CuPy, Numba) with tidepool's
+    figures, and memory_saver_check.py's per case."""
+    if "runtimes" in outcome and text("runtimes.json"):
+        for r in json.loads(text("runtimes.json")).get("runtimes", []):
+            f = r.get("figures") or {}
+            figures = (f"; peak allocated {r.get('peak_allocated_bytes', f.get('allocated_bytes.all.peak', 0)) / 2**20:.1f} MiB, "
+                       f"{f.get('tidepool.num_allocs')} allocations, {f.get('tidepool.num_frees')} frees, "
+                       f"{f.get('tidepool.num_driver_calls')} driver calls, {f.get('num_ooms')} OOMs" if f else "")
+            kernels = f", kernels {r['kernels_s']} s" if "kernels_s" in r else ""
+            print(f"runtime {r.get('runtime')} {r.get('versions', '')}: {r.get('status')}{figures}{kernels}")
+    m = json_line("memory_saver.json")
+    if "memory-saver" in outcome and m is not None:
+        for name, case in m.get("cases", {}).items():
+            verdict = "skipped: " + case["skipped"] if case.get("skipped") else "ok" if case.get("ok") else f"FAILED {case.get('error')}"
+            freed = f", device memory freed by the pause {gib(case['device_freed'])}" if case.get("device_freed") is not None else ""
+            print(f"memory saver {name}: {verdict}{freed}, {case.get('seconds', '?')} s")
+
+
 guarded("training step", step_table)
 guarded("PyTorch end to end", end_to_end)
 guarded("models of PyTorch's allocator", models)
+guarded("other runtimes", other_runtimes)
 bad = [name for name, verdict in sections if not (verdict == "ok" or verdict.startswith("skipped"))]
 print(f"sections: {len(sections)}, ok {sum(v == 'ok' for _, v in sections)}, "
       f"skipped {sum(v.startswith('skipped') for _, v in sections)}, not ok {len(bad)}" + (f": {', '.join(bad)}" if bad else ""))

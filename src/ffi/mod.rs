@@ -29,12 +29,12 @@ mod types;
 
 pub use alloc::{
     tidepool_base_alloc, tidepool_begin_allocate_to_pool, tidepool_check_conf, tidepool_empty_cache, tidepool_end_allocate_to_pool,
-    tidepool_free, tidepool_free_ptr, tidepool_init, tidepool_malloc, tidepool_malloc_with_context, tidepool_record_stream, tidepool_register_context,
-    tidepool_release_pool, tidepool_set_memory_fraction,
+    tidepool_free, tidepool_free_ptr, tidepool_init, tidepool_malloc, tidepool_malloc_with_context, tidepool_record_stream,
+    tidepool_register_context, tidepool_release_pool, tidepool_set_memory_fraction,
 };
 pub use boundary::{
-    tidepool_last_error, TIDEPOOL_ERR_INTERNAL, TIDEPOOL_ERR_INVALID_ARGUMENT, TIDEPOOL_ERR_INVALID_DEVICE,
-    TIDEPOOL_ERR_INVALID_FREE, TIDEPOOL_ERR_IO, TIDEPOOL_ERR_OUT_OF_MEMORY, TIDEPOOL_ERR_TAG_STATE, TIDEPOOL_OK,
+    tidepool_last_error, TIDEPOOL_ERR_INTERNAL, TIDEPOOL_ERR_INVALID_ARGUMENT, TIDEPOOL_ERR_INVALID_DEVICE, TIDEPOOL_ERR_INVALID_FREE,
+    TIDEPOOL_ERR_IO, TIDEPOOL_ERR_OUT_OF_MEMORY, TIDEPOOL_ERR_TAG_STATE, TIDEPOOL_OK,
 };
 pub use oom::{tidepool_attach_oom_observer, tidepool_dump_snapshot, tidepool_record_history};
 pub use stats::{tidepool_get_stats, tidepool_reset_accumulated_stats, tidepool_reset_peak_stats};

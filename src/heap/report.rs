@@ -118,9 +118,11 @@ impl DeviceHeap {
     /// address map (a block's address), else one in the segments by base.
     pub fn holds(&self, ptr: u64) -> bool {
         self.by_addr.get(ptr).is_some()
-            || self.segment_by_base.range(..=ptr).next_back().is_some_and(|(_, &id)| {
-                self.segments[id as usize].as_ref().is_some_and(|segment| ptr < segment.base + segment.size)
-            })
+            || self
+                .segment_by_base
+                .range(..=ptr)
+                .next_back()
+                .is_some_and(|(_, &id)| self.segments[id as usize].as_ref().is_some_and(|segment| ptr < segment.base + segment.size))
     }
 
     /// The size of the live block at `ptr`, if there is one.

@@ -22,18 +22,35 @@ use tidepool::{AllocError, DevicePtr, PrivatePoolId, Stream};
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { stream: u64, size: u64 },
+    Alloc {
+        stream: u64,
+        size: u64,
+    },
     /// `by_ptr`: with `free_ptr`, which names no device.
-    Free { pick: usize, by_ptr: bool },
+    Free {
+        pick: usize,
+        by_ptr: bool,
+    },
     EmptyCache,
     FailNextGrowth,
     FailSecondGrowth,
     FailNextRelease,
-    FreeForeign { by_ptr: bool },
-    DoubleFree { pick: usize, by_ptr: bool },
-    Begin { pool: u64 },
-    End { pool: u64 },
-    Release { pool: u64 },
+    FreeForeign {
+        by_ptr: bool,
+    },
+    DoubleFree {
+        pick: usize,
+        by_ptr: bool,
+    },
+    Begin {
+        pool: u64,
+    },
+    End {
+        pool: u64,
+    },
+    Release {
+        pool: u64,
+    },
 }
 
 fn size() -> impl Strategy<Value = u64> {
