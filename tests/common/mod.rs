@@ -327,7 +327,7 @@ pub fn child_only() {
 
 // ---- tools ---------------------------------------------------------------
 
-/// Whether this is a CI run (`CI=true`, as `.ci/run` sets): there a tool a
+/// Whether this is a CI run (`CI=true`, as `./test.sh` sets): there a tool a
 /// test needs (python3 and torch, valgrind, nm, a C compiler, prometheus)
 /// must be installed, and its absence fails the test instead of skipping it.
 pub fn in_ci() -> bool {
@@ -344,7 +344,7 @@ pub fn tool(name: &str, install: &str) -> Option<std::path::PathBuf> {
         .map(|dir| dir.join(name))
         .find(|path| path.is_file());
     if found.is_none() {
-        assert!(!in_ci(), "CI=true: {name} is missing ({install}; .ci/run installs it)");
+        assert!(!in_ci(), "CI=true: {name} is missing ({install}; ./test.sh installs it)");
         eprintln!("skipped: {name} is not installed ({install}); under CI=true this fails");
     }
     found

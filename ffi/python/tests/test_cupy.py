@@ -11,7 +11,7 @@ a GPU runs: malloc itself (it reads CuPy's current device and stream, which
 needs a driver) and kernels on the memory: cuda/check/runtimes_check.py.
 
 Skipped without CuPy, except when TIDEPOOL_REQUIRE_TORCH=1 (CI, whose venv
-.ci/run makes with CuPy), where a missing CuPy fails.
+./test.sh makes with CuPy), where a missing CuPy fails.
 """
 import gc
 import importlib.util
@@ -21,7 +21,7 @@ import unittest
 
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None
 if not HAVE_CUPY and os.environ.get("TIDEPOOL_REQUIRE_TORCH") == "1":
-    raise RuntimeError("cupy is required here (TIDEPOOL_REQUIRE_TORCH=1: .ci/run installs it) but not installed")
+    raise RuntimeError("cupy is required here (TIDEPOOL_REQUIRE_TORCH=1: ./test.sh installs it) but not installed")
 
 import tidepool
 

@@ -14,7 +14,7 @@ the driver's half of get_memory_info and of get_ipc_handle, and kernels on
 the memory: cuda/check/runtimes_check.py.
 
 Skipped without numba-cuda, except when TIDEPOOL_REQUIRE_TORCH=1 (CI, whose
-venv .ci/run makes with numba-cuda), where a missing numba-cuda fails.
+venv ./test.sh makes with numba-cuda), where a missing numba-cuda fails.
 """
 import gc
 import importlib.util
@@ -25,7 +25,7 @@ import unittest
 
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
 if not HAVE_NUMBA_CUDA and os.environ.get("TIDEPOOL_REQUIRE_TORCH") == "1":
-    raise RuntimeError("numba-cuda is required here (TIDEPOOL_REQUIRE_TORCH=1: .ci/run installs it) but not installed")
+    raise RuntimeError("numba-cuda is required here (TIDEPOOL_REQUIRE_TORCH=1: ./test.sh installs it) but not installed")
 
 import tidepool
 

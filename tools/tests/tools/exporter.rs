@@ -1,5 +1,5 @@
 //! `tidepool exporter` against the real thing: a Prometheus server
-//! (Debian's `prometheus` package; `.ci/run` installs it) scrapes it on
+//! (Debian's `prometheus` package; `./test.sh` installs it) scrapes it on
 //! loopback while two tidepool processes share one simgpu device, and
 //! `promtool check metrics` reads its output. Without prometheus or
 //! promtool the tests that need them skip with a message, except under
@@ -715,10 +715,10 @@ fn listen_overflows() -> u64 {
 }
 
 /// A load test: it measures time with four threads flooding the machine,
-/// so it runs alone, after the suite (`.ci/run`); beside the suite's other
+/// so it runs alone, after the suite (`./test.sh`); beside the suite's other
 /// tests on two cores it would measure them.
 #[test]
-#[ignore = "a load test, run alone after the suite by .ci/run"]
+#[ignore = "a load test, run alone after the suite by ./test.sh"]
 fn a_flood_of_connects_and_partial_requests_fails_no_scrape_and_delays_none_past_100_ms() {
     let scratch = common::scratch_dir("exporter-flood");
     let dir = scratch.path();

@@ -1,7 +1,7 @@
 //! The GPU check's staging (cuda/check/prepare.sh): what travels to the GPU
 //! machine in one call is checked against its bound before anything is
 //! sent. CI runs prepare.sh itself and then the rehearsal of run.sh over
-//! simgpu (.ci/run); this tests the size check on staged folders made here,
+//! simgpu (./test.sh); this tests the size check on staged folders made here,
 //! and the summary (cuda/check/summary.py) on results a GPU run could leave:
 //! sections ok, failed, timed out, never reached.
 

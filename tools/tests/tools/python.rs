@@ -4,12 +4,12 @@
 //! statistics; then the package's own tests (ffi/python/tests) run over the
 //! installed package, with the real torch.
 //!
-//! The Python used is `TIDEPOOL_TEST_PYTHON` (`.ci/run` makes a venv with a
+//! The Python used is `TIDEPOOL_TEST_PYTHON` (`./test.sh` makes a venv with a
 //! pinned torch and setuptools-rust), else `python3`. Without torch the
 //! torch tests are skipped with a message, except under `CI=true`, where a
 //! missing torch fails. The planner's tests (test_plan.py) run once, in a
 //! test of their own, with this build's `tidepool` command; they need
-//! transformers and peft too (.ci/run installs them).
+//! transformers and peft too (./test.sh installs them).
 
 use crate::common;
 
@@ -194,7 +194,7 @@ fn the_planner_records_and_plans_real_models() {
 fn python_tests(conf: &str) {
     let python = python();
     let have_torch = has_module(&python, "torch");
-    assert!(have_torch || !in_ci(), "CI=true: {} has no torch (.ci/run installs it)", python.display());
+    assert!(have_torch || !in_ci(), "CI=true: {} has no torch (./test.sh installs it)", python.display());
     if !have_torch {
         eprintln!("torch not installed for {}: its tests are skipped (set TIDEPOOL_TEST_PYTHON)", python.display());
     }

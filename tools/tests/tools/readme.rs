@@ -16,7 +16,7 @@
 //!   (under CI=true, with the pinned torch, that fails too).
 //! - a block fenced ```shell holds commands shown and not run here (pip, a
 //!   GPU, minutes, servers that run until stopped): each must start as one
-//!   of `COVERED`, which says what runs it (a test, or .ci/run).
+//!   of `COVERED`, which says what runs it (a test, or ./test.sh).
 //! - README's ```c block is a whole program, compiled against this build's
 //!   library and run on the host backend; the ```text block after its
 //!   build commands is what it prints. README's ```rust block is the body
@@ -44,7 +44,7 @@ const COVERED: &[(&str, &str)] = &[
         ". ~/tidepool-venv/bin/activate",
         "python::the_wheel_installs_into_a_fresh_venv_without_rust_and_reads_statistics (runs the venv's tidepool)",
     ),
-    ("pip install torch transformers", ".ci/run (installs torch 2.15.0 and transformers into the tests' venv)"),
+    ("pip install torch transformers", "./test.sh (installs torch 2.15.0 and transformers into the tests' venv)"),
     (
         "pip install ./ffi/python",
         "python::the_wheel_installs_into_a_fresh_venv_without_rust_and_reads_statistics (pip wheel ./ffi/python, installed)",
@@ -63,16 +63,17 @@ const COVERED: &[(&str, &str)] = &[
     // Commands that run until stopped (docs/monitoring.md).
     ("tidepool top", "top::* (the table and JSON of live processes)"),
     ("tidepool exporter", "exporter::* (served to a real Prometheus; --textfile and --once)"),
-    // Tests and their environment (docs/testing.md): what .ci/run does.
-    ("cargo test --locked", ".ci/run (cargo test --locked runs every test, filters included)"),
-    ("python3 -m venv ~/.cache/tidepool-ci/venv-torch-2.15.0", ".ci/run (makes this venv)"),
-    ("~/.cache/tidepool-ci/venv-torch-2.15.0/bin/pip install", ".ci/run (installs these packages into it)"),
-    ("TIDEPOOL_TEST_PYTHON=~/.cache/tidepool-ci/venv-torch-2.15.0/bin/python cargo test --locked", ".ci/run"),
-    ("TIDEPOOL_SOAK_SECS=600 cargo test --locked --test processes -- soak::", ".ci/run (the soak, 30 s under CI=true)"),
-    // The GPU check (docs/testing.md#on-a-gpu): staged and rehearsed by .ci/run.
-    ("cuda/check/prepare.sh", ".ci/run (stages the GPU check; gpu_check::* checks its size check)"),
-    ("bash cuda/check/run.sh --rehearse", ".ci/run (the rehearsal over simgpu, after prepare.sh)"),
-    ("bash cuda/check/run.sh", ".ci/run (rehearsed with --rehearse; on a GPU only by hand, see docs/gpu-results.md)"),
+    // Tests and their environment (docs/testing.md): what ./test.sh does.
+    ("./test.sh", "CI (.ci/run runs exactly this, on a fresh clone)"),
+    ("cargo test --locked", "./test.sh (cargo test --locked runs every test, filters included)"),
+    ("python3 -m venv ~/.cache/tidepool-ci/venv-torch-2.15.0", "./test.sh (makes this venv)"),
+    ("~/.cache/tidepool-ci/venv-torch-2.15.0/bin/pip install", "./test.sh (installs these packages into it)"),
+    ("TIDEPOOL_TEST_PYTHON=~/.cache/tidepool-ci/venv-torch-2.15.0/bin/python cargo test --locked", "./test.sh"),
+    ("TIDEPOOL_SOAK_SECS=600 cargo test --locked --test processes -- soak::", "./test.sh (the soak, 30 s under CI=true)"),
+    // The GPU check (docs/testing.md#on-a-gpu): staged and rehearsed by ./test.sh.
+    ("cuda/check/prepare.sh", "./test.sh (stages the GPU check; gpu_check::* checks its size check)"),
+    ("bash cuda/check/run.sh --rehearse", "./test.sh (the rehearsal over simgpu, after prepare.sh)"),
+    ("bash cuda/check/run.sh", "./test.sh (rehearsed with --rehearse; on a GPU only by hand, see docs/gpu-results.md)"),
 ];
 
 /// README.md and every page of docs/, as (path from the root, text).
@@ -399,6 +400,18 @@ fn the_readme_stays_a_front_door() {
     let readme = std::fs::read_to_string(common::repo_root().join("README.md")).unwrap();
     let lines = readme.lines().count();
     assert!(lines <= 250, "README.md has {lines} lines: keep it a front door (at most 250) and move the rest into docs/");
+}
+
+#[test]
+fn ci_runs_exactly_the_test_command_the_readme_shows() {
+    let root = common::repo_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let shown: Vec<String> = blocks(&readme).into_iter().filter(|b| b.lang == "shell").flat_map(|b| commands(&b.body)).collect();
+    assert!(shown.iter().any(|c| c == "./test.sh"), "README shows no ./test.sh: {shown:?}");
+    let ci = std::fs::read_to_string(root.join(".ci/run")).unwrap();
+    let last = ci.lines().map(str::trim).rfind(|l| !l.is_empty() && !l.starts_with('#')).unwrap();
+    assert_eq!(last, "exec ./test.sh", ".ci/run must end by running README's test command");
+    assert!(root.join("test.sh").is_file());
 }
 
 /// The ```c block of README and the ```text block after its build commands.

@@ -41,7 +41,7 @@ fn the_trace_warm_up_plays_a_trace_through_torch_on_the_host() {
     let python = std::env::var_os("TIDEPOOL_TEST_PYTHON").unwrap_or_else(|| "python3".into());
     let has_torch = Command::new(&python).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success());
     if !has_torch {
-        assert!(!common::in_ci(), "CI=true: {python:?} has no torch (.ci/run installs it)");
+        assert!(!common::in_ci(), "CI=true: {python:?} has no torch (./test.sh installs it)");
         eprintln!("skipped: {python:?} has no torch");
         return;
     }

@@ -3,7 +3,7 @@
 # each a small model's training (or generation) step run four times (three
 # for generation) on the meta device by `python -m tidepool.plan`, which
 # marks each step in the trace. Run from the root of a checkout with torch
-# and transformers installed (`.ci/run` builds such a venv):
+# and transformers installed (`./test.sh` builds such a venv):
 #
 #     PYTHON=.venv/bin/python tools/tests/traces/steps/record.sh
 set -euo pipefail
