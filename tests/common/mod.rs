@@ -258,10 +258,15 @@ pub fn wait_for_file(path: &std::path::Path, timeout: std::time::Duration) -> bo
 
 /// The command that runs the ignored test `name` of this test binary in a
 /// child process (one thread, output not captured); the caller adds its
-/// environment and runs it (`child_output`) or spawns it.
+/// environment and runs it (`child_output`) or spawns it. Its stdout (the
+/// harness's "running 1 test ... test result" lines) goes nowhere unless
+/// the caller takes it (`child_output`, `spawn_child`), so that it does not
+/// land in the parent's output; its stderr (a failing child's panic
+/// message) is the parent's.
 pub fn child_command(name: &str) -> std::process::Command {
     let mut command = std::process::Command::new(std::env::current_exe().unwrap());
     command.args(["--ignored", "--exact", &test_path(name), "--test-threads=1", "--nocapture"]).env("TIDEPOOL_TEST_CHILD", "1");
+    command.stdout(std::process::Stdio::null());
     contained(&mut command);
     command
 }
@@ -310,7 +315,7 @@ pub fn spawn_child(name: &str, env: &[(&str, String)]) -> std::process::Child {
 /// (a name that matches no test runs none, which is no pass), and what it
 /// printed.
 pub fn child_output(command: &mut std::process::Command) -> (bool, String) {
-    let out = command.output().unwrap_or_else(|err| panic!("cannot run {command:?}: {err}"));
+    let out = command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).output().unwrap_or_else(|err| panic!("cannot run {command:?}: {err}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let ran = stdout.contains("test result: ok. 1 passed;");
     (out.status.success() && ran, format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
