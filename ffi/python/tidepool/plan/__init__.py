@@ -19,7 +19,9 @@ the meta device and hands the trace to the `tidepool` command. Its modules:
 - autocast.py, attention.py: CUDA's autocast rules and attention kernels,
   emulated on the meta device;
 - ddp.py, fsdp.py: data parallelism and sharding over a fake process group;
-- plot.py: the --plot picture.
+- plot.py: the --plot picture;
+- errors.py: the errors all of them raise (Exit, PlanError, FactoryError,
+  MissingMetaKernel), in a module of their own that imports none.
 tidepool.record, tidepool.workload, tidepool.autocast and
 tidepool.attention are these modules under the names documented first.
 """

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from .cards import jobs_side_by_side, left_out, need_on, notes, resolve_cards, runnable, unsupported
+from .errors import Exit, FactoryError, MissingMetaKernel, PlanError
 
 GIB = 1 << 30
 DEFAULT_CARDS = "T4,L4,RTX 4090,A100 40GB,L40S,H100,H200,B200"
@@ -84,14 +85,6 @@ def _parsers():
         "lora_rank": _non_negative, "new_tokens": _non_negative, "ddp": _non_negative,
         "fsdp": _non_negative, "zero1": _non_negative, "zero2": _non_negative,
     }
-
-
-class Exit(Exception):
-    """Ends the command with a message and an exit status."""
-
-    def __init__(self, message, status=2):
-        super().__init__(message)
-        self.status = status
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -353,15 +346,15 @@ def run(argv=None):
                 del rec
                 result["process"] = _plan_process(binary, trace)
                 result["seq"] = seq
-            except workload.FactoryError:
+            except FactoryError:
                 raise
-            except workload.PlanError as err:
+            except PlanError as err:
                 # An option combination this variant cannot have: an error of
                 # the run when it is the only variant, else of its row.
                 if len(todo) == 1:
                     raise
                 result["error"] = str(err)
-            except step.MissingMetaKernel as err:
+            except MissingMetaKernel as err:
                 result["error"] = f"no meta kernel for {err}"
             except Exception as err:  # noqa: BLE001 - a failing variant is reported, the others go on
                 result["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -553,8 +546,6 @@ def main(argv=None):
     except KeyboardInterrupt:
         status = 130
     except Exception as err:  # noqa: BLE001 - bad input raised inside: one clear line
-        from .workload import FactoryError, PlanError
-
         if isinstance(err, FactoryError):
             print(f"tidepool.plan: the model factory raised:\n{err}", file=sys.stderr, end="")
             status = 2
