@@ -25,10 +25,10 @@ import sysconfig
 import tempfile
 import time
 
+from .._units import GIB, human_bytes
 from .cards import jobs_side_by_side, left_out, need_on, notes, resolve_cards, runnable, unsupported
 from .errors import Exit, FactoryError, MissingMetaKernel, PlanError
 
-GIB = 1 << 30
 DEFAULT_CARDS = "T4,L4,RTX 4090,A100 40GB,L40S,H100,H200,B200"
 
 # Sweepable options: name -> parser of one value.
@@ -297,7 +297,7 @@ class _Progress:
 
 
 def _human(n):
-    return f"{n / GIB:.2f} GiB"
+    return human_bytes(n, "GiB")
 
 
 def run(argv=None):

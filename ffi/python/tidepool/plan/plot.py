@@ -4,7 +4,8 @@ weights, gradients, optimizer, precision copies, activations) with the smallest 
 allocator needs; below, those devices side by side for every variant."""
 from xml.sax.saxutils import escape
 
-GIB = 1 << 30
+from .._units import human_bytes
+
 COLOURS = {"weights": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759", "copies": "#edc948",
            "activations": "#76b7b2"}
 PYTORCH, TIDEPOOL = "#b07aa1", "#59a14f"
@@ -12,7 +13,7 @@ WIDTH, LEFT, RIGHT, PANEL, GAP = 960, 230, 20, 110, 18
 
 
 def _fmt(n):
-    return f"{n / GIB:.2f} GiB"
+    return human_bytes(n, "GiB")
 
 
 def write_svg(path, model, timelines, results):
