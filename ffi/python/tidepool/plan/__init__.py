@@ -9,8 +9,9 @@ the meta device and hands the trace to the `tidepool` command. Its modules:
   command it runs (`tidepool plan`), the report;
 - cards.py: the cards of --cards (`tidepool cards` resolves them) and
   which of them a variant's recording stands for (no bf16 below sm80);
-- record.py: the Recorder, a model's allocation trace on the meta device
-  (also `python -m tidepool.record`);
+- record.py: the Recorder, a model's allocation trace on the meta device;
+- demos.py: small workloads to record and their command line (`python -m
+  tidepool.record`);
 - step.py: one variant's recorded run (precision, adapters,
   checkpointing, sharding, then its task's steps);
 - workload.py: the model a MODEL spec names and the batches it is fed;
