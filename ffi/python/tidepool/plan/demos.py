@@ -12,6 +12,7 @@ import os
 import torch
 
 from . import record
+from .arguments import positive
 from .record import Recorder
 
 
@@ -176,19 +177,12 @@ def record_training(workload, path, steps=4, batch=16, inference=False):
     return rec.allocs
 
 
-def _positive(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=record.__doc__.split("\n\n")[0])
     parser.add_argument("workload", choices=sorted(WORKLOADS))
     parser.add_argument("--out", required=True, help="the CSV to write")
-    parser.add_argument("--steps", type=_positive, default=4)
-    parser.add_argument("--batch", type=_positive, default=16)
+    parser.add_argument("--steps", type=positive, default=4)
+    parser.add_argument("--batch", type=positive, default=16)
     parser.add_argument("--inference", action="store_true", help="forward passes only, no gradients (always for kv-generate)")
     args = parser.parse_args(argv)
     # Before the recording, not after it: a directory that is not there.
