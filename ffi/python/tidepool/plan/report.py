@@ -47,7 +47,7 @@ def print_json(args, results):
                           "activations_bytes": b["activations"]},
             "pytorch_min_capacity_bytes": r["pytorch"],
             "pytorch_expandable_min_capacity_bytes": r["pytorch_expandable"],
-            "tidepool_min_capacity_bytes": r["tidepool"],
+            "tidepool_min_capacity_bytes": r["tidepool_expandable"],
             "fits": r["fits"],
             "fits_pytorch": r["fits_pytorch"],
             "fits_pytorch_expandable": r["fits_pytorch_expandable"],
@@ -82,7 +82,7 @@ def print_text(args, results, cards, sweeps):
         fits = r["fits"][0] if r["fits"] else "none"
         cells += [_human(r["peak"]), _human(b["weights"]), _human(b["gradients"]), _human(b["optimizer"]),
                   _human(b["copies"]), _human(b["activations"]), _human(r["pytorch"]), _human(r["pytorch_expandable"]),
-                  _human(r["tidepool"]), fits]
+                  _human(r["tidepool_expandable"]), fits]
         rows.append(cells)
     widths = [max([len(head[i])] + [len(row[i]) for row in rows if len(row) == len(head)]) for i in range(len(head))]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
@@ -105,6 +105,16 @@ def print_text(args, results, cards, sweeps):
             print(f"trace: {r['trace']}")
 
 
+def _need(result, allocator):
+    """A result's need with `allocator` (a key of running.ALLOCATORS's).
+    tidepool's is read under "tidepool" too, the key results had before
+    they said which tidepool: largest_batches is tidepool.plan's, and a
+    caller's results may be of that kind."""
+    if allocator == "tidepool_expandable" and allocator not in result:
+        return result["tidepool"]
+    return result[allocator]
+
+
 def largest_batches(results, cards, swept):
     """Per batch sweep (the other options fixed): the largest batch each card
     holds with tidepool, and in parentheses PyTorch's where either of its
@@ -125,10 +135,10 @@ def largest_batches(results, cards, swept):
             planned = [r for r in ok if not unsupported(card, r["options"])]
 
             def largest(allocator):
-                return max((r["options"]["batch"] for r in planned if need_on(card, r[allocator], r) <= usable),
+                return max((r["options"]["batch"] for r in planned if need_on(card, _need(r, allocator), r) <= usable),
                            default=None)
 
-            best, best_pt, best_px = largest("tidepool"), largest("pytorch"), largest("pytorch_expandable")
+            best, best_pt, best_px = largest("tidepool_expandable"), largest("pytorch"), largest("pytorch_expandable")
             if ok and not planned:
                 parts.append(f"{name}: {unsupported(card, ok[0]['options'])}")
             elif best is None:

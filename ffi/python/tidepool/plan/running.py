@@ -63,9 +63,18 @@ def _plan_result(process):
         raise RuntimeError(f"tidepool plan printed no JSON: {(lines or [''])[-1][:200]!r}") from None
 
 
-# The allocators a variant's needs are replayed with, by the suffix of
-# their figures (fits, fits_pytorch, ...; jobs, jobs_pytorch, ...).
-ALLOCATORS = (("tidepool", ""), ("pytorch", "_pytorch"), ("pytorch_expandable", "_pytorch_expandable"))
+# The allocators a variant's needs are replayed with: the key of the need
+# in a result, the key of `tidepool plan --json` it is read from, and the
+# suffix of its figures in a result and in --json (fits, fits_pytorch, ...;
+# jobs, jobs_pytorch, ...). tidepool's need is tidepool as it runs by
+# default, with its expandable segments ("tidepool" in `tidepool plan
+# --json`, beside "whole_segments"; tidepool_min_capacity_bytes, fits and
+# jobs in --json, as docs/planning.md names them).
+ALLOCATORS = (
+    ("tidepool_expandable", "tidepool", ""),
+    ("pytorch", "pytorch", "_pytorch"),
+    ("pytorch_expandable", "pytorch_expandable", "_pytorch_expandable"),
+)
 
 
 class _Progress:
@@ -160,10 +169,9 @@ def _finish(result, cards):
     cards = runnable(cards, result["options"])
     try:
         plan = _plan_result(result.pop("process"))
-        result["pytorch"] = plan["pytorch"]["min_capacity_bytes"]
-        result["pytorch_expandable"] = plan["pytorch_expandable"]["min_capacity_bytes"]
-        result["tidepool"] = plan["tidepool"]["min_capacity_bytes"]
-        for allocator, suffix in ALLOCATORS:
+        for allocator, planned, _ in ALLOCATORS:
+            result[allocator] = plan[planned]["min_capacity_bytes"]
+        for allocator, _, suffix in ALLOCATORS:
             needs = {card: need_on(card, result[allocator], result) for card in cards}
             result["fits" + suffix] = [card.name for card, need in needs.items() if need <= card.usable]
             result["jobs" + suffix] = {card.name: jobs_side_by_side(card, need) for card, need in needs.items()}
