@@ -41,9 +41,11 @@ def run(argv=None):
     args, base, overrides, sweeps = parse_args(argv)
     binary = find_tidepool(args.tidepool)
     cards = resolve_cards(binary, args.cards)
-    import torch  # noqa: F401 - imported here, as before any recording
+    # torch, then what records (step.py, which running.py runs), before
+    # any work: one that cannot be imported fails the command first.
+    import torch  # noqa: F401
 
-    from . import step, workload  # noqa: F401 - step: what records (running.py), imported before any work
+    from . import step, workload  # noqa: F401
 
     if args.model.startswith("hf:") or not args.model.startswith("module:"):
         workload.hf_config(args.model, overrides)  # a bad architecture or file fails before any recording

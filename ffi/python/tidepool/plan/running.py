@@ -17,6 +17,7 @@ import time
 from .cards import jobs_side_by_side, left_out, need_on, runnable
 from .errors import Exit, FactoryError, MissingMetaKernel, PlanError
 
+
 def find_tidepool(explicit=None):
     """The tidepool command that replays and plans traces."""
     # The wheel installs it into the environment's bin directory, which is
@@ -165,6 +166,8 @@ def record_and_plan(args, binary, cards, todo):
 
 
 def _finish(result, cards):
+    """Reads the plan of `result`'s variant: each allocator's need, and
+    the cards it fits and the jobs each holds with it (or the error)."""
     result["cards_left_out"] = left_out(cards, result["options"])
     cards = runnable(cards, result["options"])
     try:

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from .errors import FactoryError, PlanError  # noqa: F401 - tidepool.workload.PlanError and FactoryError, as before
+from .errors import FactoryError, PlanError  # (tidepool.workload.PlanError and FactoryError, as before)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
