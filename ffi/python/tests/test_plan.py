@@ -954,7 +954,7 @@ class BadInput(unittest.TestCase):
         self.assertTrue(all("peak_live_bytes" in r for r in results if "error" not in r))
 
     def test_a_plan_binary_that_answers_nothing_useful_is_named(self):
-        from tidepool.plan.command import _plan_result
+        from tidepool.plan.running import _plan_result
 
         class Done:
             def __init__(self, code, out, err=""):

@@ -15,9 +15,12 @@ This module only gathers names; each module owns one part:
 - _observers.py: attach_oom_observer;
 - tags.py: region, pause, resume, tag_stats (sleep and wake);
 - _devices.py: what a `device` argument means;
-- _native.py: the ctypes bindings of libtidepool.so, library_path, TidepoolError.
+- _native.py: the ctypes bindings of libtidepool.so, library_path, TidepoolError;
+- _units.py: bytes written for people (memory_summary's, the planner's).
 The planner, which never touches the library, is the subpackage
-tidepool.plan (`python -m tidepool.plan`).
+tidepool.plan (`python -m tidepool.plan`). The modules' layers, lowest
+first, and the rule that none imports upward or in a circle:
+ffi/python/tests/test_layers.py.
 """
 from ._install import DEFAULT_BACKEND, install, mempool, uninstall
 from ._memory import (

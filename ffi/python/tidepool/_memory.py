@@ -7,6 +7,7 @@ memory_summary and empty_cache. `device` is as torch.cuda takes it
 from . import _native
 from ._devices import device_index
 from ._native import FIELDS, GAUGES, POOLS
+from ._units import human_bytes
 
 
 def memory_stats_as_nested_dict(device=None):
@@ -109,13 +110,6 @@ def empty_cache():
     _native.lib().tidepool_empty_cache()
 
 
-def _human(n):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-
-
 def memory_summary(device=None):
     """A readable table of the statistics, in the spirit of torch.cuda.memory_summary."""
     stats = memory_stats(device)
@@ -139,14 +133,14 @@ def memory_summary(device=None):
         "-" * width,
     ]
     for title, key, is_bytes in rows:
-        fmt = _human if is_bytes else str
+        fmt = human_bytes if is_bytes else str
         for pool, label in (("all", title), ("large_pool", "      from large pool"), ("small_pool", "      from small pool")):
             values = [fmt(stats[f"{key}.{pool}.{field}"]) for field in FIELDS]
             lines.append(f"{label:<26}|{values[0]:>12} |{values[1]:>12} |{values[2]:>11} |{values[3]:>10}")
         lines.append("-" * width)
     lines.append(
-        f"Largest free block: {_human(stats['tidepool.largest_free_block_bytes'])}   "
-        f"Cached free: {_human(stats['tidepool.cached_free_bytes'])}   "
+        f"Largest free block: {human_bytes(stats['tidepool.largest_free_block_bytes'])}   "
+        f"Cached free: {human_bytes(stats['tidepool.cached_free_bytes'])}   "
         f"Fragmentation: {100 * stats['tidepool.fragmentation']:.0f} %"
     )
     lines.append(

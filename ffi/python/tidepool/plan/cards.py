@@ -30,6 +30,8 @@ import json
 import subprocess
 from collections import namedtuple
 
+from .errors import Exit
+
 # A card of --cards: its name, the bytes an allocator gets of it, its
 # compute capability as (major, minor) (None for a card given by its
 # memory) and its memory (what the driver, the processes' CUDA contexts
@@ -42,8 +44,6 @@ def resolve_cards(binary, text):
     `tidepool cards` knows, by name or alias, or a card's memory with its
     unit; a bad one ends the command (Exit, status 2) with the tidepool
     command's words."""
-    from .command import Exit  # (command.py imports this module)
-
     entries = [entry.strip() for entry in text.split(",") if entry.strip()]
     if not entries:
         raise Exit(f"--cards {text!r}: expected cards, by name or by their memory with its unit (24GB, 24GiB)")

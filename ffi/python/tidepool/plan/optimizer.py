@@ -12,7 +12,8 @@ them; its for-loop: one parameter's at a time; fused: none).
 """
 import torch
 
-from .workload import FactoryError, PlanError, _traceback
+from .errors import FactoryError, PlanError
+from .workload import _traceback
 
 # name -> (what it is, for --help; how it is made from the parameters to train)
 OPTIMIZERS = {

@@ -4,7 +4,8 @@ weights, gradients, optimizer, precision copies, activations) with the smallest 
 allocator needs; below, those devices side by side for every variant."""
 from xml.sax.saxutils import escape
 
-GIB = 1 << 30
+from .._units import human_bytes
+
 COLOURS = {"weights": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759", "copies": "#edc948",
            "activations": "#76b7b2"}
 PYTORCH, TIDEPOOL = "#b07aa1", "#59a14f"
@@ -12,17 +13,17 @@ WIDTH, LEFT, RIGHT, PANEL, GAP = 960, 230, 20, 110, 18
 
 
 def _fmt(n):
-    return f"{n / GIB:.2f} GiB"
+    return human_bytes(n, "GiB")
 
 
 def write_svg(path, model, timelines, results):
     """timelines: [(label, [(event, {category: bytes})])] of the variants
-    that recorded; results: every variant's row (with pytorch/tidepool
+    that recorded; results: every variant's row (with pytorch/tidepool_expandable
     figures or an error)."""
     ok = [r for r in results if "error" not in r]
     labels = {id(r): (" ".join(f"{k}={v}" for k, v in r["label"].items()) or "the model") for r in results}
     top = max([max((sum(v.values()) for _, v in points), default=0) for _, points in timelines] +
-              [max(r["pytorch"], r["tidepool"]) for r in ok] + [1])
+              [max(r["pytorch"], r["tidepool_expandable"]) for r in ok] + [1])
     plot_w = WIDTH - LEFT - RIGHT
     bars_h = 40 + 22 * len(results)
     height = 60 + len(timelines) * (PANEL + GAP) + bars_h + 40
@@ -53,7 +54,7 @@ def write_svg(path, model, timelines, results):
             below = upper
         r = by_label.get(label)
         if r is not None and "error" not in r:
-            for value, colour in ((r["pytorch"], PYTORCH), (r["tidepool"], TIDEPOOL)):
+            for value, colour in ((r["pytorch"], PYTORCH), (r["tidepool_expandable"], TIDEPOOL)):
                 y = base - value * scale
                 out.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="{colour}" '
                            f'stroke-dasharray="5,3"/>')
@@ -69,11 +70,11 @@ def write_svg(path, model, timelines, results):
         if "error" in r:
             out.append(f'<text x="{LEFT}" y="{y + 13}" fill="#a00">failed: {escape(r["error"][:90])}</text>')
         else:
-            for i, (value, colour) in enumerate(((r["pytorch"], PYTORCH), (r["tidepool"], TIDEPOOL))):
+            for i, (value, colour) in enumerate(((r["pytorch"], PYTORCH), (r["tidepool_expandable"], TIDEPOOL))):
                 w = plot_w * 0.8 * value / top
                 out.append(f'<rect x="{LEFT}" y="{y + 9 * i}" width="{w:.1f}" height="8" fill="{colour}"/>')
-            out.append(f'<text x="{LEFT + plot_w * 0.8 * max(r["pytorch"], r["tidepool"]) / top + 6:.1f}" '
-                       f'y="{y + 13}">{_fmt(r["pytorch"])} / {_fmt(r["tidepool"])}</text>')
+            out.append(f'<text x="{LEFT + plot_w * 0.8 * max(r["pytorch"], r["tidepool_expandable"]) / top + 6:.1f}" '
+                       f'y="{y + 13}">{_fmt(r["pytorch"])} / {_fmt(r["tidepool_expandable"])}</text>')
         y += 22
     out.append("</svg>")
     with open(path, "w") as f:

@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from . import workload as wl
+from .errors import MissingMetaKernel
 from .attention import cuda_attention
 from .autocast import cuda_autocast
 from .optimizer import OPTIMIZERS  # noqa: F401 - the choices of --optimizer, named here with the others
@@ -33,10 +34,6 @@ TASK_ALIASES = {"forward": "inference"}
 #   only, so the output goes before backward (the default for hf: models
 #   and config.json files, which are trained that way most often).
 LOOPS = ("plain", "trainer")
-
-
-class MissingMetaKernel(Exception):
-    """An operator the meta device cannot run."""
 
 
 def _low_dtype(precision):

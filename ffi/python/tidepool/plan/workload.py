@@ -22,16 +22,10 @@ import sys
 
 import torch
 
+from .errors import FactoryError, PlanError  # (tidepool.workload.PlanError and FactoryError, as before)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-class PlanError(Exception):
-    """A bad input: the message says which option, field or file."""
-
-
-class FactoryError(Exception):
-    """The user's factory raised: its traceback is the message."""
 
 
 class Workload:
