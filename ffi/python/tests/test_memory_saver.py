@@ -422,8 +422,45 @@ class VllmSleepMode(unittest.TestCase):
             for name in saved:
                 del sys.modules[name]
             sys.modules["vllm"] = None  # not importable
-            with self.assertRaisesRegex(tidepool.TidepoolError, "patch_vllm: found neither"):
+            with self.assertRaisesRegex(tidepool.TidepoolError, "patch_vllm: found no vLLM module"):
                 tidepool_vllm.patch_vllm()
+        finally:
+            for name, module in saved.items():
+                if module is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = module
+
+    def test_patch_vllm_replaces_the_names_of_newer_vllm_under_vllm_backends_platform(self):
+        # Newer vLLM: the allocator under vllm.backends.platform.device_allocator,
+        # vllm.device_allocator a shim forwarding there for the names it lacks,
+        # the worker importing get_mem_allocator_instance at its top, and the
+        # default sleep-mode backend ("cumem") calling it at each sleep.
+        canonical = "vllm.backends.platform.device_allocator"
+        names = ("vllm", "vllm.device_allocator", "vllm.backends", "vllm.backends.platform", canonical, canonical + ".cumem", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu_worker")
+        saved = {name: sys.modules.get(name) for name in names}
+        try:
+            fake = {name: types.ModuleType(name) for name in names}
+            fake[canonical + ".cumem"].CuMemAllocator = object
+            fake[canonical].get_mem_allocator_instance = lambda: None
+            fake["vllm.device_allocator"].__getattr__ = lambda name: getattr(fake[canonical], name)
+            fake["vllm.v1.worker.gpu_worker"].get_mem_allocator_instance = fake[canonical].get_mem_allocator_instance
+            sys.modules.update(fake)
+            replaced = tidepool_vllm.patch_vllm()
+            self.assertEqual(
+                replaced,
+                [
+                    "vllm.device_allocator.get_mem_allocator_instance",  # set on the shim, found through its forward
+                    canonical + ".cumem.CuMemAllocator",
+                    canonical + ".get_mem_allocator_instance",
+                    "vllm.v1.worker.gpu_worker.get_mem_allocator_instance",
+                ],
+            )
+            # What the sleep-mode backend and the worker then get, by either path.
+            from vllm.device_allocator import get_mem_allocator_instance  # the shim's forward
+
+            self.assertIs(get_mem_allocator_instance(), CuMemAllocator.get_instance())
+            self.assertIs(fake["vllm.v1.worker.gpu_worker"].get_mem_allocator_instance(), CuMemAllocator.get_instance())
         finally:
             for name, module in saved.items():
                 if module is None:

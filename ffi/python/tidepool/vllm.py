@@ -146,19 +146,31 @@ class CuMemAllocator:
             return sum(_tags.tag_stats(name, device)["allocated_bytes"] for name in self._tags.values())
 
 
+# Where vLLM's versions keep the names patch_vllm replaces: the allocator's
+# module and its package (newer versions keep them under
+# vllm.backends.platform, vllm.device_allocator then being a shim that
+# forwards there), and the GPU worker, which imports them.
+_VLLM_MODULES = (
+    "vllm.device_allocator.cumem",
+    "vllm.device_allocator",
+    "vllm.backends.platform.device_allocator.cumem",
+    "vllm.backends.platform.device_allocator",
+    "vllm.v1.worker.gpu_worker",
+)
+
+
 def patch_vllm():
     """Puts CuMemAllocator where vLLM's GPU worker gets its sleep-mode
-    allocator, in the vLLM modules this process has or can import:
-    vllm.device_allocator.cumem.CuMemAllocator (and cumem_available there),
-    the name CuMemAllocator in vllm.v1.worker.gpu_worker where it imports
-    it, and get_mem_allocator_instance in vllm.device_allocator and in
-    vllm.v1.worker.gpu_worker where they have that function.
+    allocator, in the vLLM modules this process has or can import
+    (_VLLM_MODULES): CuMemAllocator (and cumem_available) in the
+    allocator's module, get_mem_allocator_instance in its package, and
+    either name in vllm.v1.worker.gpu_worker where it imports it.
     Returns the names replaced; raises TidepoolError when there is none.
     Call it in every worker process, after tidepool.install()."""
     import importlib
 
     replaced = []
-    for module_name in ("vllm.device_allocator.cumem", "vllm.device_allocator", "vllm.v1.worker.gpu_worker"):
+    for module_name in _VLLM_MODULES:
         module = sys.modules.get(module_name)
         if module is None:
             try:
@@ -175,7 +187,7 @@ def patch_vllm():
             module.get_mem_allocator_instance = CuMemAllocator.get_instance
             replaced.append(f"{module_name}.get_mem_allocator_instance")
     if not replaced:
-        raise TidepoolError("patch_vllm: found neither vllm.device_allocator.cumem nor vllm.v1.worker.gpu_worker with a CuMemAllocator to replace")
+        raise TidepoolError("patch_vllm: found no vLLM module with a CuMemAllocator or get_mem_allocator_instance to replace (" + ", ".join(_VLLM_MODULES) + ")")
     return replaced
 
 
