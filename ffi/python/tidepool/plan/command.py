@@ -308,6 +308,10 @@ def _human(n):
 
 
 def run(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # `run SCRIPT [ARGS...]`: a script as it is written (script.py)
+        from .script import run as run_script
+        return run_script(argv[1:])
     # Nothing is downloaded. Set when the command runs, before transformers
     # is first imported (it reads them then), not when tidepool.plan is
     # imported: a program that only records keeps its own settings.
