@@ -41,14 +41,19 @@ def main():
                         default="before-forward")
     parser.add_argument("--amp", action="store_true")
     parser.add_argument("--eval-every", type=int, default=0)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="train until the loss is below this (however many steps that takes)")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = Net(args.width, args.depth, args.classes).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    forward = torch.compile(model) if args.compile else model
     scaler = torch.amp.GradScaler("cuda", enabled=args.amp)
-    data = batches(args.steps * args.accumulation, args.batch, args.width, args.classes)
-    for step in range(args.steps):
+    steps = args.steps if args.target_loss is None else 10**9
+    data = batches(steps * args.accumulation, args.batch, args.width, args.classes)
+    for step in range(steps):
         model.train()
         if args.zero_grad == "before-forward":
             optimizer.zero_grad(set_to_none=True)
@@ -56,7 +61,7 @@ def main():
             x, y = next(data)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast("cuda", dtype=torch.float16, enabled=args.amp):
-                logits = model(x)
+                logits = forward(x)
                 loss = F.cross_entropy(logits, y) / args.accumulation
             if args.zero_grad == "before-backward" and micro == 0:
                 optimizer.zero_grad(set_to_none=True)
@@ -66,6 +71,8 @@ def main():
         if args.zero_grad == "after-step":
             optimizer.zero_grad(set_to_none=True)
         print(f"step {step + 1}: loss {loss.item():.4f}")
+        if args.target_loss is not None and loss.item() < args.target_loss:
+            break
         if args.eval_every and (step + 1) % args.eval_every == 0:
             model.eval()
             with torch.no_grad():

@@ -21,12 +21,14 @@ How (PyTorch's FakeTensor does the same, without the rest of it):
 """
 import collections
 import contextlib
+import importlib
 import os
 import sys
 import traceback
 
 import torch
 import torch.utils._device
+import torch.utils._foreach_utils
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -94,6 +96,14 @@ class CudaTensor(torch.Tensor):
         return _dispatch(func, args, kwargs or {}, None)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+# Optimizers and clip_grad_norm_ take their foreach paths for these types
+# only (DTensor adds itself the same way): as on CUDA, CudaTensors too.
+for _types in (importlib.import_module("torch.optim.optimizer")._foreach_supported_types,
+               torch.utils._foreach_utils._foreach_supported_types):
+    if CudaTensor not in _types:
+        _types.append(CudaTensor)
 
 
 def wrap(tensor, device):
