@@ -184,6 +184,38 @@ class TrainingLoops(unittest.TestCase):
 
 
 @unittest.skipIf(SKIP, SKIP)
+class ModelsMoved(unittest.TestCase):
+    def test_an_optimizer_made_before_the_move_and_tied_weights_keep_their_parameters(self):
+        # As on CUDA, `.cuda()` keeps each parameter object: the optimizer
+        # made before it steps the card's parameters (its state on the card),
+        # and the tied weight stays one.
+        row, _ = planned(script("optimizer_first.py"))
+        import torch
+        import torch.nn.functional as F
+
+        from tidepool.plan.attention import cuda_attention
+        from tidepool.record import Recorder
+
+        with torch.device("meta"):
+            model = _load("optimizer_first").Tied()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        with Recorder(None) as rec, cuda_attention():
+            rec.track(model)
+            rec.track(optimizer)
+            for _ in range(2):
+                ids = torch.randint(0, 4096, (8, 128), device="meta")
+                logits = model(ids)  # held through the backward and the step, as the script holds it
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            del loss, logits
+        self.assertEqual(row["peak_live_bytes"], rec.peak()[0])
+        weights = 4 * (4096 * 512 + 512 * 2048 + 2048 + 2048 * 512 + 512)
+        self.assertEqual(row["breakdown"]["optimizer_bytes"], 2 * weights)
+
+
+@unittest.skipIf(SKIP, SKIP)
 class TorchCuda(unittest.TestCase):
     def test_the_script_reads_the_card_and_the_planned_peak(self):
         with tempfile.TemporaryDirectory() as scratch:

@@ -273,6 +273,60 @@ _NEW_TENSOR = torch.Tensor.new_tensor
 _COMPATIBLE = torch._has_compatible_shallow_copy_type
 
 
+def _moving_keeps_parameters(recorder):
+    """Module._apply (`.cuda()`, `.to("cuda")`) as on CUDA: each parameter
+    keeps its identity (an optimizer made before the move, weights tied
+    between modules), where a CudaTensor cannot be given to it with `.data =`.
+
+    Each distinct tensor is converted once (tied weights stay one), the
+    module gets a new Parameter from it, then the old parameter object and
+    the new one swap contents (torch.utils.swap_tensors, as PyTorch's
+    swap_module_params_on_conversion), and every module holds the old
+    object, now the CudaTensor."""
+    apply = torch.nn.Module._apply
+    depth = [0]
+
+    def _apply(module, fn, recurse=True):
+        if depth[0]:
+            return apply(module, fn, recurse)
+        memo = {}
+
+        def once(tensor):
+            key = id(tensor)
+            if key not in memo:
+                memo[key] = (tensor, fn(tensor))  # the tensor kept: its id stays its own
+            return memo[key][1]
+
+        before = {(m, name): p for m in (module.modules() if recurse else [module])
+                  for name, p in m._parameters.items() if p is not None}
+        depth[0] += 1
+        try:
+            result = apply(module, once, recurse)
+        finally:
+            depth[0] -= 1
+        swapped = {}
+        for (m, name), old in before.items():
+            new = m._parameters.get(name)
+            if id(old) in swapped:  # a tied weight, swapped where first held
+                m._parameters[name] = old
+                continue
+            if new is None or new is old or not isinstance(new, CudaTensor) or isinstance(old, CudaTensor):
+                continue
+            # The recorder lets go of the new object (swap_tensors refuses
+            # objects with weak references) and counts the old one instead.
+            known = recorder.objects.pop(id(new), None)
+            if known is not None:
+                recorder._let_go(known[1][0])
+                del known
+            torch.utils.swap_tensors(old, new)
+            recorder._track(old, "to")
+            swapped[id(old)] = old
+            m._parameters[name] = old
+        return result
+
+    return _apply
+
+
 def _compatible(input: torch.Tensor, from_: torch.Tensor) -> bool:  # noqa: A002 - torch's signature (dynamo checks it)
     # Module.to("cuda") gives a parameter CUDA data with `.data =` where the
     # types agree; a CudaTensor's cannot be given to a plain tensor that way
@@ -503,6 +557,7 @@ def fake_cuda(card, recorder, count=1):
                 stack.callback(setattr, torch.accelerator, name, getattr(torch.accelerator, name))
                 setattr(torch.accelerator, name, value)
         for owner, name, value in ((torch, "_has_compatible_shallow_copy_type", _compatible),
+                                   (torch.nn.Module, "_apply", _moving_keeps_parameters(recorder)),
                                    (torch.Tensor, "record_stream", nothing)):
             stack.callback(setattr, owner, name, getattr(owner, name))
             setattr(owner, name, value)

@@ -210,15 +210,16 @@ def record(args):
 
 
 def _show(err, path):
-    """The script's traceback, from its own first frame, and a line about a
+    """The script's traceback, from its own first frame, without the
+    planner's frames (its modes and the recorder), and a line about a
     download refused offline."""
-    lines = traceback.format_exception(type(err), err, err.__traceback__)
-    # Leave out the runner's frames: from the script's first frame on.
-    for i, line in enumerate(lines):
-        if path in line:
-            lines = [lines[0]] + lines[i:]
-            break
-    sys.stderr.write("".join(lines))
+    here = os.path.dirname(os.path.abspath(__file__))
+    shown = traceback.TracebackException.from_exception(err)
+    frames = list(shown.stack)
+    first = next((i for i, frame in enumerate(frames) if os.path.abspath(frame.filename) == path), 0)
+    shown.stack = traceback.StackSummary.from_list(
+        [frame for frame in frames[first:] if not os.path.abspath(frame.filename).startswith(here + os.sep)])
+    sys.stderr.write("".join(shown.format()))
     text = str(err)
     if os.environ.get("HF_HUB_OFFLINE") == "1" and ("offline" in text.lower() or "huggingface.co" in text
                                                       or type(err).__name__ in ("LocalEntryNotFoundError",
@@ -275,7 +276,7 @@ def run(argv):
 
 def _lines(facts):
     lines = [f"torch.cuda described {facts['card']} to the script; it ran {facts['optimizer_steps']} optimizer "
-             f"steps and {facts['forwards']} calls of its outermost modules" +
+             f"steps and {facts['forwards']} outermost module calls" +
              (f", stopped by --steps after {facts['stopped_after']}" if facts["stopped_after"] else ", to its end")]
     if facts["compiled"]:
         lines.append(f"torch.compile: {facts['compiled']} calls, run eagerly (a compiled step's memory may differ)")
