@@ -237,6 +237,9 @@ class CudaDevices(TorchFunctionMode):
                 return args[0]  # already there: itself, as on CUDA
             return func(args[0], device, *args[2:], **kwargs)
         args, kwargs = tree_map(_indexed, (args, kwargs))
+        if kwargs.get("pin_memory"):
+            # Page-locked host memory is the driver's: host memory is host memory.
+            kwargs = dict(kwargs, pin_memory=False)
         if func is _TO and isinstance(args[0], CudaTensor):
             # To the device it is on: no copy (C++ sees the meta device and
             # would copy); to another dtype: the cast, on the card.
@@ -558,7 +561,8 @@ def fake_cuda(card, recorder, count=1):
                 setattr(torch.accelerator, name, value)
         for owner, name, value in ((torch, "_has_compatible_shallow_copy_type", _compatible),
                                    (torch.nn.Module, "_apply", _moving_keeps_parameters(recorder)),
-                                   (torch.Tensor, "record_stream", nothing)):
+                                   (torch.Tensor, "record_stream", nothing),
+                                   (torch.Tensor, "pin_memory", lambda self, device=None: self)):
             stack.callback(setattr, owner, name, getattr(owner, name))
             setattr(owner, name, value)
         stack.enter_context(FakeCuda())
