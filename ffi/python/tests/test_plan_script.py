@@ -183,6 +183,50 @@ class TrainingLoops(unittest.TestCase):
         self.assertIn("train_loop.py:", out)
 
 
+def plan_model(*args):
+    """The model path (`python -m tidepool.plan MODEL ...`) in this process:
+    its JSON rows."""
+    from tidepool.plan import main
+
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)  # loop_factory.py and the train_loop.py it imports
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main([*args, "--json"])
+        except SystemExit as exit:
+            assert exit.code == 0, exit.code
+    return [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
+
+
+@unittest.skipIf(SKIP, SKIP)
+class ZeroGradOption(unittest.TestCase):
+    """--zero-grad on the model path: the script's loop, as options."""
+
+    def test_each_place_plans_as_the_script_that_zeroes_there(self):
+        shape = ["--batch=512", "--width=256", "--depth=16", "--classes=10"]
+        places = ("after-step", "before-forward", "before-backward")
+        rows = plan_model("module:loop_factory:workload", "--batch", "512", "--steps", "2",
+                          "--sweep", "zero-grad=" + ",".join(places))
+        self.assertEqual([r["variant"]["zero_grad"] for r in rows], list(places))
+        for place, row in zip(places, rows):
+            script_row, _ = planned("--steps", "2", script("train_loop.py"), *shape, "--zero-grad", place)
+            # Within 16 bytes (measured: equal, equal, 4 bytes more for
+            # before-backward): the script keeps its loss, a 4-byte scalar,
+            # to the step's end, where the model path drops it after backward.
+            self.assertLessEqual(abs(script_row["peak_live_bytes"] - row["peak_live_bytes"]), 16, place)
+            self.assertEqual(script_row["breakdown"]["gradients_bytes"], row["breakdown"]["gradients_bytes"], place)
+        self.assertGreater(rows[2]["peak_live_bytes"], rows[0]["peak_live_bytes"])
+
+    def test_zeroing_in_place_keeps_the_gradients(self):
+        rows = plan_model("module:loop_factory:workload", "--batch", "512", "--steps", "2",
+                          "--sweep", "zero-grad-set-to-none=true,false")
+        self.assertEqual([r["variant"]["zero_grad_set_to_none"] for r in rows], [True, False])
+        gradients = 4 * (16 * (256 * 256 + 256) + 256 * 10 + 10)
+        self.assertEqual(rows[1]["breakdown"]["gradients_bytes"], gradients)
+        self.assertGreater(rows[1]["peak_live_bytes"], rows[0]["peak_live_bytes"])
+
+
 @unittest.skipIf(SKIP, SKIP)
 class ModelsMoved(unittest.TestCase):
     def test_an_optimizer_made_before_the_move_and_tied_weights_keep_their_parameters(self):
