@@ -259,6 +259,12 @@ class ModelsMoved(unittest.TestCase):
         self.assertEqual(row["breakdown"]["optimizer_bytes"], 2 * weights)
 
 
+    def test_a_cast_on_the_card_keeps_the_parameters_and_frees_the_old_type(self):
+        _, printed = planned(script("half_precision.py"))
+        fp32 = 4 * (1024 * 1024 + 1024)
+        self.assertEqual([int(line) for line in printed], [fp32, fp32 // 2, fp32 // 2])
+
+
 @unittest.skipIf(SKIP, SKIP)
 class TorchCuda(unittest.TestCase):
     def test_the_script_reads_the_card_and_the_planned_peak(self):

@@ -337,6 +337,8 @@ def _compatible(input: torch.Tensor, from_: torch.Tensor) -> bool:  # noqa: A002
     # instead, as PyTorch does for FakeTensor.
     if isinstance(input, CudaTensor) != isinstance(from_, CudaTensor):
         return False
+    if isinstance(input, CudaTensor):
+        return True  # `.half()` on the card: `.data =`, as CUDA tensors do
     return _COMPATIBLE(input, from_)
 
 
