@@ -2,15 +2,22 @@
 a script makes is a tensor without storage (the meta device's) that says it
 is on "cuda:N", and torch.cuda answers as a card of the cards table would.
 
-How (PyTorch's FakeTensor does the same, without the rest of it):
+How (as PyTorch's FakeTensor, without the rest of it, and without its
+CUDA dispatch keys: with those, autograd asks the driver for the device's
+streams):
 - `CudaTensor` is a tensor subclass over a meta tensor (the same storage,
-  which is what the Recorder counts) whose dispatch keys are CUDA's, so
-  that autograd and autocast treat it as a CUDA tensor, and whose
-  `.device` is "cuda:N" (`.is_cuda` too);
+  which is what the Recorder counts): C++ sees a meta tensor, Python sees
+  "cuda:N" (`.device`, `.is_cuda`, `.get_device()`);
 - `FakeCuda`, a dispatch mode under the Recorder, runs every operator that
   touches CUDA (a CudaTensor argument, `device="cuda"`, a copy to CUDA) on
   the meta kernels and wraps what comes out as CudaTensors; operators on
   CPU tensors run as written, on their data;
+- `CudaDevices`, a function mode, gives "cuda" its index before C++ would
+  ask the driver for it, and keeps `.to(device)` of a tensor already there
+  from copying;
+- `Module._apply` keeps each parameter object through `.cuda()` and
+  `.to()` (`_moving_keeps_parameters`), and `torch.autocast("cuda")`
+  applies CUDA's rules (`cuda_autocast_regions`, autocast.py's);
 - what reads data back (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`,
   printing) gets a placeholder: True, 1 or 1.0 (the Recorder's, the branch
   of ordinary inputs), a copy to the CPU filled with it; each place in the
@@ -23,7 +30,6 @@ import collections
 import contextlib
 import importlib
 import os
-import sys
 import traceback
 
 import torch
@@ -87,13 +93,16 @@ class CudaTensor(torch.Tensor):
     def is_meta(self):
         return _state.in_kernel
 
+    def get_device(self):
+        return -1 if _state.in_kernel else self._cuda_device.index
+
     def __repr__(self, *, tensor_contents=None):
         reads.note("print")
         return f"tensor(<no data: shape {tuple(self.shape)}>, device='{self._cuda_device}', dtype={self.dtype})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {}, None)
+        return _dispatch(func, args, kwargs or {})
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -144,7 +153,8 @@ def _to_meta(value):
 
 
 class Reads:
-    """Where a script read a value from a CUDA tensor: {(file, line): count}."""
+    """Where a script read a value from a CUDA tensor: {(file, line, what):
+    count}, at the first frame outside torch and the planner."""
 
     def __init__(self):
         self.places = collections.Counter()
@@ -158,9 +168,6 @@ class Reads:
             return
         self.places[("?", 0, what)] += 1
 
-    def total(self):
-        return sum(self.places.values())
-
 
 reads = Reads()
 
@@ -171,7 +178,7 @@ def _placeholder(tensor):
     return 1.0 if tensor.is_floating_point() or tensor.is_complex() else 1
 
 
-def _dispatch(func, args, kwargs, mode):
+def _dispatch(func, args, kwargs):
     flat, _ = tree_flatten((args, kwargs))
     device = _cuda(kwargs.get("device"))
     if device is None:
@@ -205,7 +212,7 @@ class FakeCuda(TorchDispatchMode):
     """Runs operators that touch CUDA on the meta kernels (see the module)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {}, self)
+        return _dispatch(func, args, kwargs or {})
 
 
 def _indexed(value):

@@ -174,7 +174,7 @@ def record(args):
     recorder = Recorder(None, devices=("cuda",))
     bounds, compiled = _Bounds(args.steps, recorder), []
     path = os.path.abspath(args.script)
-    argv, sys_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    argv = sys.argv[:]
     sys.argv = [args.script, *args.script_args]
     sys.path.insert(0, os.path.dirname(path))
     reads.places.clear()
@@ -198,7 +198,6 @@ def record(args):
         sys.argv = argv
         if sys.path and sys.path[0] == os.path.dirname(path):
             del sys.path[0]
-    del sys_path0
     if status:
         raise ScriptFailed(status)
     bf16 = torch.bfloat16 in dtypes_made()
