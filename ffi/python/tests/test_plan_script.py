@@ -359,6 +359,32 @@ class HuggingFaceTrainer(unittest.TestCase):
 
 
 @unittest.skipIf(SKIP, SKIP)
+class LocalModel(unittest.TestCase):
+    def test_a_model_from_a_local_directory_loads_and_plans_as_the_reference(self):
+        import torch
+
+        from tidepool.plan.attention import cuda_attention
+        from tidepool.record import Recorder
+
+        generate = _load("generate")
+        with tempfile.TemporaryDirectory() as directory:
+            with contextlib.redirect_stderr(io.StringIO()):
+                generate.LlamaForCausalLM(generate.tiny_config()).save_pretrained(directory)
+            row, printed = planned(script("local_model.py"), directory)
+        self.assertEqual(printed[-2:], ["(2, 32, 1024) cuda:0", f"peak {row['peak_live_bytes']} bytes"])
+        with torch.device("meta"):
+            model = generate.LlamaForCausalLM(generate.tiny_config()).eval()
+        with Recorder(None) as rec, cuda_attention(), torch.inference_mode():
+            rec.track(model)
+            logits = model(torch.zeros(2, 32, dtype=torch.long, device="meta")).logits
+            del logits
+        # Weights: the parameters and buffers (the rotary embedding's inverse frequencies).
+        held = [*model.parameters(), *model.buffers()]
+        self.assertEqual(row["breakdown"]["weights_bytes"], sum(t.numel() * t.element_size() for t in held))
+        self.assertEqual(row["peak_live_bytes"], rec.peak()[0])
+
+
+@unittest.skipIf(SKIP, SKIP)
 class Failures(unittest.TestCase):
     def test_a_model_from_the_hub_is_refused_offline(self):
         status, out, err = run(script("hub_model.py"))

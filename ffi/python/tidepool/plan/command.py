@@ -166,7 +166,8 @@ def parse_args(argv):
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="record one variant per value (repeatable: the product of all); KEY is an option "
                              "(batch, seq, precision, checkpointing, accumulation, optimizer, steps, lora-rank, "
-                             "new-tokens, ddp, fsdp, zero1, zero2, task, loop, zero-grad, zero-grad-set-to-none) or set.FIELD for a configuration field")
+                             "new-tokens, ddp, fsdp, zero1, zero2, task, loop, zero-grad, zero-grad-set-to-none) or "
+                             "set.FIELD for a configuration field")
     parser.add_argument("--cards", default=DEFAULT_CARDS,
                         help="cards, comma-separated: by name or alias (`tidepool cards` lists them, what an "
                              "allocator gets of each and their compute capability), or by their memory with its "
