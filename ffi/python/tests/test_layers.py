@@ -18,11 +18,12 @@ that runs up, and no circle.
    a. plan.errors, the errors every part raises;
    b. what is recorded and drawn: plan.record (the Recorder),
       plan.attention, plan.autocast, plan.workload, plan.ddp, plan.plot;
-   c. plan.optimizer, plan.fsdp, plan.cards;
+   c. plan.optimizer, plan.fsdp, plan.cards, plan.fake_cuda (CUDA without
+      a GPU, for a script planned as it is);
    d. plan.step, one variant's recorded run;
    e. the command's parts: plan.arguments, plan.running, plan.report;
-   f. plan.command (the command) and plan.demos (the recorder's demos and
-      their command line);
+   f. plan.command (the command), plan.script (its `run SCRIPT`) and
+      plan.demos (the recorder's demos and their command line);
    g. the planner's names (plan/__init__.py) and plan.__main__;
    The planner never touches libtidepool: of the modules outside it, it
    imports _units alone;
@@ -54,10 +55,10 @@ LAYERS = [
     ["tidepool"],
     ["plan.errors"],
     ["plan.record", "plan.attention", "plan.autocast", "plan.workload", "plan.ddp", "plan.plot"],
-    ["plan.optimizer", "plan.fsdp", "plan.cards"],
+    ["plan.optimizer", "plan.fsdp", "plan.cards", "plan.fake_cuda"],
     ["plan.step"],
     ["plan.arguments", "plan.running", "plan.report"],
-    ["plan.command", "plan.demos"],
+    ["plan.command", "plan.script", "plan.demos"],
     ["plan", "plan.__main__"],
     ["record", "workload", "autocast", "attention"],
     ["cupy", "numba", "vllm", "memory_saver", "_runtimes"],

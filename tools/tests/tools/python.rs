@@ -7,7 +7,7 @@
 //! The Python used is `TIDEPOOL_TEST_PYTHON` (`./test.sh` makes a venv with a
 //! pinned torch and setuptools-rust), else `python3`. Without torch the
 //! torch tests are skipped with a message, except under `CI=true`, where a
-//! missing torch fails. The planner's tests (test_plan.py) run once, in a
+//! missing torch fails. The planner's tests (test_plan*.py) run once, in a
 //! test of their own, with this build's `tidepool` command; they need
 //! transformers and peft too (./test.sh installs them).
 
@@ -180,7 +180,7 @@ fn the_planner_records_and_plans_real_models() {
     // allocator's configuration does not matter to it).
     let python = python();
     let output = run(Command::new(&python)
-        .args(["-m", "unittest", "discover", "-v", "-p", "test_plan.py", "-s"])
+        .args(["-m", "unittest", "discover", "-v", "-p", "test_plan*.py", "-s"])
         .arg(root().join("ffi/python/tests"))
         .env("PYTHONPATH", installed_site())
         .env("TIDEPOOL_BIN", env!("CARGO_BIN_EXE_tidepool"))

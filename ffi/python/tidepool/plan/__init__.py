@@ -12,6 +12,10 @@ the meta device and hands the trace to the `tidepool` command. Its modules:
   each variant recorded and planned with it (`tidepool plan`);
 - report.py: the results as JSON lines or as a table, with the largest
   batch each card holds and the jobs side by side;
+- script.py: `run SCRIPT [ARGS...]`, a script planned as it is written
+  (runpy under the recorder, --steps, the same report);
+- fake_cuda.py: CUDA without a GPU for it: CUDA tensors as meta tensors
+  that say "cuda:N", torch.cuda as a card of the cards table;
 - cards.py: the cards of --cards (`tidepool cards` resolves them) and
   which of them a variant's recording stands for (no bf16 below sm80);
 - record.py: the Recorder, a model's allocation trace on the meta device;

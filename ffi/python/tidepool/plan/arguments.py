@@ -63,13 +63,14 @@ def _task(text):
 
 
 def _parsers():
-    from .step import LOOPS, OPTIMIZERS, PRECISIONS
+    from .step import LOOPS, OPTIMIZERS, PRECISIONS, ZERO_GRAD
 
     return {
         "task": _task, "loop": _choice(LOOPS), "batch": positive, "seq": positive, "precision": _choice(PRECISIONS),
         "checkpointing": _bool, "accumulation": positive, "optimizer": _choice(OPTIMIZERS), "steps": positive,
         "lora_rank": non_negative, "new_tokens": non_negative, "ddp": non_negative,
         "fsdp": non_negative, "zero1": non_negative, "zero2": non_negative,
+        "zero_grad": _choice(ZERO_GRAD), "zero_grad_set_to_none": _bool,
     }
 
 
@@ -85,7 +86,7 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
 
 def parse_args(argv):
-    from .step import LOOPS, OPTIMIZERS, PRECISIONS, TASKS
+    from .step import LOOPS, OPTIMIZERS, PRECISIONS, TASKS, ZERO_GRAD
 
     parser = argparse.ArgumentParser(
         prog="python -m tidepool.plan", description=SUMMARY,
@@ -116,6 +117,13 @@ def parse_args(argv):
                              "bf16 / fp16: the whole model in that type")
     parser.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing per block")
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches of --batch per optimizer step")
+    parser.add_argument("--zero-grad", default=None, choices=ZERO_GRAD,
+                        help="where the training loop zeroes its gradients: after-step (after the optimizer step, the "
+                             "default), before-forward, or before-backward (between forward and backward: the previous "
+                             "step's gradients alive through the forward)")
+    parser.add_argument("--zero-grad-set-to-none", default=None, type=_bool, metavar="true|false",
+                        help="zero_grad(set_to_none=...): true (the default) frees the gradients; false zeroes them in "
+                             "place, so that they stay for the whole run")
     parser.add_argument("--optimizer", default=None, choices=OPTIMIZERS, metavar="NAME",
                         help="for --task train (default: the factory's own optimizer if a module: factory returns "
                              "one, else adamw): " + "; ".join(f"{name}: {what}" for name, (what, _) in
@@ -137,7 +145,8 @@ def parse_args(argv):
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="record one variant per value (repeatable: the product of all); KEY is an option "
                              "(batch, seq, precision, checkpointing, accumulation, optimizer, steps, lora-rank, "
-                             "new-tokens, ddp, fsdp, zero1, zero2, task, loop) or set.FIELD for a configuration field")
+                             "new-tokens, ddp, fsdp, zero1, zero2, task, loop, zero-grad, zero-grad-set-to-none) or "
+                             "set.FIELD for a configuration field")
     parser.add_argument("--cards", default=DEFAULT_CARDS,
                         help="cards, comma-separated: by name or alias (`tidepool cards` lists them, what an "
                              "allocator gets of each and their compute capability), or by their memory with its "
@@ -154,7 +163,8 @@ def parse_args(argv):
     base = {"task": args.task, "loop": args.loop, "batch": args.batch, "seq": args.seq, "precision": args.precision,
             "checkpointing": args.checkpointing, "accumulation": args.accumulation, "optimizer": args.optimizer,
             "steps": args.steps, "lora_rank": args.lora_rank, "new_tokens": args.new_tokens, "ddp": args.ddp,
-            "fsdp": args.fsdp, "zero1": args.zero1, "zero2": args.zero2}
+            "fsdp": args.fsdp, "zero1": args.zero1, "zero2": args.zero2, "zero_grad": args.zero_grad,
+            "zero_grad_set_to_none": args.zero_grad_set_to_none}
     parsers = _parsers()
     for key in _INT_OPTIONS:
         value = base[key]

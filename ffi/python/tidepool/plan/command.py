@@ -32,7 +32,13 @@ from .running import find_tidepool, record_and_plan
 
 def run(argv=None):
     """Plans the variants argv asks for and prints the report: the exit
-    status (1 when a variant failed). A bad option raises Exit."""
+    status (1 when a variant failed). A bad option raises Exit.
+    `run SCRIPT [ARGS...]` plans a script as it is written (script.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        from .script import run as run_script
+
+        return run_script(argv[1:])
     # Nothing is downloaded. Set when the command runs, before transformers
     # is first imported (it reads them then), not when tidepool.plan is
     # imported: a program that only records keeps its own settings.

@@ -34,6 +34,16 @@ TASK_ALIASES = {"forward": "inference"}
 #   only, so the output goes before backward (the default for hf: models
 #   and config.json files, which are trained that way most often).
 LOOPS = ("plain", "trainer")
+# Where a training loop zeroes its gradients (--zero-grad):
+# - after-step: after the optimizer step (the default; Trainer's place);
+# - before-forward: at the start of each step, before its forward (the
+#   same memory as after-step where the step is last: the gradients go
+#   before the forward either way);
+# - before-backward: between the forward and the backward, so that the
+#   previous step's gradients are alive through the forward.
+# --zero-grad-set-to-none false zeroes them in place (`zero_grad(set_to_none=False)`):
+# once made, the gradients stay for the rest of the run.
+ZERO_GRAD = ("after-step", "before-forward", "before-backward")
 
 
 def _low_dtype(precision):
@@ -131,6 +141,10 @@ def record(spec, overrides, options, path):
             raise wl.PlanError("--lora-rank trains adapters: use it with --task train")
         _lora(work, options["lora_rank"])
     loop = options.get("loop") or ("trainer" if work.hf else "plain")
+    for name in ("zero_grad", "zero_grad_set_to_none"):
+        if options.get(name) is not None and task != "train":
+            raise wl.PlanError(f"--{name.replace('_', '-')}: gradients are zeroed by a training loop: use it with "
+                               "--task train")
     if options.get("loop") and task != "train":
         raise wl.PlanError(f"--loop {options['loop']}: the loop's shape is a training loop's: use it with --task train")
     precision = options["precision"]
@@ -216,8 +230,13 @@ def _train(rec, work, model, options, batch, seq, autocast, keep_output):
     accumulation = options["accumulation"]
     scaler = options["precision"] == "fp16-mixed"
     held = None  # the plain loop's output, until the next forward's takes its name
+    place = options.get("zero_grad") or "after-step"
+    to_none = options.get("zero_grad_set_to_none")
+    to_none = True if to_none is None else to_none
     for k in range(options["steps"]):
-        for _ in range(accumulation):
+        if place == "before-forward":
+            optimizer.zero_grad(set_to_none=to_none)
+        for micro in range(accumulation):
             inputs = work.inputs(batch, seq)
             # Forward and loss under autocast, backward outside it (PyTorch's
             # AMP recipe): autocast's weight casts go when the region exits.
@@ -230,11 +249,14 @@ def _train(rec, work, model, options, batch, seq, autocast, keep_output):
                     loss = loss / accumulation
                 if scaler:  # GradScaler's scaled loss
                     loss = loss * 65536.0
+            if place == "before-backward" and micro == 0:
+                optimizer.zero_grad(set_to_none=to_none)
             loss.backward()
             del loss, inputs
         rec.mark(f"step {k + 1}: optimizer")
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if place == "after-step":
+            optimizer.zero_grad(set_to_none=to_none)
         rec.mark(f"step {k + 1}")
 
 
