@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use tidepool::error::human_bytes;
 use tidepool_tools::trace::cards::card_advice;
 use tidepool_tools::trace::plan::{smallest_capacity_per_device, Plan};
-use tidepool_tools::trace::replay::{serves_recorded_oom, Policy};
+use tidepool_tools::trace::replay::{serves_recorded_oom, Model};
 use tidepool_tools::trace::RecordedOom;
 
 use super::{args, out, SIZES};
@@ -40,7 +40,7 @@ pub fn run(args: Args) -> Result<(), String> {
     }
     let trace = args::load(&args.files[0])?;
     let [pytorch, tidepool, whole, pytorch_expandable] =
-        Policy::ALL.map(|policy| smallest_capacity_per_device(&trace, policy, &conf, args.step));
+        Model::ALL.map(|model| smallest_capacity_per_device(&trace, model, &conf, args.step));
     let (pytorch, tidepool, whole, pytorch_expandable) = (pytorch?, tidepool?, whole?, pytorch_expandable?);
     let peaks: Vec<u64> = {
         let all = trace.peak_requested_per_device();
@@ -51,14 +51,14 @@ pub fn run(args: Args) -> Result<(), String> {
     let step = pytorch.iter().map(|p| p.step).max().unwrap_or(0);
     // Per device, the first out-of-memory PyTorch recorded, and whether
     // each policy would have served that request on the memory PyTorch had.
-    // (`served` in the order of Policy::ALL.)
+    // (`served` in the order of Model::ALL.)
     let parts = trace.per_device();
     let recorded_ooms: Vec<Option<(RecordedOom, Vec<bool>)>> = pytorch
         .iter()
         .map(|plan| {
             let Some((_, part)) = parts.iter().find(|(d, _)| *d == plan.device) else { return Ok(None) };
             let Some(&oom) = part.pytorch_ooms.first() else { return Ok(None) };
-            let served = Policy::ALL.iter().map(|&policy| serves_recorded_oom(part, &oom, policy, &conf));
+            let served = Model::ALL.iter().map(|&model| serves_recorded_oom(part, &oom, model, &conf));
             Ok(Some((oom, served.collect::<Result<Vec<bool>, String>>()?)))
         })
         .collect::<Result<_, String>>()?;
@@ -89,7 +89,7 @@ pub fn run(args: Args) -> Result<(), String> {
                         "reserved_bytes": oom.reserved,
                         "device_free_bytes": oom.device_free,
                         "usable_bytes": oom.usable(),
-                        "served": Policy::ALL.iter().zip(served).map(|(p, &s)| (p.name().replace('-', "_"), s.into())).collect::<serde_json::Map<String, serde_json::Value>>(),
+                        "served": Model::ALL.iter().zip(served).map(|(p, &s)| (p.name().replace('-', "_"), s.into())).collect::<serde_json::Map<String, serde_json::Value>>(),
                     })),
                 })
             })
@@ -125,8 +125,8 @@ pub fn run(args: Args) -> Result<(), String> {
                 step_text(step),
             );
             if let Some((oom, served)) = &recorded_ooms[d] {
-                let verdict = |policy: Policy| {
-                    let i = Policy::ALL.iter().position(|&p| p == policy).unwrap_or(0);
+                let verdict = |model: Model| {
+                    let i = Model::ALL.iter().position(|&p| p == model).unwrap_or(0);
                     if served[i] {
                         "serves it"
                     } else {
@@ -142,10 +142,10 @@ pub fn run(args: Args) -> Result<(), String> {
                     human_bytes(oom.usable()),
                     human_bytes(oom.reserved),
                     human_bytes(oom.device_free),
-                    verdict(Policy::Pytorch),
-                    verdict(Policy::PytorchExpandable),
-                    verdict(Policy::Tidepool),
-                    verdict(Policy::WholeSegments)
+                    verdict(Model::Pytorch),
+                    verdict(Model::PytorchExpandable),
+                    verdict(Model::Tidepool),
+                    verdict(Model::WholeSegments)
                 );
             }
             if let Some(oom) = &tidepool[d].one_step_less {
@@ -160,8 +160,8 @@ pub fn run(args: Args) -> Result<(), String> {
         let best = need(&tidepool).min(need(&whole));
         let ours_name = if need(&whole) < need(&tidepool) { "tidepool expandable:false" } else { "tidepool" };
         let each = if pytorch.len() > 1 { format!("each of the {} devices ", pytorch.len()) } else { String::new() };
-        let (theirs, how) = match Policy::pytorch_as_recorded(&trace) {
-            Policy::PytorchExpandable => (&pytorch_expandable, " with expandable segments (as recorded)"),
+        let (theirs, how) = match Model::pytorch_as_recorded(&trace) {
+            Model::PytorchExpandable => (&pytorch_expandable, " with expandable segments (as recorded)"),
             _ => (&pytorch, ""),
         };
         let (ours, theirs) = (card_advice(best), card_advice(need(theirs)));

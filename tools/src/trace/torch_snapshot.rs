@@ -387,8 +387,8 @@ mod tests {
         let oom = trace.pytorch_ooms[0];
         assert_eq!((oom.event, oom.usable()), (2, 250 * mib));
         // So no policy serves it: A and C stay live (counting only A, every one would).
-        for policy in crate::trace::replay::Policy::ALL {
-            assert!(!crate::trace::replay::serves_recorded_oom(&trace, &oom, policy, "").unwrap(), "{policy:?}");
+        for model in crate::trace::replay::Model::ALL {
+            assert!(!crate::trace::replay::serves_recorded_oom(&trace, &oom, model, "").unwrap(), "{model:?}");
         }
     }
 }
