@@ -83,7 +83,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
     let devices = traces.len().max(1);
     let at_end = at_end(&r, segments, devices)?;
 
-    let mut recorded_peaks = vec![0u64; devices];
+    let mut recorded_peaks = Vec::with_capacity(devices);
     let mut any_segment_info = !segments.is_empty();
     let mut history = false;
     // A snapshot taken without history may list no device at all.
@@ -96,7 +96,7 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
         let entries = events.iter().map(|&event| entry(&r, event)).collect::<Result<Vec<_>, _>>()?;
         let (live, reserved_at_start) = at_start(&at_end, device, &entries);
         let replayed = replay_device(&mut trace, device, &live, reserved_at_start, &entries);
-        recorded_peaks[device] = replayed.peak_reserved;
+        recorded_peaks.push(replayed.peak_reserved);
         any_segment_info |= replayed.segment_events;
     }
     if !history {
