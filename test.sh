@@ -110,6 +110,10 @@ cargo test --locked -p tidepool --features cudarc --test engine -- buffer::
 cuda/check/prepare.sh
 rm -rf target/gpu-check-rehearsal
 OUT=target/gpu-check-rehearsal PYTHON="$TIDEPOOL_TEST_PYTHON" bash cuda/check/run.sh --rehearse
+# The guard on the cached path: the instructions of the cached 512 B pair,
+# counted by callgrind in the `gpu-check` build prepare.sh just made (only
+# the example's link is new), against a bound (docs/benchmarks.md#profiling).
+.ci/cached_pair.sh
 # The benchmarks must keep compiling (they are not run here: timing on a
 # shared CI machine means nothing).
 cargo build --locked --benches --examples

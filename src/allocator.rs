@@ -42,7 +42,7 @@ pub struct Allocator {
     /// The frames of allocation contexts, for snapshots.
     contexts: frames::Contexts,
     /// Threads' caches of their own frees (None: off, or several stream shards).
-    thread_caches: Option<thread_cache::Bounds>,
+    thread_caches: Option<thread_cache::ThreadCaches>,
 }
 
 impl Allocator {
@@ -110,7 +110,7 @@ impl Allocator {
         // event under its lock: caches would only be looked at and passed by.
         let recorded = recorder.is_some() || config.history_entries > 0;
         let thread_caches = (config.thread_cache_blocks > 0 && config.stream_shards == 1 && !recorded)
-            .then(|| thread_cache::Bounds::new(config.thread_cache_blocks, config.thread_cache_bytes));
+            .then(|| thread_cache::ThreadCaches::new(config.thread_cache_blocks, config.thread_cache_bytes));
         Allocator { config, backend, devices, recorder, reclaimer, pid, fork_generation, contexts, thread_caches }
     }
 
@@ -212,7 +212,7 @@ impl Allocator {
     #[cold]
     #[inline(never)]
     fn arm_and_take(
-        caches: &thread_cache::Bounds,
+        caches: &thread_cache::ThreadCaches,
         dev: &Device,
         index: u32,
         device: usize,
@@ -348,7 +348,13 @@ impl Allocator {
     /// through the heap, which may lend the block to that cache. Returns
     /// the size requested.
     #[inline(always)]
-    fn free_cached(&self, caches: &thread_cache::Bounds, device: usize, ptr: DevicePtr, size: Option<u64>) -> Result<u64, AllocError> {
+    fn free_cached(
+        &self,
+        caches: &thread_cache::ThreadCaches,
+        device: usize,
+        ptr: DevicePtr,
+        size: Option<u64>,
+    ) -> Result<u64, AllocError> {
         self.device(device)?;
         if caches.free(device, ptr.0, size) {
             return Ok(size.unwrap_or(0));

@@ -377,6 +377,7 @@ pub static OPTIONS: &[OptionSpec] = &[
 /// A rejected configuration entry (the strict builder's error; from
 /// TIDEPOOL_CONF, a warning).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// A key that is no option (nor PyTorch's name for one).
     UnknownOption { key: String },

@@ -7,6 +7,7 @@ use crate::backend::BackendError;
 
 /// Why a request or a free failed. Every error leaves the allocator as it was.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum AllocError {
     /// The device could not hold the request even after the cache was released.
     OutOfMemory(Box<OomReport>),
@@ -33,6 +34,7 @@ pub enum AllocError {
 
 /// What was wrong with an argument.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum InvalidArgument {
     /// The file `host_shared` names could not be opened.
     HostShared { path: std::path::PathBuf, error: String },
@@ -60,6 +62,7 @@ pub enum InvalidArgument {
 
 /// How a private pool was named out of order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PrivatePoolMisuse {
     /// Ended while not open.
     NotOpen,
@@ -112,6 +115,7 @@ pub struct TagError {
 
 /// Why a call refused a tag.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum TagState {
     /// No thread of this process ever set it.
     Unknown,
@@ -157,6 +161,7 @@ impl fmt::Display for TagError {
 
 /// What was wrong with a freed pointer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum InvalidFree {
     /// Not inside any segment tidepool holds on that device.
     Foreign,
@@ -165,6 +170,51 @@ pub enum InvalidFree {
     /// Inside a live block that starts at `block`, not at its start.
     Interior { block: u64 },
 }
+
+impl std::error::Error for TagError {}
+
+/// Why expandable segments could not be switched on or off, or their page
+/// set (`DeviceHeap::set_expandable`, `set_expandable_page`); nothing changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ExpandableError {
+    /// Switched after the heap's first allocation.
+    SwitchedAfterAllocation,
+    /// The backend cannot map pages (an old driver, a backend without
+    /// virtual memory): expandable segments stay off.
+    NoVirtualMemory { backend: &'static str },
+    /// A page set while expandable segments are off.
+    Off,
+    /// A page set after the heap's first allocation.
+    PageAfterAllocation,
+    /// A page that is not a multiple of the backend's (`backend_page`).
+    PageNotMultiple { page: u64, backend_page: u64 },
+    /// A page larger than a reserved range may be (`max` bytes).
+    PageTooLarge { page: u64, max: u64 },
+}
+
+impl fmt::Display for ExpandableError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExpandableError::SwitchedAfterAllocation => f.write_str("expandable segments can only be switched before the first allocation"),
+            ExpandableError::NoVirtualMemory { backend } => {
+                write!(f, "the {backend} backend cannot map pages; expandable segments stay off")
+            }
+            ExpandableError::Off => f.write_str("expandable segments are off"),
+            ExpandableError::PageAfterAllocation => {
+                f.write_str("the page of expandable segments can only be set before the first allocation")
+            }
+            ExpandableError::PageNotMultiple { page, backend_page } => {
+                write!(f, "an expandable page of {page} bytes is not a multiple of the backend's {backend_page}")
+            }
+            ExpandableError::PageTooLarge { page, max } => {
+                write!(f, "an expandable page of {page} bytes is larger than a range ({max} bytes at most)")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ExpandableError {}
 
 impl fmt::Display for AllocError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -203,7 +253,24 @@ impl fmt::Display for AllocError {
     }
 }
 
-impl std::error::Error for AllocError {}
+impl std::error::Error for AllocError {
+    /// The error of the layer below, where one is wrapped: the backend's, or
+    /// the tag's refusal.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            AllocError::Backend(err) => Some(err),
+            AllocError::Tag(err) => Some(err),
+            AllocError::OutOfMemory(_)
+            | AllocError::TooLarge { .. }
+            | AllocError::InvalidDevice { .. }
+            | AllocError::InvalidFree { .. }
+            | AllocError::UnknownPointer { .. }
+            | AllocError::InvalidArgument(_)
+            | AllocError::Forked { .. }
+            | AllocError::HostOutOfMemory { .. } => None,
+        }
+    }
+}
 
 /// What a person needs to act on an out-of-memory: what was asked, what is
 /// held, and whether fragmentation is to blame.

@@ -59,6 +59,10 @@ pub mod error;
 pub mod ffi;
 mod fork;
 pub mod frames;
+// The heap is no part of the public API: public only so that the engine's
+// own tests (tests/engine: heap_stress, expandable, tags) can drive one
+// heap alone; hidden from the documentation, and no dependent should name it.
+#[doc(hidden)]
 pub mod heap;
 mod log;
 mod page_map;
@@ -85,7 +89,7 @@ pub use allocator::Allocator;
 pub use buffer::{Buffer, Plain};
 pub use config::{BackendKind, Config, ConfigError};
 pub use device::Device;
-pub use error::{AllocError, InvalidArgument, InvalidFree, OomReport, PrivatePoolMisuse, TagError, TagState};
+pub use error::{AllocError, ExpandableError, InvalidArgument, InvalidFree, OomReport, PrivatePoolMisuse, TagError, TagState};
 pub use frames::Frame;
 pub use heap::history::{HistoryAction, HistoryEntry};
 pub use heap::private::PrivatePoolId;

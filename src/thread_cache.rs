@@ -43,21 +43,23 @@ use crate::types::Stream;
 /// The most (allocator, device) pairs one thread keeps caches for.
 pub const HOT_CACHES: usize = 4;
 
-/// The bounds of each thread's cache on a device, and the allocator they
-/// belong to.
+/// One allocator's thread caches: the allocator they belong to, the bounds
+/// of each thread's cache on a device, and the cached path itself
+/// (`allocate`, `free`, `free_unnamed`, and `free_slow` when a cache cannot
+/// take a free).
 #[derive(Clone)]
-pub(crate) struct Bounds {
+pub(crate) struct ThreadCaches {
     /// Tells one allocator's caches from another's in the same thread (never 0).
     pub allocator: u64,
     pub blocks: usize,
     pub bytes: u64,
 }
 
-impl Bounds {
-    /// Bounds for a new allocator, with its own id.
-    pub fn new(blocks: usize, bytes: u64) -> Bounds {
+impl ThreadCaches {
+    /// The thread caches of a new allocator, with its own id.
+    pub fn new(blocks: usize, bytes: u64) -> ThreadCaches {
         static NEXT: AtomicU64 = AtomicU64::new(1);
-        Bounds { allocator: NEXT.fetch_add(1, Ordering::Relaxed), blocks, bytes }
+        ThreadCaches { allocator: NEXT.fetch_add(1, Ordering::Relaxed), blocks, bytes }
     }
 }
 
@@ -521,7 +523,7 @@ fn with_cold<R>(hot: HotCache, f: impl FnOnce(&mut ColdCache) -> R) -> Option<R>
     .flatten()
 }
 
-impl Bounds {
+impl ThreadCaches {
     /// A request of `size` bytes on `stream` served from this thread's cache.
     #[inline(always)]
     pub fn allocate(&self, device: usize, size: u64, stream: Stream) -> Cached {

@@ -26,6 +26,7 @@ pub struct MemInfo {
 
 /// Why a backend call failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BackendError {
     /// The device has no room for the segment; the engine releases cache and retries.
     OutOfMemory,
@@ -41,6 +42,8 @@ impl fmt::Display for BackendError {
         }
     }
 }
+
+impl std::error::Error for BackendError {}
 
 /// Host memory holding device contents while their pages are given back
 /// (a paused tag's offload); freed when dropped.

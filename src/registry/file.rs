@@ -16,6 +16,7 @@ use super::format::{own_comm, Entry, FILE_BYTES, HEADER, MAGIC, OLD_SLOTS, SLOT,
 pub(super) const LOCK_WAIT: Duration = Duration::from_millis(50);
 /// Why the registry could not be used (cooperation is then off for it).
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum RegistryError {
     /// An operation on the registry's folder (`path`) or file failed.
     Io { operation: &'static str, path: Option<PathBuf>, error: std::io::Error },
@@ -55,7 +56,20 @@ impl std::fmt::Display for RegistryError {
     }
 }
 
-impl std::error::Error for RegistryError {}
+impl std::error::Error for RegistryError {
+    /// The system's error, for `Io`.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RegistryError::Io { error, .. } => Some(error),
+            RegistryError::NotPrivate { .. }
+            | RegistryError::NotRegularFile { .. }
+            | RegistryError::NotOwned { .. }
+            | RegistryError::Full
+            | RegistryError::Locked
+            | RegistryError::Version { .. } => None,
+        }
+    }
+}
 
 /// The error of a read or write of the registry file (its path is known
 /// to whoever reports it).

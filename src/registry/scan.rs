@@ -17,6 +17,7 @@ pub const MAX_FILES: usize = 256;
 
 /// Why `scan` skipped a registry file or a slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
 pub enum ScanError {
     /// Not a regular file, or it could not be opened or read.
     Unreadable,

@@ -9,7 +9,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use tidepool::recording::rows::{Action, Row, RowWriter};
 use tidepool::{Allocator, Config, DevicePtr, Stream};
-use tidepool_tools::trace::replay::{replay, Policy, ReplayOptions};
+use tidepool_tools::trace::replay::{replay, Model, ReplayOptions};
 use tidepool_tools::trace::Event;
 
 fn traces() -> Vec<(String, tidepool_tools::trace::Trace)> {
@@ -30,9 +30,9 @@ fn replay_speed(c: &mut Criterion) {
     group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     for (name, trace) in traces() {
         group.throughput(Throughput::Elements(trace.events.len() as u64));
-        for policy in [Policy::Tidepool, Policy::WholeSegments] {
-            let options = ReplayOptions { capacity: 1 << 50, policy, conf: String::new(), samples: 0, record_to: None };
-            let id = BenchmarkId::new(policy.name(), &name);
+        for model in [Model::Tidepool, Model::WholeSegments] {
+            let options = ReplayOptions { capacity: 1 << 50, model, conf: String::new(), samples: 0, record_to: None };
+            let id = BenchmarkId::new(model.name(), &name);
             group.bench_function(id, |b| b.iter(|| replay(&trace, &options).unwrap()));
         }
     }

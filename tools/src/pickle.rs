@@ -184,6 +184,7 @@ impl<R: BufRead> Parser<R> {
         }
     }
 
+    /// Runs the opcodes to STOP: the document.
     fn run(mut self) -> Result<PickleDoc, PickleError> {
         loop {
             self.opcode_at = self.offset;
@@ -192,130 +193,12 @@ impl<R: BufRead> Parser<R> {
                 Err(_) => return self.fail("truncated: the file ends before STOP"),
             };
             match op {
-                0x80 => {
-                    let [version] = self.bytes::<1>()?;
-                    if version > 5 {
-                        return self.fail(format!("pickle protocol {version} is not supported"));
-                    }
+                0x80 | 0x95 | b'}' | b']' | b')' | b'(' | b'N' | 0x88 | 0x89 | b'K' | b'M' | b'J' | 0x8a | 0x8b | b'G' => {
+                    self.scalar(op)?
                 }
-                0x95 => {
-                    self.bytes::<8>()?; // FRAME: a length hint only
-                }
-                b'}' => self.push(Node::Dict(Vec::new())),
-                b']' => self.push(Node::List(Vec::new())),
-                b')' => self.push(Node::Tuple(Vec::new())),
-                b'(' => self.stack.push(None),
-                b'N' => self.push(Node::None),
-                0x88 => self.push(Node::Bool(true)),
-                0x89 => self.push(Node::Bool(false)),
-                b'K' => {
-                    let [v] = self.bytes::<1>()?;
-                    self.push(Node::Int(v as i128));
-                }
-                b'M' => {
-                    let v = u16::from_le_bytes(self.bytes::<2>()?);
-                    self.push(Node::Int(v as i128));
-                }
-                b'J' => {
-                    let v = i32::from_le_bytes(self.bytes::<4>()?);
-                    self.push(Node::Int(v as i128));
-                }
-                0x8a => {
-                    let [n] = self.bytes::<1>()?;
-                    self.long(n as usize)?;
-                }
-                0x8b => {
-                    let n = i32::from_le_bytes(self.bytes::<4>()?);
-                    self.long(usize::try_from(n).unwrap_or(usize::MAX))?;
-                }
-                b'G' => {
-                    let v = f64::from_be_bytes(self.bytes::<8>()?);
-                    self.push(Node::Float(v));
-                }
-                0x8c => {
-                    let [n] = self.bytes::<1>()?;
-                    self.text(n as u64)?;
-                }
-                b'X' => {
-                    let n = u32::from_le_bytes(self.bytes::<4>()?);
-                    self.text(n as u64)?;
-                }
-                0x8d => {
-                    let n = u64::from_le_bytes(self.bytes::<8>()?);
-                    self.text(n)?;
-                }
-                b'C' | b'B' | 0x8e => {
-                    let n = match op {
-                        b'C' => self.bytes::<1>()?[0] as u64,
-                        b'B' => u32::from_le_bytes(self.bytes::<4>()?) as u64,
-                        _ => u64::from_le_bytes(self.bytes::<8>()?),
-                    };
-                    let raw = self.blob(n)?;
-                    self.push(Node::Bytes(raw));
-                }
-                0x85..=0x87 => {
-                    let n = (op - 0x84) as usize;
-                    if self.stack.len() < n {
-                        return self.fail("stack underflow");
-                    }
-                    let mut items = Vec::with_capacity(n);
-                    for _ in 0..n {
-                        items.push(self.pop()?);
-                    }
-                    items.reverse();
-                    self.push(Node::Tuple(items));
-                }
-                b't' => {
-                    let items = self.pop_to_mark()?;
-                    self.push(Node::Tuple(items));
-                }
-                b'a' => {
-                    let item = self.pop()?;
-                    let list = self.top()?;
-                    self.extend(list, vec![item])?;
-                }
-                b'e' => {
-                    let items = self.pop_to_mark()?;
-                    let list = self.top()?;
-                    self.extend(list, items)?;
-                }
-                b's' => {
-                    let value = self.pop()?;
-                    let key = self.pop()?;
-                    let dict = self.top()?;
-                    self.set_items(dict, vec![key, value])?;
-                }
-                b'u' => {
-                    let items = self.pop_to_mark()?;
-                    let dict = self.top()?;
-                    self.set_items(dict, items)?;
-                }
-                0x94 => {
-                    let id = self.top()?;
-                    let index = self.memo.len() as u32;
-                    self.memo.insert(index, id);
-                }
-                b'q' => {
-                    let [i] = self.bytes::<1>()?;
-                    let id = self.top()?;
-                    self.memo.insert(i as u32, id);
-                }
-                b'r' => {
-                    let i = u32::from_le_bytes(self.bytes::<4>()?);
-                    let id = self.top()?;
-                    self.memo.insert(i, id);
-                }
-                b'h' => {
-                    let [i] = self.bytes::<1>()?;
-                    self.memo_get(i as u32)?;
-                }
-                b'j' => {
-                    let i = u32::from_le_bytes(self.bytes::<4>()?);
-                    self.memo_get(i)?;
-                }
-                b'0' => {
-                    self.pop()?;
-                }
+                0x8c | b'X' | 0x8d | b'C' | b'B' | 0x8e => self.string(op)?,
+                0x85..=0x87 | b't' | b'a' | b'e' | b's' | b'u' => self.container(op)?,
+                0x94 | b'q' | b'r' | b'h' | b'j' | b'0' => self.memo_or_pop(op)?,
                 b'.' => {
                     let root = self.pop()?;
                     return Ok(PickleDoc { nodes: self.nodes, root });
@@ -326,6 +209,164 @@ impl<R: BufRead> Parser<R> {
                 other => return self.fail(format!("unknown or unsupported opcode {other:#04x}")),
             }
         }
+    }
+
+    /// The protocol and frame opcodes, a mark, and those that push a
+    /// number, a boolean, None or an empty container.
+    fn scalar(&mut self, op: u8) -> Result<(), PickleError> {
+        match op {
+            0x80 => {
+                let [version] = self.bytes::<1>()?;
+                if version > 5 {
+                    return self.fail(format!("pickle protocol {version} is not supported"));
+                }
+            }
+            0x95 => {
+                self.bytes::<8>()?; // FRAME: a length hint only
+            }
+            b'}' => self.push(Node::Dict(Vec::new())),
+            b']' => self.push(Node::List(Vec::new())),
+            b')' => self.push(Node::Tuple(Vec::new())),
+            b'(' => self.stack.push(None),
+            b'N' => self.push(Node::None),
+            0x88 => self.push(Node::Bool(true)),
+            0x89 => self.push(Node::Bool(false)),
+            b'K' => {
+                let [v] = self.bytes::<1>()?;
+                self.push(Node::Int(v as i128));
+            }
+            b'M' => {
+                let v = u16::from_le_bytes(self.bytes::<2>()?);
+                self.push(Node::Int(v as i128));
+            }
+            b'J' => {
+                let v = i32::from_le_bytes(self.bytes::<4>()?);
+                self.push(Node::Int(v as i128));
+            }
+            0x8a => {
+                let [n] = self.bytes::<1>()?;
+                self.long(n as usize)?;
+            }
+            0x8b => {
+                let n = i32::from_le_bytes(self.bytes::<4>()?);
+                self.long(usize::try_from(n).unwrap_or(usize::MAX))?;
+            }
+            b'G' => {
+                let v = f64::from_be_bytes(self.bytes::<8>()?);
+                self.push(Node::Float(v));
+            }
+            other => return self.fail(format!("unknown or unsupported opcode {other:#04x}")),
+        }
+        Ok(())
+    }
+
+    /// The opcodes that push a string or bytes.
+    fn string(&mut self, op: u8) -> Result<(), PickleError> {
+        match op {
+            0x8c => {
+                let [n] = self.bytes::<1>()?;
+                self.text(n as u64)
+            }
+            b'X' => {
+                let n = u32::from_le_bytes(self.bytes::<4>()?);
+                self.text(n as u64)
+            }
+            0x8d => {
+                let n = u64::from_le_bytes(self.bytes::<8>()?);
+                self.text(n)
+            }
+            b'C' | b'B' | 0x8e => {
+                let n = match op {
+                    b'C' => self.bytes::<1>()?[0] as u64,
+                    b'B' => u32::from_le_bytes(self.bytes::<4>()?) as u64,
+                    _ => u64::from_le_bytes(self.bytes::<8>()?),
+                };
+                let raw = self.blob(n)?;
+                self.push(Node::Bytes(raw));
+                Ok(())
+            }
+            other => self.fail(format!("unknown or unsupported opcode {other:#04x}")),
+        }
+    }
+
+    /// The opcodes that build a tuple, or fill a list or a dict.
+    fn container(&mut self, op: u8) -> Result<(), PickleError> {
+        match op {
+            0x85..=0x87 => {
+                let n = (op - 0x84) as usize;
+                if self.stack.len() < n {
+                    return self.fail("stack underflow");
+                }
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.pop()?);
+                }
+                items.reverse();
+                self.push(Node::Tuple(items));
+                Ok(())
+            }
+            b't' => {
+                let items = self.pop_to_mark()?;
+                self.push(Node::Tuple(items));
+                Ok(())
+            }
+            b'a' => {
+                let item = self.pop()?;
+                let list = self.top()?;
+                self.extend(list, vec![item])
+            }
+            b'e' => {
+                let items = self.pop_to_mark()?;
+                let list = self.top()?;
+                self.extend(list, items)
+            }
+            b's' => {
+                let value = self.pop()?;
+                let key = self.pop()?;
+                let dict = self.top()?;
+                self.set_items(dict, vec![key, value])
+            }
+            b'u' => {
+                let items = self.pop_to_mark()?;
+                let dict = self.top()?;
+                self.set_items(dict, items)
+            }
+            other => self.fail(format!("unknown or unsupported opcode {other:#04x}")),
+        }
+    }
+
+    /// The memo's opcodes (store the top, push a stored node) and POP.
+    fn memo_or_pop(&mut self, op: u8) -> Result<(), PickleError> {
+        match op {
+            0x94 => {
+                let id = self.top()?;
+                let index = self.memo.len() as u32;
+                self.memo.insert(index, id);
+            }
+            b'q' => {
+                let [i] = self.bytes::<1>()?;
+                let id = self.top()?;
+                self.memo.insert(i as u32, id);
+            }
+            b'r' => {
+                let i = u32::from_le_bytes(self.bytes::<4>()?);
+                let id = self.top()?;
+                self.memo.insert(i, id);
+            }
+            b'h' => {
+                let [i] = self.bytes::<1>()?;
+                self.memo_get(i as u32)?;
+            }
+            b'j' => {
+                let i = u32::from_le_bytes(self.bytes::<4>()?);
+                self.memo_get(i)?;
+            }
+            b'0' => {
+                self.pop()?;
+            }
+            other => return self.fail(format!("unknown or unsupported opcode {other:#04x}")),
+        }
+        Ok(())
     }
 }
 

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use tidepool::{registry, Config};
-use tidepool_tools::trace::replay::Policy;
+use tidepool_tools::trace::replay::Model;
 use tidepool_tools::trace::{self, Trace};
 
 /// "24GiB", "512M", "24GB", "1073741824" -> bytes. KiB, MiB, GiB and TiB
@@ -41,33 +41,33 @@ pub fn size(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-/// "pytorch,tidepool" (each `--policy` given) -> the policies, each once,
+/// "pytorch,tidepool" (each `--policy` given) -> the models, each once,
 /// where first named.
-pub fn policies(given: &[String]) -> Result<Vec<Policy>, String> {
-    let mut policies = Vec::new();
+pub fn models(given: &[String]) -> Result<Vec<Model>, String> {
+    let mut models = Vec::new();
     for name in given.iter().flat_map(|text| text.split(',')) {
-        let policy = match name.trim() {
+        let model = match name.trim() {
             "all" => {
-                policies.extend(Policy::ALL);
+                models.extend(Model::ALL);
                 continue;
             }
             // Earlier releases' name for tidepool and pytorch.
             "both" => {
-                policies.extend([Policy::Tidepool, Policy::Pytorch]);
+                models.extend([Model::Tidepool, Model::Pytorch]);
                 continue;
             }
             // Earlier releases' name for tidepool with expandable segments,
             // now tidepool's default.
-            "expandable" => Some(Policy::Tidepool),
-            other => Policy::ALL.into_iter().find(|p| p.name() == other),
+            "expandable" => Some(Model::Tidepool),
+            other => Model::ALL.into_iter().find(|p| p.name() == other),
         };
         let expected = "pytorch, tidepool, whole-segments, pytorch-expandable or all";
-        policies.push(policy.ok_or_else(|| format!("--policy: expected {expected}, got {name:?}"))?);
+        models.push(model.ok_or_else(|| format!("--policy: expected {expected}, got {name:?}"))?);
     }
     let mut unique = Vec::new();
-    for policy in policies {
-        if !unique.contains(&policy) {
-            unique.push(policy);
+    for model in models {
+        if !unique.contains(&model) {
+            unique.push(model);
         }
     }
     Ok(unique)

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use tidepool::error::human_bytes;
 use tidepool_tools::trace::cards::card_advice;
 use tidepool_tools::trace::plan::{smallest_capacity_per_device, Plan};
-use tidepool_tools::trace::replay::{serves_recorded_oom, Policy};
-use tidepool_tools::trace::RecordedOom;
+use tidepool_tools::trace::replay::{serves_recorded_oom, Model};
+use tidepool_tools::trace::{RecordedOom, Trace};
 
 use super::{args, out, SIZES};
 
@@ -32,6 +32,22 @@ pub struct Args {
     json: bool,
 }
 
+/// Per device, the first out-of-memory PyTorch recorded, and whether each
+/// model would have served that request on the memory PyTorch had (in the
+/// order of `Model::ALL`).
+type RecordedOomVerdicts = Option<(RecordedOom, Vec<bool>)>;
+
+/// What `plan` found: each model's plans, device by device (in the same
+/// order), each device's peak of live memory, and its recorded OOM.
+struct Plans {
+    pytorch: Vec<Plan>,
+    tidepool: Vec<Plan>,
+    whole: Vec<Plan>,
+    pytorch_expandable: Vec<Plan>,
+    peaks: Vec<u64>,
+    recorded_ooms: Vec<RecordedOomVerdicts>,
+}
+
 pub fn run(args: Args) -> Result<(), String> {
     let conf = args::conf(&args.conf)?;
     args::check_files(&args.files, None)?;
@@ -39,139 +55,164 @@ pub fn run(args: Args) -> Result<(), String> {
         return Err("plan takes one trace file".into());
     }
     let trace = args::load(&args.files[0])?;
-    let [pytorch, tidepool, whole, pytorch_expandable] =
-        Policy::ALL.map(|policy| smallest_capacity_per_device(&trace, policy, &conf, args.step));
+    let plans = plan(&trace, &conf, args.step)?;
+    if args.json {
+        print_json(&trace, &plans);
+    } else {
+        print_text(&trace, &plans);
+    }
+    Ok(())
+}
+
+/// The smallest device with each model, device by device, and what each
+/// would have done with the out-of-memory PyTorch recorded.
+fn plan(trace: &Trace, conf: &str, step: Option<u64>) -> Result<Plans, String> {
+    let [pytorch, tidepool, whole, pytorch_expandable] = Model::ALL.map(|model| smallest_capacity_per_device(trace, model, conf, step));
     let (pytorch, tidepool, whole, pytorch_expandable) = (pytorch?, tidepool?, whole?, pytorch_expandable?);
     let peaks: Vec<u64> = {
         let all = trace.peak_requested_per_device();
         pytorch.iter().map(|p| all.get(p.device as usize).copied().unwrap_or(0)).collect()
     };
-    // The card: the largest device's need.
-    let need = |plans: &[Plan]| plans.iter().map(|p| p.min_capacity).max().unwrap_or(0);
-    let step = pytorch.iter().map(|p| p.step).max().unwrap_or(0);
-    // Per device, the first out-of-memory PyTorch recorded, and whether
-    // each policy would have served that request on the memory PyTorch had.
-    // (`served` in the order of Policy::ALL.)
     let parts = trace.per_device();
-    let recorded_ooms: Vec<Option<(RecordedOom, Vec<bool>)>> = pytorch
+    let recorded_ooms: Vec<RecordedOomVerdicts> = pytorch
         .iter()
         .map(|plan| {
             let Some((_, part)) = parts.iter().find(|(d, _)| *d == plan.device) else { return Ok(None) };
             let Some(&oom) = part.pytorch_ooms.first() else { return Ok(None) };
-            let served = Policy::ALL.iter().map(|&policy| serves_recorded_oom(part, &oom, policy, &conf));
+            let served = Model::ALL.iter().map(|&model| serves_recorded_oom(part, &oom, model, conf));
             Ok(Some((oom, served.collect::<Result<Vec<bool>, String>>()?)))
         })
         .collect::<Result<_, String>>()?;
-    if args.json {
-        let policy = |plan: &Plan| {
+    Ok(Plans { pytorch, tidepool, whole, pytorch_expandable, peaks, recorded_ooms })
+}
+
+/// The card: the largest device's need.
+fn need(plans: &[Plan]) -> u64 {
+    plans.iter().map(|p| p.min_capacity).max().unwrap_or(0)
+}
+
+/// `--json`: one object.
+fn print_json(trace: &Trace, plans: &Plans) {
+    let Plans { pytorch, tidepool, whole, pytorch_expandable, peaks, recorded_ooms } = plans;
+    let step = pytorch.iter().map(|p| p.step).max().unwrap_or(0);
+    let model = |plan: &Plan| {
+        serde_json::json!({
+            "min_capacity_bytes": plan.min_capacity,
+            "one_step_less": plan.one_step_less.as_ref().map(|oom| serde_json::json!({
+                "capacity_bytes": plan.min_capacity - plan.step,
+                "event": oom.event,
+                "message": oom.message,
+            })),
+        })
+    };
+    let devices: Vec<serde_json::Value> = (0..pytorch.len())
+        .map(|d| {
             serde_json::json!({
-                "min_capacity_bytes": plan.min_capacity,
-                "one_step_less": plan.one_step_less.as_ref().map(|oom| serde_json::json!({
-                    "capacity_bytes": plan.min_capacity - plan.step,
+                "device": pytorch[d].device,
+                "peak_requested_bytes": peaks[d],
+                "step_bytes": pytorch[d].step,
+                "pytorch": model(&pytorch[d]),
+                "tidepool": model(&tidepool[d]),
+                "whole_segments": model(&whole[d]),
+                "pytorch_expandable": model(&pytorch_expandable[d]),
+                "pytorch_recorded_oom": recorded_ooms[d].as_ref().map(|(oom, served)| serde_json::json!({
                     "event": oom.event,
-                    "message": oom.message,
+                    "requested_bytes": oom.requested,
+                    "reserved_bytes": oom.reserved,
+                    "device_free_bytes": oom.device_free,
+                    "usable_bytes": oom.usable(),
+                    "served": Model::ALL.iter().zip(served).map(|(p, &s)| (p.name().replace('-', "_"), s.into())).collect::<serde_json::Map<String, serde_json::Value>>(),
                 })),
             })
-        };
-        let devices: Vec<serde_json::Value> = (0..pytorch.len())
-            .map(|d| {
-                serde_json::json!({
-                    "device": pytorch[d].device,
-                    "peak_requested_bytes": peaks[d],
-                    "step_bytes": pytorch[d].step,
-                    "pytorch": policy(&pytorch[d]),
-                    "tidepool": policy(&tidepool[d]),
-                    "whole_segments": policy(&whole[d]),
-                    "pytorch_expandable": policy(&pytorch_expandable[d]),
-                    "pytorch_recorded_oom": recorded_ooms[d].as_ref().map(|(oom, served)| serde_json::json!({
-                        "event": oom.event,
-                        "requested_bytes": oom.requested,
-                        "reserved_bytes": oom.reserved,
-                        "device_free_bytes": oom.device_free,
-                        "usable_bytes": oom.usable(),
-                        "served": Policy::ALL.iter().zip(served).map(|(p, &s)| (p.name().replace('-', "_"), s.into())).collect::<serde_json::Map<String, serde_json::Value>>(),
-                    })),
-                })
-            })
-            .collect();
-        let card = |plans: &[Plan]| serde_json::json!({ "min_capacity_bytes": need(plans) });
-        let object = serde_json::json!({
-            "file": trace.source,
-            "peak_requested_bytes": trace.peak_requested(),
-            "step_bytes": step,
-            "pytorch": card(&pytorch),
-            "tidepool": card(&tidepool),
-            "whole_segments": card(&whole),
-            "pytorch_expandable": card(&pytorch_expandable),
-            "devices": devices,
-        });
-        out!("{object}");
-    } else {
-        out!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), human_bytes(trace.peak_requested()));
-        for d in 0..pytorch.len() {
-            let prefix = if trace.devices > 1 {
-                format!("device {}: peak of live memory {}; ", pytorch[d].device, human_bytes(peaks[d]))
-            } else {
-                String::new()
-            };
-            let step = pytorch[d].step;
-            out!(
-                "{prefix}needs {} with PyTorch's allocator, {} with PyTorch's expandable_segments:True, \
-                 {} with tidepool, {} with tidepool expandable:false (in steps of {})",
-                capacity_text(pytorch[d].min_capacity, step),
-                capacity_text(pytorch_expandable[d].min_capacity, step),
-                capacity_text(tidepool[d].min_capacity, step),
-                capacity_text(whole[d].min_capacity, step),
-                step_text(step),
-            );
-            if let Some((oom, served)) = &recorded_ooms[d] {
-                let verdict = |policy: Policy| {
-                    let i = Policy::ALL.iter().position(|&p| p == policy).unwrap_or(0);
-                    if served[i] {
-                        "serves it"
-                    } else {
-                        "runs out too"
-                    }
-                };
-                out!(
-                    "  The recorded run ran out of memory at event {} asking {} (the needs above serve it too), with {} to use \
-                     ({} held, {} free): there, PyTorch's allocator {}, with expandable_segments:True {}, tidepool {}, \
-                     tidepool expandable:false {}",
-                    oom.event,
-                    human_bytes(oom.requested),
-                    human_bytes(oom.usable()),
-                    human_bytes(oom.reserved),
-                    human_bytes(oom.device_free),
-                    verdict(Policy::Pytorch),
-                    verdict(Policy::PytorchExpandable),
-                    verdict(Policy::Tidepool),
-                    verdict(Policy::WholeSegments)
-                );
-            }
-            if let Some(oom) = &tidepool[d].one_step_less {
-                let less = tidepool[d].min_capacity - tidepool[d].step;
-                out!("  on {} (one step less), tidepool runs out at event {}: {}", capacity_text(less, step), oom.event, oom.message);
-            }
-        }
-        if trace.allocs == 0 {
-            out!("The trace allocates nothing: no device needed.");
-            return Ok(());
-        }
-        let best = need(&tidepool).min(need(&whole));
-        let ours_name = if need(&whole) < need(&tidepool) { "tidepool expandable:false" } else { "tidepool" };
-        let each = if pytorch.len() > 1 { format!("each of the {} devices ", pytorch.len()) } else { String::new() };
-        let (theirs, how) = match Policy::pytorch_as_recorded(&trace) {
-            Policy::PytorchExpandable => (&pytorch_expandable, " with expandable segments (as recorded)"),
-            _ => (&pytorch, ""),
-        };
-        let (ours, theirs) = (card_advice(best), card_advice(need(theirs)));
-        if ours == theirs {
-            out!("{ours_name} and PyTorch's allocator{how}: {each}{ours}.");
-        } else {
-            out!("{ours_name}: {each}{ours}. PyTorch's allocator{how}: {each}{theirs}.");
-        }
+        })
+        .collect();
+    let card = |plans: &[Plan]| serde_json::json!({ "min_capacity_bytes": need(plans) });
+    let object = serde_json::json!({
+        "file": trace.source,
+        "peak_requested_bytes": trace.peak_requested(),
+        "step_bytes": step,
+        "pytorch": card(pytorch),
+        "tidepool": card(tidepool),
+        "whole_segments": card(whole),
+        "pytorch_expandable": card(pytorch_expandable),
+        "devices": devices,
+    });
+    out!("{object}");
+}
+
+/// The text: a line per device (and its recorded OOM, and where tidepool
+/// runs out one step below), then the card.
+fn print_text(trace: &Trace, plans: &Plans) {
+    out!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), human_bytes(trace.peak_requested()));
+    for d in 0..plans.pytorch.len() {
+        print_device(trace, plans, d);
     }
-    Ok(())
+    if trace.allocs == 0 {
+        out!("The trace allocates nothing: no device needed.");
+        return;
+    }
+    let Plans { pytorch, tidepool, whole, pytorch_expandable, .. } = plans;
+    let best = need(tidepool).min(need(whole));
+    let ours_name = if need(whole) < need(tidepool) { "tidepool expandable:false" } else { "tidepool" };
+    let each = if pytorch.len() > 1 { format!("each of the {} devices ", pytorch.len()) } else { String::new() };
+    let (theirs, how) = match Model::pytorch_as_recorded(trace) {
+        Model::PytorchExpandable => (pytorch_expandable, " with expandable segments (as recorded)"),
+        _ => (pytorch, ""),
+    };
+    let (ours, theirs) = (card_advice(best), card_advice(need(theirs)));
+    if ours == theirs {
+        out!("{ours_name} and PyTorch's allocator{how}: {each}{ours}.");
+    } else {
+        out!("{ours_name}: {each}{ours}. PyTorch's allocator{how}: {each}{theirs}.");
+    }
+}
+
+/// The text's lines for the `d`th device.
+fn print_device(trace: &Trace, plans: &Plans, d: usize) {
+    let Plans { pytorch, tidepool, whole, pytorch_expandable, peaks, recorded_ooms } = plans;
+    let prefix = if trace.devices > 1 {
+        format!("device {}: peak of live memory {}; ", pytorch[d].device, human_bytes(peaks[d]))
+    } else {
+        String::new()
+    };
+    let step = pytorch[d].step;
+    out!(
+        "{prefix}needs {} with PyTorch's allocator, {} with PyTorch's expandable_segments:True, \
+         {} with tidepool, {} with tidepool expandable:false (in steps of {})",
+        capacity_text(pytorch[d].min_capacity, step),
+        capacity_text(pytorch_expandable[d].min_capacity, step),
+        capacity_text(tidepool[d].min_capacity, step),
+        capacity_text(whole[d].min_capacity, step),
+        step_text(step),
+    );
+    if let Some((oom, served)) = &recorded_ooms[d] {
+        let verdict = |model: Model| {
+            let i = Model::ALL.iter().position(|&p| p == model).unwrap_or(0);
+            if served[i] {
+                "serves it"
+            } else {
+                "runs out too"
+            }
+        };
+        out!(
+            "  The recorded run ran out of memory at event {} asking {} (the needs above serve it too), with {} to use \
+             ({} held, {} free): there, PyTorch's allocator {}, with expandable_segments:True {}, tidepool {}, \
+             tidepool expandable:false {}",
+            oom.event,
+            human_bytes(oom.requested),
+            human_bytes(oom.usable()),
+            human_bytes(oom.reserved),
+            human_bytes(oom.device_free),
+            verdict(Model::Pytorch),
+            verdict(Model::PytorchExpandable),
+            verdict(Model::Tidepool),
+            verdict(Model::WholeSegments)
+        );
+    }
+    if let Some(oom) = &tidepool[d].one_step_less {
+        let less = tidepool[d].min_capacity - tidepool[d].step;
+        out!("  on {} (one step less), tidepool runs out at event {}: {}", capacity_text(less, step), oom.event, oom.message);
+    }
 }
 
 /// A device size `plan` found to `step` bytes, as precisely as the step

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use indicatif::{ProgressBar, ProgressStyle};
 use tidepool::error::human_bytes;
 use tidepool_tools::trace::plot;
-use tidepool_tools::trace::replay::{replay_device, Policy, ReplayOptions, ReplayReport};
+use tidepool_tools::trace::replay::{replay_device, Model, ReplayOptions, ReplayReport};
 use tidepool_tools::trace::Trace;
 
 use super::{args, out, SIZES};
@@ -49,7 +49,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<(), String> {
     // None: the default for each trace.
-    let policies = if args.policy.is_empty() { None } else { Some(args::policies(&args.policy)?) };
+    let models = if args.policy.is_empty() { None } else { Some(args::models(&args.policy)?) };
     let conf = args::conf(&args.conf)?;
     args::check_files(&args.files, args.plot.as_deref())?;
     if args.plot.is_some() && args.files.len() > 1 {
@@ -61,17 +61,17 @@ pub fn run(args: Args) -> Result<(), String> {
         let reading = progress.then(|| spinner(format!("reading {}", file.display())));
         let trace = args::load(file)?;
         drop(reading);
-        let policies = policies.clone().unwrap_or_else(|| default_policies(&trace));
+        let models = models.clone().unwrap_or_else(|| default_models(&trace));
         // Each device on its own: a card's figures, never sums over cards.
         let (devices, parts): (Vec<u32>, Vec<_>) = trace.per_device().into_iter().unzip();
         let mut by_device: Vec<Vec<ReplayReport>> = Vec::new();
         for (&device, part) in devices.iter().zip(&parts) {
             let mut reports = Vec::new();
-            for &policy in &policies {
+            for &model in &models {
                 let samples = if args.plot.is_some() { 2000 } else { 0 };
-                let replay_options = ReplayOptions { capacity, policy, conf: conf.clone(), samples, record_to: None };
+                let replay_options = ReplayOptions { capacity, model, conf: conf.clone(), samples, record_to: None };
                 let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-                let bar = progress.then(|| bar(format!("{name} ({})", policy.name())));
+                let bar = progress.then(|| bar(format!("{name} ({})", model.name())));
                 let report = replay_device(device, part, &replay_options, |done, total| {
                     if let Some(bar) = &bar {
                         bar.set_length(total as u64);
@@ -86,8 +86,8 @@ pub fn run(args: Args) -> Result<(), String> {
             by_device.push(reports);
         }
         if args.json {
-            for policy in 0..policies.len() {
-                let reports: Vec<&ReplayReport> = by_device.iter().map(|reports| &reports[policy]).collect();
+            for model in 0..models.len() {
+                let reports: Vec<&ReplayReport> = by_device.iter().map(|reports| &reports[model]).collect();
                 out!("{}", policy_json(&reports));
             }
         } else {
@@ -128,8 +128,8 @@ fn spinner(message: String) -> ProgressBar {
 
 /// What replay compares when --policy is not given: PyTorch's model as the
 /// trace says PyTorch ran, and tidepool with and without expandable segments.
-fn default_policies(trace: &Trace) -> Vec<Policy> {
-    vec![Policy::pytorch_as_recorded(trace), Policy::Tidepool, Policy::WholeSegments]
+fn default_models(trace: &Trace) -> Vec<Model> {
+    vec![Model::pytorch_as_recorded(trace), Model::Tidepool, Model::WholeSegments]
 }
 
 fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
@@ -143,10 +143,10 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
         human_bytes(trace.peak_requested())
     );
     // Columns as wide as the longest title, and at least 21.
-    let width = reports.iter().map(|r| r.policy.title().len() + 2).max().unwrap_or(0).max(21);
+    let width = reports.iter().map(|r| r.model.title().len() + 2).max().unwrap_or(0).max(21);
     let mut header = format!("  {:<24}", "");
     for r in reports {
-        header += &format!("{:>width$}", r.policy.title());
+        header += &format!("{:>width$}", r.model.title());
     }
     if trace.pytorch_peak_reserved.is_some() {
         header += &format!("{:>18}", "pytorch recorded");
@@ -185,7 +185,7 @@ fn print_report(trace: &Trace, reports: &[ReplayReport], device: Option<u32>) {
     row("replay speed", &|r| format!("{:.1} M ev/s", r.events_per_second() / 1e6), None);
     for r in reports {
         if let Some(oom) = &r.first_oom {
-            out!("  first OOM, {}: event {} of {}: {}", r.policy.title(), oom.event, r.events, oom.message);
+            out!("  first OOM, {}: event {} of {}: {}", r.model.title(), oom.event, r.events, oom.message);
         }
     }
 }
@@ -223,7 +223,7 @@ fn policy_json(reports: &[&ReplayReport]) -> String {
     let largest = reports.iter().max_by_key(|r| (r.peak_reserved_bytes, std::cmp::Reverse(r.device))).expect("a device");
     let mut object = report_json(largest);
     object["file"] = largest.file.as_str().into();
-    object["policy"] = largest.policy.name().into();
+    object["policy"] = largest.model.name().into();
     object["devices"] = reports.iter().map(|r| report_json(r)).collect();
     object.to_string()
 }

@@ -100,84 +100,14 @@ impl Exporter {
         self.render(&scans, &errors, format, start)
     }
 
+    /// The families of one scrape, in order: each process's, each
+    /// device's, then the exporter's own.
     fn render(&self, scans: &[Scan], errors: &[u64], format: Format, start: Instant) -> String {
-        // Devices by label (one device may have registries in several directories).
-        let mut devices: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
-        for registry in scans.iter().flat_map(|s| &s.registries) {
-            devices.entry(device_label(&registry.key)).or_default().extend(registry.entries.iter().copied());
-        }
-        for entries in devices.values_mut() {
-            *entries = one_per_series(std::mem::take(entries));
-        }
+        let devices = devices(scans);
         let hostname = self.hostname.as_str();
-        let series: Vec<(Labels, &Entry)> = devices
-            .iter()
-            .flat_map(|(device, entries)| {
-                entries.iter().map(move |e| {
-                    let labels = Labels::new(&[
-                        ("device", device),
-                        ("device_index", &e.device.to_string()),
-                        ("pid", &e.pid.to_string()),
-                        ("comm", &e.comm()),
-                        ("hostname", hostname),
-                    ]);
-                    (labels, e)
-                })
-            })
-            .collect();
-
         let mut w = Writer::new(format);
-        for (name, help, value) in BYTE_GAUGES {
-            w.family(name, Kind::Gauge, help);
-            for (labels, e) in &series {
-                w.sample(labels, value(e));
-            }
-        }
-        w.family(
-            "tidepool_fragmentation_ratio",
-            Kind::Gauge,
-            "Fragmentation: inactive split bytes over reserved bytes (free memory that can neither be released nor serve a large request).",
-        );
-        for (labels, e) in &series {
-            w.sample(labels, e.fragmentation());
-        }
-        w.family("tidepool_last_publish_timestamp_seconds", Kind::Gauge, "When the process last published its figures (Unix time).");
-        for (labels, e) in &series {
-            w.sample(labels, e.heartbeat_ms as f64 / 1000.0);
-        }
-        w.family("tidepool_released_bytes", Kind::Counter, "Bytes the process gave back to the driver, by reason.");
-        for (labels, e) in &series {
-            for reason in Reason::ALL {
-                w.sample(&labels.with("reason", reason.name()), e.released[reason as usize]);
-            }
-        }
-        for (name, help, value) in COUNTERS {
-            w.family(name, Kind::Counter, help);
-            for (labels, e) in &series {
-                w.sample(labels, value(e));
-            }
-        }
-
-        let device_labels: Vec<Labels> = devices.keys().map(|device| Labels::new(&[("device", device), ("hostname", hostname)])).collect();
-        w.family("tidepool_processes", Kind::Gauge, "tidepool processes using the device.");
-        for (labels, entries) in device_labels.iter().zip(devices.values()) {
-            w.sample(labels, entries.len() as u64);
-        }
-        // The device's memory as its most recent publisher saw it.
-        let memory: Vec<Option<&Entry>> =
-            devices.values().map(|entries| entries.iter().filter(|e| e.device_total > 0).max_by_key(|e| e.heartbeat_ms)).collect();
-        for (name, help, value) in [
-            ("tidepool_device_total_bytes", "The device's memory.", (|e: &Entry| e.device_total) as fn(&Entry) -> u64),
-            ("tidepool_device_free_bytes", "The device's free memory, as the driver reported it to a tidepool process.", |e| e.device_free),
-        ] {
-            w.family(name, Kind::Gauge, help);
-            for (labels, known) in device_labels.iter().zip(&memory) {
-                if let Some(e) = known {
-                    w.sample(labels, value(e));
-                }
-            }
-        }
-
+        write_processes(&mut w, &process_series(&devices, hostname));
+        write_devices(&mut w, &devices, hostname);
         let host = Labels::new(&[("hostname", hostname)]);
         w.family(
             "tidepool_exporter_registry_errors",
@@ -190,6 +120,96 @@ impl Exporter {
         w.family("tidepool_exporter_scrape_duration_seconds", Kind::Gauge, "Time this scrape took to read and render the registries.");
         w.sample(&host, start.elapsed().as_secs_f64());
         w.finish()
+    }
+}
+
+/// The entries of every registry read, by device label (one device may
+/// have registries in several directories), one per label set.
+fn devices(scans: &[Scan]) -> BTreeMap<String, Vec<Entry>> {
+    let mut devices: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
+    for registry in scans.iter().flat_map(|s| &s.registries) {
+        devices.entry(device_label(&registry.key)).or_default().extend(registry.entries.iter().copied());
+    }
+    for entries in devices.values_mut() {
+        *entries = one_per_series(std::mem::take(entries));
+    }
+    devices
+}
+
+/// Each process's entry on each device, with its labels.
+fn process_series<'a>(devices: &'a BTreeMap<String, Vec<Entry>>, hostname: &'a str) -> Vec<(Labels, &'a Entry)> {
+    devices
+        .iter()
+        .flat_map(|(device, entries)| {
+            entries.iter().map(move |e| {
+                let labels = Labels::new(&[
+                    ("device", device),
+                    ("device_index", &e.device.to_string()),
+                    ("pid", &e.pid.to_string()),
+                    ("comm", &e.comm()),
+                    ("hostname", hostname),
+                ]);
+                (labels, e)
+            })
+        })
+        .collect()
+}
+
+/// The families of each process on each device: bytes, fragmentation, the
+/// last publication, releases by reason, counters.
+fn write_processes(w: &mut Writer, series: &[(Labels, &Entry)]) {
+    for (name, help, value) in BYTE_GAUGES {
+        w.family(name, Kind::Gauge, help);
+        for (labels, e) in series {
+            w.sample(labels, value(e));
+        }
+    }
+    w.family(
+        "tidepool_fragmentation_ratio",
+        Kind::Gauge,
+        "Fragmentation: inactive split bytes over reserved bytes (free memory that can neither be released nor serve a large request).",
+    );
+    for (labels, e) in series {
+        w.sample(labels, e.fragmentation());
+    }
+    w.family("tidepool_last_publish_timestamp_seconds", Kind::Gauge, "When the process last published its figures (Unix time).");
+    for (labels, e) in series {
+        w.sample(labels, e.heartbeat_ms as f64 / 1000.0);
+    }
+    w.family("tidepool_released_bytes", Kind::Counter, "Bytes the process gave back to the driver, by reason.");
+    for (labels, e) in series {
+        for reason in Reason::ALL {
+            w.sample(&labels.with("reason", reason.name()), e.released[reason as usize]);
+        }
+    }
+    for (name, help, value) in COUNTERS {
+        w.family(name, Kind::Counter, help);
+        for (labels, e) in series {
+            w.sample(labels, value(e));
+        }
+    }
+}
+
+/// The families of each device: its tidepool processes, and its memory as
+/// its most recent publisher saw it.
+fn write_devices(w: &mut Writer, devices: &BTreeMap<String, Vec<Entry>>, hostname: &str) {
+    let device_labels: Vec<Labels> = devices.keys().map(|device| Labels::new(&[("device", device), ("hostname", hostname)])).collect();
+    w.family("tidepool_processes", Kind::Gauge, "tidepool processes using the device.");
+    for (labels, entries) in device_labels.iter().zip(devices.values()) {
+        w.sample(labels, entries.len() as u64);
+    }
+    let memory: Vec<Option<&Entry>> =
+        devices.values().map(|entries| entries.iter().filter(|e| e.device_total > 0).max_by_key(|e| e.heartbeat_ms)).collect();
+    for (name, help, value) in [
+        ("tidepool_device_total_bytes", "The device's memory.", (|e: &Entry| e.device_total) as fn(&Entry) -> u64),
+        ("tidepool_device_free_bytes", "The device's free memory, as the driver reported it to a tidepool process.", |e| e.device_free),
+    ] {
+        w.family(name, Kind::Gauge, help);
+        for (labels, known) in device_labels.iter().zip(&memory) {
+            if let Some(e) = known {
+                w.sample(labels, value(e));
+            }
+        }
     }
 }
 

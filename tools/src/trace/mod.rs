@@ -81,7 +81,7 @@ pub struct Trace {
     /// TIDEPOOL_CONF syntax: what the PyTorch model replays with.
     pub pytorch_conf: String,
     /// PyTorch ran with `expandable_segments:True` (snapshots only): its
-    /// model is `Policy::PytorchExpandable`.
+    /// model is `Model::PytorchExpandable`.
     pub pytorch_expandable_segments: bool,
     /// The out-of-memory errors PyTorch recorded (snapshots' `oom` entries).
     pub pytorch_ooms: Vec<RecordedOom>,

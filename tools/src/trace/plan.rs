@@ -4,7 +4,7 @@
 //! OOM; each device of a trace on its own.
 #![forbid(unsafe_code)]
 
-use super::replay::{name_device, replay, FirstOom, Policy, ReplayOptions};
+use super::replay::{name_device, replay, FirstOom, Model, ReplayOptions};
 use super::Trace;
 
 /// The step of the search when none is given: the larger of 2 MiB and
@@ -18,7 +18,7 @@ pub fn default_step(peak_requested: u64) -> u64 {
 /// What `smallest_capacity` found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
-    pub policy: Policy,
+    pub model: Model,
     /// The device these figures are of (0 for a one-device trace).
     pub device: u32,
     /// The least multiple of the step at which the trace runs without an OOM.
@@ -35,8 +35,8 @@ pub struct Plan {
 /// Bisection between the peak of live bytes (nothing fits in less) and a
 /// capacity that passes (the unconstrained peak reserved), in the default
 /// step. For a trace on several devices: the capacity every device fits.
-pub fn smallest_capacity(trace: &Trace, policy: Policy, conf: &str) -> Result<Plan, String> {
-    smallest_capacity_in_steps(trace, policy, conf, default_step(trace.peak_requested()))
+pub fn smallest_capacity(trace: &Trace, model: Model, conf: &str) -> Result<Plan, String> {
+    smallest_capacity_in_steps(trace, model, conf, default_step(trace.peak_requested()))
 }
 
 /// The smallest capacity of each device of `trace`, each replayed on its
@@ -45,12 +45,12 @@ pub fn smallest_capacity(trace: &Trace, policy: Policy, conf: &str) -> Result<Pl
 /// as failing counts as asked (`Trace::with_failed_requests`): the device
 /// must serve it too. Events and messages are the trace's own: its
 /// numbering, its device.
-pub fn smallest_capacity_per_device(trace: &Trace, policy: Policy, conf: &str, step: Option<u64>) -> Result<Vec<Plan>, String> {
+pub fn smallest_capacity_per_device(trace: &Trace, model: Model, conf: &str, step: Option<u64>) -> Result<Vec<Plan>, String> {
     let mut plans = Vec::new();
     for (device, part) in trace.per_device() {
         let (whole, origin) = part.with_failed_requests();
         let step = step.unwrap_or_else(|| default_step(whole.peak_requested()));
-        let mut plan = smallest_capacity_in_steps(&whole, policy, conf, step)?;
+        let mut plan = smallest_capacity_in_steps(&whole, model, conf, step)?;
         plan.device = device;
         if let Some(oom) = &mut plan.one_step_less {
             oom.event = origin.get(oom.event as usize).copied().unwrap_or(oom.event);
@@ -62,20 +62,20 @@ pub fn smallest_capacity_per_device(trace: &Trace, policy: Policy, conf: &str, s
 }
 
 /// `smallest_capacity` to the nearest multiple of `step` bytes.
-pub fn smallest_capacity_in_steps(trace: &Trace, policy: Policy, conf: &str, step: u64) -> Result<Plan, String> {
+pub fn smallest_capacity_in_steps(trace: &Trace, model: Model, conf: &str, step: u64) -> Result<Plan, String> {
     // Unconstrained, the replay never holds more than its peak reserved: a
     // device of that size fits it (tried first, doubling if ever not).
-    let options = ReplayOptions { capacity: 1 << 50, policy, conf: conf.to_string(), samples: 0, record_to: None };
+    let options = ReplayOptions { capacity: 1 << 50, model, conf: conf.to_string(), samples: 0, record_to: None };
     let unconstrained = replay(trace, &options)?.peak_reserved_bytes;
     if unconstrained == 0 {
         // Nothing to hold (no allocation, or only empty ones): no device needed.
-        return Ok(Plan { policy, device: 0, min_capacity: 0, step, replays: 1, one_step_less: None });
+        return Ok(Plan { model, device: 0, min_capacity: 0, step, replays: 1, one_step_less: None });
     }
     let mut replays = 1;
     // The first OOM of a replay on `capacity`; None when the trace fits.
     let mut runs_out = |capacity: u64| -> Result<Option<FirstOom>, String> {
         replays += 1;
-        let options = ReplayOptions { capacity, policy, conf: conf.to_string(), samples: 0, record_to: None };
+        let options = ReplayOptions { capacity, model, conf: conf.to_string(), samples: 0, record_to: None };
         Ok(replay(trace, &options)?.first_oom)
     };
     let floor = trace.peak_requested() / step * step;
@@ -101,7 +101,7 @@ pub fn smallest_capacity_in_steps(trace: &Trace, policy: Policy, conf: &str, ste
         }
     }
     // A failure was seen at `lo`, now `hi - step`.
-    Ok(Plan { policy, device: 0, min_capacity: hi, step, replays, one_step_less: below })
+    Ok(Plan { model, device: 0, min_capacity: hi, step, replays, one_step_less: below })
 }
 
 #[cfg(test)]
@@ -120,7 +120,7 @@ mod tests {
         trace.free(b);
         let c = trace.alloc(300 << 20, 0, 0);
         trace.free(c);
-        let plan = smallest_capacity(&trace, Policy::Tidepool, "").unwrap();
+        let plan = smallest_capacity(&trace, Model::Tidepool, "").unwrap();
         assert_eq!(plan.min_capacity, 300 << 20);
         assert_eq!(plan.step, 2 << 20);
         // Nothing smaller than the peak can hold it: no device one step less to explain.
@@ -135,9 +135,9 @@ mod tests {
         trace.free(small);
         // With expandable segments (tidepool's default) the block holds
         // its own 2 MiB page: 302 MiB fits.
-        let expandable = smallest_capacity(&trace, Policy::Tidepool, "").unwrap();
+        let expandable = smallest_capacity(&trace, Model::Tidepool, "").unwrap();
         assert_eq!(expandable.min_capacity, 302 << 20);
-        let plan = smallest_capacity(&trace, Policy::WholeSegments, "").unwrap();
+        let plan = smallest_capacity(&trace, Model::WholeSegments, "").unwrap();
         assert_eq!(plan.min_capacity, 320 << 20);
         let oom = plan.one_step_less.expect("the device one step smaller runs out");
         assert_eq!(oom.event, 1, "at the 300 MiB request");
@@ -150,7 +150,7 @@ mod tests {
         let empty = trace.alloc(0, 0, 0);
         trace.free(empty);
         for t in [Trace::new("t", crate::trace::Format::RmmCsv), trace] {
-            let plan = smallest_capacity(&t, Policy::WholeSegments, "").unwrap();
+            let plan = smallest_capacity(&t, Model::WholeSegments, "").unwrap();
             assert_eq!((plan.min_capacity, plan.one_step_less.is_none()), (0, true));
         }
     }
@@ -174,7 +174,7 @@ mod tests {
         trace.free(a);
         trace.free(b);
         assert_eq!(trace.peak_requested_per_device(), [100 << 20, 300 << 20]);
-        let plans = smallest_capacity_per_device(&trace, Policy::Pytorch, "", None).unwrap();
+        let plans = smallest_capacity_per_device(&trace, Model::Pytorch, "", None).unwrap();
         let found: Vec<_> = plans.iter().map(|p| (p.device, p.min_capacity)).collect();
         assert_eq!(found, [(0, 100 << 20), (1, 300 << 20)]);
     }

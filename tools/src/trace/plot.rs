@@ -9,17 +9,17 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::replay::{Policy, ReplayReport};
+use super::replay::{Model, ReplayReport};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// A policy's colour: the same whichever policies are drawn together.
-fn colour(policy: Policy) -> RGBColor {
-    match policy {
-        Policy::Pytorch => RGBColor(214, 39, 40),
-        Policy::Tidepool => RGBColor(31, 119, 180),
-        Policy::WholeSegments => RGBColor(44, 160, 44),
-        Policy::PytorchExpandable => RGBColor(148, 103, 189),
+fn colour(model: Model) -> RGBColor {
+    match model {
+        Model::Pytorch => RGBColor(214, 39, 40),
+        Model::Tidepool => RGBColor(31, 119, 180),
+        Model::WholeSegments => RGBColor(44, 160, 44),
+        Model::PytorchExpandable => RGBColor(148, 103, 189),
     }
 }
 
@@ -46,8 +46,8 @@ pub fn write_svg(path: &Path, title: &str, reports: &[&ReplayReport]) -> Result<
                 .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK));
         }
         for report in reports {
-            let (full, light) = (colour(report.policy), colour(report.policy).mix(0.45));
-            let name = report.policy.title();
+            let (full, light) = (colour(report.model), colour(report.model).mix(0.45));
+            let name = report.model.title();
             chart
                 .draw_series(LineSeries::new(report.series.iter().map(|s| (s.event, s.allocated as f64 / GIB)), light))?
                 .label(format!("allocated ({name})"))
@@ -72,10 +72,10 @@ pub fn write_svg(path: &Path, title: &str, reports: &[&ReplayReport]) -> Result<
             .build_cartesian_2d(0u64..events, 0u64..most + most / 12 + 1)?;
         chart.configure_mesh().x_desc("event").y_desc("driver calls so far").draw()?;
         for report in reports {
-            let full = colour(report.policy);
+            let full = colour(report.model);
             chart
                 .draw_series(LineSeries::new(report.series.iter().map(|s| (s.event, s.driver_calls)), full.stroke_width(2)))?
-                .label(report.policy.title())
+                .label(report.model.title())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], full.stroke_width(2)));
         }
         // Where the steady state begins (the same event for every policy).

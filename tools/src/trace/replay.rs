@@ -2,7 +2,7 @@
 //! only: a 60 GiB trace replays on a laptop) and reports what a person
 //! sizing a GPU needs: peaks, the driver calls, OOMs, fragmentation.
 //!
-//! Three policies: `tidepool` (tidepool's configuration, TIDEPOOL_CONF
+//! Models (`Model`, the command's `--policy`): `tidepool` (tidepool's configuration, TIDEPOOL_CONF
 //! syntax via `conf`: expandable segments, as tidepool runs by default),
 //! `whole-segments` (the same with `expandable:false`) and
 //! `pytorch`, the model of PyTorch's native caching
@@ -28,8 +28,11 @@ use super::{Event, RecordedOom, Trace, WarmUp};
 use tidepool::backend::host::HostBackend;
 use tidepool::{AllocError, Allocator, Config, ConfigError, DevicePtr, Stream};
 
+/// The allocator a replay runs: tidepool as configured or with whole
+/// segments, or a model of PyTorch's (the command's `--policy`; not a
+/// release policy, which is `tidepool::reclaim::policy::Policy`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Policy {
+pub enum Model {
     /// tidepool as configured: by default, expandable segments.
     Tidepool,
     /// tidepool with whole segments (`expandable:false`).
@@ -43,36 +46,36 @@ pub enum Policy {
 /// (its `kLargeBuffer`).
 const PYTORCH_EXPANDABLE_PAGE: u64 = 20 << 20;
 
-impl Policy {
-    /// Every policy (`--policy all`).
-    pub const ALL: [Policy; 4] = [Policy::Pytorch, Policy::Tidepool, Policy::WholeSegments, Policy::PytorchExpandable];
+impl Model {
+    /// Every model (`--policy all`).
+    pub const ALL: [Model; 4] = [Model::Pytorch, Model::Tidepool, Model::WholeSegments, Model::PytorchExpandable];
 
     /// The model of PyTorch as `trace` says it ran: with expandable
     /// segments or without.
-    pub fn pytorch_as_recorded(trace: &Trace) -> Policy {
+    pub fn pytorch_as_recorded(trace: &Trace) -> Model {
         if trace.pytorch_expandable_segments {
-            Policy::PytorchExpandable
+            Model::PytorchExpandable
         } else {
-            Policy::Pytorch
+            Model::Pytorch
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            Policy::Tidepool => "tidepool",
-            Policy::WholeSegments => "whole-segments",
-            Policy::Pytorch => "pytorch",
-            Policy::PytorchExpandable => "pytorch-expandable",
+            Model::Tidepool => "tidepool",
+            Model::WholeSegments => "whole-segments",
+            Model::Pytorch => "pytorch",
+            Model::PytorchExpandable => "pytorch-expandable",
         }
     }
 
     /// The name as a table heading.
     pub fn title(self) -> &'static str {
         match self {
-            Policy::Tidepool => "tidepool",
-            Policy::WholeSegments => "tidepool whole segments",
-            Policy::Pytorch => "pytorch model",
-            Policy::PytorchExpandable => "pytorch expandable model",
+            Model::Tidepool => "tidepool",
+            Model::WholeSegments => "tidepool whole segments",
+            Model::Pytorch => "pytorch model",
+            Model::PytorchExpandable => "pytorch expandable model",
         }
     }
 }
@@ -81,7 +84,7 @@ impl Policy {
 pub struct ReplayOptions {
     /// Bytes each device has.
     pub capacity: u64,
-    pub policy: Policy,
+    pub model: Model,
     /// Extra TIDEPOOL_CONF for the replayed allocator.
     pub conf: String,
     /// Keep about this many samples of the totals for a plot (0: none).
@@ -113,7 +116,7 @@ pub struct FirstOom {
 #[derive(Clone, Debug)]
 pub struct ReplayReport {
     pub file: String,
-    pub policy: Policy,
+    pub model: Model,
     /// The device these figures are of (0 for a one-device trace).
     pub device: u32,
     pub capacity: u64,
@@ -173,17 +176,17 @@ impl ReplayReport {
     }
 }
 
-/// The configuration a policy replays with.
-pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, ConfigError> {
+/// The configuration a model replays with.
+pub fn model_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, ConfigError> {
     // A replay has no wall clock: the time-driven release policies stay off.
     // It plays the heap's placement: threads' caches, a live process's
     // shortcut that moves it (docs/allocation.md), stay off too.
     let mut builder = Config::builder().conf("release_after_ms:off,headroom_mb:0,thread_cache_blocks:0")?;
-    let pytorch = matches!(options.policy, Policy::Pytorch | Policy::PytorchExpandable);
-    match options.policy {
-        Policy::Pytorch | Policy::PytorchExpandable => builder = builder.conf(&trace.pytorch_conf)?,
-        Policy::WholeSegments => builder = builder.set("expandable", "false")?,
-        Policy::Tidepool => {}
+    let pytorch = matches!(options.model, Model::Pytorch | Model::PytorchExpandable);
+    match options.model {
+        Model::Pytorch | Model::PytorchExpandable => builder = builder.conf(&trace.pytorch_conf)?,
+        Model::WholeSegments => builder = builder.set("expandable", "false")?,
+        Model::Tidepool => {}
     }
     if let Some(path) = &options.record_to {
         builder = builder.trace(path);
@@ -192,11 +195,11 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
     if pytorch {
         // PyTorch merges every free at once, never lends across streams and
         // grows as its setting says, whatever `conf` says.
-        let expandable = options.policy == Policy::PytorchExpandable;
+        let expandable = options.model == Model::PytorchExpandable;
         builder = builder.set("stash", "false")?.set("lend_across_streams", "false")?.set("expandable", &expandable.to_string())?;
     }
     let mut config = builder.host(trace.devices as usize, options.capacity).build()?;
-    if options.policy == Policy::PytorchExpandable {
+    if options.model == Model::PytorchExpandable {
         config.expandable_page = Some(PYTORCH_EXPANDABLE_PAGE);
         config.expandable_allocation = PYTORCH_EXPANDABLE_PAGE;
         config.move_pages = false;
@@ -208,9 +211,9 @@ pub fn policy_config(trace: &Trace, options: &ReplayOptions) -> Result<Config, C
 /// the heaps asked (segments, ranges of address space, physical
 /// allocations, maps, unmaps and access), and, for the model of PyTorch's
 /// expandable segments, what its small pool's mapped pieces cost there.
-fn driver_calls(alloc: &Allocator, backend: &HostBackend, policy: Policy, devices: usize) -> u64 {
+fn driver_calls(alloc: &Allocator, backend: &HostBackend, model: Model, devices: usize) -> u64 {
     let mut calls = backend.driver_calls().total();
-    if policy == Policy::PytorchExpandable {
+    if model == Model::PytorchExpandable {
         for device in 0..devices {
             let s = alloc.stats(device).expect("device exists");
             // Its small pool's 2 MiB pieces are mapped pages there too:
@@ -253,11 +256,11 @@ pub fn name_device(message: &str, device: u32) -> String {
     message.replacen("on device 0:", &format!("on device {device}:"), 1)
 }
 
-/// Whether `policy` would have served the request PyTorch could not
+/// Whether `model` would have served the request PyTorch could not
 /// (`oom`, of this one-device trace) on the memory PyTorch had then: the
 /// trace up to that point replayed on `oom.usable()` bytes, then the
 /// request. False also when an earlier allocation runs out.
-pub fn serves_recorded_oom(trace: &Trace, oom: &RecordedOom, policy: Policy, conf: &str) -> Result<bool, String> {
+pub fn serves_recorded_oom(trace: &Trace, oom: &RecordedOom, model: Model, conf: &str) -> Result<bool, String> {
     if trace.devices > 1 {
         return Err(format!("{}: a recorded out-of-memory is tried on one device's part (Trace::per_device)", trace.source));
     }
@@ -272,7 +275,7 @@ pub fn serves_recorded_oom(trace: &Trace, oom: &RecordedOom, policy: Policy, con
         }
     }
     until.alloc(oom.requested.max(1), oom.stream, 0);
-    let options = ReplayOptions { capacity: oom.usable(), policy, conf: conf.to_string(), samples: 0, record_to: None };
+    let options = ReplayOptions { capacity: oom.usable(), model, conf: conf.to_string(), samples: 0, record_to: None };
     Ok(replay(&until, &options)?.ooms == 0)
 }
 
@@ -284,100 +287,149 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, St
 }
 
 /// `replay`, calling `progress(done, total)` about a hundred times.
-pub fn replay_with_progress(
-    trace: &Trace,
-    options: &ReplayOptions,
-    mut progress: impl FnMut(usize, usize),
-) -> Result<ReplayReport, String> {
-    let config = policy_config(trace, options).map_err(|e| format!("--conf: {e}"))?;
+pub fn replay_with_progress(trace: &Trace, options: &ReplayOptions, progress: impl FnMut(usize, usize)) -> Result<ReplayReport, String> {
+    let config = model_config(trace, options).map_err(|e| format!("--conf: {e}"))?;
     let devices = trace.devices as usize;
     let backend = std::sync::Arc::new(HostBackend::unbacked(devices, options.capacity));
     let alloc = Allocator::with_backend(config, backend.clone());
+    let replayer = Replayer { alloc, backend, model: options.model, devices };
+    let mut played = replayer.play(trace, options, progress)?;
+    let ptrs = std::mem::take(&mut played.ptrs);
+    let report = replayer.report(trace, options, played);
+    replayer.alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
+    // The blocks the trace leaves live go back too, so that the replay
+    // holds no memory or address space once dropped (`plan` runs dozens).
+    for (ptr, device) in ptrs.into_iter().filter(|&(ptr, _)| ptr != 0) {
+        let _ = replayer.alloc.free(device as usize, DevicePtr(ptr));
+    }
+    Ok(report)
+}
 
-    let mut ptrs = vec![(0u64, 0u32); trace.allocs as usize];
-    let every = if options.samples == 0 { u64::MAX } else { (trace.events.len() as u64 / options.samples as u64).max(1) };
-    let mut series = Vec::new();
-    let mut ooms = 0u64;
-    let mut first_oom = None;
-    let tick = (trace.events.len() / 100).max(1);
-    let warm_up = trace.warm_up();
-    let mut warm_up_calls = None;
-    let start = Instant::now();
-    for (index, event) in trace.events.iter().enumerate() {
-        if index % tick == 0 {
-            progress(index, trace.events.len());
+/// The allocator a replay drives, on its unbacked host backend.
+struct Replayer {
+    alloc: Allocator,
+    backend: std::sync::Arc<HostBackend>,
+    model: Model,
+    devices: usize,
+}
+
+/// What playing a trace's events left and found.
+struct Played {
+    /// Each allocation's address (0: not live) and device, by id.
+    ptrs: Vec<(u64, u32)>,
+    ooms: u64,
+    first_oom: Option<FirstOom>,
+    series: Vec<Sample>,
+    warm_up: WarmUp,
+    /// The driver calls made by the end of the warm-up.
+    warm_up_calls: Option<u64>,
+    seconds: f64,
+}
+
+impl Replayer {
+    fn driver_calls(&self) -> u64 {
+        driver_calls(&self.alloc, &self.backend, self.model, self.devices)
+    }
+
+    /// Plays `trace`'s events in order, sampling the figures `options.samples` times.
+    fn play(&self, trace: &Trace, options: &ReplayOptions, mut progress: impl FnMut(usize, usize)) -> Result<Played, String> {
+        let mut played = Played {
+            ptrs: vec![(0u64, 0u32); trace.allocs as usize],
+            ooms: 0,
+            first_oom: None,
+            series: Vec::new(),
+            warm_up: trace.warm_up(),
+            warm_up_calls: None,
+            seconds: 0.0,
+        };
+        let every = if options.samples == 0 { u64::MAX } else { (trace.events.len() as u64 / options.samples as u64).max(1) };
+        let tick = (trace.events.len() / 100).max(1);
+        let start = Instant::now();
+        for (index, event) in trace.events.iter().enumerate() {
+            if index % tick == 0 {
+                progress(index, trace.events.len());
+            }
+            if index == played.warm_up.events {
+                played.warm_up_calls = Some(self.driver_calls());
+            }
+            self.step(trace, index, event, &mut played)?;
+            if (index as u64).is_multiple_of(every) || index + 1 == trace.events.len() {
+                played.series.push(self.sample(index));
+            }
         }
-        if index == warm_up.events {
-            warm_up_calls = Some(driver_calls(&alloc, &backend, options.policy, devices));
-        }
+        played.seconds = start.elapsed().as_secs_f64();
+        Ok(played)
+    }
+
+    /// One event: an allocation (an out-of-memory counted) or a free.
+    fn step(&self, trace: &Trace, index: usize, event: &Event, played: &mut Played) -> Result<(), String> {
         match *event {
-            Event::Alloc { id, size, stream, device } => match alloc.allocate(device as usize, size as usize, Stream(stream)) {
-                Ok(ptr) => ptrs[id as usize] = (ptr.0, device),
+            Event::Alloc { id, size, stream, device } => match self.alloc.allocate(device as usize, size as usize, Stream(stream)) {
+                Ok(ptr) => played.ptrs[id as usize] = (ptr.0, device),
                 Err(err @ (AllocError::OutOfMemory(_) | AllocError::TooLarge { .. })) => {
-                    ooms += 1;
-                    first_oom.get_or_insert_with(|| FirstOom { event: index as u64, message: err.to_string() });
+                    played.ooms += 1;
+                    played.first_oom.get_or_insert_with(|| FirstOom { event: index as u64, message: err.to_string() });
                 }
                 Err(other) => return Err(format!("{}: event {index}: {other}", trace.source)),
             },
             Event::Free { id } => {
-                let (ptr, device) = std::mem::take(&mut ptrs[id as usize]);
+                let (ptr, device) = std::mem::take(&mut played.ptrs[id as usize]);
                 if ptr != 0 {
-                    let _ = alloc.free(device as usize, DevicePtr(ptr));
+                    let _ = self.alloc.free(device as usize, DevicePtr(ptr));
                 }
             }
         }
-        if (index as u64).is_multiple_of(every) || index + 1 == trace.events.len() {
-            let driver_calls = driver_calls(&alloc, &backend, options.policy, devices);
-            let mut sample = Sample { event: index as u64, requested: 0, allocated: 0, reserved: 0, driver_calls };
-            for device in 0..devices {
-                let t = alloc.device(device).map(|d| d.totals()).unwrap_or_default();
-                sample.requested += t.requested;
-                sample.allocated += t.allocated;
-                sample.reserved += t.reserved;
-            }
-            series.push(sample);
-        }
+        Ok(())
     }
-    let seconds = start.elapsed().as_secs_f64();
 
-    let mut report = ReplayReport {
-        file: trace.source.clone(),
-        policy: options.policy,
-        device: 0,
-        capacity: options.capacity,
-        events: trace.events.len() as u64,
-        allocs: trace.allocs as u64,
-        peak_requested_bytes: 0,
-        peak_allocated_bytes: 0,
-        peak_reserved_bytes: 0,
-        device_allocs: 0,
-        device_frees: 0,
-        driver_calls: 0,
-        warm_up,
-        steady_driver_calls: 0,
-        ooms,
-        first_oom,
-        peak_inactive_split_bytes: 0,
-        seconds,
-        pytorch_recorded_peak_reserved_bytes: trace.pytorch_peak_reserved,
-        series,
-    };
-    for device in 0..devices {
-        let s = alloc.stats(device).expect("device exists");
-        report.peak_requested_bytes += s.requested_bytes.all.peak;
-        report.peak_allocated_bytes += s.allocated_bytes.all.peak;
-        report.peak_reserved_bytes += s.reserved_bytes.all.peak;
-        report.device_allocs += s.events.num_device_alloc;
-        report.device_frees += s.events.num_device_free;
-        report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
+    /// The figures after event `index`, summed over devices.
+    fn sample(&self, index: usize) -> Sample {
+        let mut sample = Sample { event: index as u64, requested: 0, allocated: 0, reserved: 0, driver_calls: self.driver_calls() };
+        for device in 0..self.devices {
+            let t = self.alloc.device(device).map(|d| d.totals()).unwrap_or_default();
+            sample.requested += t.requested;
+            sample.allocated += t.allocated;
+            sample.reserved += t.reserved;
+        }
+        sample
     }
-    report.driver_calls = driver_calls(&alloc, &backend, options.policy, devices);
-    report.steady_driver_calls = report.driver_calls - warm_up_calls.unwrap_or(report.driver_calls);
-    alloc.finish_trace().map_err(|e| format!("recording the replay: {e}"))?;
-    // The blocks the trace leaves live go back too, so that the replay
-    // holds no memory or address space once dropped (`plan` runs dozens).
-    for (ptr, device) in ptrs.into_iter().filter(|&(ptr, _)| ptr != 0) {
-        let _ = alloc.free(device as usize, DevicePtr(ptr));
+
+    /// The report of a replay played to its end: the allocator's peaks and
+    /// counts summed over devices, and what playing found.
+    fn report(&self, trace: &Trace, options: &ReplayOptions, played: Played) -> ReplayReport {
+        let mut report = ReplayReport {
+            file: trace.source.clone(),
+            model: options.model,
+            device: 0,
+            capacity: options.capacity,
+            events: trace.events.len() as u64,
+            allocs: trace.allocs as u64,
+            peak_requested_bytes: 0,
+            peak_allocated_bytes: 0,
+            peak_reserved_bytes: 0,
+            device_allocs: 0,
+            device_frees: 0,
+            driver_calls: 0,
+            warm_up: played.warm_up,
+            steady_driver_calls: 0,
+            ooms: played.ooms,
+            first_oom: played.first_oom,
+            peak_inactive_split_bytes: 0,
+            seconds: played.seconds,
+            pytorch_recorded_peak_reserved_bytes: trace.pytorch_peak_reserved,
+            series: played.series,
+        };
+        for device in 0..self.devices {
+            let s = self.alloc.stats(device).expect("device exists");
+            report.peak_requested_bytes += s.requested_bytes.all.peak;
+            report.peak_allocated_bytes += s.allocated_bytes.all.peak;
+            report.peak_reserved_bytes += s.reserved_bytes.all.peak;
+            report.device_allocs += s.events.num_device_alloc;
+            report.device_frees += s.events.num_device_free;
+            report.peak_inactive_split_bytes += s.inactive_split_bytes.all.peak;
+        }
+        report.driver_calls = self.driver_calls();
+        report.steady_driver_calls = report.driver_calls - played.warm_up_calls.unwrap_or(report.driver_calls);
+        report
     }
-    Ok(report)
 }

@@ -56,6 +56,17 @@ impl Reader<'_> {
 /// A live block: requested size and stream.
 type Live = (u64, u64);
 
+/// One entry of a device's trace: action, address (for an `oom`, the
+/// device's free memory), size and stream.
+type Entry<'a> = (&'a str, u64, u64, u64);
+
+/// What the snapshot's segments say of each device when it was taken: the
+/// blocks live then, and the bytes its segments held.
+struct AtEnd {
+    live: Vec<BTreeMap<u64, Live>>,
+    reserved: Vec<u64>,
+}
+
 pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
     let doc = PickleDoc::parse(input).map_err(|e| TraceError {
         file: file.to_string(),
@@ -70,32 +81,9 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
     let mut trace = Trace::new(file, Format::TorchSnapshot);
     trace.pytorch_conf = pytorch_conf(&r, root, &mut trace);
     let devices = traces.len().max(1);
-    // Per device: blocks live at the end, and bytes in segments at the end.
-    let mut live_at_end: Vec<BTreeMap<u64, Live>> = vec![BTreeMap::new(); devices];
-    let mut reserved_at_end = vec![0u64; devices];
-    for &segment in segments {
-        let device = r.uint(segment, "device", "a segment")? as usize;
-        if device >= devices {
-            return r.fail(format!("a segment is on device {device}, but the trace has {devices} devices"));
-        }
-        let stream = r.uint(segment, "stream", "a segment")?;
-        reserved_at_end[device] = reserved_at_end[device].saturating_add(r.uint(segment, "total_size", "a segment")?);
-        for &block in r.list(r.field(segment, "blocks", "a segment")?, "blocks")? {
-            let state = r.field(block, "state", "a block")?;
-            if doc.str(state) == Some("inactive") {
-                continue;
-            }
-            let address = r.uint(block, "address", "a block")?;
-            let requested = match doc.get(block, "requested_size") {
-                Some(_) => r.uint(block, "requested_size", "a block")?,
-                None => r.uint(block, "size", "a block")?,
-            };
-            live_at_end[device].insert(address, (requested, stream));
-        }
-    }
+    let at_end = at_end(&r, segments, devices)?;
 
-    let mut recorded_peak = 0u64;
-    let mut recorded_peaks = vec![0u64; devices];
+    let mut recorded_peaks = Vec::with_capacity(devices);
     let mut any_segment_info = !segments.is_empty();
     let mut history = false;
     // A snapshot taken without history may list no device at all.
@@ -105,88 +93,147 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
             None => &[],
         };
         history |= !events.is_empty();
-        // Backwards: rebuild what was live, and reserved, at the start.
-        let mut live = live_at_end[device].clone();
-        let mut reserved_at_start = reserved_at_end[device] as i128;
-        let mut parsed = Vec::with_capacity(events.len());
-        for &event in events {
-            let action = doc.get(event, "action").and_then(|a| doc.str(a)).unwrap_or("");
-            // For an `oom` entry, `addr` is the device's free memory (in
-            // `device_free` from PyTorch 2.1 on).
-            let addr = match action {
-                "snapshot" | "" => 0,
-                "oom" => r.optional_uint(event, "device_free").or_else(|| r.optional_uint(event, "addr")).unwrap_or(0),
-                _ => r.uint(event, "addr", "a trace entry")?,
-            };
-            let size = match action {
-                "snapshot" | "" => 0,
-                "oom" => r.optional_uint(event, "size").unwrap_or(0),
-                _ => r.uint(event, "size", "a trace entry")?,
-            };
-            let stream = r.optional_uint(event, "stream").unwrap_or(0);
-            parsed.push((action, addr, size, stream));
-        }
-        for &(action, addr, size, stream) in parsed.iter().rev() {
-            match action {
-                "alloc" => {
-                    live.remove(&addr);
-                }
-                "free_completed" => {
-                    live.insert(addr, (size, stream));
-                }
-                "segment_alloc" | "segment_map" => reserved_at_start -= size as i128,
-                "segment_free" | "segment_unmap" => reserved_at_start += size as i128,
-                _ => {}
-            }
-        }
-        // Forwards: the allocations live at the start, then the trace. They
-        // are the device's first events: an `oom` entry counts them.
-        let first_event = trace.events.len();
-        let mut ids: HashMap<u64, u32> = HashMap::new();
-        for (&addr, &(size, stream)) in &live {
-            ids.insert(addr, trace.alloc(size, stream, device as u32));
-        }
-        let mut reserved = reserved_at_start.max(0) as u64;
-        recorded_peaks[device] = reserved;
-        for &(action, addr, size, stream) in &parsed {
-            match action {
-                "alloc" => {
-                    if let Some(old) = ids.remove(&addr) {
-                        trace.warnings.add(format!("device {device}: {addr:#x} allocated while live; the old one is freed"));
-                        trace.free(old);
-                    }
-                    ids.insert(addr, trace.alloc(size, stream, device as u32));
-                }
-                "free_completed" => match ids.remove(&addr) {
-                    Some(id) => trace.free(id),
-                    None => trace.warnings.add(format!("device {device}: free of {addr:#x}, which is not live (skipped)")),
-                },
-                "segment_alloc" | "segment_map" => {
-                    any_segment_info = true;
-                    reserved += size;
-                    recorded_peaks[device] = recorded_peaks[device].max(reserved);
-                }
-                "segment_free" | "segment_unmap" => reserved = reserved.saturating_sub(size),
-                "oom" => trace.pytorch_ooms.push(RecordedOom {
-                    device: device as u32,
-                    event: trace.events.len() - first_event,
-                    requested: size,
-                    stream,
-                    reserved,
-                    device_free: addr,
-                }),
-                _ => {}
-            }
-        }
-        recorded_peak = recorded_peak.max(recorded_peaks[device]);
+        let entries = events.iter().map(|&event| entry(&r, event)).collect::<Result<Vec<_>, _>>()?;
+        let (live, reserved_at_start) = at_start(&at_end, device, &entries);
+        let replayed = replay_device(&mut trace, device, &live, reserved_at_start, &entries);
+        recorded_peaks.push(replayed.peak_reserved);
+        any_segment_info |= replayed.segment_events;
     }
     if !history {
         trace.warnings.add("the snapshot has no allocation history (torch.cuda.memory._record_memory_history() before the run records it): only the blocks live when it was taken are replayed");
     }
     trace.devices = trace.devices.max(devices as u32);
-    // PyTorch held at least what was live at every moment: segments that
-    // hold less at their peak (a snapshot whose segments are not the
-    // allocator's, such as `tidepool.record`'s) say nothing of PyTorch.
+    record_pytorch_peaks(&mut trace, recorded_peaks, any_segment_info);
+    Ok(trace)
+}
+
+/// Per device: the blocks live when the snapshot was taken, and the bytes
+/// in its segments then.
+fn at_end(r: &Reader, segments: &[NodeId], devices: usize) -> Result<AtEnd, TraceError> {
+    let mut at_end = AtEnd { live: vec![BTreeMap::new(); devices], reserved: vec![0u64; devices] };
+    for &segment in segments {
+        let device = r.uint(segment, "device", "a segment")? as usize;
+        if device >= devices {
+            return r.fail(format!("a segment is on device {device}, but the trace has {devices} devices"));
+        }
+        let stream = r.uint(segment, "stream", "a segment")?;
+        at_end.reserved[device] = at_end.reserved[device].saturating_add(r.uint(segment, "total_size", "a segment")?);
+        for &block in r.list(r.field(segment, "blocks", "a segment")?, "blocks")? {
+            let state = r.field(block, "state", "a block")?;
+            if r.doc.str(state) == Some("inactive") {
+                continue;
+            }
+            let address = r.uint(block, "address", "a block")?;
+            let requested = match r.doc.get(block, "requested_size") {
+                Some(_) => r.uint(block, "requested_size", "a block")?,
+                None => r.uint(block, "size", "a block")?,
+            };
+            at_end.live[device].insert(address, (requested, stream));
+        }
+    }
+    Ok(at_end)
+}
+
+/// One entry of a device's trace.
+fn entry<'a>(r: &Reader<'a>, event: NodeId) -> Result<Entry<'a>, TraceError> {
+    let doc = r.doc;
+    let action = doc.get(event, "action").and_then(|a| doc.str(a)).unwrap_or("");
+    // For an `oom` entry, `addr` is the device's free memory (in
+    // `device_free` from PyTorch 2.1 on).
+    let addr = match action {
+        "snapshot" | "" => 0,
+        "oom" => r.optional_uint(event, "device_free").or_else(|| r.optional_uint(event, "addr")).unwrap_or(0),
+        _ => r.uint(event, "addr", "a trace entry")?,
+    };
+    let size = match action {
+        "snapshot" | "" => 0,
+        "oom" => r.optional_uint(event, "size").unwrap_or(0),
+        _ => r.uint(event, "size", "a trace entry")?,
+    };
+    let stream = r.optional_uint(event, "stream").unwrap_or(0);
+    Ok((action, addr, size, stream))
+}
+
+/// Walking `device`'s trace backwards from the end: what was live, and
+/// reserved, when the trace starts.
+fn at_start(at_end: &AtEnd, device: usize, entries: &[Entry]) -> (BTreeMap<u64, Live>, i128) {
+    let mut live = at_end.live[device].clone();
+    let mut reserved_at_start = at_end.reserved[device] as i128;
+    for &(action, addr, size, stream) in entries.iter().rev() {
+        match action {
+            "alloc" => {
+                live.remove(&addr);
+            }
+            "free_completed" => {
+                live.insert(addr, (size, stream));
+            }
+            "segment_alloc" | "segment_map" => reserved_at_start -= size as i128,
+            "segment_free" | "segment_unmap" => reserved_at_start += size as i128,
+            _ => {}
+        }
+    }
+    (live, reserved_at_start)
+}
+
+/// What replaying one device's trace found of PyTorch's reserved bytes.
+struct Replayed {
+    /// The most its segments held.
+    peak_reserved: u64,
+    /// Whether the trace has segment events.
+    segment_events: bool,
+}
+
+/// Forwards: the allocations live at the start, then `device`'s trace, as
+/// events of `trace`. They are the device's first events: an `oom` entry
+/// counts them.
+fn replay_device(trace: &mut Trace, device: usize, live: &BTreeMap<u64, Live>, reserved_at_start: i128, entries: &[Entry]) -> Replayed {
+    let first_event = trace.events.len();
+    let mut ids: HashMap<u64, u32> = HashMap::new();
+    for (&addr, &(size, stream)) in live {
+        ids.insert(addr, trace.alloc(size, stream, device as u32));
+    }
+    let mut reserved = reserved_at_start.max(0) as u64;
+    let mut replayed = Replayed { peak_reserved: reserved, segment_events: false };
+    for &(action, addr, size, stream) in entries {
+        match action {
+            "alloc" => {
+                if let Some(old) = ids.remove(&addr) {
+                    trace.warnings.add(format!("device {device}: {addr:#x} allocated while live; the old one is freed"));
+                    trace.free(old);
+                }
+                ids.insert(addr, trace.alloc(size, stream, device as u32));
+            }
+            "free_completed" => match ids.remove(&addr) {
+                Some(id) => trace.free(id),
+                None => trace.warnings.add(format!("device {device}: free of {addr:#x}, which is not live (skipped)")),
+            },
+            "segment_alloc" | "segment_map" => {
+                replayed.segment_events = true;
+                reserved += size;
+                replayed.peak_reserved = replayed.peak_reserved.max(reserved);
+            }
+            "segment_free" | "segment_unmap" => reserved = reserved.saturating_sub(size),
+            "oom" => trace.pytorch_ooms.push(RecordedOom {
+                device: device as u32,
+                event: trace.events.len() - first_event,
+                requested: size,
+                stream,
+                reserved,
+                device_free: addr,
+            }),
+            _ => {}
+        }
+    }
+    replayed
+}
+
+/// PyTorch's peaks of reserved bytes, per device and in all, where the
+/// snapshot's segments say them (`any_segment_info`). PyTorch held at least
+/// what was live at every moment: segments that hold less at their peak (a
+/// snapshot whose segments are not the allocator's, such as
+/// `tidepool.record`'s) say nothing of PyTorch.
+fn record_pytorch_peaks(trace: &mut Trace, recorded_peaks: Vec<u64>, mut any_segment_info: bool) {
+    let recorded_peak = recorded_peaks.iter().copied().max().unwrap_or(0);
     let live = trace.peak_requested_per_device();
     if any_segment_info && recorded_peaks.iter().zip(&live).any(|(&held, &live)| held < live) {
         trace.warnings.add("the snapshot's segments hold less than its peak of live memory: no PyTorch figure recorded");
@@ -196,7 +243,6 @@ pub fn read(input: impl Read, file: &str) -> Result<Trace, TraceError> {
         trace.pytorch_peak_reserved_per_device = recorded_peaks;
     }
     trace.pytorch_peak_reserved = any_segment_info.then_some(recorded_peak);
-    Ok(trace)
 }
 
 /// PyTorch's recorded allocator settings as TIDEPOOL_CONF, for the model of
@@ -387,8 +433,8 @@ mod tests {
         let oom = trace.pytorch_ooms[0];
         assert_eq!((oom.event, oom.usable()), (2, 250 * mib));
         // So no policy serves it: A and C stay live (counting only A, every one would).
-        for policy in crate::trace::replay::Policy::ALL {
-            assert!(!crate::trace::replay::serves_recorded_oom(&trace, &oom, policy, "").unwrap(), "{policy:?}");
+        for model in crate::trace::replay::Model::ALL {
+            assert!(!crate::trace::replay::serves_recorded_oom(&trace, &oom, model, "").unwrap(), "{model:?}");
         }
     }
 }

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use tidepool_tools::trace::plan::smallest_capacity_in_steps;
-use tidepool_tools::trace::replay::{replay, Policy, ReplayOptions, ReplayReport};
+use tidepool_tools::trace::replay::{replay, Model, ReplayOptions, ReplayReport};
 use tidepool_tools::trace::{Trace, WarmUpEnd};
 
 use crate::common::MIB;
@@ -41,16 +41,16 @@ fn device_traces(files: Vec<PathBuf>) -> Vec<(String, PathBuf, Trace)> {
 }
 
 /// A replay with plentiful memory.
-fn plentiful(trace: &Trace, policy: Policy, conf: &str) -> ReplayReport {
-    let options = ReplayOptions { capacity: 1 << 50, policy, conf: conf.into(), samples: 0, record_to: None };
+fn plentiful(trace: &Trace, model: Model, conf: &str) -> ReplayReport {
+    let options = ReplayOptions { capacity: 1 << 50, model, conf: conf.into(), samples: 0, record_to: None };
     let report = replay(trace, &options).unwrap();
     assert_eq!(report.ooms, 0);
     report
 }
 
 /// Peak reserved with plentiful memory, as a ratio to the peak of live bytes.
-fn peak_ratio(trace: &Trace, policy: Policy) -> f64 {
-    plentiful(trace, policy, "").peak_reserved_bytes as f64 / trace.peak_requested() as f64
+fn peak_ratio(trace: &Trace, model: Model) -> f64 {
+    plentiful(trace, model, "").peak_reserved_bytes as f64 / trace.peak_requested() as f64
 }
 
 fn geometric_mean(ratios: &[f64]) -> f64 {
@@ -60,8 +60,8 @@ fn geometric_mean(ratios: &[f64]) -> f64 {
 #[test]
 fn a_repeated_step_makes_no_driver_call_after_its_second() {
     for (name, _, trace) in device_traces(step_traces()) {
-        let report = |policy| plentiful(&trace, policy, "");
-        let [ours, whole, pytorch] = [Policy::Tidepool, Policy::WholeSegments, Policy::Pytorch].map(report);
+        let report = |model| plentiful(&trace, model, "");
+        let [ours, whole, pytorch] = [Model::Tidepool, Model::WholeSegments, Model::Pytorch].map(report);
         eprintln!(
             "{name}: driver calls (after step 2): tidepool {} ({}), whole segments {} ({}), pytorch model {} ({})",
             ours.driver_calls,
@@ -90,14 +90,14 @@ fn where_memory_is_short_a_repeated_step_makes_fewer_calls_than_pytorchs_expanda
     // more: 8 against 3).
     let (mut ours_in_all, mut theirs_in_all) = (0, 0);
     for (name, _, trace) in device_traces(step_traces()) {
-        let run = |capacity, policy| {
-            let options = ReplayOptions { capacity, policy, conf: String::new(), samples: 0, record_to: None };
+        let run = |capacity, model| {
+            let options = ReplayOptions { capacity, model, conf: String::new(), samples: 0, record_to: None };
             replay(&trace, &options).unwrap()
         };
-        let smallest = |policy| smallest_capacity_in_steps(&trace, policy, "", 2 * MIB).unwrap().min_capacity;
-        let (ours, theirs) = (smallest(Policy::Tidepool), smallest(Policy::PytorchExpandable));
-        let tight = run(ours, Policy::Tidepool);
-        let (roomy, pytorch) = (run(theirs, Policy::Tidepool), run(theirs, Policy::PytorchExpandable));
+        let smallest = |model| smallest_capacity_in_steps(&trace, model, "", 2 * MIB).unwrap().min_capacity;
+        let (ours, theirs) = (smallest(Model::Tidepool), smallest(Model::PytorchExpandable));
+        let tight = run(ours, Model::Tidepool);
+        let (roomy, pytorch) = (run(theirs, Model::Tidepool), run(theirs, Model::PytorchExpandable));
         eprintln!(
             "{name}: driver calls after step 2 on the smallest device, {} MiB: {}; on PyTorch's expandable segments' \
              {} MiB: {}, theirs {}",
@@ -119,8 +119,8 @@ fn where_memory_is_short_a_repeated_step_makes_fewer_calls_than_pytorchs_expanda
 fn with_plentiful_memory_the_default_reserves_no_more_than_pytorchs_expandable_segments_on_every_trace() {
     let mut ratios = Vec::new();
     for (name, _, trace) in device_traces(traces()) {
-        let (ours, whole) = (peak_ratio(&trace, Policy::Tidepool), peak_ratio(&trace, Policy::WholeSegments));
-        let (pytorch, theirs) = (peak_ratio(&trace, Policy::Pytorch), peak_ratio(&trace, Policy::PytorchExpandable));
+        let (ours, whole) = (peak_ratio(&trace, Model::Tidepool), peak_ratio(&trace, Model::WholeSegments));
+        let (pytorch, theirs) = (peak_ratio(&trace, Model::Pytorch), peak_ratio(&trace, Model::PytorchExpandable));
         eprintln!(
             "{name}: peak reserved / peak live: tidepool {ours:.4}, whole segments {whole:.4}, pytorch model {pytorch:.4}, \
              its expandable segments {theirs:.4}"
@@ -143,9 +143,9 @@ fn the_smallest_device_that_fits_is_never_above_pytorchs_and_within_1_2_percent_
     let mut ratios = Vec::new();
     for (name, _, trace) in device_traces(traces()) {
         let peak = trace.peak_requested() as f64;
-        let ours = smallest_capacity_in_steps(&trace, Policy::Tidepool, "", STEP).unwrap().min_capacity;
-        let pytorch = smallest_capacity_in_steps(&trace, Policy::Pytorch, "", STEP).unwrap().min_capacity;
-        let theirs = smallest_capacity_in_steps(&trace, Policy::PytorchExpandable, "", STEP).unwrap().min_capacity;
+        let ours = smallest_capacity_in_steps(&trace, Model::Tidepool, "", STEP).unwrap().min_capacity;
+        let pytorch = smallest_capacity_in_steps(&trace, Model::Pytorch, "", STEP).unwrap().min_capacity;
+        let theirs = smallest_capacity_in_steps(&trace, Model::PytorchExpandable, "", STEP).unwrap().min_capacity;
         let ratio = |bytes: u64| bytes as f64 / peak;
         eprintln!(
             "{name}: smallest device / peak live: tidepool {:.4}, pytorch model {:.4}, its expandable segments {:.4}",
@@ -168,8 +168,8 @@ fn the_smallest_device_that_fits_is_never_above_pytorchs_and_within_1_2_percent_
 fn warming_up_costs_at_most_4x_the_calls_of_pytorchs_expandable_segments() {
     let mut ratios = Vec::new();
     for (name, _, trace) in device_traces(traces()) {
-        let ours = plentiful(&trace, Policy::Tidepool, "").driver_calls as f64;
-        let theirs = plentiful(&trace, Policy::PytorchExpandable, "").driver_calls as f64;
+        let ours = plentiful(&trace, Model::Tidepool, "").driver_calls as f64;
+        let theirs = plentiful(&trace, Model::PytorchExpandable, "").driver_calls as f64;
         eprintln!("{name}: driver calls: tidepool {ours}, PyTorch's expandable segments {theirs}: {:.2}x", ours / theirs);
         if theirs > 0.0 {
             ratios.push(ours / theirs);
@@ -193,7 +193,7 @@ fn page_by_page_and(conf: &str) -> Vec<(String, f64, Run, Run)> {
     let mut out = Vec::new();
     for (name, _, trace) in device_traces(traces()) {
         let run = |conf: &str| {
-            let report = plentiful(&trace, Policy::Tidepool, conf);
+            let report = plentiful(&trace, Model::Tidepool, conf);
             Run { calls: report.driver_calls as f64, reserved: report.peak_reserved_bytes as f64 }
         };
         let (by_page, other) = (run("expandable_allocation_mb:2"), run(conf));

@@ -5,7 +5,7 @@
 //! pages moved and given back included; and the planner's repeated steps
 //! played live, threads' caches on, make none after their second step.
 
-use tidepool_tools::trace::replay::{replay, Policy, ReplayOptions};
+use tidepool_tools::trace::replay::{replay, Model, ReplayOptions};
 use tidepool_tools::trace::Event;
 
 use crate::common;
@@ -22,8 +22,8 @@ fn child_replay_driver_calls() {
     let conf = std::env::var("TIDEPOOL_TEST_CONF").unwrap_or_default();
     // The device simgpu has (SIMGPU_CAPACITY, in MiB).
     let capacity_mib: u64 = std::env::var("SIMGPU_CAPACITY").unwrap().trim_end_matches('M').parse().unwrap();
-    let policy = if conf.contains("expandable:false") { Policy::WholeSegments } else { Policy::Tidepool };
-    let options = ReplayOptions { capacity: capacity_mib << 20, policy, conf: conf.clone(), samples: 0, record_to: None };
+    let model = if conf.contains("expandable:false") { Model::WholeSegments } else { Model::Tidepool };
+    let options = ReplayOptions { capacity: capacity_mib << 20, model, conf: conf.clone(), samples: 0, record_to: None };
     let replayed = replay(&trace, &options).unwrap().driver_calls;
 
     // The heap's placement, which replay plays: threads' caches off.

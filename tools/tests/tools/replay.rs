@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use tidepool_tools::trace::plan::{smallest_capacity, smallest_capacity_per_device};
-use tidepool_tools::trace::replay::{self, replay, replay_per_device, Policy, ReplayOptions};
+use tidepool_tools::trace::replay::{self, replay, replay_per_device, Model, ReplayOptions};
 use tidepool_tools::trace::{self, Trace};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -19,8 +19,8 @@ fn shared(relative: &str) -> Option<PathBuf> {
     common::shared_traces(relative)
 }
 
-fn options(policy: Policy) -> ReplayOptions {
-    ReplayOptions { capacity: 1 << 50, policy, conf: String::new(), samples: 0, record_to: None }
+fn options(model: Model) -> ReplayOptions {
+    ReplayOptions { capacity: 1 << 50, model, conf: String::new(), samples: 0, record_to: None }
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -40,7 +40,7 @@ fn the_pytorch_model_lands_within_2_percent_of_pytorchs_recorded_peak_reserved()
         };
         let trace = trace::load(&path).unwrap();
         let recorded = trace.pytorch_peak_reserved.expect("snapshots record segments") as f64;
-        let report = replay(&trace, &options(Policy::Pytorch)).unwrap();
+        let report = replay(&trace, &options(Model::Pytorch)).unwrap();
         let error = report.peak_reserved_bytes as f64 / recorded - 1.0;
         assert!(error.abs() <= 0.02, "{name}: model {} vs recorded {recorded}: {:.2} %", report.peak_reserved_bytes, 100.0 * error);
         assert_eq!(report.ooms, 0);
@@ -55,7 +55,7 @@ fn the_rmm_logs_replay_to_the_published_pytorch_policy_figures() {
             continue;
         };
         let trace = trace::load(&path).unwrap();
-        let report = replay(&trace, &options(Policy::Pytorch)).unwrap();
+        let report = replay(&trace, &options(Model::Pytorch)).unwrap();
         let ours = report.peak_reserved_bytes as f64 / GIB;
         assert!((ours / gib - 1.0).abs() <= 0.02, "{name}: {ours:.3} GiB vs {gib} GiB");
     }
@@ -67,18 +67,18 @@ fn plan_finds_the_published_smallest_device() {
         return;
     };
     let trace = trace::load(&path).unwrap();
-    let plan = smallest_capacity(&trace, Policy::Pytorch, "").unwrap();
+    let plan = smallest_capacity(&trace, Model::Pytorch, "").unwrap();
     let gib = plan.min_capacity as f64 / GIB;
     assert!((gib / 30.383 - 1.0).abs() <= 0.01, "{gib:.3} GiB");
     assert!(plan.min_capacity >= trace.peak_requested());
     // One step less does not fit; the step is a quarter percent of the peak.
     assert_eq!(plan.step, (trace.peak_requested() / 400).next_multiple_of(1 << 20));
-    let smaller = ReplayOptions { capacity: plan.min_capacity - plan.step, ..options(Policy::Pytorch) };
+    let smaller = ReplayOptions { capacity: plan.min_capacity - plan.step, ..options(Model::Pytorch) };
     let short = replay(&trace, &smaller).unwrap();
     assert!(short.ooms > 0);
     let first = short.first_oom.expect("the first OOM is reported");
     assert!(first.event < short.events && first.message.contains("out of memory"), "{first:?}");
-    let fits = ReplayOptions { capacity: plan.min_capacity, ..options(Policy::Pytorch) };
+    let fits = ReplayOptions { capacity: plan.min_capacity, ..options(Model::Pytorch) };
     assert_eq!(replay(&trace, &fits).unwrap().first_oom, None);
 }
 
@@ -90,7 +90,7 @@ fn a_trace_of_several_gpus_gets_each_cards_figures_not_their_sum() {
     let trace = trace::load(&path).unwrap();
     let peaks = trace.peak_requested_per_device();
     assert_eq!(trace.peak_requested(), *peaks.iter().max().unwrap(), "one card's peak, never a sum");
-    let reports = replay_per_device(&trace, &options(Policy::Tidepool)).unwrap();
+    let reports = replay_per_device(&trace, &options(Model::Tidepool)).unwrap();
     assert!(reports.len() >= 2);
     for report in &reports {
         let device = report.device as usize;
@@ -118,14 +118,14 @@ fn a_plan_serves_the_request_the_recorded_run_could_not_and_names_each_device_in
     let (whole, origin) = trace.on_device(1).with_failed_requests();
     assert_eq!((whole.events.len(), whole.peak_requested()), (4, 302 << 20));
     assert_eq!(origin, [0, 1, 1, 1], "each event's index in the recorded part");
-    let plans = smallest_capacity_per_device(&trace, Policy::WholeSegments, "", Some(2 << 20)).unwrap();
+    let plans = smallest_capacity_per_device(&trace, Model::WholeSegments, "", Some(2 << 20)).unwrap();
     assert_eq!((plans[1].device, plans[1].min_capacity), (1, 320 << 20), "the 2 MiB block's segment and the request");
     let less = plans[1].one_step_less.as_ref().unwrap();
     assert_eq!(less.event, 1, "the failed request, numbered as the trace numbers it");
     assert!(less.message.contains("on device 1:") && less.message.contains("300.00 MiB"), "{}", less.message);
     assert_eq!(plans[0].min_capacity, 40 << 20, "device 0 recorded no failure");
     // The replay of what ran names the device too.
-    let small = ReplayOptions { capacity: 1 << 20, ..options(Policy::Tidepool) };
+    let small = ReplayOptions { capacity: 1 << 20, ..options(Model::Tidepool) };
     let reports = replay_per_device(&trace, &small).unwrap();
     let first = reports[1].first_oom.as_ref().unwrap();
     assert!(first.message.contains("on device 1:"), "{}", first.message);
@@ -140,7 +140,7 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     let trace = trace::load(&path).unwrap();
     assert!(trace.pytorch_expandable_segments, "the snapshot's settings say so");
     assert!(trace.per_device().iter().all(|(_, part)| part.pytorch_expandable_segments), "and each card's part");
-    for report in replay_per_device(&trace, &options(Policy::PytorchExpandable)).unwrap() {
+    for report in replay_per_device(&trace, &options(Model::PytorchExpandable)).unwrap() {
         let device = report.device as usize;
         let recorded = trace.pytorch_peak_reserved_per_device[device] as f64;
         let error = report.peak_reserved_bytes as f64 / recorded - 1.0;
@@ -158,7 +158,7 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
             );
         }
         // Plain segments, PyTorch's default, miss by more on every card.
-        let plain = replay_per_device(&trace, &options(Policy::Pytorch)).unwrap()[device].peak_reserved_bytes as f64;
+        let plain = replay_per_device(&trace, &options(Model::Pytorch)).unwrap()[device].peak_reserved_bytes as f64;
         assert!((plain / recorded - 1.0).abs() > error.abs(), "device {device}");
     }
     // So it is the model `tidepool replay` puts beside the recorded figure.
@@ -180,17 +180,17 @@ fn the_model_of_pytorchs_expandable_segments_lands_on_the_peaks_pytorch_recorded
     let (_, card) = parts.iter().find(|(d, _)| *d == 1).unwrap();
     let oom = card.pytorch_ooms[0];
     assert_eq!((oom.requested, oom.device_free), (5_308_694_528, 95_682_560));
-    assert!(Policy::ALL.iter().all(|&p| !replay::serves_recorded_oom(card, &oom, p, "").unwrap()));
+    assert!(Model::ALL.iter().all(|&p| !replay::serves_recorded_oom(card, &oom, p, "").unwrap()));
     // On the memory that run had (held + free at its OOM), the model lands
     // on the recorded peak there too, giving memory back as often (six
     // segment_unmap events in the snapshot).
-    let on_the_card = ReplayOptions { capacity: oom.usable(), ..options(Policy::PytorchExpandable) };
+    let on_the_card = ReplayOptions { capacity: oom.usable(), ..options(Model::PytorchExpandable) };
     let report = replay(card, &on_the_card).unwrap();
     let recorded = trace.pytorch_peak_reserved_per_device[1] as f64;
     let error = report.peak_reserved_bytes as f64 / recorded - 1.0;
     assert!(error.abs() <= 0.001, "device 1 on {} bytes: {:.3} %", oom.usable(), 100.0 * error);
     assert_eq!((report.ooms, report.device_frees), (0, 6));
-    let err = replay::serves_recorded_oom(&trace, &oom, Policy::Tidepool, "").unwrap_err();
+    let err = replay::serves_recorded_oom(&trace, &oom, Model::Tidepool, "").unwrap_err();
     assert!(err.contains("one device's part"), "{err}");
     assert!(stdout.contains("The recorded run ran out of memory at event 287 asking 4.94 GiB (the needs above serve it too)"), "{stdout}");
     assert!(stdout.contains("tidepool runs out too, tidepool expandable:false runs out too"), "{stdout}");
@@ -209,13 +209,13 @@ fn a_recorded_out_of_memory_is_tried_again_with_each_policy_on_the_memory_pytorc
         trace.free(*id);
     }
     let oom = trace::RecordedOom { device: 0, event: 15, requested: 30 << 20, stream: 0, reserved: 40 << 20, device_free: 20 << 20 };
-    let served = |policy| replay::serves_recorded_oom(&trace, &oom, policy, "").unwrap();
-    assert!(!served(Policy::Pytorch) && !served(Policy::WholeSegments), "the model runs out where PyTorch did");
-    assert!(!served(Policy::PytorchExpandable));
-    assert!(served(Policy::Tidepool));
+    let served = |model| replay::serves_recorded_oom(&trace, &oom, model, "").unwrap();
+    assert!(!served(Model::Pytorch) && !served(Model::WholeSegments), "the model runs out where PyTorch did");
+    assert!(!served(Model::PytorchExpandable));
+    assert!(served(Model::Tidepool));
     // With less memory than live + asked, nobody serves it.
     let tight = trace::RecordedOom { device_free: 8 << 20, ..oom };
-    assert!(Policy::ALL.iter().all(|&p| !replay::serves_recorded_oom(&trace, &tight, p, "").unwrap()));
+    assert!(Model::ALL.iter().all(|&p| !replay::serves_recorded_oom(&trace, &tight, p, "").unwrap()));
 }
 
 #[test]
@@ -246,28 +246,28 @@ fn driver_calls_count_each_call_the_cuda_backend_makes() {
     let mut trace = Trace::new("one", trace::Format::RmmCsv);
     let id = trace.alloc(64 << 20, 0, 0);
     trace.free(id);
-    let plain = replay(&trace, &options(Policy::WholeSegments)).unwrap();
+    let plain = replay(&trace, &options(Model::WholeSegments)).unwrap();
     assert_eq!(plain.driver_calls, 1);
     // cuMemAddressReserve, cuMemCreate and cuMemMap per allocation (8 MiB
     // by default), cuMemSetAccess per run.
-    let expandable = replay(&trace, &options(Policy::Tidepool)).unwrap();
+    let expandable = replay(&trace, &options(Model::Tidepool)).unwrap();
     assert_eq!(expandable.driver_calls, 1 + 2 * 8 + 1);
-    let by_2_mib = ReplayOptions { conf: "expandable_allocation_mb:2".into(), ..options(Policy::Tidepool) };
+    let by_2_mib = ReplayOptions { conf: "expandable_allocation_mb:2".into(), ..options(Model::Tidepool) };
     assert_eq!(replay(&trace, &by_2_mib).unwrap().driver_calls, 1 + 2 * 32 + 1);
     // PyTorch's expandable segments map 20 MiB at a time: 4 pieces for 64 MiB.
-    let pytorch = replay(&trace, &options(Policy::PytorchExpandable)).unwrap();
+    let pytorch = replay(&trace, &options(Model::PytorchExpandable)).unwrap();
     assert_eq!((pytorch.driver_calls, pytorch.peak_reserved_bytes), (1 + 2 * 4 + 1, 80 << 20));
     // A small block: a 2 MiB piece there too, three calls.
     let small = trace.alloc(4096, 0, 0);
     trace.free(small);
-    let pytorch = replay(&trace, &options(Policy::PytorchExpandable)).unwrap();
+    let pytorch = replay(&trace, &options(Model::PytorchExpandable)).unwrap();
     assert_eq!((pytorch.driver_calls, pytorch.peak_reserved_bytes), (1 + 2 * 4 + 1 + 3, 82 << 20));
     // A call that fails is one call: on a 1 MiB device the small piece
     // fails, then again after the cache is released.
     let mut tiny = Trace::new("tiny", trace::Format::RmmCsv);
     let id = tiny.alloc(4096, 0, 0);
     tiny.free(id);
-    let failed = replay(&tiny, &ReplayOptions { capacity: 1 << 20, ..options(Policy::PytorchExpandable) }).unwrap();
+    let failed = replay(&tiny, &ReplayOptions { capacity: 1 << 20, ..options(Model::PytorchExpandable) }).unwrap();
     assert_eq!((failed.ooms, failed.driver_calls), (1, 2));
 }
 
@@ -299,8 +299,8 @@ pub(crate) fn all_traces() -> Vec<PathBuf> {
 fn whole_segments_never_reserve_more_than_pytorchs_model_and_the_default_never_needs_a_larger_device_on_any_trace() {
     for file in all_traces() {
         let trace = trace::load(&file).unwrap();
-        let ours = replay_per_device(&trace, &options(Policy::WholeSegments)).unwrap();
-        let model = replay_per_device(&trace, &options(Policy::Pytorch)).unwrap();
+        let ours = replay_per_device(&trace, &options(Model::WholeSegments)).unwrap();
+        let model = replay_per_device(&trace, &options(Model::Pytorch)).unwrap();
         for (ours, model) in ours.iter().zip(&model) {
             assert!(
                 ours.peak_reserved_bytes <= model.peak_reserved_bytes,
@@ -311,8 +311,8 @@ fn whole_segments_never_reserve_more_than_pytorchs_model_and_the_default_never_n
                 model.peak_reserved_bytes
             );
         }
-        let ours = smallest_capacity_per_device(&trace, Policy::Tidepool, "", None).unwrap();
-        let model = smallest_capacity_per_device(&trace, Policy::Pytorch, "", None).unwrap();
+        let ours = smallest_capacity_per_device(&trace, Model::Tidepool, "", None).unwrap();
+        let model = smallest_capacity_per_device(&trace, Model::Pytorch, "", None).unwrap();
         for (ours, model) in ours.iter().zip(&model) {
             assert!(
                 ours.min_capacity <= model.min_capacity,
@@ -355,8 +355,8 @@ fn child_replays_leave_no_mapping() {
     }
     let before = mappings();
     for _ in 0..50 {
-        for policy in Policy::ALL {
-            replay(&trace, &options(policy)).unwrap();
+        for model in Model::ALL {
+            replay(&trace, &options(model)).unwrap();
         }
     }
     let after = mappings();
@@ -373,8 +373,8 @@ fn replays_give_back_every_mapping_they_made() {
 #[test]
 fn replay_is_deterministic() {
     let trace = small_trace();
-    let a = replay(&trace, &options(Policy::Tidepool)).unwrap();
-    let b = replay(&trace, &options(Policy::Tidepool)).unwrap();
+    let a = replay(&trace, &options(Model::Tidepool)).unwrap();
+    let b = replay(&trace, &options(Model::Tidepool)).unwrap();
     let key = |r: &tidepool_tools::trace::replay::ReplayReport| {
         (
             r.peak_requested_bytes,
@@ -396,11 +396,11 @@ fn a_recorded_replay_replays_to_the_same_peaks() {
         None => small_trace(),
     };
     let recording = tmp("recorded_replay.csv");
-    let first = replay(&original, &ReplayOptions { record_to: Some(recording.clone()), ..options(Policy::Tidepool) }).unwrap();
+    let first = replay(&original, &ReplayOptions { record_to: Some(recording.clone()), ..options(Model::Tidepool) }).unwrap();
     let recorded = trace::load(&recording).unwrap();
     assert_eq!(recorded.allocs, original.allocs);
     assert_eq!(recorded.warnings.count, 0);
-    let second = replay(&recorded, &options(Policy::Tidepool)).unwrap();
+    let second = replay(&recorded, &options(Model::Tidepool)).unwrap();
     assert_eq!(
         (second.peak_requested_bytes, second.peak_allocated_bytes, second.peak_reserved_bytes),
         (first.peak_requested_bytes, first.peak_allocated_bytes, first.peak_reserved_bytes)
@@ -415,7 +415,7 @@ fn a_trace_the_disk_cannot_hold_ends_at_its_last_whole_row_and_says_so() {
     // Cut back to the last whole row: it still reads, and replays.
     let recorded = trace::load(&path).expect("every row whole");
     assert!(recorded.events.len() > 1000 && recorded.events.len() < 40_000, "{} events", recorded.events.len());
-    replay(&recorded, &options(Policy::Tidepool)).unwrap();
+    replay(&recorded, &options(Model::Tidepool)).unwrap();
 }
 
 #[test]
@@ -807,14 +807,14 @@ fn a_closed_stdout_ends_the_command_quietly() {
 
 #[test]
 fn a_replay_with_stream_shards_counts_every_shard() {
-    use tidepool_tools::trace::replay::{replay, Policy, ReplayOptions};
+    use tidepool_tools::trace::replay::{replay, Model, ReplayOptions};
     use tidepool_tools::trace::{Format, Trace};
     // Two streams, routed to different shards, each holding 30 MiB at the peak.
     let mut trace = Trace::new("shards", Format::RmmCsv);
     let ids: Vec<u32> = (0..6).map(|i| trace.alloc(10 * MIB, 1 + (i % 2), 0)).collect();
     ids.into_iter().for_each(|id| trace.free(id));
     let run = |conf: &str| {
-        let options = ReplayOptions { capacity: 1 << 30, policy: Policy::Tidepool, conf: conf.into(), samples: 12, record_to: None };
+        let options = ReplayOptions { capacity: 1 << 30, model: Model::Tidepool, conf: conf.into(), samples: 12, record_to: None };
         replay(&trace, &options).unwrap()
     };
     let (one, four) = (run(""), run("stream_shards:4"));
