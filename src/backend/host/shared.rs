@@ -19,11 +19,12 @@
 //! refused.
 
 use std::fs::File;
-use std::io::{self, ErrorKind, Read, Seek, SeekFrom};
+use std::io::{self, ErrorKind};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::proc_info::{is_running, process_start};
+use crate::sync::Mutex;
 
 const MAGIC: &[u8; 8] = b"TPHOSTSC";
 const VERSION: u32 = 2;
@@ -41,6 +42,9 @@ pub struct SharedCapacity {
     file: File,
     pid: u32,
     start: u64,
+    /// Keeps this process's threads apart: the file's lock belongs to the
+    /// open file, which they share, so it orders processes only.
+    threads: Mutex<()>,
 }
 
 /// A slot as read: whose it is and what it holds.
@@ -81,7 +85,7 @@ impl SharedCapacity {
         let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(path)?;
         let pid = std::process::id();
         let start = process_start(pid).unwrap_or(0);
-        let shared = SharedCapacity { path: path.to_path_buf(), file, pid, start };
+        let shared = SharedCapacity { path: path.to_path_buf(), file, pid, start, threads: Mutex::new(()) };
         shared.locked(false, |table| match table.get(..8) {
             Some(magic) if magic == MAGIC && version(table) > VERSION => Err(io::Error::new(
                 ErrorKind::InvalidData,
@@ -103,21 +107,35 @@ impl SharedCapacity {
         self.file.write_all_at(&raw, 0)
     }
 
-    /// Runs `f` on the whole file, read under its lock (shared or exclusive).
+    /// Runs `f` on the whole file, read under its lock (shared or exclusive)
+    /// and, within this process, one thread at a time. The file is read at
+    /// its offsets, not through the position its handle shares.
     fn locked<R>(&self, shared: bool, f: impl FnOnce(&[u8]) -> io::Result<R>) -> io::Result<R> {
+        let _one_thread = self.threads.lock();
         if shared {
             self.file.lock_shared()?;
         } else {
             self.file.lock()?;
         }
-        let result = (|| {
-            let mut table = Vec::with_capacity(FILE_BYTES);
-            (&self.file).seek(SeekFrom::Start(0))?;
-            (&self.file).take(FILE_BYTES as u64).read_to_end(&mut table)?;
-            f(&table)
-        })();
+        let result = self.read_table().and_then(|table| f(&table));
         self.file.unlock()?;
         result
+    }
+
+    /// The file's first `FILE_BYTES` bytes (fewer when it is shorter).
+    fn read_table(&self) -> io::Result<Vec<u8>> {
+        let mut table = vec![0u8; FILE_BYTES];
+        let mut filled = 0;
+        while filled < FILE_BYTES {
+            match self.file.read_at(&mut table[filled..], filled as u64) {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(err) if err.kind() == ErrorKind::Interrupted => {}
+                Err(err) => return Err(err),
+            }
+        }
+        table.truncate(filled);
+        Ok(table)
     }
 
     /// The bytes of `device` held by the processes that still run.
@@ -235,5 +253,29 @@ mod tests {
         let err = SharedCapacity::open(&path, 1).err().unwrap();
         assert!(err.to_string().contains("newer tidepool"), "{err}");
         assert!(SharedCapacity::open(&dir.path().join("other"), MAX_DEVICES + 1).is_err());
+    }
+
+    #[test]
+    fn threads_of_one_process_charging_at_once_lose_no_charge() {
+        // The file's lock orders processes, not the threads of one (they
+        // share the open file): each charge must still see the last.
+        let dir = scratch();
+        let shared = std::sync::Arc::new(SharedCapacity::open(&dir.path().join("capacity"), 1).unwrap());
+        let (threads, charges) = (4, 300);
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                let shared = shared.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..charges {
+                        assert!(shared.charge(0, 3 << 20, u64::MAX).unwrap());
+                        assert!(shared.charge(0, -(1 << 20), u64::MAX).unwrap());
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        assert_eq!(shared.used(0).unwrap(), threads * charges * (2 << 20));
     }
 }
