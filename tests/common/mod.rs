@@ -315,7 +315,11 @@ pub fn spawn_child(name: &str, env: &[(&str, String)]) -> std::process::Child {
 /// (a name that matches no test runs none, which is no pass), and what it
 /// printed.
 pub fn child_output(command: &mut std::process::Command) -> (bool, String) {
-    let out = command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).output().unwrap_or_else(|err| panic!("cannot run {command:?}: {err}"));
+    let out = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap_or_else(|err| panic!("cannot run {command:?}: {err}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let ran = stdout.contains("test result: ok. 1 passed;");
     (out.status.success() && ran, format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
