@@ -30,10 +30,10 @@ impl DeviceHeap {
     /// before best fit looks, as PyTorch does; one of them, merged after
     /// the stashed block, could come first.)
     #[inline(always)]
-    pub(super) fn allocate_in(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
-        let stashed = self.pools[pool as usize].stash;
+    pub(super) fn allocate_in(&mut self, pool: PoolId, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
+        let stashed = self.pools[pool].stash;
         if stashed != NIL && self.blocks[stashed].size == rounded && !self.pending.awaits_events() {
-            self.pools[pool as usize].stash = NIL;
+            self.pools[pool].stash = NIL;
             self.blocks[stashed].state = BlockState::Detached;
             return Ok(self.hand_out(stashed, size));
         }
@@ -50,7 +50,7 @@ impl DeviceHeap {
     /// The allocation path past the stash: best fit in the bins, else growth.
     #[cold]
     #[inline(never)]
-    pub(super) fn allocate_from_bins(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
+    pub(super) fn allocate_from_bins(&mut self, pool: PoolId, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
         self.process_pending(false);
         self.flush_stash(pool);
         if self.growth_need(pool, rounded).is_none() {
@@ -61,7 +61,7 @@ impl DeviceHeap {
             Err(BackendError::OutOfMemory) => self.take_block_after_oom(pool, rounded, size, stream)?,
             Err(err) => return Err(AllocError::Backend(err)),
         };
-        let borrowed = self.pools[self.blocks[block].pool as usize].stream != stream;
+        let borrowed = self.pools[self.blocks[block].pool].stream != stream;
         let addr = self.carve(block, rounded, size);
         if borrowed {
             self.recorded_streams.insert(addr, vec![stream]);
@@ -74,8 +74,8 @@ impl DeviceHeap {
     /// the block's allocated part are mapped first. Threads' caches never
     /// make the heap grow: before new memory (a segment, or pages to map),
     /// their blocks come back and the fit is looked for again.
-    pub(super) fn take_block(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
-        let paged = self.pools[pool as usize].vm.is_some();
+    pub(super) fn take_block(&mut self, pool: PoolId, rounded: u64) -> Result<BlockId, BackendError> {
+        let paged = self.pools[pool].vm.is_some();
         let mut fit = self.fit(pool, rounded);
         let grows = |heap: &Self, fit: Option<BlockId>| fit.is_none_or(|id| paged && !heap.mapped_under(id, rounded));
         if grows(self, fit) && self.recall_cached() {
@@ -103,8 +103,8 @@ impl DeviceHeap {
     /// all mapped, when the best fit's are not (no driver call: the way
     /// PyTorch's expandable segments place, whose free blocks are all
     /// mapped), else the best fit.
-    fn fit(&self, pool: u32, rounded: u64) -> Option<BlockId> {
-        let pool_ref = &self.pools[pool as usize];
+    fn fit(&self, pool: PoolId, rounded: u64) -> Option<BlockId> {
+        let pool_ref = &self.pools[pool];
         let best = pool_ref.best_fit(&self.blocks, rounded, &self.rules)?;
         if pool_ref.vm.is_none() || self.mapped_under(best, rounded) {
             return Some(best);
@@ -118,7 +118,7 @@ impl DeviceHeap {
     /// processes would have to give back. What follows (releasing,
     /// retrying, asking, counting) is the device's ladder (`Device::after_oom`).
     #[cold]
-    pub(super) fn take_block_after_oom(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<BlockId, AllocError> {
+    pub(super) fn take_block_after_oom(&mut self, pool: PoolId, rounded: u64, size: u64, stream: Stream) -> Result<BlockId, AllocError> {
         if let Some(block) = self.borrow_from_other_streams(pool, rounded, stream) {
             return Ok(block);
         }
@@ -145,7 +145,7 @@ impl DeviceHeap {
     /// Memory a request of `rounded` bytes makes the heap take from the
     /// device: a segment, or (expandable) the pages it covers at most.
     /// None when that does not fit in 64 bits.
-    pub(super) fn growth_need(&self, pool: u32, rounded: u64) -> Option<u64> {
+    pub(super) fn growth_need(&self, pool: PoolId, rounded: u64) -> Option<u64> {
         match self.pool_vm(pool) {
             Some(vm) => rounded.checked_next_multiple_of(vm.page),
             None => self.rules.segment_size(rounded),
@@ -154,8 +154,8 @@ impl DeviceHeap {
 
     /// A new segment (or expandable range) for `pool` big enough for
     /// `rounded`; its one block is returned unlinked from any bin.
-    pub(super) fn grow(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
-        let stream = self.pools[pool as usize].stream;
+    pub(super) fn grow(&mut self, pool: PoolId, rounded: u64) -> Result<BlockId, BackendError> {
+        let stream = self.pools[pool].stream;
         let (base, size, pages) = match self.pool_vm(pool) {
             Some(vm) => {
                 let (base, size) = self.reserve_range(vm, rounded)?;
@@ -168,24 +168,20 @@ impl DeviceHeap {
                 (self.new_segment(size, stream)?, size, None)
             }
         };
-        let kind = self.pools[pool as usize].kind;
-        let segment_id = match self.unused_segments.pop() {
-            Some(id) => id,
-            None => {
-                self.segments.push(None);
-                (self.segments.len() - 1) as u32
-            }
-        };
-        let block = self.blocks.insert(base, size, segment_id, pool, kind);
+        let kind = self.pools[pool].kind;
+        let blocks = &mut self.blocks;
+        let segment_id = self.segments.insert(|id| {
+            let first_block = blocks.insert(base, size, id, pool, kind);
+            Segment { base, size, pages, pool, first_block, idle_since_ms: 0 }
+        });
+        let block = self.segments[segment_id].first_block;
         self.stamp_freed(block);
-        if pages.is_none() {
+        if self.segments[segment_id].pages.is_none() {
             self.stats.reserved_bytes.increase(kind, size);
             self.reserve.note_peak();
             self.stats.events.num_device_alloc += 1;
             self.note(HistoryAction::SegmentAlloc, base, size, stream);
         }
-        self.segments[segment_id as usize] = Some(Segment { base, size, pages, pool, first_block: block, idle_since_ms: 0 });
-        self.segment_by_base.insert(base, segment_id);
         self.stats.segment.increase(kind, 1);
         Ok(block)
     }
@@ -198,7 +194,7 @@ impl DeviceHeap {
             let b = &self.blocks[id];
             (b.addr, b.size, b.pool, b.segment)
         };
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.pools[pool].kind;
         if self.should_split(pool, size, rounded) {
             let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool, kind);
             let next = self.blocks[id].next;
@@ -225,7 +221,7 @@ impl DeviceHeap {
         b.requested = requested;
         let (addr, size, kind, pool) = (b.addr, b.size, b.kind, b.pool);
         if self.observers.observed {
-            let stream = self.pools[pool as usize].stream;
+            let stream = self.pools[pool].stream;
             self.record(Action::Allocate, addr, requested, stream);
         }
         if self.lending.armed() {

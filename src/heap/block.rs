@@ -7,12 +7,13 @@
 //! the arena's list of unused records while it is unused).
 #![forbid(unsafe_code)]
 
+pub use super::ids::BlockId;
+use super::ids::{PoolId, SegmentId};
+use crate::addr_map::AddrMap;
 use crate::size_class::PoolKind;
 
-/// Index of a block record in the arena.
-pub type BlockId = u32;
 /// The absent link.
-pub const NIL: BlockId = u32::MAX;
+pub const NIL: BlockId = BlockId::NIL;
 
 /// Where a block stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,9 +43,9 @@ pub struct Block {
     /// Bytes the caller asked for; 0 while free.
     pub requested: u64,
     /// The segment holding the block.
-    pub segment: u32,
+    pub segment: SegmentId,
     /// The pool the segment belongs to, and that pool's kind.
-    pub pool: u32,
+    pub pool: PoolId,
     pub kind: PoolKind,
     /// Address neighbours in the segment.
     pub prev: BlockId,
@@ -86,9 +87,34 @@ impl Block {
     }
 }
 
+/// Blocks by address (`crate::addr_map`, which holds plain numbers): the
+/// pointer lookup of `free`.
+#[derive(Default)]
+pub struct ByAddr(AddrMap);
+
+impl ByAddr {
+    #[inline(always)]
+    pub fn get(&self, addr: u64) -> Option<BlockId> {
+        self.0.get(addr).map(BlockId::from_raw)
+    }
+
+    #[inline(always)]
+    pub fn insert(&mut self, addr: u64, id: BlockId) {
+        self.0.insert(addr, id.raw());
+    }
+
+    #[inline(always)]
+    pub fn remove(&mut self, addr: u64) -> Option<BlockId> {
+        self.0.remove(addr).map(BlockId::from_raw)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
 /// All block records of one heap, with unused records chained for reuse so
 /// that the steady state allocates no memory.
-#[derive(Default)]
 pub struct BlockArena {
     blocks: Vec<Block>,
     unused: BlockId,
@@ -101,7 +127,7 @@ impl BlockArena {
     }
 
     /// A fresh record for a free, unlinked block.
-    pub fn insert(&mut self, addr: u64, size: u64, segment: u32, pool: u32, kind: PoolKind) -> BlockId {
+    pub fn insert(&mut self, addr: u64, size: u64, segment: SegmentId, pool: PoolId, kind: PoolKind) -> BlockId {
         let block = Block {
             addr,
             size,
@@ -121,11 +147,11 @@ impl BlockArena {
         self.in_use += 1;
         if self.unused != NIL {
             let id = self.unused;
-            self.unused = self.blocks[id as usize].link_next;
-            self.blocks[id as usize] = block;
+            self.unused = self.blocks[id.index()].link_next;
+            self.blocks[id.index()] = block;
             id
         } else {
-            let id = u32::try_from(self.blocks.len()).expect("more than 4 billion blocks");
+            let id = BlockId::new(self.blocks.len());
             self.blocks.push(block);
             id
         }
@@ -133,7 +159,7 @@ impl BlockArena {
 
     /// Returns a record to the unused list.
     pub fn remove(&mut self, id: BlockId) {
-        let block = &mut self.blocks[id as usize];
+        let block = &mut self.blocks[id.index()];
         block.size = 0;
         block.state = BlockState::Detached;
         block.link_next = self.unused;
@@ -151,14 +177,14 @@ impl std::ops::Index<BlockId> for BlockArena {
     type Output = Block;
     #[inline]
     fn index(&self, id: BlockId) -> &Block {
-        &self.blocks[id as usize]
+        &self.blocks[id.index()]
     }
 }
 
 impl std::ops::IndexMut<BlockId> for BlockArena {
     #[inline]
     fn index_mut(&mut self, id: BlockId) -> &mut Block {
-        &mut self.blocks[id as usize]
+        &mut self.blocks[id.index()]
     }
 }
 
@@ -169,11 +195,11 @@ mod tests {
     #[test]
     fn removed_records_are_reused_before_the_arena_grows() {
         let mut arena = BlockArena::new();
-        let a = arena.insert(0, 512, 0, 0, PoolKind::Small);
-        let b = arena.insert(512, 512, 0, 0, PoolKind::Small);
+        let a = arena.insert(0, 512, SegmentId::new(0), PoolId::new(0), PoolKind::Small);
+        let b = arena.insert(512, 512, SegmentId::new(0), PoolId::new(0), PoolKind::Small);
         arena.remove(a);
         assert_eq!(arena.len(), 1);
-        let c = arena.insert(1024, 512, 0, 0, PoolKind::Small);
+        let c = arena.insert(1024, 512, SegmentId::new(0), PoolId::new(0), PoolKind::Small);
         assert_eq!(c, a);
         assert_eq!(arena[c].addr, 1024);
         assert_eq!(arena[b].addr, 512);

@@ -30,11 +30,13 @@
 
 use super::block::{Block, BlockId, BlockState, NIL};
 use super::history::HistoryAction;
+use super::ids::{PoolId, SegmentId};
 use super::recycle::{self, Donor};
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::page_map::{self, PageMap};
 use crate::size_class::PoolKind;
+use crate::tag::TagId;
 
 /// Pages `map_block` maps: `pages` from page `first`, an edge page (an
 /// allocation of its own) or not; a donor placed in it may reach up to
@@ -62,7 +64,7 @@ impl DeviceHeap {
     /// Turns expandable segments on or off; only before the first allocation.
     /// Fails, leaving them off, when the backend cannot map pages.
     pub fn set_expandable(&mut self, on: bool) -> Result<(), String> {
-        if self.segments.iter().any(Option::is_some) {
+        if !self.segments.is_empty() {
             return Err("expandable segments can only be switched before the first allocation".into());
         }
         if !on {
@@ -96,7 +98,7 @@ impl DeviceHeap {
         let Some(vm) = self.vm else {
             return Err("expandable segments are off".into());
         };
-        if self.segments.iter().any(Option::is_some) {
+        if !self.segments.is_empty() {
             return Err("the page of expandable segments can only be set before the first allocation".into());
         }
         if page == 0 || !page.is_multiple_of(vm.page) {
@@ -124,10 +126,9 @@ impl DeviceHeap {
 
     /// Tells the default pools made so far how they grow now.
     fn refresh_pool_vms(&mut self) {
-        for id in 0..self.pools.len() {
-            if self.pools[id].tag == 0 {
-                self.pools[id].vm = self.expandable_vm(self.pools[id].kind);
-            }
+        let vm = self.vm;
+        for pool in self.pools.iter_mut().filter(|p| p.tag == TagId::DEFAULT) {
+            pool.vm = vm.filter(|_| pool.kind == PoolKind::Large);
         }
     }
 
@@ -143,10 +144,10 @@ impl DeviceHeap {
     /// merges back with its neighbours like any free block, while left
     /// inside the allocation it would be held for the allocation's life.
     #[inline]
-    pub(super) fn should_split(&self, pool: u32, block: u64, rounded: u64) -> bool {
+    pub(super) fn should_split(&self, pool: PoolId, block: u64, rounded: u64) -> bool {
         match self.pool_vm(pool) {
             Some(_) => block - rounded >= self.rules.min_block,
-            None => self.rules.should_split(self.pools[pool as usize].kind, block, rounded),
+            None => self.rules.should_split(self.pools[pool].kind, block, rounded),
         }
     }
 
@@ -155,7 +156,7 @@ impl DeviceHeap {
     /// true outside expandable segments.
     pub(super) fn mapped_under(&self, id: BlockId, rounded: u64) -> bool {
         let b = &self.blocks[id];
-        let Some((base, pages)) = self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
+        let Some((base, pages)) = self.segments.range(b.segment) else {
             return true;
         };
         let used = if self.should_split(b.pool, b.size, rounded) { rounded } else { b.size };
@@ -197,7 +198,7 @@ impl DeviceHeap {
     /// all of one run asked for in one `vm_map` (one grant of access).
     pub(super) fn map_block(&mut self, id: BlockId, rounded: u64) -> Result<(), BackendError> {
         let b = &self.blocks[id];
-        let (addr, size, segment_id, kind, pool) = (b.addr, b.size, b.segment as usize, b.kind, b.pool);
+        let (addr, size, segment_id, kind, pool) = (b.addr, b.size, b.segment, b.kind, b.pool);
         if self.pool_vm(pool).is_none() {
             return Ok(());
         }
@@ -205,7 +206,7 @@ impl DeviceHeap {
         if self.split_allocations {
             self.split_allocation_past(id, used);
         }
-        let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
+        let Some((base, pages)) = self.segments.range(segment_id) else {
             return Ok(());
         };
         let page = pages.page_size();
@@ -318,7 +319,7 @@ impl DeviceHeap {
         if !self.may_release() || self.keeps_memory(pool) {
             return;
         }
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return };
+        let Some(segment) = self.segments.get(segment_id) else { return };
         let Some(pages) = segment.pages.as_ref() else { return };
         let (first, count) = pages.touched(addr - segment.base, addr - segment.base + used);
         let last = first + count - 1;
@@ -330,7 +331,7 @@ impl DeviceHeap {
         if start + length <= last + 1 || start < inside || start + length > inside + inside_count {
             return;
         }
-        let stream = self.pools[pool as usize].stream;
+        let stream = self.pools[pool].stream;
         if self.backend.synchronize_stream(self.device, stream).is_err() {
             self.stats.events.num_stream_sync_errors += 1;
             return;
@@ -342,8 +343,8 @@ impl DeviceHeap {
     /// made in the expandable segment `segment_id`, a run of adjacent ones
     /// per call; those the backend will not unmap stay mapped and counted,
     /// inside what is still a free block.
-    pub(super) fn undo_mapped(&mut self, segment_id: usize, kind: PoolKind, mut allocations: Vec<(u64, u64)>) {
-        let Some((base, page)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size()))) else {
+    pub(super) fn undo_mapped(&mut self, segment_id: SegmentId, kind: PoolKind, mut allocations: Vec<(u64, u64)>) {
+        let Some((base, page)) = self.segments.base_and_page(segment_id) else {
             return;
         };
         allocations.sort_unstable();
@@ -366,15 +367,14 @@ impl DeviceHeap {
     /// them would have taken it.
     fn map_batch(
         &mut self,
-        segment_id: usize,
+        segment_id: SegmentId,
         mapped: &mut Vec<(u64, u64)>,
         batched: &mut usize,
         donors: &mut Vec<Donor>,
     ) -> Result<(), BackendError> {
         let batch = &mapped[*batched..];
         let Some(&(first, _)) = batch.first() else { return Ok(()) };
-        let (base, page) =
-            self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size()))).expect("an expandable segment");
+        let (base, page) = self.segments.base_and_page(segment_id).expect("an expandable segment");
         let sizes: Vec<u64> = batch.iter().map(|&(_, n)| n * page).collect();
         let bytes = sizes.iter().sum();
         self.release_donors_for(donors, bytes);
@@ -390,8 +390,8 @@ impl DeviceHeap {
 
     /// How many unmapped pages follow page `from` (itself included) of the
     /// expandable segment `segment_id`, up to page `limit`.
-    fn unmapped_from(&self, segment_id: usize, from: u64, limit: u64) -> u64 {
-        let Some(pages) = self.segments[segment_id].as_ref().and_then(|s| s.pages.as_ref()) else { return 0 };
+    fn unmapped_from(&self, segment_id: SegmentId, from: u64, limit: u64) -> u64 {
+        let Some(pages) = self.segments.pages(segment_id) else { return 0 };
         pages.next_mapped(from, limit).max(from) - from
     }
 
@@ -405,8 +405,8 @@ impl DeviceHeap {
     /// Marks allocations just mapped (first page, pages; in address order)
     /// and counts them; the history notes one event per run of adjacent
     /// ones.
-    pub(super) fn commit_mapped(&mut self, segment_id: usize, kind: PoolKind, allocations: &[(u64, u64)]) {
-        let Some(pages) = self.segments[segment_id].as_mut().and_then(|s| s.pages.as_mut()) else {
+    pub(super) fn commit_mapped(&mut self, segment_id: SegmentId, kind: PoolKind, allocations: &[(u64, u64)]) {
+        let Some(pages) = self.segments.get_mut(segment_id).and_then(|s| s.pages.as_mut()) else {
             return;
         };
         let page = pages.page_size();
@@ -418,8 +418,8 @@ impl DeviceHeap {
             pages.set_mapped(p, n, each);
             total += n;
         }
-        let segment = self.segments[segment_id].as_ref().expect("checked above");
-        let (base, stream) = (segment.base, self.pools[segment.pool as usize].stream);
+        let segment = self.segments.get(segment_id).expect("checked above");
+        let (base, stream) = (segment.base, self.pools[segment.pool].stream);
         for (p, n) in page_map::runs_of(allocations) {
             self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
         }
@@ -433,12 +433,12 @@ impl DeviceHeap {
     /// expandable segment `segment_id`, after the work queued on its
     /// stream has run; a range left with no memory and no block goes back
     /// whole. Pages the backend fails to unmap stay mapped and counted.
-    pub(super) fn release_free_pages(&mut self, segment_id: u32) -> Released {
+    pub(super) fn release_free_pages(&mut self, segment_id: SegmentId) -> Released {
         let mut released = Released::default();
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else {
+        let Some(segment) = self.segments.get(segment_id) else {
             return released;
         };
-        let stream = self.pools[segment.pool as usize].stream;
+        let stream = self.pools[segment.pool].stream;
         let mut free_blocks = Vec::new();
         self.free_blocks_with_pages(segment, |_| true, &mut free_blocks);
         if !free_blocks.is_empty() {
@@ -478,8 +478,8 @@ impl DeviceHeap {
 
     /// The page map of the expandable segment `segment_id` and the pages
     /// lying entirely inside bytes [start, end) of it: (map, first, count).
-    fn pages_inside(&self, segment_id: u32, start: u64, end: u64) -> Option<(&PageMap, u64, u64)> {
-        let segment = self.segments[segment_id as usize].as_ref()?;
+    fn pages_inside(&self, segment_id: SegmentId, start: u64, end: u64) -> Option<(&PageMap, u64, u64)> {
+        let segment = self.segments.get(segment_id)?;
         let pages = segment.pages.as_ref()?;
         let (first, count) = pages.inside(start - segment.base, end - segment.base);
         Some((pages, first, count))
@@ -509,7 +509,7 @@ impl DeviceHeap {
     /// block is a whole free segment instead.)
     pub(super) fn holes_with_free_pages(&self, idle_before: u64) -> Vec<(BlockId, u64)> {
         let mut holes = Vec::new();
-        for segment in self.segments.iter().flatten() {
+        for (_, segment) in self.segments.iter() {
             self.free_blocks_with_pages(segment, |b| b.is_split() && b.idle_since_ms <= idle_before, &mut holes);
         }
         holes
@@ -518,7 +518,7 @@ impl DeviceHeap {
     /// Unmaps the free pages inside the free block `id` of an expandable
     /// segment once its stream's queued work has run. Returns the bytes.
     pub(super) fn release_hole(&mut self, id: BlockId) -> u64 {
-        let stream = self.pools[self.blocks[id].pool as usize].stream;
+        let stream = self.pools[self.blocks[id].pool].stream;
         if self.backend.synchronize_stream(self.device, stream).is_err() {
             self.stats.events.num_stream_sync_errors += 1;
             return 0;
@@ -539,7 +539,7 @@ impl DeviceHeap {
 
     /// The allocations lying entirely inside [start, end) of the expandable
     /// segment `segment_id`, as (first page, pages), in address order.
-    pub(super) fn allocations_within(&self, segment_id: u32, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+    pub(super) fn allocations_within(&self, segment_id: SegmentId, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.pages_inside(segment_id, start, end).into_iter().flat_map(|(pages, first, count)| pages.allocations_in(first, count))
     }
 
@@ -548,10 +548,10 @@ impl DeviceHeap {
     /// their memory. Returns the bytes unmapped. A run the backend refuses
     /// goes allocation by allocation, so that only the allocations it
     /// refuses stay mapped (and counted).
-    pub(super) fn unmap_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
+    pub(super) fn unmap_run(&mut self, segment_id: SegmentId, p: u64, n: u64) -> u64 {
         match self.unmap_whole_run(segment_id, p, n) {
             0 => {
-                let Some(pages) = self.segments[segment_id as usize].as_ref().and_then(|s| s.pages.as_ref()) else { return 0 };
+                let Some(pages) = self.segments.pages(segment_id) else { return 0 };
                 let each: Vec<(u64, u64)> = pages.allocations_in(p, n).collect();
                 if each.len() < 2 {
                     return 0;
@@ -564,9 +564,8 @@ impl DeviceHeap {
 
     /// `unmap_run`, all or nothing: a run the backend refuses stays mapped
     /// and counted whole (0 bytes returned).
-    pub(super) fn unmap_whole_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
-        let Some((base, page)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))
-        else {
+    pub(super) fn unmap_whole_run(&mut self, segment_id: SegmentId, p: u64, n: u64) -> u64 {
+        let Some((base, page)) = self.segments.base_and_page(segment_id) else {
             return 0;
         };
         if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
@@ -581,13 +580,13 @@ impl DeviceHeap {
     /// `segment_id` unmapped (their memory now elsewhere, or given back)
     /// and counts them, as `allocations` freed; the device's count of
     /// reserved bytes is the caller's.
-    pub(super) fn forget_mapped_run(&mut self, segment_id: u32, p: u64, n: u64, allocations: u64) {
-        let segment = self.segments[segment_id as usize].as_mut().expect("an expandable segment");
+    pub(super) fn forget_mapped_run(&mut self, segment_id: SegmentId, p: u64, n: u64, allocations: u64) {
+        let segment = self.segments.get_mut(segment_id).expect("an expandable segment");
         let (base, pool) = (segment.base, segment.pool);
         let pages = segment.pages.as_mut().expect("an expandable segment");
         let page = pages.page_size();
         pages.set_unmapped(p, n);
-        let (stream, kind) = (self.pools[pool as usize].stream, self.pools[pool as usize].kind);
+        let (stream, kind) = (self.pools[pool].stream, self.pools[pool].kind);
         self.note(HistoryAction::SegmentUnmap, base + p * page, n * page, stream);
         self.stats.reserved_bytes.decrease(kind, n * page);
         self.stats.events.num_pages_unmapped += n;
@@ -596,8 +595,8 @@ impl DeviceHeap {
 
     /// Gives back the expandable range `segment_id` if it is one free block
     /// with no page mapped.
-    fn free_empty_range(&mut self, segment_id: u32) -> Released {
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else {
+    fn free_empty_range(&mut self, segment_id: SegmentId) -> Released {
+        let Some(segment) = self.segments.get(segment_id) else {
             return Released::default();
         };
         let block = segment.first_block;
@@ -614,7 +613,7 @@ impl DeviceHeap {
     /// largest request the expandable segments serve without the driver.
     pub(super) fn largest_mapped_free_run(&self) -> u64 {
         let mut largest = 0;
-        for segment in self.segments.iter().flatten() {
+        for (_, segment) in self.segments.iter() {
             let Some(pages) = segment.pages.as_ref() else {
                 continue;
             };

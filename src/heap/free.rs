@@ -44,7 +44,7 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (size, requested, pool, kind) = (b.size, b.requested, b.pool, b.kind);
         if self.observers.observed {
-            let stream = self.pools[pool as usize].stream;
+            let stream = self.pools[pool].stream;
             self.record(Action::Free, ptr, requested, stream);
             if completed && self.observers.history.is_some() {
                 self.note(HistoryAction::FreeCompleted, ptr, requested, stream);
@@ -69,9 +69,9 @@ impl DeviceHeap {
         let b = &mut self.blocks[id];
         b.state = BlockState::Stashed;
         b.requested = 0;
-        let pool = b.pool as usize;
+        let pool = b.pool;
         let p = &self.pools[pool];
-        if p.tag == 0 && p.stash == NIL {
+        if p.tag == TagId::DEFAULT && p.stash == NIL {
             let next_free = self.free_after(id);
             if self.stash_enabled && self.stash_fits(id, next_free, p.free_blocks) {
                 self.stash(pool, id, next_free);
@@ -80,7 +80,7 @@ impl DeviceHeap {
             }
             return;
         }
-        if p.tag != 0 {
+        if p.tag != TagId::DEFAULT {
             return self.deactivate_tagged(id);
         }
         self.stash_or_bin(id);
@@ -92,8 +92,8 @@ impl DeviceHeap {
     /// blocks land, straight into the bins.
     #[inline]
     pub(super) fn stash_or_bin(&mut self, id: BlockId) {
-        let pool = self.blocks[id].pool as usize;
-        self.flush_stash(pool as u32);
+        let pool = self.blocks[id].pool;
+        self.flush_stash(pool);
         let next_free = self.free_after(id);
         if self.stash_enabled && self.stash_fits(id, next_free, self.pools[pool].free_blocks) {
             self.stash(pool, id, next_free);
@@ -143,7 +143,7 @@ impl DeviceHeap {
             return false;
         }
         let merged = if next_free != NIL { b.size + self.blocks[next_free].size } else { b.size };
-        let pool = &self.pools[b.pool as usize];
+        let pool = &self.pools[b.pool];
         if next_free != NIL {
             // Split off again, the rest would go back first of the free
             // blocks of its size: where the neighbour must be now.
@@ -183,7 +183,7 @@ impl DeviceHeap {
     /// so the stash changes no block's age (its idle time, by no more than
     /// the time until the take-back).
     #[inline(always)]
-    pub(super) fn stash(&mut self, pool: usize, id: BlockId, next_free: BlockId) {
+    pub(super) fn stash(&mut self, pool: PoolId, id: BlockId, next_free: BlockId) {
         self.pools[pool].stash = id;
         self.stamp_freed(id);
         if next_free != NIL && self.vm.is_some() {
@@ -196,8 +196,8 @@ impl DeviceHeap {
 
     /// Merges the stashed block of `pool`, if any, into the bins.
     #[inline]
-    pub(super) fn flush_stash(&mut self, pool: u32) {
-        let id = std::mem::replace(&mut self.pools[pool as usize].stash, NIL);
+    pub(super) fn flush_stash(&mut self, pool: PoolId) {
+        let id = std::mem::replace(&mut self.pools[pool].stash, NIL);
         if id != NIL {
             self.merge_and_bin(id);
         }
@@ -205,7 +205,7 @@ impl DeviceHeap {
 
     /// Merges every pool's stashed block.
     pub(super) fn flush_stashes(&mut self) {
-        for pool in 0..self.pools.len() as u32 {
+        for pool in self.pools.ids() {
             self.flush_stash(pool);
         }
     }
@@ -252,7 +252,7 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size, whole, segment) = (b.pool, b.size, !b.is_split(), b.segment);
         let (split, counted) = self.inactive_split_bytes_of(id);
-        let pool = &mut self.pools[pool as usize];
+        let pool = &mut self.pools[pool];
         if pool.vm.is_some() {
             self.blocks[id].idle_since_ms = self.clock.now_ms();
         }
@@ -262,7 +262,7 @@ impl DeviceHeap {
             self.stats.inactive_split_bytes.increase(pool.kind, counted);
         }
         if whole {
-            let Some(segment) = self.segments[segment as usize].as_mut() else {
+            let Some(segment) = self.segments.get_mut(segment) else {
                 return;
             };
             segment.idle_since_ms = self.clock.now_ms();
@@ -275,7 +275,7 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size) = (b.pool, b.size);
         let (split, counted) = self.inactive_split_bytes_of(id);
-        let pool = &mut self.pools[pool as usize];
+        let pool = &mut self.pools[pool];
         pool.remove(&mut self.blocks, id, size);
         if split {
             self.stats.inactive_split.decrease(pool.kind, 1);
@@ -300,7 +300,7 @@ impl DeviceHeap {
         if self.pool_vm(b.pool).is_none() {
             return (true, b.size);
         }
-        match self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) {
+        match self.segments.range(b.segment) {
             Some(_) if b.next == NIL => (false, 0),
             Some((base, pages)) => (true, pages.pinned_bytes(b.addr - base, b.addr - base + b.size)),
             None => (true, b.size),
@@ -309,10 +309,9 @@ impl DeviceHeap {
 
     /// Why `ptr` is not a live block (slow path: errors only).
     pub(super) fn classify_invalid_free(&self, ptr: u64) -> InvalidFree {
-        let Some((_, &segment_id)) = self.segment_by_base.range(..=ptr).next_back() else {
+        let Some((_, segment)) = self.segments.last_at_or_below(ptr) else {
             return InvalidFree::Foreign;
         };
-        let segment = self.segments[segment_id as usize].as_ref().expect("indexed segment exists");
         if ptr >= segment.base + segment.size {
             return InvalidFree::Foreign;
         }

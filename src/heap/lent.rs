@@ -95,6 +95,15 @@ impl FreedOrLent {
 }
 
 impl Lending {
+    /// The record of the registered slot `index`.
+    fn slot(&self, index: u32) -> &SlotRecord {
+        self.slots[index as usize].as_ref().expect("registered slot")
+    }
+
+    fn slot_mut(&mut self, index: u32) -> &mut SlotRecord {
+        self.slots[index as usize].as_mut().expect("registered slot")
+    }
+
     /// Whether some slot is armed (an allocation under the lock must then
     /// keep the claims under the peaks).
     #[inline(always)]
@@ -144,7 +153,7 @@ impl DeviceHeap {
         let (Some(id), Some(entry)) = (found.filter(|&id| self.may_lend(id, max_size)), entry) else {
             return self.free(ptr).map(FreedOrLent::Freed);
         };
-        let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
+        let record = self.lending.slot(index);
         let evicted = record.slot.entry(entry);
         if evicted != 0 {
             self.take_back_entry(index, entry, evicted);
@@ -155,7 +164,7 @@ impl DeviceHeap {
         b.lent_to = index;
         let (kind, pool) = (b.kind, b.pool);
         self.link_lent(index, id);
-        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let record = self.lending.slot_mut(index);
         record.slot.set_entry(entry, ptr);
         if record.slot.is_armed() {
             // The free made room under the peaks for exactly this claim.
@@ -163,7 +172,7 @@ impl DeviceHeap {
             add_block(&mut self.lending.claims, kind, freed.size, freed.requested);
         }
         self.arm_slot(index);
-        let stream = self.pools[pool as usize].stream;
+        let stream = self.pools[pool].stream;
         Ok(FreedOrLent::Lent(LentBlock { size: freed.size, requested: freed.requested, kind, stream }))
     }
 
@@ -173,7 +182,7 @@ impl DeviceHeap {
     /// armed again.
     fn take_back_entry(&mut self, index: u32, entry: usize, addr: u64) {
         self.absorb(index);
-        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let record = self.lending.slot_mut(index);
         record.slot.set_entry(entry, 0);
         let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
         self.return_to_bins(id);
@@ -204,9 +213,9 @@ impl DeviceHeap {
     /// with them lent, none without).
     fn may_lend(&self, id: BlockId, max_size: u64) -> bool {
         let b = &self.blocks[id];
-        let pool = &self.pools[b.pool as usize];
+        let pool = &self.pools[b.pool];
         b.size <= max_size
-            && pool.tag == 0
+            && pool.tag == TagId::DEFAULT
             && pool.private.is_none()
             && pool.vm.is_none()
             && self.lending_allowed()
@@ -226,7 +235,7 @@ impl DeviceHeap {
             return true;
         }
         self.absorb(index);
-        let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
+        let record = self.lending.slot(index);
         let mut claim = Amounts::default();
         for addr in record.slot.cached() {
             let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
@@ -236,7 +245,7 @@ impl DeviceHeap {
         if !self.fits_under_peaks(&claim) {
             return false;
         }
-        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let record = self.lending.slot_mut(index);
         record.claim = claim;
         record.slot.arm();
         for (claims, claim) in self.lending.claims.iter_mut().zip(claim) {
@@ -314,7 +323,7 @@ impl DeviceHeap {
     /// be freeing one right now, unlocked; they are settled when freed.)
     pub(super) fn recall(&mut self, index: u32) {
         self.absorb(index);
-        let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
+        let record = self.lending.slot(index);
         let slot = record.slot;
         for addr in slot.take_entries() {
             let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
@@ -383,7 +392,7 @@ impl DeviceHeap {
     }
 
     fn link_lent(&mut self, index: u32, id: BlockId) {
-        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let record = self.lending.slot_mut(index);
         let head = std::mem::replace(&mut record.head, id);
         self.blocks[id].link_prev = NIL;
         self.blocks[id].link_next = head;
@@ -397,7 +406,7 @@ impl DeviceHeap {
         if prev != NIL {
             self.blocks[prev].link_next = next;
         } else {
-            self.lending.slots[index as usize].as_mut().expect("registered slot").head = next;
+            self.lending.slot_mut(index).head = next;
         }
         if next != NIL {
             self.blocks[next].link_prev = prev;

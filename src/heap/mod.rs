@@ -76,6 +76,7 @@ pub(crate) mod block;
 mod expandable;
 mod free;
 pub(crate) mod history;
+mod ids;
 pub(crate) mod lent;
 mod observe;
 pub(crate) mod pool;
@@ -84,14 +85,14 @@ mod recycle;
 mod release;
 mod report;
 pub mod reserve;
+mod segment;
 mod streams;
 pub(crate) mod tags;
 mod validate;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::addr_map::AddrMap;
 use crate::backend::{Backend, BackendError};
 use crate::error::{AllocError, InvalidFree, OomReport};
 use crate::page_map::PageMap;
@@ -102,43 +103,24 @@ use crate::recording::{Recorder, TraceBuffer};
 use crate::size_class::{PoolKind, SizeRules};
 pub use crate::stats::Released;
 use crate::stats::{Counters, Stats};
+use crate::tag::TagId;
 use crate::types::Stream;
-use block::{BlockArena, BlockId, BlockState, NIL};
+use block::{BlockArena, BlockId, BlockState, ByAddr, NIL};
 use expandable::Vm;
 use history::{History, HistoryAction};
+use ids::PoolId;
 use observe::Observers;
-use pool::Pool;
+use pool::{Pool, PoolKey, Pools};
 use private::{PrivatePoolId, PrivatePools};
 use reserve::Reserve;
+use segment::Segments;
 use streams::PendingFrees;
 
 pub use free::Freed;
+pub use ids::SegmentId;
 pub use lent::{FreedOrLent, LentBlock};
 pub use report::{BlockSnapshot, SegmentSnapshot, Totals};
-
-/// One allocation from the backend, or one reserved range of an
-/// expandable segment (then `size` is its address space, and `pages` says
-/// which of its pages hold memory).
-#[derive(Clone, Debug)]
-pub struct Segment {
-    pub base: u64,
-    pub size: u64,
-    pub pages: Option<PageMap>,
-    pub pool: u32,
-    /// The block at `base`.
-    pub first_block: BlockId,
-    /// When the segment last became one whole free block (reclaimer clock).
-    pub idle_since_ms: u64,
-}
-
-/// What picks a request's pools: its stream, the private pool open (if
-/// any) and its tag (0: "default"; tagged pools are never private).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct PoolKey {
-    stream: Stream,
-    private: Option<PrivatePoolId>,
-    tag: u32,
-}
+pub use segment::Segment;
 
 /// The heap of one device (or of one stream shard of a device). Aligned to
 /// 128 bytes so that heaps side by side, used by different threads, share
@@ -151,17 +133,11 @@ pub struct DeviceHeap {
     backend: Arc<dyn Backend>,
     // Placement: blocks, segments, pools, and the lookups into them.
     blocks: BlockArena,
-    segments: Vec<Option<Segment>>,
-    unused_segments: Vec<u32>,
-    segment_by_base: BTreeMap<u64, u32>,
-    pools: Vec<Pool>,
-    /// The (small, large) pools of each stream, private pool and tag.
-    pools_by_key: HashMap<PoolKey, [u32; 2]>,
-    /// The last stream served and the pools it was served from: skips the
-    /// map on the hot path (cleared as private pools open and close).
-    last_stream: Option<(Stream, [u32; 2])>,
+    segments: Segments,
+    /// The pools, filed by stream, private pool, tag and kind.
+    pools: Pools,
     /// Allocated and stashed blocks by address: the pointer lookup of `free`.
-    by_addr: AddrMap,
+    by_addr: ByAddr,
     /// Whether frees go through the stash (see the top of this file).
     stash_enabled: bool,
     /// Expandable segments (`expandable:true`): page size and range size.
@@ -215,14 +191,10 @@ impl DeviceHeap {
             rules,
             backend,
             blocks: BlockArena::new(),
-            segments: Vec::new(),
-            unused_segments: Vec::new(),
-            segment_by_base: BTreeMap::new(),
-            pools: Vec::new(),
-            pools_by_key: HashMap::new(),
-            last_stream: None,
+            segments: Segments::default(),
+            pools: Pools::default(),
             private: PrivatePools::default(),
-            by_addr: AddrMap::default(),
+            by_addr: ByAddr::default(),
             recorded_streams: HashMap::new(),
             pending: PendingFrees::default(),
             reserve: Arc::default(),
@@ -272,33 +244,25 @@ impl DeviceHeap {
     /// The pool of (stream, kind) that serves now (a private pool's while
     /// one is open), created on first use.
     #[inline]
-    fn pool_id(&mut self, stream: Stream, kind: PoolKind) -> u32 {
-        if let Some((s, ids)) = self.last_stream {
-            if s == stream {
-                return ids[kind as usize];
-            }
+    fn pool_id(&mut self, stream: Stream, kind: PoolKind) -> PoolId {
+        if let Some(id) = self.pools.last_served(stream, kind) {
+            return id;
         }
-        let ids = self.pools_of(PoolKey { stream, private: self.private.routing(), tag: 0 });
-        self.last_stream = Some((stream, ids));
+        let ids = self.pools_of(PoolKey { stream, private: self.private.routing(), tag: TagId::DEFAULT });
+        self.pools.note_served(stream, ids);
         ids[kind as usize]
     }
 
     /// The (small, large) pools of `key`, created on first use: growing
     /// as expandable segments say for the "default" tag, in ranges of
     /// their own for any other.
-    fn pools_of(&mut self, key: PoolKey) -> [u32; 2] {
-        if let Some(ids) = self.pools_by_key.get(&key) {
-            return *ids;
-        }
-        let first = self.pools.len() as u32;
-        for kind in [PoolKind::Small, PoolKind::Large] {
+    fn pools_of(&mut self, key: PoolKey) -> [PoolId; 2] {
+        let vms = [PoolKind::Small, PoolKind::Large].map(|kind| self.vm_for(key.tag, kind));
+        self.pools.of_key(key, |kind| {
             let mut pool = Pool::new(key.stream, kind, key.private);
             pool.tag = key.tag;
-            pool.vm = self.vm_for(key.tag, kind);
-            self.pools.push(pool);
-        }
-        let ids = [first, first + 1];
-        self.pools_by_key.insert(key, ids);
-        ids
+            pool.vm = vms[kind as usize];
+            pool
+        })
     }
 }

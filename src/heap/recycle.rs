@@ -30,6 +30,7 @@
 use std::ops::Range;
 
 use super::block::BlockId;
+use super::ids::SegmentId;
 use super::DeviceHeap;
 
 /// What the heap knows of its moves over its life.
@@ -52,7 +53,7 @@ enum Source {
     /// is being carved from past the request.
     Pages { block: BlockId, from: u64 },
     /// A small pool's segment that is one whole free block.
-    Segment(u32),
+    Segment(SegmentId),
 }
 
 /// An allocation inside a hole whose stream has no work left on it, about
@@ -60,7 +61,7 @@ enum Source {
 /// `segment`. One that no growth takes stays where it is, cached.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Donor {
-    segment: u32,
+    segment: SegmentId,
     first: u64,
     pub pages: u64,
 }
@@ -119,13 +120,13 @@ impl DeviceHeap {
         }
         // The free blocks, pool by pool: holes with whole allocations
         // inside, small segments that are one free block.
-        for pool in 0..self.pools.len() as u32 {
+        for pool in self.pools.ids() {
             if self.keeps_memory(pool) {
                 continue;
             }
-            for id in self.pools[pool as usize].free_members(&self.blocks) {
+            for id in self.pools[pool].free_members(&self.blocks) {
                 let b = &self.blocks[id];
-                let segment = self.segments[b.segment as usize].as_ref().expect("a binned block's segment");
+                let segment = self.segments.get(b.segment).expect("a binned block's segment");
                 if segment.pages.is_some() {
                     // (A block smaller than a page holds no whole one.)
                     if b.size >= page && self.is_hole(id) {
@@ -140,14 +141,14 @@ impl DeviceHeap {
         // holes, each in address order.
         let order = |source: &Source, blocks: &super::block::BlockArena| match *source {
             Source::Pages { block, .. } if Some(block) == carved => (0, 0),
-            Source::Segment(segment) => (1, segment as u64),
+            Source::Segment(segment) => (1, u64::from(segment.raw())),
             Source::Pages { block, .. } => (2, blocks[block].addr),
         };
         candidates.sort_by_key(|(freed_at, source)| (*freed_at, order(source, &self.blocks)));
         for (_, candidate) in candidates {
             let got = match candidate {
                 Source::Pages { block, from } => {
-                    let stream = self.pools[self.blocks[block].pool as usize].stream;
+                    let stream = self.pools[self.blocks[block].pool].stream;
                     if self.backend.synchronize_stream(self.device, stream).is_err() {
                         self.stats.events.num_stream_sync_errors += 1;
                         continue;
@@ -185,8 +186,7 @@ impl DeviceHeap {
     /// caller maps new memory in their place).
     pub(super) fn move_donors(&mut self, donors: &mut Vec<Donor>, run: Range<usize>, to: u64) -> bool {
         let (first, last) = (donors[run.start], donors[run.end - 1]);
-        let Some((base, page)) = self.segments[first.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))
-        else {
+        let Some((base, page)) = self.segments.base_and_page(first.segment) else {
             return false;
         };
         let pages = last.first + last.pages - first.first;
@@ -250,8 +250,8 @@ pub(super) fn adjacent_run(donors: &[Donor], last: usize, room: u64) -> Range<us
 mod tests {
     use super::*;
 
-    fn donor(segment: u32, first: u64, pages: u64) -> Donor {
-        Donor { segment, first, pages }
+    fn donor(segment: usize, first: u64, pages: u64) -> Donor {
+        Donor { segment: SegmentId::new(segment), first, pages }
     }
 
     #[test]

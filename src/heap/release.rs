@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::block::NIL;
 use super::history::HistoryAction;
+use super::ids::{PoolId, SegmentId};
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
@@ -20,7 +21,7 @@ impl DeviceHeap {
     /// request of `rounded` bytes in `pool` that found no room: 0 when
     /// they cannot help (past the reserve cap).
     #[cold]
-    pub(super) fn need_from_others(&self, pool: u32, rounded: u64) -> u64 {
+    pub(super) fn need_from_others(&self, pool: PoolId, rounded: u64) -> u64 {
         self.need_within_cap(self.growth_need(pool, rounded).unwrap_or(u64::MAX))
     }
 
@@ -104,13 +105,11 @@ impl DeviceHeap {
         let mut idle: Vec<IdleSegment> = self
             .segments
             .iter()
-            .enumerate()
             .filter_map(|(id, s)| {
-                let s = s.as_ref()?;
                 let b = &self.blocks[s.first_block];
                 let size = s.pages.as_ref().map_or(s.size, |p| p.mapped_bytes());
                 let whole_free = !b.is_active() && b.next == NIL && !self.keeps_memory(s.pool);
-                whole_free.then_some(IdleSegment { id: id as u32, size, idle_since_ms: s.idle_since_ms })
+                whole_free.then_some(IdleSegment { id: id.raw(), size, idle_since_ms: s.idle_since_ms })
             })
             .collect();
         let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
@@ -122,21 +121,21 @@ impl DeviceHeap {
         let idle_before = if under_pressure { u64::MAX } else { self.clock.now_ms().saturating_sub(policy.release_after_ms) };
         // Holes hold pages in any pool that grows by pages: expandable
         // segments', and tags' (paged whatever `expandable` says).
-        let paged = self.pools.iter().any(|p| p.vm.is_some());
+        let paged = self.pools.iter().any(|(_, p)| p.vm.is_some());
         let holes = if paged && (under_pressure || policy.release_after_ms != u64::MAX) {
             self.holes_with_free_pages(idle_before)
         } else {
             Vec::new()
         };
         for (index, &(block, bytes)) in holes.iter().enumerate() {
-            let id = (self.segments.len() + index) as u32;
+            let id = u32::try_from(self.segments.slot_count() + index).expect("fewer than 4 billion candidates");
             idle.push(IdleSegment { id, size: bytes, idle_since_ms: self.blocks[block].idle_since_ms });
         }
         if idle.is_empty() {
             return Released::default();
         }
         let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
-        let segment_count = self.segments.len() as u32;
+        let segment_count = self.segments.slot_count() as u32;
         let mut total = Released::default();
         for reason in Reason::ALL {
             let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
@@ -144,7 +143,7 @@ impl DeviceHeap {
                 continue;
             }
             let mut released = Released::default();
-            let whole: Vec<u32> = ids.iter().copied().filter(|&id| id < segment_count).collect();
+            let whole: Vec<SegmentId> = ids.iter().filter(|&&id| id < segment_count).map(|&id| SegmentId::new(id as usize)).collect();
             if !whole.is_empty() {
                 // Chosen as whole free segments: no pending free is in them,
                 // so none is waited for (the heap stays locked meanwhile).
@@ -163,7 +162,7 @@ impl DeviceHeap {
     /// selects (by segment), and in the selected expandable segments every
     /// page lying entirely inside free blocks. A segment the backend fails
     /// to release stays cached, whole and consistent.
-    pub fn release_free_segments(&mut self, reason: Reason, select: impl FnMut(u32, &Segment) -> bool) -> Released {
+    pub fn release_free_segments(&mut self, reason: Reason, select: impl FnMut(SegmentId, &Segment) -> bool) -> Released {
         let released = self.release_segments_where(true, select);
         self.stats.events.released[reason as usize] += released;
         released
@@ -174,7 +173,7 @@ impl DeviceHeap {
     /// (`wait`, so that their blocks can go back too), or only those done.
     /// Nothing while a private pool is open; nothing of private pools while
     /// they keep their memory (`private.rs`).
-    fn release_segments_where(&mut self, wait: bool, mut select: impl FnMut(u32, &Segment) -> bool) -> Released {
+    fn release_segments_where(&mut self, wait: bool, mut select: impl FnMut(SegmentId, &Segment) -> bool) -> Released {
         if !self.may_release() {
             return Released::default();
         }
@@ -182,8 +181,8 @@ impl DeviceHeap {
         self.process_pending(wait);
         self.flush_stashes();
         let mut released = Released::default();
-        for segment_id in 0..self.segments.len() as u32 {
-            let Some(segment) = &self.segments[segment_id as usize] else {
+        for segment_id in self.segments.ids() {
+            let Some(segment) = self.segments.get(segment_id) else {
                 continue;
             };
             if self.keeps_memory(segment.pool) {
@@ -207,17 +206,17 @@ impl DeviceHeap {
     /// Gives the segment `segment_id` (not expandable, one whole free
     /// block) back to the backend. Nothing when the backend refuses: the
     /// segment stays cached, whole and consistent.
-    pub(super) fn release_whole_segment(&mut self, segment_id: u32) -> Released {
-        let Some(segment) = &self.segments[segment_id as usize] else {
+    pub(super) fn release_whole_segment(&mut self, segment_id: SegmentId) -> Released {
+        let Some(segment) = self.segments.get(segment_id) else {
             return Released::default();
         };
         let (base, size, pool) = (segment.base, segment.size, segment.pool);
-        if self.backend.release(self.device, base, size, self.pools[pool as usize].stream).is_err() {
+        if self.backend.release(self.device, base, size, self.pools[pool].stream).is_err() {
             return Released::default();
         }
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.pools[pool].kind;
         self.forget_segment(segment_id);
-        self.note(HistoryAction::SegmentFree, base, size, self.pools[pool as usize].stream);
+        self.note(HistoryAction::SegmentFree, base, size, self.pools[pool].stream);
         self.stats.reserved_bytes.decrease(kind, size);
         self.reserve.give_back(size);
         self.stats.events.num_device_free += 1;
@@ -226,13 +225,11 @@ impl DeviceHeap {
 
     /// Drops the records of the segment `segment_id`, one whole free block
     /// the backend has just taken back.
-    pub(super) fn forget_segment(&mut self, segment_id: u32) {
-        let Some(segment) = self.segments[segment_id as usize].take() else { return };
-        let kind = self.pools[segment.pool as usize].kind;
+    pub(super) fn forget_segment(&mut self, segment_id: SegmentId) {
+        let Some(segment) = self.segments.remove(segment_id) else { return };
+        let kind = self.pools[segment.pool].kind;
         self.remove_free(segment.first_block);
         self.blocks.remove(segment.first_block);
-        self.unused_segments.push(segment_id);
-        self.segment_by_base.remove(&segment.base);
         self.stats.segment.decrease(kind, 1);
     }
 }

@@ -50,8 +50,7 @@ pub struct BlockSnapshot {
 impl DeviceHeap {
     /// The segment holding `ptr`: its base and size.
     pub fn segment_of(&self, ptr: u64) -> Option<(u64, u64)> {
-        let (_, &id) = self.segment_by_base.range(..=ptr).next_back()?;
-        let segment = self.segments[id as usize].as_ref()?;
+        let (_, segment) = self.segments.last_at_or_below(ptr)?;
         let size = segment.pages.as_ref().map_or(segment.size, PageMap::end_bytes);
         (ptr < segment.base + size).then_some((segment.base, size))
     }
@@ -65,7 +64,7 @@ impl DeviceHeap {
         self.flush_stashes();
         let paused = self.paused_ranges();
         let mut out = Vec::new();
-        for segment in self.segments.iter().flatten() {
+        for (_, segment) in self.segments.iter() {
             let saved = paused.get(&segment.base);
             let runs = match &segment.pages {
                 Some(_) if saved.is_some() => saved.into_iter().flatten().map(|&(a, n)| (a - segment.base, a - segment.base + n)).collect(),
@@ -75,7 +74,7 @@ impl DeviceHeap {
                 }
                 None => vec![(0, segment.size)],
             };
-            let pool = &self.pools[segment.pool as usize];
+            let pool = &self.pools[segment.pool];
             // Blocks and runs both ascend: one walk over the blocks.
             let mut cur = segment.first_block;
             for (start, end) in runs {
@@ -102,7 +101,7 @@ impl DeviceHeap {
                     kind: pool.kind,
                     expandable: segment.pages.is_some(),
                     private: pool.private,
-                    tag: crate::tag::TagId(pool.tag),
+                    tag: pool.tag,
                     paused: saved.is_some(),
                     blocks,
                 });
@@ -117,12 +116,7 @@ impl DeviceHeap {
     /// must answer a free of it, which needs no device. One lookup in the
     /// address map (a block's address), else one in the segments by base.
     pub fn holds(&self, ptr: u64) -> bool {
-        self.by_addr.get(ptr).is_some()
-            || self
-                .segment_by_base
-                .range(..=ptr)
-                .next_back()
-                .is_some_and(|(_, &id)| self.segments[id as usize].as_ref().is_some_and(|segment| ptr < segment.base + segment.size))
+        self.by_addr.get(ptr).is_some() || self.segments.containing(ptr).is_some()
     }
 
     /// The size of the live block at `ptr`, if there is one.
@@ -145,8 +139,7 @@ impl DeviceHeap {
         // With the stashes merged, every reserved byte not active (allocated,
         // or freed but pending) is cached; paused tags' blocks hold none.
         stats.cached_free_bytes = stats.reserved_bytes.all.current - (stats.active_bytes.all.current - unmapped_active);
-        let classic =
-            (0..self.pools.len() as u32).filter(|&p| self.pool_vm(p).is_none()).map(|p| self.pools[p as usize].largest(&self.blocks));
+        let classic = self.pools.iter().filter(|(_, p)| p.vm.is_none()).map(|(_, p)| p.largest(&self.blocks));
         stats.largest_free_block_bytes = classic.max().unwrap_or(0).max(self.largest_mapped_free_run());
         stats.events.num_driver_calls = self.backend.driver_calls_on(self.device).saturating_sub(self.driver_calls_at_reset);
         stats

@@ -7,8 +7,10 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::block::{BlockId, BlockState};
 use super::history::HistoryAction;
+use super::ids::PoolId;
 use super::{DeviceHeap, Freed};
 use crate::error::AllocError;
+use crate::tag::TagId;
 use crate::types::Stream;
 
 impl DeviceHeap {
@@ -22,20 +24,21 @@ impl DeviceHeap {
     /// Tagged pools neither lend nor borrow either: a page holds the blocks
     /// of one tag, so that pausing a tag touches no other tag's memory.
     #[cold]
-    pub(super) fn borrow_from_other_streams(&mut self, pool: u32, rounded: u64, stream: Stream) -> Option<BlockId> {
-        let p = &self.pools[pool as usize];
-        if !self.lend_across_streams || !self.may_release() || p.private.is_some() || p.tag != 0 {
+    pub(super) fn borrow_from_other_streams(&mut self, pool: PoolId, rounded: u64, stream: Stream) -> Option<BlockId> {
+        let p = &self.pools[pool];
+        if !self.lend_across_streams || !self.may_release() || p.private.is_some() || p.tag != TagId::DEFAULT {
             return None;
         }
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.pools[pool].kind;
         self.recall_all();
         self.flush_stashes();
-        let best = (0..self.pools.len() as u32)
-            .filter(|&p| p != pool && self.pools[p as usize].kind == kind && self.pools[p as usize].private.is_none())
-            .filter(|&p| self.pools[p as usize].tag == 0)
-            .filter_map(|p| self.pools[p as usize].best_fit(&self.blocks, rounded, &self.rules))
+        let best = self
+            .pools
+            .iter()
+            .filter(|&(id, p)| id != pool && p.kind == kind && p.private.is_none() && p.tag == TagId::DEFAULT)
+            .filter_map(|(_, p)| p.best_fit(&self.blocks, rounded, &self.rules))
             .min_by_key(|&id| self.blocks[id].size)?;
-        let owner = self.pools[self.blocks[best].pool as usize].stream;
+        let owner = self.pools[self.blocks[best].pool].stream;
         match self.backend.record_event(self.device, owner) {
             Ok(Some(event)) => {
                 let waited = self.backend.stream_wait_event(self.device, stream, event);
@@ -113,7 +116,7 @@ impl DeviceHeap {
     /// Makes the pending block `id` reusable.
     fn finish_pending(&mut self, id: BlockId) {
         let b = &self.blocks[id];
-        let (kind, size, addr, requested, stream) = (b.kind, b.size, b.addr, b.requested, self.pools[b.pool as usize].stream);
+        let (kind, size, addr, requested, stream) = (b.kind, b.size, b.addr, b.requested, self.pools[b.pool].stream);
         self.stats.pending.decrease(kind, 1);
         self.stats.pending_bytes.decrease(kind, size);
         self.note(HistoryAction::FreeCompleted, addr, requested, stream);
@@ -174,7 +177,7 @@ impl DeviceHeap {
         let Some(id) = id.filter(|&id| self.blocks[id].is_allocated()) else {
             return Err(AllocError::UnknownPointer { ptr });
         };
-        if self.pools[self.blocks[id].pool as usize].stream != stream {
+        if self.pools[self.blocks[id].pool].stream != stream {
             let streams = self.recorded_streams.entry(ptr).or_default();
             if !streams.contains(&stream) {
                 streams.push(stream);

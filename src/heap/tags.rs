@@ -53,7 +53,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::block::{BlockId, BlockState, NIL};
 use super::expandable::Vm;
-use super::{DeviceHeap, PoolKey};
+use super::ids::{PoolId, SegmentId};
+use super::pool::PoolKey;
+use super::DeviceHeap;
 use crate::backend::{BackendError, HostMemory};
 use crate::error::{AllocError, InvalidArgument, TagError, TagState};
 use crate::size_class::PoolKind;
@@ -117,23 +119,23 @@ struct Paused {
 #[derive(Default)]
 pub(super) struct Tags {
     /// The paused tags, never "default".
-    paused: HashMap<u32, Paused>,
+    paused: HashMap<TagId, Paused>,
     /// The backend's page size and a large range's size, once a tag needed them.
     vm: Option<Vm>,
 }
 
 impl Tags {
-    fn is_paused(&self, tag: u32) -> bool {
+    fn is_paused(&self, tag: TagId) -> bool {
         self.paused.contains_key(&tag)
     }
 
-    fn paused_mut(&mut self, tag: u32) -> &mut Paused {
+    fn paused_mut(&mut self, tag: TagId) -> &mut Paused {
         self.paused.get_mut(&tag).expect("paused")
     }
 }
 
-fn tag_error(tag: u32, state: TagState) -> AllocError {
-    AllocError::Tag(TagError { tag: name_of(TagId(tag)).to_string(), state })
+fn tag_error(tag: TagId, state: TagState) -> AllocError {
+    AllocError::Tag(TagError { tag: name_of(tag).to_string(), state })
 }
 
 impl DeviceHeap {
@@ -141,8 +143,8 @@ impl DeviceHeap {
     /// grows by whole segments: expandable segments' for untagged large
     /// pools, the tags' own for every tagged pool.
     #[inline]
-    pub(super) fn pool_vm(&self, pool: u32) -> Option<Vm> {
-        self.pools[pool as usize].vm
+    pub(super) fn pool_vm(&self, pool: PoolId) -> Option<Vm> {
+        self.pools[pool].vm
     }
 
     /// The reserved ranges of a tag's pools of `kind`: the small ones
@@ -157,8 +159,8 @@ impl DeviceHeap {
 
     /// How pools of `tag` and `kind` grow: as expandable segments say for
     /// the "default" tag, in the tags' own ranges for any other.
-    pub(super) fn vm_for(&self, tag: u32, kind: PoolKind) -> Option<Vm> {
-        if tag == 0 {
+    pub(super) fn vm_for(&self, tag: TagId, kind: PoolKind) -> Option<Vm> {
+        if tag == TagId::DEFAULT {
             self.expandable_vm(kind)
         } else {
             self.tag_vm(kind)
@@ -166,13 +168,13 @@ impl DeviceHeap {
     }
 
     /// Whether the pool belongs to a paused tag.
-    pub(super) fn pool_paused(&self, pool: u32) -> bool {
-        let tag = self.pools[pool as usize].tag;
-        tag != 0 && self.tags.is_paused(tag)
+    pub(super) fn pool_paused(&self, pool: PoolId) -> bool {
+        let tag = self.pools[pool].tag;
+        tag != TagId::DEFAULT && self.tags.is_paused(tag)
     }
 
     /// The pool of (stream, tag, kind), created on first use.
-    fn tag_pool_id(&mut self, stream: Stream, tag: u32, kind: PoolKind) -> Result<u32, AllocError> {
+    fn tag_pool_id(&mut self, stream: Stream, tag: TagId, kind: PoolKind) -> Result<PoolId, AllocError> {
         if self.tags.vm.is_none() {
             let page = self
                 .backend
@@ -196,11 +198,11 @@ impl DeviceHeap {
         if size == 0 {
             return Ok(0);
         }
-        if self.tags.is_paused(tag.0) {
-            return Err(tag_error(tag.0, TagState::Paused));
+        if self.tags.is_paused(tag) {
+            return Err(tag_error(tag, TagState::Paused));
         }
         let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
-        let pool = self.tag_pool_id(stream, tag.0, self.rules.kind(rounded))?;
+        let pool = self.tag_pool_id(stream, tag, self.rules.kind(rounded))?;
         self.with_context(context, |heap| heap.allocate_in(pool, rounded, size, stream))
     }
 
@@ -211,43 +213,39 @@ impl DeviceHeap {
     /// changes nothing even without offload (whose contents would be gone).
     pub fn check_pausable(&self, tag: TagId) -> Result<(), AllocError> {
         if tag == TagId::DEFAULT {
-            return Err(tag_error(0, TagState::Default));
+            return Err(tag_error(TagId::DEFAULT, TagState::Default));
         }
         if !self.may_release() {
-            return Err(tag_error(tag.0, TagState::PrivatePoolOpen { resuming: false }));
+            return Err(tag_error(tag, TagState::PrivatePoolOpen { resuming: false }));
         }
-        if self.tags.is_paused(tag.0) {
-            return Err(tag_error(tag.0, TagState::AlreadyPaused));
+        if self.tags.is_paused(tag) {
+            return Err(tag_error(tag, TagState::AlreadyPaused));
         }
         if let Some(s) = self.tag_streams(tag).into_iter().find(|&s| self.backend.stream_capturing(self.device, s)) {
-            return Err(tag_error(tag.0, TagState::StreamCapturing { stream: s.0 }));
+            return Err(tag_error(tag, TagState::StreamCapturing { stream: s.0 }));
         }
         Ok(())
     }
 
     /// Whether `tag` is paused here.
     pub fn tag_paused(&self, tag: TagId) -> bool {
-        self.tags.is_paused(tag.0)
+        self.tags.is_paused(tag)
     }
 
     /// The pools of `tag`.
-    fn tag_pools(&self, tag: u32) -> Vec<u32> {
-        (0..self.pools.len() as u32).filter(|&id| self.pools[id as usize].tag == tag).collect()
+    fn tag_pools(&self, tag: TagId) -> Vec<PoolId> {
+        self.pools.of_tag(tag)
     }
 
     /// The ranges of `tag`'s pools, in address order.
-    fn tag_segments(&self, tag: u32) -> Vec<u32> {
-        self.segment_by_base
-            .values()
-            .copied()
-            .filter(|&id| self.segments[id as usize].as_ref().is_some_and(|s| self.pools[s.pool as usize].tag == tag))
-            .collect()
+    fn tag_segments(&self, tag: TagId) -> Vec<SegmentId> {
+        self.segments.by_address().filter(|(_, s)| self.pools[s.pool].tag == tag).map(|(id, _)| id).collect()
     }
 
     /// The pages the active blocks of range `segment_id` touch, mapped or
     /// not: its base and sorted, merged (first page, end page) intervals.
-    fn touched_pages(&self, segment_id: u32) -> (u64, Vec<(u64, u64)>) {
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return (0, Vec::new()) };
+    fn touched_pages(&self, segment_id: SegmentId) -> (u64, Vec<(u64, u64)>) {
+        let Some(segment) = self.segments.get(segment_id) else { return (0, Vec::new()) };
         let Some(pages) = segment.pages.as_ref() else { return (segment.base, Vec::new()) };
         let mut touched: Vec<(u64, u64)> = Vec::new();
         let mut cur = segment.first_block;
@@ -267,9 +265,9 @@ impl DeviceHeap {
 
     /// The runs of mapped pages touched by the active blocks of range
     /// `segment_id`, as saved runs without data.
-    fn live_runs(&self, segment_id: u32) -> Vec<SavedRun> {
+    fn live_runs(&self, segment_id: SegmentId) -> Vec<SavedRun> {
         let (base, touched) = self.touched_pages(segment_id);
-        let Some(pages) = self.segments[segment_id as usize].as_ref().and_then(|s| s.pages.as_ref()) else { return Vec::new() };
+        let Some(pages) = self.segments.pages(segment_id) else { return Vec::new() };
         touched
             .into_iter()
             .flat_map(|(first, end)| pages.runs(first, end - first, true))
@@ -279,10 +277,10 @@ impl DeviceHeap {
 
     /// Takes the free blocks of the ranges out of their bins (uncounted)
     /// before their pages change, so `rebin` counts them as the pages are.
-    fn unbin(&mut self, segments: &[u32]) -> Vec<BlockId> {
+    fn unbin(&mut self, segments: &[SegmentId]) -> Vec<BlockId> {
         let mut free = Vec::new();
         for &id in segments {
-            let Some(segment) = self.segments[id as usize].as_ref() else { continue };
+            let Some(segment) = self.segments.get(id) else { continue };
             let mut cur = segment.first_block;
             while cur != NIL {
                 if self.blocks[cur].state == BlockState::Binned {
@@ -306,9 +304,9 @@ impl DeviceHeap {
     /// Every stream that used `tag`'s blocks: its pools' and the streams
     /// recorded for its live blocks (`record_stream`).
     fn tag_streams(&self, tag: TagId) -> Vec<Stream> {
-        let mut streams: Vec<Stream> = self.tag_pools(tag.0).iter().map(|&p| self.pools[p as usize].stream).collect();
-        for id in self.tag_segments(tag.0) {
-            let mut cur = self.segments[id as usize].as_ref().map_or(NIL, |s| s.first_block);
+        let mut streams: Vec<Stream> = self.tag_pools(tag).iter().map(|&p| self.pools[p].stream).collect();
+        for id in self.tag_segments(tag) {
+            let mut cur = self.segments.get(id).map_or(NIL, |s| s.first_block);
             while cur != NIL {
                 if let Some(recorded) = self.recorded_streams.get(&self.blocks[cur].addr) {
                     streams.extend_from_slice(recorded);
@@ -327,8 +325,8 @@ impl DeviceHeap {
     pub fn pause_tag(&mut self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
         self.recall_all();
         self.check_pausable(tag)?;
-        let pools = self.tag_pools(tag.0);
-        let segments = self.tag_segments(tag.0);
+        let pools = self.tag_pools(tag);
+        let segments = self.tag_segments(tag);
         // The work queued on every stream that used the tag's blocks.
         for stream in self.tag_streams(tag) {
             self.backend.synchronize_stream(self.device, stream).map_err(AllocError::Backend)?;
@@ -337,7 +335,7 @@ impl DeviceHeap {
         // A freed block whose other streams' work could not be waited for
         // (the driver failed the wait) may still be written: its pages stay.
         if segments.iter().any(|&id| self.holds_pending_block(id)) {
-            return Err(tag_error(tag.0, TagState::WorkNotWaited));
+            return Err(tag_error(tag, TagState::WorkNotWaited));
         }
         // After the pending frees: one of them may have gone to a stash.
         for &pool in &pools {
@@ -364,7 +362,7 @@ impl DeviceHeap {
         let free = self.unbin(&segments);
         let mut given_back = 0;
         for &id in &segments {
-            let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("tagged pools grow in ranges");
+            let pages = self.segments.pages(id).expect("tagged pools grow in ranges");
             for (p, n) in pages.runs(0, pages.end_bytes() / page, true) {
                 // A run the backend refuses stays mapped and counted, contents
                 // in place: whole, so that each saved run (inside one mapped
@@ -375,13 +373,13 @@ impl DeviceHeap {
         self.rebin(free);
         // A run the backend would not unmap keeps its contents on the device.
         runs.retain(|r| self.segment_pages(r.base).is_some_and(|pages| !pages.is_mapped(r.first_page)));
-        self.tags.paused.insert(tag.0, Paused { offload, given_back, runs });
+        self.tags.paused.insert(tag, Paused { offload, given_back, runs });
         Ok(given_back)
     }
 
     /// Whether a block of segment `id` waits for other streams' work.
-    fn holds_pending_block(&self, id: u32) -> bool {
-        let mut cur = self.segments[id as usize].as_ref().map_or(NIL, |s| s.first_block);
+    fn holds_pending_block(&self, id: SegmentId) -> bool {
+        let mut cur = self.segments.get(id).map_or(NIL, |s| s.first_block);
         while cur != NIL {
             if self.blocks[cur].state == BlockState::Pending {
                 return true;
@@ -392,8 +390,7 @@ impl DeviceHeap {
     }
 
     fn segment_pages(&self, base: u64) -> Option<&crate::page_map::PageMap> {
-        let id = *self.segment_by_base.get(&base)?;
-        self.segments[id as usize].as_ref()?.pages.as_ref()
+        self.segments.pages(self.segments.at_base(base)?)
     }
 
     /// Drops the saved pages of the paused `tag` in range `segment_id` that
@@ -401,7 +398,7 @@ impl DeviceHeap {
     /// paused): a run no live block touches goes, and one partly touched is
     /// cut to the touched pages (their bytes copied to smaller host memory;
     /// kept whole when none can be had). Runs of other ranges stay as they are.
-    fn drop_unneeded_runs(&mut self, tag: u32, segment_id: u32) {
+    fn drop_unneeded_runs(&mut self, tag: TagId, segment_id: SegmentId) {
         let page = self.tags.vm.map_or(1, |vm| vm.page);
         // Pages live blocks touch in the range: sorted, merged page intervals.
         let (base, needed) = self.touched_pages(segment_id);
@@ -446,7 +443,7 @@ impl DeviceHeap {
     /// saved pages only it touched are dropped.
     #[cold]
     pub(super) fn deactivate_tagged(&mut self, id: BlockId) {
-        let (tag, segment) = (self.pools[self.blocks[id].pool as usize].tag, self.blocks[id].segment);
+        let (tag, segment) = (self.pools[self.blocks[id].pool].tag, self.blocks[id].segment);
         if !self.tags.is_paused(tag) {
             return self.stash_or_bin(id);
         }
@@ -462,8 +459,8 @@ impl DeviceHeap {
         // one `vm_map` per run.
         let mut todo: Vec<(u64, u64, Vec<u64>)> = Vec::new();
         for &(base, first, count) in runs {
-            let id = self.segment_by_base[&base];
-            let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("a range of the tag");
+            let id = self.segments.at_base(base).expect("a range of the tag");
+            let pages = self.segments.pages(id).expect("a range of the tag");
             for (p, n) in pages.runs(first, count, false) {
                 todo.push((base, p, self.allocations_for(n, page).collect::<Vec<_>>()));
             }
@@ -492,8 +489,8 @@ impl DeviceHeap {
             }
         }
         for (base, allocations) in done {
-            let id = self.segment_by_base[&base] as usize;
-            let kind = self.pools[self.segments[id].as_ref().expect("a range of the tag").pool as usize].kind;
+            let id = self.segments.at_base(base).expect("a range of the tag");
+            let kind = self.pools[self.segments[id].pool].kind;
             // Undone when a run failed: what the backend cannot unmap stays mapped, and counted.
             if failed.is_some() {
                 self.undo_mapped(id, kind, allocations);
@@ -508,7 +505,7 @@ impl DeviceHeap {
     /// a run the backend refuses stays mapped and counted.
     fn unmap_saved(&mut self, runs: &[(u64, u64, u64)]) {
         for &(base, first, count) in runs {
-            self.unmap_run(self.segment_by_base[&base], first, count);
+            self.unmap_run(self.segments.at_base(base).expect("a range of the tag"), first, count);
         }
     }
 
@@ -519,18 +516,17 @@ impl DeviceHeap {
     /// asks the other processes and calls this again). Returns the device
     /// bytes mapped.
     pub fn resume_tag(&mut self, tag: TagId) -> Result<u64, AllocError> {
-        if !self.tags.is_paused(tag.0) {
-            return Err(tag_error(tag.0, TagState::NotPaused));
+        if !self.tags.is_paused(tag) {
+            return Err(tag_error(tag, TagState::NotPaused));
         }
         if !self.may_release() {
             // Its copies and, should it fail, its unmaps are what a capture forbids.
-            return Err(tag_error(tag.0, TagState::PrivatePoolOpen { resuming: true }));
+            return Err(tag_error(tag, TagState::PrivatePoolOpen { resuming: true }));
         }
         let page = self.tags.vm.map_or(1, |vm| vm.page);
-        let segments = self.tag_segments(tag.0);
-        let saved_runs = |heap: &Self| -> Vec<(u64, u64, u64)> {
-            heap.tags.paused[&tag.0].runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect()
-        };
+        let segments = self.tag_segments(tag);
+        let saved_runs =
+            |heap: &Self| -> Vec<(u64, u64, u64)> { heap.tags.paused[&tag].runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect() };
         // Taken afresh at each attempt: a release between two (the device's
         // out-of-memory ladder) completes frees that waited on events, the
         // tag's too, so its free blocks may have merged and its saved pages
@@ -543,7 +539,7 @@ impl DeviceHeap {
         let need: u64 = runs.iter().map(|r| r.2 * page).sum();
         if let Err(err) = mapped {
             self.rebin(free);
-            self.recount_given_back(tag.0, &segments, mapped_before);
+            self.recount_given_back(tag, &segments, mapped_before);
             return Err(match err {
                 // The device releases, asks the other processes and retries.
                 BackendError::OutOfMemory => {
@@ -554,7 +550,7 @@ impl DeviceHeap {
             });
         }
         // Every page is back; now the contents.
-        let state = &self.tags.paused[&tag.0];
+        let state = &self.tags.paused[&tag];
         let mut copied = Ok(());
         for run in &state.runs {
             if let Some(data) = &run.data {
@@ -567,23 +563,23 @@ impl DeviceHeap {
         if let Err(err) = copied {
             self.unmap_saved(&runs);
             self.rebin(free);
-            self.recount_given_back(tag.0, &segments, mapped_before);
+            self.recount_given_back(tag, &segments, mapped_before);
             return Err(AllocError::Backend(err));
         }
         self.rebin(free);
-        self.tags.paused.remove(&tag.0);
+        self.tags.paused.remove(&tag);
         Ok(self.tag_mapped_bytes(&segments) - mapped_before)
     }
 
     /// Bytes mapped in the ranges `segments` (a tag's).
-    fn tag_mapped_bytes(&self, segments: &[u32]) -> u64 {
-        segments.iter().filter_map(|&id| self.segments[id as usize].as_ref()?.pages.as_ref()).map(|p| p.mapped_bytes()).sum()
+    fn tag_mapped_bytes(&self, segments: &[SegmentId]) -> u64 {
+        segments.iter().filter_map(|&id| self.segments.get(id)?.pages.as_ref()).map(|p| p.mapped_bytes()).sum()
     }
 
     /// After a resume of `tag` that failed: the pages it left mapped (an
     /// undo the backend refused) are no longer what the pause gave back,
     /// and those it unmapped that an earlier failure had left are again.
-    fn recount_given_back(&mut self, tag: u32, segments: &[u32], mapped_before: u64) {
+    fn recount_given_back(&mut self, tag: TagId, segments: &[SegmentId], mapped_before: u64) {
         let mapped_after = self.tag_mapped_bytes(segments);
         let paused = self.tags.paused_mut(tag);
         paused.given_back = (paused.given_back + mapped_before).saturating_sub(mapped_after);
@@ -595,12 +591,12 @@ impl DeviceHeap {
         if tag == TagId::DEFAULT {
             return TagStats::default();
         }
-        for pool in self.tag_pools(tag.0) {
+        for pool in self.tag_pools(tag) {
             self.flush_stash(pool);
         }
         let mut stats = TagStats::default();
-        for id in self.tag_segments(tag.0) {
-            let segment = self.segments[id as usize].as_ref().expect("listed");
+        for id in self.tag_segments(tag) {
+            let segment = self.segments.get(id).expect("listed");
             stats.reserved_bytes += segment.pages.as_ref().map_or(segment.size, |p| p.mapped_bytes());
             let mut cur = segment.first_block;
             while cur != NIL {
@@ -612,7 +608,7 @@ impl DeviceHeap {
                 cur = b.next;
             }
         }
-        if let Some(paused) = self.tags.paused.get(&tag.0) {
+        if let Some(paused) = self.tags.paused.get(&tag) {
             stats.paused = true;
             stats.paused_bytes = paused.given_back;
             stats.offloaded_bytes = paused.runs.iter().filter_map(|r| r.data.as_ref()).map(|d| d.bytes().len() as u64).sum();
@@ -633,7 +629,7 @@ impl DeviceHeap {
             given += paused.given_back;
             held += paused.runs.iter().filter_map(|r| r.data.as_ref()).map(|d| d.bytes().len() as u64).sum::<u64>();
             for id in self.tag_segments(tag) {
-                let segment = self.segments[id as usize].as_ref().expect("listed");
+                let segment = self.segments.get(id).expect("listed");
                 let Some(pages) = segment.pages.as_ref() else { continue };
                 let mut cur = segment.first_block;
                 while cur != NIL {
@@ -656,7 +652,7 @@ impl DeviceHeap {
         let mut out: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
         for (&tag, paused) in &self.tags.paused {
             for id in self.tag_segments(tag) {
-                let base = self.segments[id as usize].as_ref().expect("listed").base;
+                let base = self.segments.get(id).expect("listed").base;
                 out.entry(base).or_default();
             }
             for run in &paused.runs {
@@ -671,21 +667,22 @@ impl DeviceHeap {
 
     /// Checks the invariants of tags listed at the top of this file.
     pub(super) fn check_tags(&self) -> Result<(), String> {
-        if self.tags.paused.contains_key(&0) {
+        if self.tags.paused.contains_key(&TagId::DEFAULT) {
             return Err("the default tag is paused".into());
         }
-        for (id, pool) in self.pools.iter().enumerate() {
+        for (id, pool) in self.pools.iter() {
             if pool.stash != NIL && self.tags.is_paused(pool.tag) {
-                return Err(format!("pool {id} of paused tag {} stashes a block", pool.tag));
+                return Err(format!("pool {id} of paused tag {} stashes a block", pool.tag.0));
             }
         }
         let page = self.tags.vm.map_or(1, |vm| vm.page);
-        for (&tag, paused) in &self.tags.paused {
+        for (&tag_id, paused) in &self.tags.paused {
+            let tag = tag_id.0;
             for run in &paused.runs {
                 self.segment_pages(run.base).ok_or_else(|| format!("tag {tag}: a saved run names no range at {:#x}", run.base))?;
-                let owner = self.segment_by_base[&run.base];
-                let pool = self.segments[owner as usize].as_ref().expect("indexed").pool;
-                if self.pools[pool as usize].tag != tag {
+                let owner = self.segments.at_base(run.base).expect("a range of the tag");
+                let pool = self.segments.get(owner).expect("indexed").pool;
+                if self.pools[pool].tag != tag_id {
                     return Err(format!("tag {tag}: a saved run lies in a range of another tag"));
                 }
                 let (_, touched) = self.touched_pages(owner);
@@ -700,8 +697,8 @@ impl DeviceHeap {
                     _ => {}
                 }
             }
-            for id in self.tag_segments(tag) {
-                let segment = self.segments[id as usize].as_ref().expect("listed");
+            for id in self.tag_segments(tag_id) {
+                let segment = self.segments.get(id).expect("listed");
                 let pages = segment.pages.as_ref().ok_or_else(|| format!("tag {tag}: segment {id} is not a range"))?;
                 let mut cur = segment.first_block;
                 while cur != NIL {

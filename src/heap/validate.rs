@@ -7,8 +7,8 @@
 use std::collections::HashSet;
 
 use super::block::{BlockState, NIL};
-use super::{DeviceHeap, PoolKey};
-use crate::size_class::{bin_of, PoolKind, BIN_COUNT};
+use super::DeviceHeap;
+use crate::size_class::{bin_of, BIN_COUNT};
 use crate::stats::Gauge;
 
 macro_rules! ensure {
@@ -53,24 +53,17 @@ impl DeviceHeap {
         let mut lent_blocks = 0usize;
         let pending = self.pending.check()?;
         self.private.check()?;
-        for (key, ids) in &self.pools_by_key {
-            for (kind, &id) in [PoolKind::Small, PoolKind::Large].into_iter().zip(ids) {
-                let pool = &self.pools[id as usize];
-                let filed = PoolKey { stream: pool.stream, private: pool.private, tag: pool.tag };
-                ensure!(filed == *key && pool.kind == kind, "pool {id} is filed under {key:?}, not its own {filed:?} and kind");
-                ensure!(key.tag == 0 || key.private.is_none(), "pool {id} is both tagged and private");
-            }
-        }
-        ensure!(self.pools.len() == 2 * self.pools_by_key.len(), "{} pools, {} filed", self.pools.len(), 2 * self.pools_by_key.len());
+        self.pools.check()?;
+        self.segments.check()?;
         let mut block_records = 0usize;
         let mut stashed = HashSet::new();
-        for (pool_id, pool) in self.pools.iter().enumerate() {
+        for (pool_id, pool) in self.pools.iter() {
             let vm = self.vm_for(pool.tag, pool.kind);
             ensure!(pool.vm == vm, "pool {pool_id} grows by {:?} where its tag and kind say {vm:?}", pool.vm);
             if pool.stash != NIL {
                 let b = &self.blocks[pool.stash];
                 ensure!(
-                    b.state == BlockState::Stashed && b.pool == pool_id as u32,
+                    b.state == BlockState::Stashed && b.pool == pool_id,
                     "stash of pool {pool_id} holds block {} in state {:?} of pool {}",
                     pool.stash,
                     b.state,
@@ -93,13 +86,8 @@ impl DeviceHeap {
             }
         }
 
-        for (segment_id, segment) in self.segments.iter().enumerate() {
-            let Some(segment) = segment else {
-                ensure!(self.unused_segments.contains(&(segment_id as u32)), "empty segment slot {segment_id} not reusable");
-                continue;
-            };
-            ensure!(self.segment_by_base.get(&segment.base) == Some(&(segment_id as u32)), "segment {segment_id} not indexed by base");
-            let kind = self.pools[segment.pool as usize].kind;
+        for (segment_id, segment) in self.segments.iter() {
+            let kind = self.pools[segment.pool].kind;
             let k = kind as usize;
             sums.segment[k] += 1;
             let pages = segment.pages.as_ref();
@@ -125,7 +113,7 @@ impl DeviceHeap {
                 block_records += 1;
                 ensure!(b.addr == expected_addr, "block {cur} at {:#x}, expected {:#x}: segment not tiled", b.addr, expected_addr);
                 ensure!(b.prev == prev, "block {cur} has a wrong prev link");
-                ensure!(b.segment == segment_id as u32 && b.pool == segment.pool, "block {cur} names the wrong segment or pool");
+                ensure!(b.segment == segment_id && b.pool == segment.pool, "block {cur} names the wrong segment or pool");
                 ensure!(
                     b.size > 0 && b.size.is_multiple_of(self.rules.min_block),
                     "block {cur} size {} not a positive multiple of min_block",
@@ -210,7 +198,7 @@ impl DeviceHeap {
         }
 
         let mut binned = HashSet::new();
-        for (pool_id, pool) in self.pools.iter().enumerate() {
+        for (pool_id, pool) in self.pools.iter() {
             let (mut bytes, mut count) = (0u64, 0usize);
             for bin in 0..BIN_COUNT {
                 let bit = pool.bins_nonempty[bin / 32] >> (bin % 32) & 1 == 1;
@@ -224,7 +212,7 @@ impl DeviceHeap {
                         "bin {bin} of pool {pool_id} holds block {id}, which is not a free block of a segment"
                     );
                     ensure!(binned.insert(id), "block {id} is in more than one bin");
-                    ensure!(b.pool == pool_id as u32, "block {id} of pool {} is binned in pool {pool_id}", b.pool);
+                    ensure!(b.pool == pool_id, "block {id} of pool {} is binned in pool {pool_id}", b.pool);
                     ensure!(bin_of(b.size) == bin, "block {id} of size {} is in bin {bin}", b.size);
                     ensure!(b.size >= last_size, "bin {bin} of pool {pool_id} is not in ascending size order");
                     ensure!(b.link_prev == link_prev, "block {id} has a wrong free-list back link");
@@ -317,7 +305,7 @@ mod tests {
         let (mut heap, ptrs) = heap_with_holes();
         let hole = heap.blocks[heap.by_addr.get(ptrs[0]).unwrap()].next;
         let size = heap.blocks[hole].size;
-        heap.pools[0].remove(&mut heap.blocks, hole, size);
+        heap.pools[super::super::ids::PoolId::new(0)].remove(&mut heap.blocks, hole, size);
         heap.blocks[hole].state = super::BlockState::Binned;
         assert!(heap.validate().is_err());
     }
@@ -325,7 +313,7 @@ mod tests {
     #[test]
     fn a_broken_bitmap_is_caught() {
         let (mut heap, _) = heap_with_holes();
-        heap.pools[0].bins_nonempty[3] ^= 1;
+        heap.pools[super::super::ids::PoolId::new(0)].bins_nonempty[3] ^= 1;
         assert!(heap.validate().unwrap_err().contains("bitmap"));
     }
 
