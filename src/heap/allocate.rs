@@ -5,7 +5,16 @@
 //! that says it is exhausted: the out-of-memory ladder (releasing, asking
 //! the other processes, retrying, counting) is the device's (device.rs).
 
-use super::*;
+use super::block::{BlockId, BlockState, NIL};
+use super::history::HistoryAction;
+use super::ids::PoolId;
+use super::segment::Segment;
+use super::DeviceHeap;
+use crate::backend::BackendError;
+use crate::error::AllocError;
+use crate::page_map::PageMap;
+use crate::recording::rows::Action;
+use crate::types::Stream;
 
 /// How many free blocks past the best fit a request of an expandable
 /// segment looks at for one whose pages are mapped (`DeviceHeap::fit`):
@@ -32,7 +41,7 @@ impl DeviceHeap {
     #[inline(always)]
     pub(super) fn allocate_in(&mut self, pool: PoolId, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
         let stashed = self.pools[pool].stash;
-        if stashed != NIL && self.blocks[stashed].size == rounded && !self.pending.awaits_events() {
+        if stashed != NIL && self.blocks[stashed].size == rounded && !self.streams.pending.awaits_events() {
             self.pools[pool].stash = NIL;
             self.blocks[stashed].state = BlockState::Detached;
             return Ok(self.hand_out(stashed, size));
@@ -64,7 +73,7 @@ impl DeviceHeap {
         let borrowed = self.pools[self.blocks[block].pool].stream != stream;
         let addr = self.carve(block, rounded, size);
         if borrowed {
-            self.recorded_streams.insert(addr, vec![stream]);
+            self.streams.recorded.insert(addr, vec![stream]);
         }
         Ok(addr)
     }
@@ -178,7 +187,7 @@ impl DeviceHeap {
         self.stamp_freed(block);
         if self.segments[segment_id].pages.is_none() {
             self.stats.reserved_bytes.increase(kind, size);
-            self.reserve.note_peak();
+            self.limits.reserve.note_peak();
             self.stats.events.num_device_alloc += 1;
             self.note(HistoryAction::SegmentAlloc, base, size, stream);
         }
@@ -190,22 +199,12 @@ impl DeviceHeap {
     /// the rest when the rules say so. Returns the block's address.
     #[inline]
     pub(super) fn carve(&mut self, id: BlockId, rounded: u64, requested: u64) -> u64 {
-        let (addr, size, pool, segment) = {
+        let (addr, size, pool) = {
             let b = &self.blocks[id];
-            (b.addr, b.size, b.pool, b.segment)
+            (b.addr, b.size, b.pool)
         };
-        let kind = self.pools[pool].kind;
         if self.should_split(pool, size, rounded) {
-            let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool, kind);
-            let next = self.blocks[id].next;
-            self.blocks[rest].prev = id;
-            self.blocks[rest].next = next;
-            if next != NIL {
-                self.blocks[next].prev = rest;
-            }
-            self.blocks[id].next = rest;
-            self.blocks[id].size = rounded;
-            self.blocks[rest].freed_at = self.blocks[id].freed_at;
+            let rest = self.blocks.split(id, rounded);
             self.insert_free(rest);
         }
         self.by_addr.insert(addr, id);
@@ -231,7 +230,7 @@ impl DeviceHeap {
         stats.allocation.increase(kind, 1);
         stats.allocated_bytes.increase(kind, size);
         stats.requested_bytes.increase(kind, requested);
-        if !self.pending.is_empty() {
+        if !self.streams.pending.is_empty() {
             stats.note_active_peaks();
         }
         addr

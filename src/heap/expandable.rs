@@ -2,7 +2,9 @@
 //! grows inside one large reserved range of address space instead of
 //! separate segments, and memory is held page by page. (The small pool
 //! keeps its segments: they are one page each, and small blocks packed
-//! across page boundaries would pin two pages where one would do.)
+//! across page boundaries would pin two pages where one would do.) Owns
+//! `Paging` (whether and how the heap maps pages) and the range-sizing
+//! rule (`ranges_of`, `MAX_RANGE`), which tags' ranges share.
 //!
 //! A range is reserved (no memory) when a pool first needs one, as large as
 //! the device, and starts as one free block; blocks are carved from it by
@@ -28,15 +30,14 @@
 //!   fits the block.
 #![forbid(unsafe_code)]
 
-use super::block::{Block, BlockId, BlockState, NIL};
+use super::block::{Block, BlockId, BlockState};
 use super::history::HistoryAction;
 use super::ids::{PoolId, SegmentId};
-use super::recycle::{self, Donor};
+use super::recycle::{self, Donor, Recycling};
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::page_map::{self, PageMap};
 use crate::size_class::PoolKind;
-use crate::tag::TagId;
 
 /// Pages `map_block` maps: `pages` from page `first`, an edge page (an
 /// allocation of its own) or not; a donor placed in it may reach up to
@@ -47,6 +48,34 @@ struct Piece {
     pages: u64,
     room_end: u64,
     edge: bool,
+}
+
+/// How a heap maps and moves pages: expandable segments and their
+/// physical allocations, and the moves of cached pages (`recycle.rs`).
+pub(super) struct Paging {
+    /// Expandable segments (`expandable:true`): page size and range size;
+    /// None: off.
+    pub vm: Option<Vm>,
+    /// The most bytes one physical allocation of an expandable segment
+    /// holds (a run of new pages is mapped in allocations this large, and
+    /// each goes back or moves only whole).
+    pub max_allocation: u64,
+    /// A block carved from freed memory gives back the larger allocation
+    /// it ends inside (`split_allocation_past`).
+    pub split_allocations: bool,
+    /// Which holes' pages move to where growth needs them (`recycle.rs`).
+    pub recycling: Recycling,
+}
+
+impl Default for Paging {
+    fn default() -> Paging {
+        Paging {
+            vm: None,
+            max_allocation: crate::config::DEFAULT_EXPANDABLE_ALLOCATION,
+            split_allocations: false,
+            recycling: Recycling::default(),
+        }
+    }
 }
 
 /// Page size and range size of a heap's expandable segments.
@@ -68,14 +97,12 @@ impl DeviceHeap {
             return Err("expandable segments can only be switched before the first allocation".into());
         }
         if !on {
-            self.vm = None;
+            self.paging.vm = None;
             self.refresh_pool_vms();
             return Ok(());
         }
         let page = self
-            .backend
-            .vm_page_size(self.device)
-            .filter(|p| p.is_power_of_two())
+            .mappable_page()
             .ok_or_else(|| format!("the {} backend cannot map pages; expandable segments stay off", self.backend.name()))?;
         self.use_page(page);
         Ok(())
@@ -84,9 +111,21 @@ impl DeviceHeap {
     /// Expandable segments of `page` bytes, in ranges as large as the
     /// device, for the default pools made so far and to come.
     fn use_page(&mut self, page: u64) {
-        let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
-        self.vm = Some(Vm { page, range: total.min(MAX_RANGE).max(page).next_multiple_of(page) });
+        self.paging.vm = Some(self.ranges_of(page));
         self.refresh_pool_vms();
+    }
+
+    /// The backend's page, when it maps pages (a power of two).
+    pub(super) fn mappable_page(&self) -> Option<u64> {
+        self.backend.vm_page_size(self.device).filter(|p| p.is_power_of_two())
+    }
+
+    /// Ranges of `page`-byte pages as large as the device (its size unknown:
+    /// `MAX_RANGE`), at most `MAX_RANGE` and at least a page: the ranges of
+    /// expandable segments and of tags' large pools.
+    pub(super) fn ranges_of(&self, page: u64) -> Vm {
+        let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
+        Vm { page, range: total.min(MAX_RANGE).max(page).next_multiple_of(page) }
     }
 
     /// Maps physical memory `page` bytes at a time in the expandable
@@ -95,7 +134,7 @@ impl DeviceHeap {
     /// first allocation. With a page larger than the backend's, no cached
     /// page moves (`recycle.rs`: pages move between ranges of one page size).
     pub fn set_expandable_page(&mut self, page: u64) -> Result<(), String> {
-        let Some(vm) = self.vm else {
+        let Some(vm) = self.paging.vm else {
             return Err("expandable segments are off".into());
         };
         if !self.segments.is_empty() {
@@ -115,28 +154,13 @@ impl DeviceHeap {
     /// a page each): fewer, larger allocations make fewer driver calls,
     /// smaller ones go back, or move, in smaller pieces.
     pub fn set_max_allocation(&mut self, bytes: u64) {
-        self.max_allocation = bytes.max(1);
+        self.paging.max_allocation = bytes.max(1);
     }
 
     /// Turns on giving back a larger allocation that a block carved from
     /// freed memory ends inside (`split_allocation_past`).
     pub fn set_split_allocations(&mut self, on: bool) {
-        self.split_allocations = on;
-    }
-
-    /// Tells the default pools made so far how they grow now.
-    fn refresh_pool_vms(&mut self) {
-        let vm = self.vm;
-        for pool in self.pools.iter_mut().filter(|p| p.tag == TagId::DEFAULT) {
-            pool.vm = vm.filter(|_| pool.kind == PoolKind::Large);
-        }
-    }
-
-    /// The expandable-segment parameters for pools of `kind`, or None when
-    /// that kind grows by whole segments.
-    #[inline]
-    pub(super) fn expandable_vm(&self, kind: PoolKind) -> Option<Vm> {
-        self.vm.filter(|_| kind == PoolKind::Large)
+        self.paging.split_allocations = on;
     }
 
     /// Whether a free block of `block` bytes serving `rounded` is split. In
@@ -166,7 +190,7 @@ impl DeviceHeap {
 
     /// Whether this heap grows by expandable segments.
     pub fn is_expandable(&self) -> bool {
-        self.vm.is_some()
+        self.paging.vm.is_some()
     }
 
     /// Reserves address space for a new range holding at least `rounded`
@@ -198,16 +222,44 @@ impl DeviceHeap {
     /// all of one run asked for in one `vm_map` (one grant of access).
     pub(super) fn map_block(&mut self, id: BlockId, rounded: u64) -> Result<(), BackendError> {
         let b = &self.blocks[id];
-        let (addr, size, segment_id, kind, pool) = (b.addr, b.size, b.segment, b.kind, b.pool);
+        let (size, segment_id, kind, pool) = (b.size, b.segment, b.kind, b.pool);
         if self.pool_vm(pool).is_none() {
             return Ok(());
         }
         let used = if self.should_split(pool, size, rounded) { rounded } else { size };
-        if self.split_allocations {
+        if self.paging.split_allocations {
             self.split_allocation_past(id, used);
         }
-        let Some((base, pages)) = self.segments.range(segment_id) else {
+        let pieces = self.pieces_to_map(id, used);
+        let Some(page) = self.segments.pages(segment_id).map(PageMap::page_size).filter(|_| !pieces.is_empty()) else {
             return Ok(());
+        };
+        let need = pieces.iter().map(|piece| piece.pages * page).sum();
+        let mut donors = self.recycle_before_growth(need, used, Some(id));
+        // The allocations (first page, pages) done so far.
+        let most = (self.paging.max_allocation / page).max(1);
+        let mut mapped: Vec<(u64, u64)> = Vec::with_capacity((need / page).div_ceil(most) as usize + 2 * pieces.len());
+        let result = self.map_pieces(segment_id, &pieces, &mut mapped, &mut donors);
+        // Donors no room took stay cached where they are.
+        drop(donors);
+        if let Err(err) = result {
+            self.undo_mapped(segment_id, kind, mapped);
+            return Err(err);
+        }
+        self.commit_mapped(segment_id, kind, &mapped);
+        Ok(())
+    }
+
+    /// The unmapped pages under the first `used` bytes of the block `id` of
+    /// a reserved range, as `map_block` maps them: each edge page (shared
+    /// with a neighbour) a piece of its own, the runs between them pieces
+    /// that may take donors (the inside's last one reaching into the rest
+    /// of the block when nothing is shared there). None outside a range.
+    fn pieces_to_map(&self, id: BlockId, used: u64) -> Vec<Piece> {
+        let b = &self.blocks[id];
+        let (addr, size) = (b.addr, b.size);
+        let Some((base, pages)) = self.segments.range(b.segment) else {
+            return Vec::new();
         };
         let page = pages.page_size();
         let (start, end) = (addr - base, addr - base + used);
@@ -233,46 +285,31 @@ impl DeviceHeap {
                 q = stop;
             }
         }
-        if pieces.is_empty() {
-            return Ok(());
-        }
-        let need = pieces.iter().map(|piece| piece.pages * page).sum();
-        let mut donors = self.recycle_before_growth(need, used, Some(id));
-        // `mapped`: the allocations (first page, pages) done so far, and
-        // from `batched` on those not yet asked for, which one `vm_map`
-        // makes (one grant of access for the run).
-        let most = (self.max_allocation / page).max(1);
-        let mut mapped: Vec<(u64, u64)> = Vec::with_capacity((need / page).div_ceil(most) as usize + 2 * pieces.len());
-        let mut batched = 0;
-        let mut failed = None;
-        'pieces: for piece in &pieces {
+        pieces
+    }
+
+    /// Maps `pieces` of the range `segment_id`: donors moved where they fit
+    /// (`place_donors`), new allocations elsewhere, a run of adjacent
+    /// pieces' new allocations in one `vm_map` (`map_batch`). What it
+    /// mapped is in `mapped` (first page, pages), also when it fails (the
+    /// caller undoes it then).
+    fn map_pieces(
+        &mut self,
+        segment_id: SegmentId,
+        pieces: &[Piece],
+        mapped: &mut Vec<(u64, u64)>,
+        donors: &mut Vec<Donor>,
+    ) -> Result<(), BackendError> {
+        let page = self.segments.pages(segment_id).map_or(1, PageMap::page_size);
+        // From `batched` on, `mapped` holds allocations not yet asked for,
+        // which one `vm_map` makes (one grant of access for the run).
+        let mut batched = mapped.len();
+        for piece in pieces {
             let mut at = piece.first;
             while at < piece.first + piece.pages {
-                if !donors.is_empty() {
-                    // (An edge page takes a donor of one page only.)
-                    let left = piece.first + piece.pages - at;
-                    let room = left.max(self.unmapped_from(segment_id, at, piece.room_end));
-                    // The latest chosen donor that fits, with the donors just
-                    // before it in memory that fit too (one move, one grant
-                    // of access); what is batched goes first: the donors
-                    // land after it.
-                    if let Some(last) = donors.iter().rposition(|d| d.pages <= room) {
-                        if let Err(err) = self.map_batch(segment_id, &mut mapped, &mut batched, &mut donors) {
-                            failed = Some(err);
-                            break 'pieces;
-                        }
-                        let run = recycle::adjacent_run(&donors, last, room);
-                        let mut next = at;
-                        for donor in &donors[run.clone()] {
-                            mapped.push((next, donor.pages));
-                            next += donor.pages;
-                        }
-                        if self.move_donors(&mut donors, run, base + at * page) {
-                            (at, batched) = (next, mapped.len());
-                            continue;
-                        }
-                        mapped.truncate(batched);
-                    }
+                if let Some(next) = self.place_donors(segment_id, piece, at, mapped, &mut batched, donors)? {
+                    at = next;
+                    continue;
                 }
                 let rest = if piece.edge { 1 } else { piece.first + piece.pages - at };
                 for each in self.allocations_for(rest, page) {
@@ -283,25 +320,49 @@ impl DeviceHeap {
             // A batch is one run: it ends where the next piece does not follow.
             let next = piece.first + piece.pages;
             if !pieces.iter().any(|p| p.first == next) {
-                if let Err(err) = self.map_batch(segment_id, &mut mapped, &mut batched, &mut donors) {
-                    failed = Some(err);
-                    break 'pieces;
-                }
+                self.map_batch(segment_id, mapped, &mut batched, donors)?;
             }
         }
-        if failed.is_none() {
-            if let Err(err) = self.map_batch(segment_id, &mut mapped, &mut batched, &mut donors) {
-                failed = Some(err);
-            }
+        self.map_batch(segment_id, mapped, &mut batched, donors)
+    }
+
+    /// Moves to page `at` of `piece` the latest chosen donor that fits
+    /// there, with the donors just before it in memory that fit too (one
+    /// move, one grant of access), after asking for what is batched (the
+    /// donors land after it). Returns the page after them, or None when no
+    /// donor fits or the backend cannot move (then new memory goes there).
+    /// (An edge page takes a donor of one page only.)
+    fn place_donors(
+        &mut self,
+        segment_id: SegmentId,
+        piece: &Piece,
+        at: u64,
+        mapped: &mut Vec<(u64, u64)>,
+        batched: &mut usize,
+        donors: &mut Vec<Donor>,
+    ) -> Result<Option<u64>, BackendError> {
+        if donors.is_empty() {
+            return Ok(None);
         }
-        // Donors no room took stay cached where they are.
-        drop(donors);
-        if let Some(err) = failed {
-            self.undo_mapped(segment_id, kind, mapped);
-            return Err(err);
+        let left = piece.first + piece.pages - at;
+        let room = left.max(self.unmapped_from(segment_id, at, piece.room_end));
+        let Some(last) = donors.iter().rposition(|d| d.pages <= room) else {
+            return Ok(None);
+        };
+        self.map_batch(segment_id, mapped, batched, donors)?;
+        let run = recycle::adjacent_run(donors, last, room);
+        let mut next = at;
+        for donor in &donors[run.clone()] {
+            mapped.push((next, donor.pages));
+            next += donor.pages;
         }
-        self.commit_mapped(segment_id, kind, &mapped);
-        Ok(())
+        let (base, page) = self.segments.base_and_page(segment_id).expect("an expandable segment");
+        if self.move_donors(donors, run, base + at * page) {
+            *batched = mapped.len();
+            return Ok(Some(next));
+        }
+        mapped.truncate(*batched);
+        Ok(None)
     }
 
     /// When the first `used` bytes of the free block `id` (about to be
@@ -351,7 +412,7 @@ impl DeviceHeap {
         let mut stuck = Vec::new();
         for (first, n) in page_map::runs_of(&allocations) {
             if self.backend.vm_unmap(self.device, base + first * page, n * page).is_ok() {
-                self.reserve.give_back(n * page);
+                self.limits.reserve.give_back(n * page);
             } else {
                 stuck.extend(allocations.iter().filter(|&&(p, _)| p >= first && p < first + n));
             }
@@ -378,9 +439,9 @@ impl DeviceHeap {
         let sizes: Vec<u64> = batch.iter().map(|&(_, n)| n * page).collect();
         let bytes = sizes.iter().sum();
         self.release_donors_for(donors, bytes);
-        let result = self
-            .claim_reserved(bytes)
-            .and_then(|()| self.backend.vm_map(self.device, base + first * page, &sizes).inspect_err(|_| self.reserve.give_back(bytes)));
+        let result = self.claim_reserved(bytes).and_then(|()| {
+            self.backend.vm_map(self.device, base + first * page, &sizes).inspect_err(|_| self.limits.reserve.give_back(bytes))
+        });
         if result.is_err() {
             mapped.truncate(*batched);
         }
@@ -398,7 +459,7 @@ impl DeviceHeap {
     /// The pages of each allocation a run of `pages` new pages is mapped
     /// in, in address order: `max_allocation` each, the last the rest.
     pub(super) fn allocations_for(&self, pages: u64, page: u64) -> impl Iterator<Item = u64> {
-        let most = (self.max_allocation / page).max(1);
+        let most = (self.paging.max_allocation / page).max(1);
         (0..pages.div_ceil(most)).map(move |i| most.min(pages - i * most))
     }
 
@@ -424,7 +485,7 @@ impl DeviceHeap {
             self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
         }
         self.stats.reserved_bytes.increase(kind, total * page);
-        self.reserve.note_peak();
+        self.limits.reserve.note_peak();
         self.stats.events.num_pages_mapped += total;
         self.stats.events.num_device_alloc += allocations.len() as u64;
     }
@@ -463,16 +524,13 @@ impl DeviceHeap {
         if segment.pages.is_none() || self.keeps_memory(segment.pool) {
             return;
         }
-        let mut cur = segment.first_block;
-        while cur != NIL {
-            let b = &self.blocks[cur];
+        for (id, b) in self.blocks.walk_segment(segment.first_block) {
             if b.state == BlockState::Binned && select(b) {
-                let bytes = self.hole_bytes(cur);
+                let bytes = self.hole_bytes(id);
                 if bytes > 0 {
-                    out.push((cur, bytes));
+                    out.push((id, bytes));
                 }
             }
-            cur = b.next;
         }
     }
 
@@ -572,7 +630,7 @@ impl DeviceHeap {
             return 0;
         }
         self.forget_mapped_run(segment_id, p, n, 1);
-        self.reserve.give_back(n * page);
+        self.limits.reserve.give_back(n * page);
         n * page
     }
 
@@ -601,7 +659,7 @@ impl DeviceHeap {
         };
         let block = segment.first_block;
         let b = &self.blocks[block];
-        let empty = b.state == BlockState::Binned && b.next == NIL && segment.pages.as_ref().is_some_and(|p| p.mapped_bytes() == 0);
+        let empty = b.state == BlockState::Binned && b.is_last() && segment.pages.as_ref().is_some_and(|p| p.mapped_bytes() == 0);
         if !empty || self.backend.vm_free(self.device, segment.base, segment.size).is_err() {
             return Released::default();
         }
@@ -617,14 +675,11 @@ impl DeviceHeap {
             let Some(pages) = segment.pages.as_ref() else {
                 continue;
             };
-            let mut cur = segment.first_block;
-            while cur != NIL {
-                let b = &self.blocks[cur];
+            for (_, b) in self.blocks.walk_segment(segment.first_block) {
                 if b.state == BlockState::Binned && b.addr - segment.base < pages.end_bytes() {
                     let offset = b.addr - segment.base;
                     largest = largest.max(pages.longest_mapped_run(offset, offset + b.size));
                 }
-                cur = b.next;
             }
         }
         largest

@@ -3,7 +3,13 @@
 //! its free neighbours into the bins; the stash (see the top of mod.rs)
 //! takes back the next request of its size without a split or a merge.
 
-use super::*;
+use super::block::{BlockId, BlockState, NIL};
+use super::history::HistoryAction;
+use super::ids::PoolId;
+use super::DeviceHeap;
+use crate::error::{AllocError, InvalidFree};
+use crate::recording::rows::Action;
+use crate::tag::TagId;
 
 /// A freed block, as the caller needs to know it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,8 +30,8 @@ impl DeviceHeap {
             self.stats.events.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
-        if !self.recorded_streams.is_empty() {
-            if let Some(streams) = self.recorded_streams.remove(&ptr) {
+        if !self.streams.recorded.is_empty() {
+            if let Some(streams) = self.streams.recorded.remove(&ptr) {
                 if let Some(freed) = self.defer_free(id, ptr, streams) {
                     return Ok(freed);
                 }
@@ -105,7 +111,7 @@ impl DeviceHeap {
     /// The block after `id` if it is in the bins, else NIL.
     #[inline(always)]
     pub(super) fn free_after(&self, id: BlockId) -> BlockId {
-        let next = self.blocks[id].next;
+        let next = self.blocks[id].next();
         if next != NIL && self.blocks[next].state == BlockState::Binned {
             next
         } else {
@@ -139,7 +145,7 @@ impl DeviceHeap {
     #[inline(never)]
     pub(super) fn stash_is_best_fit(&self, id: BlockId, next_free: BlockId) -> bool {
         let b = &self.blocks[id];
-        if b.prev != NIL && self.blocks[b.prev].state == BlockState::Binned {
+        if b.prev() != NIL && self.blocks[b.prev()].state == BlockState::Binned {
             return false;
         }
         let merged = if next_free != NIL { b.size + self.blocks[next_free].size } else { b.size };
@@ -148,7 +154,7 @@ impl DeviceHeap {
             // Split off again, the rest would go back first of the free
             // blocks of its size: where the neighbour must be now.
             let n = &self.blocks[next_free];
-            let first_of_its_size = n.link_prev == NIL || self.blocks[n.link_prev].size < n.size;
+            let first_of_its_size = n.link_prev() == NIL || self.blocks[n.link_prev()].size < n.size;
             let split_to_id = (pool.vm.is_some() || self.rules.may_serve(merged, b.size)) && self.should_split(b.pool, merged, b.size);
             if !(first_of_its_size && split_to_id) {
                 return false;
@@ -164,9 +170,9 @@ impl DeviceHeap {
     /// free one keeps the tick of the block it was split from.
     #[inline(always)]
     pub(super) fn stamp_freed(&mut self, id: BlockId) {
-        if self.vm.is_some() {
-            self.recycling.frees += 1;
-            self.blocks[id].freed_at = self.recycling.frees;
+        if self.paging.vm.is_some() {
+            self.paging.recycling.frees += 1;
+            self.blocks[id].freed_at = self.paging.recycling.frees;
         }
     }
 
@@ -186,8 +192,8 @@ impl DeviceHeap {
     pub(super) fn stash(&mut self, pool: PoolId, id: BlockId, next_free: BlockId) {
         self.pools[pool].stash = id;
         self.stamp_freed(id);
-        if next_free != NIL && self.vm.is_some() {
-            let (tick, now) = (self.blocks[id].freed_at, self.clock.now_ms());
+        if next_free != NIL && self.paging.vm.is_some() {
+            let (tick, now) = (self.blocks[id].freed_at, self.limits.clock.now_ms());
             let next = &mut self.blocks[next_free];
             next.freed_at = tick;
             next.idle_since_ms = now;
@@ -218,32 +224,19 @@ impl DeviceHeap {
         self.by_addr.remove(self.blocks[id].addr);
         let freed_at = self.blocks[id].freed_at;
         let mut merged = id;
-        let prev = self.blocks[id].prev;
+        let prev = self.blocks[id].prev();
         if prev != NIL && self.blocks[prev].state == BlockState::Binned {
             self.remove_free(prev);
-            self.absorb_next(prev);
+            self.blocks.absorb_next(prev);
             merged = prev;
         }
-        let next = self.blocks[merged].next;
+        let next = self.blocks[merged].next();
         if next != NIL && self.blocks[next].state == BlockState::Binned {
             self.remove_free(next);
-            self.absorb_next(merged);
+            self.blocks.absorb_next(merged);
         }
         self.blocks[merged].freed_at = freed_at;
         self.insert_free(merged);
-    }
-
-    /// Merges the block after `id` into `id` and drops its record.
-    #[inline]
-    pub(super) fn absorb_next(&mut self, id: BlockId) {
-        let next = self.blocks[id].next;
-        let (next_size, after) = (self.blocks[next].size, self.blocks[next].next);
-        self.blocks[id].size += next_size;
-        self.blocks[id].next = after;
-        if after != NIL {
-            self.blocks[after].prev = id;
-        }
-        self.blocks.remove(next);
     }
 
     /// Puts a free block into its pool's bin and counts it.
@@ -254,7 +247,7 @@ impl DeviceHeap {
         let (split, counted) = self.inactive_split_bytes_of(id);
         let pool = &mut self.pools[pool];
         if pool.vm.is_some() {
-            self.blocks[id].idle_since_ms = self.clock.now_ms();
+            self.blocks[id].idle_since_ms = self.limits.clock.now_ms();
         }
         pool.insert(&mut self.blocks, id, size);
         if split {
@@ -265,7 +258,7 @@ impl DeviceHeap {
             let Some(segment) = self.segments.get_mut(segment) else {
                 return;
             };
-            segment.idle_since_ms = self.clock.now_ms();
+            segment.idle_since_ms = self.limits.clock.now_ms();
         }
     }
 
@@ -301,7 +294,7 @@ impl DeviceHeap {
             return (true, b.size);
         }
         match self.segments.range(b.segment) {
-            Some(_) if b.next == NIL => (false, 0),
+            Some(_) if b.is_last() => (false, 0),
             Some((base, pages)) => (true, pages.pinned_bytes(b.addr - base, b.addr - base + b.size)),
             None => (true, b.size),
         }
@@ -315,15 +308,10 @@ impl DeviceHeap {
         if ptr >= segment.base + segment.size {
             return InvalidFree::Foreign;
         }
-        let mut cur = segment.first_block;
-        while cur != NIL {
-            let b = &self.blocks[cur];
-            if ptr < b.addr + b.size {
-                return if b.is_allocated() { InvalidFree::Interior { block: b.addr } } else { InvalidFree::NotLive };
-            }
-            cur = b.next;
+        match self.blocks.walk_segment(segment.first_block).find(|(_, b)| ptr < b.addr + b.size) {
+            Some((_, b)) if b.is_allocated() => InvalidFree::Interior { block: b.addr },
+            _ => InvalidFree::NotLive,
         }
-        InvalidFree::NotLive
     }
 
     /// Counts a free whose stated size differed from the block's.

@@ -2,7 +2,15 @@
 //! snapshots (`history.rs`), and the contexts allocations were made with.
 //! One flag, `observed`, keeps the hot path to a single test while none is on.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::history::History;
+use super::DeviceHeap;
+use crate::error::AllocError;
+use crate::recording::rows::Action;
+use crate::recording::{Recorder, TraceBuffer};
+use crate::types::Stream;
 
 /// Who watches the heap.
 #[derive(Default)]

@@ -105,29 +105,19 @@ impl Pool {
         let bin = bin_of(size);
         let head = self.heads[bin];
         if head == NIL || blocks[head].size >= size {
-            let b = &mut blocks[id];
-            b.link_prev = NIL;
-            b.link_next = head;
+            blocks.link_front(id, head);
             if head == NIL {
                 self.mark(bin, true);
-            } else {
-                blocks[head].link_prev = id;
             }
             self.heads[bin] = id;
         } else {
             let mut prev = head;
-            let mut cur = blocks[head].link_next;
+            let mut cur = blocks[head].link_next();
             while cur != NIL && blocks[cur].size < size {
                 prev = cur;
-                cur = blocks[cur].link_next;
+                cur = blocks[cur].link_next();
             }
-            let b = &mut blocks[id];
-            b.link_prev = prev;
-            b.link_next = cur;
-            if cur != NIL {
-                blocks[cur].link_prev = id;
-            }
-            blocks[prev].link_next = id;
+            blocks.link_after(id, prev);
         }
         self.free_bytes += size;
         self.free_blocks += 1;
@@ -136,17 +126,9 @@ impl Pool {
     /// Unlinks the free block `id` of `size` bytes from its bin.
     #[inline]
     pub fn remove(&mut self, blocks: &mut BlockArena, id: BlockId, size: u64) {
-        let (prev, next) = {
-            let b = &mut blocks[id];
-            b.state = BlockState::Detached;
-            (b.link_prev, b.link_next)
-        };
-        if next != NIL {
-            blocks[next].link_prev = prev;
-        }
-        if prev != NIL {
-            blocks[prev].link_next = next;
-        } else {
+        blocks[id].state = BlockState::Detached;
+        let (prev, next) = blocks.unlink(id);
+        if prev == NIL {
             let bin = bin_of(size);
             self.heads[bin] = next;
             if next == NIL {
@@ -197,7 +179,7 @@ impl Pool {
         let own = bin_of(rounded);
         let mut cur = self.heads[own];
         while cur != NIL && blocks[cur].size < rounded {
-            cur = blocks[cur].link_next;
+            cur = blocks[cur].link_next();
         }
         if cur == NIL {
             if own + 1 >= BIN_COUNT {
@@ -211,7 +193,7 @@ impl Pool {
     /// The free block after `id` in size order: the next in its bin, else
     /// the head of the first non-empty bin above.
     fn next_in_size_order(&self, blocks: &BlockArena, id: BlockId) -> Option<BlockId> {
-        let next = blocks[id].link_next;
+        let next = blocks[id].link_next();
         if next != NIL {
             return Some(next);
         }
@@ -229,13 +211,7 @@ impl Pool {
         }
         let row = 63 - self.rows_nonempty.leading_zeros() as usize;
         let bin = row * SUBS + 31 - self.bins_nonempty[row].leading_zeros() as usize;
-        let mut cur = self.heads[bin];
-        let mut largest = 0;
-        while cur != NIL {
-            largest = blocks[cur].size;
-            cur = blocks[cur].link_next;
-        }
-        largest
+        blocks.walk_list(self.heads[bin]).last().map_or(0, |(_, b)| b.size)
     }
 
     /// Every block in the bins, bin by bin (smallest first).
@@ -249,22 +225,14 @@ impl Pool {
                 cur = bin.map_or(NIL, |b| self.heads[b]);
             }
             let id = cur;
-            cur = blocks[id].link_next;
+            cur = blocks[id].link_next();
             Some(id)
         })
     }
 
     /// The blocks of one bin, in list order.
     pub fn bin_members<'a>(&self, blocks: &'a BlockArena, bin: usize) -> impl Iterator<Item = BlockId> + 'a {
-        let mut cur = self.heads[bin];
-        std::iter::from_fn(move || {
-            if cur == NIL {
-                return None;
-            }
-            let id = cur;
-            cur = blocks[id].link_next;
-            Some(id)
-        })
+        blocks.walk_list(self.heads[bin]).map(|(id, _)| id)
     }
 }
 

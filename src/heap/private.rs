@@ -16,11 +16,11 @@
 //! - while any private pool is open (a capture may be underway), the heap
 //!   calls nothing a capture forbids: no event query or wait (pending frees
 //!   keep their blocks, frees needing events wait until the last pool
-//!   closes), no release of memory, no unmapping of pages, no lending of
+//!   closes), no release of memory, no unmapping of pages, no reuse of
 //!   blocks across streams. Growth (`cuMemAlloc`, mapping pages) is allowed,
 //!   as in PyTorch's allocator (the `cuda` backend relaxes the thread's
 //!   capture mode around it);
-//! - the free memory of private pools stays in them, never released nor lent
+//! - the free memory of private pools stays in them, never released nor borrowed
 //!   nor recycled, while any private pool of the heap is held (begun more
 //!   often than released). A pool used inside another's capture (a
 //!   `MemPool` inside a graph capture) may be released before the graph

@@ -69,7 +69,7 @@ pub(super) struct Donor {
 impl DeviceHeap {
     /// Turns moving cached pages before growth on (the default) or off.
     pub fn set_move_pages(&mut self, on: bool) {
-        self.recycling.off = !on;
+        self.paging.recycling.off = !on;
     }
 
     /// How far taking `bytes` more from the device would go past what the
@@ -78,7 +78,7 @@ impl DeviceHeap {
     /// driver (its free memory), asked only when the heap is about to grow.
     pub(super) fn over_limits(&self, bytes: u64) -> u64 {
         let free = self.backend.mem_info(self.device).map_or(u64::MAX, |info| info.free);
-        let over_cap = self.reserved_limit().map_or(0, |cap| (self.reserve.bytes() + bytes).saturating_sub(cap));
+        let over_cap = self.reserved_limit().map_or(0, |cap| (self.limits.reserve.bytes() + bytes).saturating_sub(cap));
         bytes.saturating_sub(free).max(over_cap)
     }
 
@@ -98,17 +98,36 @@ impl DeviceHeap {
         // driver's, which tags' ranges always use (a heap mapping larger
         // pages, `set_expandable_page`, moves nothing).
         let driver_page = self.backend.vm_page_size(self.device);
-        if self.vm.is_none_or(|vm| Some(vm.page) != driver_page) || self.recycling.off || !self.may_release() {
+        if self.paging.vm.is_none_or(|vm| Some(vm.page) != driver_page) || self.paging.recycling.off || !self.may_release() {
             return donors;
         }
         let mut want = self.over_limits(bytes);
         if want == 0 {
             return donors;
         }
-        let page = self.vm.map_or(0, |vm| vm.page);
         // A stashed block is a hole too (threads' cached blocks came back
         // before the block to map was taken: `take_block`).
         self.flush_stashes();
+        for candidate in self.recycling_sources(request, carved) {
+            let got = match candidate {
+                Source::Pages { block, from } => self.donate_pages(block, from, want, &mut donors),
+                Source::Segment(segment) => self.release_whole_segment(segment).bytes,
+            };
+            want = want.saturating_sub(got);
+            if want == 0 {
+                break;
+            }
+        }
+        donors
+    }
+
+    /// Where cached memory can come from before a growth, longest free
+    /// first (ties: the block `carved` is carved from, past its first
+    /// `request` bytes; small segments; then holes, each in address order):
+    /// holes with whole allocations inside and small segments that are one
+    /// free block, in pools that need not keep their memory.
+    fn recycling_sources(&self, request: u64, carved: Option<BlockId>) -> Vec<Source> {
+        let page = self.paging.vm.map_or(0, |vm| vm.page);
         let mut candidates: Vec<(u64, Source)> = Vec::new();
         if let Some(block) = carved {
             // (A held private pool's free blocks keep their memory: a graph
@@ -118,16 +137,10 @@ impl DeviceHeap {
                 candidates.push((b.freed_at, Source::Pages { block, from: b.addr + request }));
             }
         }
-        // The free blocks, pool by pool: holes with whole allocations
-        // inside, small segments that are one free block.
-        for pool in self.pools.ids() {
-            if self.keeps_memory(pool) {
-                continue;
-            }
+        for pool in self.pools.ids().filter(|&pool| !self.keeps_memory(pool)) {
             for id in self.pools[pool].free_members(&self.blocks) {
                 let b = &self.blocks[id];
-                let segment = self.segments.get(b.segment).expect("a binned block's segment");
-                if segment.pages.is_some() {
+                if self.segments[b.segment].pages.is_some() {
                     // (A block smaller than a page holds no whole one.)
                     if b.size >= page && self.is_hole(id) {
                         candidates.push((b.freed_at, Source::Pages { block: id, from: b.addr }));
@@ -137,45 +150,38 @@ impl DeviceHeap {
                 }
             }
         }
-        // Longest free first; ties: the carved block, small segments, then
-        // holes, each in address order.
-        let order = |source: &Source, blocks: &super::block::BlockArena| match *source {
+        let order = |source: &Source| match *source {
             Source::Pages { block, .. } if Some(block) == carved => (0, 0),
             Source::Segment(segment) => (1, u64::from(segment.raw())),
-            Source::Pages { block, .. } => (2, blocks[block].addr),
+            Source::Pages { block, .. } => (2, self.blocks[block].addr),
         };
-        candidates.sort_by_key(|(freed_at, source)| (*freed_at, order(source, &self.blocks)));
-        for (_, candidate) in candidates {
-            let got = match candidate {
-                Source::Pages { block, from } => {
-                    let stream = self.pools[self.blocks[block].pool].stream;
-                    if self.backend.synchronize_stream(self.device, stream).is_err() {
-                        self.stats.events.num_stream_sync_errors += 1;
-                        continue;
-                    }
-                    let b = &self.blocks[block];
-                    // The allocations the growth needs; the rest stay cached.
-                    let mut left = want.div_ceil(page);
-                    let mut got = 0;
-                    let segment = b.segment;
-                    for (first, pages) in self.allocations_within(segment, from, b.addr + b.size) {
-                        if left == 0 {
-                            break;
-                        }
-                        left = left.saturating_sub(pages);
-                        donors.push(Donor { segment, first, pages });
-                        got += pages * page;
-                    }
-                    got
-                }
-                Source::Segment(segment) => self.release_whole_segment(segment).bytes,
-            };
-            want = want.saturating_sub(got);
-            if want == 0 {
+        candidates.sort_by_key(|(freed_at, source)| (*freed_at, order(source)));
+        candidates.into_iter().map(|(_, source)| source).collect()
+    }
+
+    /// Adds to `donors` the allocations inside the free block `block` from
+    /// `from` on, once its stream's queued work has run, until they hold
+    /// `want` bytes (the rest stay cached). Returns the bytes they hold.
+    fn donate_pages(&mut self, block: BlockId, from: u64, want: u64, donors: &mut Vec<Donor>) -> u64 {
+        let page = self.paging.vm.map_or(0, |vm| vm.page);
+        let stream = self.pools[self.blocks[block].pool].stream;
+        if self.backend.synchronize_stream(self.device, stream).is_err() {
+            self.stats.events.num_stream_sync_errors += 1;
+            return 0;
+        }
+        let b = &self.blocks[block];
+        let mut left = want.div_ceil(page);
+        let mut got = 0;
+        let segment = b.segment;
+        for (first, pages) in self.allocations_within(segment, from, b.addr + b.size) {
+            if left == 0 {
                 break;
             }
+            left = left.saturating_sub(pages);
+            donors.push(Donor { segment, first, pages });
+            got += pages * page;
         }
-        donors
+        got
     }
 
     /// Moves the memory of the donors `run` (allocations next to each other
@@ -212,7 +218,7 @@ impl DeviceHeap {
         let mut left = bytes;
         while left > 0 && !donors.is_empty() {
             let pages = |i: usize| donors[i].pages;
-            let page = self.vm.map_or(1, |vm| vm.page);
+            let page = self.paging.vm.map_or(1, |vm| vm.page);
             let covering = (0..donors.len()).filter(|&i| pages(i) * page >= left).min_by_key(|&i| pages(i));
             let index = covering.unwrap_or_else(|| (0..donors.len()).max_by_key(|&i| pages(i)).expect("not empty"));
             let donor = donors.remove(index);

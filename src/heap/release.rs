@@ -2,19 +2,37 @@
 //! memory fraction), the reclaimer's pass (the release policy applied to
 //! idle segments), the release of whole free segments, and what an
 //! out-of-memory needs from the other processes on the device (the device
-//! layer asks them: `crate::device`).
+//! layer asks them: `crate::device`). Owns `Limits`: the reserved count
+//! and cap shared with the device's other heaps, the policy, its clock.
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
 
-use super::block::NIL;
 use super::history::HistoryAction;
 use super::ids::{PoolId, SegmentId};
+use super::reserve::Reserve;
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::reclaim::policy::{decide, IdleSegment, Policy, Pressure, Reason};
 use crate::reclaim::Clock;
 use crate::types::Stream;
+
+/// What bounds a heap's memory, and when it gives memory back.
+pub(super) struct Limits {
+    /// The device's reserved count and memory-fraction cap, shared with
+    /// the other heaps of the device (one per stream shard).
+    pub reserve: Arc<Reserve>,
+    /// When to give memory back; the budget also caps growth.
+    pub policy: Policy,
+    /// The reclaimer's clock, for idle stamps.
+    pub clock: Arc<Clock>,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits { reserve: Arc::default(), policy: Policy::RELEASE_NOTHING, clock: Clock::new() }
+    }
+}
 
 impl DeviceHeap {
     /// The memory the other processes would have to give back for a
@@ -30,8 +48,8 @@ impl DeviceHeap {
     /// processes giving memory back could do for this heap.
     #[cold]
     pub(super) fn need_within_cap(&self, need: u64) -> u64 {
-        let limit = self.reserve.limit().min(self.policy.max_reserved);
-        if self.reserve.bytes().saturating_add(need) > limit {
+        let limit = self.limits.reserve.limit().min(self.limits.policy.max_reserved);
+        if self.limits.reserve.bytes().saturating_add(need) > limit {
             return 0;
         }
         need
@@ -43,7 +61,7 @@ impl DeviceHeap {
         self.claim_reserved(size)?;
         let result = self.backend.allocate(self.device, size, stream);
         if result.is_err() {
-            self.reserve.give_back(size);
+            self.limits.reserve.give_back(size);
         }
         result
     }
@@ -54,7 +72,7 @@ impl DeviceHeap {
     /// device) before the backend is asked, so two shards cannot both pass
     /// the cap.
     pub(super) fn claim_reserved(&mut self, size: u64) -> Result<(), BackendError> {
-        if !self.reserve.claim(size, self.policy.max_reserved) {
+        if !self.limits.reserve.claim(size, self.limits.policy.max_reserved) {
             return Err(BackendError::OutOfMemory);
         }
         Ok(())
@@ -62,14 +80,14 @@ impl DeviceHeap {
 
     /// The cap on reserved bytes: the memory fraction's or the budget's, the lower.
     pub fn reserved_limit(&self) -> Option<u64> {
-        let limit = self.reserve.limit().min(self.policy.max_reserved);
+        let limit = self.limits.reserve.limit().min(self.limits.policy.max_reserved);
         (limit != u64::MAX).then_some(limit)
     }
 
     /// Sets the release policy and the clock its idle stamps use.
     pub fn set_policy(&mut self, policy: Policy, clock: Arc<Clock>) {
-        self.policy = policy;
-        self.clock = clock;
+        self.limits.policy = policy;
+        self.limits.clock = clock;
         self.release_over_budget();
     }
 
@@ -79,8 +97,8 @@ impl DeviceHeap {
         let Some(limit) = self.reserved_limit() else {
             return;
         };
-        if self.reserve.bytes() > limit {
-            let policy = Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: limit };
+        if self.limits.reserve.bytes() > limit {
+            let policy = Policy { max_reserved: limit, ..Policy::RELEASE_NOTHING };
             self.apply(&policy);
         }
     }
@@ -90,7 +108,7 @@ impl DeviceHeap {
         self.stats.events.num_reclaims += 1;
         self.recall_idle();
         self.process_pending(false);
-        let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.policy };
+        let policy = Policy { max_reserved: self.reserved_limit().unwrap_or(u64::MAX), ..self.limits.policy };
         self.apply(&policy)
     }
 
@@ -108,17 +126,17 @@ impl DeviceHeap {
             .filter_map(|(id, s)| {
                 let b = &self.blocks[s.first_block];
                 let size = s.pages.as_ref().map_or(s.size, |p| p.mapped_bytes());
-                let whole_free = !b.is_active() && b.next == NIL && !self.keeps_memory(s.pool);
+                let whole_free = !b.is_active() && b.is_last() && !self.keeps_memory(s.pool);
                 whole_free.then_some(IdleSegment { id: id.raw(), size, idle_since_ms: s.idle_since_ms })
             })
             .collect();
         let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
-        let pressure = Pressure { device_free, reserved: self.reserve.bytes() };
+        let pressure = Pressure { device_free, reserved: self.limits.reserve.bytes() };
         // Candidates past the segments' ids are holes: index into `holes`.
         // Without pressure only holes past the idle deadline can go, so the
         // walk (under the heap's lock) looks at no others.
         let under_pressure = pressure.reserved > policy.max_reserved || pressure.device_free < policy.headroom;
-        let idle_before = if under_pressure { u64::MAX } else { self.clock.now_ms().saturating_sub(policy.release_after_ms) };
+        let idle_before = if under_pressure { u64::MAX } else { self.limits.clock.now_ms().saturating_sub(policy.release_after_ms) };
         // Holes hold pages in any pool that grows by pages: expandable
         // segments', and tags' (paged whatever `expandable` says).
         let paged = self.pools.iter().any(|(_, p)| p.vm.is_some());
@@ -134,7 +152,7 @@ impl DeviceHeap {
         if idle.is_empty() {
             return Released::default();
         }
-        let chosen = decide(policy, self.clock.now_ms(), &idle, pressure);
+        let chosen = decide(policy, self.limits.clock.now_ms(), &idle, pressure);
         let segment_count = self.segments.slot_count() as u32;
         let mut total = Released::default();
         for reason in Reason::ALL {
@@ -195,7 +213,7 @@ impl DeviceHeap {
                 continue;
             }
             let block = &self.blocks[segment.first_block];
-            if block.is_active() || block.next != NIL || !select(segment_id, segment) {
+            if block.is_active() || !block.is_last() || !select(segment_id, segment) {
                 continue;
             }
             released += self.release_whole_segment(segment_id);
@@ -218,7 +236,7 @@ impl DeviceHeap {
         self.forget_segment(segment_id);
         self.note(HistoryAction::SegmentFree, base, size, self.pools[pool].stream);
         self.stats.reserved_bytes.decrease(kind, size);
-        self.reserve.give_back(size);
+        self.limits.reserve.give_back(size);
         self.stats.events.num_device_free += 1;
         Released { segments: 1, bytes: size }
     }

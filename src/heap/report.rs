@@ -2,7 +2,17 @@
 //! snapshots of its segments and blocks, the segment of a pointer, the
 //! report of an out-of-memory.
 
-use super::*;
+use std::collections::HashMap;
+
+use super::block::BlockState;
+use super::private::PrivatePoolId;
+use super::DeviceHeap;
+use crate::error::OomReport;
+use crate::page_map::PageMap;
+use crate::size_class::PoolKind;
+use crate::stats::Stats;
+use crate::tag::TagId;
+use crate::types::Stream;
 
 /// The three byte counts a replay follows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -47,6 +57,34 @@ pub struct BlockSnapshot {
     pub context: u64,
 }
 
+/// What one tag holds on one heap.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TagStats {
+    /// Live blocks of the tag (count).
+    pub allocations: u64,
+    /// Bytes of the tag's live blocks (rounded sizes).
+    pub allocated_bytes: u64,
+    /// Device memory the tag's ranges hold now (mapped pages).
+    pub reserved_bytes: u64,
+    /// Device memory the pause gave back (0 unless paused).
+    pub paused_bytes: u64,
+    /// Host bytes holding the tag's contents while paused with offload.
+    pub offloaded_bytes: u64,
+    /// Whether the tag is paused.
+    pub paused: bool,
+}
+
+impl std::ops::AddAssign for TagStats {
+    fn add_assign(&mut self, other: TagStats) {
+        self.allocations += other.allocations;
+        self.allocated_bytes += other.allocated_bytes;
+        self.reserved_bytes += other.reserved_bytes;
+        self.paused_bytes += other.paused_bytes;
+        self.offloaded_bytes += other.offloaded_bytes;
+        self.paused |= other.paused;
+    }
+}
+
 impl DeviceHeap {
     /// The segment holding `ptr`: its base and size.
     pub fn segment_of(&self, ptr: u64) -> Option<(u64, u64)> {
@@ -76,12 +114,11 @@ impl DeviceHeap {
             };
             let pool = &self.pools[segment.pool];
             // Blocks and runs both ascend: one walk over the blocks.
-            let mut cur = segment.first_block;
+            let mut walk = self.blocks.walk_segment(segment.first_block).peekable();
             for (start, end) in runs {
                 let (start, end) = (segment.base + start, segment.base + end);
                 let mut blocks = Vec::new();
-                while cur != NIL && self.blocks[cur].addr < end {
-                    let b = &self.blocks[cur];
+                while let Some(&(_, b)) = walk.peek().filter(|(_, b)| b.addr < end) {
                     let (from, to) = (b.addr.max(start), (b.addr + b.size).min(end));
                     if from < to {
                         let (address, size, requested, context) = (from, to - from, b.requested, self.context_of(b.addr));
@@ -92,7 +129,7 @@ impl DeviceHeap {
                     if b.addr + b.size > end {
                         break; // the block goes on into the next run
                     }
-                    cur = b.next;
+                    walk.next();
                 }
                 out.push(SegmentSnapshot {
                     address: start,
@@ -173,8 +210,8 @@ impl DeviceHeap {
             device_free: info.map(|i| i.free),
             device_total: info.map(|i| i.total),
             reserved_limit: self.reserved_limit(),
-            limit_is_budget: self.policy.max_reserved < self.reserve.limit(),
-            expandable: self.vm.is_some(),
+            limit_is_budget: self.limits.policy.max_reserved < self.limits.reserve.limit(),
+            expandable: self.paging.vm.is_some(),
             capturing: !self.may_release(),
             need_from_others,
         }
@@ -188,5 +225,75 @@ impl DeviceHeap {
             allocated: self.stats.allocated_bytes.total(),
             reserved: self.stats.reserved_bytes.total(),
         }
+    }
+
+    /// What `tag` holds on this heap; nothing for "default", which has no
+    /// pools of its own (`stats()` has what untagged allocations hold).
+    pub fn tag_stats(&mut self, tag: TagId) -> TagStats {
+        if tag == TagId::DEFAULT {
+            return TagStats::default();
+        }
+        for pool in self.tag_pools(tag) {
+            self.flush_stash(pool);
+        }
+        let mut stats = TagStats::default();
+        for id in self.tag_segments(tag) {
+            let segment = self.segments.get(id).expect("listed");
+            stats.reserved_bytes += segment.pages.as_ref().map_or(segment.size, |p| p.mapped_bytes());
+            for (_, b) in self.blocks.walk_segment(segment.first_block).filter(|(_, b)| b.is_allocated()) {
+                stats.allocations += 1;
+                stats.allocated_bytes += b.size;
+            }
+        }
+        if let Some(paused) = self.tags.paused.get(&tag) {
+            stats.paused = true;
+            stats.paused_bytes = paused.given_back;
+            stats.offloaded_bytes = paused.offloaded_bytes();
+        }
+        stats
+    }
+
+    /// Device bytes given back by paused tags, host bytes holding their
+    /// contents (`Stats::paused_bytes`, `offloaded_bytes`), and the bytes
+    /// of their active blocks on unmapped pages (active, but holding no
+    /// device memory).
+    pub(super) fn paused_totals(&mut self) -> (u64, u64, u64) {
+        if self.tags.paused.is_empty() {
+            return (0, 0, 0);
+        }
+        let (mut given, mut held, mut unmapped) = (0, 0, 0);
+        for (&tag, paused) in &self.tags.paused {
+            given += paused.given_back;
+            held += paused.offloaded_bytes();
+            for id in self.tag_segments(tag) {
+                let segment = self.segments.get(id).expect("listed");
+                let Some(pages) = segment.pages.as_ref() else { continue };
+                for (_, b) in self.blocks.walk_segment(segment.first_block).filter(|(_, b)| b.is_active()) {
+                    let offset = b.addr - segment.base;
+                    unmapped += b.size - pages.mapped_bytes_within(offset, offset + b.size);
+                }
+            }
+        }
+        (given, held, unmapped)
+    }
+
+    /// The paused state of the ranges, for snapshots: the base of every
+    /// range of a paused tag, with its saved runs as (address, bytes).
+    pub(super) fn paused_ranges(&self) -> HashMap<u64, Vec<(u64, u64)>> {
+        let page = self.tags.page();
+        let mut out: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
+        for (&tag, paused) in &self.tags.paused {
+            for id in self.tag_segments(tag) {
+                let base = self.segments.get(id).expect("listed").base;
+                out.entry(base).or_default();
+            }
+            for run in &paused.runs {
+                out.entry(run.base).or_default().push((run.base + run.first_page * page, run.pages * page));
+            }
+        }
+        for runs in out.values_mut() {
+            runs.sort_unstable();
+        }
+        out
     }
 }
