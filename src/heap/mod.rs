@@ -66,7 +66,8 @@
 //!   as active, not allocated; lent blocks as free while cached, allocated
 //!   once handed out again);
 //! - each pending block waits for as many queued events as it is named in,
-//!   and at least one, or for the end of a capture (`streams.rs`);
+//!   and at least one, or for the end of a capture (`streams.rs`); streams
+//!   are recorded only for allocated blocks, never a block's own stream;
 //! - each pool grows as its tag and kind say (`Pool::vm`: pages of reserved
 //!   ranges, or whole segments);
 //! - each pool is filed once, under its own stream, private pool, tag and

@@ -23,8 +23,12 @@
 //! tighter while memory is plentiful made hundreds of calls a step, the
 //! same moves each step).
 //!
+//! Owns `Recycling` (the heap's clock of frees, and whether pages move),
+//! kept in `Paging`.
+//!
 //! Invariant: pages move only for the part of a growth that would pass the
-//! device's free memory or the cap.
+//! device's free memory or the cap (a rule of the code: `over_limits` is
+//! what the donors are sized to; no figure of the heap records it).
 #![forbid(unsafe_code)]
 
 use std::ops::Range;

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use super::block::BlockId;
 use super::history::HistoryAction;
 use super::ids::{PoolId, SegmentId};
 use super::reserve::Reserve;
@@ -120,6 +121,31 @@ impl DeviceHeap {
             return Released::default();
         }
         self.flush_stashes();
+        let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
+        let pressure = Pressure { device_free, reserved: self.limits.reserve.bytes() };
+        let (idle, holes) = self.release_candidates(policy, pressure);
+        if idle.is_empty() {
+            return Released::default();
+        }
+        let chosen = decide(policy, self.limits.clock.now_ms(), &idle, pressure);
+        let mut total = Released::default();
+        for reason in Reason::ALL {
+            let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
+            if !ids.is_empty() {
+                let released = self.release_chosen(&ids, &holes);
+                self.stats.events.released[reason as usize] += released;
+                total += released;
+            }
+        }
+        total
+    }
+
+    /// What the policy chooses among: the whole free segments (by id), then
+    /// the holes (ids past the segments' slots, each indexing the holes
+    /// returned, with the bytes it would give back). Without pressure only
+    /// holes past the idle deadline can go, so the walk (under the heap's
+    /// lock) looks at no others.
+    fn release_candidates(&self, policy: &Policy, pressure: Pressure) -> (Vec<IdleSegment>, Vec<(BlockId, u64)>) {
         let mut idle: Vec<IdleSegment> = self
             .segments
             .iter()
@@ -130,11 +156,6 @@ impl DeviceHeap {
                 whole_free.then_some(IdleSegment { id: id.raw(), size, idle_since_ms: s.idle_since_ms })
             })
             .collect();
-        let device_free = if policy.headroom > 0 { self.backend.mem_info(self.device).map_or(u64::MAX, |i| i.free) } else { u64::MAX };
-        let pressure = Pressure { device_free, reserved: self.limits.reserve.bytes() };
-        // Candidates past the segments' ids are holes: index into `holes`.
-        // Without pressure only holes past the idle deadline can go, so the
-        // walk (under the heap's lock) looks at no others.
         let under_pressure = pressure.reserved > policy.max_reserved || pressure.device_free < policy.headroom;
         let idle_before = if under_pressure { u64::MAX } else { self.limits.clock.now_ms().saturating_sub(policy.release_after_ms) };
         // Holes hold pages in any pool that grows by pages: expandable
@@ -149,31 +170,23 @@ impl DeviceHeap {
             let id = u32::try_from(self.segments.slot_count() + index).expect("fewer than 4 billion candidates");
             idle.push(IdleSegment { id, size: bytes, idle_since_ms: self.blocks[block].idle_since_ms });
         }
-        if idle.is_empty() {
-            return Released::default();
-        }
-        let chosen = decide(policy, self.limits.clock.now_ms(), &idle, pressure);
+        (idle, holes)
+    }
+
+    /// Releases the candidates `ids` (as `release_candidates` numbers them).
+    fn release_chosen(&mut self, ids: &[u32], holes: &[(BlockId, u64)]) -> Released {
         let segment_count = self.segments.slot_count() as u32;
-        let mut total = Released::default();
-        for reason in Reason::ALL {
-            let ids: Vec<u32> = chosen.iter().filter(|c| c.1 == reason).map(|c| c.0).collect();
-            if ids.is_empty() {
-                continue;
-            }
-            let mut released = Released::default();
-            let whole: Vec<SegmentId> = ids.iter().filter(|&&id| id < segment_count).map(|&id| SegmentId::new(id as usize)).collect();
-            if !whole.is_empty() {
-                // Chosen as whole free segments: no pending free is in them,
-                // so none is waited for (the heap stays locked meanwhile).
-                released += self.release_segments_where(false, |id, _| whole.contains(&id));
-            }
-            for id in ids.into_iter().filter(|&id| id >= segment_count) {
-                released.bytes += self.release_hole(holes[(id - segment_count) as usize].0);
-            }
-            self.stats.events.released[reason as usize] += released;
-            total += released;
+        let mut released = Released::default();
+        let whole: Vec<SegmentId> = ids.iter().filter(|&&id| id < segment_count).map(|&id| SegmentId::from_raw(id)).collect();
+        if !whole.is_empty() {
+            // Chosen as whole free segments: no pending free is in them,
+            // so none is waited for (the heap stays locked meanwhile).
+            released += self.release_segments_where(false, |id, _| whole.contains(&id));
         }
-        total
+        for &id in ids.iter().filter(|&&id| id >= segment_count) {
+            released.bytes += self.release_hole(holes[(id - segment_count) as usize].0);
+        }
+        released
     }
 
     /// Releases every segment that is one whole free block and that `keep`

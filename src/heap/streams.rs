@@ -8,7 +8,8 @@
 //! Invariants (checked by `validate()`, through `PendingFrees::check`):
 //! each pending block waits for as many queued events as it is named in,
 //! and at least one, or for the end of a capture, never both; each stream
-//! has one queue; a block waits exactly when it is `Pending`.
+//! has one queue; a block waits exactly when it is `Pending`; streams are
+//! recorded only for allocated blocks, never a block's own stream.
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, HashSet, VecDeque};

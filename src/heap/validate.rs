@@ -94,6 +94,7 @@ impl DeviceHeap {
         }
         self.check_records_and_address_map(&walked, known.stashed.len())?;
         self.check_contexts()?;
+        self.check_recorded_streams()?;
         for &id in &known.pending {
             ensure!(self.blocks[id].state == BlockState::Pending, "block {id} waits for events but is {:?}", self.blocks[id].state);
         }
@@ -265,6 +266,19 @@ impl DeviceHeap {
             self.observers.contexts.is_empty() || self.observers.observed,
             "contexts are kept but frees are not observed: they would go stale"
         );
+        Ok(())
+    }
+
+    /// Streams are recorded only for allocated blocks, and never a block's own.
+    fn check_recorded_streams(&self) -> Result<(), String> {
+        for (&addr, streams) in &self.streams.recorded {
+            let block = self.by_addr.get(addr).filter(|&id| self.blocks[id].is_allocated());
+            let Some(id) = block else {
+                return Err(format!("streams are recorded for {addr:#x}, which is no allocated block"));
+            };
+            let own = self.pools[self.blocks[id].pool].stream;
+            ensure!(!streams.contains(&own), "block {id} at {addr:#x} records its own stream {own:?}");
+        }
         Ok(())
     }
 
