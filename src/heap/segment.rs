@@ -182,3 +182,40 @@ impl std::ops::IndexMut<SegmentId> for Segments {
         self.get_mut(id).expect("a held segment")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segment(base: u64) -> impl FnOnce(SegmentId) -> Segment {
+        move |_| Segment { base, size: 1 << 20, pages: None, pool: PoolId::new(0), first_block: BlockId::new(0), idle_since_ms: 0 }
+    }
+
+    #[test]
+    fn slots_are_reused_and_found_by_address() {
+        let mut segments = Segments::default();
+        let a = segments.insert(segment(1 << 30));
+        let b = segments.insert(segment(1 << 31));
+        assert_eq!(segments.containing((1 << 30) + 5).map(|(id, _)| id), Some(a));
+        assert!(segments.containing((1 << 30) + (1 << 20)).is_none(), "past its end");
+        segments.remove(a);
+        segments.check().unwrap();
+        let c = segments.insert(segment(1 << 32));
+        assert_eq!(c, a, "the empty slot is reused");
+        assert_eq!(segments.by_address().map(|(id, _)| id).collect::<Vec<_>>(), [b, c]);
+        segments.check().unwrap();
+    }
+
+    #[test]
+    fn a_broken_table_is_caught() {
+        let mut segments = Segments::default();
+        let a = segments.insert(segment(1 << 30));
+        segments.remove(a);
+        segments.unused.clear();
+        assert!(segments.check().unwrap_err().contains("not reusable"));
+        let mut segments = Segments::default();
+        segments.insert(segment(1 << 30));
+        segments.by_base.clear();
+        assert!(segments.check().unwrap_err().contains("not indexed by base"));
+    }
+}

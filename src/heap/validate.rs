@@ -491,4 +491,20 @@ mod tests {
         heap.observers.contexts.insert(p, 9); // freed (and stashed): no longer live
         assert!(heap.validate().unwrap_err().contains("no allocated or pending block"));
     }
+
+    #[test]
+    fn a_stream_recorded_for_a_freed_block_is_caught() {
+        let (mut heap, ptrs) = heap_with_holes();
+        heap.record_stream(ptrs[2], Stream(7)).unwrap();
+        heap.validate().unwrap();
+        heap.streams.recorded.insert(ptrs[1], vec![Stream(7)]); // ptrs[1] is free
+        assert!(heap.validate().unwrap_err().contains("no allocated block"));
+    }
+
+    #[test]
+    fn a_block_recording_its_own_stream_is_caught() {
+        let (mut heap, ptrs) = heap_with_holes();
+        heap.streams.recorded.insert(ptrs[2], vec![Stream::DEFAULT]);
+        assert!(heap.validate().unwrap_err().contains("records its own stream"));
+    }
 }
