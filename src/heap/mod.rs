@@ -79,14 +79,14 @@
 #![forbid(unsafe_code)]
 
 mod allocate;
-pub(crate) mod block;
+mod block;
 mod expandable;
 mod free;
 pub(crate) mod history;
 mod ids;
-pub(crate) mod lent;
+mod lent;
 mod observe;
-pub(crate) mod pool;
+mod pool;
 pub(crate) mod private;
 mod recycle;
 mod release;
@@ -95,7 +95,7 @@ pub mod reserve;
 mod routing;
 mod segment;
 mod streams;
-pub(crate) mod tags;
+mod tags;
 mod validate;
 
 use std::sync::Arc;
