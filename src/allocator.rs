@@ -17,8 +17,8 @@ use crate::error::{AllocError, InvalidArgument, TagError, TagState};
 use crate::frames::{self, Frame};
 use crate::heap::history::HistoryEntry;
 use crate::heap::private::PrivatePoolId;
-use crate::heap::tags::TagStats;
-use crate::heap::{DeviceHeap, SegmentSnapshot};
+
+use crate::heap::{DeviceHeap, SegmentSnapshot, TagStats};
 use crate::reclaim;
 use crate::recording;
 use crate::stats::{Released, Stats};

@@ -21,8 +21,8 @@ use crate::error::AllocError;
 use crate::heap::history::HistoryEntry;
 use crate::heap::private::PrivatePoolId;
 use crate::heap::reserve::Reserve;
-use crate::heap::tags::TagStats;
-use crate::heap::{DeviceHeap, FreedOrLent, SegmentSnapshot, Totals};
+
+use crate::heap::{DeviceHeap, FreedOrLent, SegmentSnapshot, TagStats, Totals};
 use crate::reclaim::policy::Reason;
 use crate::reclaim::Clock;
 use crate::recording::Recorder;
@@ -56,7 +56,7 @@ impl Device {
                 let mut heap = DeviceHeap::new(index, config.rules.clone(), backend.clone());
                 heap.share_reserve(reserve.clone());
                 heap.set_stash(config.stash);
-                heap.set_lend_across_streams(config.lend_across_streams);
+                heap.set_cross_stream_reuse(config.lend_across_streams);
                 // On by default where the backend maps pages; a device that
                 // cannot (an old driver) says so and keeps whole segments.
                 let expandable = config.expandable && backend.maps_pages();

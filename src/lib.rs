@@ -11,7 +11,9 @@
 //! that must call upward takes a closure.
 //! - below the heap: `types` (Stream, DevicePtr), `sync` (the lock: std's,
 //!   which keeps no state outside its word), `fork` (the fork count, the
-//!   locks held across a fork, lists claimed without a lock), `log`,
+//!   locks held across a fork, lists claimed without a lock), `addr_map`
+//!   (address -> number, the pointer lookup of frees and threads' caches),
+//!   `page_map` (which pages of a reserved range hold memory), `log`,
 //!   `user_file` (writing a file to a path the user named), `proc_info`
 //!   (when a process started: a live pid from a reused one),
 //!   `size_class` (the bin math), `backend` (the only code that talks to a
@@ -21,8 +23,9 @@
 //!   `stats`, `config`, `registry` (the file processes on one device share), `cache_owner`
 //!   (a thread's records of its cache), `cache_slot` (what a thread's cache
 //!   shares with the heap);
-//! - `heap`: one `DeviceHeap` per stream shard (pools, segments, pages,
-//!   blocks, statistics, history);
+//! - `heap`: one `DeviceHeap` per stream shard (blocks, segments, pools,
+//!   pages, tags, stream safety, statistics, history; `heap/mod.rs` lists
+//!   its parts);
 //! - the device: `cooperation` (its registry slot, asking and answering),
 //!   `device` (one GPU's shards, routing, reserved count and cap, the
 //!   out-of-memory ladder, figures over the shards), `thread_cache` (a
@@ -93,8 +96,8 @@ pub use error::{AllocError, ExpandableError, InvalidArgument, InvalidFree, OomRe
 pub use frames::Frame;
 pub use heap::history::{HistoryAction, HistoryEntry};
 pub use heap::private::PrivatePoolId;
-pub use heap::tags::TagStats;
-pub use heap::{BlockSnapshot, SegmentSnapshot};
+
+pub use heap::{BlockSnapshot, SegmentSnapshot, TagStats};
 pub use process::global;
 pub use stats::{Events, Released, Stat, StatByPool, Stats};
 pub use tag::TagId;

@@ -5,7 +5,16 @@
 //! that says it is exhausted: the out-of-memory ladder (releasing, asking
 //! the other processes, retrying, counting) is the device's (device.rs).
 
-use super::*;
+use super::block::{BlockId, BlockState, NIL};
+use super::history::HistoryAction;
+use super::ids::PoolId;
+use super::segment::Segment;
+use super::DeviceHeap;
+use crate::backend::BackendError;
+use crate::error::AllocError;
+use crate::page_map::PageMap;
+use crate::recording::rows::Action;
+use crate::types::Stream;
 
 /// How many free blocks past the best fit a request of an expandable
 /// segment looks at for one whose pages are mapped (`DeviceHeap::fit`):
@@ -30,10 +39,10 @@ impl DeviceHeap {
     /// before best fit looks, as PyTorch does; one of them, merged after
     /// the stashed block, could come first.)
     #[inline(always)]
-    pub(super) fn allocate_in(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
-        let stashed = self.pools[pool as usize].stash;
-        if stashed != NIL && self.blocks[stashed].size == rounded && !self.pending.awaits_events() {
-            self.pools[pool as usize].stash = NIL;
+    pub(super) fn allocate_in(&mut self, pool: PoolId, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
+        let stashed = self.pools[pool].stash;
+        if stashed != NIL && self.blocks[stashed].size == rounded && !self.streams.pending.awaits_events() {
+            self.pools[pool].stash = NIL;
             self.blocks[stashed].state = BlockState::Detached;
             return Ok(self.hand_out(stashed, size));
         }
@@ -50,7 +59,7 @@ impl DeviceHeap {
     /// The allocation path past the stash: best fit in the bins, else growth.
     #[cold]
     #[inline(never)]
-    pub(super) fn allocate_from_bins(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
+    pub(super) fn allocate_from_bins(&mut self, pool: PoolId, rounded: u64, size: u64, stream: Stream) -> Result<u64, AllocError> {
         self.process_pending(false);
         self.flush_stash(pool);
         if self.growth_need(pool, rounded).is_none() {
@@ -61,10 +70,10 @@ impl DeviceHeap {
             Err(BackendError::OutOfMemory) => self.take_block_after_oom(pool, rounded, size, stream)?,
             Err(err) => return Err(AllocError::Backend(err)),
         };
-        let borrowed = self.pools[self.blocks[block].pool as usize].stream != stream;
+        let borrowed = self.pools[self.blocks[block].pool].stream != stream;
         let addr = self.carve(block, rounded, size);
         if borrowed {
-            self.recorded_streams.insert(addr, vec![stream]);
+            self.streams.recorded.insert(addr, vec![stream]);
         }
         Ok(addr)
     }
@@ -74,8 +83,8 @@ impl DeviceHeap {
     /// the block's allocated part are mapped first. Threads' caches never
     /// make the heap grow: before new memory (a segment, or pages to map),
     /// their blocks come back and the fit is looked for again.
-    pub(super) fn take_block(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
-        let paged = self.pools[pool as usize].vm.is_some();
+    pub(super) fn take_block(&mut self, pool: PoolId, rounded: u64) -> Result<BlockId, BackendError> {
+        let paged = self.pools[pool].vm.is_some();
         let mut fit = self.fit(pool, rounded);
         let grows = |heap: &Self, fit: Option<BlockId>| fit.is_none_or(|id| paged && !heap.mapped_under(id, rounded));
         if grows(self, fit) && self.recall_cached() {
@@ -103,8 +112,8 @@ impl DeviceHeap {
     /// all mapped, when the best fit's are not (no driver call: the way
     /// PyTorch's expandable segments place, whose free blocks are all
     /// mapped), else the best fit.
-    fn fit(&self, pool: u32, rounded: u64) -> Option<BlockId> {
-        let pool_ref = &self.pools[pool as usize];
+    fn fit(&self, pool: PoolId, rounded: u64) -> Option<BlockId> {
+        let pool_ref = &self.pools[pool];
         let best = pool_ref.best_fit(&self.blocks, rounded, &self.rules)?;
         if pool_ref.vm.is_none() || self.mapped_under(best, rounded) {
             return Some(best);
@@ -118,7 +127,7 @@ impl DeviceHeap {
     /// processes would have to give back. What follows (releasing,
     /// retrying, asking, counting) is the device's ladder (`Device::after_oom`).
     #[cold]
-    pub(super) fn take_block_after_oom(&mut self, pool: u32, rounded: u64, size: u64, stream: Stream) -> Result<BlockId, AllocError> {
+    pub(super) fn take_block_after_oom(&mut self, pool: PoolId, rounded: u64, size: u64, stream: Stream) -> Result<BlockId, AllocError> {
         if let Some(block) = self.borrow_from_other_streams(pool, rounded, stream) {
             return Ok(block);
         }
@@ -145,7 +154,7 @@ impl DeviceHeap {
     /// Memory a request of `rounded` bytes makes the heap take from the
     /// device: a segment, or (expandable) the pages it covers at most.
     /// None when that does not fit in 64 bits.
-    pub(super) fn growth_need(&self, pool: u32, rounded: u64) -> Option<u64> {
+    pub(super) fn growth_need(&self, pool: PoolId, rounded: u64) -> Option<u64> {
         match self.pool_vm(pool) {
             Some(vm) => rounded.checked_next_multiple_of(vm.page),
             None => self.rules.segment_size(rounded),
@@ -154,8 +163,8 @@ impl DeviceHeap {
 
     /// A new segment (or expandable range) for `pool` big enough for
     /// `rounded`; its one block is returned unlinked from any bin.
-    pub(super) fn grow(&mut self, pool: u32, rounded: u64) -> Result<BlockId, BackendError> {
-        let stream = self.pools[pool as usize].stream;
+    pub(super) fn grow(&mut self, pool: PoolId, rounded: u64) -> Result<BlockId, BackendError> {
+        let stream = self.pools[pool].stream;
         let (base, size, pages) = match self.pool_vm(pool) {
             Some(vm) => {
                 let (base, size) = self.reserve_range(vm, rounded)?;
@@ -168,24 +177,20 @@ impl DeviceHeap {
                 (self.new_segment(size, stream)?, size, None)
             }
         };
-        let kind = self.pools[pool as usize].kind;
-        let segment_id = match self.unused_segments.pop() {
-            Some(id) => id,
-            None => {
-                self.segments.push(None);
-                (self.segments.len() - 1) as u32
-            }
-        };
-        let block = self.blocks.insert(base, size, segment_id, pool, kind);
+        let kind = self.pools[pool].kind;
+        let blocks = &mut self.blocks;
+        let segment_id = self.segments.insert(|id| {
+            let first_block = blocks.insert(base, size, id, pool, kind);
+            Segment { base, size, pages, pool, first_block, idle_since_ms: 0 }
+        });
+        let block = self.segments[segment_id].first_block;
         self.stamp_freed(block);
-        if pages.is_none() {
+        if self.segments[segment_id].pages.is_none() {
             self.stats.reserved_bytes.increase(kind, size);
-            self.reserve.note_peak();
+            self.limits.reserve.note_peak();
             self.stats.events.num_device_alloc += 1;
             self.note(HistoryAction::SegmentAlloc, base, size, stream);
         }
-        self.segments[segment_id as usize] = Some(Segment { base, size, pages, pool, first_block: block, idle_since_ms: 0 });
-        self.segment_by_base.insert(base, segment_id);
         self.stats.segment.increase(kind, 1);
         Ok(block)
     }
@@ -194,22 +199,12 @@ impl DeviceHeap {
     /// the rest when the rules say so. Returns the block's address.
     #[inline]
     pub(super) fn carve(&mut self, id: BlockId, rounded: u64, requested: u64) -> u64 {
-        let (addr, size, pool, segment) = {
+        let (addr, size, pool) = {
             let b = &self.blocks[id];
-            (b.addr, b.size, b.pool, b.segment)
+            (b.addr, b.size, b.pool)
         };
-        let kind = self.pools[pool as usize].kind;
         if self.should_split(pool, size, rounded) {
-            let rest = self.blocks.insert(addr + rounded, size - rounded, segment, pool, kind);
-            let next = self.blocks[id].next;
-            self.blocks[rest].prev = id;
-            self.blocks[rest].next = next;
-            if next != NIL {
-                self.blocks[next].prev = rest;
-            }
-            self.blocks[id].next = rest;
-            self.blocks[id].size = rounded;
-            self.blocks[rest].freed_at = self.blocks[id].freed_at;
+            let rest = self.blocks.split(id, rounded);
             self.insert_free(rest);
         }
         self.by_addr.insert(addr, id);
@@ -225,7 +220,7 @@ impl DeviceHeap {
         b.requested = requested;
         let (addr, size, kind, pool) = (b.addr, b.size, b.kind, b.pool);
         if self.observers.observed {
-            let stream = self.pools[pool as usize].stream;
+            let stream = self.pools[pool].stream;
             self.record(Action::Allocate, addr, requested, stream);
         }
         if self.lending.armed() {
@@ -235,7 +230,7 @@ impl DeviceHeap {
         stats.allocation.increase(kind, 1);
         stats.allocated_bytes.increase(kind, size);
         stats.requested_bytes.increase(kind, requested);
-        if !self.pending.is_empty() {
+        if !self.streams.pending.is_empty() {
             stats.note_active_peaks();
         }
         addr

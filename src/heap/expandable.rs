@@ -2,7 +2,9 @@
 //! grows inside one large reserved range of address space instead of
 //! separate segments, and memory is held page by page. (The small pool
 //! keeps its segments: they are one page each, and small blocks packed
-//! across page boundaries would pin two pages where one would do.)
+//! across page boundaries would pin two pages where one would do.) Owns
+//! `Paging` (whether and how the heap maps pages) and the range-sizing
+//! rule (`ranges_of`, `MAX_RANGE`), which tags' ranges share.
 //!
 //! A range is reserved (no memory) when a pool first needs one, as large as
 //! the device, and starts as one free block; blocks are carved from it by
@@ -28,9 +30,10 @@
 //!   fits the block.
 #![forbid(unsafe_code)]
 
-use super::block::{Block, BlockId, BlockState, NIL};
+use super::block::{Block, BlockId, BlockState};
 use super::history::HistoryAction;
-use super::recycle::{self, Donor};
+use super::ids::{PoolId, SegmentId};
+use super::recycle::{self, Donor, Recycling};
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
 use crate::page_map::{self, PageMap};
@@ -45,6 +48,34 @@ struct Piece {
     pages: u64,
     room_end: u64,
     edge: bool,
+}
+
+/// How a heap maps and moves pages: expandable segments and their
+/// physical allocations, and the moves of cached pages (`recycle.rs`).
+pub(super) struct Paging {
+    /// Expandable segments (`expandable:true`): page size and range size;
+    /// None: off.
+    pub vm: Option<Vm>,
+    /// The most bytes one physical allocation of an expandable segment
+    /// holds (a run of new pages is mapped in allocations this large, and
+    /// each goes back or moves only whole).
+    pub max_allocation: u64,
+    /// A block carved from freed memory gives back the larger allocation
+    /// it ends inside (`split_allocation_past`).
+    pub split_allocations: bool,
+    /// Which holes' pages move to where growth needs them (`recycle.rs`).
+    pub recycling: Recycling,
+}
+
+impl Default for Paging {
+    fn default() -> Paging {
+        Paging {
+            vm: None,
+            max_allocation: crate::config::DEFAULT_EXPANDABLE_ALLOCATION,
+            split_allocations: false,
+            recycling: Recycling::default(),
+        }
+    }
 }
 
 /// Page size and range size of a heap's expandable segments.
@@ -62,18 +93,16 @@ impl DeviceHeap {
     /// Turns expandable segments on or off; only before the first allocation.
     /// Fails, leaving them off, when the backend cannot map pages.
     pub fn set_expandable(&mut self, on: bool) -> Result<(), String> {
-        if self.segments.iter().any(Option::is_some) {
+        if !self.segments.is_empty() {
             return Err("expandable segments can only be switched before the first allocation".into());
         }
         if !on {
-            self.vm = None;
+            self.paging.vm = None;
             self.refresh_pool_vms();
             return Ok(());
         }
         let page = self
-            .backend
-            .vm_page_size(self.device)
-            .filter(|p| p.is_power_of_two())
+            .mappable_page()
             .ok_or_else(|| format!("the {} backend cannot map pages; expandable segments stay off", self.backend.name()))?;
         self.use_page(page);
         Ok(())
@@ -82,9 +111,21 @@ impl DeviceHeap {
     /// Expandable segments of `page` bytes, in ranges as large as the
     /// device, for the default pools made so far and to come.
     fn use_page(&mut self, page: u64) {
-        let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
-        self.vm = Some(Vm { page, range: total.min(MAX_RANGE).max(page).next_multiple_of(page) });
+        self.paging.vm = Some(self.ranges_of(page));
         self.refresh_pool_vms();
+    }
+
+    /// The backend's page, when it maps pages (a power of two).
+    pub(super) fn mappable_page(&self) -> Option<u64> {
+        self.backend.vm_page_size(self.device).filter(|p| p.is_power_of_two())
+    }
+
+    /// Ranges of `page`-byte pages as large as the device (its size unknown:
+    /// `MAX_RANGE`), at most `MAX_RANGE` and at least a page: the ranges of
+    /// expandable segments and of tags' large pools.
+    pub(super) fn ranges_of(&self, page: u64) -> Vm {
+        let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
+        Vm { page, range: total.min(MAX_RANGE).max(page).next_multiple_of(page) }
     }
 
     /// Maps physical memory `page` bytes at a time in the expandable
@@ -93,10 +134,10 @@ impl DeviceHeap {
     /// first allocation. With a page larger than the backend's, no cached
     /// page moves (`recycle.rs`: pages move between ranges of one page size).
     pub fn set_expandable_page(&mut self, page: u64) -> Result<(), String> {
-        let Some(vm) = self.vm else {
+        let Some(vm) = self.paging.vm else {
             return Err("expandable segments are off".into());
         };
-        if self.segments.iter().any(Option::is_some) {
+        if !self.segments.is_empty() {
             return Err("the page of expandable segments can only be set before the first allocation".into());
         }
         if page == 0 || !page.is_multiple_of(vm.page) {
@@ -113,29 +154,13 @@ impl DeviceHeap {
     /// a page each): fewer, larger allocations make fewer driver calls,
     /// smaller ones go back, or move, in smaller pieces.
     pub fn set_max_allocation(&mut self, bytes: u64) {
-        self.max_allocation = bytes.max(1);
+        self.paging.max_allocation = bytes.max(1);
     }
 
     /// Turns on giving back a larger allocation that a block carved from
     /// freed memory ends inside (`split_allocation_past`).
     pub fn set_split_allocations(&mut self, on: bool) {
-        self.split_allocations = on;
-    }
-
-    /// Tells the default pools made so far how they grow now.
-    fn refresh_pool_vms(&mut self) {
-        for id in 0..self.pools.len() {
-            if self.pools[id].tag == 0 {
-                self.pools[id].vm = self.expandable_vm(self.pools[id].kind);
-            }
-        }
-    }
-
-    /// The expandable-segment parameters for pools of `kind`, or None when
-    /// that kind grows by whole segments.
-    #[inline]
-    pub(super) fn expandable_vm(&self, kind: PoolKind) -> Option<Vm> {
-        self.vm.filter(|_| kind == PoolKind::Large)
+        self.paging.split_allocations = on;
     }
 
     /// Whether a free block of `block` bytes serving `rounded` is split. In
@@ -143,10 +168,10 @@ impl DeviceHeap {
     /// merges back with its neighbours like any free block, while left
     /// inside the allocation it would be held for the allocation's life.
     #[inline]
-    pub(super) fn should_split(&self, pool: u32, block: u64, rounded: u64) -> bool {
+    pub(super) fn should_split(&self, pool: PoolId, block: u64, rounded: u64) -> bool {
         match self.pool_vm(pool) {
             Some(_) => block - rounded >= self.rules.min_block,
-            None => self.rules.should_split(self.pools[pool as usize].kind, block, rounded),
+            None => self.rules.should_split(self.pools[pool].kind, block, rounded),
         }
     }
 
@@ -155,7 +180,7 @@ impl DeviceHeap {
     /// true outside expandable segments.
     pub(super) fn mapped_under(&self, id: BlockId, rounded: u64) -> bool {
         let b = &self.blocks[id];
-        let Some((base, pages)) = self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
+        let Some((base, pages)) = self.segments.range(b.segment) else {
             return true;
         };
         let used = if self.should_split(b.pool, b.size, rounded) { rounded } else { b.size };
@@ -165,7 +190,7 @@ impl DeviceHeap {
 
     /// Whether this heap grows by expandable segments.
     pub fn is_expandable(&self) -> bool {
-        self.vm.is_some()
+        self.paging.vm.is_some()
     }
 
     /// Reserves address space for a new range holding at least `rounded`
@@ -197,16 +222,52 @@ impl DeviceHeap {
     /// all of one run asked for in one `vm_map` (one grant of access).
     pub(super) fn map_block(&mut self, id: BlockId, rounded: u64) -> Result<(), BackendError> {
         let b = &self.blocks[id];
-        let (addr, size, segment_id, kind, pool) = (b.addr, b.size, b.segment as usize, b.kind, b.pool);
+        let (size, segment_id, kind, pool) = (b.size, b.segment, b.kind, b.pool);
         if self.pool_vm(pool).is_none() {
             return Ok(());
         }
         let used = if self.should_split(pool, size, rounded) { rounded } else { size };
-        if self.split_allocations {
+        if self.paging.split_allocations {
             self.split_allocation_past(id, used);
         }
-        let Some((base, pages)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) else {
+        let pieces = self.pieces_to_map(id, used);
+        let Some(page) = self.segments.pages(segment_id).map(PageMap::page_size).filter(|_| !pieces.is_empty()) else {
             return Ok(());
+        };
+        let need = pieces.iter().map(|piece| piece.pages * page).sum();
+        let mut donors = self.recycle_before_growth(need, used, Some(id));
+        // What the donors do not give comes from the device. Past its free
+        // memory (or the cap) the map would take what there is, fail and
+        // give it all back, on every rung of the out-of-memory ladder (for
+        // a request larger than an H200, some 70,000 calls): fail first.
+        let donated = donors.iter().map(|d| d.pages).sum::<u64>() * page;
+        if self.over_limits(need.saturating_sub(donated)) > 0 {
+            return Err(BackendError::OutOfMemory);
+        }
+        // The allocations (first page, pages) done so far.
+        let most = (self.paging.max_allocation / page).max(1);
+        let mut mapped: Vec<(u64, u64)> = Vec::with_capacity((need / page).div_ceil(most) as usize + 2 * pieces.len());
+        let result = self.map_pieces(segment_id, &pieces, &mut mapped, &mut donors);
+        // Donors no room took stay cached where they are.
+        drop(donors);
+        if let Err(err) = result {
+            self.undo_mapped(segment_id, kind, mapped);
+            return Err(err);
+        }
+        self.commit_mapped(segment_id, kind, &mapped);
+        Ok(())
+    }
+
+    /// The unmapped pages under the first `used` bytes of the block `id` of
+    /// a reserved range, as `map_block` maps them: each edge page (shared
+    /// with a neighbour) a piece of its own, the runs between them pieces
+    /// that may take donors (the inside's last one reaching into the rest
+    /// of the block when nothing is shared there). None outside a range.
+    fn pieces_to_map(&self, id: BlockId, used: u64) -> Vec<Piece> {
+        let b = &self.blocks[id];
+        let (addr, size) = (b.addr, b.size);
+        let Some((base, pages)) = self.segments.range(b.segment) else {
+            return Vec::new();
         };
         let page = pages.page_size();
         let (start, end) = (addr - base, addr - base + used);
@@ -232,54 +293,31 @@ impl DeviceHeap {
                 q = stop;
             }
         }
-        if pieces.is_empty() {
-            return Ok(());
-        }
-        let need = pieces.iter().map(|piece| piece.pages * page).sum();
-        let mut donors = self.recycle_before_growth(need, used, Some(id));
-        // What the donors do not give comes from the device. Past its free
-        // memory (or the cap) the map would take what there is, fail and
-        // give it all back, on every rung of the out-of-memory ladder (for
-        // a request larger than an H200, some 70,000 calls): fail first.
-        let donated = donors.iter().map(|d| d.pages).sum::<u64>() * page;
-        if self.over_limits(need.saturating_sub(donated)) > 0 {
-            return Err(BackendError::OutOfMemory);
-        }
-        // `mapped`: the allocations (first page, pages) done so far, and
-        // from `batched` on those not yet asked for, which one `vm_map`
-        // makes (one grant of access for the run).
-        let most = (self.max_allocation / page).max(1);
-        let mut mapped: Vec<(u64, u64)> = Vec::with_capacity((need / page).div_ceil(most) as usize + 2 * pieces.len());
-        let mut batched = 0;
-        let mut failed = None;
-        'pieces: for piece in &pieces {
+        pieces
+    }
+
+    /// Maps `pieces` of the range `segment_id`: donors moved where they fit
+    /// (`place_donors`), new allocations elsewhere, a run of adjacent
+    /// pieces' new allocations in one `vm_map` (`map_batch`). What it
+    /// mapped is in `mapped` (first page, pages), also when it fails (the
+    /// caller undoes it then).
+    fn map_pieces(
+        &mut self,
+        segment_id: SegmentId,
+        pieces: &[Piece],
+        mapped: &mut Vec<(u64, u64)>,
+        donors: &mut Vec<Donor>,
+    ) -> Result<(), BackendError> {
+        let page = self.segments.pages(segment_id).map_or(1, PageMap::page_size);
+        // From `batched` on, `mapped` holds allocations not yet asked for,
+        // which one `vm_map` makes (one grant of access for the run).
+        let mut batched = mapped.len();
+        for piece in pieces {
             let mut at = piece.first;
             while at < piece.first + piece.pages {
-                if !donors.is_empty() {
-                    // (An edge page takes a donor of one page only.)
-                    let left = piece.first + piece.pages - at;
-                    let room = left.max(self.unmapped_from(segment_id, at, piece.room_end));
-                    // The latest chosen donor that fits, with the donors just
-                    // before it in memory that fit too (one move, one grant
-                    // of access); what is batched goes first: the donors
-                    // land after it.
-                    if let Some(last) = donors.iter().rposition(|d| d.pages <= room) {
-                        if let Err(err) = self.map_batch(segment_id, &mut mapped, &mut batched, &mut donors) {
-                            failed = Some(err);
-                            break 'pieces;
-                        }
-                        let run = recycle::adjacent_run(&donors, last, room);
-                        let mut next = at;
-                        for donor in &donors[run.clone()] {
-                            mapped.push((next, donor.pages));
-                            next += donor.pages;
-                        }
-                        if self.move_donors(&mut donors, run, base + at * page) {
-                            (at, batched) = (next, mapped.len());
-                            continue;
-                        }
-                        mapped.truncate(batched);
-                    }
+                if let Some(next) = self.place_donors(segment_id, piece, at, mapped, &mut batched, donors)? {
+                    at = next;
+                    continue;
                 }
                 let rest = if piece.edge { 1 } else { piece.first + piece.pages - at };
                 for each in self.allocations_for(rest, page) {
@@ -290,25 +328,49 @@ impl DeviceHeap {
             // A batch is one run: it ends where the next piece does not follow.
             let next = piece.first + piece.pages;
             if !pieces.iter().any(|p| p.first == next) {
-                if let Err(err) = self.map_batch(segment_id, &mut mapped, &mut batched, &mut donors) {
-                    failed = Some(err);
-                    break 'pieces;
-                }
+                self.map_batch(segment_id, mapped, &mut batched, donors)?;
             }
         }
-        if failed.is_none() {
-            if let Err(err) = self.map_batch(segment_id, &mut mapped, &mut batched, &mut donors) {
-                failed = Some(err);
-            }
+        self.map_batch(segment_id, mapped, &mut batched, donors)
+    }
+
+    /// Moves to page `at` of `piece` the latest chosen donor that fits
+    /// there, with the donors just before it in memory that fit too (one
+    /// move, one grant of access), after asking for what is batched (the
+    /// donors land after it). Returns the page after them, or None when no
+    /// donor fits or the backend cannot move (then new memory goes there).
+    /// (An edge page takes a donor of one page only.)
+    fn place_donors(
+        &mut self,
+        segment_id: SegmentId,
+        piece: &Piece,
+        at: u64,
+        mapped: &mut Vec<(u64, u64)>,
+        batched: &mut usize,
+        donors: &mut Vec<Donor>,
+    ) -> Result<Option<u64>, BackendError> {
+        if donors.is_empty() {
+            return Ok(None);
         }
-        // Donors no room took stay cached where they are.
-        drop(donors);
-        if let Some(err) = failed {
-            self.undo_mapped(segment_id, kind, mapped);
-            return Err(err);
+        let left = piece.first + piece.pages - at;
+        let room = left.max(self.unmapped_from(segment_id, at, piece.room_end));
+        let Some(last) = donors.iter().rposition(|d| d.pages <= room) else {
+            return Ok(None);
+        };
+        self.map_batch(segment_id, mapped, batched, donors)?;
+        let run = recycle::adjacent_run(donors, last, room);
+        let mut next = at;
+        for donor in &donors[run.clone()] {
+            mapped.push((next, donor.pages));
+            next += donor.pages;
         }
-        self.commit_mapped(segment_id, kind, &mapped);
-        Ok(())
+        let (base, page) = self.segments.base_and_page(segment_id).expect("an expandable segment");
+        if self.move_donors(donors, run, base + at * page) {
+            *batched = mapped.len();
+            return Ok(Some(next));
+        }
+        mapped.truncate(*batched);
+        Ok(None)
     }
 
     /// When the first `used` bytes of the free block `id` (about to be
@@ -326,7 +388,7 @@ impl DeviceHeap {
         if !self.may_release() || self.keeps_memory(pool) {
             return;
         }
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return };
+        let Some(segment) = self.segments.get(segment_id) else { return };
         let Some(pages) = segment.pages.as_ref() else { return };
         let (first, count) = pages.touched(addr - segment.base, addr - segment.base + used);
         let last = first + count - 1;
@@ -338,7 +400,7 @@ impl DeviceHeap {
         if start + length <= last + 1 || start < inside || start + length > inside + inside_count {
             return;
         }
-        let stream = self.pools[pool as usize].stream;
+        let stream = self.pools[pool].stream;
         if self.backend.synchronize_stream(self.device, stream).is_err() {
             self.stats.events.num_stream_sync_errors += 1;
             return;
@@ -350,15 +412,15 @@ impl DeviceHeap {
     /// made in the expandable segment `segment_id`, a run of adjacent ones
     /// per call; those the backend will not unmap stay mapped and counted,
     /// inside what is still a free block.
-    pub(super) fn undo_mapped(&mut self, segment_id: usize, kind: PoolKind, mut allocations: Vec<(u64, u64)>) {
-        let Some((base, page)) = self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size()))) else {
+    pub(super) fn undo_mapped(&mut self, segment_id: SegmentId, kind: PoolKind, mut allocations: Vec<(u64, u64)>) {
+        let Some((base, page)) = self.segments.base_and_page(segment_id) else {
             return;
         };
         allocations.sort_unstable();
         let mut stuck = Vec::new();
         for (first, n) in page_map::runs_of(&allocations) {
             if self.backend.vm_unmap(self.device, base + first * page, n * page).is_ok() {
-                self.reserve.give_back(n * page);
+                self.limits.reserve.give_back(n * page);
             } else {
                 stuck.extend(allocations.iter().filter(|&&(p, _)| p >= first && p < first + n));
             }
@@ -374,21 +436,20 @@ impl DeviceHeap {
     /// them would have taken it.
     fn map_batch(
         &mut self,
-        segment_id: usize,
+        segment_id: SegmentId,
         mapped: &mut Vec<(u64, u64)>,
         batched: &mut usize,
         donors: &mut Vec<Donor>,
     ) -> Result<(), BackendError> {
         let batch = &mapped[*batched..];
         let Some(&(first, _)) = batch.first() else { return Ok(()) };
-        let (base, page) =
-            self.segments[segment_id].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size()))).expect("an expandable segment");
+        let (base, page) = self.segments.base_and_page(segment_id).expect("an expandable segment");
         let sizes: Vec<u64> = batch.iter().map(|&(_, n)| n * page).collect();
         let bytes = sizes.iter().sum();
         self.release_donors_for(donors, bytes);
-        let result = self
-            .claim_reserved(bytes)
-            .and_then(|()| self.backend.vm_map(self.device, base + first * page, &sizes).inspect_err(|_| self.reserve.give_back(bytes)));
+        let result = self.claim_reserved(bytes).and_then(|()| {
+            self.backend.vm_map(self.device, base + first * page, &sizes).inspect_err(|_| self.limits.reserve.give_back(bytes))
+        });
         if result.is_err() {
             mapped.truncate(*batched);
         }
@@ -398,23 +459,23 @@ impl DeviceHeap {
 
     /// How many unmapped pages follow page `from` (itself included) of the
     /// expandable segment `segment_id`, up to page `limit`.
-    fn unmapped_from(&self, segment_id: usize, from: u64, limit: u64) -> u64 {
-        let Some(pages) = self.segments[segment_id].as_ref().and_then(|s| s.pages.as_ref()) else { return 0 };
+    fn unmapped_from(&self, segment_id: SegmentId, from: u64, limit: u64) -> u64 {
+        let Some(pages) = self.segments.pages(segment_id) else { return 0 };
         pages.next_mapped(from, limit).max(from) - from
     }
 
     /// The pages of each allocation a run of `pages` new pages is mapped
     /// in, in address order: `max_allocation` each, the last the rest.
     pub(super) fn allocations_for(&self, pages: u64, page: u64) -> impl Iterator<Item = u64> {
-        let most = (self.max_allocation / page).max(1);
+        let most = (self.paging.max_allocation / page).max(1);
         (0..pages.div_ceil(most)).map(move |i| most.min(pages - i * most))
     }
 
     /// Marks allocations just mapped (first page, pages; in address order)
     /// and counts them; the history notes one event per run of adjacent
     /// ones.
-    pub(super) fn commit_mapped(&mut self, segment_id: usize, kind: PoolKind, allocations: &[(u64, u64)]) {
-        let Some(pages) = self.segments[segment_id].as_mut().and_then(|s| s.pages.as_mut()) else {
+    pub(super) fn commit_mapped(&mut self, segment_id: SegmentId, kind: PoolKind, allocations: &[(u64, u64)]) {
+        let Some(pages) = self.segments.get_mut(segment_id).and_then(|s| s.pages.as_mut()) else {
             return;
         };
         let page = pages.page_size();
@@ -426,13 +487,13 @@ impl DeviceHeap {
             pages.set_mapped(p, n, each);
             total += n;
         }
-        let segment = self.segments[segment_id].as_ref().expect("checked above");
-        let (base, stream) = (segment.base, self.pools[segment.pool as usize].stream);
+        let segment = self.segments.get(segment_id).expect("checked above");
+        let (base, stream) = (segment.base, self.pools[segment.pool].stream);
         for (p, n) in page_map::runs_of(allocations) {
             self.note(HistoryAction::SegmentMap, base + p * page, n * page, stream);
         }
         self.stats.reserved_bytes.increase(kind, total * page);
-        self.reserve.note_peak();
+        self.limits.reserve.note_peak();
         self.stats.events.num_pages_mapped += total;
         self.stats.events.num_device_alloc += allocations.len() as u64;
     }
@@ -441,12 +502,12 @@ impl DeviceHeap {
     /// expandable segment `segment_id`, after the work queued on its
     /// stream has run; a range left with no memory and no block goes back
     /// whole. Pages the backend fails to unmap stay mapped and counted.
-    pub(super) fn release_free_pages(&mut self, segment_id: u32) -> Released {
+    pub(super) fn release_free_pages(&mut self, segment_id: SegmentId) -> Released {
         let mut released = Released::default();
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else {
+        let Some(segment) = self.segments.get(segment_id) else {
             return released;
         };
-        let stream = self.pools[segment.pool as usize].stream;
+        let stream = self.pools[segment.pool].stream;
         let mut free_blocks = Vec::new();
         self.free_blocks_with_pages(segment, |_| true, &mut free_blocks);
         if !free_blocks.is_empty() {
@@ -471,23 +532,20 @@ impl DeviceHeap {
         if segment.pages.is_none() || self.keeps_memory(segment.pool) {
             return;
         }
-        let mut cur = segment.first_block;
-        while cur != NIL {
-            let b = &self.blocks[cur];
+        for (id, b) in self.blocks.walk_segment(segment.first_block) {
             if b.state == BlockState::Binned && select(b) {
-                let bytes = self.hole_bytes(cur);
+                let bytes = self.hole_bytes(id);
                 if bytes > 0 {
-                    out.push((cur, bytes));
+                    out.push((id, bytes));
                 }
             }
-            cur = b.next;
         }
     }
 
     /// The page map of the expandable segment `segment_id` and the pages
     /// lying entirely inside bytes [start, end) of it: (map, first, count).
-    fn pages_inside(&self, segment_id: u32, start: u64, end: u64) -> Option<(&PageMap, u64, u64)> {
-        let segment = self.segments[segment_id as usize].as_ref()?;
+    fn pages_inside(&self, segment_id: SegmentId, start: u64, end: u64) -> Option<(&PageMap, u64, u64)> {
+        let segment = self.segments.get(segment_id)?;
         let pages = segment.pages.as_ref()?;
         let (first, count) = pages.inside(start - segment.base, end - segment.base);
         Some((pages, first, count))
@@ -517,7 +575,7 @@ impl DeviceHeap {
     /// block is a whole free segment instead.)
     pub(super) fn holes_with_free_pages(&self, idle_before: u64) -> Vec<(BlockId, u64)> {
         let mut holes = Vec::new();
-        for segment in self.segments.iter().flatten() {
+        for (_, segment) in self.segments.iter() {
             self.free_blocks_with_pages(segment, |b| b.is_split() && b.idle_since_ms <= idle_before, &mut holes);
         }
         holes
@@ -526,7 +584,7 @@ impl DeviceHeap {
     /// Unmaps the free pages inside the free block `id` of an expandable
     /// segment once its stream's queued work has run. Returns the bytes.
     pub(super) fn release_hole(&mut self, id: BlockId) -> u64 {
-        let stream = self.pools[self.blocks[id].pool as usize].stream;
+        let stream = self.pools[self.blocks[id].pool].stream;
         if self.backend.synchronize_stream(self.device, stream).is_err() {
             self.stats.events.num_stream_sync_errors += 1;
             return 0;
@@ -547,7 +605,7 @@ impl DeviceHeap {
 
     /// The allocations lying entirely inside [start, end) of the expandable
     /// segment `segment_id`, as (first page, pages), in address order.
-    pub(super) fn allocations_within(&self, segment_id: u32, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+    pub(super) fn allocations_within(&self, segment_id: SegmentId, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.pages_inside(segment_id, start, end).into_iter().flat_map(|(pages, first, count)| pages.allocations_in(first, count))
     }
 
@@ -556,10 +614,10 @@ impl DeviceHeap {
     /// their memory. Returns the bytes unmapped. A run the backend refuses
     /// goes allocation by allocation, so that only the allocations it
     /// refuses stay mapped (and counted).
-    pub(super) fn unmap_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
+    pub(super) fn unmap_run(&mut self, segment_id: SegmentId, p: u64, n: u64) -> u64 {
         match self.unmap_whole_run(segment_id, p, n) {
             0 => {
-                let Some(pages) = self.segments[segment_id as usize].as_ref().and_then(|s| s.pages.as_ref()) else { return 0 };
+                let Some(pages) = self.segments.pages(segment_id) else { return 0 };
                 let each: Vec<(u64, u64)> = pages.allocations_in(p, n).collect();
                 if each.len() < 2 {
                     return 0;
@@ -572,16 +630,15 @@ impl DeviceHeap {
 
     /// `unmap_run`, all or nothing: a run the backend refuses stays mapped
     /// and counted whole (0 bytes returned).
-    pub(super) fn unmap_whole_run(&mut self, segment_id: u32, p: u64, n: u64) -> u64 {
-        let Some((base, page)) = self.segments[segment_id as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))
-        else {
+    pub(super) fn unmap_whole_run(&mut self, segment_id: SegmentId, p: u64, n: u64) -> u64 {
+        let Some((base, page)) = self.segments.base_and_page(segment_id) else {
             return 0;
         };
         if self.backend.vm_unmap(self.device, base + p * page, n * page).is_err() {
             return 0;
         }
         self.forget_mapped_run(segment_id, p, n, 1);
-        self.reserve.give_back(n * page);
+        self.limits.reserve.give_back(n * page);
         n * page
     }
 
@@ -589,13 +646,13 @@ impl DeviceHeap {
     /// `segment_id` unmapped (their memory now elsewhere, or given back)
     /// and counts them, as `allocations` freed; the device's count of
     /// reserved bytes is the caller's.
-    pub(super) fn forget_mapped_run(&mut self, segment_id: u32, p: u64, n: u64, allocations: u64) {
-        let segment = self.segments[segment_id as usize].as_mut().expect("an expandable segment");
+    pub(super) fn forget_mapped_run(&mut self, segment_id: SegmentId, p: u64, n: u64, allocations: u64) {
+        let segment = self.segments.get_mut(segment_id).expect("an expandable segment");
         let (base, pool) = (segment.base, segment.pool);
         let pages = segment.pages.as_mut().expect("an expandable segment");
         let page = pages.page_size();
         pages.set_unmapped(p, n);
-        let (stream, kind) = (self.pools[pool as usize].stream, self.pools[pool as usize].kind);
+        let (stream, kind) = (self.pools[pool].stream, self.pools[pool].kind);
         self.note(HistoryAction::SegmentUnmap, base + p * page, n * page, stream);
         self.stats.reserved_bytes.decrease(kind, n * page);
         self.stats.events.num_pages_unmapped += n;
@@ -604,13 +661,13 @@ impl DeviceHeap {
 
     /// Gives back the expandable range `segment_id` if it is one free block
     /// with no page mapped.
-    fn free_empty_range(&mut self, segment_id: u32) -> Released {
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else {
+    fn free_empty_range(&mut self, segment_id: SegmentId) -> Released {
+        let Some(segment) = self.segments.get(segment_id) else {
             return Released::default();
         };
         let block = segment.first_block;
         let b = &self.blocks[block];
-        let empty = b.state == BlockState::Binned && b.next == NIL && segment.pages.as_ref().is_some_and(|p| p.mapped_bytes() == 0);
+        let empty = b.state == BlockState::Binned && b.is_last() && segment.pages.as_ref().is_some_and(|p| p.mapped_bytes() == 0);
         if !empty || self.backend.vm_free(self.device, segment.base, segment.size).is_err() {
             return Released::default();
         }
@@ -622,18 +679,15 @@ impl DeviceHeap {
     /// largest request the expandable segments serve without the driver.
     pub(super) fn largest_mapped_free_run(&self) -> u64 {
         let mut largest = 0;
-        for segment in self.segments.iter().flatten() {
+        for (_, segment) in self.segments.iter() {
             let Some(pages) = segment.pages.as_ref() else {
                 continue;
             };
-            let mut cur = segment.first_block;
-            while cur != NIL {
-                let b = &self.blocks[cur];
+            for (_, b) in self.blocks.walk_segment(segment.first_block) {
                 if b.state == BlockState::Binned && b.addr - segment.base < pages.end_bytes() {
                     let offset = b.addr - segment.base;
                     largest = largest.max(pages.longest_mapped_run(offset, offset + b.size));
                 }
-                cur = b.next;
             }
         }
         largest

@@ -3,7 +3,13 @@
 //! its free neighbours into the bins; the stash (see the top of mod.rs)
 //! takes back the next request of its size without a split or a merge.
 
-use super::*;
+use super::block::{BlockId, BlockState, NIL};
+use super::history::HistoryAction;
+use super::ids::PoolId;
+use super::DeviceHeap;
+use crate::error::{AllocError, InvalidFree};
+use crate::recording::rows::Action;
+use crate::tag::TagId;
 
 /// A freed block, as the caller needs to know it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,8 +30,8 @@ impl DeviceHeap {
             self.stats.events.num_invalid_frees += 1;
             return Err(AllocError::InvalidFree { ptr, reason: self.classify_invalid_free(ptr) });
         };
-        if !self.recorded_streams.is_empty() {
-            if let Some(streams) = self.recorded_streams.remove(&ptr) {
+        if !self.streams.recorded.is_empty() {
+            if let Some(streams) = self.streams.recorded.remove(&ptr) {
                 if let Some(freed) = self.defer_free(id, ptr, streams) {
                     return Ok(freed);
                 }
@@ -44,7 +50,7 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (size, requested, pool, kind) = (b.size, b.requested, b.pool, b.kind);
         if self.observers.observed {
-            let stream = self.pools[pool as usize].stream;
+            let stream = self.pools[pool].stream;
             self.record(Action::Free, ptr, requested, stream);
             if completed && self.observers.history.is_some() {
                 self.note(HistoryAction::FreeCompleted, ptr, requested, stream);
@@ -69,9 +75,9 @@ impl DeviceHeap {
         let b = &mut self.blocks[id];
         b.state = BlockState::Stashed;
         b.requested = 0;
-        let pool = b.pool as usize;
+        let pool = b.pool;
         let p = &self.pools[pool];
-        if p.tag == 0 && p.stash == NIL {
+        if p.tag == TagId::DEFAULT && p.stash == NIL {
             let next_free = self.free_after(id);
             if self.stash_enabled && self.stash_fits(id, next_free, p.free_blocks) {
                 self.stash(pool, id, next_free);
@@ -80,7 +86,7 @@ impl DeviceHeap {
             }
             return;
         }
-        if p.tag != 0 {
+        if p.tag != TagId::DEFAULT {
             return self.deactivate_tagged(id);
         }
         self.stash_or_bin(id);
@@ -92,8 +98,8 @@ impl DeviceHeap {
     /// blocks land, straight into the bins.
     #[inline]
     pub(super) fn stash_or_bin(&mut self, id: BlockId) {
-        let pool = self.blocks[id].pool as usize;
-        self.flush_stash(pool as u32);
+        let pool = self.blocks[id].pool;
+        self.flush_stash(pool);
         let next_free = self.free_after(id);
         if self.stash_enabled && self.stash_fits(id, next_free, self.pools[pool].free_blocks) {
             self.stash(pool, id, next_free);
@@ -105,7 +111,7 @@ impl DeviceHeap {
     /// The block after `id` if it is in the bins, else NIL.
     #[inline(always)]
     pub(super) fn free_after(&self, id: BlockId) -> BlockId {
-        let next = self.blocks[id].next;
+        let next = self.blocks[id].next();
         if next != NIL && self.blocks[next].state == BlockState::Binned {
             next
         } else {
@@ -139,16 +145,16 @@ impl DeviceHeap {
     #[inline(never)]
     pub(super) fn stash_is_best_fit(&self, id: BlockId, next_free: BlockId) -> bool {
         let b = &self.blocks[id];
-        if b.prev != NIL && self.blocks[b.prev].state == BlockState::Binned {
+        if b.prev() != NIL && self.blocks[b.prev()].state == BlockState::Binned {
             return false;
         }
         let merged = if next_free != NIL { b.size + self.blocks[next_free].size } else { b.size };
-        let pool = &self.pools[b.pool as usize];
+        let pool = &self.pools[b.pool];
         if next_free != NIL {
             // Split off again, the rest would go back first of the free
             // blocks of its size: where the neighbour must be now.
             let n = &self.blocks[next_free];
-            let first_of_its_size = n.link_prev == NIL || self.blocks[n.link_prev].size < n.size;
+            let first_of_its_size = n.link_prev() == NIL || self.blocks[n.link_prev()].size < n.size;
             let split_to_id = (pool.vm.is_some() || self.rules.may_serve(merged, b.size)) && self.should_split(b.pool, merged, b.size);
             if !(first_of_its_size && split_to_id) {
                 return false;
@@ -164,9 +170,9 @@ impl DeviceHeap {
     /// free one keeps the tick of the block it was split from.
     #[inline(always)]
     pub(super) fn stamp_freed(&mut self, id: BlockId) {
-        if self.vm.is_some() {
-            self.recycling.frees += 1;
-            self.blocks[id].freed_at = self.recycling.frees;
+        if self.paging.vm.is_some() {
+            self.paging.recycling.frees += 1;
+            self.blocks[id].freed_at = self.paging.recycling.frees;
         }
     }
 
@@ -183,11 +189,11 @@ impl DeviceHeap {
     /// so the stash changes no block's age (its idle time, by no more than
     /// the time until the take-back).
     #[inline(always)]
-    pub(super) fn stash(&mut self, pool: usize, id: BlockId, next_free: BlockId) {
+    pub(super) fn stash(&mut self, pool: PoolId, id: BlockId, next_free: BlockId) {
         self.pools[pool].stash = id;
         self.stamp_freed(id);
-        if next_free != NIL && self.vm.is_some() {
-            let (tick, now) = (self.blocks[id].freed_at, self.clock.now_ms());
+        if next_free != NIL && self.paging.vm.is_some() {
+            let (tick, now) = (self.blocks[id].freed_at, self.limits.clock.now_ms());
             let next = &mut self.blocks[next_free];
             next.freed_at = tick;
             next.idle_since_ms = now;
@@ -196,8 +202,8 @@ impl DeviceHeap {
 
     /// Merges the stashed block of `pool`, if any, into the bins.
     #[inline]
-    pub(super) fn flush_stash(&mut self, pool: u32) {
-        let id = std::mem::replace(&mut self.pools[pool as usize].stash, NIL);
+    pub(super) fn flush_stash(&mut self, pool: PoolId) {
+        let id = std::mem::replace(&mut self.pools[pool].stash, NIL);
         if id != NIL {
             self.merge_and_bin(id);
         }
@@ -205,7 +211,7 @@ impl DeviceHeap {
 
     /// Merges every pool's stashed block.
     pub(super) fn flush_stashes(&mut self) {
-        for pool in 0..self.pools.len() as u32 {
+        for pool in self.pools.ids() {
             self.flush_stash(pool);
         }
     }
@@ -218,32 +224,19 @@ impl DeviceHeap {
         self.by_addr.remove(self.blocks[id].addr);
         let freed_at = self.blocks[id].freed_at;
         let mut merged = id;
-        let prev = self.blocks[id].prev;
+        let prev = self.blocks[id].prev();
         if prev != NIL && self.blocks[prev].state == BlockState::Binned {
             self.remove_free(prev);
-            self.absorb_next(prev);
+            self.blocks.absorb_next(prev);
             merged = prev;
         }
-        let next = self.blocks[merged].next;
+        let next = self.blocks[merged].next();
         if next != NIL && self.blocks[next].state == BlockState::Binned {
             self.remove_free(next);
-            self.absorb_next(merged);
+            self.blocks.absorb_next(merged);
         }
         self.blocks[merged].freed_at = freed_at;
         self.insert_free(merged);
-    }
-
-    /// Merges the block after `id` into `id` and drops its record.
-    #[inline]
-    pub(super) fn absorb_next(&mut self, id: BlockId) {
-        let next = self.blocks[id].next;
-        let (next_size, after) = (self.blocks[next].size, self.blocks[next].next);
-        self.blocks[id].size += next_size;
-        self.blocks[id].next = after;
-        if after != NIL {
-            self.blocks[after].prev = id;
-        }
-        self.blocks.remove(next);
     }
 
     /// Puts a free block into its pool's bin and counts it.
@@ -252,9 +245,9 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size, whole, segment) = (b.pool, b.size, !b.is_split(), b.segment);
         let (split, counted) = self.inactive_split_bytes_of(id);
-        let pool = &mut self.pools[pool as usize];
+        let pool = &mut self.pools[pool];
         if pool.vm.is_some() {
-            self.blocks[id].idle_since_ms = self.clock.now_ms();
+            self.blocks[id].idle_since_ms = self.limits.clock.now_ms();
         }
         pool.insert(&mut self.blocks, id, size);
         if split {
@@ -262,10 +255,10 @@ impl DeviceHeap {
             self.stats.inactive_split_bytes.increase(pool.kind, counted);
         }
         if whole {
-            let Some(segment) = self.segments[segment as usize].as_mut() else {
+            let Some(segment) = self.segments.get_mut(segment) else {
                 return;
             };
-            segment.idle_since_ms = self.clock.now_ms();
+            segment.idle_since_ms = self.limits.clock.now_ms();
         }
     }
 
@@ -275,7 +268,7 @@ impl DeviceHeap {
         let b = &self.blocks[id];
         let (pool, size) = (b.pool, b.size);
         let (split, counted) = self.inactive_split_bytes_of(id);
-        let pool = &mut self.pools[pool as usize];
+        let pool = &mut self.pools[pool];
         pool.remove(&mut self.blocks, id, size);
         if split {
             self.stats.inactive_split.decrease(pool.kind, 1);
@@ -300,8 +293,8 @@ impl DeviceHeap {
         if self.pool_vm(b.pool).is_none() {
             return (true, b.size);
         }
-        match self.segments[b.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?))) {
-            Some(_) if b.next == NIL => (false, 0),
+        match self.segments.range(b.segment) {
+            Some(_) if b.is_last() => (false, 0),
             Some((base, pages)) => (true, pages.pinned_bytes(b.addr - base, b.addr - base + b.size)),
             None => (true, b.size),
         }
@@ -309,22 +302,16 @@ impl DeviceHeap {
 
     /// Why `ptr` is not a live block (slow path: errors only).
     pub(super) fn classify_invalid_free(&self, ptr: u64) -> InvalidFree {
-        let Some((_, &segment_id)) = self.segment_by_base.range(..=ptr).next_back() else {
+        let Some((_, segment)) = self.segments.last_at_or_below(ptr) else {
             return InvalidFree::Foreign;
         };
-        let segment = self.segments[segment_id as usize].as_ref().expect("indexed segment exists");
         if ptr >= segment.base + segment.size {
             return InvalidFree::Foreign;
         }
-        let mut cur = segment.first_block;
-        while cur != NIL {
-            let b = &self.blocks[cur];
-            if ptr < b.addr + b.size {
-                return if b.is_allocated() { InvalidFree::Interior { block: b.addr } } else { InvalidFree::NotLive };
-            }
-            cur = b.next;
+        match self.blocks.walk_segment(segment.first_block).find(|(_, b)| ptr < b.addr + b.size) {
+            Some((_, b)) if b.is_allocated() => InvalidFree::Interior { block: b.addr },
+            _ => InvalidFree::NotLive,
         }
-        InvalidFree::NotLive
     }
 
     /// Counts a free whose stated size differed from the block's.

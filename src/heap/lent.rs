@@ -33,9 +33,14 @@
 //!   claims stay within the peaks.
 #![forbid(unsafe_code)]
 
+use super::block::{BlockId, BlockState, NIL};
+use super::free::Freed;
+use super::DeviceHeap;
 use crate::cache_slot::{Amounts, CacheSlot};
-
-use super::*;
+use crate::error::AllocError;
+use crate::size_class::PoolKind;
+use crate::tag::TagId;
+use crate::types::Stream;
 
 /// What the heap keeps of one thread's cache.
 struct SlotRecord {
@@ -95,6 +100,29 @@ impl FreedOrLent {
 }
 
 impl Lending {
+    /// The record of slot `index`, if it is registered.
+    fn registered(&self, index: u32) -> Option<&SlotRecord> {
+        self.slots.get(index as usize)?.as_ref()
+    }
+
+    fn registered_mut(&mut self, index: u32) -> Option<&mut SlotRecord> {
+        self.slots.get_mut(index as usize)?.as_mut()
+    }
+
+    /// The record of the registered slot `index`.
+    fn slot(&self, index: u32) -> &SlotRecord {
+        self.registered(index).expect("registered slot")
+    }
+
+    fn slot_mut(&mut self, index: u32) -> &mut SlotRecord {
+        self.registered_mut(index).expect("registered slot")
+    }
+
+    /// The slots' indices are below this (registered or not).
+    fn index_end(&self) -> u32 {
+        self.slots.len() as u32
+    }
+
     /// Whether some slot is armed (an allocation under the lock must then
     /// keep the claims under the peaks).
     #[inline(always)]
@@ -127,7 +155,7 @@ impl DeviceHeap {
     /// allocated blocks.
     pub(crate) fn retire_slot(&mut self, index: u32) {
         self.recall(index);
-        while let Some(id) = self.lending.slots[index as usize].as_ref().map(|r| r.head).filter(|&h| h != NIL) {
+        while let Some(id) = self.lending.registered(index).map(|r| r.head).filter(|&h| h != NIL) {
             self.unlink_lent(id);
             self.blocks[id].state = BlockState::Allocated;
         }
@@ -144,7 +172,7 @@ impl DeviceHeap {
         let (Some(id), Some(entry)) = (found.filter(|&id| self.may_lend(id, max_size)), entry) else {
             return self.free(ptr).map(FreedOrLent::Freed);
         };
-        let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
+        let record = self.lending.slot(index);
         let evicted = record.slot.entry(entry);
         if evicted != 0 {
             self.take_back_entry(index, entry, evicted);
@@ -155,7 +183,7 @@ impl DeviceHeap {
         b.lent_to = index;
         let (kind, pool) = (b.kind, b.pool);
         self.link_lent(index, id);
-        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let record = self.lending.slot_mut(index);
         record.slot.set_entry(entry, ptr);
         if record.slot.is_armed() {
             // The free made room under the peaks for exactly this claim.
@@ -163,7 +191,7 @@ impl DeviceHeap {
             add_block(&mut self.lending.claims, kind, freed.size, freed.requested);
         }
         self.arm_slot(index);
-        let stream = self.pools[pool as usize].stream;
+        let stream = self.pools[pool].stream;
         Ok(FreedOrLent::Lent(LentBlock { size: freed.size, requested: freed.requested, kind, stream }))
     }
 
@@ -173,7 +201,7 @@ impl DeviceHeap {
     /// armed again.
     fn take_back_entry(&mut self, index: u32, entry: usize, addr: u64) {
         self.absorb(index);
-        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let record = self.lending.slot_mut(index);
         record.slot.set_entry(entry, 0);
         let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
         self.return_to_bins(id);
@@ -193,7 +221,7 @@ impl DeviceHeap {
     /// events (active memory's peaks are noted under the lock only), no
     /// one watching every event.
     fn lending_allowed(&self) -> bool {
-        self.may_release() && self.pending.is_empty() && !self.observers.observed
+        self.may_release() && self.streams.pending.is_empty() && !self.observers.observed
     }
 
     /// Whether the allocated block `id` may go to a thread's cache. Not a
@@ -204,13 +232,13 @@ impl DeviceHeap {
     /// with them lent, none without).
     fn may_lend(&self, id: BlockId, max_size: u64) -> bool {
         let b = &self.blocks[id];
-        let pool = &self.pools[b.pool as usize];
+        let pool = &self.pools[b.pool];
         b.size <= max_size
-            && pool.tag == 0
+            && pool.tag == TagId::DEFAULT
             && pool.private.is_none()
             && pool.vm.is_none()
             && self.lending_allowed()
-            && (self.recorded_streams.is_empty() || !self.recorded_streams.contains_key(&b.addr))
+            && (self.streams.recorded.is_empty() || !self.streams.recorded.contains_key(&b.addr))
     }
 
     /// Arms slot `index` at its owner's request, if its claim fits under
@@ -219,14 +247,14 @@ impl DeviceHeap {
         if !self.lending_allowed() {
             return false;
         }
-        let Some(record) = self.lending.slots[index as usize].as_ref() else {
+        let Some(record) = self.lending.registered(index) else {
             return false;
         };
         if record.slot.is_armed() {
             return true;
         }
         self.absorb(index);
-        let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
+        let record = self.lending.slot(index);
         let mut claim = Amounts::default();
         for addr in record.slot.cached() {
             let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
@@ -236,7 +264,7 @@ impl DeviceHeap {
         if !self.fits_under_peaks(&claim) {
             return false;
         }
-        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let record = self.lending.slot_mut(index);
         record.claim = claim;
         record.slot.arm();
         for (claims, claim) in self.lending.claims.iter_mut().zip(claim) {
@@ -283,8 +311,8 @@ impl DeviceHeap {
 
     /// Disarms every slot and folds in what it did.
     pub(super) fn disarm_all(&mut self) {
-        for index in 0..self.lending.slots.len() as u32 {
-            if self.lending.slots[index as usize].is_some() {
+        for index in 0..self.lending.index_end() {
+            if self.lending.registered(index).is_some() {
                 self.absorb(index);
             }
         }
@@ -293,7 +321,7 @@ impl DeviceHeap {
     /// Disarms slot `index` and folds its hand-outs and frees since the
     /// last look into the gauges; its claim goes.
     fn absorb(&mut self, index: u32) {
-        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let record = self.lending.slots[index as usize].as_mut().expect("registered slot"); // (the claims are borrowed too)
         if record.slot.is_armed() {
             record.slot.disarm();
             self.lending.armed -= 1;
@@ -314,7 +342,7 @@ impl DeviceHeap {
     /// be freeing one right now, unlocked; they are settled when freed.)
     pub(super) fn recall(&mut self, index: u32) {
         self.absorb(index);
-        let record = self.lending.slots[index as usize].as_ref().expect("registered slot");
+        let record = self.lending.slot(index);
         let slot = record.slot;
         for addr in slot.take_entries() {
             let id = self.by_addr.get(addr).expect("a cached block is in by_addr");
@@ -328,8 +356,8 @@ impl DeviceHeap {
 
     /// Takes back every block of every thread's cache.
     pub(super) fn recall_all(&mut self) {
-        for index in 0..self.lending.slots.len() as u32 {
-            if self.lending.slots[index as usize].is_some() {
+        for index in 0..self.lending.index_end() {
+            if self.lending.registered(index).is_some() {
                 self.recall(index);
             }
         }
@@ -348,8 +376,8 @@ impl DeviceHeap {
     /// The reclaimer's pass: takes back the blocks of caches whose thread
     /// did nothing since the last pass.
     pub(super) fn recall_idle(&mut self) {
-        for index in 0..self.lending.slots.len() as u32 {
-            let Some(record) = self.lending.slots[index as usize].as_mut() else {
+        for index in 0..self.lending.index_end() {
+            let Some(record) = self.lending.registered_mut(index) else {
                 continue;
             };
             let activity = record.slot.activity();
@@ -370,7 +398,7 @@ impl DeviceHeap {
     /// its owner's next request.)
     pub(super) fn settle_lent(&mut self, id: BlockId) -> bool {
         let index = self.blocks[id].lent_to;
-        let slot = self.lending.slots[index as usize].as_ref().expect("a lent block's slot is registered").slot;
+        let slot = self.lending.slot(index).slot;
         let addr = self.blocks[id].addr;
         if slot.holds(addr) {
             return false;
@@ -383,27 +411,17 @@ impl DeviceHeap {
     }
 
     fn link_lent(&mut self, index: u32, id: BlockId) {
-        let record = self.lending.slots[index as usize].as_mut().expect("registered slot");
+        let record = self.lending.slot_mut(index);
         let head = std::mem::replace(&mut record.head, id);
-        self.blocks[id].link_prev = NIL;
-        self.blocks[id].link_next = head;
-        if head != NIL {
-            self.blocks[head].link_prev = id;
-        }
+        self.blocks.link_front(id, head);
     }
 
     fn unlink_lent(&mut self, id: BlockId) {
-        let (prev, next, index) = (self.blocks[id].link_prev, self.blocks[id].link_next, self.blocks[id].lent_to);
-        if prev != NIL {
-            self.blocks[prev].link_next = next;
-        } else {
-            self.lending.slots[index as usize].as_mut().expect("registered slot").head = next;
+        let index = self.blocks[id].lent_to;
+        let (prev, next) = self.blocks.unlink(id);
+        if prev == NIL {
+            self.lending.slot_mut(index).head = next;
         }
-        if next != NIL {
-            self.blocks[next].link_prev = prev;
-        }
-        self.blocks[id].link_prev = NIL;
-        self.blocks[id].link_next = NIL;
     }
 
     /// Checks the invariants at the top of this file that the block walk
@@ -416,13 +434,10 @@ impl DeviceHeap {
             if record.claim != Amounts::default() {
                 return Err(format!("slot {index} is disarmed but claims {:?}", record.claim));
             }
-            let mut cur = record.head;
-            while cur != NIL {
-                let b = &self.blocks[cur];
+            for (id, b) in self.blocks.walk_list(record.head) {
                 if b.state != BlockState::Lent || b.lent_to != index as u32 {
-                    return Err(format!("block {cur} on slot {index}'s list is {:?} (lent to {})", b.state, b.lent_to));
+                    return Err(format!("block {id} on slot {index}'s list is {:?} (lent to {})", b.state, b.lent_to));
                 }
-                cur = b.link_next;
             }
             for addr in record.slot.cached() {
                 let lent = self
@@ -443,8 +458,8 @@ impl DeviceHeap {
     /// Whether the lent block `id` is in its cache's entries (free), for
     /// `validate()`, which needs the slots disarmed and folded in.
     pub(super) fn lent_is_cached(&self, id: BlockId) -> Result<bool, String> {
-        let index = self.blocks[id].lent_to as usize;
-        let Some(Some(record)) = self.lending.slots.get(index) else {
+        let index = self.blocks[id].lent_to;
+        let Some(record) = self.lending.registered(index) else {
             return Err(format!("block {id} is lent to slot {index}, which is not registered"));
         };
         if record.slot.is_armed() {
@@ -457,21 +472,11 @@ impl DeviceHeap {
     /// (not in its cache's entries).
     pub(super) fn is_live(&self, id: BlockId) -> bool {
         let b = &self.blocks[id];
-        b.is_allocated()
-            || (b.state == BlockState::Lent
-                && self.lending.slots.get(b.lent_to as usize).and_then(Option::as_ref).is_some_and(|r| !r.slot.holds(b.addr)))
+        b.is_allocated() || (b.state == BlockState::Lent && self.lending.registered(b.lent_to).is_some_and(|r| !r.slot.holds(b.addr)))
     }
 
     /// How many blocks the slots' lists hold.
     pub(super) fn lent_listed(&self) -> usize {
-        let mut count = 0;
-        for record in self.lending.slots.iter().flatten() {
-            let mut cur = record.head;
-            while cur != NIL {
-                count += 1;
-                cur = self.blocks[cur].link_next;
-            }
-        }
-        count
+        self.lending.slots.iter().flatten().map(|record| self.blocks.walk_list(record.head).count()).sum()
     }
 }

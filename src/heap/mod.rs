@@ -32,20 +32,24 @@
 //! Files by what happens to a block: `allocate.rs` (a request served, or
 //! the heap exhausted: the out-of-memory ladder that follows is the
 //! device's), `free.rs` (a block freed: the stash, merging, the bins),
-//! `report.rs` (statistics, snapshots, the out-of-memory report);
-//! `release.rs` gives memory back (caps, the reclaimer's pass, what an OOM
-//! needs from other processes); `streams.rs` keeps blocks safe across
-//! streams (pending frees waiting for events, lending a block to another
-//! stream when the device is full); `private.rs` routes allocations to
-//! private pools (CUDA graphs, MemPools); `tags.rs` serves tagged
-//! allocations from each tag's own pools and pauses and resumes a tag's
-//! memory; `lent.rs` lends freed blocks to threads' caches and counts
-//! what they do; `expandable.rs` and `recycle.rs` map and move the
-//! pages of expandable segments (their page maps: `crate::page_map`);
+//! `routing.rs` (which pools serve a request, and how each grows),
+//! `report.rs` (statistics, tags' figures, snapshots, the out-of-memory
+//! report); `release.rs` gives memory back (`Limits`: caps, the policy and
+//! its clock; the reclaimer's pass; what an OOM needs from other
+//! processes); `streams.rs` keeps blocks safe across streams
+//! (`StreamSafety`: pending frees waiting for events, cross-stream reuse
+//! of a block cached for another stream when the device is full);
+//! `private.rs` routes allocations to private pools (CUDA graphs,
+//! MemPools); `tags.rs` pauses and resumes a tag's memory; `lent.rs`
+//! lends freed blocks to threads' caches and counts what they do
+//! (`Lending`); `expandable.rs` and `recycle.rs` map and move the pages of
+//! expandable segments (`Paging`; their page maps: `crate::page_map`);
 //! `observe.rs` and `history.rs` are who watches the heap; `reserve.rs`
 //! keeps the reserved count, its peak and its cap shared by the heaps of
-//! one device; `pool.rs` and `block.rs` (with `crate::addr_map`) are the
-//! data structures, `validate.rs` the invariants.
+//! one device. The data structures: `ids.rs` (the typed identifiers),
+//! `block.rs` (`BlockArena`, `ByAddr` over `crate::addr_map`),
+//! `segment.rs` (`Segments`), `pool.rs` (`Pool`, `Pools`); `validate.rs`
+//! checks the invariants, one check per group.
 //!
 //! Invariants, checked by `validate()`:
 //! - the blocks of a segment tile it exactly, in address order, linked both ways;
@@ -62,87 +66,68 @@
 //!   as active, not allocated; lent blocks as free while cached, allocated
 //!   once handed out again);
 //! - each pending block waits for as many queued events as it is named in,
-//!   and at least one, or for the end of a capture (`streams.rs`);
+//!   and at least one, or for the end of a capture (`streams.rs`); streams
+//!   are recorded only for allocated blocks, never a block's own stream;
 //! - each pool grows as its tag and kind say (`Pool::vm`: pages of reserved
 //!   ranges, or whole segments);
 //! - each pool is filed once, under its own stream, private pool, tag and
-//!   kind (`pools_by_key`), and every open private pool is held (`private.rs`);
+//!   kind (`Pools::check`), and every open private pool is held (`private.rs`);
+//! - each segment is filed under its base, and its slot is reused only once
+//!   it is gone (`Segments::check`);
 //! - each kept context (`contexts`) is that of an allocated or pending
 //!   block at its address, and the heap is `observed` while one is kept.
 #![forbid(unsafe_code)]
 
 mod allocate;
-pub(crate) mod block;
+mod block;
 mod expandable;
 mod free;
 pub(crate) mod history;
-pub(crate) mod lent;
+mod ids;
+mod lent;
 mod observe;
-pub(crate) mod pool;
+mod pool;
 pub(crate) mod private;
 mod recycle;
 mod release;
 mod report;
 pub mod reserve;
+mod routing;
+mod segment;
 mod streams;
-pub(crate) mod tags;
+mod tags;
 mod validate;
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use crate::addr_map::AddrMap;
-use crate::backend::{Backend, BackendError};
-use crate::error::{AllocError, InvalidFree, OomReport};
-use crate::page_map::PageMap;
-use crate::reclaim::policy::Policy;
-use crate::reclaim::Clock;
-use crate::recording::rows::Action;
-use crate::recording::{Recorder, TraceBuffer};
-use crate::size_class::{PoolKind, SizeRules};
+use crate::backend::Backend;
+use crate::size_class::SizeRules;
+use crate::stats::Counters;
 pub use crate::stats::Released;
-use crate::stats::{Counters, Stats};
-use crate::types::Stream;
-use block::{BlockArena, BlockId, BlockState, NIL};
-use expandable::Vm;
-use history::{History, HistoryAction};
+use block::{BlockArena, BlockId, ByAddr, NIL};
+use expandable::Paging;
+use lent::Lending;
 use observe::Observers;
-use pool::Pool;
-use private::{PrivatePoolId, PrivatePools};
+use pool::Pools;
+use private::PrivatePools;
+use release::Limits;
 use reserve::Reserve;
-use streams::PendingFrees;
+use segment::Segments;
+use streams::StreamSafety;
+use tags::Tags;
 
 pub use free::Freed;
+pub use ids::SegmentId;
 pub use lent::{FreedOrLent, LentBlock};
-pub use report::{BlockSnapshot, SegmentSnapshot, Totals};
-
-/// One allocation from the backend, or one reserved range of an
-/// expandable segment (then `size` is its address space, and `pages` says
-/// which of its pages hold memory).
-#[derive(Clone, Debug)]
-pub struct Segment {
-    pub base: u64,
-    pub size: u64,
-    pub pages: Option<PageMap>,
-    pub pool: u32,
-    /// The block at `base`.
-    pub first_block: BlockId,
-    /// When the segment last became one whole free block (reclaimer clock).
-    pub idle_since_ms: u64,
-}
-
-/// What picks a request's pools: its stream, the private pool open (if
-/// any) and its tag (0: "default"; tagged pools are never private).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct PoolKey {
-    stream: Stream,
-    private: Option<PrivatePoolId>,
-    tag: u32,
-}
+pub use report::{BlockSnapshot, SegmentSnapshot, TagStats, Totals};
+pub use segment::Segment;
 
 /// The heap of one device (or of one stream shard of a device). Aligned to
 /// 128 bytes so that heaps side by side, used by different threads, share
 /// no cache line.
+///
+/// Each part owns its data and says, with its type, which file keeps it;
+/// the invariants that tie parts together are at the top of this file.
 #[repr(align(128))]
 pub struct DeviceHeap {
     // What it is: its device, size rules and backend.
@@ -150,51 +135,30 @@ pub struct DeviceHeap {
     rules: SizeRules,
     backend: Arc<dyn Backend>,
     // Placement: blocks, segments, pools, and the lookups into them.
+    /// Every block record (`block.rs`).
     blocks: BlockArena,
-    segments: Vec<Option<Segment>>,
-    unused_segments: Vec<u32>,
-    segment_by_base: BTreeMap<u64, u32>,
-    pools: Vec<Pool>,
-    /// The (small, large) pools of each stream, private pool and tag.
-    pools_by_key: HashMap<PoolKey, [u32; 2]>,
-    /// The last stream served and the pools it was served from: skips the
-    /// map on the hot path (cleared as private pools open and close).
-    last_stream: Option<(Stream, [u32; 2])>,
-    /// Allocated and stashed blocks by address: the pointer lookup of `free`.
-    by_addr: AddrMap,
+    /// Every segment or reserved range, by id and base (`segment.rs`).
+    segments: Segments,
+    /// The pools, filed by stream, private pool, tag and kind (`pool.rs`).
+    pools: Pools,
+    /// Allocated, pending, stashed and lent blocks by address: the pointer
+    /// lookup of `free` (free blocks in the bins are not in it).
+    by_addr: ByAddr,
     /// Whether frees go through the stash (see the top of this file).
     stash_enabled: bool,
-    /// Expandable segments (`expandable:true`): page size and range size.
-    vm: Option<Vm>,
-    /// The most bytes one physical allocation of an expandable segment
-    /// holds (`expandable.rs`: a run of new pages is mapped in allocations
-    /// this large, and each goes back or moves only whole).
-    max_allocation: u64,
-    /// A block carved from freed memory gives back the larger allocation
-    /// it ends inside (`expandable.rs`: `split_allocation_past`).
-    split_allocations: bool,
-    /// Which holes' pages move to where growth needs them (`recycle.rs`).
-    recycling: recycle::Recycling,
+    /// How expandable segments map and move pages (`expandable.rs`, `recycle.rs`).
+    paging: Paging,
     // Pools of their own: CUDA graphs and MemPools, tags.
     /// Graph pools and `MemPool`s (`private.rs`).
     private: PrivatePools,
-    /// The pools of tags other than "default", and paused tags (`tags.rs`).
-    tags: tags::Tags,
-    // Streams (`streams.rs`).
-    /// Live blocks used on streams other than their own (`record_stream`).
-    recorded_streams: HashMap<u64, Vec<Stream>>,
-    /// Freed blocks waiting for the events of the other streams that used them.
-    pending: PendingFrees,
-    /// Whether a full device may lend one stream's cached blocks to another.
-    lend_across_streams: bool,
-    // Giving memory back (`release.rs`).
-    /// The device's reserved count and memory-fraction cap, shared with
-    /// the other heaps of the device (one per stream shard).
-    reserve: Arc<Reserve>,
-    /// When to give memory back; the budget also caps growth.
-    policy: Policy,
-    /// The reclaimer's clock, for idle stamps.
-    clock: Arc<Clock>,
+    /// Paused tags and the page of tags' ranges (`tags.rs`; their pools are in `pools`).
+    tags: Tags,
+    /// Blocks used on other streams, frees waiting for their events, and
+    /// reuse across streams (`streams.rs`).
+    streams: StreamSafety,
+    /// The reserved count and cap shared by the device's heaps, the release
+    /// policy and its clock (`release.rs`).
+    limits: Limits,
     // What it counts and who watches.
     stats: Counters,
     /// The backend's driver calls on this device when the heap was made or
@@ -202,7 +166,7 @@ pub struct DeviceHeap {
     /// from there.
     driver_calls_at_reset: u64,
     /// Blocks lent to threads' caches and what those caches did (`lent.rs`).
-    lending: lent::Lending,
+    lending: Lending,
     /// The recording, the history and the contexts (`observe.rs`).
     observers: Observers,
 }
@@ -215,40 +179,32 @@ impl DeviceHeap {
             rules,
             backend,
             blocks: BlockArena::new(),
-            segments: Vec::new(),
-            unused_segments: Vec::new(),
-            segment_by_base: BTreeMap::new(),
-            pools: Vec::new(),
-            pools_by_key: HashMap::new(),
-            last_stream: None,
-            private: PrivatePools::default(),
-            by_addr: AddrMap::default(),
-            recorded_streams: HashMap::new(),
-            pending: PendingFrees::default(),
-            reserve: Arc::default(),
-            policy: Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX },
-            clock: Clock::new(),
+            segments: Segments::default(),
+            pools: Pools::default(),
+            by_addr: ByAddr::default(),
             stash_enabled: true,
-            lend_across_streams: true,
-            vm: None,
-            max_allocation: crate::config::DEFAULT_EXPANDABLE_ALLOCATION,
-            split_allocations: false,
+            paging: Paging::default(),
+            private: PrivatePools::default(),
+            tags: Tags::default(),
+            streams: StreamSafety::default(),
+            limits: Limits::default(),
             stats: Counters::default(),
-            lending: lent::Lending::default(),
+            lending: Lending::default(),
             observers: Observers::default(),
-            tags: tags::Tags::default(),
-            recycling: recycle::Recycling::default(),
         }
     }
 
-    /// Lets (or stops) a full device lend one stream's cached blocks to another.
-    pub fn set_lend_across_streams(&mut self, on: bool) {
-        self.lend_across_streams = on;
+    /// Lets (or stops) a full device serve one stream from blocks cached
+    /// for another: cross-stream reuse (`streams.rs`; the
+    /// `lend_across_streams` option). "Lending" is what the heap does with
+    /// threads' caches (`lent.rs`).
+    pub fn set_cross_stream_reuse(&mut self, on: bool) {
+        self.streams.cross_stream_reuse = on;
     }
 
     /// Shares the device's reserved count and cap with the other heaps of the device.
     pub fn share_reserve(&mut self, reserve: Arc<Reserve>) {
-        self.reserve = reserve;
+        self.limits.reserve = reserve;
     }
 
     /// Whether `ptr` is a block of this heap that a free could name
@@ -269,36 +225,8 @@ impl DeviceHeap {
         &self.rules
     }
 
-    /// The pool of (stream, kind) that serves now (a private pool's while
-    /// one is open), created on first use.
-    #[inline]
-    fn pool_id(&mut self, stream: Stream, kind: PoolKind) -> u32 {
-        if let Some((s, ids)) = self.last_stream {
-            if s == stream {
-                return ids[kind as usize];
-            }
-        }
-        let ids = self.pools_of(PoolKey { stream, private: self.private.routing(), tag: 0 });
-        self.last_stream = Some((stream, ids));
-        ids[kind as usize]
-    }
-
-    /// The (small, large) pools of `key`, created on first use: growing
-    /// as expandable segments say for the "default" tag, in ranges of
-    /// their own for any other.
-    fn pools_of(&mut self, key: PoolKey) -> [u32; 2] {
-        if let Some(ids) = self.pools_by_key.get(&key) {
-            return *ids;
-        }
-        let first = self.pools.len() as u32;
-        for kind in [PoolKind::Small, PoolKind::Large] {
-            let mut pool = Pool::new(key.stream, kind, key.private);
-            pool.tag = key.tag;
-            pool.vm = self.vm_for(key.tag, kind);
-            self.pools.push(pool);
-        }
-        let ids = [first, first + 1];
-        self.pools_by_key.insert(key, ids);
-        ids
+    /// The blocks of segment `id` in address order (none once it is gone).
+    fn blocks_of(&self, id: SegmentId) -> impl Iterator<Item = (BlockId, &block::Block)> + '_ {
+        self.blocks.walk_segment(self.segments.get(id).map_or(NIL, |s| s.first_block))
     }
 }

@@ -1,8 +1,22 @@
 //! Who watches a heap: the TIDEPOOL_TRACE recording, the history kept for
 //! snapshots (`history.rs`), and the contexts allocations were made with.
 //! One flag, `observed`, keeps the hot path to a single test while none is on.
+//! Owns `Observers`.
+//!
+//! Invariants (checked by `validate()`: `check_contexts`): each kept
+//! context is that of an allocated or pending block at its address, and
+//! the heap is `observed` while one is kept.
+#![forbid(unsafe_code)]
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::history::History;
+use super::DeviceHeap;
+use crate::error::AllocError;
+use crate::recording::rows::Action;
+use crate::recording::{Recorder, TraceBuffer};
+use crate::types::Stream;
 
 /// Who watches the heap.
 #[derive(Default)]

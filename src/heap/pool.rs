@@ -1,4 +1,6 @@
-//! A pool: the free blocks of one (device, stream, pool kind), binned by size.
+//! Pools: the free blocks of one (stream, private pool, tag, pool kind),
+//! binned by size (`Pool`), and the table of a heap's pools, filed by key
+//! (`Pools`).
 //!
 //! Each bin is a free list kept in ascending size order (equal sizes: the
 //! most recently freed first). A two-level bitmap marks the non-empty bins:
@@ -11,11 +13,18 @@
 //!   bit of row r set  <=>  `bins_nonempty[r] != 0`
 //!   every block in list b has bin_of(size) == b, sizes ascend along the list
 //!   free_bytes = sum of sizes in all lists, free_blocks = their count
+//! and of the table (`Pools::check`):
+//!   each pool is filed once, under its own (stream, private, tag) and kind;
+//!   no pool is both tagged and private.
 #![forbid(unsafe_code)]
 
+use std::collections::HashMap;
+
 use super::block::{BlockArena, BlockId, BlockState, NIL};
+use super::ids::PoolId;
 use super::private::PrivatePoolId;
 use crate::size_class::{bin_of, PoolKind, SizeRules, BIN_COUNT, MANTISSA_BITS, ROWS};
+use crate::tag::TagId;
 use crate::types::Stream;
 
 const SUBS: usize = 1 << MANTISSA_BITS;
@@ -25,8 +34,8 @@ pub struct Pool {
     pub kind: PoolKind,
     /// The private pool (graph pool, `MemPool`) this pool belongs to, if any.
     pub private: Option<PrivatePoolId>,
-    /// The tag of its blocks (`crate::tag::TagId`; 0: "default").
-    pub tag: u32,
+    /// The tag of its blocks (`TagId::DEFAULT`: untagged).
+    pub tag: TagId,
     /// Page and range size when it grows by pages of reserved ranges
     /// (expandable segments, tags); None when by whole segments.
     pub(super) vm: Option<super::expandable::Vm>,
@@ -47,7 +56,7 @@ impl Pool {
             stream,
             kind,
             private,
-            tag: 0,
+            tag: TagId::DEFAULT,
             vm: None,
             heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
             rows_nonempty: 0,
@@ -96,29 +105,19 @@ impl Pool {
         let bin = bin_of(size);
         let head = self.heads[bin];
         if head == NIL || blocks[head].size >= size {
-            let b = &mut blocks[id];
-            b.link_prev = NIL;
-            b.link_next = head;
+            blocks.link_front(id, head);
             if head == NIL {
                 self.mark(bin, true);
-            } else {
-                blocks[head].link_prev = id;
             }
             self.heads[bin] = id;
         } else {
             let mut prev = head;
-            let mut cur = blocks[head].link_next;
+            let mut cur = blocks[head].link_next();
             while cur != NIL && blocks[cur].size < size {
                 prev = cur;
-                cur = blocks[cur].link_next;
+                cur = blocks[cur].link_next();
             }
-            let b = &mut blocks[id];
-            b.link_prev = prev;
-            b.link_next = cur;
-            if cur != NIL {
-                blocks[cur].link_prev = id;
-            }
-            blocks[prev].link_next = id;
+            blocks.link_after(id, prev);
         }
         self.free_bytes += size;
         self.free_blocks += 1;
@@ -127,17 +126,9 @@ impl Pool {
     /// Unlinks the free block `id` of `size` bytes from its bin.
     #[inline]
     pub fn remove(&mut self, blocks: &mut BlockArena, id: BlockId, size: u64) {
-        let (prev, next) = {
-            let b = &mut blocks[id];
-            b.state = BlockState::Detached;
-            (b.link_prev, b.link_next)
-        };
-        if next != NIL {
-            blocks[next].link_prev = prev;
-        }
-        if prev != NIL {
-            blocks[prev].link_next = next;
-        } else {
+        blocks[id].state = BlockState::Detached;
+        let (prev, next) = blocks.unlink(id);
+        if prev == NIL {
             let bin = bin_of(size);
             self.heads[bin] = next;
             if next == NIL {
@@ -188,7 +179,7 @@ impl Pool {
         let own = bin_of(rounded);
         let mut cur = self.heads[own];
         while cur != NIL && blocks[cur].size < rounded {
-            cur = blocks[cur].link_next;
+            cur = blocks[cur].link_next();
         }
         if cur == NIL {
             if own + 1 >= BIN_COUNT {
@@ -202,7 +193,7 @@ impl Pool {
     /// The free block after `id` in size order: the next in its bin, else
     /// the head of the first non-empty bin above.
     fn next_in_size_order(&self, blocks: &BlockArena, id: BlockId) -> Option<BlockId> {
-        let next = blocks[id].link_next;
+        let next = blocks[id].link_next();
         if next != NIL {
             return Some(next);
         }
@@ -220,13 +211,7 @@ impl Pool {
         }
         let row = 63 - self.rows_nonempty.leading_zeros() as usize;
         let bin = row * SUBS + 31 - self.bins_nonempty[row].leading_zeros() as usize;
-        let mut cur = self.heads[bin];
-        let mut largest = 0;
-        while cur != NIL {
-            largest = blocks[cur].size;
-            cur = blocks[cur].link_next;
-        }
-        largest
+        blocks.walk_list(self.heads[bin]).last().map_or(0, |(_, b)| b.size)
     }
 
     /// Every block in the bins, bin by bin (smallest first).
@@ -240,22 +225,125 @@ impl Pool {
                 cur = bin.map_or(NIL, |b| self.heads[b]);
             }
             let id = cur;
-            cur = blocks[id].link_next;
+            cur = blocks[id].link_next();
             Some(id)
         })
     }
 
     /// The blocks of one bin, in list order.
     pub fn bin_members<'a>(&self, blocks: &'a BlockArena, bin: usize) -> impl Iterator<Item = BlockId> + 'a {
-        let mut cur = self.heads[bin];
-        std::iter::from_fn(move || {
-            if cur == NIL {
-                return None;
+        blocks.walk_list(self.heads[bin]).map(|(id, _)| id)
+    }
+}
+
+/// What picks a request's pools: its stream, the private pool open (if
+/// any) and its tag (`TagId::DEFAULT` for untagged; tagged pools are never
+/// private).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct PoolKey {
+    pub stream: Stream,
+    pub private: Option<PrivatePoolId>,
+    pub tag: TagId,
+}
+
+/// The pools of a heap, two (small, large) per key, made on first use.
+#[derive(Default)]
+pub(super) struct Pools {
+    pools: Vec<Pool>,
+    /// The (small, large) pools of each key.
+    by_key: HashMap<PoolKey, [PoolId; 2]>,
+    /// The last stream served from untagged pools and the pools it was
+    /// served from: skips the map on the hot path (forgotten as private
+    /// pools open and close).
+    last_stream: Option<(Stream, [PoolId; 2])>,
+}
+
+impl Pools {
+    /// The untagged pool of (`stream`, `kind`) if `stream` was the last served.
+    #[inline(always)]
+    pub fn last_served(&self, stream: Stream, kind: PoolKind) -> Option<PoolId> {
+        match self.last_stream {
+            Some((s, ids)) if s == stream => Some(ids[kind as usize]),
+            _ => None,
+        }
+    }
+
+    /// Remembers `ids` as the untagged pools `stream` is served from.
+    #[inline]
+    pub fn note_served(&mut self, stream: Stream, ids: [PoolId; 2]) {
+        self.last_stream = Some((stream, ids));
+    }
+
+    /// Forgets the last stream served (its pools changed: a private pool opened or closed).
+    pub fn forget_served(&mut self) {
+        self.last_stream = None;
+    }
+
+    /// The (small, large) pools of `key`, made by `make` (given the kind) on first use.
+    pub fn of_key(&mut self, key: PoolKey, mut make: impl FnMut(PoolKind) -> Pool) -> [PoolId; 2] {
+        if let Some(ids) = self.by_key.get(&key) {
+            return *ids;
+        }
+        let ids = [PoolKind::Small, PoolKind::Large].map(|kind| {
+            self.pools.push(make(kind));
+            PoolId::new(self.pools.len() - 1)
+        });
+        self.by_key.insert(key, ids);
+        ids
+    }
+
+    /// Every pool, in id order.
+    pub fn iter(&self) -> impl Iterator<Item = (PoolId, &Pool)> {
+        self.pools.iter().enumerate().map(|(i, p)| (PoolId::new(i), p))
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Pool> {
+        self.pools.iter_mut()
+    }
+
+    /// Every pool's id.
+    pub fn ids(&self) -> impl Iterator<Item = PoolId> {
+        (0..self.pools.len()).map(PoolId::new)
+    }
+
+    /// The pools of `tag`.
+    pub fn of_tag(&self, tag: TagId) -> Vec<PoolId> {
+        self.iter().filter(|(_, p)| p.tag == tag).map(|(id, _)| id).collect()
+    }
+
+    /// Checks the table's invariants (top of this file).
+    pub fn check(&self) -> Result<(), String> {
+        for (key, ids) in &self.by_key {
+            for (kind, &id) in [PoolKind::Small, PoolKind::Large].into_iter().zip(ids) {
+                let pool = &self[id];
+                let filed = PoolKey { stream: pool.stream, private: pool.private, tag: pool.tag };
+                if filed != *key || pool.kind != kind {
+                    return Err(format!("pool {id} is filed under {key:?}, not its own {filed:?} and kind"));
+                }
+                if key.tag != TagId::DEFAULT && key.private.is_some() {
+                    return Err(format!("pool {id} is both tagged and private"));
+                }
             }
-            let id = cur;
-            cur = blocks[id].link_next;
-            Some(id)
-        })
+        }
+        if self.pools.len() != 2 * self.by_key.len() {
+            return Err(format!("{} pools, {} filed", self.pools.len(), 2 * self.by_key.len()));
+        }
+        Ok(())
+    }
+}
+
+impl std::ops::Index<PoolId> for Pools {
+    type Output = Pool;
+    #[inline(always)]
+    fn index(&self, id: PoolId) -> &Pool {
+        &self.pools[id.index()]
+    }
+}
+
+impl std::ops::IndexMut<PoolId> for Pools {
+    #[inline(always)]
+    fn index_mut(&mut self, id: PoolId) -> &mut Pool {
+        &mut self.pools[id.index()]
     }
 }
 
@@ -269,7 +357,7 @@ mod tests {
         let mut ids = Vec::new();
         let mut addr = 1 << 30;
         for &size in sizes {
-            let id = arena.insert(addr, size, 0, 0, PoolKind::Large);
+            let id = arena.insert(addr, size, super::super::ids::SegmentId::new(0), PoolId::new(0), PoolKind::Large);
             addr += size;
             pool.insert(&mut arena, id, size);
             ids.push(id);

@@ -16,11 +16,11 @@
 //! - while any private pool is open (a capture may be underway), the heap
 //!   calls nothing a capture forbids: no event query or wait (pending frees
 //!   keep their blocks, frees needing events wait until the last pool
-//!   closes), no release of memory, no unmapping of pages, no lending of
+//!   closes), no release of memory, no unmapping of pages, no reuse of
 //!   blocks across streams. Growth (`cuMemAlloc`, mapping pages) is allowed,
 //!   as in PyTorch's allocator (the `cuda` backend relaxes the thread's
 //!   capture mode around it);
-//! - the free memory of private pools stays in them, never released nor lent
+//! - the free memory of private pools stays in them, never released nor borrowed
 //!   nor recycled, while any private pool of the heap is held (begun more
 //!   often than released). A pool used inside another's capture (a
 //!   `MemPool` inside a graph capture) may be released before the graph
@@ -32,6 +32,7 @@
 
 use std::collections::HashMap;
 
+use super::ids::PoolId;
 use super::DeviceHeap;
 use crate::error::{AllocError, InvalidArgument, PrivatePoolMisuse};
 
@@ -80,7 +81,7 @@ impl DeviceHeap {
         self.disarm_all(); // a capture's allocations come from its pool, not threads' caches
         self.private.open.push(id);
         *self.private.uses.entry(id).or_default() += 1;
-        self.last_stream = None;
+        self.pools.forget_served();
     }
 
     /// Stops routing allocations to `id` (PyTorch's `endAllocateToPool`).
@@ -90,7 +91,7 @@ impl DeviceHeap {
             return Err(misuse(id, PrivatePoolMisuse::NotOpen));
         };
         self.private.open.remove(at);
-        self.last_stream = None;
+        self.pools.forget_served();
         if !self.private.any_open() {
             self.record_events_after_capture();
         }
@@ -118,8 +119,8 @@ impl DeviceHeap {
     /// Whether the free memory of `pool` must stay in it (a private pool
     /// while private pools are held; a paused tag's, whose ranges stay
     /// reserved: `tags.rs`).
-    pub(super) fn keeps_memory(&self, pool: u32) -> bool {
-        (self.pools[pool as usize].private.is_some() && self.private.any_held()) || self.pool_paused(pool)
+    pub(super) fn keeps_memory(&self, pool: PoolId) -> bool {
+        (self.pools[pool].private.is_some() && self.private.any_held()) || self.pool_paused(pool)
     }
 
     /// Whether memory may leave the heap's caches now, and events be queried.

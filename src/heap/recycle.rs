@@ -23,13 +23,18 @@
 //! tighter while memory is plentiful made hundreds of calls a step, the
 //! same moves each step).
 //!
+//! Owns `Recycling` (the heap's clock of frees, and whether pages move),
+//! kept in `Paging`.
+//!
 //! Invariant: pages move only for the part of a growth that would pass the
-//! device's free memory or the cap.
+//! device's free memory or the cap (a rule of the code: `over_limits` is
+//! what the donors are sized to; no figure of the heap records it).
 #![forbid(unsafe_code)]
 
 use std::ops::Range;
 
 use super::block::BlockId;
+use super::ids::SegmentId;
 use super::DeviceHeap;
 
 /// What the heap knows of its moves over its life.
@@ -52,7 +57,7 @@ enum Source {
     /// is being carved from past the request.
     Pages { block: BlockId, from: u64 },
     /// A small pool's segment that is one whole free block.
-    Segment(u32),
+    Segment(SegmentId),
 }
 
 /// An allocation inside a hole whose stream has no work left on it, about
@@ -60,7 +65,7 @@ enum Source {
 /// `segment`. One that no growth takes stays where it is, cached.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Donor {
-    segment: u32,
+    segment: SegmentId,
     first: u64,
     pub pages: u64,
 }
@@ -68,7 +73,7 @@ pub(super) struct Donor {
 impl DeviceHeap {
     /// Turns moving cached pages before growth on (the default) or off.
     pub fn set_move_pages(&mut self, on: bool) {
-        self.recycling.off = !on;
+        self.paging.recycling.off = !on;
     }
 
     /// How far taking `bytes` more from the device would go past what the
@@ -77,7 +82,7 @@ impl DeviceHeap {
     /// driver (its free memory), asked only when the heap is about to grow.
     pub(super) fn over_limits(&self, bytes: u64) -> u64 {
         let free = self.backend.mem_info(self.device).map_or(u64::MAX, |info| info.free);
-        let over_cap = self.reserved_limit().map_or(0, |cap| (self.reserve.bytes() + bytes).saturating_sub(cap));
+        let over_cap = self.reserved_limit().map_or(0, |cap| (self.limits.reserve.bytes() + bytes).saturating_sub(cap));
         bytes.saturating_sub(free).max(over_cap)
     }
 
@@ -97,76 +102,19 @@ impl DeviceHeap {
         // driver's, which tags' ranges always use (a heap mapping larger
         // pages, `set_expandable_page`, moves nothing).
         let driver_page = self.backend.vm_page_size(self.device);
-        if self.vm.is_none_or(|vm| Some(vm.page) != driver_page) || self.recycling.off || !self.may_release() {
+        if self.paging.vm.is_none_or(|vm| Some(vm.page) != driver_page) || self.paging.recycling.off || !self.may_release() {
             return donors;
         }
         let mut want = self.over_limits(bytes);
         if want == 0 {
             return donors;
         }
-        let page = self.vm.map_or(0, |vm| vm.page);
         // A stashed block is a hole too (threads' cached blocks came back
         // before the block to map was taken: `take_block`).
         self.flush_stashes();
-        let mut candidates: Vec<(u64, Source)> = Vec::new();
-        if let Some(block) = carved {
-            // (A held private pool's free blocks keep their memory: a graph
-            // replay still writes to them.)
-            let b = &self.blocks[block];
-            if !self.keeps_memory(b.pool) {
-                candidates.push((b.freed_at, Source::Pages { block, from: b.addr + request }));
-            }
-        }
-        // The free blocks, pool by pool: holes with whole allocations
-        // inside, small segments that are one free block.
-        for pool in 0..self.pools.len() as u32 {
-            if self.keeps_memory(pool) {
-                continue;
-            }
-            for id in self.pools[pool as usize].free_members(&self.blocks) {
-                let b = &self.blocks[id];
-                let segment = self.segments[b.segment as usize].as_ref().expect("a binned block's segment");
-                if segment.pages.is_some() {
-                    // (A block smaller than a page holds no whole one.)
-                    if b.size >= page && self.is_hole(id) {
-                        candidates.push((b.freed_at, Source::Pages { block: id, from: b.addr }));
-                    }
-                } else if !b.is_split() {
-                    candidates.push((b.freed_at, Source::Segment(b.segment)));
-                }
-            }
-        }
-        // Longest free first; ties: the carved block, small segments, then
-        // holes, each in address order.
-        let order = |source: &Source, blocks: &super::block::BlockArena| match *source {
-            Source::Pages { block, .. } if Some(block) == carved => (0, 0),
-            Source::Segment(segment) => (1, segment as u64),
-            Source::Pages { block, .. } => (2, blocks[block].addr),
-        };
-        candidates.sort_by_key(|(freed_at, source)| (*freed_at, order(source, &self.blocks)));
-        for (_, candidate) in candidates {
+        for candidate in self.recycling_sources(request, carved) {
             let got = match candidate {
-                Source::Pages { block, from } => {
-                    let stream = self.pools[self.blocks[block].pool as usize].stream;
-                    if self.backend.synchronize_stream(self.device, stream).is_err() {
-                        self.stats.events.num_stream_sync_errors += 1;
-                        continue;
-                    }
-                    let b = &self.blocks[block];
-                    // The allocations the growth needs; the rest stay cached.
-                    let mut left = want.div_ceil(page);
-                    let mut got = 0;
-                    let segment = b.segment;
-                    for (first, pages) in self.allocations_within(segment, from, b.addr + b.size) {
-                        if left == 0 {
-                            break;
-                        }
-                        left = left.saturating_sub(pages);
-                        donors.push(Donor { segment, first, pages });
-                        got += pages * page;
-                    }
-                    got
-                }
+                Source::Pages { block, from } => self.donate_pages(block, from, want, &mut donors),
                 Source::Segment(segment) => self.release_whole_segment(segment).bytes,
             };
             want = want.saturating_sub(got);
@@ -177,6 +125,69 @@ impl DeviceHeap {
         donors
     }
 
+    /// Where cached memory can come from before a growth, longest free
+    /// first (ties: the block `carved` is carved from, past its first
+    /// `request` bytes; small segments; then holes, each in address order):
+    /// holes with whole allocations inside and small segments that are one
+    /// free block, in pools that need not keep their memory.
+    fn recycling_sources(&self, request: u64, carved: Option<BlockId>) -> Vec<Source> {
+        let page = self.paging.vm.map_or(0, |vm| vm.page);
+        let mut candidates: Vec<(u64, Source)> = Vec::new();
+        if let Some(block) = carved {
+            // (A held private pool's free blocks keep their memory: a graph
+            // replay still writes to them.)
+            let b = &self.blocks[block];
+            if !self.keeps_memory(b.pool) {
+                candidates.push((b.freed_at, Source::Pages { block, from: b.addr + request }));
+            }
+        }
+        for pool in self.pools.ids().filter(|&pool| !self.keeps_memory(pool)) {
+            for id in self.pools[pool].free_members(&self.blocks) {
+                let b = &self.blocks[id];
+                if self.segments[b.segment].pages.is_some() {
+                    // (A block smaller than a page holds no whole one.)
+                    if b.size >= page && self.is_hole(id) {
+                        candidates.push((b.freed_at, Source::Pages { block: id, from: b.addr }));
+                    }
+                } else if !b.is_split() {
+                    candidates.push((b.freed_at, Source::Segment(b.segment)));
+                }
+            }
+        }
+        let order = |source: &Source| match *source {
+            Source::Pages { block, .. } if Some(block) == carved => (0, 0),
+            Source::Segment(segment) => (1, u64::from(segment.raw())),
+            Source::Pages { block, .. } => (2, self.blocks[block].addr),
+        };
+        candidates.sort_by_key(|(freed_at, source)| (*freed_at, order(source)));
+        candidates.into_iter().map(|(_, source)| source).collect()
+    }
+
+    /// Adds to `donors` the allocations inside the free block `block` from
+    /// `from` on, once its stream's queued work has run, until they hold
+    /// `want` bytes (the rest stay cached). Returns the bytes they hold.
+    fn donate_pages(&mut self, block: BlockId, from: u64, want: u64, donors: &mut Vec<Donor>) -> u64 {
+        let page = self.paging.vm.map_or(0, |vm| vm.page);
+        let stream = self.pools[self.blocks[block].pool].stream;
+        if self.backend.synchronize_stream(self.device, stream).is_err() {
+            self.stats.events.num_stream_sync_errors += 1;
+            return 0;
+        }
+        let b = &self.blocks[block];
+        let mut left = want.div_ceil(page);
+        let mut got = 0;
+        let segment = b.segment;
+        for (first, pages) in self.allocations_within(segment, from, b.addr + b.size) {
+            if left == 0 {
+                break;
+            }
+            left = left.saturating_sub(pages);
+            donors.push(Donor { segment, first, pages });
+            got += pages * page;
+        }
+        got
+    }
+
     /// Moves the memory of the donors `run` (allocations next to each other
     /// in one segment, in address order: `adjacent_run`) to the unmapped
     /// pages at `to` (one run of a reserved range they fit), in one
@@ -185,8 +196,7 @@ impl DeviceHeap {
     /// caller maps new memory in their place).
     pub(super) fn move_donors(&mut self, donors: &mut Vec<Donor>, run: Range<usize>, to: u64) -> bool {
         let (first, last) = (donors[run.start], donors[run.end - 1]);
-        let Some((base, page)) = self.segments[first.segment as usize].as_ref().and_then(|s| Some((s.base, s.pages.as_ref()?.page_size())))
-        else {
+        let Some((base, page)) = self.segments.base_and_page(first.segment) else {
             return false;
         };
         let pages = last.first + last.pages - first.first;
@@ -212,7 +222,7 @@ impl DeviceHeap {
         let mut left = bytes;
         while left > 0 && !donors.is_empty() {
             let pages = |i: usize| donors[i].pages;
-            let page = self.vm.map_or(1, |vm| vm.page);
+            let page = self.paging.vm.map_or(1, |vm| vm.page);
             let covering = (0..donors.len()).filter(|&i| pages(i) * page >= left).min_by_key(|&i| pages(i));
             let index = covering.unwrap_or_else(|| (0..donors.len()).max_by_key(|&i| pages(i)).expect("not empty"));
             let donor = donors.remove(index);
@@ -250,8 +260,8 @@ pub(super) fn adjacent_run(donors: &[Donor], last: usize, room: u64) -> Range<us
 mod tests {
     use super::*;
 
-    fn donor(segment: u32, first: u64, pages: u64) -> Donor {
-        Donor { segment, first, pages }
+    fn donor(segment: usize, first: u64, pages: u64) -> Donor {
+        Donor { segment: SegmentId::new(segment), first, pages }
     }
 
     #[test]

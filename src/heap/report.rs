@@ -2,7 +2,17 @@
 //! snapshots of its segments and blocks, the segment of a pointer, the
 //! report of an out-of-memory.
 
-use super::*;
+use std::collections::HashMap;
+
+use super::block::BlockState;
+use super::private::PrivatePoolId;
+use super::DeviceHeap;
+use crate::error::OomReport;
+use crate::page_map::PageMap;
+use crate::size_class::PoolKind;
+use crate::stats::Stats;
+use crate::tag::TagId;
+use crate::types::Stream;
 
 /// The three byte counts a replay follows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -47,11 +57,38 @@ pub struct BlockSnapshot {
     pub context: u64,
 }
 
+/// What one tag holds on one heap.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TagStats {
+    /// Live blocks of the tag (count).
+    pub allocations: u64,
+    /// Bytes of the tag's live blocks (rounded sizes).
+    pub allocated_bytes: u64,
+    /// Device memory the tag's ranges hold now (mapped pages).
+    pub reserved_bytes: u64,
+    /// Device memory the pause gave back (0 unless paused).
+    pub paused_bytes: u64,
+    /// Host bytes holding the tag's contents while paused with offload.
+    pub offloaded_bytes: u64,
+    /// Whether the tag is paused.
+    pub paused: bool,
+}
+
+impl std::ops::AddAssign for TagStats {
+    fn add_assign(&mut self, other: TagStats) {
+        self.allocations += other.allocations;
+        self.allocated_bytes += other.allocated_bytes;
+        self.reserved_bytes += other.reserved_bytes;
+        self.paused_bytes += other.paused_bytes;
+        self.offloaded_bytes += other.offloaded_bytes;
+        self.paused |= other.paused;
+    }
+}
+
 impl DeviceHeap {
     /// The segment holding `ptr`: its base and size.
     pub fn segment_of(&self, ptr: u64) -> Option<(u64, u64)> {
-        let (_, &id) = self.segment_by_base.range(..=ptr).next_back()?;
-        let segment = self.segments[id as usize].as_ref()?;
+        let (_, segment) = self.segments.last_at_or_below(ptr)?;
         let size = segment.pages.as_ref().map_or(segment.size, PageMap::end_bytes);
         (ptr < segment.base + size).then_some((segment.base, size))
     }
@@ -65,7 +102,7 @@ impl DeviceHeap {
         self.flush_stashes();
         let paused = self.paused_ranges();
         let mut out = Vec::new();
-        for segment in self.segments.iter().flatten() {
+        for (_, segment) in self.segments.iter() {
             let saved = paused.get(&segment.base);
             let runs = match &segment.pages {
                 Some(_) if saved.is_some() => saved.into_iter().flatten().map(|&(a, n)| (a - segment.base, a - segment.base + n)).collect(),
@@ -75,14 +112,13 @@ impl DeviceHeap {
                 }
                 None => vec![(0, segment.size)],
             };
-            let pool = &self.pools[segment.pool as usize];
+            let pool = &self.pools[segment.pool];
             // Blocks and runs both ascend: one walk over the blocks.
-            let mut cur = segment.first_block;
+            let mut walk = self.blocks.walk_segment(segment.first_block).peekable();
             for (start, end) in runs {
                 let (start, end) = (segment.base + start, segment.base + end);
                 let mut blocks = Vec::new();
-                while cur != NIL && self.blocks[cur].addr < end {
-                    let b = &self.blocks[cur];
+                while let Some(&(_, b)) = walk.peek().filter(|(_, b)| b.addr < end) {
                     let (from, to) = (b.addr.max(start), (b.addr + b.size).min(end));
                     if from < to {
                         let (address, size, requested, context) = (from, to - from, b.requested, self.context_of(b.addr));
@@ -93,7 +129,7 @@ impl DeviceHeap {
                     if b.addr + b.size > end {
                         break; // the block goes on into the next run
                     }
-                    cur = b.next;
+                    walk.next();
                 }
                 out.push(SegmentSnapshot {
                     address: start,
@@ -102,7 +138,7 @@ impl DeviceHeap {
                     kind: pool.kind,
                     expandable: segment.pages.is_some(),
                     private: pool.private,
-                    tag: crate::tag::TagId(pool.tag),
+                    tag: pool.tag,
                     paused: saved.is_some(),
                     blocks,
                 });
@@ -117,12 +153,7 @@ impl DeviceHeap {
     /// must answer a free of it, which needs no device. One lookup in the
     /// address map (a block's address), else one in the segments by base.
     pub fn holds(&self, ptr: u64) -> bool {
-        self.by_addr.get(ptr).is_some()
-            || self
-                .segment_by_base
-                .range(..=ptr)
-                .next_back()
-                .is_some_and(|(_, &id)| self.segments[id as usize].as_ref().is_some_and(|segment| ptr < segment.base + segment.size))
+        self.by_addr.get(ptr).is_some() || self.segments.containing(ptr).is_some()
     }
 
     /// The size of the live block at `ptr`, if there is one.
@@ -145,8 +176,7 @@ impl DeviceHeap {
         // With the stashes merged, every reserved byte not active (allocated,
         // or freed but pending) is cached; paused tags' blocks hold none.
         stats.cached_free_bytes = stats.reserved_bytes.all.current - (stats.active_bytes.all.current - unmapped_active);
-        let classic =
-            (0..self.pools.len() as u32).filter(|&p| self.pool_vm(p).is_none()).map(|p| self.pools[p as usize].largest(&self.blocks));
+        let classic = self.pools.iter().filter(|(_, p)| p.vm.is_none()).map(|(_, p)| p.largest(&self.blocks));
         stats.largest_free_block_bytes = classic.max().unwrap_or(0).max(self.largest_mapped_free_run());
         stats.events.num_driver_calls = self.backend.driver_calls_on(self.device).saturating_sub(self.driver_calls_at_reset);
         stats
@@ -180,8 +210,8 @@ impl DeviceHeap {
             device_free: info.map(|i| i.free),
             device_total: info.map(|i| i.total),
             reserved_limit: self.reserved_limit(),
-            limit_is_budget: self.policy.max_reserved < self.reserve.limit(),
-            expandable: self.vm.is_some(),
+            limit_is_budget: self.limits.policy.max_reserved < self.limits.reserve.limit(),
+            expandable: self.paging.vm.is_some(),
             capturing: !self.may_release(),
             need_from_others,
         }
@@ -195,5 +225,75 @@ impl DeviceHeap {
             allocated: self.stats.allocated_bytes.total(),
             reserved: self.stats.reserved_bytes.total(),
         }
+    }
+
+    /// What `tag` holds on this heap; nothing for "default", which has no
+    /// pools of its own (`stats()` has what untagged allocations hold).
+    pub fn tag_stats(&mut self, tag: TagId) -> TagStats {
+        if tag == TagId::DEFAULT {
+            return TagStats::default();
+        }
+        for pool in self.tag_pools(tag) {
+            self.flush_stash(pool);
+        }
+        let mut stats = TagStats::default();
+        for id in self.tag_segments(tag) {
+            let segment = self.segments.get(id).expect("listed");
+            stats.reserved_bytes += segment.pages.as_ref().map_or(segment.size, |p| p.mapped_bytes());
+            for (_, b) in self.blocks.walk_segment(segment.first_block).filter(|(_, b)| b.is_allocated()) {
+                stats.allocations += 1;
+                stats.allocated_bytes += b.size;
+            }
+        }
+        if let Some(paused) = self.tags.paused.get(&tag) {
+            stats.paused = true;
+            stats.paused_bytes = paused.given_back;
+            stats.offloaded_bytes = paused.offloaded_bytes();
+        }
+        stats
+    }
+
+    /// Device bytes given back by paused tags, host bytes holding their
+    /// contents (`Stats::paused_bytes`, `offloaded_bytes`), and the bytes
+    /// of their active blocks on unmapped pages (active, but holding no
+    /// device memory).
+    pub(super) fn paused_totals(&mut self) -> (u64, u64, u64) {
+        if self.tags.paused.is_empty() {
+            return (0, 0, 0);
+        }
+        let (mut given, mut held, mut unmapped) = (0, 0, 0);
+        for (&tag, paused) in &self.tags.paused {
+            given += paused.given_back;
+            held += paused.offloaded_bytes();
+            for id in self.tag_segments(tag) {
+                let segment = self.segments.get(id).expect("listed");
+                let Some(pages) = segment.pages.as_ref() else { continue };
+                for (_, b) in self.blocks.walk_segment(segment.first_block).filter(|(_, b)| b.is_active()) {
+                    let offset = b.addr - segment.base;
+                    unmapped += b.size - pages.mapped_bytes_within(offset, offset + b.size);
+                }
+            }
+        }
+        (given, held, unmapped)
+    }
+
+    /// The paused state of the ranges, for snapshots: the base of every
+    /// range of a paused tag, with its saved runs as (address, bytes).
+    pub(super) fn paused_ranges(&self) -> HashMap<u64, Vec<(u64, u64)>> {
+        let page = self.tags.page();
+        let mut out: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
+        for (&tag, paused) in &self.tags.paused {
+            for id in self.tag_segments(tag) {
+                let base = self.segments.get(id).expect("listed").base;
+                out.entry(base).or_default();
+            }
+            for run in &paused.runs {
+                out.entry(run.base).or_default().push((run.base + run.first_page * page, run.pages * page));
+            }
+        }
+        for runs in out.values_mut() {
+            runs.sort_unstable();
+        }
+        out
     }
 }

@@ -1,14 +1,25 @@
 //! Stream-ordered safety, for one device heap: blocks used on other streams
 //! (`record_stream`) wait for events before they can be reused, and a full
-//! device lends a block cached for another stream after a device-side wait.
+//! device serves a stream from a block cached for another after a device-side
+//! wait (cross-stream reuse: the requester borrows the block). Owns
+//! `StreamSafety`: the streams recorded for live blocks, the pending frees
+//! (`PendingFrees`), and whether cross-stream reuse is on.
+//!
+//! Invariants (checked by `validate()`, through `PendingFrees::check`):
+//! each pending block waits for as many queued events as it is named in,
+//! and at least one, or for the end of a capture, never both; each stream
+//! has one queue; a block waits exactly when it is `Pending`; streams are
+//! recorded only for allocated blocks, never a block's own stream.
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::block::{BlockId, BlockState};
 use super::history::HistoryAction;
+use super::ids::PoolId;
 use super::{DeviceHeap, Freed};
 use crate::error::AllocError;
+use crate::tag::TagId;
 use crate::types::Stream;
 
 impl DeviceHeap {
@@ -17,25 +28,26 @@ impl DeviceHeap {
     /// host) for an event recorded on the block's stream, and the block is
     /// recorded as used by the requester, so it goes back to its own
     /// stream's pool only once the requester's work on it is done.
-    /// Private pools neither lend nor borrow, and nothing is lent while one
+    /// Private pools neither give nor borrow, and nothing is borrowed while one
     /// is open (the wait would join a capture to other streams' work).
-    /// Tagged pools neither lend nor borrow either: a page holds the blocks
+    /// Tagged pools neither give nor borrow either: a page holds the blocks
     /// of one tag, so that pausing a tag touches no other tag's memory.
     #[cold]
-    pub(super) fn borrow_from_other_streams(&mut self, pool: u32, rounded: u64, stream: Stream) -> Option<BlockId> {
-        let p = &self.pools[pool as usize];
-        if !self.lend_across_streams || !self.may_release() || p.private.is_some() || p.tag != 0 {
+    pub(super) fn borrow_from_other_streams(&mut self, pool: PoolId, rounded: u64, stream: Stream) -> Option<BlockId> {
+        let p = &self.pools[pool];
+        if !self.streams.cross_stream_reuse || !self.may_release() || p.private.is_some() || p.tag != TagId::DEFAULT {
             return None;
         }
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.pools[pool].kind;
         self.recall_all();
         self.flush_stashes();
-        let best = (0..self.pools.len() as u32)
-            .filter(|&p| p != pool && self.pools[p as usize].kind == kind && self.pools[p as usize].private.is_none())
-            .filter(|&p| self.pools[p as usize].tag == 0)
-            .filter_map(|p| self.pools[p as usize].best_fit(&self.blocks, rounded, &self.rules))
+        let best = self
+            .pools
+            .iter()
+            .filter(|&(id, p)| id != pool && p.kind == kind && p.private.is_none() && p.tag == TagId::DEFAULT)
+            .filter_map(|(_, p)| p.best_fit(&self.blocks, rounded, &self.rules))
             .min_by_key(|&id| self.blocks[id].size)?;
-        let owner = self.pools[self.blocks[best].pool as usize].stream;
+        let owner = self.pools[self.blocks[best].pool].stream;
         match self.backend.record_event(self.device, owner) {
             Ok(Some(event)) => {
                 let waited = self.backend.stream_wait_event(self.device, stream, event);
@@ -66,7 +78,7 @@ impl DeviceHeap {
         if !self.may_release() {
             let freed = self.count_free(id, ptr, false);
             self.make_pending(id);
-            self.pending.after_capture.push((id, streams));
+            self.streams.pending.after_capture.push((id, streams));
             return Some(freed);
         }
         let events = self.record_events(&streams);
@@ -75,7 +87,7 @@ impl DeviceHeap {
         }
         let freed = self.count_free(id, ptr, false);
         self.make_pending(id);
-        self.pending.push(id, &events);
+        self.streams.pending.push(id, &events);
         Some(freed)
     }
 
@@ -113,7 +125,7 @@ impl DeviceHeap {
     /// Makes the pending block `id` reusable.
     fn finish_pending(&mut self, id: BlockId) {
         let b = &self.blocks[id];
-        let (kind, size, addr, requested, stream) = (b.kind, b.size, b.addr, b.requested, self.pools[b.pool as usize].stream);
+        let (kind, size, addr, requested, stream) = (b.kind, b.size, b.addr, b.requested, self.pools[b.pool].stream);
         self.stats.pending.decrease(kind, 1);
         self.stats.pending_bytes.decrease(kind, size);
         self.note(HistoryAction::FreeCompleted, addr, requested, stream);
@@ -124,12 +136,12 @@ impl DeviceHeap {
     /// Once the last private pool closes: records the events of the frees
     /// that waited for it.
     pub(super) fn record_events_after_capture(&mut self) {
-        for (id, streams) in std::mem::take(&mut self.pending.after_capture) {
+        for (id, streams) in std::mem::take(&mut self.streams.pending.after_capture) {
             let events = self.record_events(&streams);
             if events.is_empty() {
                 self.finish_pending(id);
             } else {
-                self.pending.push(id, &events);
+                self.streams.pending.push(id, &events);
             }
         }
     }
@@ -141,11 +153,11 @@ impl DeviceHeap {
     /// event not done: one query per stream, however many blocks wait.
     /// Queries nothing while a private pool is open (a capture forbids it).
     pub fn process_pending(&mut self, wait: bool) {
-        if self.pending.is_empty() || !self.may_release() {
+        if self.streams.pending.is_empty() || !self.may_release() {
             return;
         }
-        for queue in 0..self.pending.queues.len() {
-            while let Some(&(event, id)) = self.pending.queues[queue].1.front() {
+        for queue in 0..self.streams.pending.queues.len() {
+            while let Some(&(event, id)) = self.streams.pending.queues[queue].1.front() {
                 let done = if wait {
                     self.backend.wait_event(self.device, event).is_ok()
                 } else {
@@ -154,14 +166,14 @@ impl DeviceHeap {
                 if !done {
                     break;
                 }
-                self.pending.queues[queue].1.pop_front();
+                self.streams.pending.queues[queue].1.pop_front();
                 self.backend.recycle_event(self.device, event);
-                if self.pending.event_done(id) {
+                if self.streams.pending.event_done(id) {
                     self.finish_pending(id);
                 }
             }
         }
-        self.pending.queues.retain(|(_, events)| !events.is_empty());
+        self.streams.pending.queues.retain(|(_, events)| !events.is_empty());
     }
 
     /// Notes that the allocated block at `ptr` is also used on `stream`: when
@@ -174,8 +186,8 @@ impl DeviceHeap {
         let Some(id) = id.filter(|&id| self.blocks[id].is_allocated()) else {
             return Err(AllocError::UnknownPointer { ptr });
         };
-        if self.pools[self.blocks[id].pool as usize].stream != stream {
-            let streams = self.recorded_streams.entry(ptr).or_default();
+        if self.pools[self.blocks[id].pool].stream != stream {
+            let streams = self.streams.recorded.entry(ptr).or_default();
             if !streams.contains(&stream) {
                 streams.push(stream);
             }
@@ -185,7 +197,24 @@ impl DeviceHeap {
 
     /// The streams recorded for the live block at `ptr`.
     pub fn recorded_streams(&self, ptr: u64) -> &[Stream] {
-        self.recorded_streams.get(&ptr).map_or(&[], Vec::as_slice)
+        self.streams.recorded.get(&ptr).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// What keeps blocks safe across streams on one heap.
+pub(super) struct StreamSafety {
+    /// Live blocks used on streams other than their own (`record_stream`), by address.
+    pub recorded: HashMap<u64, Vec<Stream>>,
+    /// Freed blocks waiting for the events of the other streams that used them.
+    pub pending: PendingFrees,
+    /// Whether a full device may serve one stream from blocks cached for
+    /// another (`borrow_from_other_streams`; the `lend_across_streams` option).
+    pub cross_stream_reuse: bool,
+}
+
+impl Default for StreamSafety {
+    fn default() -> StreamSafety {
+        StreamSafety { recorded: HashMap::new(), pending: PendingFrees::default(), cross_stream_reuse: true }
     }
 }
 

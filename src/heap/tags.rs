@@ -1,12 +1,13 @@
-//! Tags in the heap: each tag's own pools, and pausing and resuming a tag
-//! (giving its memory back to the device with every address kept, and
-//! taking it again).
+//! Pausing and resuming a tag (giving its memory back to the device with
+//! every address kept, and taking it again), and what a paused tag keeps
+//! (`Tags`). Which pools serve a tag is `routing.rs`'s; its figures are
+//! `report.rs`'s; the check of the invariants below, `validate.rs`'s.
 //!
 //! An allocation made under a tag other than "default" (`crate::tag`) comes
 //! from the pools of (stream, tag, kind). They grow in reserved virtual
 //! ranges, page by page, as expandable segments do, whatever the
 //! `expandable` option says: only a reserved range keeps its addresses while
-//! its memory is gone. They neither lend blocks to other streams nor
+//! its memory is gone. They neither give blocks to other streams nor
 //! borrow, so a page never holds blocks of two tags. Untagged allocations
 //! never come here: the allocator tests the thread's tag once and goes on.
 //!
@@ -36,7 +37,7 @@
 //! A tag's pools are the pools whose `tag` is it (the heap files every
 //! pool under its key, tag included); only paused tags keep state here.
 //!
-//! Invariants (checked by `validate()` through `check_tags`):
+//! Invariants (checked by `validate()`: `check_tags`, `check_saved_runs`):
 //! - "default" is never paused, and a paused tag's pools stash nothing;
 //! - in a paused tag, every page touched by an active block is mapped or
 //!   lies in a saved run of its range; saved runs lie in ranges of the
@@ -51,157 +52,76 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::block::{BlockId, BlockState, NIL};
+use super::block::{BlockId, BlockState};
 use super::expandable::Vm;
-use super::{DeviceHeap, PoolKey};
+use super::ids::{PoolId, SegmentId};
+use super::DeviceHeap;
 use crate::backend::{BackendError, HostMemory};
-use crate::error::{AllocError, InvalidArgument, TagError, TagState};
-use crate::size_class::PoolKind;
+use crate::error::{AllocError, TagError, TagState};
 use crate::tag::{name_of, TagId};
 use crate::types::Stream;
 
-/// The address space a tag's small pool reserves at a time (its large
-/// pool reserves as much as the device holds, as expandable segments do).
-const SMALL_RANGE: u64 = 1 << 30;
-
-/// The most address space one large range reserves.
-const MAX_RANGE: u64 = 1 << 40;
-
-/// What one tag holds on one heap.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TagStats {
-    /// Live blocks of the tag (count).
-    pub allocations: u64,
-    /// Bytes of the tag's live blocks (rounded sizes).
-    pub allocated_bytes: u64,
-    /// Device memory the tag's ranges hold now (mapped pages).
-    pub reserved_bytes: u64,
-    /// Device memory the pause gave back (0 unless paused).
-    pub paused_bytes: u64,
-    /// Host bytes holding the tag's contents while paused with offload.
-    pub offloaded_bytes: u64,
-    /// Whether the tag is paused.
-    pub paused: bool,
-}
-
-impl std::ops::AddAssign for TagStats {
-    fn add_assign(&mut self, other: TagStats) {
-        self.allocations += other.allocations;
-        self.allocated_bytes += other.allocated_bytes;
-        self.reserved_bytes += other.reserved_bytes;
-        self.paused_bytes += other.paused_bytes;
-        self.offloaded_bytes += other.offloaded_bytes;
-        self.paused |= other.paused;
-    }
-}
-
 /// Pages of one range under live blocks at the pause, and their contents
 /// when offloaded: what resume maps and fills again.
-struct SavedRun {
+pub(super) struct SavedRun {
     /// The range's base address.
-    base: u64,
-    first_page: u64,
-    pages: u64,
-    data: Option<Box<dyn HostMemory>>,
+    pub base: u64,
+    pub first_page: u64,
+    pub pages: u64,
+    pub data: Option<Box<dyn HostMemory>>,
 }
 
 /// A paused tag.
-struct Paused {
-    offload: bool,
-    /// Device bytes the pause unmapped.
-    given_back: u64,
-    runs: Vec<SavedRun>,
+pub(super) struct Paused {
+    /// Whether the pause saved the contents of live blocks' pages.
+    pub offload: bool,
+    /// Device bytes the pause unmapped (less what a failed resume left mapped).
+    pub given_back: u64,
+    /// The pages resume maps again, with their contents when offloaded.
+    pub runs: Vec<SavedRun>,
+}
+
+impl Paused {
+    /// Host bytes holding the tag's contents.
+    pub fn offloaded_bytes(&self) -> u64 {
+        self.runs.iter().filter_map(|r| r.data.as_ref()).map(|d| d.bytes().len() as u64).sum()
+    }
 }
 
 /// What one heap keeps of its tags beyond their pools.
 #[derive(Default)]
 pub(super) struct Tags {
     /// The paused tags, never "default".
-    paused: HashMap<u32, Paused>,
-    /// The backend's page size and a large range's size, once a tag needed them.
-    vm: Option<Vm>,
+    pub paused: HashMap<TagId, Paused>,
+    /// The backend's page size and a large range's size, once a tag needed
+    /// them (`routing.rs`).
+    pub vm: Option<Vm>,
 }
 
 impl Tags {
-    fn is_paused(&self, tag: u32) -> bool {
+    pub fn is_paused(&self, tag: TagId) -> bool {
         self.paused.contains_key(&tag)
     }
 
-    fn paused_mut(&mut self, tag: u32) -> &mut Paused {
+    /// The page of tags' ranges (1 before any tag has one).
+    pub fn page(&self) -> u64 {
+        self.vm.map_or(1, |vm| vm.page)
+    }
+
+    fn paused_mut(&mut self, tag: TagId) -> &mut Paused {
         self.paused.get_mut(&tag).expect("paused")
     }
 }
 
-fn tag_error(tag: u32, state: TagState) -> AllocError {
-    AllocError::Tag(TagError { tag: name_of(TagId(tag)).to_string(), state })
+pub(super) fn tag_error(tag: TagId, state: TagState) -> AllocError {
+    AllocError::Tag(TagError { tag: name_of(tag).to_string(), state })
 }
 
 impl DeviceHeap {
-    /// The page and range size pools of `pool` grow by, or None when it
-    /// grows by whole segments: expandable segments' for untagged large
-    /// pools, the tags' own for every tagged pool.
-    #[inline]
-    pub(super) fn pool_vm(&self, pool: u32) -> Option<Vm> {
-        self.pools[pool as usize].vm
-    }
-
-    /// The reserved ranges of a tag's pools of `kind`: the small ones
-    /// smaller (`SMALL_RANGE`).
-    pub(super) fn tag_vm(&self, kind: PoolKind) -> Option<Vm> {
-        let vm = self.tags.vm?;
-        Some(match kind {
-            PoolKind::Small => Vm { page: vm.page, range: SMALL_RANGE.max(vm.page).next_multiple_of(vm.page) },
-            PoolKind::Large => vm,
-        })
-    }
-
-    /// How pools of `tag` and `kind` grow: as expandable segments say for
-    /// the "default" tag, in the tags' own ranges for any other.
-    pub(super) fn vm_for(&self, tag: u32, kind: PoolKind) -> Option<Vm> {
-        if tag == 0 {
-            self.expandable_vm(kind)
-        } else {
-            self.tag_vm(kind)
-        }
-    }
-
     /// Whether the pool belongs to a paused tag.
-    pub(super) fn pool_paused(&self, pool: u32) -> bool {
-        let tag = self.pools[pool as usize].tag;
-        tag != 0 && self.tags.is_paused(tag)
-    }
-
-    /// The pool of (stream, tag, kind), created on first use.
-    fn tag_pool_id(&mut self, stream: Stream, tag: u32, kind: PoolKind) -> Result<u32, AllocError> {
-        if self.tags.vm.is_none() {
-            let page = self
-                .backend
-                .vm_page_size(self.device)
-                .filter(|p| p.is_power_of_two())
-                .ok_or_else(|| AllocError::InvalidArgument(InvalidArgument::TagsNeedVirtualMemory { backend: self.backend.name() }))?;
-            let total = self.backend.mem_info(self.device).map_or(MAX_RANGE, |info| info.total);
-            self.tags.vm = Some(Vm { page, range: total.clamp(page, MAX_RANGE).next_multiple_of(page) });
-        }
-        Ok(self.pools_of(PoolKey { stream, private: None, tag })[kind as usize])
-    }
-
-    /// Serves a request of `size` bytes on `stream` tagged `tag` (non-zero),
-    /// remembering `context` (0: none) as `allocate_with_context` does.
-    /// While a private pool is open the private pool serves it, tag or not
-    /// (a graph's memory stays with the graph).
-    pub fn allocate_tagged(&mut self, size: u64, stream: Stream, tag: TagId, context: u64) -> Result<u64, AllocError> {
-        if self.private.any_open() || tag == TagId::DEFAULT {
-            return self.allocate_with_context(size, stream, context);
-        }
-        if size == 0 {
-            return Ok(0);
-        }
-        if self.tags.is_paused(tag.0) {
-            return Err(tag_error(tag.0, TagState::Paused));
-        }
-        let rounded = self.rules.round(size).ok_or(AllocError::TooLarge { size })?;
-        let pool = self.tag_pool_id(stream, tag.0, self.rules.kind(rounded))?;
-        self.with_context(context, |heap| heap.allocate_in(pool, rounded, size, stream))
+    pub(super) fn pool_paused(&self, pool: PoolId) -> bool {
+        let tag = self.pools[pool].tag;
+        tag != TagId::DEFAULT && self.tags.is_paused(tag)
     }
 
     /// Whether `tag` could be paused now: it is not paused, no private pool
@@ -211,65 +131,56 @@ impl DeviceHeap {
     /// changes nothing even without offload (whose contents would be gone).
     pub fn check_pausable(&self, tag: TagId) -> Result<(), AllocError> {
         if tag == TagId::DEFAULT {
-            return Err(tag_error(0, TagState::Default));
+            return Err(tag_error(TagId::DEFAULT, TagState::Default));
         }
         if !self.may_release() {
-            return Err(tag_error(tag.0, TagState::PrivatePoolOpen { resuming: false }));
+            return Err(tag_error(tag, TagState::PrivatePoolOpen { resuming: false }));
         }
-        if self.tags.is_paused(tag.0) {
-            return Err(tag_error(tag.0, TagState::AlreadyPaused));
+        if self.tags.is_paused(tag) {
+            return Err(tag_error(tag, TagState::AlreadyPaused));
         }
         if let Some(s) = self.tag_streams(tag).into_iter().find(|&s| self.backend.stream_capturing(self.device, s)) {
-            return Err(tag_error(tag.0, TagState::StreamCapturing { stream: s.0 }));
+            return Err(tag_error(tag, TagState::StreamCapturing { stream: s.0 }));
         }
         Ok(())
     }
 
     /// Whether `tag` is paused here.
     pub fn tag_paused(&self, tag: TagId) -> bool {
-        self.tags.is_paused(tag.0)
+        self.tags.is_paused(tag)
     }
 
     /// The pools of `tag`.
-    fn tag_pools(&self, tag: u32) -> Vec<u32> {
-        (0..self.pools.len() as u32).filter(|&id| self.pools[id as usize].tag == tag).collect()
+    pub(super) fn tag_pools(&self, tag: TagId) -> Vec<PoolId> {
+        self.pools.of_tag(tag)
     }
 
     /// The ranges of `tag`'s pools, in address order.
-    fn tag_segments(&self, tag: u32) -> Vec<u32> {
-        self.segment_by_base
-            .values()
-            .copied()
-            .filter(|&id| self.segments[id as usize].as_ref().is_some_and(|s| self.pools[s.pool as usize].tag == tag))
-            .collect()
+    pub(super) fn tag_segments(&self, tag: TagId) -> Vec<SegmentId> {
+        self.segments.by_address().filter(|(_, s)| self.pools[s.pool].tag == tag).map(|(id, _)| id).collect()
     }
 
     /// The pages the active blocks of range `segment_id` touch, mapped or
     /// not: its base and sorted, merged (first page, end page) intervals.
-    fn touched_pages(&self, segment_id: u32) -> (u64, Vec<(u64, u64)>) {
-        let Some(segment) = self.segments[segment_id as usize].as_ref() else { return (0, Vec::new()) };
+    pub(super) fn touched_pages(&self, segment_id: SegmentId) -> (u64, Vec<(u64, u64)>) {
+        let Some(segment) = self.segments.get(segment_id) else { return (0, Vec::new()) };
         let Some(pages) = segment.pages.as_ref() else { return (segment.base, Vec::new()) };
         let mut touched: Vec<(u64, u64)> = Vec::new();
-        let mut cur = segment.first_block;
-        while cur != NIL {
-            let b = &self.blocks[cur];
-            if b.is_active() {
-                let (first, count) = pages.touched(b.addr - segment.base, b.addr - segment.base + b.size);
-                match touched.last_mut() {
-                    Some((_, end)) if *end >= first => *end = (*end).max(first + count),
-                    _ => touched.push((first, first + count)),
-                }
+        for (_, b) in self.blocks.walk_segment(segment.first_block).filter(|(_, b)| b.is_active()) {
+            let (first, count) = pages.touched(b.addr - segment.base, b.addr - segment.base + b.size);
+            match touched.last_mut() {
+                Some((_, end)) if *end >= first => *end = (*end).max(first + count),
+                _ => touched.push((first, first + count)),
             }
-            cur = b.next;
         }
         (segment.base, touched)
     }
 
     /// The runs of mapped pages touched by the active blocks of range
     /// `segment_id`, as saved runs without data.
-    fn live_runs(&self, segment_id: u32) -> Vec<SavedRun> {
+    fn live_runs(&self, segment_id: SegmentId) -> Vec<SavedRun> {
         let (base, touched) = self.touched_pages(segment_id);
-        let Some(pages) = self.segments[segment_id as usize].as_ref().and_then(|s| s.pages.as_ref()) else { return Vec::new() };
+        let Some(pages) = self.segments.pages(segment_id) else { return Vec::new() };
         touched
             .into_iter()
             .flat_map(|(first, end)| pages.runs(first, end - first, true))
@@ -279,18 +190,9 @@ impl DeviceHeap {
 
     /// Takes the free blocks of the ranges out of their bins (uncounted)
     /// before their pages change, so `rebin` counts them as the pages are.
-    fn unbin(&mut self, segments: &[u32]) -> Vec<BlockId> {
-        let mut free = Vec::new();
-        for &id in segments {
-            let Some(segment) = self.segments[id as usize].as_ref() else { continue };
-            let mut cur = segment.first_block;
-            while cur != NIL {
-                if self.blocks[cur].state == BlockState::Binned {
-                    free.push(cur);
-                }
-                cur = self.blocks[cur].next;
-            }
-        }
+    fn unbin(&mut self, segments: &[SegmentId]) -> Vec<BlockId> {
+        let free: Vec<BlockId> =
+            segments.iter().flat_map(|&id| self.blocks_of(id)).filter(|(_, b)| b.state == BlockState::Binned).map(|(id, _)| id).collect();
         for &id in &free {
             self.remove_free(id);
         }
@@ -306,14 +208,12 @@ impl DeviceHeap {
     /// Every stream that used `tag`'s blocks: its pools' and the streams
     /// recorded for its live blocks (`record_stream`).
     fn tag_streams(&self, tag: TagId) -> Vec<Stream> {
-        let mut streams: Vec<Stream> = self.tag_pools(tag.0).iter().map(|&p| self.pools[p as usize].stream).collect();
-        for id in self.tag_segments(tag.0) {
-            let mut cur = self.segments[id as usize].as_ref().map_or(NIL, |s| s.first_block);
-            while cur != NIL {
-                if let Some(recorded) = self.recorded_streams.get(&self.blocks[cur].addr) {
+        let mut streams: Vec<Stream> = self.tag_pools(tag).iter().map(|&p| self.pools[p].stream).collect();
+        for id in self.tag_segments(tag) {
+            for (_, b) in self.blocks_of(id) {
+                if let Some(recorded) = self.streams.recorded.get(&b.addr) {
                     streams.extend_from_slice(recorded);
                 }
-                cur = self.blocks[cur].next;
             }
         }
         streams.sort();
@@ -327,8 +227,8 @@ impl DeviceHeap {
     pub fn pause_tag(&mut self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
         self.recall_all();
         self.check_pausable(tag)?;
-        let pools = self.tag_pools(tag.0);
-        let segments = self.tag_segments(tag.0);
+        let pools = self.tag_pools(tag);
+        let segments = self.tag_segments(tag);
         // The work queued on every stream that used the tag's blocks.
         for stream in self.tag_streams(tag) {
             self.backend.synchronize_stream(self.device, stream).map_err(AllocError::Backend)?;
@@ -337,7 +237,7 @@ impl DeviceHeap {
         // A freed block whose other streams' work could not be waited for
         // (the driver failed the wait) may still be written: its pages stay.
         if segments.iter().any(|&id| self.holds_pending_block(id)) {
-            return Err(tag_error(tag.0, TagState::WorkNotWaited));
+            return Err(tag_error(tag, TagState::WorkNotWaited));
         }
         // After the pending frees: one of them may have gone to a stash.
         for &pool in &pools {
@@ -345,7 +245,7 @@ impl DeviceHeap {
         }
 
         let mut runs: Vec<SavedRun> = segments.iter().flat_map(|&id| self.live_runs(id)).collect();
-        let page = self.tags.vm.map_or(1, |vm| vm.page);
+        let page = self.tags.page();
         if offload {
             let total: u64 = runs.iter().map(|r| r.pages * page).sum();
             for run in &mut runs {
@@ -364,7 +264,7 @@ impl DeviceHeap {
         let free = self.unbin(&segments);
         let mut given_back = 0;
         for &id in &segments {
-            let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("tagged pools grow in ranges");
+            let pages = self.segments.pages(id).expect("tagged pools grow in ranges");
             for (p, n) in pages.runs(0, pages.end_bytes() / page, true) {
                 // A run the backend refuses stays mapped and counted, contents
                 // in place: whole, so that each saved run (inside one mapped
@@ -375,25 +275,17 @@ impl DeviceHeap {
         self.rebin(free);
         // A run the backend would not unmap keeps its contents on the device.
         runs.retain(|r| self.segment_pages(r.base).is_some_and(|pages| !pages.is_mapped(r.first_page)));
-        self.tags.paused.insert(tag.0, Paused { offload, given_back, runs });
+        self.tags.paused.insert(tag, Paused { offload, given_back, runs });
         Ok(given_back)
     }
 
     /// Whether a block of segment `id` waits for other streams' work.
-    fn holds_pending_block(&self, id: u32) -> bool {
-        let mut cur = self.segments[id as usize].as_ref().map_or(NIL, |s| s.first_block);
-        while cur != NIL {
-            if self.blocks[cur].state == BlockState::Pending {
-                return true;
-            }
-            cur = self.blocks[cur].next;
-        }
-        false
+    fn holds_pending_block(&self, id: SegmentId) -> bool {
+        self.blocks_of(id).any(|(_, b)| b.state == BlockState::Pending)
     }
 
-    fn segment_pages(&self, base: u64) -> Option<&crate::page_map::PageMap> {
-        let id = *self.segment_by_base.get(&base)?;
-        self.segments[id as usize].as_ref()?.pages.as_ref()
+    pub(super) fn segment_pages(&self, base: u64) -> Option<&crate::page_map::PageMap> {
+        self.segments.pages(self.segments.at_base(base)?)
     }
 
     /// Drops the saved pages of the paused `tag` in range `segment_id` that
@@ -401,8 +293,8 @@ impl DeviceHeap {
     /// paused): a run no live block touches goes, and one partly touched is
     /// cut to the touched pages (their bytes copied to smaller host memory;
     /// kept whole when none can be had). Runs of other ranges stay as they are.
-    fn drop_unneeded_runs(&mut self, tag: u32, segment_id: u32) {
-        let page = self.tags.vm.map_or(1, |vm| vm.page);
+    fn drop_unneeded_runs(&mut self, tag: TagId, segment_id: SegmentId) {
+        let page = self.tags.page();
         // Pages live blocks touch in the range: sorted, merged page intervals.
         let (base, needed) = self.touched_pages(segment_id);
         let old = std::mem::take(&mut self.tags.paused_mut(tag).runs);
@@ -446,7 +338,7 @@ impl DeviceHeap {
     /// saved pages only it touched are dropped.
     #[cold]
     pub(super) fn deactivate_tagged(&mut self, id: BlockId) {
-        let (tag, segment) = (self.pools[self.blocks[id].pool as usize].tag, self.blocks[id].segment);
+        let (tag, segment) = (self.pools[self.blocks[id].pool].tag, self.blocks[id].segment);
         if !self.tags.is_paused(tag) {
             return self.stash_or_bin(id);
         }
@@ -462,8 +354,8 @@ impl DeviceHeap {
         // one `vm_map` per run.
         let mut todo: Vec<(u64, u64, Vec<u64>)> = Vec::new();
         for &(base, first, count) in runs {
-            let id = self.segment_by_base[&base];
-            let pages = self.segments[id as usize].as_ref().and_then(|s| s.pages.as_ref()).expect("a range of the tag");
+            let id = self.segments.at_base(base).expect("a range of the tag");
+            let pages = self.segments.pages(id).expect("a range of the tag");
             for (p, n) in pages.runs(first, count, false) {
                 todo.push((base, p, self.allocations_for(n, page).collect::<Vec<_>>()));
             }
@@ -477,7 +369,7 @@ impl DeviceHeap {
             let mapped = self.claim_reserved(bytes).and_then(|()| {
                 let result = self.backend.vm_map(self.device, base + first * page, &sizes);
                 if result.is_err() {
-                    self.reserve.give_back(bytes);
+                    self.limits.reserve.give_back(bytes);
                 }
                 result
             });
@@ -492,8 +384,8 @@ impl DeviceHeap {
             }
         }
         for (base, allocations) in done {
-            let id = self.segment_by_base[&base] as usize;
-            let kind = self.pools[self.segments[id].as_ref().expect("a range of the tag").pool as usize].kind;
+            let id = self.segments.at_base(base).expect("a range of the tag");
+            let kind = self.pools[self.segments[id].pool].kind;
             // Undone when a run failed: what the backend cannot unmap stays mapped, and counted.
             if failed.is_some() {
                 self.undo_mapped(id, kind, allocations);
@@ -508,7 +400,7 @@ impl DeviceHeap {
     /// a run the backend refuses stays mapped and counted.
     fn unmap_saved(&mut self, runs: &[(u64, u64, u64)]) {
         for &(base, first, count) in runs {
-            self.unmap_run(self.segment_by_base[&base], first, count);
+            self.unmap_run(self.segments.at_base(base).expect("a range of the tag"), first, count);
         }
     }
 
@@ -519,18 +411,17 @@ impl DeviceHeap {
     /// asks the other processes and calls this again). Returns the device
     /// bytes mapped.
     pub fn resume_tag(&mut self, tag: TagId) -> Result<u64, AllocError> {
-        if !self.tags.is_paused(tag.0) {
-            return Err(tag_error(tag.0, TagState::NotPaused));
+        if !self.tags.is_paused(tag) {
+            return Err(tag_error(tag, TagState::NotPaused));
         }
         if !self.may_release() {
             // Its copies and, should it fail, its unmaps are what a capture forbids.
-            return Err(tag_error(tag.0, TagState::PrivatePoolOpen { resuming: true }));
+            return Err(tag_error(tag, TagState::PrivatePoolOpen { resuming: true }));
         }
-        let page = self.tags.vm.map_or(1, |vm| vm.page);
-        let segments = self.tag_segments(tag.0);
-        let saved_runs = |heap: &Self| -> Vec<(u64, u64, u64)> {
-            heap.tags.paused[&tag.0].runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect()
-        };
+        let page = self.tags.page();
+        let segments = self.tag_segments(tag);
+        let saved_runs =
+            |heap: &Self| -> Vec<(u64, u64, u64)> { heap.tags.paused[&tag].runs.iter().map(|r| (r.base, r.first_page, r.pages)).collect() };
         // Taken afresh at each attempt: a release between two (the device's
         // out-of-memory ladder) completes frees that waited on events, the
         // tag's too, so its free blocks may have merged and its saved pages
@@ -543,7 +434,7 @@ impl DeviceHeap {
         let need: u64 = runs.iter().map(|r| r.2 * page).sum();
         if let Err(err) = mapped {
             self.rebin(free);
-            self.recount_given_back(tag.0, &segments, mapped_before);
+            self.recount_given_back(tag, &segments, mapped_before);
             return Err(match err {
                 // The device releases, asks the other processes and retries.
                 BackendError::OutOfMemory => {
@@ -554,7 +445,7 @@ impl DeviceHeap {
             });
         }
         // Every page is back; now the contents.
-        let state = &self.tags.paused[&tag.0];
+        let state = &self.tags.paused[&tag];
         let mut copied = Ok(());
         for run in &state.runs {
             if let Some(data) = &run.data {
@@ -567,159 +458,25 @@ impl DeviceHeap {
         if let Err(err) = copied {
             self.unmap_saved(&runs);
             self.rebin(free);
-            self.recount_given_back(tag.0, &segments, mapped_before);
+            self.recount_given_back(tag, &segments, mapped_before);
             return Err(AllocError::Backend(err));
         }
         self.rebin(free);
-        self.tags.paused.remove(&tag.0);
+        self.tags.paused.remove(&tag);
         Ok(self.tag_mapped_bytes(&segments) - mapped_before)
     }
 
     /// Bytes mapped in the ranges `segments` (a tag's).
-    fn tag_mapped_bytes(&self, segments: &[u32]) -> u64 {
-        segments.iter().filter_map(|&id| self.segments[id as usize].as_ref()?.pages.as_ref()).map(|p| p.mapped_bytes()).sum()
+    fn tag_mapped_bytes(&self, segments: &[SegmentId]) -> u64 {
+        segments.iter().filter_map(|&id| self.segments.get(id)?.pages.as_ref()).map(|p| p.mapped_bytes()).sum()
     }
 
     /// After a resume of `tag` that failed: the pages it left mapped (an
     /// undo the backend refused) are no longer what the pause gave back,
     /// and those it unmapped that an earlier failure had left are again.
-    fn recount_given_back(&mut self, tag: u32, segments: &[u32], mapped_before: u64) {
+    fn recount_given_back(&mut self, tag: TagId, segments: &[SegmentId], mapped_before: u64) {
         let mapped_after = self.tag_mapped_bytes(segments);
         let paused = self.tags.paused_mut(tag);
         paused.given_back = (paused.given_back + mapped_before).saturating_sub(mapped_after);
-    }
-
-    /// What `tag` holds on this heap; nothing for "default", which has no
-    /// pools of its own (`stats()` has what untagged allocations hold).
-    pub fn tag_stats(&mut self, tag: TagId) -> TagStats {
-        if tag == TagId::DEFAULT {
-            return TagStats::default();
-        }
-        for pool in self.tag_pools(tag.0) {
-            self.flush_stash(pool);
-        }
-        let mut stats = TagStats::default();
-        for id in self.tag_segments(tag.0) {
-            let segment = self.segments[id as usize].as_ref().expect("listed");
-            stats.reserved_bytes += segment.pages.as_ref().map_or(segment.size, |p| p.mapped_bytes());
-            let mut cur = segment.first_block;
-            while cur != NIL {
-                let b = &self.blocks[cur];
-                if b.is_allocated() {
-                    stats.allocations += 1;
-                    stats.allocated_bytes += b.size;
-                }
-                cur = b.next;
-            }
-        }
-        if let Some(paused) = self.tags.paused.get(&tag.0) {
-            stats.paused = true;
-            stats.paused_bytes = paused.given_back;
-            stats.offloaded_bytes = paused.runs.iter().filter_map(|r| r.data.as_ref()).map(|d| d.bytes().len() as u64).sum();
-        }
-        stats
-    }
-
-    /// Device bytes given back by paused tags, host bytes holding their
-    /// contents (`Stats::paused_bytes`, `offloaded_bytes`), and the bytes
-    /// of their active blocks on unmapped pages (active, but holding no
-    /// device memory).
-    pub(super) fn paused_totals(&mut self) -> (u64, u64, u64) {
-        if self.tags.paused.is_empty() {
-            return (0, 0, 0);
-        }
-        let (mut given, mut held, mut unmapped) = (0, 0, 0);
-        for (&tag, paused) in &self.tags.paused {
-            given += paused.given_back;
-            held += paused.runs.iter().filter_map(|r| r.data.as_ref()).map(|d| d.bytes().len() as u64).sum::<u64>();
-            for id in self.tag_segments(tag) {
-                let segment = self.segments[id as usize].as_ref().expect("listed");
-                let Some(pages) = segment.pages.as_ref() else { continue };
-                let mut cur = segment.first_block;
-                while cur != NIL {
-                    let b = &self.blocks[cur];
-                    if b.is_active() {
-                        let offset = b.addr - segment.base;
-                        unmapped += b.size - pages.mapped_bytes_within(offset, offset + b.size);
-                    }
-                    cur = b.next;
-                }
-            }
-        }
-        (given, held, unmapped)
-    }
-
-    /// The paused state of the ranges, for snapshots: the base of every
-    /// range of a paused tag, with its saved runs as (address, bytes).
-    pub(super) fn paused_ranges(&self) -> HashMap<u64, Vec<(u64, u64)>> {
-        let page = self.tags.vm.map_or(1, |vm| vm.page);
-        let mut out: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
-        for (&tag, paused) in &self.tags.paused {
-            for id in self.tag_segments(tag) {
-                let base = self.segments[id as usize].as_ref().expect("listed").base;
-                out.entry(base).or_default();
-            }
-            for run in &paused.runs {
-                out.entry(run.base).or_default().push((run.base + run.first_page * page, run.pages * page));
-            }
-        }
-        for runs in out.values_mut() {
-            runs.sort_unstable();
-        }
-        out
-    }
-
-    /// Checks the invariants of tags listed at the top of this file.
-    pub(super) fn check_tags(&self) -> Result<(), String> {
-        if self.tags.paused.contains_key(&0) {
-            return Err("the default tag is paused".into());
-        }
-        for (id, pool) in self.pools.iter().enumerate() {
-            if pool.stash != NIL && self.tags.is_paused(pool.tag) {
-                return Err(format!("pool {id} of paused tag {} stashes a block", pool.tag));
-            }
-        }
-        let page = self.tags.vm.map_or(1, |vm| vm.page);
-        for (&tag, paused) in &self.tags.paused {
-            for run in &paused.runs {
-                self.segment_pages(run.base).ok_or_else(|| format!("tag {tag}: a saved run names no range at {:#x}", run.base))?;
-                let owner = self.segment_by_base[&run.base];
-                let pool = self.segments[owner as usize].as_ref().expect("indexed").pool;
-                if self.pools[pool as usize].tag != tag {
-                    return Err(format!("tag {tag}: a saved run lies in a range of another tag"));
-                }
-                let (_, touched) = self.touched_pages(owner);
-                if !touched.iter().any(|&(s, e)| s < run.first_page + run.pages && run.first_page < e) {
-                    return Err(format!("tag {tag}: a saved run at {:#x} is needed by no active block", run.base + run.first_page * page));
-                }
-                match &run.data {
-                    Some(data) if !paused.offload || data.bytes().len() as u64 != run.pages * page => {
-                        return Err(format!("tag {tag}: a saved run holds {} host bytes for {} pages", data.bytes().len(), run.pages))
-                    }
-                    None if paused.offload => return Err(format!("tag {tag}: an offloaded run holds no host memory")),
-                    _ => {}
-                }
-            }
-            for id in self.tag_segments(tag) {
-                let segment = self.segments[id as usize].as_ref().expect("listed");
-                let pages = segment.pages.as_ref().ok_or_else(|| format!("tag {tag}: segment {id} is not a range"))?;
-                let mut cur = segment.first_block;
-                while cur != NIL {
-                    let b = &self.blocks[cur];
-                    if b.is_active() {
-                        let (first, count) = pages.touched(b.addr - segment.base, b.addr - segment.base + b.size);
-                        for p in first..first + count {
-                            let saved =
-                                paused.runs.iter().any(|r| r.base == segment.base && (r.first_page..r.first_page + r.pages).contains(&p));
-                            if !pages.is_mapped(p) && !saved {
-                                return Err(format!("tag {tag}: page {p} of the live block at {:#x} is neither mapped nor saved", b.addr));
-                            }
-                        }
-                    }
-                    cur = b.next;
-                }
-            }
-        }
-        Ok(())
     }
 }

@@ -50,6 +50,13 @@ pub struct Policy {
     pub max_reserved: u64,
 }
 
+impl Policy {
+    /// Releases nothing on its own: no idle release, no headroom, no
+    /// budget (a heap's policy until its device sets one; with
+    /// `max_reserved` set, what releases only what a cap asks for).
+    pub const RELEASE_NOTHING: Policy = Policy { release_after_ms: u64::MAX, headroom: 0, headroom_min_idle_ms: 0, max_reserved: u64::MAX };
+}
+
 /// A whole free segment as the policy sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IdleSegment {
