@@ -36,6 +36,7 @@ use super::ids::{PoolId, SegmentId};
 use super::recycle::{self, Donor, Recycling};
 use super::{DeviceHeap, Released, Segment};
 use crate::backend::BackendError;
+use crate::error::ExpandableError;
 use crate::page_map::{self, PageMap};
 use crate::size_class::PoolKind;
 
@@ -92,18 +93,16 @@ const MAX_RANGE: u64 = 1 << 40;
 impl DeviceHeap {
     /// Turns expandable segments on or off; only before the first allocation.
     /// Fails, leaving them off, when the backend cannot map pages.
-    pub fn set_expandable(&mut self, on: bool) -> Result<(), String> {
+    pub fn set_expandable(&mut self, on: bool) -> Result<(), ExpandableError> {
         if !self.segments.is_empty() {
-            return Err("expandable segments can only be switched before the first allocation".into());
+            return Err(ExpandableError::SwitchedAfterAllocation);
         }
         if !on {
             self.paging.vm = None;
             self.refresh_pool_vms();
             return Ok(());
         }
-        let page = self
-            .mappable_page()
-            .ok_or_else(|| format!("the {} backend cannot map pages; expandable segments stay off", self.backend.name()))?;
+        let page = self.mappable_page().ok_or(ExpandableError::NoVirtualMemory { backend: self.backend.name() })?;
         self.use_page(page);
         Ok(())
     }
@@ -133,18 +132,18 @@ impl DeviceHeap {
     /// replay's model of PyTorch maps 20 MiB at a time). Only before the
     /// first allocation. With a page larger than the backend's, no cached
     /// page moves (`recycle.rs`: pages move between ranges of one page size).
-    pub fn set_expandable_page(&mut self, page: u64) -> Result<(), String> {
+    pub fn set_expandable_page(&mut self, page: u64) -> Result<(), ExpandableError> {
         let Some(vm) = self.paging.vm else {
-            return Err("expandable segments are off".into());
+            return Err(ExpandableError::Off);
         };
         if !self.segments.is_empty() {
-            return Err("the page of expandable segments can only be set before the first allocation".into());
+            return Err(ExpandableError::PageAfterAllocation);
         }
         if page == 0 || !page.is_multiple_of(vm.page) {
-            return Err(format!("an expandable page of {page} bytes is not a multiple of the backend's {}", vm.page));
+            return Err(ExpandableError::PageNotMultiple { page, backend_page: vm.page });
         }
         if page > MAX_RANGE {
-            return Err(format!("an expandable page of {page} bytes is larger than a range ({MAX_RANGE} bytes at most)"));
+            return Err(ExpandableError::PageTooLarge { page, max: MAX_RANGE });
         }
         self.use_page(page);
         Ok(())
