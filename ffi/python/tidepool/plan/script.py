@@ -290,5 +290,14 @@ def _lines(facts):
         lines.append(f"values read back from the card ({total}): placeholders (True, 1 or 1.0; copies to the CPU "
                      "filled with them), read at:")
         for r in facts["reads"]:
-            lines.append(f"  {r['file']}:{r['line']}: {r['what']} x{r['count']}")
+            lines.append(f"  {_shown(r['file'])}:{r['line']}: {r['what']} x{r['count']}")
     return lines
+
+
+def _shown(path):
+    """`path` as the user would type it: relative to the working directory
+    when it lies below it, else as it is."""
+    if not os.path.isabs(path):
+        return path
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
