@@ -521,6 +521,17 @@ class ScriptShapes(unittest.TestCase):
             ours = rec.peak()[0] - rec.workspace_size * len(rec.workspaces)  # MemTracker sees no cuBLAS
             self.assertEqual(ours, script(task, loop, steps), f"{task} {loop}")
 
+    def test_a_bad_option_is_refused_in_one_line(self):
+        for args, said in [(["hf:gpt2", "--bogus"], "unrecognized arguments: --bogus"),
+                           (["hf:gpt2", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+                           (["run"], "the following arguments are required: SCRIPT")]:
+            status, out, err = plan(*args)
+            self.assertEqual(status, 2, out + err)
+            self.assertEqual(len(err.strip().splitlines()), 1, err)
+            self.assertTrue(err.startswith("tidepool.plan: error: " + said), err)
+            self.assertIn("--help` lists the options", err)
+            self.assertNotIn("usage:", err)
+
     def test_seq_defaults_to_the_context_length_a_module_says(self):
         status, out, err = plan("module:plan_models:basics_tiny", "--json", "--steps", "1")
         self.assertEqual(status, 0, err)

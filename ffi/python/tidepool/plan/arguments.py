@@ -85,10 +85,20 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return text if unsaid or not action.option_strings else f"{text} (default: %(default)s)"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with tidepool's one-line refusal: a bad option
+    raises Exit (status 2) with argparse's reason and where the options
+    are listed, instead of printing the whole usage (as the tidepool
+    command refuses one)."""
+
+    def error(self, message):
+        raise Exit(f"{message} (`{self.prog} --help` lists the options)", 2)
+
+
 def parse_args(argv):
     from .step import LOOPS, OPTIMIZERS, PRECISIONS, TASKS, ZERO_GRAD
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m tidepool.plan", description=SUMMARY,
         formatter_class=_Help,
         epilog="MODEL: hf:TYPE (a transformers model_type, e.g. hf:gpt2, hf:llama, hf:bert, hf:vit), a config.json, "

@@ -52,9 +52,9 @@ class ScriptFailed(Exception):
 
 
 def parse_args(argv):
-    from .arguments import DEFAULT_CARDS
+    from .arguments import DEFAULT_CARDS, Parser
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m tidepool.plan run",
         description="Run a PyTorch script unchanged, without a GPU, and plan what it needs on one.",
         epilog="Everything after SCRIPT is the script's own arguments.")
