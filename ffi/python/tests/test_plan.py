@@ -532,6 +532,14 @@ class ScriptShapes(unittest.TestCase):
             self.assertIn("--help` lists the options", err)
             self.assertNotIn("usage:", err)
 
+    def test_a_model_without_a_named_loss_plans_without_transformers_warning(self):
+        # GPT2LMHeadModel maps to no loss by its name: transformers warns
+        # `loss_type=None` ... at every run unless the planner names it.
+        status, out, err = plan("hf:gpt2", "--set", "n_layer=1", "--set", "n_embd=64", "--set", "n_head=2",
+                                "--set", "vocab_size=128", "--seq", "16", "--steps", "1", "--json", env={})
+        self.assertEqual(status, 0, err)
+        self.assertNotIn("loss_type", err)
+
     def test_seq_defaults_to_the_context_length_a_module_says(self):
         status, out, err = plan("module:plan_models:basics_tiny", "--json", "--steps", "1")
         self.assertEqual(status, 0, err)

@@ -259,6 +259,11 @@ def build(spec, overrides, task):
             model = auto.from_config(config)
     except (ValueError, TypeError, AttributeError) as err:
         raise PlanError(f"{spec}: transformers cannot build {config.model_type} from this configuration: {err}") from None
+    if kind == "causal-lm" and getattr(model, "loss_type", "") is None:
+        # A class whose name transformers does not map to a loss (GPT-2's
+        # GPT2LMHeadModel) falls back to the causal LM loss, warning at each
+        # run that loss_type=None is unrecognized: name that loss, the same.
+        model.loss_type = "ForCausalLM"
     return _HuggingFace(model, config, kind)
 
 
