@@ -172,7 +172,7 @@ impl DeviceHeap {
             }
             None => {
                 let size = self.growth_need(pool, rounded).ok_or(BackendError::OutOfMemory)?;
-                let donors = self.recycle_before_growth(size, rounded, None);
+                let (donors, _) = self.recycle_before_growth(size, rounded, None);
                 self.release_donors(donors); // a segment is new memory: nothing moves into it
                 (self.new_segment(size, stream)?, size, None)
             }

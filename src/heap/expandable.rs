@@ -234,13 +234,12 @@ impl DeviceHeap {
             return Ok(());
         };
         let need = pieces.iter().map(|piece| piece.pages * page).sum();
-        let mut donors = self.recycle_before_growth(need, used, Some(id));
-        // What the donors do not give comes from the device. Past its free
-        // memory (or the cap) the map would take what there is, fail and
-        // give it all back, on every rung of the out-of-memory ladder (for
-        // a request larger than an H200, some 70,000 calls): fail first.
-        let donated = donors.iter().map(|d| d.pages).sum::<u64>() * page;
-        if self.over_limits(need.saturating_sub(donated)) > 0 {
+        let (mut donors, short) = self.recycle_before_growth(need, used, Some(id));
+        // Past the device's free memory (or the cap), even with every donor,
+        // the map would take what there is, fail and give it all back, on
+        // every rung of the out-of-memory ladder (for a request larger than
+        // an H200, some 70,000 calls): fail first.
+        if short > 0 {
             return Err(BackendError::OutOfMemory);
         }
         // The allocations (first page, pages) done so far.

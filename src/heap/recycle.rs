@@ -96,18 +96,23 @@ impl DeviceHeap {
     /// pages of the rest of it (the free block the request is carved from
     /// may hold cached pages past where it lands) are donors too. The
     /// caller moves the donors it has room for and leaves the others cached.
-    pub(super) fn recycle_before_growth(&mut self, bytes: u64, request: u64, carved: Option<BlockId>) -> Vec<Donor> {
+    /// Also returns what the growth still lacks after them (0: it fits), so
+    /// that a growth of pages that cannot succeed fails before its first
+    /// driver call. A heap of whole segments asks nothing (0): nothing of
+    /// it moves, and its one `cuMemAlloc` answers for itself.
+    pub(super) fn recycle_before_growth(&mut self, bytes: u64, request: u64, carved: Option<BlockId>) -> (Vec<Donor>, u64) {
         let mut donors = Vec::new();
+        if self.paging.vm.is_none() {
+            return (donors, 0);
+        }
+        let mut want = self.over_limits(bytes);
         // Donors and their destinations must have pages of one size: the
         // driver's, which tags' ranges always use (a heap mapping larger
         // pages, `set_expandable_page`, moves nothing).
         let driver_page = self.backend.vm_page_size(self.device);
-        if self.paging.vm.is_none_or(|vm| Some(vm.page) != driver_page) || self.paging.recycling.off || !self.may_release() {
-            return donors;
-        }
-        let mut want = self.over_limits(bytes);
-        if want == 0 {
-            return donors;
+        let can_move = self.paging.vm.map(|vm| vm.page) == driver_page && !self.paging.recycling.off && self.may_release();
+        if want == 0 || !can_move {
+            return (donors, want);
         }
         // A stashed block is a hole too (threads' cached blocks came back
         // before the block to map was taken: `take_block`).
@@ -122,7 +127,7 @@ impl DeviceHeap {
                 break;
             }
         }
-        donors
+        (donors, want)
     }
 
     /// Where cached memory can come from before a growth, longest free
