@@ -49,10 +49,9 @@ from . import _memory
 from . import tags as _tags
 from ._native import TidepoolError
 
-_TAG_DEFAULT = "default"
+_TAG_DEFAULT = "default"  # torch_memory_saver's default tag name (a tidepool tag "tms:default")
 _PREFIX = "tms:"
 _CPU = "+cpu"
-_MAX_TAG_BYTES = 63
 
 _lock = threading.RLock()
 
@@ -66,49 +65,9 @@ def _check_tag(tag, what="tag"):
     if not isinstance(tag, str):
         raise TypeError(f"torch_memory_saver: a {what} is a str, not {type(tag).__name__}")
     longest = len(tidepool_tag(tag, True).encode("utf-8"))
-    if not tag or longest > _MAX_TAG_BYTES:
-        limit = _MAX_TAG_BYTES - len((_PREFIX + _CPU).encode("utf-8"))
+    if not tag or longest > _tags.MAX_TAG_BYTES:
+        limit = _tags.MAX_TAG_BYTES - len((_PREFIX + _CPU).encode("utf-8"))
         raise ValueError(f"torch_memory_saver: tag {tag!r} must be 1 to {limit} bytes of UTF-8 under tidepool")
-
-
-def pause_tidepool_tags(plan):
-    """Pauses each (tidepool tag, offload) of `plan` in order; if one fails,
-    resumes those this call paused (their offloaded contents come back) and
-    raises its error."""
-    done = []
-    try:
-        for name, offload in plan:
-            _tags.pause(name, offload=offload)
-            done.append(name)
-    except BaseException as err:
-        for name in reversed(done):
-            _undo(err, _tags.resume, name)
-        raise
-
-
-def resume_tidepool_tags(plan):
-    """Resumes each (tidepool tag, offload) of `plan`; if one fails (tidepool
-    leaves that one paused, contents intact), pauses again those this call
-    resumed, with the same offload, and raises its error."""
-    done = []
-    try:
-        for name, offload in plan:
-            _tags.resume(name)
-            done.append((name, offload))
-    except BaseException as err:
-        for name, offload in reversed(done):
-            _undo(err, _tags.pause, name, offload=offload)
-        raise
-
-
-def _undo(err, fn, name, **kwargs):
-    # A failed undo is noted on the error being raised, not raised instead of it.
-    try:
-        fn(name, **kwargs)
-    except TidepoolError as undo_err:
-        add_note = getattr(err, "add_note", None)  # Python 3.11 and later
-        if add_note is not None:
-            add_note(f"undoing the call on {name!r} failed too: {undo_err}")
 
 
 class TorchMemorySaver:
@@ -120,7 +79,6 @@ class TorchMemorySaver:
         self._regions = {}
         # The tidepool tags paused by pause() and not resumed yet.
         self._paused = set()
-        self._hook_mode = None
         self._memory_margin_bytes = 0
 
     # -- regions -----------------------------------------------------------
@@ -172,7 +130,7 @@ class TorchMemorySaver:
         On leaving, empty_cache() gives back the whole free segments, as
         torch_memory_saver drops the block's memory pool."""
         try:
-            with _tags.region(_TAG_DEFAULT):
+            with _tags.region(_tags.DEFAULT):
                 yield
         finally:
             _memory.empty_cache()
@@ -190,7 +148,7 @@ class TorchMemorySaver:
             paused = [name for name, _ in names if name in self._paused]
             if paused:
                 raise TidepoolError(f"torch_memory_saver.pause({tag!r}): already paused: {', '.join(paused)}; resume it first")
-            pause_tidepool_tags(names)
+            _tags.pause_all(names)
             self._paused.update(name for name, _ in names)
 
     def resume(self, tag=None):
@@ -212,7 +170,7 @@ class TorchMemorySaver:
                 names = [(name, offload) for name, offload in self._names(tag, "resume") if name in self._paused]
                 if not names:
                     raise TidepoolError(f"torch_memory_saver.resume({tag!r}): tag {tag!r} is not paused")
-            resume_tidepool_tags(names)
+            _tags.resume_all(names)
             self._paused.difference_update(name for name, _ in names)
 
     def _names(self, tag, verb):
@@ -240,7 +198,6 @@ class TorchMemorySaver:
         allocator already (tidepool.install())."""
         if hook_mode not in ("preload", "torch"):
             raise ValueError(f"torch_memory_saver: hook_mode is 'preload' or 'torch', not {hook_mode!r}")
-        self._hook_mode = hook_mode
 
     @property
     def memory_margin_bytes(self):

@@ -22,6 +22,11 @@ from ._native import TidepoolError
 
 _local = threading.local()
 
+# The longest tag, in bytes of UTF-8 (the C ABI refuses a longer one).
+MAX_TAG_BYTES = 63
+# The tag of allocations made outside any region; never paused.
+DEFAULT = "default"
+
 
 def _stack():
     if not hasattr(_local, "tags"):
@@ -92,6 +97,37 @@ def resume(tag, device=None):
     _native.check(_native.lib().tidepool_resume(_encode(tag), _device(device)))
 
 
+def pause_all(plan):
+    """Pauses each (tag, offload) of `plan` in order, as one step: if one
+    fails, resumes those this call paused (their offloaded contents come
+    back) and raises its error."""
+    _all_or_none(plan, lambda tag, offload: pause(tag, offload=offload), lambda tag, _: resume(tag))
+
+
+def resume_all(plan):
+    """Resumes each (tag, offload) of `plan` in order, as one step: if one
+    fails (that one stays paused, contents intact), pauses again those this
+    call resumed, with their offload, and raises its error."""
+    _all_or_none(plan, lambda tag, _: resume(tag), lambda tag, offload: pause(tag, offload=offload))
+
+
+def _all_or_none(plan, do, undo):
+    done = []
+    try:
+        for tag, offload in plan:
+            do(tag, offload)
+            done.append((tag, offload))
+    except BaseException as err:
+        for tag, offload in reversed(done):
+            try:
+                undo(tag, offload)
+            except TidepoolError as undo_err:  # noted on the error raised, not raised instead of it
+                add_note = getattr(err, "add_note", None)  # Python 3.11 and later
+                if add_note is not None:
+                    add_note(f"undoing the call on {tag!r} failed too: {undo_err}")
+        raise
+
+
 def tag_stats(tag, device=None):
     """What `tag` holds on `device` (None: the current one): allocated_bytes
     (its live tensors), reserved_bytes (GPU memory its pages hold now),
@@ -105,4 +141,4 @@ def tag_stats(tag, device=None):
     return out
 
 
-__all__ = ["region", "pause", "resume", "tag_stats", "TidepoolError"]
+__all__ = ["region", "pause", "resume", "pause_all", "resume_all", "tag_stats", "MAX_TAG_BYTES", "DEFAULT", "TidepoolError"]

@@ -25,10 +25,8 @@ from . import _memory
 from . import tags as _tags
 from ._devices import current_device
 from ._native import TidepoolError
-from .memory_saver import pause_tidepool_tags, resume_tidepool_tags
 
 _PREFIX = "vllm:"
-_MAX_TAG_BYTES = 63
 
 
 def tidepool_tag(tag):
@@ -69,8 +67,8 @@ class CuMemAllocator:
         if not isinstance(tag, str):
             raise TypeError(f"CuMemAllocator: a tag is a str, not {type(tag).__name__}")
         name = tidepool_tag(tag)
-        if not tag or len(name.encode("utf-8")) > _MAX_TAG_BYTES:
-            raise ValueError(f"CuMemAllocator: tag {tag!r} must be 1 to {_MAX_TAG_BYTES - len(_PREFIX)} bytes of UTF-8 under tidepool")
+        if not tag or len(name.encode("utf-8")) > _tags.MAX_TAG_BYTES:
+            raise ValueError(f"CuMemAllocator: tag {tag!r} must be 1 to {_tags.MAX_TAG_BYTES - len(_PREFIX)} bytes of UTF-8 under tidepool")
         old_tag = self.current_tag
         with _tags.region(name):
             with self._lock:
@@ -95,7 +93,7 @@ class CuMemAllocator:
         offload_tags = tuple(offload_tags)
         with self._lock:
             plan = [(tag, tag in offload_tags) for tag in self._tags if tag not in self._sleeping]
-            pause_tidepool_tags([(self._tags[tag], offload) for tag, offload in plan])
+            _tags.pause_all([(self._tags[tag], offload) for tag, offload in plan])
             self._sleeping.update(plan)
         gc.collect()
         _memory.empty_cache()  # the untagged cache too, as vLLM's torch.cuda.empty_cache()
@@ -109,7 +107,7 @@ class CuMemAllocator:
         with self._lock:
             self._check_known("discard", tags)
             plan = [tag for tag in dict.fromkeys(tags) if tag not in self._sleeping]
-            pause_tidepool_tags([(self._tags[tag], False) for tag in plan])
+            _tags.pause_all([(self._tags[tag], False) for tag in plan])
             self._sleeping.update((tag, False) for tag in plan)
 
     def _check_known(self, verb, tags):
@@ -134,7 +132,7 @@ class CuMemAllocator:
                 awake = [tag for tag in tags if tag not in self._sleeping]
                 if awake:
                     raise TidepoolError(f"CuMemAllocator.wake_up: not asleep: {', '.join(map(repr, awake))}")
-            resume_tidepool_tags([(self._tags[tag], self._sleeping[tag]) for tag in tags])
+            _tags.resume_all([(self._tags[tag], self._sleeping[tag]) for tag in tags])
             for tag in tags:
                 del self._sleeping[tag]
 
