@@ -52,6 +52,34 @@ def _backend(conf):
     return backend
 
 
+def refuse_host(conf, allow_host, how):
+    """Raises TidepoolError when the configuration (`conf`, else the
+    environment's) selects the host backend and allow_host is not set:
+    CUDA kernels cannot use host memory. `how` says where allow_host=True
+    is given, for the message."""
+    effective = conf if conf is not None else os.environ.get("TIDEPOOL_CONF", "")
+    if _backend(effective) == "host" and not allow_host:
+        raise TidepoolError(
+            "tidepool's backend is 'host' (host memory standing in for a GPU), which CUDA kernels cannot use: "
+            f"use backend:cuda (the default) in TIDEPOOL_CONF, or {how} to test the wiring"
+        )
+
+
+def check_and_set(conf, where):
+    """Before the library starts: checks the configuration (`conf`, else the
+    environment's), raising TidepoolError worded as the library's warnings
+    are (`where` names what was given it), and sets `conf` as TIDEPOOL_CONF,
+    which the library reads when it starts. Nothing once it has started."""
+    if _native.loaded():
+        return
+    checked = conf if conf is not None else os.environb.get(b"TIDEPOOL_CONF", b"")
+    problems = _native.conf_problems(checked)
+    if problems:
+        raise TidepoolError(f"{where if conf is not None else 'TIDEPOOL_CONF'}: " + "; ".join(problems) + " (tidepool config lists the options)")
+    if conf is not None:
+        os.environ["TIDEPOOL_CONF"] = conf
+
+
 def install(conf=None, allow_host=False):
     """Makes tidepool PyTorch's CUDA allocator. Call it first thing: PyTorch
     can only switch allocators before CUDA is initialised.
@@ -72,12 +100,7 @@ def install(conf=None, allow_host=False):
     import torch
 
     global _installed
-    effective = conf if conf is not None else os.environ.get("TIDEPOOL_CONF", "")
-    if _backend(effective) == "host" and not allow_host:
-        raise TidepoolError(
-            "tidepool's backend is 'host' (host memory standing in for a GPU), which CUDA kernels cannot use: "
-            "use backend:cuda (the default) in TIDEPOOL_CONF, or install(..., allow_host=True) to test the wiring"
-        )
+    refuse_host(conf, allow_host, "install(..., allow_host=True)")
     # The library reads TIDEPOOL_CONF once, when it starts (at its first call).
     started = _installed or _native.loaded()
     if conf is not None and started and conf != os.environ.get("TIDEPOOL_CONF"):
@@ -98,16 +121,8 @@ def install(conf=None, allow_host=False):
             "CUDA is already initialised, so PyTorch can no longer change its allocator: "
             "call tidepool.install() first thing, before any tensor or model touches the GPU"
         )
-    if not started:
-        # Checked here, where the mistake is made, not at the first
-        # allocation: the configuration given, else the environment's.
-        checked = conf if conf is not None else os.environb.get(b"TIDEPOOL_CONF", b"")
-        problems = _native.conf_problems(checked)
-        if problems:
-            where = f"tidepool.install({conf!r})" if conf is not None else "TIDEPOOL_CONF"
-            raise TidepoolError(f"{where}: " + "; ".join(problems) + " (tidepool config lists the options)")
-    if conf is not None and not started:
-        os.environ["TIDEPOOL_CONF"] = conf
+    # Checked here, where the mistake is made, not at the first allocation.
+    check_and_set(conf, f"tidepool.install({conf!r})")
     torch.cuda.memory.change_current_allocator(_pluggable(torch))
     _installed = True
     _torch.redirect(torch)

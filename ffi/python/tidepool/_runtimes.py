@@ -1,45 +1,24 @@
-"""What tidepool.cupy and tidepool.numba share: checking the configuration
-before the library starts (as install() does for PyTorch), one allocation
+"""What tidepool.cupy and tidepool.numba share: starting the library with
+its configuration checked (as install() does for PyTorch), one allocation
 and one free through the C ABI, and telling an out of memory from a bad
 argument when tidepool_malloc returns NULL."""
-import os
-
 from . import _native
+from ._install import check_and_set, refuse_host
 from ._native import TidepoolError
 
 # The first words of every out-of-memory report (docs/oom.md).
 OOM_PREFIX = "tidepool: out of memory"
 
 
-def backend_of(conf):
-    """The backend a TIDEPOOL_CONF string selects (the last entry wins, as
-    the library reads them; none: the default, cuda)."""
-    from ._install import _backend
-
-    return _backend(conf)
-
-
-def configure(conf, allow_host, who):
-    """Checks the configuration `who` (the runtime's entry point, for the
-    messages) was given, else the environment's, and sets TIDEPOOL_CONF
-    when the library has not started yet; refuses the host backend unless
-    allow_host. Warns nothing when tidepool already runs: the runtimes share
-    one allocator with PyTorch, whichever started it."""
-    effective = conf if conf is not None else os.environ.get("TIDEPOOL_CONF", "")
-    if backend_of(effective) == "host" and not allow_host:
-        raise TidepoolError(
-            f"{who}: tidepool's backend is 'host' (host memory standing in for a GPU), which CUDA kernels "
-            "cannot use: use backend:cuda (the default) in TIDEPOOL_CONF, or allow_host=True to test the wiring"
-        )
-    if _native.loaded():
-        return
-    checked = conf if conf is not None else os.environb.get(b"TIDEPOOL_CONF", b"")
-    problems = _native.conf_problems(checked)
-    if problems:
-        where = f"{who}({conf!r})" if conf is not None else "TIDEPOOL_CONF"
-        raise TidepoolError(f"{where}: " + "; ".join(problems) + " (tidepool config lists the options)")
-    if conf is not None:
-        os.environ["TIDEPOOL_CONF"] = conf
+def start(conf, allow_host, who):
+    """Starts the library for runtime `who` (its entry point, for the
+    messages) as install() does for PyTorch: the host backend refused unless
+    allow_host, the configuration (`conf`, else the environment's) checked
+    and used when the library has not started yet. When tidepool already
+    runs (under PyTorch, say) it is the one allocator both share."""
+    refuse_host(conf, allow_host, "allow_host=True")
+    check_and_set(conf, f"{who}({conf!r})")
+    _native.lib()
 
 
 class OutOfMemory(Exception):

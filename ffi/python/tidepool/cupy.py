@@ -25,7 +25,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "tidepool.cupy needs CuPy: pip install cupy-cuda13x (or cupy-cuda12x, for the CUDA major your driver runs)"
     ) from err
 
-from . import _native, _runtimes
+from . import _runtimes
 
 __all__ = ["malloc", "use", "OutOfMemoryError"]
 
@@ -109,6 +109,5 @@ def use(conf=None, allow_host=False):
     one allocator serves both). allow_host: let the host backend (host
     memory, which CUDA kernels cannot use) serve CuPy: only for testing the
     wiring."""
-    _runtimes.configure(conf, allow_host, "tidepool.cupy.use")
-    _native.lib()
+    _runtimes.start(conf, allow_host, "tidepool.cupy.use")
     _cupy.cuda.set_allocator(malloc)

@@ -110,8 +110,7 @@ class TidepoolMemoryManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryMan
         refused unless allow_host, its memory being no device memory) and sizes Numba's queue
         of deferred host frees from the device's memory, as Numba's own
         manager does."""
-        _runtimes.configure(None, self.allow_host, "tidepool.numba")
-        _native.lib()
+        _runtimes.start(None, self.allow_host, "tidepool.numba")
         if self.deallocations.memory_capacity == 0 and self.context is not None:
             self.deallocations.memory_capacity = self.get_memory_info().total
 
