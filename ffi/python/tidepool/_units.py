@@ -1,5 +1,5 @@
 """Bytes as the package writes them, for people: GIB and human_bytes, the
-one copy that memory_summary (_memory.py) and the planner's table and
+one copy (gib: in GiB) that memory_summary (_memory.py) and the planner's table and
 picture (plan/report.py, plan/plot.py) share. It imports nothing: the
 bottom layer, beside _native and _devices."""
 
@@ -19,3 +19,8 @@ def human_bytes(n, unit=None):
         if abs(n) < 1024 or unit == _UNITS[-1]:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
+
+
+def gib(n):
+    """`n` bytes in GiB with two decimals: the planner's figures."""
+    return human_bytes(n, "GiB")

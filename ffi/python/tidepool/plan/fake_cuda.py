@@ -436,7 +436,6 @@ class Memory:
     def __init__(self, recorder):
         self.recorder = recorder
         self.reset_at = 0  # the event index of the last reset_peak_memory_stats
-        self.history = False
 
     def _live(self, upto):
         live = 0
@@ -472,8 +471,8 @@ class Memory:
         return (f"tidepool.plan run: planned on a card without data: {self.allocated() / (1 << 20):.1f} MiB live, "
                 f"{self.max_allocated() / (1 << 20):.1f} MiB at the peak (the report gives what each allocator needs)")
 
-    def record_history(self, enabled="all", *args, **kwargs):
-        self.history = enabled not in (None, False)
+    def record_history(self, *args, **kwargs):
+        """Nothing to switch on: the recorder keeps every event already."""
 
     def dump_snapshot(self, filename="dump_snapshot.pickle"):
         self.recorder._collect()

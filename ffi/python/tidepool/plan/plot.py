@@ -4,16 +4,12 @@ weights, gradients, optimizer, precision copies, activations) with the smallest 
 allocator needs; below, those devices side by side for every variant."""
 from xml.sax.saxutils import escape
 
-from .._units import human_bytes
+from .._units import gib
 
 COLOURS = {"weights": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759", "copies": "#edc948",
            "activations": "#76b7b2"}
 PYTORCH, TIDEPOOL = "#b07aa1", "#59a14f"
 WIDTH, LEFT, RIGHT, PANEL, GAP = 960, 230, 20, 110, 18
-
-
-def _fmt(n):
-    return human_bytes(n, "GiB")
 
 
 def write_svg(path, model, timelines, results):
@@ -59,7 +55,7 @@ def write_svg(path, model, timelines, results):
                 out.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="{colour}" '
                            f'stroke-dasharray="5,3"/>')
             out.append(f'<text x="{LEFT - 8}" y="{base - PANEL / 2 + 14}" text-anchor="end">peak '
-                       f'{_fmt(r["peak"])}</text>')
+                       f'{gib(r["peak"])}</text>')
         out.append(f'<text x="{LEFT - 8}" y="{base - PANEL / 2}" text-anchor="end">{escape(label)}</text>')
         out.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{base}" y2="{base}" stroke="#333"/>')
         y0 += PANEL + GAP
@@ -74,7 +70,7 @@ def write_svg(path, model, timelines, results):
                 w = plot_w * 0.8 * value / top
                 out.append(f'<rect x="{LEFT}" y="{y + 9 * i}" width="{w:.1f}" height="8" fill="{colour}"/>')
             out.append(f'<text x="{LEFT + plot_w * 0.8 * max(r["pytorch"], r["tidepool_expandable"]) / top + 6:.1f}" '
-                       f'y="{y + 13}">{_fmt(r["pytorch"])} / {_fmt(r["tidepool_expandable"])}</text>')
+                       f'y="{y + 13}">{gib(r["pytorch"])} / {gib(r["tidepool_expandable"])}</text>')
         y += 22
     out.append("</svg>")
     with open(path, "w") as f:

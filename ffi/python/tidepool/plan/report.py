@@ -6,12 +6,8 @@ written in GiB (tidepool/_units.py).
 """
 import json
 
-from .._units import human_bytes
+from .._units import gib
 from .cards import need_on, notes, unsupported
-
-
-def _human(n):
-    return human_bytes(n, "GiB")
 
 
 def variant_json(args, result):
@@ -80,9 +76,9 @@ def print_text(args, results, cards, sweeps):
             continue
         b = r["breakdown"]
         fits = r["fits"][0] if r["fits"] else "none"
-        cells += [_human(r["peak"]), _human(b["weights"]), _human(b["gradients"]), _human(b["optimizer"]),
-                  _human(b["copies"]), _human(b["activations"]), _human(r["pytorch"]), _human(r["pytorch_expandable"]),
-                  _human(r["tidepool_expandable"]), fits]
+        cells += [gib(r["peak"]), gib(b["weights"]), gib(b["gradients"]), gib(b["optimizer"]),
+                  gib(b["copies"]), gib(b["activations"]), gib(r["pytorch"]), gib(r["pytorch_expandable"]),
+                  gib(r["tidepool_expandable"]), fits]
         rows.append(cells)
     widths = [max([len(head[i])] + [len(row[i]) for row in rows if len(row) == len(head)]) for i in range(len(head))]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))

@@ -52,7 +52,7 @@ class ScriptFailed(Exception):
 
 
 def parse_args(argv):
-    from .arguments import DEFAULT_CARDS, Parser
+    from .arguments import DEFAULT_CARDS, Parser, positive
 
     parser = Parser(
         prog="python -m tidepool.plan run",
@@ -60,21 +60,17 @@ def parse_args(argv):
         epilog="Everything after SCRIPT is the script's own arguments.")
     parser.add_argument("script", metavar="SCRIPT")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
-    parser.add_argument("--steps", type=int, default=None, metavar="K",
+    parser.add_argument("--steps", type=positive, default=None, metavar="K",
                         help="stop after K optimizer steps (K forwards of the outermost module where the script "
                              "makes no optimizer); default: run to the end")
     parser.add_argument("--card", default=DEFAULT_CARD, metavar="NAME",
                         help=f"the card torch.cuda describes to the script (default: {DEFAULT_CARD})")
-    parser.add_argument("--devices", type=int, default=1, metavar="N", help="torch.cuda.device_count() (default: 1)")
+    parser.add_argument("--devices", type=positive, default=1, metavar="N", help="torch.cuda.device_count() (default: 1)")
     parser.add_argument("--cards", default=DEFAULT_CARDS, help="the cards to compare the needs with, as for a model")
     parser.add_argument("--json", action="store_true", help="one JSON object, as for a model")
     parser.add_argument("--keep-trace", metavar="PATH", help="keep the recording's trace (RMM CSV) at PATH")
     parser.add_argument("--tidepool", metavar="PATH", help="the tidepool command (as for a model)")
     args = parser.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        raise Exit(f"--steps: expected a positive integer, got {args.steps}")
-    if args.devices < 1:
-        raise Exit(f"--devices: expected a positive integer, got {args.devices}")
     if not os.path.isfile(args.script):
         raise Exit(f"{args.script}: no such file")
     return args
