@@ -328,9 +328,9 @@ def main():
                f"{figures.get('tidepool.num_allocs', 0)} allocations, {figures.get('tidepool.num_frees', 0)} frees, "
                f"{figures.get('num_device_alloc', 0)} device allocations, {figures.get('num_ooms', 0)} OOMs" if figures else "")
         )
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"rehearsal": args.rehearse, "runtimes": results}, file, indent=1)
+        if args.json:  # after each runtime: a section cut short keeps the figures of those done
+            with open(args.json, "w") as file:
+                json.dump({"rehearsal": args.rehearse, "runtimes": results}, file, indent=1)
     print(json.dumps({"runtimes_check": {r["runtime"]: r["status"] for r in results}}))
     return 1 if failed else 0
 

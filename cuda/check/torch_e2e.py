@@ -9,9 +9,7 @@ each in a fresh process (PyTorch's allocator is chosen before CUDA starts):
 `--allocator native` (PyTorch's), `native-expandable` (its
 expandable_segments:True), `tidepool` (tidepool's default: expandable
 segments where the backend maps pages) or `tidepool-whole` (tidepool with
-expandable:false, whole segments; `tidepool-expandable`, the name from
-before expandable segments were tidepool's default, is accepted for
-`tidepool`); prints one JSON line. With `--history PATH` (PyTorch's own
+expandable:false, whole segments); prints one JSON line. With `--history PATH` (PyTorch's own
 allocator only) it records the training loop's allocations from an empty
 allocator into a snapshot at PATH and stops there: `tidepool replay` of it
 checks tidepool's models of PyTorch's allocator against what PyTorch did.
@@ -56,12 +54,10 @@ import sys
 import time
 
 ALLOCATORS = ["native", "native-expandable", "tidepool", "tidepool-whole"]
-# Earlier names: tidepool-expandable was expandable:true before it was the default.
-ALIASES = {"tidepool-expandable": "tidepool"}
 LENGTHS = [512, 128, 1024, 256, 768, 384, 896, 640]
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--allocator", choices=ALLOCATORS + list(ALIASES), required=True)
+parser.add_argument("--allocator", choices=ALLOCATORS, required=True)
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--snapshot", default=None)
 parser.add_argument("--history", default=None, help="native allocators: record the training loop to this snapshot, then stop")
@@ -71,7 +67,6 @@ parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
                     help="the sequence lengths, one a step, in turn")
 args = parser.parse_args()
-args.allocator = ALIASES.get(args.allocator, args.allocator)
 if args.history and args.allocator.startswith("tidepool"):
     parser.error("--history records PyTorch's own allocator (native, native-expandable)")
 if args.history and args.device != "cuda":
@@ -127,9 +122,8 @@ def calls(stats):
     """(driver calls so far, what was counted) from a memory_stats dict:
     tidepool's count of its calls where the library keeps one, else the
     allocations and frees of device memory; (None, None) with neither."""
-    for key in ("tidepool.num_driver_calls", "num_driver_calls"):
-        if key in stats:
-            return stats[key], key
+    if "tidepool.num_driver_calls" in stats:
+        return stats["tidepool.num_driver_calls"], "tidepool.num_driver_calls"
     if "num_device_alloc" in stats:
         return stats["num_device_alloc"] + stats.get("num_device_free", 0), "num_device_alloc+num_device_free"
     return None, None

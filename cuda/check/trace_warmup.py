@@ -6,9 +6,7 @@ grows, every driver call it makes is in it), the second the steady state.
 Run once per allocator in fresh processes (`--allocator native |
 native-expandable | tidepool | tidepool-whole`: PyTorch's allocator, its
 expandable segments, tidepool's default (expandable segments, in 8 MiB
-allocations) and tidepool with expandable:false; `tidepool-expandable`,
-the name from before expandable segments were the default, is accepted for
-`tidepool`), `--conf` adding to tidepool's configuration, e.g.
+allocations) and tidepool with expandable:false), `--conf` adding to tidepool's configuration, e.g.
 `expandable_allocation_mb:2` (page by page); prints one JSON line:
 the seconds of each pass, the peak of live bytes played, the peak
 reserved, the allocator's allocations of device memory made and given back
@@ -25,16 +23,13 @@ import sys
 import time
 
 parser = argparse.ArgumentParser()
-# Earlier names: tidepool-expandable was expandable:true before it was the default.
-ALIASES = {"tidepool-expandable": "tidepool"}
-parser.add_argument("--allocator", choices=["native", "native-expandable", "tidepool", "tidepool-whole", *ALIASES], required=True)
+parser.add_argument("--allocator", choices=["native", "native-expandable", "tidepool", "tidepool-whole"], required=True)
 parser.add_argument("--conf", default="", help="more of tidepool's configuration")
 parser.add_argument("--trace", required=True, help="an RMM CSV trace (Thread,Time,Action,Pointer,Size,Stream)")
 parser.add_argument("--scale", type=int, default=0, help="sizes times this (0: to about --target-gib live)")
 parser.add_argument("--target-gib", type=float, default=20.0)
 parser.add_argument("--device", default="cuda")
 args = parser.parse_args()
-args.allocator = ALIASES.get(args.allocator, args.allocator)
 
 if args.allocator.startswith("tidepool") and args.device == "cuda":
     # run.sh builds the package's C++ libraries into a copy of it (TIDEPOOL_CHECK_PACKAGE).

@@ -82,7 +82,7 @@ fn the_summary_tables_each_allocators_step_whatever_its_section_did() {
     std::fs::write(dir.join("e2e-native.json"), e2e_line("native", 20.0, 900.0, 12, "num_device_alloc+num_device_free")).unwrap();
     std::fs::write(dir.join("e2e-tidepool.json"), e2e_line("tidepool", 20.2, 904.5, 40, "tidepool.num_driver_calls")).unwrap();
     // A failed run that still wrote a line, of an older torch_e2e.py: no step figures.
-    std::fs::write(dir.join("e2e-tidepool-whole.json"), r#"{"allocator": "tidepool-expandable", "median_step_s": 0.02}"#).unwrap();
+    std::fs::write(dir.join("e2e-tidepool-whole.json"), r#"{"allocator": "tidepool-whole", "median_step_s": 0.02}"#).unwrap();
     let (status, text) = summary(dir);
     assert_eq!(status, Some(1), "a section failed and one timed out: {text}");
     assert!(text.contains("e2e-native-expandable  timed out   45 s of 45 s"), "{text}");
