@@ -323,15 +323,20 @@ impl Allocator {
         if ptr.is_null() {
             return Ok(());
         }
-        if let Some(caches) = self.thread_caches.as_ref().filter(|_| !self.forked()) {
+        let caches = self.thread_caches.as_ref().filter(|_| !self.forked());
+        if let Some(caches) = caches {
             match caches.free_unnamed(ptr.0) {
                 Unnamed::Cached => return Ok(()),
-                Unnamed::Heap(device) => return caches.free_slow(&self.devices, device, ptr.0, None).map(|_| ()),
+                Unnamed::Heap(device) => return caches.free_slow(&self.devices, device, ptr.0, None).map(drop),
                 Unnamed::Unknown => {}
             }
         }
         let device = self.owner_of(ptr)?;
-        self.free_on_stream(device, ptr, Stream::DEFAULT)
+        match caches {
+            // No cache of this thread knows it (`free_unnamed` looked in each).
+            Some(caches) => caches.free_slow(&self.devices, device, ptr.0, None).map(drop),
+            None => self.device(device)?.with_owner(ptr, Stream::DEFAULT, |heap| heap.free(ptr.0)).map(drop),
+        }
     }
 
     /// The device that must answer a free of `ptr` that names none: the

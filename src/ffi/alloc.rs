@@ -161,9 +161,7 @@ pub extern "C" fn tidepool_free_ptr(ptr: *mut c_void) -> c_int {
 #[cold]
 fn free_ptr_failed(err: AllocError) -> c_int {
     log_once(&LOGGED_INVALID_FREE, &format!("{err}"));
-    let (code, message) = failure(err);
-    set_last_error(message);
-    code
+    return_code(Err(failure(err)))
 }
 
 /// PyTorch's init hook: creates the allocator now rather than at the
