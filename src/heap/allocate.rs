@@ -86,12 +86,12 @@ impl DeviceHeap {
     pub(super) fn take_block(&mut self, pool: PoolId, rounded: u64) -> Result<BlockId, BackendError> {
         let paged = self.pools[pool].vm.is_some();
         let mut fit = self.fit(pool, rounded);
-        let grows = |heap: &Self, fit: Option<BlockId>| fit.is_none_or(|id| paged && !heap.mapped_under(id, rounded));
-        if grows(self, fit) && self.recall_cached() {
+        // New memory: no fit, or one whose pages must be mapped.
+        if fit.is_none_or(|(_, mapped)| !mapped) && self.recall_cached() {
             fit = self.fit(pool, rounded);
         }
         let block = match fit {
-            Some(id) => {
+            Some((id, _)) => {
                 self.remove_free(id);
                 id
             }
@@ -111,15 +111,16 @@ impl DeviceHeap {
     /// `MAPPED_FIT_CANDIDATES` that fit whose pages under the request are
     /// all mapped, when the best fit's are not (no driver call: the way
     /// PyTorch's expandable segments place, whose free blocks are all
-    /// mapped), else the best fit.
-    fn fit(&self, pool: PoolId, rounded: u64) -> Option<BlockId> {
+    /// mapped), else the best fit. With whether its pages under the request
+    /// are all mapped (always, outside an expandable segment).
+    fn fit(&self, pool: PoolId, rounded: u64) -> Option<(BlockId, bool)> {
         let pool_ref = &self.pools[pool];
         let best = pool_ref.best_fit(&self.blocks, rounded, &self.rules)?;
         if pool_ref.vm.is_none() || self.mapped_under(best, rounded) {
-            return Some(best);
+            return Some((best, true));
         }
         let mapped = pool_ref.fits_after(&self.blocks, best).take(MAPPED_FIT_CANDIDATES).find(|&id| self.mapped_under(id, rounded));
-        Some(mapped.unwrap_or(best))
+        Some(mapped.map_or((best, false), |id| (id, true)))
     }
 
     /// When the device has no room: another stream's cached block, else the

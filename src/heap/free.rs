@@ -302,12 +302,9 @@ impl DeviceHeap {
 
     /// Why `ptr` is not a live block (slow path: errors only).
     pub(super) fn classify_invalid_free(&self, ptr: u64) -> InvalidFree {
-        let Some((_, segment)) = self.segments.last_at_or_below(ptr) else {
+        let Some((_, segment)) = self.segments.containing(ptr) else {
             return InvalidFree::Foreign;
         };
-        if ptr >= segment.base + segment.size {
-            return InvalidFree::Foreign;
-        }
         match self.blocks.walk_segment(segment.first_block).find(|(_, b)| ptr < b.addr + b.size) {
             Some((_, b)) if b.is_allocated() => InvalidFree::Interior { block: b.addr },
             _ => InvalidFree::NotLive,

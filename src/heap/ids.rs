@@ -60,10 +60,4 @@ id!(
 impl BlockId {
     /// The absent link.
     pub const NIL: BlockId = BlockId(u32::MAX);
-
-    /// Whether this is the absent link.
-    #[inline(always)]
-    pub const fn is_nil(self) -> bool {
-        self.0 == u32::MAX
-    }
 }

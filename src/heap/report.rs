@@ -233,7 +233,7 @@ impl DeviceHeap {
         if tag == TagId::DEFAULT {
             return TagStats::default();
         }
-        for pool in self.tag_pools(tag) {
+        for pool in self.pools.of_tag(tag) {
             self.flush_stash(pool);
         }
         let mut stats = TagStats::default();

@@ -150,11 +150,6 @@ impl DeviceHeap {
         self.tags.is_paused(tag)
     }
 
-    /// The pools of `tag`.
-    pub(super) fn tag_pools(&self, tag: TagId) -> Vec<PoolId> {
-        self.pools.of_tag(tag)
-    }
-
     /// The ranges of `tag`'s pools, in address order.
     pub(super) fn tag_segments(&self, tag: TagId) -> Vec<SegmentId> {
         self.segments.by_address().filter(|(_, s)| self.pools[s.pool].tag == tag).map(|(id, _)| id).collect()
@@ -208,7 +203,7 @@ impl DeviceHeap {
     /// Every stream that used `tag`'s blocks: its pools' and the streams
     /// recorded for its live blocks (`record_stream`).
     fn tag_streams(&self, tag: TagId) -> Vec<Stream> {
-        let mut streams: Vec<Stream> = self.tag_pools(tag).iter().map(|&p| self.pools[p].stream).collect();
+        let mut streams: Vec<Stream> = self.pools.of_tag(tag).iter().map(|&p| self.pools[p].stream).collect();
         for id in self.tag_segments(tag) {
             for (_, b) in self.blocks_of(id) {
                 if let Some(recorded) = self.streams.recorded.get(&b.addr) {
@@ -227,7 +222,7 @@ impl DeviceHeap {
     pub fn pause_tag(&mut self, tag: TagId, offload: bool) -> Result<u64, AllocError> {
         self.recall_all();
         self.check_pausable(tag)?;
-        let pools = self.tag_pools(tag);
+        let pools = self.pools.of_tag(tag);
         let segments = self.tag_segments(tag);
         // The work queued on every stream that used the tag's blocks.
         for stream in self.tag_streams(tag) {
