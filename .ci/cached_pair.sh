@@ -22,9 +22,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# 152 counted on 2026-12-05 (rustc 1.95.0; the same in the release
-# profile), plus 10 %: room for a compiler release's drift of a few
-# instructions (earlier counts: 148 to 152), below what losing the inlining
+# 152, the highest count of 2026-12-05 (rustc 1.95.0; the same in the
+# release profile; 148 to 152 across that day's builds), plus 10 %: room
+# for a compiler release's drift of a few instructions, below what losing the inlining
 # costs: `#[inline(never)]` on the cached allocate alone makes it 178, a
 # closure on the path about 240.
 BOUND=${BOUND:-167}
