@@ -28,31 +28,35 @@ def variant_json(args, result):
 
 
 def print_json(args, results):
-    """One JSON object per variant, a line each (--json): docs/planning.md
-    names their fields."""
+    """One JSON object per variant, a line each (--json)."""
     for r in results:
-        if "error" in r:
-            print(json.dumps({"variant": variant_json(args, r), "error": r["error"]}))
-            continue
-        b = r["breakdown"]
-        print(json.dumps({
-            "variant": variant_json(args, r),
-            "peak_live_bytes": r["peak"],
-            "breakdown": {"weights_bytes": b["weights"], "gradients_bytes": b["gradients"],
-                          "optimizer_bytes": b["optimizer"], "precision_copies_bytes": b["copies"],
-                          "activations_bytes": b["activations"]},
-            "pytorch_min_capacity_bytes": r["pytorch"],
-            "pytorch_expandable_min_capacity_bytes": r["pytorch_expandable"],
-            "tidepool_min_capacity_bytes": r["tidepool_expandable"],
-            "fits": r["fits"],
-            "fits_pytorch": r["fits_pytorch"],
-            "fits_pytorch_expandable": r["fits_pytorch_expandable"],
-            "cards_left_out": r["cards_left_out"],
-            "jobs": r["jobs"],
-            "jobs_pytorch": r["jobs_pytorch"],
-            "jobs_pytorch_expandable": r["jobs_pytorch_expandable"],
-            "trace": r["trace"],
-        }))
+        print(json.dumps(json_row(args, r)))
+
+
+def json_row(args, r):
+    """The JSON object of one variant's result: docs/planning.md names its
+    fields."""
+    if "error" in r:
+        return {"variant": variant_json(args, r), "error": r["error"]}
+    b = r["breakdown"]
+    return {
+        "variant": variant_json(args, r),
+        "peak_live_bytes": r["peak"],
+        "breakdown": {"weights_bytes": b["weights"], "gradients_bytes": b["gradients"],
+                      "optimizer_bytes": b["optimizer"], "precision_copies_bytes": b["copies"],
+                      "activations_bytes": b["activations"]},
+        "pytorch_min_capacity_bytes": r["pytorch"],
+        "pytorch_expandable_min_capacity_bytes": r["pytorch_expandable"],
+        "tidepool_min_capacity_bytes": r["tidepool_expandable"],
+        "fits": r["fits"],
+        "fits_pytorch": r["fits_pytorch"],
+        "fits_pytorch_expandable": r["fits_pytorch_expandable"],
+        "cards_left_out": r["cards_left_out"],
+        "jobs": r["jobs"],
+        "jobs_pytorch": r["jobs_pytorch"],
+        "jobs_pytorch_expandable": r["jobs_pytorch_expandable"],
+        "trace": r["trace"],
+    }
 
 
 def print_text(args, results, cards, sweeps):

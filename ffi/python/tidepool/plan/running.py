@@ -127,11 +127,8 @@ def record_and_plan(args, binary, cards, todo):
                 rec = step.record(args.model, sets, options, trace)
                 seq, result["loop"] = rec.seq, rec.loop
                 result["optimizer"] = getattr(rec, "optimizer", None)  # the one used, --optimizer or the factory's
-                result["peak"], _ = rec.peak()
-                result["breakdown"] = rec.breakdown_at_peak()
+                result.update(recording_figures(rec))
                 result["record_seconds"] = time.perf_counter() - started
-                result["allocs"] = rec.allocs
-                result["workspaces"], result["workspace_bytes"] = len(rec.workspaces), rec.workspace_size
                 if args.plot:
                     timelines.append((name, rec.timeline()))
                 del rec
@@ -163,6 +160,13 @@ def record_and_plan(args, binary, cards, todo):
             pending["process"].wait()
         shutil.rmtree(scratch, ignore_errors=True)
     return results, timelines
+
+
+def recording_figures(rec):
+    """What a result holds of its recording: the peak of live bytes, its
+    breakdown, the allocations, the cuBLAS workspaces and their bytes."""
+    return {"peak": rec.peak()[0], "breakdown": rec.breakdown_at_peak(), "allocs": rec.allocs,
+            "workspaces": len(rec.workspaces), "workspace_bytes": rec.workspace_size}
 
 
 def _finish(result, cards):

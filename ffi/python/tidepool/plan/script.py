@@ -21,7 +21,6 @@ What the run does to the script, and says in the report:
 """
 import argparse
 import contextlib
-import io
 import json
 import os
 import runpy
@@ -32,8 +31,8 @@ import traceback
 
 from .cards import resolve_cards
 from .errors import Exit
-from .report import print_json, print_text
-from .running import _finish, _plan_process, find_tidepool
+from .report import json_row, print_text
+from .running import _finish, _plan_process, find_tidepool, recording_figures
 
 DEFAULT_CARD = "H100"
 
@@ -245,12 +244,9 @@ def run(argv):
     try:
         trace = args.keep_trace or os.path.join(scratch, "script.csv")
         recorder.write(trace)
-        peak, _ = recorder.peak()
         options = {"task": "script", "precision": "bf16" if facts["bf16"] else None, "steps": args.steps}
-        result = {"label": {}, "options": options, "sets": {}, "trace": args.keep_trace, "peak": peak,
-                  "breakdown": recorder.breakdown_at_peak(), "allocs": recorder.allocs,
-                  "workspaces": len(recorder.workspaces), "workspace_bytes": recorder.workspace_size,
-                  "process": _plan_process(binary, trace)}
+        result = {"label": {}, "options": options, "sets": {}, "trace": args.keep_trace,
+                  **recording_figures(recorder), "process": _plan_process(binary, trace)}
         _finish(result, cards)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -258,18 +254,10 @@ def run(argv):
         raise Exit(f"planning the recording failed: {result['error']}", 1)
     model = " ".join(["run", args.script, *args.script_args])
     shown = argparse.Namespace(json=args.json, model=model)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        if args.json:
-            print_json(shown, [result])
-        else:
-            print_text(shown, [result], cards, [])
     if args.json:
-        row = json.loads(out.getvalue().splitlines()[0])
-        row["script"] = facts
-        print(json.dumps(row))
+        print(json.dumps({**json_row(shown, result), "script": facts}))
         return 0
-    sys.stdout.write(out.getvalue())
+    print_text(shown, [result], cards, [])
     for line in _lines(facts):
         print(line)
     return 0
