@@ -20,7 +20,8 @@ that runs up, and no circle.
       plan.attention, plan.autocast, plan.workload, plan.ddp, plan.plot;
    c. plan.optimizer, plan.fsdp, plan.cards, plan.fake_cuda (CUDA without
       a GPU, for a script planned as it is);
-   d. plan.step, one variant's recorded run;
+   d. plan.step, one variant's recorded run, and plan.launch, a script's
+      rank as torchrun starts it;
    e. the command's parts: plan.arguments, plan.running, plan.report;
    f. plan.command (the command), plan.script (its `run SCRIPT`) and
       plan.demos (the recorder's demos and their command line);
@@ -56,7 +57,7 @@ LAYERS = [
     ["plan.errors"],
     ["plan.record", "plan.attention", "plan.autocast", "plan.workload", "plan.ddp", "plan.plot"],
     ["plan.optimizer", "plan.fsdp", "plan.cards", "plan.fake_cuda"],
-    ["plan.step"],
+    ["plan.step", "plan.launch"],
     ["plan.arguments", "plan.running", "plan.report"],
     ["plan.command", "plan.script", "plan.demos"],
     ["plan", "plan.__main__"],

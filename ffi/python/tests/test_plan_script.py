@@ -383,6 +383,84 @@ class LocalModel(unittest.TestCase):
         self.assertEqual(row["peak_live_bytes"], rec.peak()[0])
 
 
+def reference_data_parallel(sharded, world_size=2, width=1024, batch=32, steps=3):
+    """ddp_train.py's and fsdp_train.py's loop written for the Recorder on
+    the meta device, over the model path's DDP (ddp.wrap) or FSDP
+    (fsdp.shard): one rank's peak of live bytes and breakdown there."""
+    import torch
+    import torch.distributed as dist
+
+    from tidepool.plan import ddp, fsdp
+    from tidepool.record import Recorder
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    try:
+        with Recorder(None) as rec, (fsdp.sharding(world_size, rec) if sharded else contextlib.nullcontext()):
+            rec.track(model)
+            model = fsdp.shard(model, world_size, layers=list(model)) if sharded else ddp.wrap(model, world_size, rec)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            rec.track(optimizer)
+            for _ in range(steps):
+                x = torch.randn(batch, width, device="meta")
+                loss = model(x).square().mean()
+                if not sharded:
+                    optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                if sharded:
+                    optimizer.zero_grad()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return rec.peak()[0], rec.breakdown_at_peak()
+
+
+@unittest.skipIf(SKIP, SKIP)
+class Torchrun(unittest.TestCase):
+    """Scripts written for torchrun (a process per GPU) planned as one of
+    their ranks: PyTorch's own DDP and FSDP2 over a fake process group."""
+
+    def test_ddp_plans_a_rank_with_its_gradient_buckets(self):
+        row, printed = planned("--nproc-per-node", "2", script("ddp_train.py"))
+        peak, _ = reference_data_parallel(sharded=False)
+        self.assertEqual(row["peak_live_bytes"], peak)
+        # A replica, its gradients, and DDP's buckets: the gradients again.
+        params = 4 * 4 * (1024 * 1024 + 1024)
+        self.assertEqual(row["breakdown"]["weights_bytes"], params)
+        self.assertEqual(row["breakdown"]["gradients_bytes"], 2 * params)
+        self.assertEqual(printed, [f"step {i} loss 1.000 on 2 ranks" for i in range(3)])
+
+    def test_fsdp_plans_a_rank_with_its_shard(self):
+        row, _ = planned("--nproc-per-node", "4", script("fsdp_train.py"))
+        four, breakdown = reference_data_parallel(sharded=True, world_size=4)
+        self.assertEqual(row["peak_live_bytes"], four)
+        two, _ = planned("--nproc-per-node", "2", script("fsdp_train.py"))
+        self.assertLess(row["peak_live_bytes"], two["peak_live_bytes"])
+        # AdamW's two moments of a quarter of the parameters (its step
+        # counters live on the CPU).
+        params = 4 * 4 * (1024 * 1024 + 1024)
+        self.assertEqual(row["breakdown"]["optimizer_bytes"], 2 * params // 4)
+        b = row["breakdown"]
+        self.assertEqual(b["gradients_bytes"], breakdown["gradients"])
+        # The script's run labels one more gathered block as weights (the
+        # reference: as activations), the same bytes.
+        self.assertEqual(b["weights_bytes"] + b["activations_bytes"], breakdown["weights"] + breakdown["activations"])
+
+    def test_another_rank_and_torchruns_environment(self):
+        # Rank 1 prints nothing (the script prints on rank 0) and plans the same.
+        row, printed = planned("--nproc-per-node", "2", "--rank", "1", script("ddp_train.py"))
+        self.assertEqual(printed, [])
+        self.assertEqual(row["peak_live_bytes"], reference_data_parallel(sharded=False)[0])
+        self.assertNotIn("RANK", os.environ)  # restored after the run
+        status, _, err = run("--nproc-per-node", "2", "--rank", "2", script("ddp_train.py"))
+        self.assertEqual(status, 2)
+        self.assertIn("--rank 2: the ranks of --nproc-per-node 2 are 0 to 1", err)
+        status, _, err = run("--rank", "1", script("ddp_train.py"))
+        self.assertEqual(status, 2)
+        self.assertIn("--rank is a rank of --nproc-per-node N", err)
+
+
 @unittest.skipIf(SKIP, SKIP)
 class Failures(unittest.TestCase):
     def test_a_model_from_the_hub_is_refused_offline(self):

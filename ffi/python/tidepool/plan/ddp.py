@@ -38,7 +38,17 @@ def wrap(model, world_size, rec):
     finally:
         ddp_module._verify_param_shape_across_processes = check
 
-    def allreduce_in_place(_state, bucket):
+    wrapped.register_comm_hook(None, allreduce_in_place(world_size, rec))
+    return wrapped
+
+
+def allreduce_in_place(world_size, rec):
+    """DDP's all-reduce as a comm hook over the fake group (its own would
+    get no tensor back from the fake group's work): in place on the bucket,
+    divided by the world size as DDP's default is; the bucket labelled as
+    gradients."""
+
+    def hook(_state, bucket):
         buffer = bucket.buffer()
         rec.label(buffer, "gradients")
         buffer.div_(world_size)
@@ -46,8 +56,7 @@ def wrap(model, world_size, rec):
         done.set_result(buffer)
         return done
 
-    wrapped.register_comm_hook(None, allreduce_in_place)
-    return wrapped
+    return hook
 
 
 def zero_redundancy(optimizer):

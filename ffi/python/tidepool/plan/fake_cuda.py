@@ -63,6 +63,7 @@ class _State:
         self.count = 1
         self.current = 0
         self.in_kernel = False
+        self.adopting = None  # the CUDA device C++'s meta tensors are on (adopting())
         self.dtypes = set()  # the dtypes of the CUDA tensors made
 
 
@@ -183,6 +184,8 @@ def _dispatch(func, args, kwargs):
     device = _cuda(kwargs.get("device"))
     if device is None:
         device = next((t._cuda_device for t in flat if isinstance(t, CudaTensor)), None)
+    if device is None and _state.adopting is not None and _on_meta(flat, kwargs):
+        device = _state.adopting
     if device is None:
         return func(*args, **kwargs)  # CPU work (and the script's own meta tensors) as written
     if func in _DATA:
@@ -206,6 +209,23 @@ def _dispatch(func, args, kwargs):
     with _in_kernel():
         out = func(*args, **kwargs)
     return tree_map(lambda t: wrap(t, device), out)
+
+
+def _on_meta(flat, kwargs):
+    return str(kwargs.get("device")) == "meta" or any(
+        isinstance(t, torch.Tensor) and t.device.type == "meta" for t in flat)
+
+
+@contextlib.contextmanager
+def adopting(device):
+    """Meta tensors made inside are CudaTensors on `device`: for C++ that
+    makes a CUDA module's tensors from the meta tensors it sees
+    (DistributedDataParallel's gradient buckets), where no script runs."""
+    before, _state.adopting = _state.adopting, device
+    try:
+        yield
+    finally:
+        _state.adopting = before
 
 
 class FakeCuda(TorchDispatchMode):
@@ -377,7 +397,8 @@ class Stream:
     def __init__(self, device=None, priority=0, **_):
         self.device = _cuda(device or "cuda")
         self.priority = priority
-        self.cuda_stream = 0
+        self.cuda_stream = self.stream_id = 0
+        self.device_index, self.device_type = self.device.index, 1  # c10::DeviceType::CUDA
 
     def wait_event(self, event):
         pass
@@ -553,7 +574,7 @@ def fake_cuda(card, recorder, count=1):
         "is_available": lambda *a, **k: True, "device_count": lambda: _state.count,
         "current_device_index": lambda: _state.current, "current_device_idx": lambda: _state.current,
         "set_device_index": set_device, "set_device_idx": set_device, "current_stream": lambda device=None: stream,
-        "synchronize": nothing,
+        "synchronize": nothing, "current_accelerator": lambda check_available=False: torch.device("cuda"),
     }
     import torch.cuda.memory as cuda_memory
 
@@ -568,6 +589,7 @@ def fake_cuda(card, recorder, count=1):
                 stack.callback(setattr, torch.accelerator, name, getattr(torch.accelerator, name))
                 setattr(torch.accelerator, name, value)
         for owner, name, value in ((torch, "_has_compatible_shallow_copy_type", _compatible),
+                                   (torch._C, "_get_accelerator", lambda check=False: torch.device("cuda")),
                                    (torch.nn.Module, "_apply", _moving_keeps_parameters(recorder)),
                                    (torch.Tensor, "record_stream", nothing),
                                    (torch.Tensor, "pin_memory", lambda self, device=None: self)):

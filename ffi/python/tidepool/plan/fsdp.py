@@ -78,12 +78,20 @@ def blocks(model, layers=None):
 
 @contextlib.contextmanager
 def sharding(world_size, rec):
-    """While recording a model sharded over world_size fake ranks: what
-    FSDP all-gathers counts as weights, what it reduce-scatters from as
-    gradients."""
+    """While recording a model sharded over world_size fake ranks (the
+    group made here): FSDP as recorded()."""
+    fake_group(world_size)
+    with recorded(rec):
+        yield
+
+
+@contextlib.contextmanager
+def recorded(rec):
+    """While recording FSDP over a fake group: what it all-gathers counts
+    as weights, what it reduce-scatters from as gradients; its parameters
+    may be meta tensors (C++ sees a CudaTensor's meta tensor too)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 
-    fake_group(world_size)
     group = group_module.FSDPParamGroup
     check = group._validate_no_meta_params
     group._validate_no_meta_params = lambda self: None

@@ -175,6 +175,7 @@ class Recorder(TorchDispatchMode):
         self.live = {}  # storage key -> _Live
         self.objects = {}  # id(tensor) -> (weak reference, [storage key])
         self.suspects = set()  # storage keys whose tensor objects all died: look at them next
+        self.emptied = {}  # storage key -> weak reference: device storages resized to 0 bytes
         self.workspaces = {}  # thread name -> pointer
         self.next_pointer = 0x1000
         self.start_time = time.perf_counter()
@@ -469,9 +470,13 @@ class Recorder(TorchDispatchMode):
         return super().__enter__()
 
     def _resized(self, storage):
-        if storage.device.type not in self.devices:
-            return
         key = storage._cdata
+        emptied = self.emptied.pop(key, None)
+        # A storage of a device tensor, though it says "meta" (a CudaTensor's
+        # under `tidepool.plan run`): known live, or emptied by resize_(0).
+        ours = key in self.live or emptied is not None and not emptied.expired()
+        if storage.device.type not in self.devices and not ours:
+            return
         entry = self.live.get(key)
         size = storage.nbytes()
         if entry is not None and entry.size == size:
@@ -483,6 +488,7 @@ class Recorder(TorchDispatchMode):
             self._event("free", entry.pointer, entry.size, "")
         if size == 0:
             self.suspects.discard(key)
+            self.emptied[key] = StorageWeakRef(storage)
             return
         fresh = _Live(self._new_pointer(size), size, StorageWeakRef(storage))
         fresh.objects = entry.objects if entry is not None else 0

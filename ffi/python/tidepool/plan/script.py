@@ -64,7 +64,12 @@ def parse_args(argv):
                              "makes no optimizer); default: run to the end")
     parser.add_argument("--card", default=DEFAULT_CARD, metavar="NAME",
                         help=f"the card torch.cuda describes to the script (default: {DEFAULT_CARD})")
-    parser.add_argument("--devices", type=positive, default=1, metavar="N", help="torch.cuda.device_count() (default: 1)")
+    parser.add_argument("--devices", type=positive, default=None, metavar="N",
+                        help="torch.cuda.device_count() (default: 1, or --nproc-per-node)")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=positive, default=None, metavar="N",
+                        help="run the script as torchrun would start it on N cards of one machine, as one of its "
+                             "ranks (torch.distributed over a fake process group), and plan that rank")
+    parser.add_argument("--rank", type=int, default=0, metavar="R", help="the rank planned (default: 0)")
     parser.add_argument("--cards", default=DEFAULT_CARDS, help="the cards to compare the needs with, as for a model")
     parser.add_argument("--json", action="store_true", help="one JSON object, as for a model")
     parser.add_argument("--keep-trace", metavar="PATH", help="keep the recording's trace (RMM CSV) at PATH")
@@ -72,6 +77,13 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if not os.path.isfile(args.script):
         raise Exit(f"{args.script}: no such file")
+    if args.nproc_per_node is None and args.rank != 0:
+        parser.error("--rank is a rank of --nproc-per-node N")
+    if args.nproc_per_node is not None and not 0 <= args.rank < args.nproc_per_node:
+        parser.error(f"--rank {args.rank}: the ranks of --nproc-per-node {args.nproc_per_node} are 0 to "
+                     f"{args.nproc_per_node - 1}")
+    if args.devices is None:
+        args.devices = args.nproc_per_node or 1
     return args
 
 
@@ -168,6 +180,7 @@ def record(args):
 
     from .cards import Card
     from .fake_cuda import dtypes_made, fake_cuda, reads
+    from .launch import as_rank
     from .record import Recorder
 
     card = args.card_resolved
@@ -179,8 +192,9 @@ def record(args):
     sys.path.insert(0, os.path.dirname(path))
     reads.places.clear()
     status = 0
+    launched = as_rank(args.nproc_per_node, args.rank, recorder) if args.nproc_per_node else contextlib.nullcontext()
     try:
-        with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices):
+        with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices), launched:
             try:
                 runpy.run_path(path, run_name="__main__")
             except StepsDone:
