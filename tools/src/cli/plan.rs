@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use tidepool::error::human_bytes;
-use tidepool_tools::trace::cards::card_advice;
+use tidepool_tools::trace::cards::card_advice_for_trace;
 use tidepool_tools::trace::plan::{smallest_capacity_per_device, Plan};
 use tidepool_tools::trace::replay::{serves_recorded_oom, Model};
 use tidepool_tools::trace::{RecordedOom, Trace};
@@ -16,7 +16,7 @@ use super::{args, out, SIZES};
 /// segments, as it runs by default, and with whole segments); a trace of
 /// several GPUs gets one answer per device
 #[derive(clap::Args)]
-#[command(override_usage = "tidepool plan FILE [--conf KEY:VAL,...] [--step SIZE] [--json]", after_help = SIZES)]
+#[command(override_usage = "tidepool plan FILE [--conf KEY:VAL,...] [--step SIZE] [--bf16] [--json]", after_help = SIZES)]
 pub struct Args {
     /// The trace
     #[arg(value_name = "FILE")]
@@ -27,6 +27,9 @@ pub struct Args {
     /// The precision of the search (default: the larger of 2 MiB and 0.25 % of the peak of live memory, in whole MiB)
     #[arg(long, value_name = "SIZE", value_parser = args::size)]
     step: Option<u64>,
+    /// The workload runs in bf16: cards below compute capability 8.0 are left out
+    #[arg(long)]
+    bf16: bool,
     /// One JSON object
     #[arg(long)]
     json: bool,
@@ -57,9 +60,9 @@ pub fn run(args: Args) -> Result<(), String> {
     let trace = args::load(&args.files[0])?;
     let plans = plan(&trace, &conf, args.step)?;
     if args.json {
-        print_json(&trace, &plans);
+        print_json(&trace, &plans, args.bf16);
     } else {
-        print_text(&trace, &plans);
+        print_text(&trace, &plans, args.bf16);
     }
     Ok(())
 }
@@ -91,8 +94,8 @@ fn need(plans: &[Plan]) -> u64 {
     plans.iter().map(|p| p.min_capacity).max().unwrap_or(0)
 }
 
-/// `--json`: one object.
-fn print_json(trace: &Trace, plans: &Plans) {
+/// `--json`: one object, with whether `--bf16` was given.
+fn print_json(trace: &Trace, plans: &Plans, bf16: bool) {
     let Plans { pytorch, tidepool, whole, pytorch_expandable, peaks, recorded_ooms } = plans;
     let step = pytorch.iter().map(|p| p.step).max().unwrap_or(0);
     let model = |plan: &Plan| {
@@ -131,6 +134,7 @@ fn print_json(trace: &Trace, plans: &Plans) {
         "file": trace.source,
         "peak_requested_bytes": trace.peak_requested(),
         "step_bytes": step,
+        "bf16": bf16,
         "pytorch": card(pytorch),
         "tidepool": card(tidepool),
         "whole_segments": card(whole),
@@ -141,8 +145,9 @@ fn print_json(trace: &Trace, plans: &Plans) {
 }
 
 /// The text: a line per device (and its recorded OOM, and where tidepool
-/// runs out one step below), then the card.
-fn print_text(trace: &Trace, plans: &Plans) {
+/// runs out one step below), then the card (one that runs bf16, with
+/// `bf16`).
+fn print_text(trace: &Trace, plans: &Plans, bf16: bool) {
     out!("{} ({}): peak of live memory {}", trace.source, trace.format.name(), human_bytes(trace.peak_requested()));
     for d in 0..plans.pytorch.len() {
         print_device(trace, plans, d);
@@ -159,7 +164,7 @@ fn print_text(trace: &Trace, plans: &Plans) {
         Model::PytorchExpandable => (pytorch_expandable, " with expandable segments (as recorded)"),
         _ => (pytorch, ""),
     };
-    let (ours, theirs) = (card_advice(best), card_advice(need(theirs)));
+    let (ours, theirs) = (card_advice_for_trace(best, bf16), card_advice_for_trace(need(theirs), bf16));
     if ours == theirs {
         out!("{ours_name} and PyTorch's allocator{how}: {each}{ours}.");
     } else {

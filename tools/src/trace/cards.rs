@@ -59,7 +59,18 @@ impl Card {
     pub fn compute_capability_text(&self) -> String {
         format!("{}.{}", self.compute_capability.0, self.compute_capability.1)
     }
+
+    /// Whether a bf16 workload runs on the card as recorded: bf16 tensor
+    /// cores, and PyTorch's fused attention taking bf16, come with
+    /// `BF16_COMPUTE_CAPABILITY`.
+    pub fn runs_bf16(&self) -> bool {
+        self.compute_capability >= BF16_COMPUTE_CAPABILITY
+    }
 }
+
+/// The compute capability bf16 work needs: below 8.0 (the T4's 7.5) a card
+/// has no bf16 tensor cores, and PyTorch's flash attention takes no bf16.
+pub const BF16_COMPUTE_CAPABILITY: (u8, u8) = (8, 0);
 
 const fn card(name: &'static str, aliases: &'static [&'static str], total_mib: u64, compute_capability: (u8, u8)) -> Card {
     Card { name, aliases, total_mib, compute_capability }
@@ -261,16 +272,48 @@ fn article(name: &str) -> &'static str {
 /// the smallest card of `CARDS` that holds `need` bytes and the largest that
 /// does not.
 pub fn card_advice(need: u64) -> String {
+    advice_among(need, &CARDS, |_| "")
+}
+
+/// Where the card a trace fits runs no bf16, `card_advice_for_trace` says
+/// so after its GiB.
+const NOT_FOR_BF16: &str = "; not for bf16: --bf16 leaves it out";
+
+/// `card_advice` for the need of a trace (`tidepool plan`), which carries
+/// no dtype: with `bf16` (the workload runs in bf16) among the cards that
+/// run it (`Card::runs_bf16`) only, for what fits and what does not;
+/// without, among every card, and a card that fits but runs no bf16 says
+/// so ("fits a T4 (13.5 GiB for the allocator; not for bf16: --bf16 leaves
+/// it out)").
+pub fn card_advice_for_trace(need: u64, bf16: bool) -> String {
+    if bf16 {
+        let bf16_cards: Vec<Card> = CARDS.iter().copied().filter(Card::runs_bf16).collect();
+        advice_among(need, &bf16_cards, |_| "")
+    } else {
+        advice_among(need, &CARDS, |card| if card.runs_bf16() { "" } else { NOT_FOR_BF16 })
+    }
+}
+
+/// `card_advice` among `cards` (ascending by memory, not empty), with
+/// `note(card)` after the GiB of the card that fits.
+fn advice_among(need: u64, cards: &[Card], note: impl Fn(&Card) -> &'static str) -> String {
     let gib = |card: &Card| format!("{:.1} GiB", card.usable_gib());
-    let fits = CARDS.iter().find(|card| card.usable() >= need);
-    let not = CARDS.iter().rev().find(|card| card.usable() < need);
+    let fits = cards.iter().find(|card| card.usable() >= need);
+    let not = cards.iter().rev().find(|card| card.usable() < need);
     match (fits, not) {
-        (Some(f), Some(n)) => {
-            format!("fits {} {} ({} for the allocator); not {} {} ({})", article(f.name), f.name, gib(f), article(n.name), n.name, gib(n))
-        }
-        (Some(f), None) => format!("fits {} {} ({} for the allocator)", article(f.name), f.name, gib(f)),
+        (Some(f), Some(n)) => format!(
+            "fits {} {} ({} for the allocator{}); not {} {} ({})",
+            article(f.name),
+            f.name,
+            gib(f),
+            note(f),
+            article(n.name),
+            n.name,
+            gib(n)
+        ),
+        (Some(f), None) => format!("fits {} {} ({} for the allocator{})", article(f.name), f.name, gib(f), note(f)),
         (None, _) => {
-            let largest = &CARDS[CARDS.len() - 1];
+            let largest = &cards[cards.len() - 1];
             format!("more than {} {} holds ({} for the allocator)", article(largest.name), largest.name, gib(largest))
         }
     }
@@ -392,5 +435,32 @@ mod tests {
         assert_eq!(card_advice(47 * GIB + 700 * (1 << 20)), "fits an H100 (78.1 GiB for the allocator); not an RTX A6000 (46.5 GiB)");
         assert_eq!(card_advice(15 * GIB), "fits an A10G (21.0 GiB for the allocator); not a T4 (13.5 GiB)");
         assert_eq!(card_advice(500 * GIB), "more than a B200 holds (177.6 GiB for the allocator)");
+    }
+
+    #[test]
+    fn only_cards_of_compute_capability_8_0_and_later_run_bf16() {
+        let runs_no_bf16: Vec<&str> = CARDS.iter().filter(|card| !card.runs_bf16()).map(|card| card.name).collect();
+        assert_eq!(runs_no_bf16, ["T4"]);
+        assert!(find("A100 40GB").unwrap().runs_bf16(), "8.0 itself runs it");
+    }
+
+    #[test]
+    fn the_advice_for_a_bf16_trace_leaves_out_the_cards_that_run_no_bf16() {
+        // The T4 would hold 3 GiB; in bf16 the smallest card is the A10G, and nothing below it is named.
+        assert_eq!(card_advice_for_trace(3 * GIB, true), "fits an A10G (21.0 GiB for the allocator)");
+        assert_eq!(card_advice_for_trace(15 * GIB, true), "fits an A10G (21.0 GiB for the allocator)");
+        // A need above the T4, whose "not" card runs bf16, is advised as ever.
+        for need in [30 * GIB, 47 * GIB + 700 * (1 << 20), 500 * GIB] {
+            assert_eq!(card_advice_for_trace(need, true), card_advice(need), "{need}");
+        }
+    }
+
+    #[test]
+    fn the_advice_for_a_trace_of_unknown_dtype_says_where_the_card_that_fits_runs_no_bf16() {
+        assert_eq!(card_advice_for_trace(3 * GIB, false), "fits a T4 (13.5 GiB for the allocator; not for bf16: --bf16 leaves it out)");
+        // A T4 that does not fit needs no word.
+        for need in [15 * GIB, 30 * GIB, 500 * GIB] {
+            assert_eq!(card_advice_for_trace(need, false), card_advice(need), "{need}");
+        }
     }
 }

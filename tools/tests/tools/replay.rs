@@ -611,7 +611,7 @@ fn plan_answers_in_plain_words_and_in_json() {
     assert!(ok, "{stderr}");
     assert!(stdout.contains("with PyTorch's allocator") && stdout.contains("with tidepool"), "{stdout}");
     // A small trace: the smallest card named, with what it gives an allocator.
-    assert!(stdout.contains("tidepool and PyTorch's allocator: fits a T4 (13.5 GiB for the allocator)."), "{stdout}");
+    assert!(stdout.contains("tidepool and PyTorch's allocator: fits a T4 (13.5 GiB for the allocator; "), "{stdout}");
     // Sizes as precise as the 2 MiB step: in whole MiB, not hundredths of a GiB.
     let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
     assert!(needs.contains(" MiB with PyTorch's allocator") && needs.ends_with("(in steps of 2 MiB)"), "{needs}");
@@ -644,6 +644,40 @@ fn plan_answers_in_plain_words_and_in_json() {
     let (ok, stdout, _) = tidepool_cli(&["plan", path.to_str().unwrap(), "--step", "1536KiB"]);
     let needs = stdout.lines().find(|l| l.starts_with("needs ")).unwrap();
     assert!(ok && needs.ends_with("(in steps of 1.50 MiB)") && needs.contains(".500 MiB with PyTorch's allocator"), "{needs}");
+}
+
+#[test]
+fn plan_with_bf16_names_no_card_below_compute_capability_8_0() {
+    let path = write_small_csv();
+    let path = path.to_str().unwrap();
+    // A trace carries no dtype: the T4 that fits is named, with what leaves it out.
+    let (ok, stdout, stderr) = tidepool_cli(&["plan", path]);
+    assert!(ok, "{stderr}");
+    let advice = "tidepool and PyTorch's allocator: fits a T4 (13.5 GiB for the allocator; not for bf16: --bf16 leaves it out).";
+    assert_eq!(stdout.lines().last(), Some(advice), "{stdout}");
+    // In bf16 the smallest card is the A10G (8.6), and the T4 (7.5) is not named as too small either.
+    let (ok, bf16_stdout, stderr) = tidepool_cli(&["plan", path, "--bf16"]);
+    assert!(ok, "{stderr}");
+    assert_eq!(bf16_stdout.lines().last(), Some("tidepool and PyTorch's allocator: fits an A10G (21.0 GiB for the allocator)."));
+    assert!(!bf16_stdout.contains("T4"), "{bf16_stdout}");
+    // The needs do not depend on it: only the card.
+    let all_but_last = |text: &str| text.lines().take(text.lines().count() - 1).collect::<Vec<_>>().join("\n");
+    assert_eq!(all_but_last(&stdout), all_but_last(&bf16_stdout));
+    // JSON says whether it was given.
+    for (args, bf16) in [(vec!["plan", path, "--json"], false), (vec!["plan", path, "--json", "--bf16"], true)] {
+        let (ok, stdout, stderr) = tidepool_cli(&args);
+        assert!(ok, "{stderr}");
+        let plan: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(plan["bf16"].as_bool(), Some(bf16), "{args:?}: {plan}");
+    }
+    // A flag, not an option with a value.
+    let (ok, stdout, stderr) = tidepool_cli(&["plan", path, "--bf16=true"]);
+    assert!(!ok && stdout.is_empty() && stderr.contains("unexpected value 'true' for '--bf16'"), "{stderr}");
+    // A trace that allocates nothing needs no card, in bf16 or not.
+    let empty = tmp("header_only_bf16.csv");
+    std::fs::write(&empty, "Thread,Time,Action,Pointer,Size,Stream\n").unwrap();
+    let (ok, stdout, stderr) = tidepool_cli(&["plan", empty.to_str().unwrap(), "--bf16"]);
+    assert!(ok && stdout.contains("allocates nothing: no device needed") && !stdout.contains("fits"), "{stdout} {stderr}");
 }
 
 #[test]
