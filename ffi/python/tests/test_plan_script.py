@@ -300,6 +300,14 @@ class TorchCuda(unittest.TestCase):
             self.assertEqual(done.returncode, 0, done.stderr)
             replayed = json.loads(done.stdout.strip().splitlines()[-1])
             self.assertEqual(replayed["peak_requested_bytes"], peak)
+            # What PyTorch's allocator would reserve: the model of its policy
+            # over the same events (its 2 MiB and 20 MiB segments); the card's
+            # free memory is what is left of it.
+            done = subprocess.run([BINARY, "replay", snapshot, "--json", "--policy", "pytorch"],
+                                  capture_output=True, text=True)
+            reserved = json.loads(done.stdout.strip().splitlines()[-1])["peak_reserved_bytes"]
+            self.assertEqual(printed[5], f"reserved {reserved} bytes, {(81920 << 20) - (3 << 29) - reserved} free")
+            self.assertGreater(reserved, peak)
 
 
 @unittest.skipIf(SKIP, SKIP)

@@ -24,5 +24,6 @@ print(f"peak {torch.cuda.max_memory_allocated()} bytes")
 torch.cuda.reset_peak_memory_stats()
 del y
 print(f"peak after reset {torch.cuda.max_memory_allocated()} bytes")
+print(f"reserved {torch.cuda.memory_reserved()} bytes, {torch.cuda.mem_get_info()[0]} free")
 if snapshot:
     torch.cuda.memory._dump_snapshot(snapshot)

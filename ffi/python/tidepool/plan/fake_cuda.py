@@ -452,11 +452,24 @@ class Event:
 class Memory:
     """torch.cuda's memory figures, answered from the recording: the live
     bytes of the Recorder's events (one device), their peak since the last
-    reset."""
+    reset; what PyTorch's allocator would reserve for them from
+    `pytorch_reserved(recorder)` (a model of its policy), asked again only
+    when events came."""
 
-    def __init__(self, recorder):
+    def __init__(self, recorder, pytorch_reserved=None):
         self.recorder = recorder
         self.reset_at = 0  # the event index of the last reset_peak_memory_stats
+        self.pytorch_reserved = pytorch_reserved
+        self.reserved_at = (-1, 0)  # (events, bytes) of the last answer
+
+    def reserved(self, device=None):
+        self.recorder._collect()
+        events = len(self.recorder.events)
+        if self.pytorch_reserved is None:
+            return self.max_allocated()
+        if self.reserved_at[0] != events:
+            self.reserved_at = (events, self.pytorch_reserved(self.recorder) if events else 0)
+        return self.reserved_at[1]
 
     def _live(self, upto):
         live = 0
@@ -483,14 +496,16 @@ class Memory:
     def stats(self, device=None):
         current, peak = self.allocated(), self.max_allocated()
         out = {}
-        for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
-            out[f"{key}.all.current"], out[f"{key}.all.peak"] = current if key != "reserved_bytes" else peak, peak
+        for key in ("allocated_bytes", "active_bytes", "requested_bytes"):
+            out[f"{key}.all.current"], out[f"{key}.all.peak"] = current, peak
+        out["reserved_bytes.all.current"] = out["reserved_bytes.all.peak"] = self.reserved()
         out["num_alloc_retries"] = out["num_ooms"] = 0
         return out
 
     def summary(self, device=None, abbreviated=False):
         return (f"tidepool.plan run: planned on a card without data: {self.allocated() / (1 << 20):.1f} MiB live, "
-                f"{self.max_allocated() / (1 << 20):.1f} MiB at the peak (the report gives what each allocator needs)")
+                f"{self.max_allocated() / (1 << 20):.1f} MiB at the peak, {self.reserved() / (1 << 20):.1f} MiB "
+                "reserved by PyTorch's allocator (the report gives what each allocator needs)")
 
     def record_history(self, *args, **kwargs):
         """Nothing to switch on: the recorder keeps every event already."""
@@ -505,15 +520,17 @@ class Memory:
 
 
 @contextlib.contextmanager
-def fake_cuda(card, recorder, count=1):
+def fake_cuda(card, recorder, count=1, pytorch_reserved=None):
     """torch.cuda as on `count` cards like `card` (cards.Card), its memory
-    figures from `recorder`; CUDA tensors as CudaTensors (FakeCuda, under
-    `recorder`, which is entered here too)."""
+    figures from `recorder` (what PyTorch would reserve from
+    `pytorch_reserved(recorder)`; None: the peak of live bytes); CUDA
+    tensors as CudaTensors (FakeCuda, under `recorder`, which is entered
+    here too)."""
     # Dynamo reads torch.cuda's functions when first imported (which torch
     # does on a first call of many of its functions): before they change.
     import torch._dynamo  # noqa: F401
 
-    memory = Memory(recorder)
+    memory = Memory(recorder, pytorch_reserved)
     properties = DeviceProperties(card)
     _state.count, _state.current = count, 0
     _state.dtypes.clear()
@@ -562,9 +579,9 @@ def fake_cuda(card, recorder, count=1):
         "Stream": Stream, "Event": Event, "current_stream": lambda device=None: stream,
         "default_stream": lambda device=None: stream, "set_stream": nothing,
         "stream": lambda stream=None: contextlib.nullcontext(),
-        "mem_get_info": lambda device=None: (max(0, card.usable - memory.allocated()), card.total),
+        "mem_get_info": lambda device=None: (max(0, card.usable - memory.reserved()), card.total),
         "memory_allocated": memory.allocated, "max_memory_allocated": memory.max_allocated,
-        "memory_reserved": memory.max_allocated, "max_memory_reserved": memory.max_allocated,
+        "memory_reserved": memory.reserved, "max_memory_reserved": memory.reserved,
         "reset_peak_memory_stats": memory.reset_peak, "reset_max_memory_allocated": memory.reset_peak,
         "reset_accumulated_memory_stats": nothing, "memory_stats": memory.stats, "memory_summary": memory.summary,
         "_record_memory_history": memory.record_history, "_dump_snapshot": memory.dump_snapshot,

@@ -51,6 +51,21 @@ def _plan_process(binary, trace):
                             text=True)
 
 
+def pytorch_reserved(binary, recorder):
+    """The bytes PyTorch's caching allocator would hold after the events
+    recorded so far: the peak reserved of the model of its policy over
+    them (`tidepool replay --policy pytorch`; it keeps what it reserves,
+    so its reserve now is its peak)."""
+    with tempfile.TemporaryDirectory(prefix="tidepool-reserved-") as scratch:
+        trace = os.path.join(scratch, "so-far.csv")
+        recorder.write(trace)
+        done = subprocess.run([binary, "replay", "--json", "--policy", "pytorch", trace], capture_output=True,
+                              text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"tidepool replay failed: {done.stderr.strip() or done.stdout.strip()}")
+    return json.loads(done.stdout.splitlines()[0])["peak_reserved_bytes"]
+
+
 def _plan_result(process):
     out, err = process.communicate()
     code = process.returncode

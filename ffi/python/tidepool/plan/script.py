@@ -21,6 +21,7 @@ What the run does to the script, and says in the report:
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import runpy
@@ -32,7 +33,7 @@ import traceback
 from .cards import resolve_cards
 from .errors import Exit
 from .report import json_row, print_text
-from .running import _finish, _plan_process, find_tidepool, recording_figures
+from .running import _finish, _plan_process, find_tidepool, pytorch_reserved, recording_figures
 
 DEFAULT_CARD = "H100"
 
@@ -194,7 +195,8 @@ def record(args):
     status = 0
     launched = as_rank(args.nproc_per_node, args.rank, recorder) if args.nproc_per_node else contextlib.nullcontext()
     try:
-        with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices), launched:
+        reserved = functools.partial(pytorch_reserved, args.binary)
+        with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices, reserved), launched:
             try:
                 runpy.run_path(path, run_name="__main__")
             except StepsDone:
@@ -245,7 +247,7 @@ def _show(err, path):
 def run(argv):
     """The `run` subcommand: returns the exit status."""
     args = parse_args(argv)
-    binary = find_tidepool(args.tidepool)
+    binary = args.binary = find_tidepool(args.tidepool)
     cards = resolve_cards(binary, args.cards)
     args.card_resolved = tuple(resolve_cards(binary, args.card)[0])
     try:
