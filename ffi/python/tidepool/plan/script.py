@@ -169,6 +169,7 @@ def record(args):
     from .cards import Card
     from .fake_cuda import dtypes_made, fake_cuda, reads
     from .record import Recorder
+    from .weights import weights_from_files
 
     card = args.card_resolved
     recorder = Recorder(None, devices=("cuda",))
@@ -180,7 +181,7 @@ def record(args):
     reads.places.clear()
     status = 0
     try:
-        with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices):
+        with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices), weights_from_files():
             try:
                 runpy.run_path(path, run_name="__main__")
             except StepsDone:
