@@ -390,6 +390,220 @@ class LocalModel(unittest.TestCase):
         self.assertEqual(row["breakdown"]["weights_bytes"], sum(t.numel() * t.element_size() for t in held))
         self.assertEqual(row["peak_live_bytes"], rec.peak()[0])
 
+def sparse_checkpoint(path, state, location):
+    """torch.save of `state` (CPU tensors whose pages were never touched)
+    without its data: torch's skip_data leaves each data record a hole, so
+    the file is its full size and holds nothing on disk; its storages say
+    `location`, as when saved from there (torch.save asks
+    torch.serialization.location_tag, here answered without a card)."""
+    import torch
+    import torch.serialization
+
+    tag = torch.serialization.location_tag
+    torch.serialization.location_tag = lambda storage: location
+    try:
+        with torch.serialization.skip_data():
+            torch.save(state, path)
+    finally:
+        torch.serialization.location_tag = tag
+
+
+def checkpoint_state(vocab, width):
+    """load_checkpoint.py's Net's state dict, in CPU tensors that are
+    never written (their memory is not touched), the tied weight one."""
+    import torch
+
+    embed = torch.empty(vocab, width)
+    return {"embed.weight": embed, "proj.weight": torch.empty(width, width), "proj.bias": torch.empty(width),
+            "head.weight": embed}
+
+
+def sparse_model(directory, config, shards=2):
+    """A model directory as save_pretrained writes a sharded one (config.json,
+    model.safetensors.index.json, its shards) whose tensor data are holes:
+    a safetensors file is a JSON header, then the tensors' bytes. The keys
+    are those save_pretrained writes for the architecture (a tied weight
+    once); their shapes and dtype those of `config`'s model."""
+    import struct
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config.save_pretrained(directory)
+    small = LlamaConfig(**dict(config.to_dict(), hidden_size=8, intermediate_size=8, num_attention_heads=1,
+                               num_key_value_heads=1, vocab_size=8, head_dim=8))
+    with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stderr(io.StringIO()):
+        LlamaForCausalLM(small).save_pretrained(scratch)
+        with open(os.path.join(scratch, "model.safetensors"), "rb") as f:
+            keys = [k for k in json.loads(f.read(struct.unpack("<Q", f.read(8))[0])) if k != "__metadata__"]
+    with torch.device("meta"):
+        shapes = {k: tuple(t.shape) for k, t in LlamaForCausalLM(config).state_dict().items()}
+    size = torch.tensor([], dtype=config.dtype).element_size()
+    codes = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    index, total = {}, 0
+    for shard in range(shards):
+        name = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for key in keys[shard::shards]:
+            nbytes = size * int(torch.Size(shapes[key]).numel())
+            header[key] = {"dtype": codes[config.dtype], "shape": list(shapes[key]), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            index[key] = name
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            f.truncate(8 + len(text) + offset)  # the data: a hole
+        total += offset
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
+    return total
+
+
+def max_rss():
+    """This process's peak resident memory so far, in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@unittest.skipIf(SKIP, SKIP)
+class WeightsFromFiles(unittest.TestCase):
+    """Weights a script loads from files are tracked on the card with
+    their shapes, and their data is not read: the checkpoints here are
+    holes (nothing on disk) of 5 GiB and 52 GiB, and this process's peak
+    memory grows by less than 1 GiB."""
+
+    VOCAB, WIDTH = 65536, 16384
+    # load_checkpoint.py's storages: the tied embedding, the projection and its bias.
+    WEIGHTS = 4 * (VOCAB * WIDTH + WIDTH * WIDTH + WIDTH)
+    # The output layer's own weight, made with it and let go when tied.
+    UNTIED = 4 * VOCAB * WIDTH
+
+    def load(self, location, where):
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "model.pt")
+            sparse_checkpoint(path, checkpoint_state(self.VOCAB, self.WIDTH), location)
+            before = max_rss()
+            row, printed = planned(script("load_checkpoint.py"), path, where)
+            self.assertLess(max_rss() - before, 1 << 30, "the checkpoint's data was read")
+        return row, dict(line.rsplit(" ", 1) for line in printed if line.split()[0] not in
+                         ("embed.weight", "proj.weight", "proj.bias", "head.weight")), printed
+
+    def test_a_checkpoint_saved_from_the_card_is_restored_there(self):
+        for where in ("none", "cuda", "cuda:0"):
+            row, said, printed = self.load("cuda:0", where)
+            self.assertIn(f"embed.weight cuda:0 ({self.VOCAB}, {self.WIDTH}) torch.float32", printed, where)
+            self.assertIn(f"proj.bias cuda:0 ({self.WIDTH},) torch.float32", printed, where)
+            # One allocation per storage, as the driver's copy of each: the
+            # tied weight once; then the model made on the card, as much
+            # again (and its output layer's weight until it is tied).
+            peak = 2 * self.WEIGHTS + self.UNTIED
+            self.assertEqual(said, {"tied": "True", "loaded": str(self.WEIGHTS), "model": str(2 * self.WEIGHTS),
+                                    "state dropped": str(self.WEIGHTS), "peak": str(peak)}, where)
+            self.assertEqual(row["peak_live_bytes"], peak)
+
+    def test_a_checkpoint_mapped_to_the_cpu_is_copied_to_the_card_without_being_read(self):
+        row, said, printed = self.load("cuda:0", "cpu")
+        self.assertIn(f"embed.weight cpu ({self.VOCAB}, {self.WIDTH}) torch.float32", printed)
+        peak = self.WEIGHTS + self.UNTIED
+        self.assertEqual(said, {"tied": "True", "loaded": "0", "model": str(self.WEIGHTS),
+                                "state dropped": str(self.WEIGHTS), "peak": str(peak)})
+        self.assertEqual(row["peak_live_bytes"], peak)
+
+    def test_a_device_the_run_does_not_have_is_refused_as_torch_refuses_it(self):
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "model.pt")
+            sparse_checkpoint(path, checkpoint_state(64, 32), "cuda:0")
+            status, out, err = run(script("load_checkpoint.py"), path, "cuda:1")
+        self.assertEqual(status, 1)
+        self.assertIn("load_checkpoint.py\", line 23, in main", err)
+        self.assertIn("RuntimeError: Attempting to deserialize object on CUDA device 1 but "
+                      "torch.cuda.device_count() is 1", err)
+        self.assertNotIn("weights.py", err)  # the planner's frames are not shown
+
+    def test_a_sharded_model_far_larger_than_memory_loads_without_being_read(self):
+        # A 27.7B-parameter Llama in bf16 (52 GiB in 16 shards, a tied
+        # embedding): from_pretrained, then `.to("cuda")`, and with a
+        # device_map, plan as the same model recorded on the meta device.
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from tidepool.plan.attention import cuda_attention
+        from tidepool.record import Recorder
+
+        config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=32, num_attention_heads=64,
+                             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
+                             tie_word_embeddings=True, dtype="bfloat16")
+        # Made in bf16 as from_pretrained makes it (its rotary frequencies stay fp32).
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(default)
+        with Recorder(None) as rec, cuda_attention(), torch.inference_mode():
+            rec.track(model)
+            logits = model(torch.zeros(2, 32, dtype=torch.long, device="meta")).logits
+            del logits
+        held = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+        with tempfile.TemporaryDirectory() as directory:
+            stored = sparse_model(directory, config, shards=16)
+            self.assertGreater(stored, 50 << 30)
+            for how in ([], ["cuda"], ["auto"]):
+                before = max_rss()
+                row, printed = planned(script("local_model.py"), directory, *how)
+                self.assertLess(max_rss() - before, 1 << 30, f"{how}: the checkpoint's data was read")
+                self.assertEqual(printed[-3:], ["cuda:0 True", "(2, 32, 32000) cuda:0",
+                                                f"peak {row['peak_live_bytes']} bytes"], how)
+                self.assertEqual(row["peak_live_bytes"], rec.peak()[0], how)
+                self.assertEqual(row["breakdown"]["weights_bytes"], sum(t.numel() * t.element_size() for t in held),
+                                 how)
+
+    def test_a_checkpoint_that_is_not_there_fails_as_the_script_does(self):
+        status, out, err = run(script("load_checkpoint.py"), "/nonexistent/model.pt", "cuda")
+        self.assertEqual(status, 1)
+        self.assertIn("load_checkpoint.py\", line 23, in main", err)
+        self.assertIn("FileNotFoundError", err)
+        self.assertIn("nothing planned", err)
+        self.assertEqual(out, "")
+
+    def test_a_truncated_checkpoint_fails_with_torchs_error(self):
+        import torch
+
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "model.pt")
+            sparse_checkpoint(path, checkpoint_state(64, 32), "cuda:0")
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)  # the zip's directory, at its end, is gone
+            status, out, err = run(script("load_checkpoint.py"), path, "cuda")
+            with self.assertRaises(Exception) as plain:
+                torch.load(path, map_location="cpu")
+        self.assertEqual(status, 1)
+        self.assertIn("load_checkpoint.py\", line 23, in main", err)
+        # torch's own error, as torch.load gives it outside the run.
+        self.assertIn(f"{type(plain.exception).__name__}: {plain.exception}", err)
+
+    def test_a_safetensors_file_with_a_broken_header_fails_with_its_error(self):
+        import torch
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=128, dtype="float32")
+        with tempfile.TemporaryDirectory() as directory:
+            sparse_model(directory, config, shards=1)
+            shard = os.path.join(directory, "model-00001-of-00001.safetensors")
+            with open(shard, "r+b") as f:
+                length = int.from_bytes(f.read(8), "little")
+                f.truncate(8 + length // 2)  # the JSON header ends halfway
+            status, out, err = run(script("local_model.py"), directory)
+        del torch
+        self.assertEqual(status, 1)
+        self.assertIn("local_model.py\", line 13, in <module>", err)
+        self.assertIn("Error while deserializing header", err)
+        self.assertIn("nothing planned", err)
+
 
 def reference_data_parallel(sharded, world_size=2, width=1024, batch=32, steps=3):
     """ddp_train.py's and fsdp_train.py's loop written for the Recorder on

@@ -183,6 +183,7 @@ def record(args):
     from .fake_cuda import dtypes_made, fake_cuda, reads
     from .launch import as_rank
     from .record import Recorder
+    from .weights import weights_from_files
 
     card = args.card_resolved
     recorder = Recorder(None, devices=("cuda",))
@@ -196,7 +197,8 @@ def record(args):
     launched = as_rank(args.nproc_per_node, args.rank, recorder) if args.nproc_per_node else contextlib.nullcontext()
     try:
         reserved = functools.partial(pytorch_reserved, args.binary)
-        with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices, reserved), launched:
+        with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices, reserved), launched, \
+                weights_from_files():
             try:
                 runpy.run_path(path, run_name="__main__")
             except StepsDone:
