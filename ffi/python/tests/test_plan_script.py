@@ -729,6 +729,24 @@ class RealSnapshotScripts(unittest.TestCase):
 
 
 @unittest.skipIf(SKIP, SKIP)
+class LoopsWaitingOnData(unittest.TestCase):
+    def test_a_loop_that_waits_on_the_data_ends_and_the_report_says_where(self):
+        row, printed = planned(script("rejection_loops.py"))
+        self.assertEqual(printed, ["output (64, 2048)"])
+        loops = {(os.path.basename(r["file"]), r["line"]): (r["count"], r["loop"]) for r in row["script"]["reads"]}
+        # trunc_normal_'s loop (read at the script's call) spins 16 times and
+        # ends on the 17th; the second call at another line does the same;
+        # the script's own loop too.
+        self.assertEqual(loops, {("rejection_loops.py", 7): (17, True), ("rejection_loops.py", 8): (17, True),
+                                 ("rejection_loops.py", 10): (17, True)})
+        # Weights, and the squashed input: each division's result replaces the last.
+        weights = 4 * (2048 * 2048 + 2048)
+        self.assertEqual(row["breakdown"]["weights_bytes"], weights)
+        status, out, _ = run(script("rejection_loops.py"))
+        self.assertIn("rejection_loops.py:10: bool() x17 (a loop waiting on the value: after 16 reads in a row", out)
+
+
+@unittest.skipIf(SKIP, SKIP)
 class Failures(unittest.TestCase):
     def test_a_model_from_the_hub_is_refused_offline(self):
         status, out, err = run(script("hub_model.py"))

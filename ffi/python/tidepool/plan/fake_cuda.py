@@ -155,28 +155,57 @@ def _to_meta(value):
 
 class Reads:
     """Where a script read a value from a CUDA tensor: {(file, line, what):
-    count}, at the first frame outside torch and the planner."""
+    count}, at the first frame outside torch and the planner.
+
+    A loop waiting on the data spins on the placeholder forever (torch's
+    own `trunc_normal_` redraws `while mask.any()`): a value read at the
+    same place SPIN times in a row, with no other read, module call or
+    optimizer step between, is answered the other way from then on (False,
+    0 or 0.0) until something else happens; the places it happened at are
+    kept (`loops`)."""
+
+    SPIN = 16
 
     def __init__(self):
         self.places = collections.Counter()
+        self.loops = set()
+        self.last, self.in_a_row = None, 0
+
+    def clear(self):
+        self.places.clear()
+        self.loops.clear()
+        self.progress()
+
+    def progress(self):
+        """Something else happened (a module call, an optimizer step)."""
+        self.last, self.in_a_row = None, 0
 
     def note(self, what):
+        """Counts a read here; True where the loop reading it spins."""
+        place = ("?", 0, what)
         for frame in reversed(traceback.extract_stack()[:-2]):
             path = os.path.abspath(frame.filename)
             if path.startswith(_HERE) or path.startswith(_TORCH) or "/torch/" in path:
                 continue
-            self.places[(frame.filename, frame.lineno, what)] += 1
-            return
-        self.places[("?", 0, what)] += 1
+            place = (frame.filename, frame.lineno, what)
+            break
+        self.places[place] += 1
+        self.in_a_row = self.in_a_row + 1 if place == self.last else 1
+        self.last = place
+        if self.in_a_row > self.SPIN:
+            self.loops.add(place)
+            return True
+        return False
 
 
 reads = Reads()
 
 
-def _placeholder(tensor):
+def _placeholder(tensor, spinning=False):
     if tensor.dtype == torch.bool:
-        return True
-    return 1.0 if tensor.is_floating_point() or tensor.is_complex() else 1
+        return not spinning
+    value = 0 if spinning else 1
+    return float(value) if tensor.is_floating_point() or tensor.is_complex() else value
 
 
 def _dispatch(func, args, kwargs):
@@ -189,10 +218,13 @@ def _dispatch(func, args, kwargs):
     if device is None:
         return func(*args, **kwargs)  # CPU work (and the script's own meta tensors) as written
     if func in _DATA:
-        reads.note(".item()" if func is _ITEM else "bool()")
+        # A bool tensor's value is read by `if t:` and `while t.any():` far
+        # more than by `.item()`; both reach the same operator.
+        asked = ".item()" if func is _ITEM and args[0].dtype != torch.bool else "bool()"
+        spinning = reads.note(asked)
         if func is not _ITEM:
-            return True
-        return _placeholder(args[0])
+            return not spinning
+        return _placeholder(args[0], spinning)
     if func is _TO_COPY and str(kwargs.get("device", "")).startswith("cpu"):
         # Data never leaves the fake card: a copy to the CPU holds the
         # placeholder (`.tolist()`, `.numpy()`, printing read it).

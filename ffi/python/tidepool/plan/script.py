@@ -94,7 +94,8 @@ class _Bounds:
     and buffers as weights at its first call, an optimizer's parameters as
     weights, and its gradients and state at each step (Recorder.track)."""
 
-    def __init__(self, steps, recorder):
+    def __init__(self, steps, recorder, reads):
+        self.reads = reads  # told of each step and module call (fake_cuda.Reads.progress)
         self.steps, self.optimizers, self.optimizer_steps, self.forwards, self.depth = steps, 0, 0, 0, 0
         self.stopped = None  # "optimizer steps" or "forwards" when --steps ended the run
         self.recorder, self.seen = recorder, set()
@@ -109,11 +110,13 @@ class _Bounds:
 
     def stepped(self, *_):
         self.optimizer_steps += 1
+        self.reads.progress()
         if self.steps is not None and self.optimizer_steps >= self.steps:
             self.stopped = "optimizer steps"
             raise StepsDone()
 
     def forward_begins(self, module, *_):
+        self.reads.progress()
         if self.depth == 0 and id(module) not in self.seen:
             self.seen.add(id(module))
             self.recorder.track(module)
@@ -187,12 +190,12 @@ def record(args):
 
     card = args.card_resolved
     recorder = Recorder(None, devices=("cuda",))
-    bounds, compiled = _Bounds(args.steps, recorder), []
+    bounds, compiled = _Bounds(args.steps, recorder, reads), []
     path = os.path.abspath(args.script)
     argv = sys.argv[:]
     sys.argv = [args.script, *args.script_args]
     sys.path.insert(0, os.path.dirname(path))
-    reads.places.clear()
+    reads.clear()
     status = 0
     launched = as_rank(args.nproc_per_node, args.rank, recorder) if args.nproc_per_node else contextlib.nullcontext()
     try:
@@ -219,9 +222,9 @@ def record(args):
     if status:
         raise ScriptFailed(status)
     bf16 = torch.bfloat16 in dtypes_made()
-    facts = {"optimizer_steps": bounds.optimizer_steps, "forwards": bounds.forwards, "stopped_after": bounds.stopped,
+    facts = {"spin": reads.SPIN, "optimizer_steps": bounds.optimizer_steps, "forwards": bounds.forwards, "stopped_after": bounds.stopped,
              "compiled": len(compiled), "card": card[0], "bf16": bf16,
-             "reads": [{"file": f, "line": line, "what": what, "count": n}
+             "reads": [{"file": f, "line": line, "what": what, "count": n, "loop": (f, line, what) in reads.loops}
                        for (f, line, what), n in sorted(reads.places.items(), key=lambda item: item[0][:2])]}
     return recorder, facts
 
@@ -292,7 +295,9 @@ def _lines(facts):
         lines.append(f"values read back from the card ({total}): placeholders (True, 1 or 1.0; copies to the CPU "
                      "filled with them), read at:")
         for r in facts["reads"]:
-            lines.append(f"  {_shown(r['file'])}:{r['line']}: {r['what']} x{r['count']}")
+            loop = (f" (a loop waiting on the value: after {facts['spin']} reads in a row with no other read, "
+                    "module call or step between, answered False, 0 or 0.0)") if r["loop"] else ""
+            lines.append(f"  {_shown(r['file'])}:{r['line']}: {r['what']} x{r['count']}{loop}")
     return lines
 
 
