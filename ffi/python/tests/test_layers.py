@@ -20,7 +20,8 @@ that runs up, and no circle.
       plan.attention, plan.autocast, plan.workload, plan.ddp, plan.plot;
    c. plan.optimizer, plan.fsdp, plan.cards, plan.fake_cuda (CUDA without
       a GPU, for a script planned as it is), plan.weights (the weights such
-      a script loads from files, not read);
+      a script loads from files, not read), plan.generation (transformers'
+      generate to its length limit);
    d. plan.step, one variant's recorded run, and plan.launch, a script's
       rank as torchrun starts it;
    e. the command's parts: plan.arguments, plan.running, plan.report;
@@ -57,7 +58,7 @@ LAYERS = [
     ["tidepool"],
     ["plan.errors"],
     ["plan.record", "plan.attention", "plan.autocast", "plan.workload", "plan.ddp", "plan.plot"],
-    ["plan.optimizer", "plan.fsdp", "plan.cards", "plan.fake_cuda", "plan.weights"],
+    ["plan.optimizer", "plan.fsdp", "plan.cards", "plan.fake_cuda", "plan.weights", "plan.generation"],
     ["plan.step", "plan.launch"],
     ["plan.arguments", "plan.running", "plan.report"],
     ["plan.command", "plan.script", "plan.demos"],

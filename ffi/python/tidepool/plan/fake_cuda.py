@@ -30,6 +30,7 @@ import collections
 import contextlib
 import importlib
 import os
+import sysconfig
 import traceback
 
 import torch
@@ -153,9 +154,22 @@ def _to_meta(value):
     return value
 
 
+def _libraries():
+    """Where installed packages and the standard library live."""
+    paths = sysconfig.get_paths()
+    return tuple(sorted({os.path.abspath(paths[key]) + os.sep for key in ("purelib", "platlib", "stdlib")
+                         if paths.get(key)}))
+
+
+_LIBRARIES = _libraries()
+
+
 class Reads:
-    """Where a script read a value from a CUDA tensor: {(file, line, what):
-    count}, at the first frame outside torch and the planner.
+    """Where a script read a value from a CUDA tensor: {(file, line, what,
+    via): count}, at the innermost frame of the script's own code (outside
+    torch, the planner and installed packages), `via` the innermost frame
+    of an installed package that read it (transformers' generate, say) or
+    None.
 
     A loop waiting on the data spins on the placeholder forever (torch's
     own `trunc_normal_` redraws `while mask.any()`): a value read at the
@@ -182,13 +196,21 @@ class Reads:
 
     def note(self, what):
         """Counts a read here; True where the loop reading it spins."""
-        place = ("?", 0, what)
+        place, via, library = None, None, None
         for frame in reversed(traceback.extract_stack()[:-2]):
             path = os.path.abspath(frame.filename)
             if path.startswith(_HERE) or path.startswith(_TORCH) or "/torch/" in path:
                 continue
-            place = (frame.filename, frame.lineno, what)
+            if path.startswith(_LIBRARIES):
+                if via is None:
+                    library = (frame.filename, frame.lineno, what, None)
+                    root = next(p for p in _LIBRARIES if path.startswith(p))
+                    via = f"{os.path.relpath(path, root)}:{frame.lineno}"
+                continue
+            place = (frame.filename, frame.lineno, what, via)
             break
+        # A script that is itself an installed package's: the package's frame.
+        place = place or library or ("?", 0, what, None)
         self.places[place] += 1
         self.in_a_row = self.in_a_row + 1 if place == self.last else 1
         self.last = place

@@ -184,6 +184,7 @@ def record(args):
 
     from .cards import Card
     from .fake_cuda import dtypes_made, fake_cuda, reads
+    from .generation import generating_to_the_limit
     from .launch import as_rank
     from .record import Recorder
     from .weights import weights_from_files
@@ -201,7 +202,7 @@ def record(args):
     try:
         reserved = functools.partial(pytorch_reserved, args.binary)
         with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices, reserved), launched, \
-                weights_from_files():
+                weights_from_files(), generating_to_the_limit():
             try:
                 runpy.run_path(path, run_name="__main__")
             except StepsDone:
@@ -224,8 +225,9 @@ def record(args):
     bf16 = torch.bfloat16 in dtypes_made()
     facts = {"spin": reads.SPIN, "optimizer_steps": bounds.optimizer_steps, "forwards": bounds.forwards, "stopped_after": bounds.stopped,
              "compiled": len(compiled), "card": card[0], "bf16": bf16,
-             "reads": [{"file": f, "line": line, "what": what, "count": n, "loop": (f, line, what) in reads.loops}
-                       for (f, line, what), n in sorted(reads.places.items(), key=lambda item: item[0][:2])]}
+             "reads": [{"file": f, "line": line, "what": what, "via": via, "count": n,
+                        "loop": (f, line, what, via) in reads.loops}
+                       for (f, line, what, via), n in sorted(reads.places.items(), key=lambda item: (*item[0][:3], item[0][3] or ""))]}
     return recorder, facts
 
 
@@ -297,7 +299,8 @@ def _lines(facts):
         for r in facts["reads"]:
             loop = (f" (a loop waiting on the value: after {facts['spin']} reads in a row with no other read, "
                     "module call or step between, answered False, 0 or 0.0)") if r["loop"] else ""
-            lines.append(f"  {_shown(r['file'])}:{r['line']}: {r['what']} x{r['count']}{loop}")
+            via = f" in {r['via']}" if r["via"] else ""
+            lines.append(f"  {_shown(r['file'])}:{r['line']}: {r['what']}{via} x{r['count']}{loop}")
     return lines
 
 
