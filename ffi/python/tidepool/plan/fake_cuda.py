@@ -512,40 +512,42 @@ class Memory:
 
     def __init__(self, recorder, pytorch_reserved=None):
         self.recorder = recorder
-        self.reset_at = 0  # the event index of the last reset_peak_memory_stats
         self.pytorch_reserved = pytorch_reserved
         self.reserved_at = (-1, 0)  # (events, bytes) of the last answer
+        # The events walked so far, the live bytes after them and their peak
+        # since the last reset_peak_memory_stats: each call walks only the
+        # events that came since the last.
+        self.walked, self.live, self.peak = 0, 0, 0
+
+    def _walk(self):
+        self.recorder._collect()
+        events = self.recorder.events
+        if len(events) < self.walked:  # the recording started anew (Recorder.start)
+            self.walked, self.live, self.peak = 0, 0, 0
+        for _, action, _, size, _ in events[self.walked:]:
+            self.live += size if action == "allocate" else -size
+            self.peak = max(self.peak, self.live)
+        self.walked = len(events)
 
     def reserved(self, device=None):
-        self.recorder._collect()
-        events = len(self.recorder.events)
         if self.pytorch_reserved is None:
             return self.max_allocated()
-        if self.reserved_at[0] != events:
-            self.reserved_at = (events, self.pytorch_reserved(self.recorder) if events else 0)
+        self._walk()
+        if self.reserved_at[0] != self.walked:
+            self.reserved_at = (self.walked, self.pytorch_reserved(self.recorder) if self.walked else 0)
         return self.reserved_at[1]
 
-    def _live(self, upto):
-        live = 0
-        for _, action, _, size, _ in self.recorder.events[:upto]:
-            live += size if action == "allocate" else -size
-        return live
-
     def allocated(self, device=None):
-        self.recorder._collect()
-        return self._live(len(self.recorder.events))
+        self._walk()
+        return self.live
 
     def max_allocated(self, device=None):
-        self.recorder._collect()
-        live = peak = self._live(self.reset_at)
-        for _, action, _, size, _ in self.recorder.events[self.reset_at:]:
-            live += size if action == "allocate" else -size
-            peak = max(peak, live)
-        return peak
+        self._walk()
+        return self.peak
 
     def reset_peak(self, device=None):
-        self.recorder._collect()
-        self.reset_at = len(self.recorder.events)
+        self._walk()
+        self.peak = self.live
 
     def stats(self, device=None):
         current, peak = self.allocated(), self.max_allocated()
