@@ -17,7 +17,9 @@ that runs up, and no circle.
 6. the planner, tidepool.plan, lowest first:
    a. plan.errors, the errors every part raises;
    b. what is recorded and drawn: plan.record (the Recorder),
-      plan.attention, plan.autocast, plan.workload, plan.ddp, plan.plot;
+      plan.attention, plan.autocast, plan.workload, plan.ddp, plan.plot,
+      plan.recompute (checkpointing's recomputation under its forward's
+      function modes);
    c. plan.optimizer, plan.fsdp, plan.cards, plan.fake_cuda (CUDA without
       a GPU, for a script planned as it is), plan.weights (the weights such
       a script loads from files, not read), plan.generation (transformers'
@@ -57,7 +59,7 @@ LAYERS = [
     ["_install"],
     ["tidepool"],
     ["plan.errors"],
-    ["plan.record", "plan.attention", "plan.autocast", "plan.workload", "plan.ddp", "plan.plot"],
+    ["plan.record", "plan.attention", "plan.autocast", "plan.workload", "plan.ddp", "plan.plot", "plan.recompute"],
     ["plan.optimizer", "plan.fsdp", "plan.cards", "plan.fake_cuda", "plan.weights", "plan.generation"],
     ["plan.step", "plan.launch"],
     ["plan.arguments", "plan.running", "plan.report"],

@@ -409,32 +409,92 @@ class Generation(unittest.TestCase):
         self.assertTrue(stop[0]["via"].startswith("transformers/generation/utils.py:"), stop[0]["via"])
 
 
+def reference_checkpointed(bf16, steps=2):
+    """checkpointed.py's non-reentrant loop written for the Recorder on the
+    meta device, as the model path's --checkpointing records it (its
+    recomputation entering CUDA's rules again through context_fn): its
+    peak."""
+    import torch
+
+    from tidepool.plan.attention import cuda_attention
+    from tidepool.plan.autocast import cuda_autocast
+    from tidepool.record import Recorder
+
+    @contextlib.contextmanager
+    def rules():
+        with cuda_attention(), cuda_autocast(torch.bfloat16, enabled=bf16):
+            yield
+
+    with torch.device("meta"):
+        blocks = torch.nn.ModuleList(_load("checkpointed").Block(512, 8) for _ in range(6))
+    optimizer = torch.optim.AdamW(blocks.parameters())
+    with Recorder(None) as rec, cuda_attention():
+        rec.track(blocks)
+        rec.track(optimizer)
+        for _ in range(steps):
+            x = torch.randn(8, 256, 512, device="meta")
+            with cuda_autocast(torch.bfloat16, enabled=bf16):  # the forward's autocast region, as the script's
+                for block in blocks:
+                    x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
+                                                          context_fn=lambda: (contextlib.nullcontext(), rules()))
+                loss = x.float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return rec.peak()[0]
+
+
+@unittest.skipIf(SKIP, SKIP)
+class Checkpointing(unittest.TestCase):
+    """torch.utils.checkpoint in a script: its recomputation, in the
+    backward, runs CUDA's attention kernels and autocast as its forward did
+    (recompute.py; else checkpoint refuses the tensors it saves)."""
+
+    def test_non_reentrant_checkpointing_plans_as_the_model_path(self):
+        for bf16 in ([], ["--bf16"]):
+            row, printed = planned(script("checkpointed.py"), "--checkpoint", "non-reentrant", *bf16)
+            self.assertEqual(row["peak_live_bytes"], reference_checkpointed(bool(bf16)), bf16)
+            self.assertEqual(int(printed[-1].split()[1]), row["peak_live_bytes"])
+
+    def test_both_kinds_hold_less_than_no_checkpointing(self):
+        held = {kind: planned(script("checkpointed.py"), "--checkpoint", kind)[0]["breakdown"]["activations_bytes"]
+                for kind in ("none", "reentrant", "non-reentrant")}
+        self.assertLess(held["reentrant"], held["none"] / 3)
+        self.assertLess(held["non-reentrant"], held["none"] / 3)
+
+
 @unittest.skipIf(SKIP, SKIP)
 class HuggingFaceTrainer(unittest.TestCase):
     def test_a_trainer_script_plans_as_the_model_path(self):
         # The reference: the same Llama as an hf: model (whose training loop
-        # is the Trainer's) with the Trainer's optimizer (adamw_torch_fused).
-        # Within 8 KiB (0.01 %; measured 4,116 bytes): the Trainer's own
-        # small tensors, one of 4,096 bytes (a (4, 128) int64 one) and
-        # scalars (its loss accumulator, the gradient norm).
-        row, printed = planned(script("hf_trainer.py"))
-        self.assertEqual(row["script"]["optimizer_steps"], 3)
-        self.assertEqual(int(printed[-1].split()[1]), row["peak_live_bytes"])
+        # is the Trainer's) with the Trainer's optimizer (adamw_torch_fused),
+        # and with gradient checkpointing as the model path's
+        # --checkpointing. Within 8 KiB (0.01 %; measured 4,116 bytes): the
+        # Trainer's own small tensors, one of 4,096 bytes (a (4, 128) int64
+        # one) and scalars (its loss accumulator, the gradient norm).
         from tidepool.plan import main
 
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-            try:
-                main(["hf:llama", "--set", "hidden_size=256", "--set", "intermediate_size=1024", "--set",
-                      "num_hidden_layers=2", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
-                      "--set", "vocab_size=1024", "--set", "max_position_embeddings=512", "--batch", "4", "--seq",
-                      "128", "--steps", "3", "--optimizer", "adamw-fused", "--json"])
-            except SystemExit as exit:
-                self.assertEqual(exit.code, 0)
-        reference = json.loads(out.getvalue().splitlines()[-1])
-        self.assertLessEqual(abs(row["peak_live_bytes"] - reference["peak_live_bytes"]), 8192)
-        for key in ("weights_bytes", "gradients_bytes", "optimizer_bytes"):
-            self.assertEqual(row["breakdown"][key], reference["breakdown"][key], key)
+        peaks = {}
+        for checkpointing in (False, True):
+            row, printed = planned(script("hf_trainer.py"), *(["--gradient-checkpointing"] if checkpointing else []))
+            self.assertEqual(row["script"]["optimizer_steps"], 3)
+            self.assertEqual(int(printed[-1].split()[1]), row["peak_live_bytes"])
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                try:
+                    main(["hf:llama", "--set", "hidden_size=256", "--set", "intermediate_size=1024", "--set",
+                          "num_hidden_layers=2", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+                          "--set", "vocab_size=1024", "--set", "max_position_embeddings=512", "--batch", "4",
+                          "--seq", "128", "--steps", "3", "--optimizer", "adamw-fused", "--json",
+                          *(["--checkpointing"] if checkpointing else [])])
+                except SystemExit as exit:
+                    self.assertEqual(exit.code, 0)
+            reference = json.loads(out.getvalue().splitlines()[-1])
+            self.assertLessEqual(abs(row["peak_live_bytes"] - reference["peak_live_bytes"]), 8192, checkpointing)
+            for key in ("weights_bytes", "gradients_bytes", "optimizer_bytes"):
+                self.assertEqual(row["breakdown"][key], reference["breakdown"][key], key)
+            peaks[checkpointing] = row["breakdown"]["activations_bytes"]
+        self.assertLess(peaks[True], peaks[False])
 
 
 @unittest.skipIf(SKIP, SKIP)

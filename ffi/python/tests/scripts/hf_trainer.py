@@ -1,6 +1,7 @@
 """Fine-tuning with Hugging Face's Trainer, as its examples do: a causal LM
 (a Llama from a tiny configuration: nothing downloaded), a dataset of
-token ids, TrainingArguments from the command line's few options."""
+token ids, TrainingArguments from the command line's few options
+(gradient checkpointing among them)."""
 import argparse
 import tempfile
 
@@ -30,12 +31,14 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     args = parser.parse_args()
     model = LlamaForCausalLM(tiny_config())
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.max_steps,
                                      learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to=[],
-                                     dataloader_num_workers=0, disable_tqdm=True)
+                                     dataloader_num_workers=0, disable_tqdm=True,
+                                     gradient_checkpointing=args.gradient_checkpointing)
         Trainer(model=model, args=training, train_dataset=Tokens(64, args.seq, 1024)).train()
     print(f"peak {torch.cuda.max_memory_allocated()} bytes")
 
