@@ -223,11 +223,14 @@ def record(args):
     if status:
         raise ScriptFailed(status)
     bf16 = torch.bfloat16 in dtypes_made()
-    facts = {"spin": reads.SPIN, "optimizer_steps": bounds.optimizer_steps, "forwards": bounds.forwards, "stopped_after": bounds.stopped,
-             "compiled": len(compiled), "card": card[0], "bf16": bf16,
-             "reads": [{"file": f, "line": line, "what": what, "via": via, "count": n,
-                        "loop": (f, line, what, via) in reads.loops}
-                       for (f, line, what, via), n in sorted(reads.places.items(), key=lambda item: (*item[0][:3], item[0][3] or ""))]}
+    def read(place, count):
+        file, line, what, via = place
+        return {"file": file, "line": line, "what": what, "via": via, "count": count, "loop": place in reads.loops}
+
+    places = sorted(reads.places.items(), key=lambda item: (*item[0][:3], item[0][3] or ""))
+    facts = {"optimizer_steps": bounds.optimizer_steps, "forwards": bounds.forwards, "stopped_after": bounds.stopped,
+             "compiled": len(compiled), "card": card[0], "bf16": bf16, "spin": reads.SPIN,
+             "reads": [read(place, count) for place, count in places]}
     return recorder, facts
 
 
