@@ -103,16 +103,15 @@ def notes(cards, results):
 
 def need_on(card, need, result):
     """The bytes a variant that needs `need` as recorded needs on `card`:
-    where PyTorch gives the card a larger cuBLAS workspace than the
-    recording's (32 MiB on Hopper and later, record.py), the difference
-    for each thread that ran a matmul."""
+    where PyTorch gives the card another cuBLAS workspace than the
+    recording's (32 MiB on Hopper and later, 8.125 MiB before, record.py),
+    the difference for each thread that ran a matmul."""
     from .record import cublas_workspace_bytes
 
     recorded = result.get("workspace_bytes")
     if recorded is None:
         return need
-    larger = cublas_workspace_bytes(card.compute_capability) - recorded
-    return need + result.get("workspaces", 0) * max(0, larger)
+    return need + result.get("workspaces", 0) * (cublas_workspace_bytes(card.compute_capability) - recorded)
 
 
 def jobs_side_by_side(card, need):

@@ -186,11 +186,13 @@ def record(args):
     from .fake_cuda import dtypes_made, fake_cuda, reads
     from .generation import generating_to_the_limit
     from .launch import as_rank
-    from .record import Recorder
+    from .record import Recorder, cublas_workspace_bytes
     from .weights import weights_from_files
 
-    card = args.card_resolved
-    recorder = Recorder(None, devices=("cuda",))
+    card = Card(*args.card_resolved)
+    # cuBLAS's workspace as PyTorch sizes it on the card torch.cuda describes
+    # (32 MiB a thread on Hopper and later; need_on() scales it per card).
+    recorder = Recorder(None, devices=("cuda",), cublas_workspace=cublas_workspace_bytes(card.compute_capability))
     bounds, compiled = _Bounds(args.steps, recorder, reads), []
     path = os.path.abspath(args.script)
     argv = sys.argv[:]
@@ -201,7 +203,7 @@ def record(args):
     launched = as_rank(args.nproc_per_node, args.rank, recorder) if args.nproc_per_node else contextlib.nullcontext()
     try:
         reserved = functools.partial(pytorch_reserved, args.binary)
-        with _patched(bounds, compiled), fake_cuda(Card(*card), recorder, args.devices, reserved), launched, \
+        with _patched(bounds, compiled), fake_cuda(card, recorder, args.devices, reserved), launched, \
                 weights_from_files(), generating_to_the_limit():
             try:
                 runpy.run_path(path, run_name="__main__")
@@ -229,7 +231,7 @@ def record(args):
 
     places = sorted(reads.places.items(), key=lambda item: (*item[0][:3], item[0][3] or ""))
     facts = {"optimizer_steps": bounds.optimizer_steps, "forwards": bounds.forwards, "stopped_after": bounds.stopped,
-             "compiled": len(compiled), "card": card[0], "bf16": bf16, "spin": reads.SPIN,
+             "compiled": len(compiled), "card": card.name, "bf16": bf16, "spin": reads.SPIN,
              "reads": [read(place, count) for place, count in places]}
     return recorder, facts
 
