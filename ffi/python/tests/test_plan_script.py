@@ -369,6 +369,21 @@ class TorchCuda(unittest.TestCase):
             self.assertGreater(reserved, peak)
 
 
+    def test_a_snapshot_holds_the_events_of_the_memory_history_as_pytorchs_does(self):
+        with tempfile.TemporaryDirectory() as scratch:
+            snapshot = os.path.join(scratch, "window.pickle")
+            row, _ = planned(script("history_window.py"), snapshot)
+            self.assertEqual(row["peak_live_bytes"], 1 << 30)  # the run's peak: before the history
+            for path, live in ((snapshot, 1), (snapshot + ".after", 2)):
+                with open(path, "rb") as f:
+                    dumped = pickle.load(f)
+                self.assertEqual([(e["action"], e["size"]) for e in dumped["device_traces"][0]],
+                                 [("alloc", 1 << 20)], path)
+                self.assertEqual(len(dumped["segments"]), live, path)
+            done = subprocess.run([BINARY, "replay", snapshot, "--json", "--policy", "pytorch"],
+                                  capture_output=True, text=True)
+            self.assertEqual(json.loads(done.stdout.splitlines()[0])["peak_requested_bytes"], 1 << 20)
+
     def test_cublas_takes_the_workspace_pytorch_gives_the_card(self):
         # 32 MiB a thread from Hopper on (torch 2.x), 8,519,680 bytes before.
         _, printed = planned(script("matmul_workspace.py"))

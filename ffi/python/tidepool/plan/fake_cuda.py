@@ -503,6 +503,9 @@ class Event:
         return float("nan")
 
 
+_OPEN = 1 << 62  # the end of a memory history still being recorded
+
+
 class Memory:
     """torch.cuda's memory figures, answered from the recording: the live
     bytes of the Recorder's events (one device), their peak since the last
@@ -518,6 +521,7 @@ class Memory:
         # since the last reset_peak_memory_stats: each call walks only the
         # events that came since the last.
         self.walked, self.live, self.peak = 0, 0, 0
+        self.history = None  # the events the snapshots hold (_record_memory_history); None: none yet
 
     def _walk(self):
         self.recorder._collect()
@@ -563,16 +567,29 @@ class Memory:
                 f"{self.max_allocated() / (1 << 20):.1f} MiB at the peak, {self.reserved() / (1 << 20):.1f} MiB "
                 "reserved by PyTorch's allocator (the report gives what each allocator needs)")
 
-    def record_history(self, *args, **kwargs):
-        """Nothing to switch on: the recorder keeps every event already."""
+    def record_history(self, enabled="all", *args, **kwargs):
+        """`torch.cuda.memory._record_memory_history`: the snapshots hold the
+        events from here (the recorder keeps every event anyway) until it
+        is called with None or False; called again, from there anew."""
+        self.recorder._collect()
+        now = len(self.recorder.events)
+        recording = self.history is not None and self.history.stop == _OPEN
+        if enabled in (None, False):
+            if recording:
+                self.history = range(self.history.start, now)
+        elif not recording:
+            self.history = range(now, _OPEN)
+
+    def _history(self):
+        """The events a snapshot holds now (none before any history)."""
+        self.recorder._collect()
+        return self.history if self.history is not None else range(0)
 
     def dump_snapshot(self, filename="dump_snapshot.pickle"):
-        self.recorder._collect()
-        self.recorder.write_snapshot(filename)
+        self.recorder.write_snapshot(filename, self._history())
 
     def snapshot(self, *args, **kwargs):
-        self.recorder._collect()
-        return self.recorder.snapshot()
+        return self.recorder.snapshot(self._history())
 
 
 @contextlib.contextmanager

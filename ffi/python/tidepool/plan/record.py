@@ -536,21 +536,28 @@ class Recorder(TorchDispatchMode):
             for label, _ in marks[at:]:
                 row(last, "mark", 0, 0, label.replace(",", ";"))
 
-    def snapshot(self):
+    def snapshot(self, events=None):
         """The recording as a PyTorch memory snapshot (the dict
         `torch.cuda.memory._snapshot()` returns): each allocation's frame
         names its operator; what is live at the end sits in segments of
-        its own. `tidepool replay` and pytorch.org/memory_viz read it."""
+        its own. `events` (a range of event indices; None: all) are the
+        ones its trace holds, as PyTorch's holds those of the time its
+        history was recorded: an allocation made before them and freed
+        among them is a free without its allocation, as there.
+        `tidepool replay` and pytorch.org/memory_viz read it."""
+        window = range(len(self.events)) if events is None else events
         trace, live = [], {}
-        for micros, action, pointer, size, operator in self.events:
+        for index, (micros, action, pointer, size, operator) in enumerate(self.events):
+            traced = index in window
             frames = [{"name": operator or "free", "filename": "tidepool.record", "line": 0}]
             if action == "allocate":
                 live[pointer] = size
-                trace.append({"action": "alloc", "addr": pointer, "size": size, "stream": 0, "time_us": micros,
-                              "frames": frames})
+                if traced:
+                    trace.append({"action": "alloc", "addr": pointer, "size": size, "stream": 0, "time_us": micros,
+                                  "frames": frames})
             else:
                 live.pop(pointer, None)
-                for kind in ("free_requested", "free_completed"):
+                for kind in ("free_requested", "free_completed") if traced else ():
                     trace.append({"action": kind, "addr": pointer, "size": size, "stream": 0, "time_us": micros,
                                   "frames": []})
         segments = [{"device": 0, "address": pointer, "total_size": (size + 511) // 512 * 512, "stream": 0,
@@ -561,12 +568,12 @@ class Recorder(TorchDispatchMode):
                     for pointer, size in sorted(live.items())]
         return {"segments": segments, "device_traces": [trace]}
 
-    def write_snapshot(self, path):
-        """Writes snapshot() as a pickle, as torch.cuda.memory._dump_snapshot does."""
+    def write_snapshot(self, path, events=None):
+        """Writes snapshot(events) as a pickle, as torch.cuda.memory._dump_snapshot does."""
         import pickle
 
         with open(path, "wb") as f:
-            pickle.dump(self.snapshot(), f)
+            pickle.dump(self.snapshot(events), f)
 
     def peak(self):
         """(peak live bytes, index of the event that reached it)."""
