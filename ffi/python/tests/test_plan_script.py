@@ -804,6 +804,46 @@ def reference_data_parallel(sharded, world_size=2, width=1024, batch=32, steps=3
 
 
 @unittest.skipIf(SKIP, SKIP)
+class SeveralCards(unittest.TestCase):
+    """A process that uses several cards (--devices N): each card planned
+    alone, and torch.cuda's figures for the card asked about."""
+
+    def test_model_parallelism_by_hand_plans_each_card(self):
+        status, out, err = run("--json", "--devices", "2", script("two_cards.py"))
+        self.assertEqual(status, 0, err)
+        printed = [line for line in out.splitlines() if not line.startswith("{")]
+        rows = {r["variant"]["device"]: r for r in map(json.loads, out.splitlines()[len(printed):])}
+        self.assertEqual(sorted(rows), ["cuda:0", "cuda:1"])
+        self.assertEqual(printed, [f"{card} {rows[card]['peak_live_bytes']}" for card in ("cuda:0", "cuda:1")])
+        weights = {"cuda:0": 4 * 4 * (1024 * 1024 + 1024),
+                   "cuda:1": 4 * (1024 * 2048 + 2048 + 4 * (2048 * 2048 + 2048))}
+        for card, row in rows.items():
+            self.assertEqual(row["breakdown"]["weights_bytes"], weights[card], card)
+            self.assertEqual(row["breakdown"]["optimizer_bytes"], 2 * weights[card], card)  # AdamW's two moments
+            self.assertLessEqual(row["peak_live_bytes"], row["tidepool_min_capacity_bytes"])
+        with tempfile.TemporaryDirectory() as scratch:
+            kept = os.path.join(scratch, "trace.csv")
+            status, out, err = run("--devices", "2", "--keep-trace", kept, script("two_cards.py"))
+            self.assertEqual(status, 0, err)
+            self.assertEqual(sorted(os.listdir(scratch)), ["trace.cuda0.csv", "trace.cuda1.csv"])
+            self.assertIn("device  peak live", out)
+
+    def test_a_snapshot_has_a_trace_per_card_and_replays_to_each_cards_peak(self):
+        with tempfile.TemporaryDirectory() as scratch:
+            snapshot = os.path.join(scratch, "two.pickle")
+            status, out, err = run("--json", "--devices", "2", script("two_cards.py"), snapshot)
+            self.assertEqual(status, 0, err)
+            peaks = [json.loads(line)["peak_live_bytes"] for line in out.splitlines() if line.startswith("{")]
+            with open(snapshot, "rb") as f:
+                self.assertEqual(len(pickle.load(f)["device_traces"]), 2)
+            done = subprocess.run([BINARY, "replay", snapshot, "--json", "--policy", "pytorch"],
+                                  capture_output=True, text=True)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            replayed = json.loads(done.stdout.splitlines()[0])["devices"]
+            self.assertEqual([d["peak_requested_bytes"] for d in replayed], peaks)
+
+
+@unittest.skipIf(SKIP, SKIP)
 class Torchrun(unittest.TestCase):
     """Scripts written for torchrun (a process per GPU) planned as one of
     their ranks: PyTorch's own DDP and FSDP2 over a fake process group."""

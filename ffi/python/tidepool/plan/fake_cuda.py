@@ -57,6 +57,16 @@ def _cuda(device):
     return device if device.index is not None else torch.device("cuda", _state.current)
 
 
+def _index(device):
+    """The index of the CUDA device `device` names (None: the current one)."""
+    if device is None:
+        return _state.current
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.index is not None else _state.current
+
+
 class _State:
     """What the fake CUDA devices are: how many, which is current."""
 
@@ -507,65 +517,68 @@ _OPEN = 1 << 62  # the end of a memory history still being recorded
 
 
 class Memory:
-    """torch.cuda's memory figures, answered from the recording: the live
-    bytes of the Recorder's events (one device), their peak since the last
-    reset; what PyTorch's allocator would reserve for them from
-    `pytorch_reserved(recorder)` (a model of its policy), asked again only
-    when events came."""
+    """torch.cuda's memory figures, answered from the recording, each of the
+    device asked about (the current one by default): the live bytes of the
+    Recorder's events on it, their peak since the last reset; what PyTorch's
+    allocator would reserve for them from `pytorch_reserved(recording)` (a
+    model of its policy over that device's events), asked again only when
+    events came."""
 
     def __init__(self, recorder, pytorch_reserved=None):
         self.recorder = recorder
         self.pytorch_reserved = pytorch_reserved
-        self.reserved_at = (-1, 0)  # (events, bytes) of the last answer
-        # The events walked so far, the live bytes after them and their peak
-        # since the last reset_peak_memory_stats: each call walks only the
-        # events that came since the last.
-        self.walked, self.live, self.peak = 0, 0, 0
+        self.reserved_at = {}  # device -> (events, bytes) of the last answer
+        # The events walked so far, and each device's live bytes after them
+        # and their peak since the last reset_peak_memory_stats: each call
+        # walks only the events that came since the last.
+        self.walked, self.live, self.peak = 0, collections.Counter(), collections.Counter()
         self.history = None  # the events the snapshots hold (_record_memory_history); None: none yet
 
-    def _walk(self):
+    def _walk(self, device):
         self.recorder._collect()
-        events = self.recorder.events
+        events, device_of = self.recorder.events, self.recorder.device_of
         if len(events) < self.walked:  # the recording started anew (Recorder.start)
-            self.walked, self.live, self.peak = 0, 0, 0
-        for _, action, _, size, _ in events[self.walked:]:
-            self.live += size if action == "allocate" else -size
-            self.peak = max(self.peak, self.live)
+            self.walked, self.live, self.peak = 0, collections.Counter(), collections.Counter()
+        for _, action, pointer, size, _ in events[self.walked:]:
+            on = device_of.get(pointer, 0)
+            self.live[on] += size if action == "allocate" else -size
+            self.peak[on] = max(self.peak[on], self.live[on])
         self.walked = len(events)
+        return _index(device)
 
     def reserved(self, device=None):
+        index = self._walk(device)
         if self.pytorch_reserved is None:
-            return self.max_allocated()
-        self._walk()
-        if self.reserved_at[0] != self.walked:
-            self.reserved_at = (self.walked, self.pytorch_reserved(self.recorder) if self.walked else 0)
-        return self.reserved_at[1]
+            return self.peak[index]
+        if self.reserved_at.get(index, (None,))[0] != self.walked:
+            on_device = self.recorder.on_device(index) if self.recorder.device_of else self.recorder
+            self.reserved_at[index] = (self.walked, self.pytorch_reserved(on_device) if on_device.events else 0)
+        return self.reserved_at[index][1]
 
     def allocated(self, device=None):
-        self._walk()
-        return self.live
+        return self.live[self._walk(device)]
 
     def max_allocated(self, device=None):
-        self._walk()
-        return self.peak
+        return self.peak[self._walk(device)]
 
     def reset_peak(self, device=None):
-        self._walk()
-        self.peak = self.live
+        index = self._walk(device)
+        self.peak[index] = self.live[index]
 
     def stats(self, device=None):
-        current, peak = self.allocated(), self.max_allocated()
+        current, peak = self.allocated(device), self.max_allocated(device)
         out = {}
         for key in ("allocated_bytes", "active_bytes", "requested_bytes"):
             out[f"{key}.all.current"], out[f"{key}.all.peak"] = current, peak
-        out["reserved_bytes.all.current"] = out["reserved_bytes.all.peak"] = self.reserved()
+        out["reserved_bytes.all.current"] = out["reserved_bytes.all.peak"] = self.reserved(device)
         out["num_alloc_retries"] = out["num_ooms"] = 0
         return out
 
     def summary(self, device=None, abbreviated=False):
-        return (f"tidepool.plan run: planned on a card without data: {self.allocated() / (1 << 20):.1f} MiB live, "
-                f"{self.max_allocated() / (1 << 20):.1f} MiB at the peak, {self.reserved() / (1 << 20):.1f} MiB "
-                "reserved by PyTorch's allocator (the report gives what each allocator needs)")
+        mib = lambda n: f"{n / (1 << 20):.1f} MiB"  # noqa: E731
+        return (f"tidepool.plan run: cuda:{_index(device)} planned without data: {mib(self.allocated(device))} live, "
+                f"{mib(self.max_allocated(device))} at the peak, {mib(self.reserved(device))} reserved by PyTorch's "
+                "allocator (the report gives what each allocator needs)")
 
     def record_history(self, enabled="all", *args, **kwargs):
         """`torch.cuda.memory._record_memory_history`: the snapshots hold the
@@ -608,23 +621,15 @@ def fake_cuda(card, recorder, count=1, pytorch_reserved=None):
     _state.count, _state.current = count, 0
     _state.dtypes.clear()
 
-    def device_index(device=None):
-        if device is None:
-            return _state.current
-        if isinstance(device, int):
-            return device
-        device = torch.device(device)
-        return device.index if device.index is not None else _state.current
-
     def set_device(device):
-        index = device_index(device)
+        index = _index(device)
         if not 0 <= index < _state.count:
             raise RuntimeError(f"CUDA error: invalid device ordinal (device {index}; {_state.count} planned)")
         _state.current = index
 
     class device:  # noqa: N801 - torch.cuda.device
         def __init__(self, device):
-            self.index = device_index(device) if device is not None else -1
+            self.index = _index(device) if device is not None else -1
             self.before = None
 
         def __enter__(self):
@@ -652,7 +657,7 @@ def fake_cuda(card, recorder, count=1, pytorch_reserved=None):
         "Stream": Stream, "Event": Event, "current_stream": lambda device=None: stream,
         "default_stream": lambda device=None: stream, "set_stream": nothing,
         "stream": lambda stream=None: contextlib.nullcontext(),
-        "mem_get_info": lambda device=None: (max(0, card.usable - memory.reserved()), card.total),
+        "mem_get_info": lambda device=None: (max(0, card.usable - memory.reserved(device)), card.total),
         "memory_allocated": memory.allocated, "max_memory_allocated": memory.max_allocated,
         "memory_reserved": memory.reserved, "max_memory_reserved": memory.reserved,
         "reset_peak_memory_stats": memory.reset_peak, "reset_max_memory_allocated": memory.reset_peak,

@@ -32,8 +32,11 @@ What the recorder does so that the trace is what CUDA would allocate:
   `Module.to(dtype)` converts parameters) lets go of its old one, which is
   freed when nothing else holds it;
 - a cuBLAS workspace is allocated for each thread that runs a matmul (the
-  calling thread, and autograd's device thread for backward), as PyTorch's
-  cuBLAS handle pool does on CUDA;
+  calling thread, and autograd's device thread for backward) on each
+  device, as PyTorch's cuBLAS handle pool does on CUDA;
+- each allocation's device is kept (`device_of`: its index, where not 0):
+  `on_device(i)` is the recording of device i alone, for a process that
+  uses several;
 - optimizers built with `foreach=None` take the foreach path, as on CUDA,
   and `fused=True` runs as there (its kernels work on meta);
 - backward formulas that take another path under a dispatch mode
@@ -61,6 +64,7 @@ then live as allocations (as a real snapshot's live set at its start).
 
 torch is needed for this module only.
 """
+import bisect
 import contextlib
 import os
 import time
@@ -176,7 +180,8 @@ class Recorder(TorchDispatchMode):
         self.objects = {}  # id(tensor) -> (weak reference, [storage key])
         self.suspects = set()  # storage keys whose tensor objects all died: look at them next
         self.emptied = {}  # storage key -> weak reference: device storages resized to 0 bytes
-        self.workspaces = {}  # thread name -> pointer
+        self.workspaces = {}  # (thread name, device index) -> pointer
+        self.device_of = {}  # pointer -> device index, where it is not 0
         self.next_pointer = 0x1000
         self.start_time = time.perf_counter()
         self.allocs = 0
@@ -238,6 +243,8 @@ class Recorder(TorchDispatchMode):
                 return
             entry = _Live(self._new_pointer(size), size, StorageWeakRef(storage))
             self.live[key] = entry
+            if tensor.device.index:
+                self.device_of[entry.pointer] = tensor.device.index
             self._event("allocate", entry.pointer, size, operator)
             if category is None and self._phase is not None:
                 category = self._phase
@@ -376,7 +383,7 @@ class Recorder(TorchDispatchMode):
         self.recording = True
         for entry in self.live.values():
             self._event("allocate", entry.pointer, entry.size, "pre-existing")
-        for thread, pointer in self.workspaces.items():
+        for pointer in self.workspaces.values():
             self._event("allocate", pointer, self.workspace_size, "cublas_workspace")
 
     def mark(self, label):
@@ -385,13 +392,16 @@ class Recorder(TorchDispatchMode):
         self.marks.append((label, len(self.events)))
 
     # -- the mode ----------------------------------------------------------
-    def _workspace(self):
+    def _workspace(self, args):
         # Backward runs on autograd's device thread on CUDA, whose cuBLAS
-        # handle has a workspace of its own.
+        # handle has a workspace of its own; each device's handle has its own.
         thread = "backward" if torch._C._current_graph_task_id() != -1 else "main"
-        if thread not in self.workspaces:
+        device = next((t.device.index or 0 for t in args if isinstance(t, torch.Tensor)), 0)
+        if (thread, device) not in self.workspaces:
             pointer = self._new_pointer(self.workspace_size)
-            self.workspaces[thread] = pointer
+            self.workspaces[(thread, device)] = pointer
+            if device:
+                self.device_of[pointer] = device
             self._event("allocate", pointer, self.workspace_size, "cublas_workspace")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -411,7 +421,7 @@ class Recorder(TorchDispatchMode):
             return args[0]
         name = func._overloadpacket.__name__
         if self.workspace_size and name in _MATMULS:
-            self._workspace()
+            self._workspace(args)
         zeros = self._zeros() if self._zeros is not None else None
         if zeros is not None and name in _IN_PLACE_FORM and args and args[0] is zeros:
             # The formula's own path: the in-place form on the fresh zeros.
@@ -491,6 +501,8 @@ class Recorder(TorchDispatchMode):
             self.emptied[key] = StorageWeakRef(storage)
             return
         fresh = _Live(self._new_pointer(size), size, StorageWeakRef(storage))
+        if entry is not None and entry.pointer in self.device_of:
+            self.device_of[fresh.pointer] = self.device_of[entry.pointer]
         fresh.objects = entry.objects if entry is not None else 0
         self.live[key] = fresh
         self._event("allocate", fresh.pointer, size, "resize_")
@@ -540,15 +552,17 @@ class Recorder(TorchDispatchMode):
         """The recording as a PyTorch memory snapshot (the dict
         `torch.cuda.memory._snapshot()` returns): each allocation's frame
         names its operator; what is live at the end sits in segments of
-        its own. `events` (a range of event indices; None: all) are the
-        ones its trace holds, as PyTorch's holds those of the time its
-        history was recorded: an allocation made before them and freed
-        among them is a free without its allocation, as there.
+        its own, on its device (a trace per device). `events` (a range of
+        event indices; None: all) are the ones its traces hold, as
+        PyTorch's hold those of the time its history was recorded: an
+        allocation made before them and freed among them is a free without
+        its allocation, as there.
         `tidepool replay` and pytorch.org/memory_viz read it."""
         window = range(len(self.events)) if events is None else events
-        trace, live = [], {}
+        traces, live = [[] for _ in range(max(self.devices_used()) + 1)], {}
         for index, (micros, action, pointer, size, operator) in enumerate(self.events):
             traced = index in window
+            trace = traces[self.device_of.get(pointer, 0)]
             frames = [{"name": operator or "free", "filename": "tidepool.record", "line": 0}]
             if action == "allocate":
                 live[pointer] = size
@@ -560,13 +574,14 @@ class Recorder(TorchDispatchMode):
                 for kind in ("free_requested", "free_completed") if traced else ():
                     trace.append({"action": kind, "addr": pointer, "size": size, "stream": 0, "time_us": micros,
                                   "frames": []})
-        segments = [{"device": 0, "address": pointer, "total_size": (size + 511) // 512 * 512, "stream": 0,
+        segments = [{"device": self.device_of.get(pointer, 0), "address": pointer,
+                     "total_size": (size + 511) // 512 * 512, "stream": 0,
                      "segment_type": "large" if size > (1 << 20) else "small", "allocated_size": size,
                      "active_size": size, "requested_size": size,
                      "blocks": [{"address": pointer, "size": (size + 511) // 512 * 512, "requested_size": size,
                                  "state": "active_allocated"}]}
                     for pointer, size in sorted(live.items())]
-        return {"segments": segments, "device_traces": [trace]}
+        return {"segments": segments, "device_traces": traces}
 
     def write_snapshot(self, path, events=None):
         """Writes snapshot(events) as a pickle, as torch.cuda.memory._dump_snapshot does."""
@@ -574,6 +589,23 @@ class Recorder(TorchDispatchMode):
 
         with open(path, "wb") as f:
             pickle.dump(self.snapshot(events), f)
+
+    def devices_used(self):
+        """The indices of the devices the recording allocated on ([0] for none)."""
+        return sorted({self.device_of.get(pointer, 0) for _, action, pointer, _, _ in self.events} or {0})
+
+    def on_device(self, index):
+        """The recording of device `index` alone: a Recorder (never entered)
+        holding its events, their labels and marks, and its workspaces."""
+        view = Recorder(None, devices=self.devices, cublas_workspace=self.workspace_size)
+        kept = [i for i, event in enumerate(self.events) if self.device_of.get(event[2], 0) == index]
+        view.events = [self.events[i] for i in kept]
+        view.allocs = sum(1 for event in view.events if event[1] == "allocate")
+        view.labels = self.labels
+        view.device_of = self.device_of
+        view.workspaces = {key: pointer for key, pointer in self.workspaces.items() if key[1] == index}
+        view.marks = [(label, bisect.bisect_left(kept, at)) for label, at in self.marks]
+        return view
 
     def peak(self):
         """(peak live bytes, index of the event that reached it)."""

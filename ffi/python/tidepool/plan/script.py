@@ -268,27 +268,48 @@ def run(argv):
         print(f"tidepool.plan run: {args.script} failed (exit status {failed.status}): nothing planned",
               file=sys.stderr)
         return failed.status
+    devices = recorder.devices_used()
+    several = len(devices) > 1
+    options = {"task": "script", "precision": "bf16" if facts["bf16"] else None, "steps": args.steps}
     scratch = tempfile.mkdtemp(prefix="tidepool-plan-run-")
+    results = []
     try:
-        trace = args.keep_trace or os.path.join(scratch, "script.csv")
-        recorder.write(trace)
-        options = {"task": "script", "precision": "bf16" if facts["bf16"] else None, "steps": args.steps}
-        result = {"label": {}, "options": options, "sets": {}, "trace": args.keep_trace,
-                  **recording_figures(recorder), "process": _plan_process(binary, trace)}
-        _finish(result, cards)
+        for index in devices:
+            # A process on several cards: each card's recording planned alone.
+            on_device = recorder.on_device(index) if several else recorder
+            trace = _trace_path(args.keep_trace, index, several) or os.path.join(scratch, f"cuda{index}.csv")
+            on_device.write(trace)
+            label = {"device": f"cuda:{index}"} if several else {}
+            results.append({"label": label, "options": {**options, **label}, "sets": {},
+                            "trace": trace if args.keep_trace else None, **recording_figures(on_device),
+                            "process": _plan_process(binary, trace)})
+        for result in results:
+            _finish(result, cards)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    if "error" in result:
-        raise Exit(f"planning the recording failed: {result['error']}", 1)
+    failed = next((r for r in results if "error" in r), None)
+    if failed is not None:
+        raise Exit(f"planning the recording failed: {failed['error']}", 1)
     model = " ".join(["run", args.script, *args.script_args])
     shown = argparse.Namespace(json=args.json, model=model)
     if args.json:
-        print(json.dumps({**json_row(shown, result), "script": facts}))
+        for result in results:
+            print(json.dumps({**json_row(shown, result), "script": facts}))
         return 0
-    print_text(shown, [result], cards, [])
+    print_text(shown, results, cards, [("device", [r["label"]["device"] for r in results])] if several else [])
     for line in _lines(facts):
         print(line)
     return 0
+
+
+def _trace_path(keep, index, several):
+    """Where --keep-trace keeps device `index`'s trace: PATH itself for a
+    process on one card, PATH with `.cudaN` before its extension for each
+    of several."""
+    if keep is None or not several:
+        return keep
+    root, extension = os.path.splitext(keep)
+    return f"{root}.cuda{index}{extension}"
 
 
 def _lines(facts):
