@@ -19,7 +19,7 @@ that runs up, and no circle.
    b. what is recorded and drawn: plan.record (the Recorder),
       plan.attention, plan.autocast, plan.workload, plan.ddp, plan.plot,
       plan.recompute (checkpointing's recomputation under its forward's
-      function modes);
+      function modes), plan.comm (copies between a process's cards);
    c. plan.optimizer, plan.fsdp, plan.cards, plan.fake_cuda (CUDA without
       a GPU, for a script planned as it is), plan.weights (the weights such
       a script loads from files, not read), plan.generation (transformers'
@@ -59,7 +59,8 @@ LAYERS = [
     ["_install"],
     ["tidepool"],
     ["plan.errors"],
-    ["plan.record", "plan.attention", "plan.autocast", "plan.workload", "plan.ddp", "plan.plot", "plan.recompute"],
+    ["plan.record", "plan.attention", "plan.autocast", "plan.workload", "plan.ddp", "plan.plot", "plan.recompute",
+     "plan.comm"],
     ["plan.optimizer", "plan.fsdp", "plan.cards", "plan.fake_cuda", "plan.weights", "plan.generation"],
     ["plan.step", "plan.launch"],
     ["plan.arguments", "plan.running", "plan.report"],

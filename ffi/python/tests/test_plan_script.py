@@ -828,6 +828,22 @@ class SeveralCards(unittest.TestCase):
             self.assertEqual(sorted(os.listdir(scratch)), ["trace.cuda0.csv", "trace.cuda1.csv"])
             self.assertIn("device  peak live", out)
 
+    def test_data_parallel_replicates_the_model_and_splits_the_batch(self):
+        status, out, err = run("--json", "--devices", "2", script("data_parallel.py"))
+        self.assertEqual(status, 0, err)
+        lines = out.splitlines()
+        zero, one = (json.loads(line) for line in lines[1:])
+        self.assertEqual(lines[0], f"2 cards: cuda:0 {zero['peak_live_bytes']}, cuda:1 {one['peak_live_bytes']}")
+        params = 4 * (2 * 1024 * 4096 + 4096 + 1024)
+        # The model, its gradients and AdamW's state on the first card; a
+        # replica of the weights on the second (a copy), with its half of
+        # the batch's activations.
+        self.assertEqual(zero["breakdown"]["weights_bytes"], params)
+        self.assertEqual(zero["breakdown"]["optimizer_bytes"], 2 * params)
+        self.assertEqual((one["breakdown"]["weights_bytes"], one["breakdown"]["optimizer_bytes"]), (0, 0))
+        self.assertGreater(one["peak_live_bytes"], params + 256 * 4096 * 4)
+        self.assertLess(one["peak_live_bytes"], zero["peak_live_bytes"])
+
     def test_a_snapshot_has_a_trace_per_card_and_replays_to_each_cards_peak(self):
         with tempfile.TemporaryDirectory() as scratch:
             snapshot = os.path.join(scratch, "two.pickle")

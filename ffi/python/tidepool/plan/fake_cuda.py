@@ -695,10 +695,12 @@ def fake_cuda(card, recorder, count=1, pytorch_reserved=None):
         stack.enter_context(CudaDevices())
         stack.enter_context(cuda_autocast_regions())
         from .attention import cuda_attention
+        from .comm import between_cards
         from .recompute import function_modes_in_recomputation
 
         stack.enter_context(cuda_attention())
         stack.enter_context(function_modes_in_recomputation())
+        stack.enter_context(between_cards())
         yield memory
 
 
