@@ -66,14 +66,17 @@ def parse_args(argv):
     parser.add_argument("--card", default=DEFAULT_CARD, metavar="NAME",
                         help=f"the card torch.cuda describes to the script (default: {DEFAULT_CARD})")
     parser.add_argument("--devices", type=positive, default=None, metavar="N",
-                        help="torch.cuda.device_count() (default: 1, or --nproc-per-node)")
+                        help="torch.cuda.device_count(): the cards of the process, each planned alone where it "
+                             "uses several (default: 1, or --nproc-per-node)")
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=positive, default=None, metavar="N",
                         help="run the script as torchrun would start it on N cards of one machine, as one of its "
                              "ranks (torch.distributed over a fake process group), and plan that rank")
     parser.add_argument("--rank", type=int, default=0, metavar="R", help="the rank planned (default: 0)")
     parser.add_argument("--cards", default=DEFAULT_CARDS, help="the cards to compare the needs with, as for a model")
-    parser.add_argument("--json", action="store_true", help="one JSON object, as for a model")
-    parser.add_argument("--keep-trace", metavar="PATH", help="keep the recording's trace (RMM CSV) at PATH")
+    parser.add_argument("--json", action="store_true", help="one JSON object (a line per card used), as for a model")
+    parser.add_argument("--keep-trace", metavar="PATH",
+                        help="keep the recording's trace (RMM CSV) at PATH (PATH.cudaN.csv per card where it "
+                             "uses several)")
     parser.add_argument("--tidepool", metavar="PATH", help="the tidepool command (as for a model)")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.script):
