@@ -970,6 +970,18 @@ class LoopsWaitingOnData(unittest.TestCase):
 
 
 @unittest.skipIf(SKIP, SKIP)
+class SizedByData(unittest.TestCase):
+    def test_a_result_sized_by_the_data_counts_every_element_and_says_where(self):
+        row, printed = planned(script("sized_by_data.py"))
+        self.assertEqual(printed, ["(64000, 2) (64000,) (64000,)", "(64000,) (1000, 64) (64000,) (64000,)"])
+        said = {(r["line"], r["what"]) for r in row["script"]["reads"]}
+        self.assertEqual(said, {(5, "nonzero() sized as if every element counted"),
+                                (5, "masked_select() sized as if every element counted"),
+                                (6, "_unique2() sized as if every element counted"),
+                                (7, "unique_consecutive() sized as if every element counted")})
+
+
+@unittest.skipIf(SKIP, SKIP)
 class Failures(unittest.TestCase):
     def test_a_model_from_the_hub_is_refused_offline(self):
         status, out, err = run(script("hub_model.py"))

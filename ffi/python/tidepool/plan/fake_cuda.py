@@ -43,6 +43,25 @@ from torch.utils._pytree import tree_flatten, tree_map
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _DATA = {_ITEM, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 _TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
+
+
+def _masked_select(x, mask):
+    return x.new_empty(torch.broadcast_shapes(x.shape, mask.shape).numel())
+
+
+def _unique(x, sorted=True, return_inverse=False, return_counts=False, *rest):  # noqa: A002 - aten's names
+    return (x.new_empty(x.numel()), x.new_empty(x.shape if return_inverse else 0, dtype=torch.long),
+            x.new_empty(x.numel() if return_counts else 0, dtype=torch.long))
+
+
+# Operators whose result's size is the data's (how many are true, how many
+# differ): the largest, every element counted (the Recorder's plan for the
+# ordinary input, and an upper bound), the read noted. nonzero (and the
+# indexing by a mask made of it) has its meta kernel for that
+# (meta_nonzero_assume_all_nonzero, set in fake_cuda()).
+_SIZED_BY_DATA = {torch.ops.aten.nonzero.default: None, torch.ops.aten.masked_select.default: _masked_select,
+                  torch.ops.aten._unique2.default: _unique, torch.ops.aten.unique_consecutive.default: _unique,
+                  torch.ops.aten.unique_dim.default: None}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -249,6 +268,13 @@ def _dispatch(func, args, kwargs):
         device = _state.adopting
     if device is None:
         return func(*args, **kwargs)  # CPU work (and the script's own meta tensors) as written
+    if func in _SIZED_BY_DATA:
+        reads.note(f"{func._overloadpacket.__name__}() sized as if every element counted")
+        sized = _SIZED_BY_DATA[func]
+        if sized is not None:
+            with _in_kernel():
+                out = sized(*tree_map(_to_meta, args), **kwargs)
+            return tree_map(lambda t: wrap(t, device), out)
     if func in _DATA:
         # A bool tensor's value is read by `if t:` and `while t.any():` far
         # more than by `.item()`; both reach the same operator.
@@ -683,7 +709,10 @@ def fake_cuda(card, recorder, count=1, pytorch_reserved=None):
             if hasattr(torch.accelerator, name):
                 stack.callback(setattr, torch.accelerator, name, getattr(torch.accelerator, name))
                 setattr(torch.accelerator, name, value)
+        import torch.fx.experimental._config as fx_config
+
         for owner, name, value in ((torch, "_has_compatible_shallow_copy_type", _compatible),
+                                   (fx_config, "meta_nonzero_assume_all_nonzero", True),
                                    (torch._C, "_get_accelerator", lambda check=False: torch.device("cuda")),
                                    (torch.nn.Module, "_apply", _moving_keeps_parameters(recorder)),
                                    (torch.Tensor, "record_stream", nothing),
