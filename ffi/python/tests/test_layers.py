@@ -19,7 +19,8 @@ that runs up, and no circle.
    b. what is recorded and drawn: plan.record (the Recorder),
       plan.attention, plan.autocast, plan.workload, plan.ddp, plan.plot,
       plan.recompute (checkpointing's recomputation under its forward's
-      function modes), plan.comm (copies between a process's cards);
+      function modes), plan.comm (copies between a process's cards),
+      plan.reads (values read back from the card: placeholders);
    c. plan.optimizer, plan.fsdp, plan.cards, plan.fake_cuda (CUDA without
       a GPU, for a script planned as it is), plan.weights (the weights such
       a script loads from files, not read), plan.generation (transformers'
@@ -60,7 +61,7 @@ LAYERS = [
     ["tidepool"],
     ["plan.errors"],
     ["plan.record", "plan.attention", "plan.autocast", "plan.workload", "plan.ddp", "plan.plot", "plan.recompute",
-     "plan.comm"],
+     "plan.comm", "plan.reads"],
     ["plan.optimizer", "plan.fsdp", "plan.cards", "plan.fake_cuda", "plan.weights", "plan.generation"],
     ["plan.step", "plan.launch"],
     ["plan.arguments", "plan.running", "plan.report"],

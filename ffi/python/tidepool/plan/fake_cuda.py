@@ -19,9 +19,8 @@ streams):
   `.to()` (`_moving_keeps_parameters`), and `torch.autocast("cuda")`
   applies CUDA's rules (`cuda_autocast_regions`, autocast.py's);
 - what reads data back (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`,
-  printing) gets a placeholder: True, 1 or 1.0 (the Recorder's, the branch
-  of ordinary inputs), a copy to the CPU filled with it; each place in the
-  script that read one is counted (`reads`);
+  printing) gets a placeholder (reads.py's), a copy to the CPU filled
+  with it;
 - torch.cuda's functions answer from the card and the recording
   (`fake_cuda()`); `torch.cuda._lazy_init` does nothing, so that no driver
   is asked for.
@@ -29,9 +28,6 @@ streams):
 import collections
 import contextlib
 import importlib
-import os
-import sysconfig
-import traceback
 
 import torch
 import torch.utils._device
@@ -39,6 +35,8 @@ import torch.utils._foreach_utils
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from .reads import placeholder, reads
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _DATA = {_ITEM, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
@@ -62,8 +60,6 @@ def _unique(x, sorted=True, return_inverse=False, return_counts=False, *rest):  
 _SIZED_BY_DATA = {torch.ops.aten.nonzero.default: None, torch.ops.aten.masked_select.default: _masked_select,
                   torch.ops.aten._unique2.default: _unique, torch.ops.aten.unique_consecutive.default: _unique,
                   torch.ops.aten.unique_dim.default: None}
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def _cuda(device):
@@ -183,82 +179,6 @@ def _to_meta(value):
     return value
 
 
-def _libraries():
-    """Where installed packages and the standard library live."""
-    paths = sysconfig.get_paths()
-    return tuple(sorted({os.path.abspath(paths[key]) + os.sep for key in ("purelib", "platlib", "stdlib")
-                         if paths.get(key)}))
-
-
-_LIBRARIES = _libraries()
-
-
-class Reads:
-    """Where a script read a value from a CUDA tensor: {(file, line, what,
-    via): count}, at the innermost frame of the script's own code (outside
-    torch, the planner and installed packages), `via` the innermost frame
-    of an installed package that read it (transformers' generate, say) or
-    None.
-
-    A loop waiting on the data spins on the placeholder forever (torch's
-    own `trunc_normal_` redraws `while mask.any()`): a value read at the
-    same place SPIN times in a row, with no other read, module call or
-    optimizer step between, is answered the other way from then on (False,
-    0 or 0.0) until something else happens; the places it happened at are
-    kept (`loops`)."""
-
-    SPIN = 16
-
-    def __init__(self):
-        self.places = collections.Counter()
-        self.loops = set()
-        self.last, self.in_a_row = None, 0
-
-    def clear(self):
-        self.places.clear()
-        self.loops.clear()
-        self.progress()
-
-    def progress(self):
-        """Something else happened (a module call, an optimizer step)."""
-        self.last, self.in_a_row = None, 0
-
-    def note(self, what):
-        """Counts a read here; True where the loop reading it spins."""
-        place, via, library = None, None, None
-        for frame in reversed(traceback.extract_stack()[:-2]):
-            path = os.path.abspath(frame.filename)
-            if path.startswith(_HERE) or path.startswith(_TORCH) or "/torch/" in path:
-                continue
-            if path.startswith(_LIBRARIES):
-                if via is None:
-                    library = (frame.filename, frame.lineno, what, None)
-                    root = next(p for p in _LIBRARIES if path.startswith(p))
-                    via = f"{os.path.relpath(path, root)}:{frame.lineno}"
-                continue
-            place = (frame.filename, frame.lineno, what, via)
-            break
-        # A script that is itself an installed package's: the package's frame.
-        place = place or library or ("?", 0, what, None)
-        self.places[place] += 1
-        self.in_a_row = self.in_a_row + 1 if place == self.last else 1
-        self.last = place
-        if self.in_a_row > self.SPIN:
-            self.loops.add(place)
-            return True
-        return False
-
-
-reads = Reads()
-
-
-def _placeholder(tensor, spinning=False):
-    if tensor.dtype == torch.bool:
-        return not spinning
-    value = 0 if spinning else 1
-    return float(value) if tensor.is_floating_point() or tensor.is_complex() else value
-
-
 def _dispatch(func, args, kwargs):
     flat, _ = tree_flatten((args, kwargs))
     device = _cuda(kwargs.get("device"))
@@ -282,17 +202,17 @@ def _dispatch(func, args, kwargs):
         spinning = reads.note(asked)
         if func is not _ITEM:
             return not spinning
-        return _placeholder(args[0], spinning)
+        return placeholder(args[0], spinning)
     if func is _TO_COPY and str(kwargs.get("device", "")).startswith("cpu"):
         # Data never leaves the fake card: a copy to the CPU holds the
         # placeholder (`.tolist()`, `.numpy()`, printing read it).
         reads.note("copy to the CPU")
         source = args[0]
-        return torch.full(source.shape, _placeholder(source), dtype=kwargs.get("dtype") or source.dtype,
+        return torch.full(source.shape, placeholder(source), dtype=kwargs.get("dtype") or source.dtype,
                           device="cpu")
     if func is _COPY and args[0].device.type == "cpu":
         reads.note("copy to the CPU")
-        return args[0].fill_(_placeholder(args[1]))
+        return args[0].fill_(placeholder(args[1]))
     if "device" in kwargs:
         kwargs = dict(kwargs, device=torch.device("meta"))
     args, kwargs = tree_map(_to_meta, (args, kwargs))

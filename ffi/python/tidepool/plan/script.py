@@ -98,7 +98,7 @@ class _Bounds:
     weights, and its gradients and state at each step (Recorder.track)."""
 
     def __init__(self, steps, recorder, reads):
-        self.reads = reads  # told of each step and module call (fake_cuda.Reads.progress)
+        self.reads = reads  # told of each step and module call (reads.Reads.progress)
         self.steps, self.optimizers, self.optimizer_steps, self.forwards, self.depth = steps, 0, 0, 0, 0
         self.stopped = None  # "optimizer steps" or "forwards" when --steps ended the run
         self.recorder, self.seen = recorder, set()
@@ -186,7 +186,8 @@ def record(args):
     import torch
 
     from .cards import Card
-    from .fake_cuda import dtypes_made, fake_cuda, reads
+    from .fake_cuda import dtypes_made, fake_cuda
+    from .reads import reads
     from .generation import generating_to_the_limit
     from .launch import as_rank
     from .record import Recorder, cublas_workspace_bytes
