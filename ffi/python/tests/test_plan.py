@@ -773,8 +773,9 @@ if os.environ.get("CI") == "true" and os.path.isdir(SHARED) and not os.path.isdi
 
 
 def snapshot_peak(name):
-    """Peak of live requested bytes of a real snapshot: the live set at its
-    start rebuilt backwards from its final segments, then its events."""
+    """Peak of live requested bytes of a real snapshot's device 0: the live
+    set at its start rebuilt backwards from its final segments, then its
+    events."""
     import pickle
 
     class PlainData(pickle.Unpickler):
@@ -784,8 +785,8 @@ def snapshot_peak(name):
     with open(os.path.join(SNAPSHOTS, name), "rb") as f:
         snap = PlainData(f).load()
     events = snap["device_traces"][0]
-    live = {b["address"]: b["requested_size"] for seg in snap["segments"] for b in seg["blocks"]
-            if b["state"] != "inactive"}
+    live = {b["address"]: b["requested_size"] for seg in snap["segments"] if seg.get("device", 0) == 0
+            for b in seg["blocks"] if b["state"] != "inactive"}
     for e in reversed(events):
         if e["action"] == "alloc":
             live.pop(e["addr"], None)
