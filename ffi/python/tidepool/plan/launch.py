@@ -56,6 +56,8 @@ def as_rank(nproc, rank, recorder):
     from .fake_cuda import adopting
     from .fsdp import recorded
 
+    if dist.is_initialized():
+        dist.destroy_process_group()  # a group of this process's (a model's plan): the script's is its own
     saved_env = {name: os.environ.get(name) for name in environment(nproc, rank)}
     os.environ.update(environment(nproc, rank))
     init = c10d.init_process_group
