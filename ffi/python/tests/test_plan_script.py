@@ -844,6 +844,21 @@ class SeveralCards(unittest.TestCase):
         self.assertGreater(one["peak_live_bytes"], params + 256 * 4096 * 4)
         self.assertLess(one["peak_live_bytes"], zero["peak_live_bytes"])
 
+    def test_transformers_device_map_spreads_the_weights_over_the_cards(self):
+        status, out, err = run("--json", "--devices", "2", script("device_map.py"))
+        self.assertEqual(status, 0, err)
+        lines = out.splitlines()
+        self.assertEqual(lines[0], "[0, 1]")
+        rows = [json.loads(line) for line in lines[1:]]
+        self.assertEqual([r["variant"]["device"] for r in rows], ["cuda:0", "cuda:1"])
+        weights = [r["breakdown"]["weights_bytes"] + r["breakdown"]["precision_copies_bytes"] for r in rows]
+        self.assertTrue(all(weights), weights)
+        # Every parameter once (the embedding and the head untied), on one
+        # card or the other, and the rotary embedding's buffer (256 bytes).
+        params = 4 * (2 * 1024 * 256 + 4 * (4 * 256 * 256 + 3 * 256 * 1024 + 2 * 256) + 256)
+        self.assertEqual(sum(weights), params + 256)
+        self.assertLessEqual(weights[0], 8 << 20)
+
     def test_a_snapshot_has_a_trace_per_card_and_replays_to_each_cards_peak(self):
         with tempfile.TemporaryDirectory() as scratch:
             snapshot = os.path.join(scratch, "two.pickle")

@@ -289,6 +289,12 @@ class CudaDevices(TorchFunctionMode):
                     return func(args[0], dtype=dtype or args[0].dtype, non_blocking=non_blocking,
                                 copy=bool(copy), memory_format=memory_format or torch.preserve_format)
                 return args[0]
+            if device.type == "cuda":
+                # To another card: the copy itself (C++ would guard the
+                # target card first, which asks the driver).
+                return torch.ops.aten._to_copy.default(args[0], dtype=dtype or args[0].dtype, device=device,
+                                                       non_blocking=bool(non_blocking),
+                                                       memory_format=memory_format or torch.preserve_format)
         default = torch.utils._device.CURRENT_DEVICE
         if default is not None and default.type == "cuda" and kwargs.get("device") is None and \
                 func in torch.utils._device._device_constructors():
