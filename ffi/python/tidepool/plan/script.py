@@ -5,7 +5,10 @@ The script runs as `__main__` with its own arguments (runpy), its CPU work
 as written, its CUDA work on tensors without storage (fake_cuda.py) under
 the Recorder; torch.cuda answers as the card of --card would, its memory
 figures from the recording. Then the recording is planned and reported as
-a model's is (report.py).
+a model's is (report.py), card by card where the process used several
+(`--devices N`). `--nproc-per-node N` runs it as one rank of a torchrun
+job (launch.py). Weights it loads from files are not read (weights.py),
+transformers' generate runs to its token limit (generation.py).
 
 What the run does to the script, and says in the report:
 - `--steps K` ends it after K optimizer steps (the step's return: a
@@ -13,7 +16,7 @@ What the run does to the script, and says in the report:
   where the script makes no optimizer, after K calls of its outermost
   module;
 - `torch.compile` returns what it is given (the script runs eagerly);
-- values read back from the card are placeholders (fake_cuda.py), and the
+- values read back from the card are placeholders (reads.py), and the
   places that read them are listed;
 - nothing is downloaded (HF_HUB_OFFLINE=1): a model the script would fetch
   from the hub fails as transformers fails offline, with a line that says
@@ -187,9 +190,9 @@ def record(args):
 
     from .cards import Card
     from .fake_cuda import dtypes_made, fake_cuda
-    from .reads import reads
     from .generation import generating_to_the_limit
     from .launch import as_rank
+    from .reads import reads
     from .record import Recorder, cublas_workspace_bytes
     from .weights import weights_from_files
 
@@ -229,6 +232,7 @@ def record(args):
     if status:
         raise ScriptFailed(status)
     bf16 = torch.bfloat16 in dtypes_made()
+
     def read(place, count):
         file, line, what, via = place
         return {"file": file, "line": line, "what": what, "via": via, "count": count, "loop": place in reads.loops}
