@@ -51,7 +51,8 @@ What the recorder does so that the trace is what CUDA would allocate:
   tracked optimizer's states (made at its first step, as PyTorch's and
   most optimizers make them) count as optimizer, a copy of a weight in
   another type (autocast's bf16 or fp16 casts, cached for its region) as
-  precision copies, everything else unlabelled (the temporaries of the
+  precision copies (in its own type, to another card, as weights: a
+  replica), everything else unlabelled (the temporaries of the
   optimizer's step too) as activations and temporaries.
 
 `Recorder.write_snapshot(path)` writes the same recording as a PyTorch
@@ -431,8 +432,11 @@ class Recorder(TorchDispatchMode):
             return args[0]
         result = func(*args, **kwargs)
         operator = str(func)
-        # A weight cast to another type (autocast's, cached for its region).
-        category = COPIES if func is _TO_COPY and self._labelled(args[0]) == WEIGHTS else None
+        # A weight cast to another type (autocast's, cached for its region);
+        # copied in its own type, to another card, a replica: weights.
+        category = None
+        if func is _TO_COPY and self._labelled(args[0]) == WEIGHTS:
+            category = WEIGHTS if kwargs.get("dtype") in (None, args[0].dtype) else COPIES
         for item in tree_flatten(result)[0]:
             if isinstance(item, torch.Tensor):
                 self._track(item, operator, category)
