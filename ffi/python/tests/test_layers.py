@@ -15,7 +15,8 @@ that runs up, and no circle.
 4. _install: tidepool as PyTorch's allocator;
 5. the package's names (tidepool/__init__.py);
 6. the planner, tidepool.plan, lowest first:
-   a. plan.errors, the errors every part raises;
+   a. plan.errors, the errors every part raises, and plan.patching, the
+      attributes set for a run and set back;
    b. what is recorded and drawn: plan.record (the Recorder),
       plan.attention, plan.autocast, plan.workload, plan.ddp, plan.plot,
       plan.recompute (checkpointing's recomputation under its forward's
@@ -59,7 +60,7 @@ LAYERS = [
     ["_torch"],
     ["_install"],
     ["tidepool"],
-    ["plan.errors"],
+    ["plan.errors", "plan.patching"],
     ["plan.record", "plan.attention", "plan.autocast", "plan.workload", "plan.ddp", "plan.plot", "plan.recompute",
      "plan.comm", "plan.reads"],
     ["plan.optimizer", "plan.fsdp", "plan.cards", "plan.fake_cuda", "plan.weights", "plan.generation"],

@@ -23,19 +23,25 @@ import importlib
 
 import torch
 
+from .patching import replaced
+
 
 def _device(index):
     return torch.device("cpu") if index == -1 else torch.device("cuda", torch.cuda.current_device()
                                                                 if index is None else index)
 
 
+def _on_card(tensor, index):
+    """`tensor` on card `index`: itself where it is there, else a copy."""
+    return tensor if tensor.get_device() == index else tensor.to(_device(index))
+
+
 def _broadcast(tensor, devices):
-    return [tensor if tensor.get_device() == index else tensor.to(_device(index)) for index in devices]
+    return [_on_card(tensor, index) for index in devices]
 
 
 def _broadcast_coalesced(tensors, devices, buffer_size=10485760):
-    return [[tensor if tensor.get_device() == index else tensor.to(_device(index)) for tensor in tensors]
-            for index in devices]
+    return [[_on_card(tensor, index) for tensor in tensors] for index in devices]
 
 
 def _scatter(tensor, devices, chunk_sizes=None, dim=0, streams=None):
@@ -75,15 +81,9 @@ def between_cards():
     data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")
     parallel_apply = importlib.import_module("torch.nn.parallel.parallel_apply")
 
-    patches = [(torch._C, "_broadcast", _broadcast), (torch._C, "_broadcast_coalesced", _broadcast_coalesced),
-               (torch._C, "_scatter", _scatter), (torch._C, "_gather", _gather),
-               (nccl, "is_available", lambda tensors: False),
-               (parallel_apply, "parallel_apply", _parallel_apply), (data_parallel, "parallel_apply", _parallel_apply)]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
+    with replaced((torch._C, "_broadcast", _broadcast), (torch._C, "_broadcast_coalesced", _broadcast_coalesced),
+                  (torch._C, "_scatter", _scatter), (torch._C, "_gather", _gather),
+                  (nccl, "is_available", lambda tensors: False),
+                  (parallel_apply, "parallel_apply", _parallel_apply),
+                  (data_parallel, "parallel_apply", _parallel_apply)):
         yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)

@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .patching import replaced
 from .reads import placeholder, reads
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
@@ -503,7 +504,7 @@ class Memory:
         if self.pytorch_reserved is None:
             return self.peak[index]
         if self.reserved_at.get(index, (None,))[0] != self.walked:
-            on_device = self.recorder.on_device(index) if self.recorder.device_of else self.recorder
+            on_device = self.recorder.on_device(index)
             self.reserved_at[index] = (self.walked, self.pytorch_reserved(on_device) if on_device.events else 0)
         return self.reserved_at[index][1]
 
@@ -625,26 +626,20 @@ def fake_cuda(card, recorder, count=1, pytorch_reserved=None):
     }
     import torch.cuda.memory as cuda_memory
 
-    with contextlib.ExitStack() as stack:
-        for name, value in answers.items():
-            for module in (torch.cuda, cuda_memory):
-                if hasattr(module, name):
-                    stack.callback(setattr, module, name, getattr(module, name))
-                    setattr(module, name, value)
-        for name, value in accelerator.items():
-            if hasattr(torch.accelerator, name):
-                stack.callback(setattr, torch.accelerator, name, getattr(torch.accelerator, name))
-                setattr(torch.accelerator, name, value)
-        import torch.fx.experimental._config as fx_config
+    import torch.fx.experimental._config as fx_config
 
-        for owner, name, value in ((torch, "_has_compatible_shallow_copy_type", _compatible),
-                                   (fx_config, "meta_nonzero_assume_all_nonzero", True),
-                                   (torch._C, "_get_accelerator", lambda check=False: torch.device("cuda")),
-                                   (torch.nn.Module, "_apply", _moving_keeps_parameters(recorder)),
-                                   (torch.Tensor, "record_stream", nothing),
-                                   (torch.Tensor, "pin_memory", lambda self, device=None: self)):
-            stack.callback(setattr, owner, name, getattr(owner, name))
-            setattr(owner, name, value)
+    patches = [(module, name, value) for name, value in answers.items() for module in (torch.cuda, cuda_memory)
+               if hasattr(module, name)]
+    patches += [(torch.accelerator, name, value) for name, value in accelerator.items()
+                if hasattr(torch.accelerator, name)]
+    patches += [(torch, "_has_compatible_shallow_copy_type", _compatible),
+                (fx_config, "meta_nonzero_assume_all_nonzero", True),
+                (torch._C, "_get_accelerator", lambda check=False: torch.device("cuda")),
+                (torch.nn.Module, "_apply", _moving_keeps_parameters(recorder)),
+                (torch.Tensor, "record_stream", nothing),
+                (torch.Tensor, "pin_memory", lambda self, device=None: self)]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(replaced(*patches))
         stack.enter_context(FakeCuda())
         stack.enter_context(recorder)
         stack.enter_context(CudaDevices())

@@ -13,6 +13,8 @@ assisted decoding keep their own loops, and their placeholders.
 import contextlib
 import importlib.util
 
+from .patching import replaced
+
 
 @contextlib.contextmanager
 def generating_to_the_limit():
@@ -40,8 +42,5 @@ def generating_to_the_limit():
         said = stop(self, unfinished_sequences, tokens, length)
         return said if not limits or limits[-1] is None else length >= limits[-1]
 
-    mixin._sample, check.__call__ = _sample, stop_at_the_limit
-    try:
+    with replaced((mixin, "_sample", _sample), (check, "__call__", stop_at_the_limit)):
         yield
-    finally:
-        mixin._sample, check.__call__ = sample, stop

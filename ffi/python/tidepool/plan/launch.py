@@ -35,7 +35,7 @@ _SINGLE_NODE = {"GROUP_RANK": "0", "ROLE_RANK": None, "ROLE_NAME": "default", "L
                 "TORCHELASTIC_RUN_ID": "none"}
 
 
-def environment(nproc, rank):
+def torchrun_environment(nproc, rank):
     """torchrun's environment for `rank` of `nproc` processes on one node."""
     env = {name: value for name, value in _SINGLE_NODE.items() if value is not None}
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -55,11 +55,10 @@ def as_rank(nproc, rank, recorder):
     from .ddp import allreduce_in_place
     from .fake_cuda import adopting
     from .fsdp import recorded
+    from .patching import environment, replaced
 
     if dist.is_initialized():
         dist.destroy_process_group()  # a group of this process's (a model's plan): the script's is its own
-    saved_env = {name: os.environ.get(name) for name in environment(nproc, rank)}
-    os.environ.update(environment(nproc, rank))
     init = c10d.init_process_group
     ddp_init = ddp_module.DistributedDataParallel.__init__
 
@@ -84,22 +83,14 @@ def as_rank(nproc, rank, recorder):
 
         handle = self.register_forward_pre_hook(first_forward)
 
-    patches = [(c10d, "init_process_group", init_process_group), (dist, "init_process_group", init_process_group),
-               (ddp_module.DistributedDataParallel, "__init__", ddp_constructed),
-               (ddp_module, "_verify_param_shape_across_processes", lambda *args, **kwargs: None)]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
     try:
-        with recorded(recorder):
+        with environment(**torchrun_environment(nproc, rank)), \
+                replaced((c10d, "init_process_group", init_process_group),
+                         (dist, "init_process_group", init_process_group),
+                         (ddp_module.DistributedDataParallel, "__init__", ddp_constructed),
+                         (ddp_module, "_verify_param_shape_across_processes", lambda *args, **kwargs: None)), \
+                recorded(recorder):
             yield
     finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
         if dist.is_initialized():
             dist.destroy_process_group()
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -22,6 +22,8 @@ import contextlib
 import torch.utils.checkpoint as checkpoint_module
 from torch.overrides import _get_current_function_mode_stack
 
+from .patching import replaced
+
 
 @contextlib.contextmanager
 def _entered(modes):
@@ -56,10 +58,6 @@ def function_modes_in_recomputation():
         with _entered(getattr(ctx, "tidepool_modes", [])):
             return backward(ctx, *args)
 
-    frame.__init__ = init
-    function.forward, function.backward = staticmethod(forward_keeping_modes), staticmethod(backward_under_modes)
-    try:
+    with replaced((frame, "__init__", init), (function, "forward", staticmethod(forward_keeping_modes)),
+                  (function, "backward", staticmethod(backward_under_modes))):
         yield
-    finally:
-        frame.__init__ = frame_init
-        function.forward, function.backward = staticmethod(forward), staticmethod(backward)

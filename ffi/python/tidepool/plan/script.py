@@ -284,7 +284,7 @@ def run(argv):
     try:
         for index in devices:
             # A process on several cards: each card's recording planned alone.
-            on_device = recorder.on_device(index) if several else recorder
+            on_device = recorder.on_device(index)
             trace = _trace_path(args.keep_trace, index, several) or os.path.join(scratch, f"cuda{index}.csv")
             on_device.write(trace)
             label = {"device": f"cuda:{index}"} if several else {}

@@ -34,6 +34,8 @@ import os
 import torch
 import torch.serialization
 
+from .patching import environment, replaced
+
 _ZIP = b"PK\x03\x04"  # how torch.save's zip files begin (torch.serialization._is_zipfile)
 
 
@@ -123,16 +125,7 @@ def _mapped_load(load):
 @contextlib.contextmanager
 def weights_from_files():
     """torch.load and transformers' loading as the module says, inside."""
-    load = torch.load
-    mapped = _mapped_load(load)
-    before = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
-    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
-    torch.load = torch.serialization.load = mapped
-    try:
+    mapped = _mapped_load(torch.load)
+    with environment(HF_DEACTIVATE_ASYNC_LOAD="1"), \
+            replaced((torch, "load", mapped), (torch.serialization, "load", mapped)):
         yield
-    finally:
-        torch.load, torch.serialization.load = load, load
-        if before is None:
-            os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
-        else:
-            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = before
